@@ -1,0 +1,38 @@
+// Torch-free host entry points of the CUDA kernels. Plain C++: no CUDA types, so any host compiler can
+// include it. Every function returns a cudaError_t as int (0 = success) and never aborts.
+#pragma once
+
+#include <stdint.h>
+
+#include "portep/fifo.h"
+
+namespace portep::cuda {
+
+struct FifoProbeArgs {
+  FifoView* fifos;  // device-accessible array of num_fifos views (device pointers inside)
+  int num_fifos;
+  int commands_per_warp;
+  int warps;
+  int dst_rank_modulo;
+  uint64_t timeout_ns;
+  void* stream;  // cudaStream_t; nullptr = default stream
+};
+
+// Lane 0 of each warp w pushes commands_per_warp WRITE commands into fifos[w % num_fifos]
+// (dst_rank = w % dst_rank_modulo, stream = w, size 16, offsets 16 * (i % 1024)); a warp stops at its first
+// failed push. Asynchronous: returns the launch error only.
+int launch_fifo_probe(const FifoProbeArgs& a);
+
+int cuda_device_count(int* count);
+const char* cuda_error_string(int err);
+
+// capacity must be a power of two. entries, tail and error_flag are zeroed mapped pinned host memory;
+// head is zeroed device memory, the same pointer in both views (the host never touches it).
+// host_view holds host pointers for the proxy's consumer, device_view device pointers for kernels.
+// On failure nothing stays allocated and both views are zeroed.
+int alloc_mapped_fifo(uint32_t capacity, FifoView* host_view, FifoView* device_view);
+
+// Frees what alloc_mapped_fifo allocated and zeroes both views; returns the first error.
+int free_mapped_fifo(FifoView* host_view, FifoView* device_view);
+
+}  // namespace portep::cuda

@@ -1,0 +1,39 @@
+// GPU producer for the command FIFO in fifo.h; mirrors fifo_host_push. Call from one thread per producer
+// (typically lane 0 of a warp); any number of threads may push into one FIFO.
+#pragma once
+
+#include <stdint.h>
+
+#include "portep/fifo.h"
+#include "portep/portability.cuh"
+#include "portep/transfer_cmd.h"
+
+namespace portep {
+
+// cached_tail is the caller's private copy of f.tail (start it at 0: tail only grows, so a stale value is
+// merely conservative). Returns false, raising kFifoErrorProducerTimeout, when no room appeared within
+// timeout_ns; the reserved slot then stays empty and the consumer stops there.
+PORTEP_DEVICE bool fifo_device_push(const FifoView& f, const TransferCmd& cmd, uint64_t* cached_tail,
+                                    uint64_t timeout_ns) {
+  const uint64_t slot = atomic_add_relaxed_gpu_u64(f.head, 1);
+  if (slot - *cached_tail >= f.capacity) {
+    const uint64_t start = globaltimer_ns();
+    uint32_t backoff_ns = 32;
+    for (;;) {
+      // Acquire pairs with the consumer's release of tail: its zeroing of our slot happens before our
+      // store below, so it cannot overwrite the command.
+      *cached_tail = ld_acquire_sys_u64(f.tail);
+      if (slot - *cached_tail < f.capacity) break;
+      if (globaltimer_ns() - start > timeout_ns) {
+        atomic_or_relaxed_sys_u32(f.error_flag, kFifoErrorProducerTimeout);
+        return false;
+      }
+      sleep_ns(backoff_ns);
+      if (backoff_ns < 1024) backoff_ns *= 2;
+    }
+  }
+  st_release_sys_cmd(&f.entries[slot & (f.capacity - 1)], cmd);
+  return true;
+}
+
+}  // namespace portep

@@ -1,0 +1,95 @@
+// Everything vendor-specific that portep device code needs. Kernels include only this header for
+// memory ordering, atomics, sleeping and timing, so the same sources compile with nvcc and hipcc.
+#pragma once
+
+#include <stdint.h>
+
+#include "portep/transfer_cmd.h"
+
+#if defined(__HIPCC__)
+
+#include <hip/hip_runtime.h>
+
+#define PORTEP_DEVICE __device__ __forceinline__
+
+namespace portep {
+
+// CDNA wavefront; wave32 (RDNA) parts are not a target.
+constexpr int kWarpSize = 64;
+
+// Same protocol as fifo_host_push: hi relaxed, then lo release. The consumer acquires lo, so it sees hi
+// and every write this thread made before the call.
+PORTEP_DEVICE void st_release_sys_cmd(TransferCmd* dst, const TransferCmd& v) {
+  __hip_atomic_store(&dst->hi, v.hi, __ATOMIC_RELAXED, __HIP_MEMORY_SCOPE_SYSTEM);
+  __hip_atomic_store(&dst->lo, v.lo, __ATOMIC_RELEASE, __HIP_MEMORY_SCOPE_SYSTEM);
+}
+
+PORTEP_DEVICE uint64_t ld_acquire_sys_u64(const uint64_t* p) {
+  return __hip_atomic_load(p, __ATOMIC_ACQUIRE, __HIP_MEMORY_SCOPE_SYSTEM);
+}
+
+PORTEP_DEVICE uint64_t atomic_add_relaxed_gpu_u64(uint64_t* p, uint64_t v) {
+  return __hip_atomic_fetch_add(p, v, __ATOMIC_RELAXED, __HIP_MEMORY_SCOPE_AGENT);
+}
+
+PORTEP_DEVICE void atomic_or_relaxed_sys_u32(uint32_t* p, uint32_t v) {
+  __hip_atomic_fetch_or(p, v, __ATOMIC_RELAXED, __HIP_MEMORY_SCOPE_SYSTEM);
+}
+
+// s_sleep takes an immediate; s_sleep 1 waits about 64 clocks, roughly 32 ns at 2 GHz.
+PORTEP_DEVICE void sleep_ns(uint32_t ns) {
+  for (uint32_t t = 0; t < ns; t += 32) __builtin_amdgcn_s_sleep(1);
+}
+
+// wall_clock64 runs at a constant 100 MHz on CDNA2/CDNA3 (hipDeviceAttributeWallClockRate reports
+// 100000 kHz there); a part with another rate needs this scale changed.
+PORTEP_DEVICE uint64_t globaltimer_ns() { return wall_clock64() * 10; }
+
+}  // namespace portep
+
+#else  // NVIDIA
+
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 700
+#error "portep device code needs sm_70 or newer (ld.acquire, st.release, __nanosleep)"
+#endif
+
+#define PORTEP_DEVICE __device__ __forceinline__
+
+namespace portep {
+
+constexpr int kWarpSize = 32;
+
+// One 16-byte store, release at system scope: every write this thread made before it is visible to the
+// host proxy before the command is. dst must be 16-byte aligned.
+PORTEP_DEVICE void st_release_sys_cmd(TransferCmd* dst, const TransferCmd& v) {
+  asm volatile("st.release.sys.global.v2.u64 [%0], {%1, %2};" ::"l"(dst), "l"(v.lo), "l"(v.hi) : "memory");
+}
+
+PORTEP_DEVICE uint64_t ld_acquire_sys_u64(const uint64_t* p) {
+  uint64_t v;
+  asm volatile("ld.acquire.sys.global.u64 %0, [%1];" : "=l"(v) : "l"(p) : "memory");
+  return v;
+}
+
+// atomicAdd is relaxed at device scope.
+PORTEP_DEVICE uint64_t atomic_add_relaxed_gpu_u64(uint64_t* p, uint64_t v) {
+  static_assert(sizeof(uint64_t) == sizeof(unsigned long long), "atomicAdd works on unsigned long long");
+  return atomicAdd(reinterpret_cast<unsigned long long*>(p), static_cast<unsigned long long>(v));
+}
+
+PORTEP_DEVICE void atomic_or_relaxed_sys_u32(uint32_t* p, uint32_t v) {
+  atomicOr_system(reinterpret_cast<unsigned int*>(p), static_cast<unsigned int>(v));
+}
+
+PORTEP_DEVICE void sleep_ns(uint32_t ns) { __nanosleep(ns); }
+
+// %globaltimer counts nanoseconds; it may advance in steps of up to a microsecond.
+PORTEP_DEVICE uint64_t globaltimer_ns() {
+  uint64_t t;
+  asm volatile("mov.u64 %0, %globaltimer;" : "=l"(t));
+  return t;
+}
+
+}  // namespace portep
+
+#endif

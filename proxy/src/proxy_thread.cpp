@@ -1,0 +1,245 @@
+#include <thread>
+
+#include "portep/imm.h"
+#include "proxy_impl.h"
+
+namespace portep {
+
+namespace {
+using Clock = std::chrono::steady_clock;
+constexpr int kPopBatch = 64;
+constexpr int kPollBatch = 256;
+
+const char* op_name(uint32_t op) {
+  switch (op) {
+    case kOpWrite: return "WRITE";
+    case kOpSignal: return "SIGNAL";
+    case kOpQuiet: return "QUIET";
+    case kOpBarrier: return "BARRIER";
+    case kOpNop: return "NOP";
+  }
+  return "UNKNOWN";
+}
+
+// Spin briefly, then yield, then sleep: idle proxies must not starve producers on small machines.
+void idle_backoff(uint32_t idle_rounds) {
+  if (idle_rounds < 64) return;
+  if (idle_rounds < 2048) {
+    std::this_thread::yield();
+    return;
+  }
+  std::this_thread::sleep_for(std::chrono::microseconds(idle_rounds < 16384 ? 5 : 50));
+}
+}  // namespace
+
+ProxyThread::ProxyThread(ProxyGroupImpl* g, int index)
+    : g_(g),
+      index_(index),
+      inflight_(g->cfg.max_inflight_cmds, g->cfg.max_inflight_bytes),
+      pending_(uint32_t(g->cfg.num_ranks), g->cfg.num_streams),
+      timeout_(std::chrono::nanoseconds(int64_t(g->cfg.timeout_s * 1e9))) {
+  for (int f = index; f < g->cfg.num_fifos; f += g->cfg.num_threads) {
+    fifos_.push_back(f);
+    consumers_.emplace_back(g->view(f));
+  }
+}
+
+void ProxyThread::run() {
+  uint32_t idle = 0;
+  try {
+    while (!g_->stop_flag.load(std::memory_order_acquire)) {
+      int popped = 0;
+      for (size_t i = 0; i < fifos_.size(); ++i) {
+        TransferCmd cmd;
+        int n = 0;
+        while (n < kPopBatch && consumers_[i].pop(&cmd)) {
+          handle(cmd, fifos_[i]);
+          ++n;
+        }
+        if (n == 0) consumers_[i].flush();
+        popped += n;
+      }
+      bool moved = progress();
+      if (popped || moved) {
+        idle = 0;
+        continue;
+      }
+      for (int f : fifos_)
+        if (__atomic_load_n(&g_->fifos[f]->error_flag, __ATOMIC_ACQUIRE))
+          throw std::runtime_error("a producer of FIFO " + std::to_string(f) + " timed out waiting for room");
+      idle_backoff(++idle);
+    }
+  } catch (const std::exception& e) {
+    g_->latch("rank " + std::to_string(g_->cfg.rank) + " proxy thread " + std::to_string(index_) + ": " + e.what());
+  }
+}
+
+void ProxyThread::handle(const TransferCmd& cmd, int fifo) {
+  const CmdFields f = cmd_decode(cmd);
+  ++stats.commands;
+  switch (f.op) {
+    case kOpWrite: return handle_write(f);
+    case kOpSignal: return handle_signal(f);
+    case kOpQuiet: return handle_quiet(f, fifo);
+    case kOpBarrier: return handle_barrier(f, fifo);
+    case kOpNop: return;
+  }
+  throw std::runtime_error("FIFO " + std::to_string(fifo) + " held an invalid command (opcode " +
+                           std::to_string(f.op) + ")");
+}
+
+template <class PostFn>
+uint64_t ProxyThread::post_with_retry(uint64_t bytes, const char* what, int peer, PostFn&& post) {
+  const auto start = Clock::now();
+  uint32_t idle = 0;
+  for (uint64_t iter = 1;; ++iter) {
+    if (inflight_.has_room(bytes)) {
+      const uint64_t seq = inflight_.posted();
+      if (post(seq)) return inflight_.on_post(bytes);
+    }
+    if (progress()) idle = 0; else idle_backoff(++idle);
+    if ((iter & 63) == 0 && Clock::now() - start > timeout_) timeout_error(what, peer);
+  }
+}
+
+void ProxyThread::handle_write(const CmdFields& f) {
+  if (f.dst_rank >= uint32_t(g_->cfg.num_ranks))
+    throw std::runtime_error("WRITE to rank " + std::to_string(f.dst_rank) + " but the group has " +
+                             std::to_string(g_->cfg.num_ranks) + " ranks");
+  if (f.stream >= g_->cfg.num_streams)
+    throw std::runtime_error("WRITE on stream " + std::to_string(f.stream) + " but num_streams is " +
+                             std::to_string(g_->cfg.num_streams));
+  StreamEpoch& se = epochs_.at(f.dst_rank, f.stream);
+  const int peer = int(f.dst_rank);
+  if (!g_->native_signals) {
+    if (se.units == imm::kMaxUnits) {  // the signal's unit field is full: close the epoch early
+      CmdFields implicit = f;
+      implicit.op = kOpSignal;
+      implicit.flags &= ~kFlagFinal;
+      handle_signal(implicit);
+    }
+    uint64_t wait_seq;
+    if (se.units == 0 && se.must_wait_for(&wait_seq)) wait_retired_past(wait_seq, "WRITE (epoch window)", peer);
+  }
+  const uint32_t imm_value = imm::encode_stream_write(f.stream, uint32_t(se.epoch));
+  const uint32_t* imm = g_->native_signals ? nullptr : &imm_value;
+  post_with_retry(f.size, "WRITE", peer, [&](uint64_t wr_id) {
+    return g_->transport->post_write(index_, peer, f.local_off, f.remote_off, f.size, imm, wr_id);
+  });
+  ++se.units;
+  ++stats.writes;
+  stats.bytes += f.size;
+}
+
+void ProxyThread::handle_signal(const CmdFields& f) {
+  if (f.dst_rank >= uint32_t(g_->cfg.num_ranks) || f.stream >= g_->cfg.num_streams)
+    throw std::runtime_error("SIGNAL to rank " + std::to_string(f.dst_rank) + " stream " + std::to_string(f.stream) +
+                             " is outside " + std::to_string(g_->cfg.num_ranks) + " ranks x " +
+                             std::to_string(g_->cfg.num_streams) + " streams");
+  StreamEpoch& se = epochs_.at(f.dst_rank, f.stream);
+  const int peer = int(f.dst_rank);
+  const bool final_signal = f.flags & kFlagFinal;
+  uint64_t seq;
+  if (g_->native_signals) {
+    const uint64_t slot_off = (uint64_t(g_->cfg.rank) * g_->cfg.num_streams + f.stream) * 8;
+    const uint64_t value = se.units + (final_signal ? kSignalFinalMark : 0);
+    seq = post_with_retry(0, "SIGNAL", peer, [&](uint64_t wr_id) {
+      return g_->transport->post_atomic_add(index_, peer, slot_off, value, wr_id);
+    });
+  } else {
+    uint64_t wait_seq;
+    if (se.units == 0 && se.must_wait_for(&wait_seq)) wait_retired_past(wait_seq, "SIGNAL (epoch window)", peer);
+    const uint32_t imm_value = imm::encode_stream_signal(f.stream, uint32_t(se.epoch), se.units, final_signal);
+    seq = post_with_retry(0, "SIGNAL", peer, [&](uint64_t wr_id) {
+      return g_->transport->post_write(index_, peer, 0, 0, 0, &imm_value, wr_id);
+    });
+  }
+  se.close(seq);
+  ++stats.signals;
+}
+
+void ProxyThread::handle_quiet(const CmdFields& f, int fifo) {
+  wait_idle("QUIET");
+  g_->fifos[fifo]->ack.store(f.remote_off / kOffsetAlign, std::memory_order_release);
+}
+
+void ProxyThread::handle_barrier(const CmdFields& f, int fifo) {
+  wait_idle("BARRIER");
+  const uint64_t ticket = f.remote_off / kOffsetAlign;
+  const uint64_t epoch = f.local_off / kOffsetAlign;
+  const uint32_t imm_value = imm::encode_control(imm::kCtrlBarrier, uint32_t(epoch & imm::kCtrlArgMask));
+  for (int peer = 0; peer < g_->cfg.num_ranks; ++peer) {
+    if (peer == g_->cfg.rank) continue;
+    post_with_retry(0, "BARRIER", peer, [&](uint64_t wr_id) {
+      return g_->transport->post_write(index_, peer, 0, 0, 0, &imm_value, wr_id);
+    });
+  }
+  wait_idle("BARRIER");
+  g_->fifos[fifo]->ack.store(ticket, std::memory_order_release);
+}
+
+void ProxyThread::wait_retired_past(uint64_t seq, const char* what, int peer) {
+  const auto start = Clock::now();
+  uint32_t idle = 0;
+  for (uint64_t iter = 1; inflight_.retired() <= seq; ++iter) {
+    if (progress()) idle = 0; else idle_backoff(++idle);
+    if ((iter & 63) == 0 && Clock::now() - start > timeout_) timeout_error(what, peer);
+  }
+}
+
+void ProxyThread::wait_idle(const char* what) {
+  if (inflight_.idle()) return;
+  wait_retired_past(inflight_.posted() - 1, what, -1);
+}
+
+bool ProxyThread::progress() {
+  uint64_t done[kPollBatch];
+  int n = g_->transport->poll_send(index_, done, kPollBatch);
+  for (int i = 0; i < n; ++i) inflight_.on_complete(done[i]);
+  RecvNotice notices[kPollBatch];
+  int m = g_->transport->poll_recv(index_, notices, kPollBatch);
+  for (int i = 0; i < m; ++i) apply_notice(notices[i]);
+  stats.notices += uint64_t(m);
+  stats.held_signals = pending_.held();
+  return n + m > 0;
+}
+
+void ProxyThread::apply_notice(const RecvNotice& n) {
+  const imm::Decoded d = imm::decode(n.imm);
+  releases_.clear();
+  switch (d.kind) {
+    case imm::kStreamWrite:
+      if (!d.valid) throw std::runtime_error("malformed STREAM_WRITE immediate from rank " + std::to_string(n.src));
+      if (!g_->cfg.skip_ordering) pending_.on_write(n.src, d.stream, d.epoch, &releases_);
+      break;
+    case imm::kStreamSignal:
+      if (g_->cfg.skip_ordering)
+        releases_.push_back(SignalRelease{n.src, d.stream, d.units, d.final_signal});
+      else
+        pending_.on_signal(n.src, d.stream, d.epoch, d.units, d.final_signal, &releases_);
+      break;
+    case imm::kControl:
+      if (d.op != imm::kCtrlBarrier)
+        throw std::runtime_error("unknown control message " + std::to_string(d.op) + " from rank " +
+                                 std::to_string(n.src));
+      g_->barrier_arrivals[d.arg % 4].fetch_add(1, std::memory_order_acq_rel);
+      return;
+    case imm::kSeqAdd:
+      throw std::runtime_error("sequenced add from rank " + std::to_string(n.src) +
+                               ": no HT stream is registered with this proxy group");
+  }
+  for (const SignalRelease& r : releases_) {
+    uint64_t* slot = g_->signal_slots + (uint64_t(r.src) * g_->cfg.num_streams + r.stream);
+    // Release: the notification's acquire (ring head) made the writes visible; publish them with the count.
+    __atomic_fetch_add(slot, r.units + (r.final_signal ? kSignalFinalMark : 0), __ATOMIC_RELEASE);
+  }
+}
+
+void ProxyThread::timeout_error(const char* what, int peer) {
+  std::string who = peer >= 0 ? " to " + g_->transport->describe_peer(peer) : std::string();
+  throw std::runtime_error(std::string(what) + who + " made no progress within " +
+                           std::to_string(g_->cfg.timeout_s) + " s (" + std::to_string(inflight_.posted() - inflight_.retired()) +
+                           " operations in flight, " + std::to_string(pending_.held()) + " signals held)");
+}
+
+}  // namespace portep

@@ -1,0 +1,187 @@
+"""The low-level channel API: a registered byte buffer on every rank of a group, and one-sided transfers
+between them through the proxies (write / signal / quiet / barrier).
+
+Each rank owns `nbytes` of data memory and `num_ranks * num_streams` 64-bit signal slots. A signal on stream s
+adds, to slot (sender, s) at the destination, the number of writes of stream s the sender issued to that
+destination since its previous signal there; it becomes visible only after those writes are in place, on
+every transport (ordered ones natively, unordered ones through the ordering protocol). A final signal also
+adds 2**32, so `slot >> 32` counts finished streams.
+"""
+
+from ._native import require_native
+from .bootstrap import all_gather_objects, collective_step, group_rank_and_size
+from .config import DEFAULT_TIMEOUT_S, timeout_from_env, transport_from_env
+
+__all__ = ["Channel", "DEFAULT_TIMEOUT_S"]
+
+_ALIGN = 16
+_MAX_CMD_BYTES = 16 << 20
+
+
+def _check_int(name, value, low, high):
+    if not isinstance(value, int) or isinstance(value, bool):
+        raise TypeError(f"{name} must be an int, got {type(value).__name__}")
+    if not low <= value <= high:
+        raise ValueError(f"{name}={value} must be in {low}..{high}")
+    return value
+
+
+class Channel:
+    """Registered memory on every rank of `group` plus the proxies that move it.
+
+    Args:
+        group: torch.distributed process group (None: the default group). Construction is collective.
+        nbytes: bytes of data memory per rank (multiple of 16, at most 64 GiB).
+        transport: "shm" (ordered, native atomics) or "shm-unordered" (delivers in a seeded random order
+            within `unordered_window` operations, no atomics, like EFA SRD). Default: $PORTEP_TRANSPORT or "shm".
+        num_streams: signal slots per source rank (<= 8192 on unordered transports).
+        num_proxy_threads, num_fifos, fifo_capacity: the command path (each stream maps to one FIFO).
+        max_inflight_cmds, max_inflight_bytes: per proxy thread caps.
+        timeout_s: every wait raises after this long (default $PORTEP_TIMEOUT_S or 100 s).
+        seed: seeds the unordered transport's delivery order.
+    """
+
+    def __init__(self, group=None, nbytes=1 << 20, *, transport=None, num_streams=64, num_proxy_threads=4,
+                 num_fifos=32, fifo_capacity=4096, max_inflight_cmds=512, max_inflight_bytes=64 << 20,
+                 timeout_s=None, unordered_window=64, seed=0, _skip_ordering=False):
+        native = require_native()
+        self.group = group
+        self.rank, self.num_ranks = group_rank_and_size(group)
+        _check_int("nbytes", nbytes, _ALIGN, 64 << 30)
+        if nbytes % _ALIGN:
+            raise ValueError(f"nbytes={nbytes} must be a multiple of {_ALIGN}")
+        self.nbytes = nbytes
+        self.transport = transport_from_env(transport)
+        self.timeout_s = timeout_from_env(timeout_s)
+        stream_limit = native.wire.MAX_STREAMS if self.transport == "shm" else native.wire.IMM_MAX_STREAMS
+        self.num_streams = _check_int("num_streams", num_streams, 1, stream_limit)
+        _check_int("num_proxy_threads", num_proxy_threads, 1, 64)
+        _check_int("num_fifos", num_fifos, num_proxy_threads, 4096)
+        _check_int("fifo_capacity", fifo_capacity, 64, 1 << 20)
+        if fifo_capacity & (fifo_capacity - 1):
+            raise ValueError(f"fifo_capacity={fifo_capacity} must be a power of two")
+        _check_int("max_inflight_cmds", max_inflight_cmds, 1, 1 << 20)
+        _check_int("max_inflight_bytes", max_inflight_bytes, 1, 1 << 40)
+        _check_int("unordered_window", unordered_window, 1, 1 << 16)
+        _check_int("num_ranks", self.num_ranks, 1, native.wire.MAX_RANKS)
+        self._native = native.Channel(
+            rank=self.rank, num_ranks=self.num_ranks, nbytes=nbytes, transport=self.transport,
+            num_proxy_threads=num_proxy_threads, num_fifos=num_fifos, fifo_capacity=fifo_capacity,
+            num_streams=num_streams, max_inflight_cmds=max_inflight_cmds, max_inflight_bytes=max_inflight_bytes,
+            timeout_s=self.timeout_s, unordered_window=unordered_window, seed=seed, skip_ordering=_skip_ordering)
+        try:
+            blobs = all_gather_objects(self._native.endpoint_blob(), group)
+            collective_step(lambda: self._native.connect(blobs), group, "channel connect")
+            # Everyone has mapped everyone: names can go, proxies can start.
+            collective_step(self._native.bootstrap_done, group, "channel start")
+        except BaseException:
+            self._native.destroy()
+            raise
+        self._buffer = None
+        self._signals = None
+
+    # ---- memory ----
+    @property
+    def buffer(self):
+        """This rank's data memory as a torch.uint8 tensor (a view: valid until destroy())."""
+        if self._buffer is None:
+            import torch
+
+            self._buffer = torch.frombuffer(self._live().data_view(), dtype=torch.uint8)
+        return self._buffer
+
+    @property
+    def signals(self):
+        """This rank's signal slots as an int64 tensor [num_ranks, num_streams] (a view)."""
+        if self._signals is None:
+            import torch
+
+            flat = torch.frombuffer(self._live().signal_view(), dtype=torch.int64)
+            self._signals = flat.view(self.num_ranks, self.num_streams)
+        return self._signals
+
+    # ---- transfers ----
+    def write(self, dst, local_offset, remote_offset, nbytes, stream=0):
+        """Copy nbytes from this rank's buffer at local_offset to dst's buffer at remote_offset."""
+        self._check_peer("dst", dst)
+        self._check_range(local_offset, remote_offset, nbytes)
+        self._check_stream(stream)
+        self._live().write(dst, local_offset, remote_offset, nbytes, stream)
+
+    def signal(self, dst, stream=0, final=False):
+        """Make dst's slot (this rank, stream) count the writes issued on stream since the last signal."""
+        self._check_peer("dst", dst)
+        self._check_stream(stream)
+        self._live().signal(dst, stream, bool(final))
+
+    def write_signal(self, dst, local_offset, remote_offset, nbytes, stream=0, final=False):
+        self.write(dst, local_offset, remote_offset, nbytes, stream)
+        self.signal(dst, stream, final)
+
+    def quiet(self):
+        """Wait until every command pushed so far has completed at the transport."""
+        self._live().quiet()
+
+    def barrier(self):
+        """quiet() on every rank, then synchronize all ranks through the proxies."""
+        self._live().barrier()
+
+    def wait_signal(self, src, stream, count, timeout_s=None):
+        """Wait until slot (src, stream) counts at least `count` writes; returns the slot's value."""
+        self._check_peer("src", src)
+        self._check_stream(stream)
+        _check_int("count", count, 0, (1 << 32) - 1)
+        return self._live().wait_signal(src, stream, count, timeout_from_env(timeout_s) if timeout_s else self.timeout_s)
+
+    def check_error(self):
+        """Raise the error a proxy thread latched, if any."""
+        self._live().check_error()
+
+    def stats(self):
+        return self._live().stats()
+
+    @property
+    def native_signals(self):
+        """True when signals are native atomics on an ordered transport; False when emulated with immediates."""
+        return self._live().native_signals
+
+    # ---- lifetime ----
+    def destroy(self):
+        """Stop the proxies and unmap every region. Tensors from buffer/signals must not be used afterwards."""
+        self._buffer = None
+        self._signals = None
+        if getattr(self, "_native", None) is not None:
+            self._native.destroy()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.destroy()
+
+    def __del__(self):
+        try:
+            self.destroy()
+        except Exception:  # noqa: BLE001 - never raise from a finalizer
+            pass
+
+    # ---- validation ----
+    def _live(self):
+        if getattr(self, "_native", None) is None or not self._native.alive:
+            raise RuntimeError("this Channel was destroyed")
+        return self._native
+
+    def _check_peer(self, name, rank):
+        _check_int(name, rank, 0, self.num_ranks - 1)
+
+    def _check_stream(self, stream):
+        _check_int("stream", stream, 0, self.num_streams - 1)
+
+    def _check_range(self, local_offset, remote_offset, nbytes):
+        _check_int("nbytes", nbytes, 0, _MAX_CMD_BYTES)
+        for name, off in (("local_offset", local_offset), ("remote_offset", remote_offset)):
+            _check_int(name, off, 0, self.nbytes)
+            if off % _ALIGN:
+                raise ValueError(f"{name}={off} must be a multiple of {_ALIGN} bytes")
+            if off + nbytes > self.nbytes:
+                raise ValueError(f"{name}={off} + nbytes={nbytes} exceeds the channel's nbytes={self.nbytes}")

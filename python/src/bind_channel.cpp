@@ -1,0 +1,139 @@
+// Bindings of Channel (transport + regions + proxies) and the host traffic kernels.
+#include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
+
+#include "../../gpu_kernels/host/channel_traffic.h"
+#include "portep/channel.h"
+
+namespace py = pybind11;
+using namespace portep;
+
+namespace {
+std::unique_ptr<Channel> make_channel(int rank, int num_ranks, uint64_t nbytes, const std::string& transport,
+                                      int num_proxy_threads, int num_fifos, uint32_t fifo_capacity, uint32_t num_streams,
+                                      uint32_t max_inflight_cmds, uint64_t max_inflight_bytes, double timeout_s,
+                                      uint32_t unordered_window, uint64_t seed, bool skip_ordering) {
+  ChannelOptions o;
+  o.data_bytes = nbytes;
+  o.transport.name = transport;
+  o.transport.window = unordered_window;
+  o.transport.seed = seed;
+  o.proxy.rank = rank;
+  o.proxy.num_ranks = num_ranks;
+  o.proxy.num_threads = num_proxy_threads;
+  o.proxy.num_fifos = num_fifos;
+  o.proxy.fifo_capacity = fifo_capacity;
+  o.proxy.num_streams = num_streams;
+  o.proxy.max_inflight_cmds = max_inflight_cmds;
+  o.proxy.max_inflight_bytes = max_inflight_bytes;
+  o.proxy.timeout_s = timeout_s;
+  o.proxy.skip_ordering = skip_ordering;
+  return std::make_unique<Channel>(o);
+}
+
+TrafficPlan make_plan(int producers, int messages_per_producer, uint32_t max_message_bytes, uint32_t signal_every,
+                      uint64_t seed) {
+  TrafficPlan p;
+  p.producers = producers;
+  p.messages_per_producer = messages_per_producer;
+  p.max_message_bytes = max_message_bytes;
+  p.signal_every = signal_every;
+  p.seed = seed;
+  return p;
+}
+
+py::dict stats_dict(const ProxyThreadStats& s) {
+  py::dict d;
+  d["commands"] = s.commands;
+  d["writes"] = s.writes;
+  d["signals"] = s.signals;
+  d["bytes"] = s.bytes;
+  d["notices"] = s.notices;
+  d["held_signals"] = s.held_signals;
+  return d;
+}
+}  // namespace
+
+void bind_channel(py::module_& m) {
+  py::class_<Channel>(m, "Channel")
+      .def(py::init(&make_channel), py::arg("rank"), py::arg("num_ranks"), py::arg("nbytes"), py::arg("transport"),
+           py::arg("num_proxy_threads"), py::arg("num_fifos"), py::arg("fifo_capacity"), py::arg("num_streams"),
+           py::arg("max_inflight_cmds"), py::arg("max_inflight_bytes"), py::arg("timeout_s"),
+           py::arg("unordered_window"), py::arg("seed"), py::arg("skip_ordering"))
+      .def("endpoint_blob", [](Channel& c) { return py::bytes(c.endpoint_blob()); })
+      .def("connect", [](Channel& c, const std::vector<py::bytes>& blobs) {
+        std::vector<std::string> v;
+        for (auto& b : blobs) v.push_back(std::string(b));
+        c.connect(v);
+      })
+      .def("bootstrap_done", &Channel::bootstrap_done)
+      .def("destroy", &Channel::destroy, py::call_guard<py::gil_scoped_release>())
+      .def("write", &Channel::write, py::arg("dst"), py::arg("local_offset"), py::arg("remote_offset"),
+           py::arg("nbytes"), py::arg("stream"), py::call_guard<py::gil_scoped_release>())
+      .def("signal", &Channel::signal, py::arg("dst"), py::arg("stream"), py::arg("final"),
+           py::call_guard<py::gil_scoped_release>())
+      .def("quiet", &Channel::quiet, py::call_guard<py::gil_scoped_release>())
+      .def("barrier", &Channel::barrier, py::call_guard<py::gil_scoped_release>())
+      .def("wait_signal", &Channel::wait_signal, py::arg("src"), py::arg("stream"), py::arg("count"),
+           py::arg("timeout_s"), py::call_guard<py::gil_scoped_release>())
+      .def("check_error", [](Channel& c) { c.proxies().check_error(); })
+      .def("data_view", [](Channel& c) {
+        return py::memoryview::from_memory(static_cast<void*>(c.data()), py::ssize_t(c.data_bytes()), false);
+      })
+      .def("signal_view", [](Channel& c) {
+        return py::memoryview::from_memory(static_cast<void*>(c.signals()), py::ssize_t(c.signal_slots() * 8), false);
+      })
+      .def_property_readonly("alive", &Channel::alive)
+      .def_property_readonly("transport_ordered", [](Channel& c) { return c.transport_props().ordered; })
+      .def_property_readonly("transport_remote_atomics", [](Channel& c) { return c.transport_props().remote_atomics; })
+      .def_property_readonly("transport_name", [](Channel& c) { return c.transport_props().name; })
+      .def_property_readonly("native_signals", [](Channel& c) { return c.proxies().ordered_protocol(); })
+      .def("fifo_for", [](Channel& c, uint32_t dst, uint32_t stream) { return c.proxies().fifo_for(dst, stream); })
+      .def("stats", [](Channel& c) {
+        py::list l;
+        for (auto& s : c.proxies().stats()) l.append(stats_dict(s));
+        return l;
+      });
+
+  m.def("live_proxy_threads", &ProxyGroup::live_threads);
+  m.def("traffic_region_bytes", [](int producers, int messages, uint32_t max_bytes, int num_ranks) {
+    return traffic_region_bytes(make_plan(producers, messages, max_bytes, 1, 0), num_ranks);
+  });
+  m.def(
+      "run_producers",
+      [](Channel& c, int producers, int messages, uint32_t max_bytes, uint32_t signal_every, uint64_t seed) {
+        ProducerResult r;
+        {
+          py::gil_scoped_release nogil;
+          r = run_producers(c, make_plan(producers, messages, max_bytes, signal_every, seed));
+        }
+        py::dict d;
+        d["commands"] = r.commands;
+        d["push_seconds"] = r.push_seconds;
+        d["total_seconds"] = r.total_seconds;
+        return d;
+      },
+      py::arg("channel"), py::arg("producers"), py::arg("messages_per_producer"), py::arg("max_message_bytes"),
+      py::arg("signal_every"), py::arg("seed"));
+  m.def(
+      "run_checker",
+      [](Channel& c, int producers, int messages, uint32_t max_bytes, uint32_t signal_every, uint64_t seed,
+         double timeout_s) {
+        CheckResult r;
+        {
+          py::gil_scoped_release nogil;
+          r = run_checker(c, make_plan(producers, messages, max_bytes, signal_every, seed), timeout_s);
+        }
+        py::dict d;
+        d["observations"] = r.observations;
+        d["messages_checked"] = r.messages_checked;
+        d["violations"] = r.violations;
+        d["streams_final"] = r.streams_final;
+        d["first_violation"] = r.first_violation;
+        return d;
+      },
+      py::arg("channel"), py::arg("producers"), py::arg("messages_per_producer"), py::arg("max_message_bytes"),
+      py::arg("signal_every"), py::arg("seed"), py::arg("timeout_s"));
+  m.def("run_pingpong", &run_pingpong, py::arg("channel"), py::arg("peer"), py::arg("initiator"),
+        py::arg("iterations"), py::arg("nbytes"), py::arg("timeout_s"), py::call_guard<py::gil_scoped_release>());
+}

@@ -1,0 +1,146 @@
+// Bindings of the wire formats and the pure ordering logic, for tests and tools.
+#include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
+
+#include "portep/fifo_selftest.h"
+#include "portep/imm.h"
+#include "portep/inflight.h"
+#include "portep/pending_signals.h"
+#include "portep/reorder_buffer.h"
+#include "portep/transfer_cmd.h"
+
+namespace py = pybind11;
+using namespace portep;
+
+namespace {
+py::tuple encode_cmd(uint32_t op, uint32_t flags, uint64_t dst_rank, uint64_t size, uint64_t stream,
+                     uint64_t remote_off, uint64_t local_off) {
+  // Values wider than the 32-bit fields are refused here, before they could be truncated.
+  auto too_wide = [](uint64_t v) { return v > 0xffffffffull; };
+  if (too_wide(dst_rank)) throw py::value_error(cmd_encode_status_text(kEncodeRankTooLarge));
+  if (too_wide(size)) throw py::value_error(cmd_encode_status_text(kEncodeSizeTooLarge));
+  if (too_wide(stream)) throw py::value_error(cmd_encode_status_text(kEncodeStreamTooLarge));
+  CmdFields f{op, flags, uint32_t(dst_rank), uint32_t(size), uint32_t(stream), remote_off, local_off};
+  TransferCmd c;
+  int st = cmd_encode(f, &c);
+  if (st != kEncodeOk) throw py::value_error(cmd_encode_status_text(st));
+  return py::make_tuple(c.lo, c.hi);
+}
+
+py::dict decode_cmd(uint64_t lo, uint64_t hi) {
+  CmdFields f = cmd_decode(TransferCmd{lo, hi});
+  py::dict d;
+  d["op"] = f.op;
+  d["flags"] = f.flags;
+  d["dst_rank"] = f.dst_rank;
+  d["size"] = f.size;
+  d["stream"] = f.stream;
+  d["remote_off"] = f.remote_off;
+  d["local_off"] = f.local_off;
+  return d;
+}
+
+py::dict decode_imm(uint32_t v) {
+  imm::Decoded x = imm::decode(v);
+  py::dict d;
+  d["kind"] = uint32_t(x.kind);
+  d["stream"] = x.stream;
+  d["epoch"] = x.epoch;
+  d["units"] = x.units;
+  d["final"] = x.final_signal;
+  d["slot"] = x.slot;
+  d["seq"] = x.seq;
+  d["value"] = x.value;
+  d["op"] = x.op;
+  d["arg"] = x.arg;
+  d["valid"] = x.valid;
+  return d;
+}
+
+py::list to_list(const std::vector<SignalRelease>& v) {
+  py::list out;
+  for (auto& r : v) out.append(py::make_tuple(r.src, r.stream, r.units, r.final_signal));
+  return out;
+}
+}  // namespace
+
+void bind_wire(py::module_& m) {
+  py::module_ w = m.def_submodule("wire", "TransferCmd and immediate-data encodings");
+  w.attr("OP_WRITE") = uint32_t(kOpWrite);
+  w.attr("OP_SIGNAL") = uint32_t(kOpSignal);
+  w.attr("OP_QUIET") = uint32_t(kOpQuiet);
+  w.attr("OP_BARRIER") = uint32_t(kOpBarrier);
+  w.attr("OP_NOP") = uint32_t(kOpNop);
+  w.attr("MAX_RANKS") = kMaxRanks;
+  w.attr("MAX_CMD_BYTES") = kMaxCmdBytes;
+  w.attr("MAX_STREAMS") = kMaxStreams;
+  w.attr("MAX_OFFSET") = kMaxOffset;
+  w.attr("SIGNAL_FINAL_MARK") = kSignalFinalMark;
+  w.def("encode_cmd", &encode_cmd, py::arg("op"), py::arg("flags"), py::arg("dst_rank"), py::arg("size"),
+        py::arg("stream"), py::arg("remote_off"), py::arg("local_off"));
+  w.def("decode_cmd", &decode_cmd, py::arg("lo"), py::arg("hi"));
+
+  w.attr("IMM_MAX_STREAMS") = imm::kMaxStreams;
+  w.attr("IMM_MAX_UNITS") = imm::kMaxUnits;
+  w.attr("IMM_NUM_EPOCHS") = imm::kNumEpochs;
+  w.attr("IMM_MAX_SLOTS") = imm::kMaxSlots;
+  w.attr("IMM_SEQ_SPACE") = imm::kSeqSpace;
+  w.def("imm_stream_write", &imm::encode_stream_write, py::arg("stream"), py::arg("epoch"));
+  w.def("imm_stream_signal", &imm::encode_stream_signal, py::arg("stream"), py::arg("epoch"), py::arg("units"),
+        py::arg("final"));
+  w.def("imm_seq_add", &imm::encode_seq_add, py::arg("slot"), py::arg("seq"), py::arg("value"));
+  w.def("imm_control", &imm::encode_control, py::arg("op"), py::arg("arg"));
+  w.def("decode_imm", &decode_imm, py::arg("imm"));
+
+  py::module_ o = m.def_submodule("ordering", "pure ordering logic (DESIGN §5)");
+  py::class_<PendingSignalTable>(o, "PendingSignalTable")
+      .def(py::init<uint32_t, uint32_t>(), py::arg("num_sources"), py::arg("num_streams"))
+      .def("on_write", [](PendingSignalTable& t, uint32_t src, uint32_t stream, uint32_t epoch) {
+        std::vector<SignalRelease> out;
+        t.on_write(src, stream, epoch, &out);
+        return to_list(out);
+      })
+      .def("on_signal", [](PendingSignalTable& t, uint32_t src, uint32_t stream, uint32_t epoch, uint32_t units, bool fin) {
+        std::vector<SignalRelease> out;
+        t.on_signal(src, stream, epoch, units, fin, &out);
+        return to_list(out);
+      })
+      .def_property_readonly("held", &PendingSignalTable::held)
+      .def_property_readonly("released", &PendingSignalTable::released);
+  py::class_<SeqReorderBuffer>(o, "SeqReorderBuffer")
+      .def(py::init<uint32_t, uint32_t, uint32_t>(), py::arg("num_sources"), py::arg("num_slots"), py::arg("window"))
+      .def("on_add", [](SeqReorderBuffer& b, uint32_t src, uint32_t slot, uint32_t seq, uint32_t value) {
+        std::vector<SeqApply> out;
+        b.on_add(src, slot, seq, value, &out);
+        py::list l;
+        for (auto& a : out) l.append(py::make_tuple(a.src, a.slot, a.value));
+        return l;
+      })
+      .def_property_readonly("held", &SeqReorderBuffer::held);
+  o.def("check_inflight_cap", &check_inflight_cap, py::arg("inflight_cap"), py::arg("window"));
+  py::class_<InflightTracker>(o, "InflightTracker")
+      .def(py::init<uint32_t, uint64_t>(), py::arg("max_cmds"), py::arg("max_bytes"))
+      .def("has_room", &InflightTracker::has_room)
+      .def("on_post", &InflightTracker::on_post)
+      .def("on_complete", &InflightTracker::on_complete)
+      .def_property_readonly("posted", &InflightTracker::posted)
+      .def_property_readonly("retired", &InflightTracker::retired)
+      .def_property_readonly("inflight_bytes", &InflightTracker::inflight_bytes);
+
+  m.def(
+      "fifo_selftest",
+      [](int producers, uint64_t per_producer, uint32_t capacity, double timeout_s) {
+        FifoSelftestResult r;
+        {
+          py::gil_scoped_release nogil;
+          r = fifo_selftest(producers, per_producer, capacity, timeout_s);
+        }
+        py::dict d;
+        d["popped"] = r.popped;
+        d["out_of_order"] = r.out_of_order;
+        d["producer_timeout"] = r.producer_timeout;
+        d["seconds"] = r.seconds;
+        return d;
+      },
+      py::arg("producers"), py::arg("per_producer"), py::arg("capacity"), py::arg("timeout_s") = 30.0);
+}

@@ -1,0 +1,16 @@
+// The native module portep._C: thin pybind11 glue over the C++ core. No libtorch: raw memory is exposed as
+// memoryviews, so one build serves every torch version (and none).
+#include <pybind11/pybind11.h>
+
+namespace py = pybind11;
+
+void bind_wire(py::module_& m);
+void bind_channel(py::module_& m);
+void bind_build_info(py::module_& m);
+
+PYBIND11_MODULE(_C, m) {
+  m.doc() = "portep native core";
+  bind_wire(m);
+  bind_channel(m);
+  bind_build_info(m);
+}

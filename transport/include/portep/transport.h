@@ -1,0 +1,69 @@
+// The transport interface: the one small contract every way of moving bytes between ranks implements
+// (shm today; verbs RC/EFA SRD and NCCL later, each a new file). Proxies choose their protocol from
+// props() at run time, never from the transport's name.
+//
+// Threading contract: "channel" c is used by exactly one proxy thread, so every per-channel call
+// (post_*, poll_*) for one c comes from one thread and needs no locking. Every posting call is non-blocking:
+// it returns false when the transport has no room now, and the caller makes progress (poll_*) and retries
+// under its own timeout. A failed completion or an unusable peer throws TransportError.
+#pragma once
+
+#include <stddef.h>
+#include <stdint.h>
+
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+namespace portep {
+
+struct TransportProps {
+  std::string name;
+  bool ordered;         // writes, write-with-imm and atomics on one (channel, peer) land in posting order
+  bool remote_atomics;  // post_atomic_add is available
+};
+
+enum RegionId : int { kRegionData = 0, kRegionSignal = 1, kNumRegions = 2 };
+
+struct RecvNotice {
+  uint32_t src;  // rank the write-with-imm came from
+  uint32_t imm;
+};
+
+class TransportError : public std::runtime_error {
+ public:
+  explicit TransportError(const std::string& what) : std::runtime_error(what) {}
+};
+
+class Transport {
+ public:
+  virtual ~Transport() = default;
+
+  virtual TransportProps props() const = 0;
+
+  // Memory that peers may write into. Called before endpoint_blob(); the transport owns the memory.
+  virtual void* alloc_region(RegionId region, size_t bytes) = 0;
+
+  // Bootstrap: this rank's description (opaque bytes) and the connection to all ranks' descriptions,
+  // indexed by rank. bootstrap_done() is called once every rank has connected (after a group barrier).
+  virtual std::string endpoint_blob() = 0;
+  virtual void connect(const std::vector<std::string>& blobs) = 0;
+  virtual void bootstrap_done() {}
+
+  // Copy bytes from this rank's data region to peer's data region; with imm, the peer's poll_recv on the
+  // same channel later yields {this rank, *imm}, after the bytes are in place. bytes may be 0 (imm only).
+  virtual bool post_write(int channel, int peer, uint64_t local_off, uint64_t remote_off, uint32_t bytes,
+                          const uint32_t* imm, uint64_t wr_id) = 0;
+  // Atomically add value to the 64-bit word at remote_off in peer's signal region (props().remote_atomics).
+  virtual bool post_atomic_add(int channel, int peer, uint64_t remote_off, uint64_t value, uint64_t wr_id) = 0;
+
+  // Local completions of earlier posts on channel (their wr_ids, any order); also drives progress.
+  virtual int poll_send(int channel, uint64_t* wr_ids, int max) = 0;
+  // Write-with-imm notifications that arrived for this rank on channel.
+  virtual int poll_recv(int channel, RecvNotice* out, int max) = 0;
+
+  // A short description of peer's state for error messages (e.g. "pid 123 exited").
+  virtual std::string describe_peer(int peer) const = 0;
+};
+
+}  // namespace portep

@@ -1,0 +1,32 @@
+// Creating a transport by name at run time, and what this build can create.
+#pragma once
+
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "portep/transport.h"
+
+namespace portep {
+
+struct TransportSpec {
+  std::string name = "shm";  // "shm" or "shm-unordered"
+  int rank = 0;
+  int num_ranks = 1;
+  int num_channels = 1;
+  uint32_t window = 64;  // unordered delivery window per (channel, peer)
+  uint64_t seed = 0;
+};
+
+std::unique_ptr<Transport> make_transport(const TransportSpec& spec);
+
+struct TransportInfo {
+  std::string name;
+  bool built;
+  bool ordered;
+  bool remote_atomics;
+  std::string reason;  // why not built / not usable
+};
+std::vector<TransportInfo> transport_catalog();
+
+}  // namespace portep

@@ -1,0 +1,213 @@
+#include "shm_transport.h"
+
+#include <errno.h>
+#include <signal.h>
+#include <string.h>
+#include <unistd.h>
+
+#include <sstream>
+
+namespace portep {
+
+namespace {
+const char* kRegionTags[kNumRegions] = {"data", "signal"};
+
+std::vector<std::string> split_lines(const std::string& s) {
+  std::vector<std::string> out;
+  std::istringstream in(s);
+  for (std::string line; std::getline(in, line);) out.push_back(line);
+  return out;
+}
+}  // namespace
+
+ShmTransport::ShmTransport(const ShmOptions& o) : o_(o) {
+  if (o.num_ranks < 1 || o.rank < 0 || o.rank >= o.num_ranks)
+    throw TransportError("shm: rank " + std::to_string(o.rank) + " is outside 0.." + std::to_string(o.num_ranks - 1));
+  if (o.num_channels < 1) throw TransportError("shm: num_channels must be >= 1");
+  if (!o.ordered && o.window < 1) throw TransportError("shm: unordered window must be >= 1");
+  inbox_ = ShmSegment::create("inbox", size_t(o.num_ranks) * o.num_channels * kRingBytes);
+}
+
+ShmTransport::~ShmTransport() {
+  // A peer that died before bootstrap finished may have left its names behind: remove them too.
+  for (auto& p : peers_)
+    for (auto& n : p.names) shm_unlink_quiet(n);
+}
+
+TransportProps ShmTransport::props() const {
+  return TransportProps{o_.ordered ? "shm" : "shm-unordered", o_.ordered, o_.ordered};
+}
+
+void* ShmTransport::alloc_region(RegionId region, size_t bytes) {
+  if (connected_) throw TransportError("shm: regions must be allocated before connect()");
+  if (bytes == 0) bytes = 64;  // a zero-size object cannot be mapped
+  regions_[region] = ShmSegment::create(kRegionTags[region], bytes);
+  return regions_[region].data();
+}
+
+std::string ShmTransport::endpoint_blob() {
+  std::ostringstream out;
+  out << getpid() << "\n";
+  for (auto& r : regions_) out << r.name() << "\n" << r.size() << "\n";
+  out << inbox_.name() << "\n" << inbox_.size() << "\n";
+  return out.str();
+}
+
+void ShmTransport::connect(const std::vector<std::string>& blobs) {
+  if (int(blobs.size()) != o_.num_ranks)
+    throw TransportError("shm: connect got " + std::to_string(blobs.size()) + " endpoints for " +
+                         std::to_string(o_.num_ranks) + " ranks");
+  for (auto& r : regions_)
+    if (!r.data()) throw TransportError("shm: allocate the data and signal regions before connect()");
+  peers_.clear();
+  peers_.resize(size_t(o_.num_ranks));
+  std::vector<ShmSegment> peer_inboxes(o_.num_ranks);
+  for (int p = 0; p < o_.num_ranks; ++p) {
+    auto f = split_lines(blobs[p]);
+    if (f.size() != 7) throw TransportError("shm: malformed endpoint description from rank " + std::to_string(p));
+    Peer& peer = peers_[p];
+    peer.pid = std::stoi(f[0]);
+    peer.names = {f[1], f[3], f[5]};
+    if (p == o_.rank) {
+      peer.data = static_cast<char*>(regions_[kRegionData].data());
+      peer.signal = static_cast<char*>(regions_[kRegionSignal].data());
+      peer.names.clear();
+    } else {
+      peer.maps.push_back(ShmSegment::open(f[1], std::stoull(f[2])));
+      peer.maps.push_back(ShmSegment::open(f[3], std::stoull(f[4])));
+      peer_inboxes[p] = ShmSegment::open(f[5], std::stoull(f[6]));
+      peer.data = static_cast<char*>(peer.maps[0].data());
+      peer.signal = static_cast<char*>(peer.maps[1].data());
+    }
+    peer.data_bytes = std::stoull(f[2]);
+    peer.signal_bytes = std::stoull(f[4]);
+  }
+  channels_.clear();
+  channels_.resize(size_t(o_.num_channels));
+  for (int c = 0; c < o_.num_channels; ++c) {
+    Channel& ch = channels_[c];
+    for (int p = 0; p < o_.num_ranks; ++p) {
+      // My ring inside peer p's inbox: index (source = me, channel c).
+      char* base = static_cast<char*>(p == o_.rank ? inbox_.data() : peer_inboxes[p].data());
+      Lane lane;
+      lane.ring = NotifyRingProducer(NotifyRingView::at(base + (size_t(o_.rank) * o_.num_channels + c) * kRingBytes));
+      lane.rng.seed(o_.seed * 1000003u + uint64_t(o_.rank) * 7919u + uint64_t(c) * 131u + uint64_t(p));
+      ch.lanes.push_back(std::move(lane));
+      char* mine = static_cast<char*>(inbox_.data()) + (size_t(p) * o_.num_channels + c) * kRingBytes;
+      ch.inboxes.emplace_back(NotifyRingView::at(mine));
+    }
+  }
+  for (int p = 0; p < o_.num_ranks; ++p)
+    if (p != o_.rank) peers_[p].maps.push_back(std::move(peer_inboxes[p]));
+  connected_ = true;
+}
+
+void ShmTransport::bootstrap_done() {
+  for (auto& r : regions_) r.unlink_name();
+  inbox_.unlink_name();
+  for (auto& p : peers_) p.names.clear();  // each owner unlinked its own
+}
+
+void ShmTransport::check_channel_peer(int channel, int peer) const {
+  if (!connected_) throw TransportError("shm: post before connect()");
+  if (channel < 0 || channel >= o_.num_channels || peer < 0 || peer >= o_.num_ranks)
+    throw TransportError("shm: channel " + std::to_string(channel) + " / peer " + std::to_string(peer) +
+                         " out of range (" + std::to_string(o_.num_channels) + " channels, " +
+                         std::to_string(o_.num_ranks) + " ranks)");
+}
+
+void ShmTransport::check_range(int peer, bool signal_region, uint64_t off, uint64_t bytes, const char* what) const {
+  const size_t limit = peer == -1 ? regions_[kRegionData].size()
+                                  : (signal_region ? peers_[peer].signal_bytes : peers_[peer].data_bytes);
+  if (off > limit || bytes > limit - off)
+    throw TransportError(std::string("shm: ") + what + " [" + std::to_string(off) + ", +" + std::to_string(bytes) +
+                         ") is outside the registered region of " + std::to_string(limit) + " bytes" +
+                         (peer >= 0 ? " on rank " + std::to_string(peer) : std::string(" of this rank")));
+}
+
+bool ShmTransport::post_write(int channel, int peer, uint64_t local_off, uint64_t remote_off, uint32_t bytes,
+                              const uint32_t* imm, uint64_t wr_id) {
+  check_channel_peer(channel, peer);
+  check_range(-1, false, local_off, bytes, "local write source");
+  check_range(peer, false, remote_off, bytes, "remote write target");
+  Op op{false, imm != nullptr, imm ? *imm : 0u, bytes, local_off, remote_off, 0, wr_id};
+  if (o_.ordered) return deliver(channel, peer, op);
+  Lane& lane = channels_[channel].lanes[peer];
+  if (lane.pending.size() >= o_.window) return false;
+  lane.pending.push_back(op);
+  return true;
+}
+
+bool ShmTransport::post_atomic_add(int channel, int peer, uint64_t remote_off, uint64_t value, uint64_t wr_id) {
+  check_channel_peer(channel, peer);
+  if (!o_.ordered) throw TransportError("shm-unordered has no remote atomics; the proxy must emulate them");
+  if (remote_off % 8) throw TransportError("shm: atomic target offset " + std::to_string(remote_off) + " is not 8-byte aligned");
+  check_range(peer, true, remote_off, 8, "atomic target");
+  return deliver(channel, peer, Op{true, false, 0, 8, 0, remote_off, value, wr_id});
+}
+
+bool ShmTransport::deliver(int channel, int peer, const Op& op) {
+  Channel& ch = channels_[channel];
+  Lane& lane = ch.lanes[peer];
+  Peer& dst = peers_[peer];
+  if (op.atomic) {
+    // Release: every write this thread delivered to the peer before is visible before the new value.
+    __atomic_fetch_add(reinterpret_cast<uint64_t*>(dst.signal + op.remote_off), op.value, __ATOMIC_RELEASE);
+  } else {
+    if (op.bytes)
+      memcpy(dst.data + op.remote_off, static_cast<char*>(regions_[kRegionData].data()) + op.local_off, op.bytes);
+    // The ring's release store publishes the notification after the bytes. If the receiver's ring is full the
+    // op stays posted and is delivered again later (placing the same bytes twice is harmless).
+    if (op.has_imm && !lane.ring.push(op.imm)) return false;
+  }
+  ch.done.push_back(op.wr_id);
+  return true;
+}
+
+void ShmTransport::deliver_some(int channel, int peer) {
+  Lane& lane = channels_[channel].lanes[peer];
+  size_t n = (lane.pending.size() + 1) / 2;
+  for (size_t i = 0; i < n && !lane.pending.empty(); ++i) {
+    size_t k = lane.rng() % lane.pending.size();
+    if (!deliver(channel, peer, lane.pending[k])) return;  // receiver's ring full: try again later
+    lane.pending[k] = lane.pending.back();
+    lane.pending.pop_back();
+  }
+}
+
+int ShmTransport::poll_send(int channel, uint64_t* wr_ids, int max) {
+  check_channel_peer(channel, 0);
+  Channel& ch = channels_[channel];
+  if (!o_.ordered)
+    for (int p = 0; p < o_.num_ranks; ++p)
+      if (!ch.lanes[p].pending.empty()) deliver_some(channel, p);
+  int n = 0;
+  while (n < max && !ch.done.empty()) {
+    wr_ids[n++] = ch.done.back();
+    ch.done.pop_back();
+  }
+  return n;
+}
+
+int ShmTransport::poll_recv(int channel, RecvNotice* out, int max) {
+  check_channel_peer(channel, 0);
+  Channel& ch = channels_[channel];
+  uint32_t buf[256];
+  int n = 0;
+  for (int i = 0; i < o_.num_ranks && n < max; ++i) {
+    uint32_t src = (ch.next_source + i) % o_.num_ranks;
+    int got = ch.inboxes[src].pop(buf, std::min(max - n, 256));
+    for (int k = 0; k < got; ++k) out[n++] = RecvNotice{src, buf[k]};
+  }
+  ch.next_source = (ch.next_source + 1) % o_.num_ranks;
+  return n;
+}
+
+std::string ShmTransport::describe_peer(int peer) const {
+  if (peer < 0 || peer >= int(peers_.size())) return "rank " + std::to_string(peer) + " (unknown)";
+  int pid = peers_[peer].pid;
+  bool alive = kill(pid, 0) == 0 || errno == EPERM;
+  return "rank " + std::to_string(peer) + " (pid " + std::to_string(pid) + (alive ? ", alive)" : ", process gone)");
+}
+
+}  // namespace portep

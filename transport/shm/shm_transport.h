@@ -1,0 +1,86 @@
+// The shm transport: processes of one host, host memory in POSIX shared memory.
+//
+// ordered mode:   a post is carried out at once by the posting thread (memcpy or atomic add, then the
+//                 notification), so one (channel, peer) delivers in posting order. Native atomics.
+// unordered mode: posts wait in a per-(channel, peer) window and are carried out in a seeded random order,
+//                 data placement and notification together, like EFA SRD: nothing is ordered and there are
+//                 no remote atomics, so the proxies must use the ordering protocols.
+#pragma once
+
+#include <random>
+#include <vector>
+
+#include "notify_ring.h"
+#include "portep/transport.h"
+#include "shm_segment.h"
+
+namespace portep {
+
+struct ShmOptions {
+  int rank = 0;
+  int num_ranks = 1;
+  int num_channels = 1;
+  bool ordered = true;
+  uint32_t window = 64;  // unordered: posts held per (channel, peer) before one must be delivered
+  uint64_t seed = 0;     // unordered: delivery order
+};
+
+class ShmTransport final : public Transport {
+ public:
+  explicit ShmTransport(const ShmOptions& o);
+  ~ShmTransport() override;
+
+  TransportProps props() const override;
+  void* alloc_region(RegionId region, size_t bytes) override;
+  std::string endpoint_blob() override;
+  void connect(const std::vector<std::string>& blobs) override;
+  void bootstrap_done() override;
+  bool post_write(int channel, int peer, uint64_t local_off, uint64_t remote_off, uint32_t bytes, const uint32_t* imm,
+                  uint64_t wr_id) override;
+  bool post_atomic_add(int channel, int peer, uint64_t remote_off, uint64_t value, uint64_t wr_id) override;
+  int poll_send(int channel, uint64_t* wr_ids, int max) override;
+  int poll_recv(int channel, RecvNotice* out, int max) override;
+  std::string describe_peer(int peer) const override;
+
+ private:
+  struct Op {
+    bool atomic;
+    bool has_imm;
+    uint32_t imm;
+    uint32_t bytes;
+    uint64_t local_off, remote_off, value, wr_id;
+  };
+  struct Peer {
+    int pid = 0;
+    char* data = nullptr;
+    char* signal = nullptr;
+    size_t data_bytes = 0, signal_bytes = 0;
+    std::vector<std::string> names;  // for best-effort cleanup if the peer dies before unlinking
+    std::vector<ShmSegment> maps;    // empty for this rank (its own segments are used directly)
+  };
+  struct Lane {  // one (channel, peer) connection as seen by the sender
+    NotifyRingProducer ring;
+    std::vector<Op> pending;  // unordered mode only
+    std::mt19937_64 rng;
+  };
+  struct Channel {
+    std::vector<Lane> lanes;                  // by peer
+    std::vector<NotifyRingConsumer> inboxes;  // by source
+    std::vector<uint64_t> done;               // local completions not yet polled
+    uint32_t next_source = 0;                 // round-robin start for poll_recv fairness
+  };
+
+  bool deliver(int channel, int peer, const Op& op);
+  void deliver_some(int channel, int peer);
+  void check_range(int peer, bool signal_region, uint64_t off, uint64_t bytes, const char* what) const;
+  void check_channel_peer(int channel, int peer) const;
+
+  ShmOptions o_;
+  ShmSegment regions_[kNumRegions];
+  ShmSegment inbox_;
+  std::vector<Peer> peers_;
+  std::vector<Channel> channels_;
+  bool connected_ = false;
+};
+
+}  // namespace portep
