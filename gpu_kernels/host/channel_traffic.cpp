@@ -208,20 +208,21 @@ CheckResult run_checker(Channel& ch, const TrafficPlan& plan, double timeout_s) 
 }
 
 std::vector<double> run_pingpong(Channel& ch, int peer, bool initiator, int iterations, uint32_t bytes,
-                                 double timeout_s) {
+                                 uint64_t base, double timeout_s) {
   const uint64_t half = ch.data_bytes() / 2 / 16 * 16;
   if (bytes > half) throw std::invalid_argument("bytes=" + std::to_string(bytes) + " must be <= " + std::to_string(half));
   std::vector<double> lat;
   for (int i = 0; i < iterations; ++i) {
     const auto t0 = Clock::now();
-    if (!initiator) ch.wait_signal(peer, 0, uint64_t(i) + 1, timeout_s);
+    if (!initiator) ch.wait_signal(peer, 0, base + uint64_t(i) + 1, timeout_s);
     ch.write(peer, 0, half, bytes, 0);
     ch.signal(peer, 0, false);
     if (initiator) {
-      ch.wait_signal(peer, 0, uint64_t(i) + 1, timeout_s);
+      ch.wait_signal(peer, 0, base + uint64_t(i) + 1, timeout_s);
       lat.push_back(std::chrono::duration<double, std::nano>(Clock::now() - t0).count());
     }
   }
+  ch.quiet();  // the responder's last reply must be delivered before the caller may tear down
   return lat;
 }
 

@@ -49,9 +49,11 @@ struct CheckResult {
 // throws). Verifies each newly covered message the moment its signal is seen, and everything at the end.
 CheckResult run_checker(Channel& ch, const TrafficPlan& plan, double timeout_s);
 
-// Round trips of `bytes`-byte write+signal between this rank and peer on stream 0. The initiator returns
-// one latency (ns) per iteration; the responder returns an empty vector.
+// Round trips of `bytes`-byte write+signal between this rank and peer on stream 0. `base` is the count of
+// slot (peer, stream 0) read by the caller before a barrier that both ranks pass before calling (reading it
+// here could race with the peer's first message). The initiator returns one latency (ns) per iteration; the
+// responder returns an empty vector.
 std::vector<double> run_pingpong(Channel& ch, int peer, bool initiator, int iterations, uint32_t bytes,
-                                 double timeout_s);
+                                 uint64_t base, double timeout_s);
 
 }  // namespace portep

@@ -32,6 +32,9 @@ void PendingSignalTable::on_write(uint32_t src, uint32_t stream, uint32_t epoch,
 
 void PendingSignalTable::on_signal(uint32_t src, uint32_t stream, uint32_t epoch, uint32_t units, bool final_signal,
                                    std::vector<SignalRelease>* out) {
+  if (units > imm::kMaxUnits)
+    throw OrderingError("signal of source " + std::to_string(src) + " stream " + std::to_string(stream) + " names " +
+                        std::to_string(units) + " units; an epoch holds at most " + std::to_string(imm::kMaxUnits));
   StreamState& s = state(src, stream);
   EpochState& e = s.epochs[epoch % imm::kNumEpochs];
   if (e.signal_present)

@@ -20,6 +20,9 @@ void SeqReorderBuffer::on_add(uint32_t src, uint32_t slot, uint32_t seq, uint32_
     throw OrderingError("sequenced add for source " + std::to_string(src) + " slot " + std::to_string(slot) +
                         " is outside the buffer (" + std::to_string(num_sources_) + " sources, " +
                         std::to_string(num_slots_) + " slots)");
+  if (value > imm::kMaxSeqValue)
+    throw OrderingError("sequenced add of " + std::to_string(value) + " exceeds the encodable maximum " +
+                        std::to_string(imm::kMaxSeqValue));
   SlotState& s = slots_[size_t(src) * num_slots_ + slot];
   seq %= imm::kSeqSpace;
   const uint32_t distance = (seq + imm::kSeqSpace - s.expected) % imm::kSeqSpace;

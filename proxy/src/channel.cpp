@@ -101,7 +101,8 @@ uint64_t Channel::wait_signal(int src, uint32_t stream, uint64_t count, double t
       if (std::chrono::steady_clock::now() - start > std::chrono::duration<double>(timeout_s))
         throw std::runtime_error("rank " + std::to_string(opts_.proxy.rank) + ": signal (src " + std::to_string(src) +
                                  ", stream " + std::to_string(stream) + ") reached " + std::to_string(v & 0xffffffffu) +
-                                 " of " + std::to_string(count) + " within " + std::to_string(timeout_s) + " s");
+                                 " of " + std::to_string(count) + " within " + std::to_string(timeout_s) + " s; " +
+                                 transport_->describe_peer(src));
       std::this_thread::yield();
     }
   }

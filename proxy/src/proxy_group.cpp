@@ -82,9 +82,12 @@ void ProxyGroupImpl::wait_barrier_arrivals(uint64_t epoch) {
     if (failed()) throw std::runtime_error(error());
     if (iter > 64) std::this_thread::sleep_for(std::chrono::microseconds(iter > 4096 ? 100 : 2));
     if (Clock::now() - start > limit) {
+      std::string peers;
+      for (int p = 0; p < cfg.num_ranks; ++p)
+        if (p != cfg.rank) peers += (peers.empty() ? "" : ", ") + transport->describe_peer(p);
       throw std::runtime_error("barrier " + std::to_string(epoch) + " on rank " + std::to_string(cfg.rank) + ": " +
                                std::to_string(count.load()) + " of " + std::to_string(expected) +
-                               " peers arrived within " + std::to_string(cfg.timeout_s) + " s");
+                               " peers arrived within " + std::to_string(cfg.timeout_s) + " s; peers: " + peers);
     }
   }
   count.fetch_sub(expected, std::memory_order_acq_rel);

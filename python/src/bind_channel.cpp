@@ -135,5 +135,5 @@ void bind_channel(py::module_& m) {
       py::arg("channel"), py::arg("producers"), py::arg("messages_per_producer"), py::arg("max_message_bytes"),
       py::arg("signal_every"), py::arg("seed"), py::arg("timeout_s"));
   m.def("run_pingpong", &run_pingpong, py::arg("channel"), py::arg("peer"), py::arg("initiator"),
-        py::arg("iterations"), py::arg("nbytes"), py::arg("timeout_s"), py::call_guard<py::gil_scoped_release>());
+        py::arg("iterations"), py::arg("nbytes"), py::arg("base"), py::arg("timeout_s"), py::call_guard<py::gil_scoped_release>());
 }

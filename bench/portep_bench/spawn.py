@@ -1,0 +1,82 @@
+"""Spawn N ranks on this host with a gloo group, run a function in each, and collect results or errors.
+
+Every run is bounded: a rank that does not report within the timeout is killed and the caller fails.
+Used by the benchmarks and by the multi-process tests.
+"""
+
+import datetime
+import multiprocessing as mp
+import os
+import queue
+import socket
+import traceback
+
+
+def free_port():
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _entry(fn, rank, world, port, args, results, env):
+    os.environ.update(env)
+    import torch.distributed as dist
+
+    try:
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+                                timeout=datetime.timedelta(seconds=60))
+        value = fn(rank, world, *args)
+        results.put((rank, "ok", value))
+    except BaseException:  # noqa: BLE001 - forwarded to the test
+        results.put((rank, "error", traceback.format_exc()))
+    finally:
+        if dist.is_initialized():
+            try:
+                dist.destroy_process_group()
+            except Exception:  # noqa: BLE001
+                pass
+
+
+class RankFailure(AssertionError):
+    pass
+
+
+def run_ranks(fn, world, args=(), timeout=180, env=None, expect_missing=()):
+    """Runs fn(rank, world, *args) in `world` processes; returns {rank: value}.
+
+    Ranks in expect_missing may die without reporting (used by crash tests). Any other rank that raises or
+    does not report within `timeout` seconds fails the call with its traceback.
+    """
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    port = free_port()
+    procs = [ctx.Process(target=_entry, args=(fn, r, world, port, args, results, dict(env or {})), daemon=True)
+             for r in range(world)]
+    for p in procs:
+        p.start()
+    out, errors = {}, {}
+    waiting = set(range(world)) - set(expect_missing)
+    try:
+        deadline = datetime.datetime.now() + datetime.timedelta(seconds=timeout)
+        while waiting:
+            left = (deadline - datetime.datetime.now()).total_seconds()
+            if left <= 0:
+                raise RankFailure(f"ranks {sorted(waiting)} did not finish within {timeout} s")
+            try:
+                rank, status, value = results.get(timeout=min(left, 1.0))
+            except queue.Empty:
+                dead = [r for r in waiting if procs[r].exitcode not in (None, 0)]
+                if dead:
+                    raise RankFailure(f"ranks {dead} died (exit codes {[procs[r].exitcode for r in dead]})") from None
+                continue
+            waiting.discard(rank)
+            (out if status == "ok" else errors)[rank] = value
+        if errors:
+            raise RankFailure("\n".join(f"--- rank {r} ---\n{tb}" for r, tb in sorted(errors.items())))
+        return out
+    finally:
+        for p in procs:
+            p.join(timeout=10)
+            if p.is_alive():
+                p.kill()
+                p.join()

@@ -1,0 +1,25 @@
+"""Small statistics and table helpers shared by the benchmarks."""
+
+
+def median(values):
+    v = sorted(values)
+    n = len(v)
+    if n == 0:
+        raise ValueError("median of no values")
+    return v[n // 2] if n % 2 else 0.5 * (v[n // 2 - 1] + v[n // 2])
+
+
+def percentile(values, q):
+    v = sorted(values)
+    if not v:
+        raise ValueError("percentile of no values")
+    k = min(len(v) - 1, max(0, int(round(q / 100.0 * (len(v) - 1)))))
+    return v[k]
+
+
+def table(headers, rows):
+    cells = [[str(h) for h in headers]] + [[str(c) for c in r] for r in rows]
+    widths = [max(len(row[i]) for row in cells) for i in range(len(headers))]
+    line = lambda row: "| " + " | ".join(c.rjust(w) for c, w in zip(row, widths)) + " |"  # noqa: E731
+    sep = "|" + "|".join("-" * (w + 2) for w in widths) + "|"
+    return "\n".join([line(cells[0]), sep] + [line(r) for r in cells[1:]])

@@ -1,0 +1,138 @@
+"""`python -m portep.doctor [--json]`: what this build contains and what this machine has."""
+
+import argparse
+import json
+import os
+import platform
+import sys
+
+from ._native import native, native_error
+
+
+def _rdma_devices():
+    root = "/sys/class/infiniband"
+    if not os.path.isdir(root):
+        return [], "no RDMA devices: /sys/class/infiniband is absent (no RDMA support in this kernel or no device)"
+    devices = []
+    for name in sorted(os.listdir(root)):
+        ports = os.path.join(root, name, "ports")
+        port_info = {}
+        for port in sorted(os.listdir(ports)) if os.path.isdir(ports) else []:
+            def read(field, port=port):
+                try:
+                    with open(os.path.join(ports, port, field)) as f:
+                        return f.read().strip()
+                except OSError:
+                    return None
+            port_info[port] = {"state": read("state"), "link_layer": read("link_layer")}
+        devices.append({"name": name, "ports": port_info, "efa": name.startswith("efa")})
+    return devices, "" if devices else "no RDMA devices found"
+
+
+def _torch_facts():
+    try:
+        import torch
+    except ImportError:
+        return {"installed": False}
+    facts = {"installed": True, "version": torch.__version__, "cuda_available": torch.cuda.is_available()}
+    try:
+        import torch.distributed as dist
+
+        facts["distributed"] = dist.is_available()
+        facts["gloo"] = dist.is_available() and dist.is_gloo_available()
+        facts["nccl"] = dist.is_available() and dist.is_nccl_available()
+    except Exception as exc:  # noqa: BLE001 - reported, not fatal
+        facts["distributed_error"] = str(exc)
+    if facts["cuda_available"]:
+        try:
+            facts["nccl_version"] = ".".join(map(str, torch.cuda.nccl.version()))
+        except Exception as exc:  # noqa: BLE001
+            facts["nccl_version_error"] = str(exc)
+    return facts
+
+
+def collect():
+    report = {
+        "version": None,
+        "python": sys.version.split()[0],
+        "platform": platform.platform(),
+        "native": native is not None,
+        "backends": [],
+        "backends_unavailable": {},
+        "transports": {},
+        "gpus": {"count": 0},
+    }
+    from . import __version__
+
+    report["version"] = __version__
+    if native is None:
+        report["native_error"] = native_error
+        return report
+    info = native.build_info()
+    report["build"] = info
+    report["backends"].append("host")
+    gpu_count, gpu_error = native.cuda_devices()
+    report["gpus"] = {"count": gpu_count}
+    if gpu_error:
+        report["gpus"]["error"] = gpu_error
+    if info["cuda_built"] and gpu_count > 0:
+        report["backends"].append("cuda")
+    elif info["cuda_built"]:
+        report["backends_unavailable"]["cuda"] = f"kernels built, but no usable GPU: {gpu_error or 'no device'}"
+    else:
+        report["backends_unavailable"]["cuda"] = f"kernels not built: {info['cuda_reason']}"
+    report["backends_unavailable"]["hip"] = "not built (no hipcc build of the kernels in this version)"
+    for t in native.transport_catalog():
+        entry = {k: t[k] for k in ("built", "ordered", "remote_atomics")}
+        if not t["built"]:
+            entry["reason"] = t["reason"]
+        report["transports"][t["name"]] = entry
+    devices, why = _rdma_devices()
+    report["rdma_devices"] = devices
+    if why:
+        report["rdma_note"] = why
+    report["torch"] = _torch_facts()
+    return report
+
+
+def format_text(r):
+    lines = [f"portep {r['version']} (python {r['python']}, {r['platform']})"]
+    if not r["native"]:
+        lines.append(f"  native module: MISSING: {r.get('native_error')}")
+        return "\n".join(lines)
+    lines.append(f"  backends:   {', '.join(r['backends'])}")
+    for name, why in r["backends_unavailable"].items():
+        lines.append(f"    {name:8s} unavailable: {why}")
+    lines.append("  transports:")
+    for name, t in r["transports"].items():
+        if t["built"]:
+            lines.append(f"    {name:14s} built  ordered={t['ordered']}  remote_atomics={t['remote_atomics']}")
+        else:
+            lines.append(f"    {name:14s} not built: {t['reason']}")
+    gpu = r["gpus"]
+    lines.append(f"  GPUs:       {gpu['count']}" + (f" ({gpu['error']})" if gpu.get("error") else ""))
+    lines.append(f"  RDMA:       {len(r['rdma_devices'])} device(s)" + (f" ({r['rdma_note']})" if r.get("rdma_note") else ""))
+    for d in r["rdma_devices"]:
+        lines.append(f"    {d['name']}{' (EFA)' if d['efa'] else ''}: {d['ports']}")
+    t = r["torch"]
+    if t.get("installed"):
+        extra = f", NCCL {t['nccl_version']}" if t.get("nccl_version") else ""
+        lines.append(f"  torch:      {t['version']} cuda={t['cuda_available']} gloo={t.get('gloo')} "
+                     f"nccl={t.get('nccl')}{extra}")
+    else:
+        lines.append("  torch:      not installed (needed for Channel bootstrap over torch.distributed)")
+    lines.append(f"  compiler:   {r['build']['compiler']}; CUDA kernels built: {r['build']['cuda_built']}")
+    return "\n".join(lines)
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(prog="python -m portep.doctor", description=__doc__)
+    parser.add_argument("--json", action="store_true", help="print a JSON object instead of text")
+    args = parser.parse_args(argv)
+    report = collect()
+    print(json.dumps(report, indent=2) if args.json else format_text(report))
+    return 0 if report["native"] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
