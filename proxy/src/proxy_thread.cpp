@@ -217,6 +217,7 @@ void ProxyThread::apply_notice(const RecvNotice& n) {
         releases_.push_back(SignalRelease{n.src, d.stream, d.units, d.final_signal});
       else
         pending_.on_signal(n.src, d.stream, d.epoch, d.units, d.final_signal, &releases_);
+      if (releases_.empty()) ++stats.signals_delayed;
       break;
     case imm::kControl:
       if (d.op != imm::kCtrlBarrier)

@@ -50,6 +50,7 @@ py::dict stats_dict(const ProxyThreadStats& s) {
   d["bytes"] = s.bytes;
   d["notices"] = s.notices;
   d["held_signals"] = s.held_signals;
+  d["signals_delayed"] = s.signals_delayed;
   return d;
 }
 }  // namespace

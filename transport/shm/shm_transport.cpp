@@ -5,6 +5,7 @@
 #include <string.h>
 #include <unistd.h>
 
+#include <fstream>
 #include <sstream>
 
 namespace portep {
@@ -166,7 +167,8 @@ bool ShmTransport::deliver(int channel, int peer, const Op& op) {
 
 void ShmTransport::deliver_some(int channel, int peer) {
   Lane& lane = channels_[channel].lanes[peer];
-  size_t n = (lane.pending.size() + 1) / 2;
+  // A small share per poll keeps ops waiting long enough to be overtaken by many later ones.
+  size_t n = (lane.pending.size() + 7) / 8;
   for (size_t i = 0; i < n && !lane.pending.empty(); ++i) {
     size_t k = lane.rng() % lane.pending.size();
     if (!deliver(channel, peer, lane.pending[k])) return;  // receiver's ring full: try again later
@@ -205,8 +207,13 @@ int ShmTransport::poll_recv(int channel, RecvNotice* out, int max) {
 
 std::string ShmTransport::describe_peer(int peer) const {
   if (peer < 0 || peer >= int(peers_.size())) return "rank " + std::to_string(peer) + " (unknown)";
-  int pid = peers_[peer].pid;
+  const int pid = peers_[peer].pid;
   bool alive = kill(pid, 0) == 0 || errno == EPERM;
+  if (alive) {  // a killed process stays a zombie until its parent reaps it: that counts as gone
+    std::ifstream stat("/proc/" + std::to_string(pid) + "/stat");
+    std::string pid_field, comm, state;
+    if (stat >> pid_field >> comm >> state) alive = state != "Z" && state != "X";
+  }
   return "rank " + std::to_string(peer) + " (pid " + std::to_string(pid) + (alive ? ", alive)" : ", process gone)");
 }
 

@@ -39,7 +39,9 @@ struct ProxyConfig {
 };
 
 struct ProxyThreadStats {
-  uint64_t commands = 0, writes = 0, signals = 0, bytes = 0, notices = 0, held_signals = 0;
+  uint64_t commands = 0, writes = 0, signals = 0, bytes = 0, notices = 0;
+  uint64_t held_signals = 0;     // signals waiting for their writes right now
+  uint64_t signals_delayed = 0;  // signals that arrived before their writes and were held (unordered transports)
 };
 
 class ProxyGroupImpl;
