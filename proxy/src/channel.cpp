@@ -108,4 +108,82 @@ uint64_t Channel::wait_signal(int src, uint32_t stream, uint64_t count, double t
   }
 }
 
+uint64_t Channel::write_rows(int dst, const int64_t* local_offs, const int64_t* remote_offs, size_t n,
+                             uint64_t row_bytes, uint32_t stream, bool merge) {
+  ProxyGroup& g = proxies();
+  const int fifo = g.fifo_for(uint32_t(dst), stream);
+  uint64_t commands = 0;
+  size_t i = 0;
+  while (i < n) {
+    uint64_t bytes = row_bytes;
+    size_t j = i + 1;
+    while (merge && j < n && local_offs[j] == local_offs[j - 1] + int64_t(row_bytes) &&
+           remote_offs[j] == remote_offs[j - 1] + int64_t(row_bytes) && bytes + row_bytes <= kMaxCmdBytes) {
+      bytes += row_bytes;
+      ++j;
+    }
+    if (local_offs[i] < 0 || remote_offs[i] < 0 || uint64_t(local_offs[i]) + bytes > opts_.data_bytes ||
+        uint64_t(remote_offs[i]) + bytes > opts_.data_bytes)
+      throw std::invalid_argument("rows [" + std::to_string(local_offs[i]) + " -> " + std::to_string(remote_offs[i]) +
+                                  ", +" + std::to_string(bytes) + ") exceed the registered " +
+                                  std::to_string(opts_.data_bytes) + " bytes");
+    TransferCmd cmd;
+    encode_or_throw(CmdFields{kOpWrite, 0, uint32_t(dst), uint32_t(bytes), stream, uint64_t(remote_offs[i]),
+                              uint64_t(local_offs[i])},
+                    &cmd);
+    g.push(fifo, cmd, &cached_tails_[fifo]);
+    ++commands;
+    i = j;
+  }
+  return commands;
+}
+
+uint8_t* Channel::peer_data(int dst) const {
+  return transport_ ? static_cast<uint8_t*>(transport_->peer_region(dst, kRegionData)) : nullptr;
+}
+
+uint64_t Channel::peer_data_bytes(int dst) const {
+  return transport_ ? transport_->peer_region_bytes(dst, kRegionData) : 0;
+}
+
+void Channel::direct_signal(int dst, uint32_t stream, uint64_t units, bool final_signal) {
+  if (stream >= opts_.proxy.num_streams)
+    throw std::invalid_argument("stream=" + std::to_string(stream) + " must be < num_streams=" +
+                                std::to_string(opts_.proxy.num_streams));
+  auto* slots = transport_ ? static_cast<uint64_t*>(transport_->peer_region(dst, kRegionSignal)) : nullptr;
+  if (!slots)
+    throw std::invalid_argument("rank " + std::to_string(dst) + " is not reachable by direct stores from rank " +
+                                std::to_string(opts_.proxy.rank));
+  uint64_t* slot = slots + uint64_t(opts_.proxy.rank) * opts_.proxy.num_streams + stream;
+  __atomic_fetch_add(slot, units + (final_signal ? kSignalFinalMark : 0), __ATOMIC_RELEASE);
+}
+
+uint64_t Channel::consume_signal(int src, uint32_t stream, uint64_t min_units, bool need_final, double timeout_s) {
+  ProxyGroup& g = proxies();
+  if (src < 0 || src >= opts_.proxy.num_ranks || stream >= opts_.proxy.num_streams)
+    throw std::invalid_argument("signal slot (src=" + std::to_string(src) + ", stream=" + std::to_string(stream) +
+                                ") is outside " + std::to_string(opts_.proxy.num_ranks) + " ranks x " +
+                                std::to_string(opts_.proxy.num_streams) + " streams");
+  uint64_t* slot = signals_ + uint64_t(src) * opts_.proxy.num_streams + stream;
+  const auto start = std::chrono::steady_clock::now();
+  for (uint64_t iter = 0;; ++iter) {
+    const uint64_t v = __atomic_load_n(slot, __ATOMIC_ACQUIRE);
+    const uint64_t units = v & 0xffffffffu;
+    if (need_final ? (v >> 32) >= 1 : units >= min_units) {
+      const uint64_t take = need_final ? units + kSignalFinalMark : min_units;
+      __atomic_fetch_sub(slot, take, __ATOMIC_ACQ_REL);
+      return need_final ? units : min_units;
+    }
+    if ((iter & 255) == 255) {
+      g.check_error();
+      if (std::chrono::steady_clock::now() - start > std::chrono::duration<double>(timeout_s))
+        throw std::runtime_error("rank " + std::to_string(opts_.proxy.rank) + ": waited " + std::to_string(timeout_s) +
+                                 " s for " + (need_final ? std::string("the final signal") : std::to_string(min_units) + " units") +
+                                 " of (src " + std::to_string(src) + ", stream " + std::to_string(stream) + "), have " +
+                                 std::to_string(units) + " units; " + transport_->describe_peer(src));
+      std::this_thread::yield();
+    }
+  }
+}
+
 }  // namespace portep

@@ -84,6 +84,25 @@ void bind_channel(py::module_& m) {
       .def("signal_view", [](Channel& c) {
         return py::memoryview::from_memory(static_cast<void*>(c.signals()), py::ssize_t(c.signal_slots() * 8), false);
       })
+      .def(
+          "write_rows",
+          [](Channel& c, int dst, uintptr_t local_offs, uintptr_t remote_offs, size_t n, uint64_t row_bytes,
+             uint32_t stream, bool merge) {
+            return c.write_rows(dst, reinterpret_cast<const int64_t*>(local_offs),
+                                reinterpret_cast<const int64_t*>(remote_offs), n, row_bytes, stream, merge);
+          },
+          py::arg("dst"), py::arg("local_offsets_ptr"), py::arg("remote_offsets_ptr"), py::arg("n"),
+          py::arg("row_bytes"), py::arg("stream"), py::arg("merge"), py::call_guard<py::gil_scoped_release>())
+      .def("peer_data_view",
+           [](Channel& c, int dst) -> py::object {
+             uint8_t* p = c.peer_data(dst);
+             if (!p) return py::none();
+             return py::memoryview::from_memory(static_cast<void*>(p), py::ssize_t(c.peer_data_bytes(dst)), false);
+           })
+      .def("direct_signal", &Channel::direct_signal, py::arg("dst"), py::arg("stream"), py::arg("units"),
+           py::arg("final"))
+      .def("consume_signal", &Channel::consume_signal, py::arg("src"), py::arg("stream"), py::arg("min_units"),
+           py::arg("need_final"), py::arg("timeout_s"), py::call_guard<py::gil_scoped_release>())
       .def_property_readonly("alive", &Channel::alive)
       .def_property_readonly("transport_ordered", [](Channel& c) { return c.transport_props().ordered; })
       .def_property_readonly("transport_remote_atomics", [](Channel& c) { return c.transport_props().remote_atomics; })

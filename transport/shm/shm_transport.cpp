@@ -217,4 +217,14 @@ std::string ShmTransport::describe_peer(int peer) const {
   return "rank " + std::to_string(peer) + " (pid " + std::to_string(pid) + (alive ? ", alive)" : ", process gone)");
 }
 
+void* ShmTransport::peer_region(int peer, RegionId region) const {
+  if (!connected_ || peer < 0 || peer >= o_.num_ranks) return nullptr;
+  return region == kRegionData ? peers_[peer].data : peers_[peer].signal;
+}
+
+size_t ShmTransport::peer_region_bytes(int peer, RegionId region) const {
+  if (!connected_ || peer < 0 || peer >= o_.num_ranks) return 0;
+  return region == kRegionData ? peers_[peer].data_bytes : peers_[peer].signal_bytes;
+}
+
 }  // namespace portep

@@ -39,6 +39,23 @@ class Channel {
   // Waits until the low 32 bits of slot (src, stream) reach at least `count`; returns the slot value.
   uint64_t wait_signal(int src, uint32_t stream, uint64_t count, double timeout_s);
 
+  // Bulk and direct operations used by the EP kernels of the host backend.
+  // Pushes one WRITE per row i (local_offs[i] -> remote_offs[i], row_bytes each); rows contiguous on both sides
+  // are merged into one command of at most 16 MiB when `merge` (a signal then counts commands, not rows).
+  // Returns the number of commands pushed.
+  uint64_t write_rows(int dst, const int64_t* local_offs, const int64_t* remote_offs, size_t n, uint64_t row_bytes,
+                      uint32_t stream, bool merge);
+  // dst's data region when this process can store into it directly (same host), else nullptr.
+  uint8_t* peer_data(int dst) const;
+  uint64_t peer_data_bytes(int dst) const;
+  // Adds units (+ the final mark) to slot (this rank, stream) of dst with a release atomic on its mapped signal
+  // region: everything this thread stored into dst's memory before is visible once the slot shows the units.
+  void direct_signal(int dst, uint32_t stream, uint64_t units, bool final_signal);
+  // Waits for slot (src, stream) and takes what it was waiting for out of it (adds commute, so units a peer
+  // adds meanwhile stay): with need_final, all units and one final mark once a final mark is there; else
+  // exactly min_units once that many are there. Returns the units taken.
+  uint64_t consume_signal(int src, uint32_t stream, uint64_t min_units, bool need_final, double timeout_s);
+
   uint8_t* data() const { return data_; }
   uint64_t data_bytes() const { return opts_.data_bytes; }
   uint64_t* signals() const { return signals_; }

@@ -64,6 +64,12 @@ class Transport {
 
   // A short description of peer's state for error messages (e.g. "pid 123 exited").
   virtual std::string describe_peer(int peer) const = 0;
+
+  // The peer's region mapped into this process when it is reachable by plain loads and stores (shm: every
+  // rank of the host), else nullptr. Callers that store into it directly publish with a release atomic on the
+  // peer's signal region, never through this transport's queues.
+  virtual void* peer_region(int peer, RegionId region) const { return nullptr; }
+  virtual size_t peer_region_bytes(int peer, RegionId region) const { return 0; }
 };
 
 }  // namespace portep

@@ -1,0 +1,202 @@
+"""The host backend of the EP kernels: the calling CPU thread runs the dispatch/combine protocols over the
+registered communication memory of a Channel. Same-node peers are written directly (plain stores into their
+mapped memory, published by a release atomic on their signal slots); other peers get WRITE and SIGNAL
+commands through the FIFOs, the proxy threads and the transport, whose ordering protocol (on unordered
+transports) keeps every signal behind the writes it covers. `portep.Buffer` validates arguments and calls
+this engine; tensors are CPU tensors and results are DeepEP-shaped.
+
+Topology: rank r is on node r // ranks_per_node. HT traffic to another node goes to that node's forwarder with
+the sender's local index, which places it for its node peers; LL traffic goes straight to every rank.
+
+Every signal slot is consumed exactly (see Channel.consume_signal), so nothing needs zeroing between calls: a
+peer can run at most one call ahead, and the areas it writes in that call are ones this rank has finished
+reading (each call exchanges counts first, and nobody writes data before it has every rank's counts).
+"""
+
+import torch
+
+from ._native import require_native
+from .channel import Channel
+from . import host_ht, host_ll
+
+# Signal streams of one Buffer (slots are (source rank, stream)).
+STREAM_NOTIFY = 0
+STREAM_HT_TO_FORWARDER = 1
+STREAM_HT_PLACED = 2
+STREAM_HT_COMBINE_TO_FORWARDER = 3
+STREAM_HT_COMBINE_PARTIAL = 4
+STREAM_HT_COMBINE_DIRECT = 5
+STREAM_LL_BASE = 8
+ALIGN = 16
+
+
+def align(n, a=ALIGN):
+    return (n + a - 1) // a * a
+
+
+class HostEngine:
+    """One per Buffer. Construction is collective over `group`."""
+
+    def __init__(self, group, num_bytes, ranks_per_node, max_local_experts=1024, transport=None, timeout_s=None,
+                 allow_direct_ll=True, num_proxy_threads=4):
+        require_native()
+        self.group = group
+        self.rank = torch.distributed.get_rank(group)
+        self.num_ranks = torch.distributed.get_world_size(group)
+        if ranks_per_node < 1 or self.num_ranks % ranks_per_node:
+            raise ValueError(f"num_ranks_per_node={ranks_per_node} must divide the group size {self.num_ranks}")
+        self.ranks_per_node = ranks_per_node
+        self.num_nodes = self.num_ranks // ranks_per_node
+        self.max_local_experts = max_local_experts
+        self.allow_direct_ll = bool(allow_direct_ll)
+        self.channel = Channel(group, max(ALIGN, align(num_bytes)), transport=transport,
+                               num_streams=STREAM_LL_BASE + 4 * max_local_experts,
+                               num_proxy_threads=num_proxy_threads, timeout_s=timeout_s)
+        self.num_bytes = self.channel.nbytes
+        self.timeout_s = self.channel.timeout_s
+        self._native = self.channel._native
+        self.region = self.channel.buffer
+        self._peer_views = {}
+        self.ht_calls = 0  # parity of the notify area
+        self.ll_half = 0
+        self.ll_state = host_ll.LLState()
+
+    # ---- topology ----
+    def node_of(self, r):
+        return r // self.ranks_per_node
+
+    def local_of(self, r):
+        return r % self.ranks_per_node
+
+    @property
+    def node(self):
+        return self.node_of(self.rank)
+
+    def node_ranks(self, node=None):
+        node = self.node if node is None else node
+        return range(node * self.ranks_per_node, (node + 1) * self.ranks_per_node)
+
+    def forwarder(self, node, local_index=None):
+        """The rank of `node` that relays HT traffic from ranks with this local index."""
+        local_index = self.local_of(self.rank) if local_index is None else local_index
+        return node * self.ranks_per_node + local_index
+
+    # ---- data movement ----
+    def peer_view(self, dst):
+        """dst's whole registered memory as a uint8 tensor when it can be stored into directly, else None."""
+        if dst not in self._peer_views:
+            mv = self._native.peer_data_view(dst)
+            self._peer_views[dst] = None if mv is None else torch.frombuffer(mv, dtype=torch.uint8)
+        return self._peer_views[dst]
+
+    def direct(self, dst, low_latency=False):
+        if self.node_of(dst) != self.node or (low_latency and not self.allow_direct_ll and dst != self.rank):
+            return False
+        return self.peer_view(dst) is not None
+
+    def store(self, dst, offset, rows):
+        """Direct store of a [n, row_bytes] uint8 tensor at dst's offset (same node only)."""
+        n = rows.numel()
+        if n:
+            self.peer_view(dst)[offset:offset + n].view(rows.shape).copy_(rows)
+
+    def put_rows(self, dst, local_offsets, remote_offsets, row_bytes, stream, merge=True):
+        """WRITE commands from this rank's memory to dst's, one per row (contiguous rows merged if `merge`)."""
+        lo = local_offsets.to(torch.int64).contiguous()
+        ro = remote_offsets.to(torch.int64).contiguous()
+        if lo.numel():
+            self._native.write_rows(dst, lo.data_ptr(), ro.data_ptr(), lo.numel(), row_bytes, stream, merge)
+
+    def put_block(self, dst, local_offset, remote_offset, nbytes, stream):
+        if nbytes:
+            self.put_rows(dst, torch.tensor([local_offset]), torch.tensor([remote_offset]), nbytes, stream)
+
+    def signal(self, dst, stream, direct_units=0, final=True):
+        """Publish to dst's slot (this rank, stream): direct stores count `direct_units`; through the proxies the
+        slot counts the WRITE commands issued on this stream since the last signal."""
+        if self.direct(dst, low_latency=stream >= STREAM_LL_BASE):
+            self._native.direct_signal(dst, stream, direct_units, final)
+        else:
+            self._native.signal(dst, stream, final)
+
+    def consume(self, src, stream, min_units=0, need_final=True):
+        return self._native.consume_signal(src, stream, min_units, need_final, self.timeout_s)
+
+    # ---- count exchange (the notify step) ----
+    def exchange_rows(self, row):
+        """All-to-all of one int64 row per rank through the communication memory; returns [R, len(row)]."""
+        row = row.to(torch.int64).contiguous()
+        row_bytes = align(row.numel() * 8)
+        parity = self.ht_calls % 2
+        self.ht_calls += 1
+        base = parity * self.num_ranks * row_bytes
+        self.require_bytes(2 * self.num_ranks * row_bytes, "the count exchange")
+        mine = base + self.rank * row_bytes
+        self.region[mine:mine + row.numel() * 8].view(torch.int64).copy_(row)
+        for dst in range(self.num_ranks):
+            if self.direct(dst):
+                self.store(dst, mine, self.region[mine:mine + row_bytes])
+                self._native.direct_signal(dst, STREAM_NOTIFY, 1, False)
+            else:
+                self.put_block(dst, mine, mine, row_bytes, STREAM_NOTIFY)
+                self._native.signal(dst, STREAM_NOTIFY, False)
+        for src in range(self.num_ranks):
+            self.consume(src, STREAM_NOTIFY, 1, need_final=False)
+        table = self.region[base:base + self.num_ranks * row_bytes].view(self.num_ranks, row_bytes)
+        return table[:, :row.numel() * 8].contiguous().view(torch.int64).clone()
+
+    def notify_area_bytes(self, row_len):
+        return 2 * self.num_ranks * align(row_len * 8)
+
+    def require_bytes(self, needed, what):
+        if needed > self.num_bytes:
+            raise ValueError(f"the communication buffer has {self.num_bytes} bytes but {what} needs {needed} bytes "
+                             f"on some rank; create the Buffer with at least that many (num_nvl_bytes + "
+                             f"num_rdma_bytes)")
+
+    # ---- the API the Buffer calls ----
+    def get_dispatch_layout(self, topk_idx, num_experts):
+        return host_ht.dispatch_layout(self, topk_idx, num_experts)
+
+    def dispatch(self, *args, **kwargs):
+        return host_ht.dispatch(self, *args, **kwargs)
+
+    def combine(self, x, handle, topk_weights, bias):
+        return host_ht.combine(self, x, handle, topk_weights, bias)
+
+    def low_latency_dispatch(self, *args, **kwargs):
+        return host_ll.dispatch(self, *args, **kwargs)
+
+    def low_latency_combine(self, *args, **kwargs):
+        return host_ll.combine(self, *args, **kwargs)
+
+    def get_next_low_latency_combine_buffer(self, handle):
+        return host_ll.next_combine_buffer(self, handle)
+
+    def clean_low_latency_buffer(self, num_max_dispatch_tokens_per_rank, hidden, num_experts):
+        host_ll.clean(self, num_max_dispatch_tokens_per_rank, hidden, num_experts)
+
+    def get_local_buffer_tensor(self, dtype, size=None, offset=0, use_rdma_buffer=False):
+        """A raw view of this rank's communication memory from byte `offset` (the host backend has one memory
+        for NVL and RDMA uses; use_rdma_buffer is accepted for compatibility)."""
+        if offset < 0 or offset > self.num_bytes:
+            raise ValueError(f"offset={offset} must be in 0..{self.num_bytes}")
+        elem = torch.empty((), dtype=dtype).element_size()
+        view = self.region[offset:offset + (self.num_bytes - offset) // elem * elem].view(dtype)
+        if size is not None:
+            count = 1
+            for s in size:
+                count *= s
+            if count > view.numel():
+                raise ValueError(f"size={tuple(size)} needs {count * elem} bytes from offset {offset}, "
+                                 f"the buffer has {view.numel() * elem}")
+            view = view[:count].view(size)
+        return view
+
+    def barrier(self):
+        self.channel.barrier()
+
+    def destroy(self):
+        self._peer_views.clear()
+        self.region = None
+        self.channel.destroy()

@@ -1,0 +1,436 @@
+"""HT (normal-mode) layout, dispatch and combine on the host backend (see host_backend.py for the model).
+
+Dispatch, per call: (1) exchange counts, so every rank knows every rank's memory layout for this call; (2) write
+each token once to every same-node destination, at its final row (source-rank blocks in ascending order, source
+token order inside a block), and once per other node to that node's forwarder, in chunks through the proxies;
+(3) forwarders place what they received for their node peers; (4) each rank waits for the final signal of every
+same-node writer and unpacks. Combine runs the same paths backwards: same-node contributions are stored into
+the source's memory, other-node contributions are summed in FP32 by the forwarder (node ranks ascending) and sent
+back as one partial per token; the source adds bias, same-node rows (ranks ascending) and partials (nodes
+ascending), so results are bitwise reproducible.
+
+Record of one dispatched token (16-byte aligned): [src_token i32, node_mask i32, src_rank i32, 0 i32]
+[x bytes][scales S x 4][topk ids K x i64 (global)][topk weights K x f32].
+"""
+
+import torch
+
+from . import host_backend as hb
+
+HEADER = 16
+
+
+def dispatch_layout(eng, topk_idx, num_experts):
+    R = eng.num_ranks
+    E_l = num_experts // R
+    N = topk_idx.size(0)
+    valid = topk_idx >= 0
+    owner = torch.where(valid, topk_idx // E_l, torch.full_like(topk_idx, R))
+    in_rank = torch.zeros(N, R + 1, dtype=torch.bool)
+    in_rank.scatter_(1, owner, True)
+    is_token_in_rank = in_rank[:, :R].contiguous()
+    per_rank = is_token_in_rank.sum(0, dtype=torch.int32)
+    per_expert = torch.bincount(topk_idx[valid], minlength=num_experts).to(torch.int32)
+    per_node = None
+    if eng.num_nodes > 1:
+        per_node = is_token_in_rank.view(N, eng.num_nodes, eng.ranks_per_node).any(2).sum(0, dtype=torch.int32)
+    return per_rank, per_node, per_expert, is_token_in_rank
+
+
+def channel_ids(num_tokens, num_channels):
+    """DeepEP's split of tokens into contiguous channel ranges."""
+    per = (num_tokens + num_channels - 1) // num_channels if num_tokens else 1
+    return torch.arange(num_tokens) // max(per, 1)
+
+
+class _Record:
+    def __init__(self, hidden_bytes, num_scales, num_topk):
+        self.x = HEADER
+        self.scales = self.x + hidden_bytes
+        self.topk = self.scales + 4 * num_scales
+        self.weights = self.topk + 8 * num_topk
+        self.bytes = hb.align(self.weights + 4 * num_topk)
+        self.hidden_bytes, self.num_scales, self.num_topk = hidden_bytes, num_scales, num_topk
+
+
+def _pack_records(eng, rec, x, x_scales, topk_idx, topk_weights, node_masks):
+    N = x.size(0)
+    out = torch.zeros(N, rec.bytes, dtype=torch.uint8)
+    header = torch.zeros(N, 4, dtype=torch.int32)
+    header[:, 0] = torch.arange(N, dtype=torch.int32)
+    header[:, 1] = node_masks
+    header[:, 2] = eng.rank
+    out[:, :HEADER] = header.view(torch.uint8)
+    out[:, rec.x:rec.scales] = x.contiguous().view(torch.uint8).view(N, rec.hidden_bytes)
+    if rec.num_scales:
+        out[:, rec.scales:rec.topk] = x_scales.contiguous().view(torch.uint8).view(N, 4 * rec.num_scales)
+    if rec.num_topk:
+        out[:, rec.topk:rec.weights] = topk_idx.to(torch.int64).contiguous().view(torch.uint8).view(N, -1)
+        out[:, rec.weights:rec.weights + 4 * rec.num_topk] = \
+            topk_weights.to(torch.float32).contiguous().view(torch.uint8).view(N, -1)
+    return out
+
+
+def _node_masks(eng, is_token_in_rank):
+    """[N, num_nodes] int32: bit l set when local rank l of that node receives the token."""
+    N = is_token_in_rank.size(0)
+    bits = (1 << torch.arange(eng.ranks_per_node, dtype=torch.int32))
+    per_node = is_token_in_rank.view(N, eng.num_nodes, eng.ranks_per_node).to(torch.int32)
+    return (per_node * bits).sum(2, dtype=torch.int32)
+
+
+class _Plan:
+    """Everyone's counts for one call, and from them every rank's memory layout."""
+
+    def __init__(self, eng, counts, rec_bytes, notify_len, forward_bytes=None):
+        R, Nn, rpn = eng.num_ranks, eng.num_nodes, eng.ranks_per_node
+        self.cnt = counts["rank"]       # [R src, R dst]
+        self.node_cnt = counts["node"]  # [R src, Nn]
+        self.rec = rec_bytes
+        fwd = rec_bytes if forward_bytes is None else forward_bytes
+        start = eng.notify_area_bytes(notify_len)
+        self.staging, self.rdma, self.nvl, self.end = [], [], [], []
+        for r in range(R):
+            node, local = r // rpn, r % rpn
+            other = [n for n in range(Nn) if n != node]
+            staging = {}
+            off = start
+            for n in other:
+                staging[n] = off
+                off += int(self.node_cnt[r, n]) * fwd
+            rdma = {}
+            for n in other:
+                s = n * rpn + local
+                rdma[s] = off
+                off += int(self.node_cnt[s, node]) * rec_bytes
+            nvl = {}
+            for s in range(R):
+                nvl[s] = off
+                off += int(self.cnt[s, r]) * rec_bytes
+            self.staging.append(staging)
+            self.rdma.append(rdma)
+            self.nvl.append(nvl)
+            self.end.append(off)
+
+    def needed(self):
+        return max(self.end)
+
+
+def _exchange_counts(eng, is_token_in_rank, extra=None):
+    N, R = is_token_in_rank.shape
+    rank_cnt = is_token_in_rank.sum(0, dtype=torch.int64)
+    node_cnt = is_token_in_rank.view(N, eng.num_nodes, eng.ranks_per_node).any(2).sum(0, dtype=torch.int64)
+    parts = [rank_cnt, node_cnt] + ([extra.flatten().to(torch.int64)] if extra is not None else [])
+    row = torch.cat(parts)
+    table = eng.exchange_rows(row)
+    counts = {"rank": table[:, :R], "node": table[:, R:R + eng.num_nodes], "extra": table[:, R + eng.num_nodes:]}
+    return counts, row.numel()
+
+
+def _send_and_forward(eng, plan, records, is_token_in_rank, node_masks):
+    R, me = eng.num_ranks, eng.rank
+    rec = plan.rec
+    for d in eng.node_ranks():
+        rows = is_token_in_rank[:, d]
+        block = records[rows]
+        block[:, 4:8] = node_masks[rows, eng.node].view(-1, 1).view(torch.uint8)
+        eng.store(d, plan.nvl[d][me], block)
+    for n in range(eng.num_nodes):
+        if n == eng.node:
+            continue
+        rows = is_token_in_rank.view(-1, eng.num_nodes, eng.ranks_per_node)[:, n].any(1)
+        block = records[rows].clone()
+        block[:, 4:8] = node_masks[rows, n].contiguous().view(torch.uint8).view(-1, 4)
+        off = plan.staging[me][n]
+        eng.region[off:off + block.numel()].view(block.shape).copy_(block)
+        f = eng.forwarder(n)
+        eng.put_block(f, off, plan.rdma[f][me], block.numel(), hb.STREAM_HT_TO_FORWARDER)
+        eng.signal(f, hb.STREAM_HT_TO_FORWARDER)
+    nvl_head = _forward(eng, plan)
+    for d in eng.node_ranks():
+        eng.signal(d, hb.STREAM_HT_PLACED)
+    return nvl_head
+
+
+def _forward(eng, plan):
+    """Place what other nodes' ranks (with this rank's local index) sent here into the node peers' memory.
+    Returns send_nvl_head rows for the forwarded tokens: position in each local peer's block, or -1."""
+    me, rec = eng.rank, plan.rec
+    heads = []
+    for s in sorted(plan.rdma[me]):
+        eng.consume(s, hb.STREAM_HT_TO_FORWARDER)
+        n_rows = int(plan.node_cnt[s, eng.node])
+        off = plan.rdma[me][s]
+        block = eng.region[off:off + n_rows * rec].view(n_rows, rec)
+        masks = block[:, 4:8].contiguous().view(torch.int32).view(-1)
+        head = torch.full((n_rows, max(8, eng.ranks_per_node)), -1, dtype=torch.int32)
+        for local, d in enumerate(eng.node_ranks()):
+            rows = (masks >> local) & 1 == 1
+            head[rows, local] = torch.arange(int(rows.sum()), dtype=torch.int32)
+            eng.store(d, plan.nvl[d][s], block[rows])
+        heads.append(head)
+    if not heads:
+        return torch.empty(0, max(8, eng.ranks_per_node), dtype=torch.int32)
+    return torch.cat(heads)
+
+
+def _writers_of(eng):
+    """Same-node ranks that store into this rank's memory during one dispatch (everyone of the node)."""
+    return list(eng.node_ranks())
+
+
+def dispatch(eng, x, x_scales, topk_idx, topk_weights, num_tokens_per_rank, num_tokens_per_rdma_rank,
+             is_token_in_rank, num_tokens_per_expert, expert_alignment, num_worst_tokens, num_channels, handle):
+    cached = handle is not None
+    if cached:
+        is_token_in_rank = handle[0] if eng.num_nodes > 1 else handle[4]
+    N, R = x.size(0), eng.num_ranks
+    hidden_bytes = x.size(1) * x.element_size()
+    rec = _Record(hidden_bytes, 0 if x_scales is None else x_scales.size(1), 0 if topk_idx is None else topk_idx.size(1))
+    rec.scale_dtype = None if x_scales is None else x_scales.dtype
+    chan = channel_ids(N, num_channels)
+    one_hot = torch.nn.functional.one_hot(chan, num_channels).to(torch.int64)  # [N, C]
+    per_channel = is_token_in_rank.to(torch.int64).T @ one_hot  # [R, C]
+    E = 0 if cached else num_tokens_per_expert.numel()
+    extra = torch.cat([per_channel.flatten(),
+                       num_tokens_per_expert.to(torch.int64) if not cached else torch.zeros(0, dtype=torch.int64)])
+    counts, row_len = _exchange_counts(eng, is_token_in_rank, extra)
+    plan = _Plan(eng, counts, rec.bytes, row_len)
+    eng.require_bytes(plan.needed(), f"this dispatch ({rec.bytes}-byte rows)")
+    node_masks = _node_masks(eng, is_token_in_rank)
+    records = _pack_records(eng, rec, x, x_scales, topk_idx, topk_weights, torch.zeros(N, dtype=torch.int32))
+    nvl_head = _send_and_forward(eng, plan, records, is_token_in_rank, node_masks)
+    for w in _writers_of(eng):
+        eng.consume(w, hb.STREAM_HT_PLACED)
+    num_recv = int(counts["rank"][:, eng.rank].sum())
+    off = plan.nvl[eng.rank][0]
+    recv = eng.region[off:off + num_recv * rec.bytes].view(num_recv, rec.bytes).clone()
+    all_channel = counts["extra"][:, :R * num_channels].view(R, R, num_channels)
+    return _unpack(eng, x, rec, recv, counts, all_channel, num_channels, cached, num_worst_tokens,
+                   expert_alignment, E, is_token_in_rank, chan, nvl_head, handle)
+
+
+def _unpack(eng, x, rec, recv, counts, all_channel, C, cached, num_worst_tokens, expert_alignment, E,
+            is_token_in_rank, chan, nvl_head, handle):
+    me, R = eng.rank, eng.num_ranks
+    num_recv = recv.size(0)
+    rows = num_worst_tokens if num_worst_tokens > 0 else num_recv
+    if num_recv > rows:
+        raise RuntimeError(f"rank {me} received {num_recv} tokens but num_worst_tokens={num_worst_tokens}")
+    H = x.size(1)
+    recv_x = torch.zeros(rows, H, dtype=x.dtype)
+    recv_x[:num_recv] = recv[:, rec.x:rec.scales].contiguous().view(x.dtype).view(num_recv, H)
+    recv_scales = None
+    if rec.num_scales:
+        recv_scales = torch.zeros(rows, rec.num_scales, dtype=rec.scale_dtype)
+        recv_scales[:num_recv] = recv[:, rec.scales:rec.topk].contiguous().view(rec.scale_dtype).view(num_recv, -1)
+    if cached:
+        return recv_x, recv_scales, None, None, None, None
+    recv_topk_idx = recv_topk_weights = None
+    if rec.num_topk:
+        K = rec.num_topk
+        gidx = recv[:, rec.topk:rec.weights].contiguous().view(torch.int64).view(num_recv, K)
+        w = recv[:, rec.weights:rec.weights + 4 * K].contiguous().view(torch.float32).view(num_recv, K)
+        E_l = E // R
+        local = (gidx >= me * E_l) & (gidx < (me + 1) * E_l)
+        recv_topk_idx = torch.full((rows, K), -1, dtype=torch.int64)
+        recv_topk_idx[:num_recv] = torch.where(local, gidx - me * E_l, torch.full_like(gidx, -1))
+        recv_topk_weights = torch.zeros(rows, K, dtype=torch.float32)
+        recv_topk_weights[:num_recv] = torch.where(local, w, torch.zeros_like(w))
+    expert_counts = counts["extra"][:, R * C:R * C + E].sum(0)
+    E_l = E // R
+    mine = expert_counts[me * E_l:(me + 1) * E_l]
+    aligned = ((mine + expert_alignment - 1) // expert_alignment * expert_alignment).tolist()
+    recv_list = [] if num_worst_tokens > 0 else [int(v) for v in aligned]
+    src_idx = recv[:, 0:4].contiguous().view(torch.int32).view(-1)
+    new_handle = _make_handle(eng, counts, all_channel, C, is_token_in_rank, chan, recv, src_idx, nvl_head)
+    return recv_x, recv_scales, recv_topk_idx, recv_topk_weights, recv_list, new_handle
+
+
+def _positions(mask_matrix):
+    """For a bool [N, M] matrix: each True's index among the Trues of its column, -1 elsewhere (int32)."""
+    pos = torch.cumsum(mask_matrix.to(torch.int32), 0, dtype=torch.int32) - 1
+    return torch.where(mask_matrix, pos, torch.full_like(pos, -1))
+
+
+def _make_handle(eng, counts, all_channel, C, is_token_in_rank, chan, recv, src_idx, nvl_head):
+    me, R = eng.rank, eng.num_ranks
+    cnt = counts["rank"]
+    send_channel = all_channel[me]  # [R dst, C]
+    channel_prefix = torch.cumsum(send_channel, 1).to(torch.int32)
+    recv_channel_prefix = (torch.cumsum(all_channel[:, me, :], 1) - all_channel[:, me, :]).to(torch.int32)
+    if eng.num_nodes == 1:
+        rank_prefix = torch.cumsum(cnt, 0).to(torch.int32)
+        send_head = _positions(is_token_in_rank)
+        return (rank_prefix, channel_prefix, recv_channel_prefix, src_idx.clone(), is_token_in_rank, send_head)
+    N = is_token_in_rank.size(0)
+    Nn, rpn = eng.num_nodes, eng.ranks_per_node
+    to_node = is_token_in_rank.view(N, Nn, rpn).any(2)
+    node_channel = torch.zeros(Nn, C, dtype=torch.int64)
+    for n in range(Nn):
+        node_channel[n] = torch.bincount(chan[to_node[:, n]], minlength=C)[:C]
+    rdma_channel_prefix = torch.cumsum(node_channel, 1).to(torch.int32)
+    served = [n * rpn + eng.local_of(me) for n in range(Nn)]
+    recv_rdma = torch.stack([counts["node"][s, eng.node] for s in served])
+    recv_rdma_channel_prefix = torch.zeros(Nn, C, dtype=torch.int32)
+    recv_rdma_rank_prefix_sum = torch.cumsum(recv_rdma, 0).to(torch.int32)
+    recv_gbl_rank_prefix_sum = torch.cumsum(cnt[:, me], 0).to(torch.int32)
+    header = recv[:, 0:16].contiguous().view(torch.int32).view(-1, 4)
+    meta = torch.zeros(recv.size(0), 2, dtype=torch.int32)
+    meta[:, 0] = header[:, 2] // rpn
+    meta[:, 1] = header[:, 1]
+    recv_src_meta = meta.view(torch.uint8).view(-1, 8)
+    send_rdma_head = _positions(to_node)
+    return (is_token_in_rank, rdma_channel_prefix, channel_prefix, recv_rdma_channel_prefix,
+            recv_rdma_rank_prefix_sum, recv_channel_prefix, recv_gbl_rank_prefix_sum, recv_src_meta,
+            send_rdma_head, nvl_head)
+
+
+# ---------------------------------------------------------------- combine
+
+def _combine_plan(eng, is_token_in_rank, crec, prec):
+    """Layout of the combine areas: direct area at the source (same-node contributions, ranks ascending), the
+    to-forwarder area at forwarders (per served source, node ranks ascending), partial staging at forwarders
+    and the partial area at the source (other nodes ascending)."""
+    counts, row_len = _exchange_counts(eng, is_token_in_rank)
+    R, Nn, rpn = eng.num_ranks, eng.num_nodes, eng.ranks_per_node
+    cnt, node_cnt = counts["rank"], counts["node"]
+    start = eng.notify_area_bytes(row_len)
+    plan = {"cnt": cnt, "node_cnt": node_cnt, "direct": [], "to_fwd": [], "staging": [], "partial": [], "end": []}
+    for r in range(R):
+        node, local = r // rpn, r % rpn
+        off = start
+        direct = {}
+        for d in range(node * rpn, (node + 1) * rpn):
+            direct[d] = off
+            off += int(cnt[r, d]) * crec
+        to_fwd, staging = {}, {}
+        for n in range(Nn):
+            if n == node:
+                continue
+            s = n * rpn + local
+            for d in range(node * rpn, (node + 1) * rpn):
+                to_fwd[(s, d)] = off
+                off += int(cnt[s, d]) * crec
+            staging[s] = off
+            off += int(node_cnt[s, node]) * prec
+        partial = {}
+        for n in range(Nn):
+            if n != node:
+                partial[n] = off
+                off += int(node_cnt[r, n]) * prec
+        for key, value in (("direct", direct), ("to_fwd", to_fwd), ("staging", staging), ("partial", partial)):
+            plan[key].append(value)
+        plan["end"].append(off)
+    return plan
+
+
+def _recv_block_starts(eng, handle):
+    if eng.num_nodes == 1:
+        inclusive = handle[0][:, eng.rank].to(torch.int64)
+    else:
+        inclusive = handle[6].to(torch.int64)
+    return torch.cat([torch.zeros(1, dtype=torch.int64), inclusive])
+
+
+def combine(eng, x, handle, topk_weights, bias):
+    me, R = eng.rank, eng.num_ranks
+    is_token_in_rank = handle[4] if eng.num_nodes == 1 else handle[0]
+    N, H = is_token_in_rank.size(0), x.size(1)
+    K = 0 if topk_weights is None else topk_weights.size(1)
+    crec = hb.align(2 * H + 4 * K)
+    prec = hb.align(4 * H + 4 * K)
+    plan = _combine_plan(eng, is_token_in_rank, crec, prec)
+    eng.require_bytes(max(plan["end"]), f"this combine ({crec}-byte rows)")
+    num_recv = x.size(0)
+    rows = torch.zeros(num_recv, crec, dtype=torch.uint8)
+    rows[:, :2 * H] = x.contiguous().view(torch.uint8).view(num_recv, 2 * H)
+    if K:
+        rows[:, 2 * H:2 * H + 4 * K] = topk_weights.to(torch.float32).contiguous().view(torch.uint8).view(-1, 4 * K)
+    starts = _recv_block_starts(eng, handle)
+    for s in range(R):
+        block = rows[int(starts[s]):int(starts[s + 1])]
+        if eng.node_of(s) == eng.node:
+            eng.store(s, plan["direct"][s][me], block)
+        else:
+            f = eng.forwarder(eng.node, eng.local_of(s))
+            eng.store(f, plan["to_fwd"][f][(s, me)], block)
+    for d in eng.node_ranks():
+        eng.signal(d, hb.STREAM_HT_COMBINE_DIRECT)
+        if eng.num_nodes > 1:
+            eng.signal(d, hb.STREAM_HT_COMBINE_TO_FORWARDER)
+    if eng.num_nodes > 1:
+        _forward_partials(eng, plan, handle, H, K, crec, prec)
+    return _reduce_at_source(eng, plan, is_token_in_rank, handle, H, K, crec, prec, bias, N)
+
+
+def _read_rows(eng, off, n, width):
+    return eng.region[off:off + n * width].view(n, width)
+
+
+def _forward_partials(eng, plan, handle, H, K, crec, prec):
+    me = eng.rank
+    for w in eng.node_ranks():
+        eng.consume(w, hb.STREAM_HT_COMBINE_TO_FORWARDER)
+    nvl_head = handle[9]
+    row0 = 0
+    for s in sorted(plan["staging"][me]):
+        n_rows = int(plan["node_cnt"][s, eng.node])
+        head = nvl_head[row0:row0 + n_rows]
+        row0 += n_rows
+        acc = torch.zeros(n_rows, H, dtype=torch.float32)
+        wacc = torch.zeros(n_rows, K, dtype=torch.float32)
+        for local, d in enumerate(eng.node_ranks()):
+            sel = head[:, local] >= 0
+            if not bool(sel.any()):
+                continue
+            block = _read_rows(eng, plan["to_fwd"][me][(s, d)], int(plan["cnt"][s, d]), crec)
+            got = block[head[sel, local].to(torch.int64)]
+            acc[sel] += got[:, :2 * H].contiguous().view(torch.bfloat16).float()
+            if K:
+                wacc[sel] += got[:, 2 * H:2 * H + 4 * K].contiguous().view(torch.float32)
+        out = torch.zeros(n_rows, prec, dtype=torch.uint8)
+        out[:, :4 * H] = acc.view(torch.uint8).view(n_rows, 4 * H)
+        if K:
+            out[:, 4 * H:4 * H + 4 * K] = wacc.view(torch.uint8).view(n_rows, 4 * K)
+        off = plan["staging"][me][s]
+        eng.region[off:off + out.numel()].view(out.shape).copy_(out)
+        eng.put_block(s, off, plan["partial"][s][eng.node], out.numel(), hb.STREAM_HT_COMBINE_PARTIAL)
+        eng.signal(s, hb.STREAM_HT_COMBINE_PARTIAL)
+
+
+def _reduce_at_source(eng, plan, is_token_in_rank, handle, H, K, crec, prec, bias, N):
+    me = eng.rank
+    for d in eng.node_ranks():
+        eng.consume(d, hb.STREAM_HT_COMBINE_DIRECT)
+    for n in range(eng.num_nodes):
+        if n != eng.node:
+            eng.consume(eng.forwarder(n), hb.STREAM_HT_COMBINE_PARTIAL)
+    acc = torch.zeros(N, H, dtype=torch.float32)
+    wacc = torch.zeros(N, K, dtype=torch.float32)
+    for b in bias:
+        acc += b.float()
+    pos = _positions(is_token_in_rank)
+    for d in eng.node_ranks():
+        sel = pos[:, d] >= 0
+        if not bool(sel.any()):
+            continue
+        block = _read_rows(eng, plan["direct"][me][d], int(plan["cnt"][me, d]), crec)
+        got = block[pos[sel, d].to(torch.int64)]
+        acc[sel] += got[:, :2 * H].contiguous().view(torch.bfloat16).float()
+        if K:
+            wacc[sel] += got[:, 2 * H:2 * H + 4 * K].contiguous().view(torch.float32)
+    if eng.num_nodes > 1:
+        rdma_head = handle[8]
+        for n in range(eng.num_nodes):
+            if n == eng.node:
+                continue
+            sel = rdma_head[:, n] >= 0
+            if not bool(sel.any()):
+                continue
+            block = _read_rows(eng, plan["partial"][me][n], int(plan["node_cnt"][me, n]), prec)
+            got = block[rdma_head[sel, n].to(torch.int64)]
+            acc[sel] += got[:, :4 * H].contiguous().view(torch.float32)
+            if K:
+                wacc[sel] += got[:, 4 * H:4 * H + 4 * K].contiguous().view(torch.float32)
+    return acc.to(torch.bfloat16), (wacc if K else None)
