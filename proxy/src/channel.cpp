@@ -6,6 +6,18 @@
 
 namespace portep {
 
+namespace {
+// Host waits spin briefly, then sleep: on a host with more ranks than cores the peers we wait for need the CPU.
+void wait_backoff(uint64_t iter) {
+  if (iter < 256) return;
+  if (iter < 1024) {
+    std::this_thread::yield();
+    return;
+  }
+  std::this_thread::sleep_for(std::chrono::microseconds(iter < 8192 ? 5 : 20));
+}
+}  // namespace
+
 Channel::Channel(const ChannelOptions& o) : opts_(o) {
   opts_.transport.num_channels = o.proxy.num_threads;
   opts_.transport.rank = o.proxy.rank;
@@ -103,8 +115,8 @@ uint64_t Channel::wait_signal(int src, uint32_t stream, uint64_t count, double t
                                  ", stream " + std::to_string(stream) + ") reached " + std::to_string(v & 0xffffffffu) +
                                  " of " + std::to_string(count) + " within " + std::to_string(timeout_s) + " s; " +
                                  transport_->describe_peer(src));
-      std::this_thread::yield();
     }
+    wait_backoff(iter);
   }
 }
 
@@ -181,8 +193,34 @@ uint64_t Channel::consume_signal(int src, uint32_t stream, uint64_t min_units, b
                                  " s for " + (need_final ? std::string("the final signal") : std::to_string(min_units) + " units") +
                                  " of (src " + std::to_string(src) + ", stream " + std::to_string(stream) + "), have " +
                                  std::to_string(units) + " units; " + transport_->describe_peer(src));
-      std::this_thread::yield();
     }
+    wait_backoff(iter);
+  }
+}
+
+void Channel::write_rows_streams(int dst, const int64_t* local_offs, const int64_t* remote_offs,
+                                 const int64_t* streams, size_t n, uint64_t row_bytes) {
+  for (size_t i = 0; i < n; ++i)
+    write_rows(dst, local_offs + i, remote_offs + i, 1, row_bytes, uint32_t(streams[i]), false);
+}
+
+void Channel::signal_many(size_t n, const int64_t* dsts, const int64_t* streams, const int64_t* units,
+                          const uint8_t* direct) {
+  for (size_t i = 0; i < n; ++i) {
+    if (direct[i])
+      direct_signal(int(dsts[i]), uint32_t(streams[i]), uint64_t(units[i]), true);
+    else
+      signal(int(dsts[i]), uint32_t(streams[i]), true);
+  }
+}
+
+void Channel::consume_many(size_t n, const int64_t* srcs, const int64_t* streams, int64_t* units_out,
+                           int64_t* wait_ns_out, double timeout_s) {
+  for (size_t i = 0; i < n; ++i) {
+    const auto t0 = std::chrono::steady_clock::now();
+    units_out[i] = int64_t(consume_signal(int(srcs[i]), uint32_t(streams[i]), 0, true, timeout_s));
+    if (wait_ns_out)
+      wait_ns_out[i] = std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now() - t0).count();
   }
 }
 

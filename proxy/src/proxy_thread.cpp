@@ -10,25 +10,15 @@ using Clock = std::chrono::steady_clock;
 constexpr int kPopBatch = 64;
 constexpr int kPollBatch = 256;
 
-const char* op_name(uint32_t op) {
-  switch (op) {
-    case kOpWrite: return "WRITE";
-    case kOpSignal: return "SIGNAL";
-    case kOpQuiet: return "QUIET";
-    case kOpBarrier: return "BARRIER";
-    case kOpNop: return "NOP";
-  }
-  return "UNKNOWN";
-}
-
-// Spin briefly, then yield, then sleep: idle proxies must not starve producers on small machines.
+// Spin briefly, then yield, then sleep: idle proxies must not starve producers when ranks share few cores
+// (a yield with many runnable threads can cost a whole time slice, a short sleep does not).
 void idle_backoff(uint32_t idle_rounds) {
   if (idle_rounds < 64) return;
-  if (idle_rounds < 2048) {
+  if (idle_rounds < 256) {
     std::this_thread::yield();
     return;
   }
-  std::this_thread::sleep_for(std::chrono::microseconds(idle_rounds < 16384 ? 5 : 50));
+  std::this_thread::sleep_for(std::chrono::microseconds(idle_rounds < 4096 ? 10 : 50));
 }
 }  // namespace
 

@@ -1,13 +1,25 @@
 """portep: portable expert-parallel (MoE) communication.
 
 GPU kernels (or host threads on the host backend) push 16-byte commands into FIFOs; C++ proxy threads turn
-them into transfers on whatever transport the machine has. This release provides the native core and the
-low-level channel API (`portep.Channel`); the DeepEP-compatible `Buffer` builds on it.
+them into transfers on whatever transport the machine has. `portep.Buffer` is DeepEP V1's `deep_ep.Buffer` API
+on top of this; `portep.Channel` is the low-level one-sided API it builds on.
 """
 
 from ._native import native, native_error
 from .channel import Channel, DEFAULT_TIMEOUT_S
+from .deepep_config import Config
+from .event import EventOverlap
 
 __version__ = "0.1.0"
 
-__all__ = ["Channel", "DEFAULT_TIMEOUT_S", "native", "native_error", "__version__"]
+__all__ = ["Buffer", "Channel", "Config", "DEFAULT_TIMEOUT_S", "EventOverlap", "native", "native_error",
+           "topk_idx_t", "__version__"]
+
+
+def __getattr__(name):
+    # Buffer and topk_idx_t need torch; importing them lazily keeps `import portep` (and portep.doctor) torch-free.
+    if name in ("Buffer", "topk_idx_t"):
+        from . import buffer
+
+        return getattr(buffer, name)
+    raise AttributeError(f"module 'portep' has no attribute {name!r}")

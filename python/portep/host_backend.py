@@ -28,6 +28,9 @@ STREAM_HT_COMBINE_PARTIAL = 4
 STREAM_HT_COMBINE_DIRECT = 5
 STREAM_LL_BASE = 8
 ALIGN = 16
+BF16, F32 = 0, 1  # row dtypes of the native row kernels
+MAX_COMMAND_BYTES = 16 << 20
+MAX_CHANNELS = 128
 
 
 def align(n, a=ALIGN):
@@ -53,8 +56,15 @@ class HostEngine:
                                num_streams=STREAM_LL_BASE + 4 * max_local_experts,
                                num_proxy_threads=num_proxy_threads, timeout_s=timeout_s)
         self.num_bytes = self.channel.nbytes
+        # The count exchange has a fixed home (two parities of one slot per rank) that no data area overlaps: a
+        # peer one call ahead may write it while this rank still reads the previous call's data areas.
+        self.max_count_row = self.num_ranks + self.num_nodes + self.num_ranks * MAX_CHANNELS + \
+            self.num_ranks * max_local_experts
+        self.count_slot_bytes = align(8 * self.max_count_row)
+        self.data_start = 2 * self.num_ranks * self.count_slot_bytes
         self.timeout_s = self.channel.timeout_s
         self._native = self.channel._native
+        self.native = require_native()
         self.region = self.channel.buffer
         self._peer_views = {}
         self.ht_calls = 0  # parity of the notify area
@@ -107,9 +117,64 @@ class HostEngine:
         if lo.numel():
             self._native.write_rows(dst, lo.data_ptr(), ro.data_ptr(), lo.numel(), row_bytes, stream, merge)
 
+    def copy_rows(self, dst, dst_pitch, dst_idx, src, src_pitch, src_idx, row_bytes):
+        """Native row copy: dst/src are uint8 tensors (views of the communication memory or staging), indices
+        int64 tensors or None (row i)."""
+        idx = [None if t is None else t.to(torch.int64).contiguous() for t in (dst_idx, src_idx)]
+        n = (idx[0] if idx[0] is not None else idx[1]).numel()
+        if n:
+            self.native.copy_rows(dst.data_ptr(), dst_pitch, 0 if idx[0] is None else idx[0].data_ptr(),
+                                  src.data_ptr(), src_pitch, 0 if idx[1] is None else idx[1].data_ptr(), n, row_bytes)
+
+    def reduce_rows(self, out, out_pitch, out_dtype, n, width, sources, init=None):
+        """out rows (uint8 tensor at the first row) = init + sum over sources in order (see row_kernels.h).
+        sources: (uint8 tensor at row 0, pitch, dtype, int64 index [n] with -1 for none, float32 weights or None)."""
+        keep = []
+        native_sources = []
+        for base, pitch, dtype, index, weight in sources:
+            index = index.to(torch.int64).contiguous()
+            weight = None if weight is None else weight.to(torch.float32).contiguous()
+            keep += [index, weight]
+            native_sources.append((base.data_ptr(), pitch, dtype, index.data_ptr(),
+                                   0 if weight is None else weight.data_ptr()))
+        init = None if init is None else init.to(torch.float32).contiguous()
+        self.native.reduce_rows(out.data_ptr(), out_pitch, out_dtype, n, width, native_sources,
+                                0 if init is None else init.data_ptr())
+
+    def put_rows_streams(self, dst, local_offsets, remote_offsets, streams, row_bytes):
+        """One WRITE per row, each on its own stream (LL messages: a signal counts them one by one)."""
+        lo, ro, st = (t.to(torch.int64).contiguous() for t in (local_offsets, remote_offsets, streams))
+        if lo.numel():
+            self._native.write_rows_streams(dst, lo.data_ptr(), ro.data_ptr(), st.data_ptr(), lo.numel(), row_bytes)
+
+    def signal_many(self, dsts, streams, units):
+        """Final signals for (dst, stream) pairs; `units` counts direct stores (proxies count their writes)."""
+        dsts, streams, units = (t.to(torch.int64).contiguous() for t in (dsts, streams, units))
+        direct = torch.tensor([self.direct(int(d), low_latency=True) for d in range(self.num_ranks)],
+                              dtype=torch.uint8)[dsts].contiguous()
+        self._native.signal_many(dsts.numel(), dsts.data_ptr(), streams.data_ptr(), units.data_ptr(),
+                                 direct.data_ptr())
+
+    def consume_many(self, srcs, streams):
+        """Waits for the final signal of each (src, stream) in order; returns (units, nanoseconds waited)."""
+        srcs, streams = (t.to(torch.int64).contiguous() for t in (srcs, streams))
+        units = torch.empty(srcs.numel(), dtype=torch.int64)
+        waited = torch.empty(srcs.numel(), dtype=torch.int64)
+        self._native.consume_many(srcs.numel(), srcs.data_ptr(), streams.data_ptr(), units.data_ptr(),
+                                  waited.data_ptr(), self.timeout_s)
+        return units, waited
+
     def put_block(self, dst, local_offset, remote_offset, nbytes, stream):
-        if nbytes:
-            self.put_rows(dst, torch.tensor([local_offset]), torch.tensor([remote_offset]), nbytes, stream)
+        """One contiguous range, in commands of at most 16 MiB (the chunks of the HT internode path)."""
+        chunk = MAX_COMMAND_BYTES
+        full = nbytes // chunk
+        if full:
+            steps = torch.arange(full, dtype=torch.int64) * chunk
+            self.put_rows(dst, local_offset + steps, remote_offset + steps, chunk, stream, merge=False)
+        rest = nbytes - full * chunk
+        if rest:
+            done = full * chunk
+            self.put_rows(dst, torch.tensor([local_offset + done]), torch.tensor([remote_offset + done]), rest, stream)
 
     def signal(self, dst, stream, direct_units=0, final=True):
         """Publish to dst's slot (this rank, stream): direct stores count `direct_units`; through the proxies the
@@ -126,27 +191,30 @@ class HostEngine:
     def exchange_rows(self, row):
         """All-to-all of one int64 row per rank through the communication memory; returns [R, len(row)]."""
         row = row.to(torch.int64).contiguous()
-        row_bytes = align(row.numel() * 8)
+        if row.numel() > self.max_count_row:
+            raise ValueError(f"the count exchange needs {row.numel()} entries per rank, more than the "
+                             f"{self.max_count_row} reserved (channels <= {MAX_CHANNELS}, local experts <= "
+                             f"{self.max_local_experts})")
+        row_bytes = self.count_slot_bytes
+        used = align(row.numel() * 8)
         parity = self.ht_calls % 2
         self.ht_calls += 1
         base = parity * self.num_ranks * row_bytes
-        self.require_bytes(2 * self.num_ranks * row_bytes, "the count exchange")
+        self.require_bytes(self.data_start, "the count exchange")
         mine = base + self.rank * row_bytes
         self.region[mine:mine + row.numel() * 8].view(torch.int64).copy_(row)
         for dst in range(self.num_ranks):
             if self.direct(dst):
-                self.store(dst, mine, self.region[mine:mine + row_bytes])
+                self.store(dst, mine, self.region[mine:mine + used])
                 self._native.direct_signal(dst, STREAM_NOTIFY, 1, False)
             else:
-                self.put_block(dst, mine, mine, row_bytes, STREAM_NOTIFY)
+                self.put_block(dst, mine, mine, used, STREAM_NOTIFY)
                 self._native.signal(dst, STREAM_NOTIFY, False)
         for src in range(self.num_ranks):
             self.consume(src, STREAM_NOTIFY, 1, need_final=False)
         table = self.region[base:base + self.num_ranks * row_bytes].view(self.num_ranks, row_bytes)
         return table[:, :row.numel() * 8].contiguous().view(torch.int64).clone()
 
-    def notify_area_bytes(self, row_len):
-        return 2 * self.num_ranks * align(row_len * 8)
 
     def require_bytes(self, needed, what):
         if needed > self.num_bytes:

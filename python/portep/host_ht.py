@@ -55,7 +55,8 @@ class _Record:
 
 def _pack_records(eng, rec, x, x_scales, topk_idx, topk_weights, node_masks):
     N = x.size(0)
-    out = torch.zeros(N, rec.bytes, dtype=torch.uint8)
+    out = torch.empty(N, rec.bytes, dtype=torch.uint8)
+    out[:, rec.weights + 4 * rec.num_topk:] = 0
     header = torch.zeros(N, 4, dtype=torch.int32)
     header[:, 0] = torch.arange(N, dtype=torch.int32)
     header[:, 1] = node_masks
@@ -82,13 +83,13 @@ def _node_masks(eng, is_token_in_rank):
 class _Plan:
     """Everyone's counts for one call, and from them every rank's memory layout."""
 
-    def __init__(self, eng, counts, rec_bytes, notify_len, forward_bytes=None):
+    def __init__(self, eng, counts, rec_bytes, forward_bytes=None):
         R, Nn, rpn = eng.num_ranks, eng.num_nodes, eng.ranks_per_node
         self.cnt = counts["rank"]       # [R src, R dst]
         self.node_cnt = counts["node"]  # [R src, Nn]
         self.rec = rec_bytes
         fwd = rec_bytes if forward_bytes is None else forward_bytes
-        start = eng.notify_area_bytes(notify_len)
+        start = eng.data_start
         self.staging, self.rdma, self.nvl, self.end = [], [], [], []
         for r in range(R):
             node, local = r // rpn, r % rpn
@@ -130,11 +131,10 @@ def _exchange_counts(eng, is_token_in_rank, extra=None):
 def _send_and_forward(eng, plan, records, is_token_in_rank, node_masks):
     R, me = eng.num_ranks, eng.rank
     rec = plan.rec
+    records[:, 4:8] = node_masks[:, eng.node].contiguous().view(torch.uint8).view(-1, 4)
     for d in eng.node_ranks():
-        rows = is_token_in_rank[:, d]
-        block = records[rows]
-        block[:, 4:8] = node_masks[rows, eng.node].view(-1, 1).view(torch.uint8)
-        eng.store(d, plan.nvl[d][me], block)
+        rows = torch.nonzero(is_token_in_rank[:, d])[:, 0]
+        eng.copy_rows(eng.peer_view(d)[plan.nvl[d][me]:], rec, None, records, rec, rows, rec)
     for n in range(eng.num_nodes):
         if n == eng.node:
             continue
@@ -167,7 +167,7 @@ def _forward(eng, plan):
         for local, d in enumerate(eng.node_ranks()):
             rows = (masks >> local) & 1 == 1
             head[rows, local] = torch.arange(int(rows.sum()), dtype=torch.int32)
-            eng.store(d, plan.nvl[d][s], block[rows])
+            eng.copy_rows(eng.peer_view(d)[plan.nvl[d][s]:], rec, None, block, rec, torch.nonzero(rows)[:, 0], rec)
         heads.append(head)
     if not heads:
         return torch.empty(0, max(8, eng.ranks_per_node), dtype=torch.int32)
@@ -195,7 +195,7 @@ def dispatch(eng, x, x_scales, topk_idx, topk_weights, num_tokens_per_rank, num_
     extra = torch.cat([per_channel.flatten(),
                        num_tokens_per_expert.to(torch.int64) if not cached else torch.zeros(0, dtype=torch.int64)])
     counts, row_len = _exchange_counts(eng, is_token_in_rank, extra)
-    plan = _Plan(eng, counts, rec.bytes, row_len)
+    plan = _Plan(eng, counts, rec.bytes)
     eng.require_bytes(plan.needed(), f"this dispatch ({rec.bytes}-byte rows)")
     node_masks = _node_masks(eng, is_token_in_rank)
     records = _pack_records(eng, rec, x, x_scales, topk_idx, topk_weights, torch.zeros(N, dtype=torch.int32))
@@ -204,7 +204,7 @@ def dispatch(eng, x, x_scales, topk_idx, topk_weights, num_tokens_per_rank, num_
         eng.consume(w, hb.STREAM_HT_PLACED)
     num_recv = int(counts["rank"][:, eng.rank].sum())
     off = plan.nvl[eng.rank][0]
-    recv = eng.region[off:off + num_recv * rec.bytes].view(num_recv, rec.bytes).clone()
+    recv = eng.region[off:off + num_recv * rec.bytes].view(num_recv, rec.bytes)
     all_channel = counts["extra"][:, :R * num_channels].view(R, R, num_channels)
     return _unpack(eng, x, rec, recv, counts, all_channel, num_channels, cached, num_worst_tokens,
                    expert_alignment, E, is_token_in_rank, chan, nvl_head, handle)
@@ -218,8 +218,9 @@ def _unpack(eng, x, rec, recv, counts, all_channel, C, cached, num_worst_tokens,
     if num_recv > rows:
         raise RuntimeError(f"rank {me} received {num_recv} tokens but num_worst_tokens={num_worst_tokens}")
     H = x.size(1)
-    recv_x = torch.zeros(rows, H, dtype=x.dtype)
-    recv_x[:num_recv] = recv[:, rec.x:rec.scales].contiguous().view(x.dtype).view(num_recv, H)
+    recv_x = torch.empty(rows, H, dtype=x.dtype)
+    recv_x[num_recv:] = 0
+    recv_x[:num_recv].view(torch.uint8).view(num_recv, -1).copy_(recv[:, rec.x:rec.scales])
     recv_scales = None
     if rec.num_scales:
         recv_scales = torch.zeros(rows, rec.num_scales, dtype=rec.scale_dtype)
@@ -243,6 +244,7 @@ def _unpack(eng, x, rec, recv, counts, all_channel, C, cached, num_worst_tokens,
     aligned = ((mine + expert_alignment - 1) // expert_alignment * expert_alignment).tolist()
     recv_list = [] if num_worst_tokens > 0 else [int(v) for v in aligned]
     src_idx = recv[:, 0:4].contiguous().view(torch.int32).view(-1)
+    recv = recv[:, :HEADER].clone()  # the handle keeps provenance; the memory is reused by the next call
     new_handle = _make_handle(eng, counts, all_channel, C, is_token_in_rank, chan, recv, src_idx, nvl_head)
     return recv_x, recv_scales, recv_topk_idx, recv_topk_weights, recv_list, new_handle
 
@@ -295,7 +297,7 @@ def _combine_plan(eng, is_token_in_rank, crec, prec):
     counts, row_len = _exchange_counts(eng, is_token_in_rank)
     R, Nn, rpn = eng.num_ranks, eng.num_nodes, eng.ranks_per_node
     cnt, node_cnt = counts["rank"], counts["node"]
-    start = eng.notify_area_bytes(row_len)
+    start = eng.data_start
     plan = {"cnt": cnt, "node_cnt": node_cnt, "direct": [], "to_fwd": [], "staging": [], "partial": [], "end": []}
     for r in range(R):
         node, local = r // rpn, r % rpn
@@ -342,19 +344,20 @@ def combine(eng, x, handle, topk_weights, bias):
     prec = hb.align(4 * H + 4 * K)
     plan = _combine_plan(eng, is_token_in_rank, crec, prec)
     eng.require_bytes(max(plan["end"]), f"this combine ({crec}-byte rows)")
-    num_recv = x.size(0)
-    rows = torch.zeros(num_recv, crec, dtype=torch.uint8)
-    rows[:, :2 * H] = x.contiguous().view(torch.uint8).view(num_recv, 2 * H)
-    if K:
-        rows[:, 2 * H:2 * H + 4 * K] = topk_weights.to(torch.float32).contiguous().view(torch.uint8).view(-1, 4 * K)
+    x_rows = x.contiguous().view(torch.uint8).view(x.size(0), 2 * H)
+    w_rows = topk_weights.to(torch.float32).contiguous().view(torch.uint8).view(-1, 4 * K) if K else None
     starts = _recv_block_starts(eng, handle)
     for s in range(R):
-        block = rows[int(starts[s]):int(starts[s + 1])]
+        b, e = int(starts[s]), int(starts[s + 1])
         if eng.node_of(s) == eng.node:
-            eng.store(s, plan["direct"][s][me], block)
+            dst = eng.peer_view(s)[plan["direct"][s][me]:]
         else:
             f = eng.forwarder(eng.node, eng.local_of(s))
-            eng.store(f, plan["to_fwd"][f][(s, me)], block)
+            dst = eng.peer_view(f)[plan["to_fwd"][f][(s, me)]:]
+        rows = torch.arange(b, e)
+        eng.copy_rows(dst, crec, None, x_rows, 2 * H, rows, 2 * H)
+        if K:
+            eng.copy_rows(dst[2 * H:], crec, None, w_rows, 4 * K, rows, 4 * K)
     for d in eng.node_ranks():
         eng.signal(d, hb.STREAM_HT_COMBINE_DIRECT)
         if eng.num_nodes > 1:
@@ -369,68 +372,50 @@ def _read_rows(eng, off, n, width):
 
 
 def _forward_partials(eng, plan, handle, H, K, crec, prec):
+    """Sum, per token of each served source, the contributions of this node's ranks (ascending) in FP32 and send
+    one partial row per token back to the source."""
     me = eng.rank
     for w in eng.node_ranks():
         eng.consume(w, hb.STREAM_HT_COMBINE_TO_FORWARDER)
-    nvl_head = handle[9]
+    nvl_head = handle[9].to(torch.int64)
     row0 = 0
     for s in sorted(plan["staging"][me]):
         n_rows = int(plan["node_cnt"][s, eng.node])
         head = nvl_head[row0:row0 + n_rows]
         row0 += n_rows
-        acc = torch.zeros(n_rows, H, dtype=torch.float32)
-        wacc = torch.zeros(n_rows, K, dtype=torch.float32)
-        for local, d in enumerate(eng.node_ranks()):
-            sel = head[:, local] >= 0
-            if not bool(sel.any()):
-                continue
-            block = _read_rows(eng, plan["to_fwd"][me][(s, d)], int(plan["cnt"][s, d]), crec)
-            got = block[head[sel, local].to(torch.int64)]
-            acc[sel] += got[:, :2 * H].contiguous().view(torch.bfloat16).float()
-            if K:
-                wacc[sel] += got[:, 2 * H:2 * H + 4 * K].contiguous().view(torch.float32)
-        out = torch.zeros(n_rows, prec, dtype=torch.uint8)
-        out[:, :4 * H] = acc.view(torch.uint8).view(n_rows, 4 * H)
-        if K:
-            out[:, 4 * H:4 * H + 4 * K] = wacc.view(torch.uint8).view(n_rows, 4 * K)
         off = plan["staging"][me][s]
-        eng.region[off:off + out.numel()].view(out.shape).copy_(out)
-        eng.put_block(s, off, plan["partial"][s][eng.node], out.numel(), hb.STREAM_HT_COMBINE_PARTIAL)
+        out = eng.region[off:]
+        blocks = [(eng.region[plan["to_fwd"][me][(s, d)]:], head[:, local]) for local, d in enumerate(eng.node_ranks())]
+        eng.reduce_rows(out, prec, hb.F32, n_rows, H, [(b, crec, hb.BF16, i, None) for b, i in blocks])
+        if K:
+            eng.reduce_rows(out[4 * H:], prec, hb.F32, n_rows, K,
+                            [(b[2 * H:], crec, hb.F32, i, None) for b, i in blocks])
+        eng.put_block(s, off, plan["partial"][s][eng.node], n_rows * prec, hb.STREAM_HT_COMBINE_PARTIAL)
         eng.signal(s, hb.STREAM_HT_COMBINE_PARTIAL)
 
 
 def _reduce_at_source(eng, plan, is_token_in_rank, handle, H, K, crec, prec, bias, N):
+    """bias, then same-node rows (ranks ascending), then partials (nodes ascending), FP32, one pass per token."""
     me = eng.rank
     for d in eng.node_ranks():
         eng.consume(d, hb.STREAM_HT_COMBINE_DIRECT)
     for n in range(eng.num_nodes):
         if n != eng.node:
             eng.consume(eng.forwarder(n), hb.STREAM_HT_COMBINE_PARTIAL)
-    acc = torch.zeros(N, H, dtype=torch.float32)
-    wacc = torch.zeros(N, K, dtype=torch.float32)
-    for b in bias:
-        acc += b.float()
-    pos = _positions(is_token_in_rank)
-    for d in eng.node_ranks():
-        sel = pos[:, d] >= 0
-        if not bool(sel.any()):
-            continue
-        block = _read_rows(eng, plan["direct"][me][d], int(plan["cnt"][me, d]), crec)
-        got = block[pos[sel, d].to(torch.int64)]
-        acc[sel] += got[:, :2 * H].contiguous().view(torch.bfloat16).float()
-        if K:
-            wacc[sel] += got[:, 2 * H:2 * H + 4 * K].contiguous().view(torch.float32)
+    pos = _positions(is_token_in_rank).to(torch.int64)
+    rows = [(eng.region[plan["direct"][me][d]:], crec, 2 * H, hb.BF16, pos[:, d]) for d in eng.node_ranks()]
     if eng.num_nodes > 1:
-        rdma_head = handle[8]
-        for n in range(eng.num_nodes):
-            if n == eng.node:
-                continue
-            sel = rdma_head[:, n] >= 0
-            if not bool(sel.any()):
-                continue
-            block = _read_rows(eng, plan["partial"][me][n], int(plan["node_cnt"][me, n]), prec)
-            got = block[rdma_head[sel, n].to(torch.int64)]
-            acc[sel] += got[:, :4 * H].contiguous().view(torch.float32)
-            if K:
-                wacc[sel] += got[:, 4 * H:4 * H + 4 * K].contiguous().view(torch.float32)
-    return acc.to(torch.bfloat16), (wacc if K else None)
+        rdma_head = handle[8].to(torch.int64)
+        rows += [(eng.region[plan["partial"][me][n]:], prec, 4 * H, hb.F32, rdma_head[:, n])
+                 for n in range(eng.num_nodes) if n != eng.node]
+    init = None
+    if bias:
+        init = bias[0].float() if len(bias) == 1 else bias[0].float() + bias[1].float()
+    out = torch.empty(N, H, dtype=torch.bfloat16)
+    eng.reduce_rows(out.view(torch.uint8), 2 * H, hb.BF16, N, H, [(b, p, dt, i, None) for b, p, _, dt, i in rows], init)
+    weights = None
+    if K:
+        weights = torch.empty(N, K, dtype=torch.float32)
+        eng.reduce_rows(weights.view(torch.uint8), 4 * K, hb.F32, N, K,
+                        [(b[w_off:], p, hb.F32, i, None) for b, p, w_off, _, i in rows])
+    return out, weights

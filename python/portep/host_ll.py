@@ -29,6 +29,9 @@ class _Layout:
             raise ValueError(f"hidden={H} must be a multiple of 512 for low-latency mode (DeepEP supports 2048..8192 "
                              f"in steps of 512)")
         self.T, self.H, self.E, self.E_l, self.M = T, H, E, E // R, R * T
+        if self.E_l > eng.max_local_experts:
+            raise ValueError(f"num_experts={E} gives {self.E_l} local experts per rank; this Buffer supports at most "
+                             f"{eng.max_local_experts}")
         self.disp = 16 + max(2 * H, H + H // 128 * 4)
         self.comb = 2 * H + H // 128 * 4  # multiple of 16 for hidden % 512 == 0
         self.send = max(T * self.disp, E * T * self.comb)
@@ -112,15 +115,12 @@ def dispatch(eng, x, topk_idx, T, E, use_fp8, round_scale, use_ue8m0, cumulative
         le = experts[sel] % E_l
         rows = (le * R + me) * T + slot[sel]
         if eng.direct(d, low_latency=True):
-            view = eng.peer_view(d)[recv:recv + E_l * R * T * lay.disp].view(-1, lay.disp)
-            view.index_copy_(0, rows, msgs[tokens[sel]])
+            eng.copy_rows(eng.peer_view(d)[recv:], lay.disp, rows, msgs, lay.disp, tokens[sel], lay.disp)
         else:
-            for e in torch.unique(le).tolist():
-                pick = le == e
-                eng.put_rows(d, send + tokens[sel][pick] * lay.disp, recv + rows[pick] * lay.disp, lay.disp,
-                             _stream(eng, half, 0, e), merge=False)
-    for e in range(E):
-        eng.signal(e // E_l, _stream(eng, half, 0, e % E_l), direct_units=int(counts[e]))
+            eng.put_rows_streams(d, send + tokens[sel] * lay.disp, recv + rows * lay.disp,
+                                 _stream(eng, half, 0, le), lay.disp)
+    all_experts = torch.arange(E)
+    eng.signal_many(all_experts // E_l, _stream(eng, half, 0, all_experts % E_l), counts)
 
     recv_x, recv_scales = _alloc_recv_x(lay, use_fp8, use_ue8m0)
     recv_count = torch.zeros(E_l, dtype=torch.int32)
@@ -152,27 +152,29 @@ def _alloc_recv_x(lay, use_fp8, use_ue8m0):
 
 def _dispatch_receive(eng, lay, half, use_fp8, use_ue8m0, recv_x, recv_scales, recv_count, src_info, layout_range,
                       cumulative_stats, wait_stats):
-    R, T, H, E_l = eng.num_ranks, lay.T, lay.H, lay.E_l
-    counts = torch.zeros(E_l, R, dtype=torch.int64)
-    for le in range(E_l):
-        for src in range(R):
-            t0 = time.perf_counter_ns()
-            counts[le, src] = eng.consume(src, _stream(eng, half, 0, le))
-            if wait_stats is not None:
-                wait_stats[src] += time.perf_counter_ns() - t0
-    recv = lay.recv_off(half)
-    slots = eng.region[recv:recv + E_l * R * T * lay.disp].view(E_l, R, T, lay.disp)
+    R, T, H, E_l, M = eng.num_ranks, lay.T, lay.H, lay.E_l, lay.M
+    le = torch.arange(E_l).repeat_interleave(R)
+    src = torch.arange(R).repeat(E_l)
+    units, waited = eng.consume_many(src, _stream(eng, half, 0, le))
+    if wait_stats is not None:
+        wait_stats += torch.bincount(src, weights=waited.double(), minlength=R).to(wait_stats.dtype)
+    counts = units.view(E_l, R)
     begins = torch.cumsum(counts, 1) - counts
-    for le in range(E_l):
-        packed = torch.cat([slots[le, src, :int(counts[le, src])] for src in range(R)])
-        n = packed.size(0)
-        src_info[le, :n] = packed[:, :4].contiguous().view(torch.int32).view(-1)
-        if use_fp8:
-            recv_x[le, :n] = packed[:, 16:16 + H].contiguous().view(torch.float8_e4m3fn)
-            scale = packed[:, 16 + H:16 + H + H // 128 * 4].contiguous().view(torch.float32).view(n, -1)
-            recv_scales[le, :n] = _ue8m0(scale) if use_ue8m0 else scale
-        else:
-            recv_x[le, :n] = packed[:, 16:16 + 2 * H].contiguous().view(torch.bfloat16).view(n, H)
+    # every valid slot (expert, source, i < count) and the packed row it lands in (expert, begin + i)
+    n = int(counts.sum())
+    pair = torch.arange(E_l * R).repeat_interleave(counts.flatten())
+    i = torch.arange(n) - (torch.cumsum(counts.flatten(), 0) - counts.flatten())[pair]
+    slot_rows = pair * T + i
+    packed_rows = (pair // R) * M + begins.flatten()[pair] + i
+    recv = lay.recv_off(half)
+    slots = eng.region[recv:]
+    eng.copy_rows(src_info.view(torch.uint8), 4, packed_rows, slots, lay.disp, slot_rows, 4)
+    row_bytes = H if use_fp8 else 2 * H
+    eng.copy_rows(recv_x.view(torch.uint8), row_bytes, packed_rows, slots[16:], lay.disp, slot_rows, row_bytes)
+    if use_fp8:
+        scale = slots[:E_l * R * T * lay.disp].view(-1, lay.disp)[slot_rows, 16 + H:16 + H + H // 128 * 4]
+        scale = scale.contiguous().view(torch.float32).view(n, -1)
+        recv_scales[packed_rows // M, packed_rows % M] = _ue8m0(scale) if use_ue8m0 else scale
     recv_count.copy_(counts.sum(1).to(torch.int32))
     layout_range.copy_((begins << 32) | counts)
     if cumulative_stats is not None:
@@ -198,23 +200,29 @@ def combine(eng, x, topk_idx, topk_weights, handle, zero_copy, out, return_recv_
     half = eng.ll_half
     eng.ll_half ^= 1
     send_rows = _combine_send_view(eng, lay, half)
-    if not zero_copy:
-        send_rows.copy_(x)
     send, recv = lay.send_off(half), lay.recv_off(half)
     begins, counts = layout_range >> 32, layout_range & 0xFFFFFFFF
-    for le in range(E_l):
-        stream = _stream(eng, half, 1, le)
-        for src in range(R):
-            b, c = int(begins[le, src]), int(counts[le, src])
-            j = torch.arange(b, b + c)
-            rows = (me * E_l + le) * T + src_info[le, b:b + c].to(torch.int64)
-            if eng.direct(src, low_latency=True):
-                view = eng.peer_view(src)[recv:recv + E * T * lay.comb].view(E * T, lay.comb)
-                view[:, :2 * H].index_copy_(0, rows, send_rows[le, b:b + c].contiguous().view(torch.uint8).view(c, -1))
-            else:
-                eng.put_rows(src, send + (le * lay.M + j) * lay.comb, recv + rows * lay.comb, 2 * H, stream,
-                             merge=False)
-            eng.signal(src, stream, direct_units=c)
+    if not zero_copy:  # only the valid rows: each expert's are packed from row 0
+        for le, n in enumerate(counts.sum(1).tolist()):
+            send_rows[le, :n].copy_(x[le, :n])
+    n = int(counts.sum())
+    pair = torch.arange(E_l * R).repeat_interleave(counts.flatten())  # (local expert, source) of each row
+    j = begins.flatten()[pair] + torch.arange(n) - (torch.cumsum(counts.flatten(), 0) - counts.flatten())[pair]
+    le, src = pair // R, pair % R
+    token = src_info.view(-1)[le * lay.M + j].to(torch.int64)
+    rows = (me * E_l + le) * T + token
+    for s_rank in range(R):
+        sel = src == s_rank
+        if not bool(sel.any()):
+            continue
+        if eng.direct(s_rank, low_latency=True):
+            eng.copy_rows(eng.peer_view(s_rank)[recv:], lay.comb, rows[sel], eng.region[send:], lay.comb,
+                          le[sel] * lay.M + j[sel], 2 * H)
+        else:
+            eng.put_rows_streams(s_rank, send + (le[sel] * lay.M + j[sel]) * lay.comb, recv + rows[sel] * lay.comb,
+                                 _stream(eng, half, 1, le[sel]), 2 * H)
+    pairs = torch.arange(E_l * R)
+    eng.signal_many(pairs % R, _stream(eng, half, 1, pairs // R), counts.flatten())
 
     N = topk_idx.size(0)
     result = out if out is not None else torch.empty(N, H, dtype=torch.bfloat16)
@@ -230,25 +238,25 @@ def combine(eng, x, topk_idx, topk_weights, handle, zero_copy, out, return_recv_
 
 def _combine_receive(eng, lay, half, topk_idx, topk_weights, result, wait_stats):
     E, E_l, T, H = lay.E, lay.E_l, lay.T, lay.H
-    for e in range(E):
-        owner = e // E_l
-        t0 = time.perf_counter_ns()
-        eng.consume(owner, _stream(eng, half, 1, e % E_l))
-        if wait_stats is not None:
-            wait_stats[owner] += time.perf_counter_ns() - t0
+    experts = torch.arange(E)
+    owners = experts // E_l
+    _, waited = eng.consume_many(owners, _stream(eng, half, 1, experts % E_l))
+    if wait_stats is not None:
+        wait_stats += torch.bincount(owners, weights=waited.double(), minlength=eng.num_ranks).to(wait_stats.dtype)
     recv = lay.recv_off(half)
-    rows = eng.region[recv:recv + E * T * lay.comb].view(E, T, lay.comb)
-    y = rows.view(torch.bfloat16)[:, :, :H]  # [E, T, H]
     N, K = topk_idx.shape
-    acc = torch.zeros(N, H, dtype=torch.float32)
     tokens = torch.arange(N)
-    for k in range(K):
+    sources = []
+    for k in range(K):  # top-k order, FP32 accumulation: deterministic
         e = topk_idx[:, k]
-        valid = e >= 0
-        if bool(valid.any()):
-            contrib = y[e[valid], tokens[valid]].float() * topk_weights[valid, k].unsqueeze(1)
-            acc[valid] += contrib
-    result.copy_(acc.to(torch.bfloat16))
+        sources.append((eng.region[recv:], lay.comb, hb.BF16, torch.where(e >= 0, e * T + tokens, -1),
+                        topk_weights[:, k]))
+    if result.is_contiguous():
+        eng.reduce_rows(result.view(torch.uint8), 2 * H, hb.BF16, N, H, sources)
+    else:
+        tmp = torch.empty(N, H, dtype=torch.bfloat16)
+        eng.reduce_rows(tmp.view(torch.uint8), 2 * H, hb.BF16, N, H, sources)
+        result.copy_(tmp)
 
 
 def clean(eng, T, H, E):

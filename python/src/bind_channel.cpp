@@ -3,6 +3,7 @@
 #include <pybind11/stl.h>
 
 #include "../../gpu_kernels/host/channel_traffic.h"
+#include "../../gpu_kernels/host/row_kernels.h"
 #include "portep/channel.h"
 
 namespace py = pybind11;
@@ -93,6 +94,28 @@ void bind_channel(py::module_& m) {
           },
           py::arg("dst"), py::arg("local_offsets_ptr"), py::arg("remote_offsets_ptr"), py::arg("n"),
           py::arg("row_bytes"), py::arg("stream"), py::arg("merge"), py::call_guard<py::gil_scoped_release>())
+      .def(
+          "write_rows_streams",
+          [](Channel& c, int dst, uintptr_t lo, uintptr_t ro, uintptr_t streams, size_t n, uint64_t row_bytes) {
+            c.write_rows_streams(dst, reinterpret_cast<const int64_t*>(lo), reinterpret_cast<const int64_t*>(ro),
+                                 reinterpret_cast<const int64_t*>(streams), n, row_bytes);
+          },
+          py::call_guard<py::gil_scoped_release>())
+      .def(
+          "signal_many",
+          [](Channel& c, size_t n, uintptr_t dsts, uintptr_t streams, uintptr_t units, uintptr_t direct) {
+            c.signal_many(n, reinterpret_cast<const int64_t*>(dsts), reinterpret_cast<const int64_t*>(streams),
+                          reinterpret_cast<const int64_t*>(units), reinterpret_cast<const uint8_t*>(direct));
+          },
+          py::call_guard<py::gil_scoped_release>())
+      .def(
+          "consume_many",
+          [](Channel& c, size_t n, uintptr_t srcs, uintptr_t streams, uintptr_t units_out, uintptr_t wait_out,
+             double timeout_s) {
+            c.consume_many(n, reinterpret_cast<const int64_t*>(srcs), reinterpret_cast<const int64_t*>(streams),
+                           reinterpret_cast<int64_t*>(units_out), reinterpret_cast<int64_t*>(wait_out), timeout_s);
+          },
+          py::call_guard<py::gil_scoped_release>())
       .def("peer_data_view",
            [](Channel& c, int dst) -> py::object {
              uint8_t* p = c.peer_data(dst);
@@ -115,6 +138,28 @@ void bind_channel(py::module_& m) {
         return l;
       });
 
+  m.def(
+      "copy_rows",
+      [](uintptr_t dst, int64_t dst_pitch, uintptr_t dst_idx, uintptr_t src, int64_t src_pitch, uintptr_t src_idx,
+         int64_t n, int64_t row_bytes) {
+        host_copy_rows(reinterpret_cast<uint8_t*>(dst), dst_pitch, reinterpret_cast<const int64_t*>(dst_idx),
+                       reinterpret_cast<const uint8_t*>(src), src_pitch, reinterpret_cast<const int64_t*>(src_idx), n,
+                       row_bytes);
+      },
+      py::call_guard<py::gil_scoped_release>());
+  m.def(
+      "reduce_rows",
+      // sources: list of (base_ptr, pitch_bytes, dtype, index_ptr, weight_ptr or 0)
+      [](uintptr_t out, int64_t out_pitch, int out_dtype, int64_t n, int64_t width,
+         const std::vector<std::tuple<uintptr_t, int64_t, int, uintptr_t, uintptr_t>>& sources, uintptr_t init) {
+        std::vector<ReduceSource> v;
+        for (auto& [base, pitch, dtype, index, weight] : sources)
+          v.push_back(ReduceSource{reinterpret_cast<const uint8_t*>(base), pitch, dtype,
+                                   reinterpret_cast<const int64_t*>(index), reinterpret_cast<const float*>(weight)});
+        py::gil_scoped_release nogil;
+        host_reduce_rows(reinterpret_cast<uint8_t*>(out), out_pitch, out_dtype, n, width, v.data(), int(v.size()),
+                         reinterpret_cast<const float*>(init));
+      });
   m.def("live_proxy_threads", &ProxyGroup::live_threads);
   m.def("traffic_region_bytes", [](int producers, int messages, uint32_t max_bytes, int num_ranks) {
     return traffic_region_bytes(make_plan(producers, messages, max_bytes, 1, 0), num_ranks);

@@ -45,6 +45,14 @@ class Channel {
   // Returns the number of commands pushed.
   uint64_t write_rows(int dst, const int64_t* local_offs, const int64_t* remote_offs, size_t n, uint64_t row_bytes,
                       uint32_t stream, bool merge);
+  // Vector forms for the LL kernels: one WRITE per row with its own stream (never merged); signals for n
+  // (dst, stream) pairs, direct (units[i] counted) where direct[i] else through the proxies; and waits for n
+  // final signals in order, storing the units taken and the nanoseconds waited for each.
+  void write_rows_streams(int dst, const int64_t* local_offs, const int64_t* remote_offs, const int64_t* streams,
+                          size_t n, uint64_t row_bytes);
+  void signal_many(size_t n, const int64_t* dsts, const int64_t* streams, const int64_t* units, const uint8_t* direct);
+  void consume_many(size_t n, const int64_t* srcs, const int64_t* streams, int64_t* units_out, int64_t* wait_ns_out,
+                    double timeout_s);
   // dst's data region when this process can store into it directly (same host), else nullptr.
   uint8_t* peer_data(int dst) const;
   uint64_t peer_data_bytes(int dst) const;

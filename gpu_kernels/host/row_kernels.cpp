@@ -1,0 +1,71 @@
+#include "row_kernels.h"
+
+#include <string.h>
+
+#include <stdexcept>
+#include <vector>
+
+namespace portep {
+
+namespace {
+inline float bf16_to_f32(uint16_t v) {
+  uint32_t bits = uint32_t(v) << 16;
+  float f;
+  memcpy(&f, &bits, 4);
+  return f;
+}
+
+inline uint16_t f32_to_bf16(float f) {  // round to nearest even, NaN kept quiet
+  uint32_t bits;
+  memcpy(&bits, &f, 4);
+  if ((bits & 0x7fffffffu) > 0x7f800000u) return uint16_t((bits >> 16) | 0x40);
+  bits += 0x7fffu + ((bits >> 16) & 1u);
+  return uint16_t(bits >> 16);
+}
+
+void accumulate(float* acc, const uint8_t* row, int dtype, int64_t width, float w) {
+  if (dtype == kRowBf16) {
+    const uint16_t* r = reinterpret_cast<const uint16_t*>(row);
+    for (int64_t i = 0; i < width; ++i) acc[i] += w * bf16_to_f32(r[i]);
+  } else {
+    const float* r = reinterpret_cast<const float*>(row);
+    for (int64_t i = 0; i < width; ++i) acc[i] += w * r[i];
+  }
+}
+}  // namespace
+
+void host_copy_rows(uint8_t* dst, int64_t dst_pitch, const int64_t* dst_idx, const uint8_t* src, int64_t src_pitch,
+                    const int64_t* src_idx, int64_t n, int64_t row_bytes) {
+  for (int64_t i = 0; i < n; ++i) {
+    const int64_t d = dst_idx ? dst_idx[i] : i;
+    const int64_t s = src_idx ? src_idx[i] : i;
+    if (d < 0 || s < 0) throw std::invalid_argument("copy_rows: negative row index");
+    memcpy(dst + d * dst_pitch, src + s * src_pitch, size_t(row_bytes));
+  }
+}
+
+void host_reduce_rows(uint8_t* out, int64_t out_pitch, int out_dtype, int64_t n, int64_t width,
+                      const ReduceSource* sources, int num_sources, const float* init) {
+  std::vector<float> acc(static_cast<size_t>(width));
+  for (int64_t t = 0; t < n; ++t) {
+    if (init)
+      memcpy(acc.data(), init + t * width, size_t(width) * 4);
+    else
+      std::fill(acc.begin(), acc.end(), 0.0f);
+    for (int j = 0; j < num_sources; ++j) {
+      const ReduceSource& s = sources[j];
+      const int64_t r = s.index[t];
+      if (r < 0) continue;
+      accumulate(acc.data(), s.base + r * s.pitch, s.dtype, width, s.weight ? s.weight[t] : 1.0f);
+    }
+    uint8_t* o = out + t * out_pitch;
+    if (out_dtype == kRowBf16) {
+      uint16_t* ob = reinterpret_cast<uint16_t*>(o);
+      for (int64_t i = 0; i < width; ++i) ob[i] = f32_to_bf16(acc[i]);
+    } else {
+      memcpy(o, acc.data(), size_t(width) * 4);
+    }
+  }
+}
+
+}  // namespace portep

@@ -1,0 +1,392 @@
+"""`portep.Buffer`: DeepEP V1's `deep_ep.Buffer` API (same signatures, defaults, returns and argument rules)
+over portep's engines. This layer checks every argument (see validation.py) and calls the engine.
+
+Host backend: tensors live on the CPU and every operation has finished when it returns, so there are no
+streams; `async_finish=True` returns an EventOverlap whose event is already complete, and
+`get_comm_stream()` returns None.
+"""
+
+import os
+import warnings
+
+import torch
+import torch.distributed as dist
+
+from . import validation as v
+from .config import timeout_from_env, transport_from_env
+from .deepep_config import (COMBINE_CONFIGS, DISPATCH_CONFIGS, Config, check_int, combine_config, default_config,
+                            dispatch_config, low_latency_rdma_size_hint)
+from .event import EventOverlap, HostEvent
+
+__all__ = ["Buffer", "Config", "EventOverlap", "topk_idx_t"]
+
+topk_idx_t = torch.int64
+
+BACKENDS = ("host",)
+PLANNED_BACKENDS = ("cuda", "hip")
+DEFAULT_RANKS_PER_NODE = 8
+LL_TOPK_NOTE = f" (portep's limit; DeepEP's low-latency kernels allow at most {v.DEEPEP_LL_MAX_TOPK})"
+
+
+class Buffer:
+    """The expert-parallel communication buffers of one rank: normal (high-throughput) dispatch/combine and
+    low-latency dispatch/combine, with DeepEP V1's API. Construction is collective over `group`.
+
+    DeepEP arguments: as `deep_ep.Buffer`. `num_nvl_bytes + num_rdma_bytes` is the engine's communication
+    memory (multiples of 128 each). `allow_nvlink_for_low_latency_mode` lets LL traffic to same-node peers
+    bypass the proxies. `num_qps_per_rank`, `allow_mnnvl` and `use_fabric` have no effect on the host backend.
+    `comm` (mpi4py) and `enable_shrink=True` are not supported yet and raise NotImplementedError.
+
+    portep keyword-only arguments:
+        num_ranks_per_node: ranks that form one "node" (default: $PORTEP_RANKS_PER_NODE, else min(8, group size)).
+        transport: "shm" or "shm-unordered" (default: $PORTEP_TRANSPORT or "shm").
+        timeout_s: every wait raises after this long (default: $PORTEP_TIMEOUT_S or 100 s).
+        backend: "host" (default; also $PORTEP_BACKEND). "cuda" is not available yet.
+    """
+
+    num_sms = 20
+
+    def __init__(self, group, num_nvl_bytes=0, num_rdma_bytes=0, low_latency_mode=False, num_qps_per_rank=24,
+                 allow_nvlink_for_low_latency_mode=True, allow_mnnvl=False, use_fabric=False,
+                 explicitly_destroy=False, enable_shrink=False, comm=None, *, num_ranks_per_node=None,
+                 transport=None, timeout_s=None, backend=None):
+        self.runtime = None
+        self.explicitly_destroy = bool(explicitly_destroy)
+        if group is None:
+            if comm is None:
+                raise ValueError("Either 'group' or 'comm' must be provided.")
+            raise NotImplementedError("Buffer(comm=...) (mpi4py bootstrap) is not supported by portep yet; pass a "
+                                      "torch.distributed process group as `group`")
+        if enable_shrink:
+            raise NotImplementedError("enable_shrink=True (masking failed ranks in low-latency mode) is not "
+                                      "supported by portep yet")
+        _check_buffer_bytes("num_nvl_bytes", num_nvl_bytes)
+        _check_buffer_bytes("num_rdma_bytes", num_rdma_bytes)
+        check_int("num_qps_per_rank", num_qps_per_rank, 1 if low_latency_mode else 0)
+        self.backend = _select_backend(backend)
+        transport_from_env(transport)
+        timeout_from_env(timeout_s)
+        self.rank, self.group_size = _group_rank_and_size(group)
+        ranks_per_node = _ranks_per_node(num_ranks_per_node, self.group_size)
+
+        self.group = group
+        self.num_nvl_bytes = num_nvl_bytes
+        self.num_rdma_bytes = num_rdma_bytes
+        self.low_latency_mode = bool(low_latency_mode)
+        self.enable_shrink = False
+        self._device = "cpu"
+
+        from .host_backend import HostEngine
+
+        self.runtime = HostEngine(group, num_nvl_bytes + num_rdma_bytes, ranks_per_node, transport=transport,
+                                  timeout_s=timeout_s, allow_direct_ll=bool(allow_nvlink_for_low_latency_mode))
+
+    # ---- lifetime ----
+    def destroy(self):
+        """Release the engine (requires explicitly_destroy=True, as in DeepEP). Calling it again does nothing."""
+        if not self.explicitly_destroy:
+            raise RuntimeError("`explicitly_destroy` flag must be set: create the Buffer with "
+                               "explicitly_destroy=True to call destroy(); otherwise it is released on deletion")
+        runtime, self.runtime = self.runtime, None
+        if runtime is not None:
+            runtime.destroy()
+
+    def __del__(self):
+        runtime = getattr(self, "runtime", None)
+        if runtime is None:
+            return
+        if getattr(self, "explicitly_destroy", False):
+            warnings.warn("a portep Buffer created with explicitly_destroy=True was deleted without destroy()",
+                          ResourceWarning, stacklevel=2)
+            return
+        try:
+            runtime.destroy()
+        except Exception:  # noqa: BLE001 - never raise from a finalizer
+            pass
+
+    def _engine(self):
+        if self.runtime is None:
+            raise RuntimeError("this Buffer was destroyed")
+        return self.runtime
+
+    def _ll_engine(self):
+        engine = self._engine()
+        if not self.low_latency_mode:
+            raise RuntimeError("low-latency operations need a Buffer created with low_latency_mode=True")
+        return engine
+
+    @staticmethod
+    def _event(async_finish, extra_tensors=None):
+        if not async_finish:
+            return EventOverlap(None)
+        return EventOverlap(HostEvent(), extra_tensors)
+
+    # ---- class and static methods ----
+    @staticmethod
+    def is_sm90_compiled():
+        """True when portep's CUDA kernels were built."""
+        from ._native import native
+
+        return bool(native is not None and native.build_info().get("cuda_built", False))
+
+    @staticmethod
+    def set_num_sms(new_num_sms):
+        """Set the SM count that get_dispatch_config / get_combine_config put in their configs."""
+        check_int("new_num_sms", new_num_sms)
+        if new_num_sms <= 0 or new_num_sms % 2:
+            raise ValueError(f"new_num_sms={new_num_sms} must be even and > 0 (one channel is 2 SMs)")
+        Buffer.num_sms = new_num_sms
+
+    @staticmethod
+    def capture():
+        """An event on the current stream (on the host backend: an already complete one)."""
+        return EventOverlap(HostEvent())
+
+    @staticmethod
+    def get_low_latency_rdma_size_hint(num_max_dispatch_tokens_per_rank, hidden, num_ranks, num_experts):
+        """DeepEP's minimum RDMA buffer size in bytes for low-latency mode (BF16 sizing)."""
+        return low_latency_rdma_size_hint(num_max_dispatch_tokens_per_rank, hidden, num_ranks, num_experts)
+
+    @staticmethod
+    def get_dispatch_config(num_ranks):
+        """DeepEP's tuned dispatch config for 2..160 ranks (ValueError for other sizes)."""
+        return dispatch_config(num_ranks, Buffer.num_sms)
+
+    @staticmethod
+    def get_combine_config(num_ranks):
+        """DeepEP's tuned combine config for 2..160 ranks (ValueError for other sizes)."""
+        return combine_config(num_ranks, Buffer.num_sms)
+
+    def get_comm_stream(self):
+        """The communication stream; None on the host backend, which has no streams."""
+        self._engine()
+        return None
+
+    def get_local_buffer_tensor(self, dtype, size=None, offset=0, use_rdma_buffer=False):
+        """A view of this rank's NVL (or RDMA) buffer as `dtype`; `offset` is in bytes (as DeepEP's C++)."""
+        engine = self._engine()
+        if not isinstance(dtype, torch.dtype):
+            raise TypeError(f"dtype must be a torch.dtype, got {type(dtype).__name__}")
+        check_int("offset", offset, 0)
+        num_bytes = self.num_rdma_bytes if use_rdma_buffer else self.num_nvl_bytes
+        which = "num_rdma_bytes" if use_rdma_buffer else "num_nvl_bytes"
+        need = offset
+        if size is not None:
+            size = torch.Size(size)
+            need += size.numel() * torch.tensor([], dtype=dtype).element_size()
+        if need > num_bytes:
+            raise ValueError(f"offset={offset} and size={None if size is None else list(size)} of {dtype} need "
+                             f"{need} bytes; the buffer has {which}={num_bytes}")
+        return engine.get_local_buffer_tensor(dtype, size, offset, bool(use_rdma_buffer))
+
+    # ---- normal (high-throughput) mode ----
+    def get_dispatch_layout(self, topk_idx, num_experts, previous_event=None, async_finish=False,
+                            allocate_on_comm_stream=False):
+        """Returns (num_tokens_per_rank, num_tokens_per_rdma_rank or None, num_tokens_per_expert,
+        is_token_in_rank, event)."""
+        engine = self._engine()
+        v.check_event_args(previous_event, async_finish, allocate_on_comm_stream)
+        v.check_num_experts(num_experts, self.group_size)
+        v.check_topk_idx("topk_idx", topk_idx, num_experts, device=self._device)
+        per_rank, per_rdma_rank, per_expert, in_rank = engine.get_dispatch_layout(topk_idx, num_experts)
+        return per_rank, per_rdma_rank, per_expert, in_rank, self._event(async_finish)
+
+    def dispatch(self, x, handle=None, num_tokens_per_rank=None, num_tokens_per_rdma_rank=None,
+                 is_token_in_rank=None, num_tokens_per_expert=None, topk_idx=None, topk_weights=None,
+                 expert_alignment=1, num_worst_tokens=0, config=None, previous_event=None, async_finish=False,
+                 allocate_on_comm_stream=False):
+        """Send each token once to every rank that holds one of its experts. Returns (recv_x, recv_topk_idx,
+        recv_topk_weights, num_recv_tokens_per_expert_list, handle, event); with a handle (cached mode):
+        (recv_x, None, None, None, None, event)."""
+        engine = self._engine()
+        v.check_event_args(previous_event, async_finish, allocate_on_comm_stream)
+        if config is None:
+            config = default_config(DISPATCH_CONFIGS, self.group_size, Buffer.num_sms)
+        v.check_config(config)
+        x_data, x_scales = v.check_dispatch_x(x, self._device)
+        check_int("expert_alignment", expert_alignment, 1)
+        check_int("num_worst_tokens", num_worst_tokens, 0)
+        v.check_topk_pair(topk_idx, topk_weights)
+        if handle is not None:
+            if topk_idx is not None:
+                raise ValueError("dispatch with a handle (cached mode) reuses the handle's routing: topk_idx and "
+                                 "topk_weights must be None")
+            return self._cached_dispatch(engine, x_data, x_scales, handle, expert_alignment, num_worst_tokens,
+                                         config, async_finish)
+        num_experts = v.check_layout_tensors(num_tokens_per_rank, num_tokens_per_rdma_rank, is_token_in_rank,
+                                             num_tokens_per_expert, x_data.size(0), self.group_size,
+                                             engine.num_nodes, self._device)
+        self._check_dispatch_topk(topk_idx, topk_weights, num_experts, x_data.size(0), num_worst_tokens)
+        per_rdma_rank = num_tokens_per_rdma_rank if engine.num_nodes > 1 else None
+        recv_x, recv_scales, recv_topk_idx, recv_topk_weights, counts, handle = engine.dispatch(
+            x_data, x_scales, topk_idx, topk_weights, num_tokens_per_rank, per_rdma_rank, is_token_in_rank,
+            num_tokens_per_expert, expert_alignment, num_worst_tokens, config.num_sms // 2, None)
+        recv = (recv_x, recv_scales) if x_scales is not None else recv_x
+        return recv, recv_topk_idx, recv_topk_weights, counts, handle, self._event(async_finish)
+
+    def _check_dispatch_topk(self, topk_idx, topk_weights, num_experts, num_tokens, num_worst_tokens):
+        if topk_idx is None:
+            if num_worst_tokens > 0:
+                raise ValueError(f"num_worst_tokens={num_worst_tokens} > 0 requires topk_idx and topk_weights")
+            return
+        v.check_topk_idx("topk_idx", topk_idx, num_experts, num_tokens=num_tokens, device=self._device)
+        v.check_topk_weights("topk_weights", topk_weights, tuple(topk_idx.shape), self._device)
+
+    def _cached_dispatch(self, engine, x, x_scales, handle, expert_alignment, num_worst_tokens, config,
+                         async_finish):
+        handle, num_tokens, _, channels = v.check_normal_handle(handle, self.group_size, engine.num_nodes)
+        if x.size(0) != num_tokens:
+            raise ValueError(f"x has {x.size(0)} tokens; the handle was made by a dispatch of {num_tokens}")
+        v.check_handle_channels(channels, config, "cached dispatch")
+        recv_x, recv_scales = engine.dispatch(x, x_scales, None, None, None, None, None, None, expert_alignment,
+                                              num_worst_tokens, channels, handle)[:2]
+        recv = (recv_x, recv_scales) if x_scales is not None else recv_x
+        return recv, None, None, None, None, self._event(async_finish)
+
+    def combine(self, x, handle, topk_weights=None, bias=None, config=None, previous_event=None,
+                async_finish=False, allocate_on_comm_stream=False):
+        """Sum (without weights) each token's rows back on its source rank, plus bias. Returns (combined_x,
+        combined_topk_weights or None, event)."""
+        engine = self._engine()
+        v.check_event_args(previous_event, async_finish, allocate_on_comm_stream)
+        if config is None:
+            config = default_config(COMBINE_CONFIGS, self.group_size, Buffer.num_sms)
+        v.check_config(config)
+        handle, num_tokens, num_recv, channels = v.check_normal_handle(handle, self.group_size, engine.num_nodes)
+        v.check_handle_channels(channels, config, "combine")
+        v.check_tensor("x", x, dtypes=(torch.bfloat16,), shape=(("num_recv_tokens", num_recv), ("hidden", None)),
+                       device=self._device)
+        if x.size(1) * x.element_size() % v.ROW_ALIGN_BYTES:
+            raise ValueError(f"x rows are {x.size(1) * x.element_size()} bytes (hidden={x.size(1)}); they must be "
+                             f"a multiple of {v.ROW_ALIGN_BYTES} bytes")
+        v.check_optional_tensor("topk_weights", topk_weights, dtypes=(torch.float32,),
+                                shape=(("num_recv_tokens", num_recv), ("num_topk", None)), device=self._device)
+        biases = v.check_bias(bias, num_tokens, x.size(1), x.dtype, self._device)
+        combined_x, combined_weights = engine.combine(x, handle, topk_weights, biases)
+        return combined_x, combined_weights, self._event(async_finish)
+
+    def internode_dispatch(self, *args, **kwargs):
+        raise NotImplementedError("Buffer.internode_dispatch is DeepEP-internal; call Buffer.dispatch, which "
+                                  "handles multi-node groups")
+
+    def internode_combine(self, *args, **kwargs):
+        raise NotImplementedError("Buffer.internode_combine is DeepEP-internal; call Buffer.combine, which "
+                                  "handles multi-node groups")
+
+    # ---- low-latency mode ----
+    def clean_low_latency_buffer(self, num_max_dispatch_tokens_per_rank, hidden, num_experts):
+        """Reset the low-latency signal areas (needed after normal operations on a low-latency Buffer)."""
+        engine = self._ll_engine()
+        check_int("num_max_dispatch_tokens_per_rank", num_max_dispatch_tokens_per_rank, 1)
+        check_int("hidden", hidden, 1)
+        v.check_ll_hidden(hidden)
+        v.check_num_experts(num_experts, self.group_size)
+        engine.clean_low_latency_buffer(num_max_dispatch_tokens_per_rank, hidden, num_experts)
+
+    def low_latency_dispatch(self, x, topk_idx, num_max_dispatch_tokens_per_rank, num_experts,
+                             cumulative_local_expert_recv_stats=None, dispatch_wait_recv_cost_stats=None,
+                             use_fp8=True, round_scale=False, use_ue8m0=False, async_finish=False,
+                             return_recv_hook=False):
+        """Send one message per (token, selected expert), packed expert-major on the receiver. Returns (recv_x,
+        recv_count, handle, event, hook)."""
+        engine = self._ll_engine()
+        v.check_ll_flags(async_finish, return_recv_hook)
+        v.check_fp8_flags(use_fp8, round_scale, use_ue8m0)
+        tokens = check_int("num_max_dispatch_tokens_per_rank", num_max_dispatch_tokens_per_rank, 1)
+        v.check_num_experts(num_experts, self.group_size)
+        v.check_ll_x(x, tokens, use_ue8m0, self._device)
+        v.check_topk_idx("topk_idx", topk_idx, num_experts, num_tokens=x.size(0), limit_note=LL_TOPK_NOTE,
+                         device=self._device)
+        recv_stats = v.check_stats("cumulative_local_expert_recv_stats", cumulative_local_expert_recv_stats,
+                                   num_experts // self.group_size, torch.int32, "num_local_experts", self._device)
+        wait_stats = v.check_stats("dispatch_wait_recv_cost_stats", dispatch_wait_recv_cost_stats,
+                                   self.group_size, torch.int64, "num_ranks", self._device)
+        recv_x, recv_count, handle, hook = engine.low_latency_dispatch(
+            x, topk_idx, tokens, num_experts, bool(use_fp8), bool(round_scale), bool(use_ue8m0), recv_stats,
+            wait_stats, bool(return_recv_hook))
+        extra = None
+        if async_finish:
+            data, scales = recv_x if isinstance(recv_x, tuple) else (recv_x, None)
+            extra = (x, topk_idx, data, scales, recv_count, handle[0], handle[1], recv_stats)
+        return recv_x, recv_count, handle, self._event(async_finish, extra), hook
+
+    def low_latency_combine(self, x, topk_idx, topk_weights, handle, use_logfmt=False, zero_copy=False,
+                            async_finish=False, return_recv_hook=False, out=None, combine_wait_recv_cost_stats=None):
+        """Weighted sum of each token's expert outputs back on its source rank. Returns (combined_x, event,
+        hook)."""
+        engine = self._ll_engine()
+        if use_logfmt:
+            raise NotImplementedError("use_logfmt=True (LogFMT-10 combine) is not supported by portep yet; "
+                                      "use use_logfmt=False (BF16)")
+        v.check_ll_flags(async_finish, return_recv_hook)
+        tokens, hidden, num_experts = v.check_ll_handle(handle, self.group_size)
+        v.check_ll_combine_x(x, self.group_size, tokens, hidden, num_experts, self._device)
+        v.check_topk_idx("topk_idx", topk_idx, num_experts, limit_note=LL_TOPK_NOTE, device=self._device)
+        v.check_ll_num_tokens("topk_idx", topk_idx.size(0), tokens)
+        v.check_topk_weights("topk_weights", topk_weights, tuple(topk_idx.shape), self._device)
+        v.check_ll_out(out, topk_idx.size(0), hidden, self._device)
+        wait_stats = v.check_stats("combine_wait_recv_cost_stats", combine_wait_recv_cost_stats, self.group_size,
+                                   torch.int64, "num_ranks", self._device)
+        handle = tuple(handle)
+        combined_x, hook = engine.low_latency_combine(x, topk_idx, topk_weights, handle, bool(zero_copy), out,
+                                                      bool(return_recv_hook), wait_stats)
+        extra = (x, topk_idx, topk_weights, handle[0], handle[1], combined_x) if async_finish else None
+        return combined_x, self._event(async_finish, extra), hook
+
+    def get_next_low_latency_combine_buffer(self, handle):
+        """The BF16 view [num_local_experts, num_ranks * T, hidden] that the next zero-copy combine sends from."""
+        engine = self._ll_engine()
+        v.check_ll_handle(handle, self.group_size)
+        return engine.get_next_low_latency_combine_buffer(tuple(handle))
+
+    def low_latency_update_mask_buffer(self, rank_to_mask, mask=False):
+        raise RuntimeError("shrink mode must be enabled (portep does not support enable_shrink=True yet)")
+
+    def low_latency_query_mask_buffer(self, mask_status):
+        raise RuntimeError("shrink mode must be enabled (portep does not support enable_shrink=True yet)")
+
+    def low_latency_clean_mask_buffer(self):
+        raise RuntimeError("shrink mode must be enabled (portep does not support enable_shrink=True yet)")
+
+
+def _check_buffer_bytes(name, value):
+    check_int(name, value, 0)
+    if value % 128:
+        raise ValueError(f"{name}={value} must be a multiple of 128 bytes")
+
+
+def _select_backend(explicit):
+    source = "backend" if explicit is not None else "PORTEP_BACKEND"
+    name = explicit if explicit is not None else os.environ.get("PORTEP_BACKEND", "host")
+    if name in PLANNED_BACKENDS:
+        raise NotImplementedError(f"{source}={name!r}: the {name} backend is not available yet; use "
+                                  f"backend='host' (CPU tensors)")
+    if name not in BACKENDS:
+        raise ValueError(f"{source}={name!r} is not a backend; choose one of {', '.join(BACKENDS)}")
+    return name
+
+
+def _group_rank_and_size(group):
+    if not dist.is_initialized():
+        raise RuntimeError("torch.distributed is not initialized: call init_process_group before creating a Buffer")
+    return dist.get_rank(group), dist.get_world_size(group)
+
+
+def _ranks_per_node(explicit, group_size):
+    raw = os.environ.get("PORTEP_RANKS_PER_NODE")
+    if explicit is not None:
+        value, source = explicit, "num_ranks_per_node"
+    elif raw:
+        try:
+            value = int(raw)
+        except ValueError:
+            raise ValueError(f"PORTEP_RANKS_PER_NODE={raw!r} is not an integer") from None
+        source = "PORTEP_RANKS_PER_NODE"
+    else:
+        value = min(DEFAULT_RANKS_PER_NODE, group_size)
+        source = f"num_ranks_per_node (default min({DEFAULT_RANKS_PER_NODE}, group size))"
+    check_int(source, value, 1, group_size)
+    if group_size % value:
+        raise ValueError(f"{source}={value} must divide the group size {group_size}; pass num_ranks_per_node= "
+                         f"or set PORTEP_RANKS_PER_NODE")
+    return value
