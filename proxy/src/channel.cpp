@@ -44,7 +44,16 @@ void Channel::bootstrap_done() {
 }
 
 void Channel::destroy() {
-  if (proxies_) proxies_->stop();
+  // Deliver what was already pushed (a final signal a peer still waits for may sit in a FIFO or in the
+  // transport's window); skipped when a proxy failed, and bounded by the timeout like every wait.
+  if (proxies_) {
+    try {
+      proxies_->check_error();
+      proxies_->quiet_all();
+    } catch (const std::exception&) {
+    }
+    proxies_->stop();
+  }
   proxies_.reset();
   transport_.reset();  // unmaps and unlinks whatever is still named
   data_ = nullptr;

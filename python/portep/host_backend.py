@@ -70,6 +70,7 @@ class HostEngine:
         self.ht_calls = 0  # parity of the notify area
         self.ll_half = 0
         self.ll_state = host_ll.LLState()
+        self._writes_in_flight = False
 
     # ---- topology ----
     def node_of(self, r):
@@ -115,7 +116,15 @@ class HostEngine:
         lo = local_offsets.to(torch.int64).contiguous()
         ro = remote_offsets.to(torch.int64).contiguous()
         if lo.numel():
+            self._writes_in_flight = True
             self._native.write_rows(dst, lo.data_ptr(), ro.data_ptr(), lo.numel(), row_bytes, stream, merge)
+
+    def settle(self):
+        """Wait until the proxies have read every byte earlier WRITEs take from this rank's memory, before a call
+        stores into that memory again (a transport may still be copying from it after the call returned)."""
+        if self._writes_in_flight:
+            self._native.quiet()
+            self._writes_in_flight = False
 
     def copy_rows(self, dst, dst_pitch, dst_idx, src, src_pitch, src_idx, row_bytes):
         """Native row copy: dst/src are uint8 tensors (views of the communication memory or staging), indices
@@ -145,6 +154,7 @@ class HostEngine:
         """One WRITE per row, each on its own stream (LL messages: a signal counts them one by one)."""
         lo, ro, st = (t.to(torch.int64).contiguous() for t in (local_offsets, remote_offsets, streams))
         if lo.numel():
+            self._writes_in_flight = True
             self._native.write_rows_streams(dst, lo.data_ptr(), ro.data_ptr(), st.data_ptr(), lo.numel(), row_bytes)
 
     def signal_many(self, dsts, streams, units):
@@ -227,15 +237,19 @@ class HostEngine:
         return host_ht.dispatch_layout(self, topk_idx, num_experts)
 
     def dispatch(self, *args, **kwargs):
+        self.settle()
         return host_ht.dispatch(self, *args, **kwargs)
 
     def combine(self, x, handle, topk_weights, bias):
+        self.settle()
         return host_ht.combine(self, x, handle, topk_weights, bias)
 
     def low_latency_dispatch(self, *args, **kwargs):
+        self.settle()
         return host_ll.dispatch(self, *args, **kwargs)
 
     def low_latency_combine(self, *args, **kwargs):
+        self.settle()
         return host_ll.combine(self, *args, **kwargs)
 
     def get_next_low_latency_combine_buffer(self, handle):
