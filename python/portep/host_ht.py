@@ -66,9 +66,9 @@ def _pack_records(eng, rec, x, x_scales, topk_idx, topk_weights, node_masks):
     if rec.num_scales:
         out[:, rec.scales:rec.topk] = x_scales.contiguous().view(torch.uint8).view(N, 4 * rec.num_scales)
     if rec.num_topk:
-        out[:, rec.topk:rec.weights] = topk_idx.to(torch.int64).contiguous().view(torch.uint8).view(N, -1)
+        out[:, rec.topk:rec.weights] = topk_idx.to(torch.int64).contiguous().view(torch.uint8).view(N, 8 * rec.num_topk)
         out[:, rec.weights:rec.weights + 4 * rec.num_topk] = \
-            topk_weights.to(torch.float32).contiguous().view(torch.uint8).view(N, -1)
+            topk_weights.to(torch.float32).contiguous().view(torch.uint8).view(N, 4 * rec.num_topk)
     return out
 
 
@@ -220,11 +220,11 @@ def _unpack(eng, x, rec, recv, counts, all_channel, C, cached, num_worst_tokens,
     H = x.size(1)
     recv_x = torch.empty(rows, H, dtype=x.dtype)
     recv_x[num_recv:] = 0
-    recv_x[:num_recv].view(torch.uint8).view(num_recv, -1).copy_(recv[:, rec.x:rec.scales])
+    recv_x[:num_recv].view(torch.uint8).view(num_recv, rec.hidden_bytes).copy_(recv[:, rec.x:rec.scales])
     recv_scales = None
     if rec.num_scales:
         recv_scales = torch.zeros(rows, rec.num_scales, dtype=rec.scale_dtype)
-        recv_scales[:num_recv] = recv[:, rec.scales:rec.topk].contiguous().view(rec.scale_dtype).view(num_recv, -1)
+        recv_scales[:num_recv] = recv[:, rec.scales:rec.topk].contiguous().view(rec.scale_dtype).view(num_recv, rec.num_scales)
     if cached:
         return recv_x, recv_scales, None, None, None, None
     recv_topk_idx = recv_topk_weights = None

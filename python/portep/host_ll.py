@@ -78,7 +78,7 @@ def _pack_messages(x, use_fp8, round_scale, lay):
     if use_fp8:
         q, scale = per_token_cast(x, round_scale)
         msgs[:, 16:16 + H] = q.view(torch.uint8)
-        msgs[:, 16 + H:16 + H + H // 128 * 4] = scale.view(torch.uint8).view(N, -1)
+        msgs[:, 16 + H:16 + H + H // 128 * 4] = scale.view(torch.uint8).view(N, H // 128 * 4)
     else:
         msgs[:, 16:16 + 2 * H] = x.contiguous().view(torch.uint8).view(N, 2 * H)
     return msgs
@@ -173,7 +173,7 @@ def _dispatch_receive(eng, lay, half, use_fp8, use_ue8m0, recv_x, recv_scales, r
     eng.copy_rows(recv_x.view(torch.uint8), row_bytes, packed_rows, slots[16:], lay.disp, slot_rows, row_bytes)
     if use_fp8:
         scale = slots[:E_l * R * T * lay.disp].view(-1, lay.disp)[slot_rows, 16 + H:16 + H + H // 128 * 4]
-        scale = scale.contiguous().view(torch.float32).view(n, -1)
+        scale = scale.contiguous().view(torch.float32).view(n, H // 128)
         recv_scales[packed_rows // M, packed_rows % M] = _ue8m0(scale) if use_ue8m0 else scale
     recv_count.copy_(counts.sum(1).to(torch.int32))
     layout_range.copy_((begins << 32) | counts)

@@ -1,0 +1,48 @@
+"""DeepEP V1 normal (high-throughput) mode of portep.Buffer on the host backend: get_dispatch_layout, dispatch
+(BF16 random / rank-constant / FP8, with and without top-k, expert_alignment 1 and 4, num_worst_tokens, cached),
+combine (echo, bias, top-k weights) and bitwise reproducibility, against the references in deepep_reference.py.
+
+Each case is one spawned run of `world` ranks that makes all the calls and returns every failed check; ranks
+[r*rpn, (r+1)*rpn) form a node, so rpn < world exercises the internode (10-tuple handle) path.
+"""
+
+import pytest
+
+import deepep_workers as w
+from dist_util import run_ranks
+
+# world, ranks_per_node, transport, hidden, num_topk, experts per rank, tokens per rank, seed
+CASES = [
+    (2, 1, "shm", 512, 8, 8, [300, 211], 1),
+    (2, 1, "shm-unordered", 512, 8, 8, [173, 256], 2),
+    (2, 2, "shm", 512, 6, 8, [256, 100], 3),
+    (4, 1, "shm-unordered", 256, 6, 8, [150, 64, 201, 97], 4),
+    (4, 2, "shm", 512, 8, 8, [200, 64, 150, 97], 5),
+    (4, 2, "shm-unordered", 256, 4, 4, [80, 160, 120, 66], 6),
+    (4, 4, "shm", 256, 6, 8, [128, 190, 70, 100], 7),
+    (8, 2, "shm-unordered", 256, 8, 8, [64, 96, 128, 80, 72, 110, 64, 90], 8),
+    (8, 8, "shm", 256, 8, 8, [100, 64, 128, 72, 90, 64, 81, 120], 9),
+]
+
+
+def _id(case):
+    return f"{case[0]}ranks-{case[1]}pernode-{case[2]}"
+
+
+def _assert_clean(out, min_checks):
+    failures = [f for r in sorted(out) for f in out[r]["failures"]]
+    assert not failures, f"{len(failures)} failed checks:\n" + "\n".join(failures)
+    for r, res in out.items():
+        assert res["checks"] >= min_checks, f"rank {r} made only {res['checks']} checks"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", CASES, ids=[_id(c) for c in CASES])
+def test_ht_layout_dispatch_combine(case):
+    world, rpn, transport, hidden, topk, per_rank, n_tokens, seed = case
+    # In the (4, 2, shm) case no rank routes anything to rank 3; elsewhere only rank 0 avoids the last rank.
+    starve = (world, rpn, transport) == (4, 2, "shm")
+    out = run_ranks(w.ht_body, world, args=(rpn, transport, seed, n_tokens, hidden, topk, per_rank * world, 3, starve),
+                    timeout=150 + 30 * world)
+    _assert_clean(out, 60)
+    assert all(len(res["hashes"]) == 3 for res in out.values())
