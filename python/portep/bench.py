@@ -21,7 +21,24 @@ def main(argv=None):
     argv = list(argv if argv is not None else sys.argv[1:])
     if not argv or (argv[0].startswith("-") and argv[0] not in ("-h", "--help")):
         argv.insert(0, "channel")
+    ep = sub.add_parser("ep", help="layout, HT and LL dispatch/combine through portep.Buffer (host backend)")
+    ep.add_argument("--ranks", type=int, default=4)
+    ep.add_argument("--ranks-per-node", type=int, default=None, help="default: all ranks on one node")
+    ep.add_argument("--transport", choices=["shm", "shm-unordered"], default="shm")
+    ep.add_argument("--ht-tokens", type=int, default=4096)
+    ep.add_argument("--ll-tokens", type=int, default=128)
+    ep.add_argument("--hidden", type=int, default=7168)
+    ep.add_argument("--topk", type=int, default=8)
+    ep.add_argument("--ht-experts", type=int, default=256)
+    ep.add_argument("--ll-experts", type=int, default=288)
+    ep.add_argument("--iterations", type=int, default=3)
     args = parser.parse_args(argv)
+    if args.mode == "ep":
+        from portep_bench import ep as ep_bench
+
+        ep_bench.run(ranks=args.ranks, ranks_per_node=args.ranks_per_node, transport=args.transport,
+                     ht_tokens=args.ht_tokens, ll_tokens=args.ll_tokens, hidden=args.hidden, topk=args.topk,
+                     ht_experts=args.ht_experts, ll_experts=args.ll_experts, iterations=args.iterations)
     if args.mode == "channel":
         from portep_bench import channel
 
