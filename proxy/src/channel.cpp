@@ -1,22 +1,13 @@
 #include "portep/channel.h"
 
+#include "portep/backoff.h"
+
 #include <chrono>
 #include <stdexcept>
 #include <thread>
 
 namespace portep {
 
-namespace {
-// Host waits spin briefly, then sleep: on a host with more ranks than cores the peers we wait for need the CPU.
-void wait_backoff(uint64_t iter) {
-  if (iter < 256) return;
-  if (iter < 1024) {
-    std::this_thread::yield();
-    return;
-  }
-  std::this_thread::sleep_for(std::chrono::microseconds(iter < 8192 ? 5 : 20));
-}
-}  // namespace
 
 Channel::Channel(const ChannelOptions& o) : opts_(o) {
   opts_.transport.num_channels = o.proxy.num_threads;
@@ -125,7 +116,7 @@ uint64_t Channel::wait_signal(int src, uint32_t stream, uint64_t count, double t
                                  " of " + std::to_string(count) + " within " + std::to_string(timeout_s) + " s; " +
                                  transport_->describe_peer(src));
     }
-    wait_backoff(iter);
+    backoff(kHostWait, iter);
   }
 }
 
@@ -203,7 +194,7 @@ uint64_t Channel::consume_signal(int src, uint32_t stream, uint64_t min_units, b
                                  " of (src " + std::to_string(src) + ", stream " + std::to_string(stream) + "), have " +
                                  std::to_string(units) + " units; " + transport_->describe_peer(src));
     }
-    wait_backoff(iter);
+    backoff(kHostWait, iter);
   }
 }
 

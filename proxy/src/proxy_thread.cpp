@@ -1,5 +1,6 @@
 #include <thread>
 
+#include "portep/backoff.h"
 #include "portep/imm.h"
 #include "proxy_impl.h"
 
@@ -10,16 +11,6 @@ using Clock = std::chrono::steady_clock;
 constexpr int kPopBatch = 64;
 constexpr int kPollBatch = 256;
 
-// Spin briefly, then yield, then sleep: idle proxies must not starve producers when ranks share few cores
-// (a yield with many runnable threads can cost a whole time slice, a short sleep does not).
-void idle_backoff(uint32_t idle_rounds) {
-  if (idle_rounds < 64) return;
-  if (idle_rounds < 256) {
-    std::this_thread::yield();
-    return;
-  }
-  std::this_thread::sleep_for(std::chrono::microseconds(idle_rounds < 4096 ? 10 : 50));
-}
 }  // namespace
 
 ProxyThread::ProxyThread(ProxyGroupImpl* g, int index)
@@ -57,7 +48,7 @@ void ProxyThread::run() {
       for (int f : fifos_)
         if (__atomic_load_n(&g_->fifos[f]->error_flag, __ATOMIC_ACQUIRE))
           throw std::runtime_error("a producer of FIFO " + std::to_string(f) + " timed out waiting for room");
-      idle_backoff(++idle);
+      backoff(kIdleProxy, ++idle);
     }
   } catch (const std::exception& e) {
     g_->latch("rank " + std::to_string(g_->cfg.rank) + " proxy thread " + std::to_string(index_) + ": " + e.what());
@@ -87,7 +78,7 @@ uint64_t ProxyThread::post_with_retry(uint64_t bytes, const char* what, int peer
       const uint64_t seq = inflight_.posted();
       if (post(seq)) return inflight_.on_post(bytes);
     }
-    if (progress()) idle = 0; else idle_backoff(++idle);
+    if (progress()) idle = 0; else backoff(kIdleProxy, ++idle);
     if ((iter & 63) == 0 && Clock::now() - start > timeout_) timeout_error(what, peer);
   }
 }
@@ -172,7 +163,7 @@ void ProxyThread::wait_retired_past(uint64_t seq, const char* what, int peer) {
   const auto start = Clock::now();
   uint32_t idle = 0;
   for (uint64_t iter = 1; inflight_.retired() <= seq; ++iter) {
-    if (progress()) idle = 0; else idle_backoff(++idle);
+    if (progress()) idle = 0; else backoff(kIdleProxy, ++idle);
     if ((iter & 63) == 0 && Clock::now() - start > timeout_) timeout_error(what, peer);
   }
 }
