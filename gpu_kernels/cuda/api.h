@@ -4,6 +4,8 @@
 
 #include <stdint.h>
 
+#include <vector>
+
 #include "portep/fifo.h"
 
 namespace portep::cuda {
@@ -22,6 +24,26 @@ struct FifoProbeArgs {
 // (dst_rank = w % dst_rank_modulo, stream = w, size 16, offsets 16 * (i % 1024)); a warp stops at its first
 // failed push. Asynchronous: returns the launch error only.
 int launch_fifo_probe(const FifoProbeArgs& a);
+
+struct FifoProbeConfig {
+  int num_fifos = 32;
+  uint32_t capacity = 4096;
+  int consumer_threads = 4;
+  int warps = 1024;
+  int commands_per_warp = 1000;
+  double timeout_s = 30;
+};
+struct FifoProbeResult {
+  double seconds = 0;  // launch until the last command was popped
+  uint64_t popped = 0;
+  uint64_t out_of_order = 0;
+  bool producer_timeout = false;
+};
+// The probe kernel against `consumer_threads` host threads that pop and check (the proxies' drain loop).
+int run_fifo_probe(const FifoProbeConfig& cfg, FifoProbeResult* out);
+// One GPU thread pushes a command and waits for the host to pop it and publish the tail, `iterations`
+// times; out_ns gets each round trip as the GPU's globaltimer saw it.
+int run_fifo_rtt(int iterations, double timeout_s, std::vector<uint64_t>* out_ns);
 
 int cuda_device_count(int* count);
 const char* cuda_error_string(int err);

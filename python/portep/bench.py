@@ -32,7 +32,12 @@ def main(argv=None):
     ep.add_argument("--ht-experts", type=int, default=256)
     ep.add_argument("--ll-experts", type=int, default=288)
     ep.add_argument("--iterations", type=int, default=3)
+    sub.add_parser("gpu-fifo", help="GPU -> host command channel: commands/s and round trip (needs a GPU)")
     args = parser.parse_args(argv)
+    if args.mode == "gpu-fifo":
+        from portep_bench import gpu_fifo
+
+        gpu_fifo.run()
     if args.mode == "ep":
         from portep_bench import ep as ep_bench
 

@@ -33,6 +33,46 @@ void bind_build_info(py::module_& m) {
     return py::make_tuple(0, std::string("CUDA kernels not built: ") + PORTEP_CUDA_REASON);
 #endif
   });
+#ifdef PORTEP_WITH_CUDA
+  m.def(
+      "cuda_fifo_probe",
+      [](int num_fifos, int consumer_threads, int warps, int commands_per_warp, double timeout_s) {
+        portep::cuda::FifoProbeConfig cfg;
+        cfg.num_fifos = num_fifos;
+        cfg.consumer_threads = consumer_threads;
+        cfg.warps = warps;
+        cfg.commands_per_warp = commands_per_warp;
+        cfg.timeout_s = timeout_s;
+        portep::cuda::FifoProbeResult r;
+        int err;
+        {
+          py::gil_scoped_release nogil;
+          err = portep::cuda::run_fifo_probe(cfg, &r);
+        }
+        if (err) throw std::runtime_error(std::string("cuda_fifo_probe: ") + portep::cuda::cuda_error_string(err));
+        py::dict d;
+        d["seconds"] = r.seconds;
+        d["popped"] = r.popped;
+        d["out_of_order"] = r.out_of_order;
+        d["producer_timeout"] = r.producer_timeout;
+        return d;
+      },
+      py::arg("num_fifos"), py::arg("consumer_threads"), py::arg("warps"), py::arg("commands_per_warp"),
+      py::arg("timeout_s") = 30.0);
+  m.def(
+      "cuda_fifo_rtt",
+      [](int iterations, double timeout_s) {
+        std::vector<uint64_t> ns;
+        int err;
+        {
+          py::gil_scoped_release nogil;
+          err = portep::cuda::run_fifo_rtt(iterations, timeout_s, &ns);
+        }
+        if (err) throw std::runtime_error(std::string("cuda_fifo_rtt: ") + portep::cuda::cuda_error_string(err));
+        return ns;
+      },
+      py::arg("iterations"), py::arg("timeout_s") = 30.0);
+#endif
   m.def("transport_catalog", [] {
     py::list out;
     for (auto& t : portep::transport_catalog()) {

@@ -1,0 +1,142 @@
+// The GPU -> host command channel measured on its own: probe kernels push commands into mapped FIFOs while
+// host consumer threads (the proxies' drain loop without a transport) pop and check them.
+#include <cuda_runtime.h>
+
+#include <atomic>
+#include <chrono>
+#include <thread>
+#include <vector>
+
+#include "api.h"
+#include "portep/fifo_device.cuh"
+#include "portep/portability.cuh"
+
+namespace portep::cuda {
+namespace {
+
+__global__ void fifo_rtt_kernel(FifoView f, int iterations, uint64_t* out_ns, uint64_t timeout_ns) {
+  if (threadIdx.x != 0 || blockIdx.x != 0) return;
+  uint64_t cached_tail = 0;
+  for (int i = 0; i < iterations; ++i) {
+    CmdFields c{kOpNop, 0, 0, 0, 0, 16ull * uint64_t(i % 1024), 0};
+    TransferCmd cmd;
+    cmd_encode(c, &cmd);
+    const uint64_t t0 = globaltimer_ns();
+    if (!fifo_device_push(f, cmd, &cached_tail, timeout_ns)) return;
+    while (ld_acquire_sys_u64(f.tail) < uint64_t(i) + 1) {
+      if (globaltimer_ns() - t0 > timeout_ns) return;
+    }
+    out_ns[i] = globaltimer_ns() - t0;
+  }
+}
+
+#if !defined(__CUDA_ARCH__)  // host code below; FifoConsumer exists in the host compilation pass only
+struct Fifos {
+  std::vector<FifoView> host, device;
+  FifoView* device_array = nullptr;
+  ~Fifos() {
+    for (size_t i = 0; i < host.size(); ++i) free_mapped_fifo(&host[i], &device[i]);
+    if (device_array) cudaFree(device_array);
+  }
+  int alloc(int n, uint32_t capacity) {
+    host.resize(n);
+    device.resize(n);
+    for (int i = 0; i < n; ++i)
+      if (int err = alloc_mapped_fifo(capacity, &host[i], &device[i])) return err;
+    if (cudaError_t err = cudaMalloc(&device_array, sizeof(FifoView) * n)) return int(err);
+    return int(cudaMemcpy(device_array, device.data(), sizeof(FifoView) * n, cudaMemcpyHostToDevice));
+  }
+};
+
+// Each consumer thread t drains FIFOs f = t, t + threads, ...; counts commands and checks each warp's order.
+void consume(Fifos& fifos, int t, int threads, uint64_t expected_total, std::atomic<uint64_t>* popped,
+             std::atomic<uint64_t>* bad, std::atomic<bool>* stop) {
+  std::vector<FifoConsumer> mine;
+  std::vector<int> ids;
+  for (size_t f = size_t(t); f < fifos.host.size(); f += size_t(threads)) {
+    mine.emplace_back(fifos.host[f]);
+    ids.push_back(int(f));
+  }
+  std::vector<uint64_t> next_seq(65536, 0);
+  while (!stop->load(std::memory_order_relaxed) && popped->load(std::memory_order_relaxed) < expected_total) {
+    bool any = false;
+    for (auto& c : mine) {
+      TransferCmd cmd;
+      int n = 0;
+      while (n < 64 && c.pop(&cmd)) {
+        const CmdFields f = cmd_decode(cmd);
+        const uint64_t want = next_seq[f.stream % 65536]++;
+        if (f.op != kOpWrite || f.remote_off != 16ull * (want % 1024)) bad->fetch_add(1);
+        ++n;
+      }
+      if (n == 0) c.flush();
+      if (n) any = true;
+      popped->fetch_add(uint64_t(n), std::memory_order_relaxed);
+    }
+    if (!any) std::this_thread::yield();
+  }
+  for (auto& c : mine) c.flush();
+}
+
+#endif
+}  // namespace
+
+#if !defined(__CUDA_ARCH__)
+int run_fifo_probe(const FifoProbeConfig& cfg, FifoProbeResult* out) {
+  Fifos fifos;
+  if (int err = fifos.alloc(cfg.num_fifos, cfg.capacity)) return err;
+  const uint64_t total = uint64_t(cfg.warps) * uint64_t(cfg.commands_per_warp);
+  std::atomic<uint64_t> popped{0}, bad{0};
+  std::atomic<bool> stop{false};
+  std::vector<std::thread> threads;
+  for (int t = 0; t < cfg.consumer_threads; ++t)
+    threads.emplace_back(consume, std::ref(fifos), t, cfg.consumer_threads, total, &popped, &bad, &stop);
+  FifoProbeArgs a{fifos.device_array, cfg.num_fifos, cfg.commands_per_warp, cfg.warps, 1 << 12,
+                  uint64_t(cfg.timeout_s * 1e9), nullptr};
+  const auto start = std::chrono::steady_clock::now();
+  int err = launch_fifo_probe(a);
+  if (!err) err = int(cudaDeviceSynchronize());
+  const auto limit = std::chrono::duration<double>(cfg.timeout_s);
+  while (!err && popped.load() < total && std::chrono::steady_clock::now() - start < limit) std::this_thread::yield();
+  out->seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  stop.store(true);
+  for (auto& t : threads) t.join();
+  out->popped = popped.load();
+  out->out_of_order = bad.load();
+  out->producer_timeout = false;
+  for (auto& h : fifos.host) out->producer_timeout |= (__atomic_load_n(h.error_flag, __ATOMIC_ACQUIRE) != 0);
+  return err;
+}
+
+int run_fifo_rtt(int iterations, double timeout_s, std::vector<uint64_t>* out_ns) {
+  Fifos fifos;
+  if (int err = fifos.alloc(1, 1024)) return err;
+  uint64_t* dev = nullptr;
+  if (cudaError_t err = cudaMalloc(&dev, sizeof(uint64_t) * iterations)) return int(err);
+  cudaMemset(dev, 0, sizeof(uint64_t) * iterations);
+  std::atomic<uint64_t> popped{0}, bad{0};
+  std::atomic<bool> stop{false};
+  std::thread consumer([&] {
+    FifoConsumer c(fifos.host[0]);
+    while (!stop.load(std::memory_order_relaxed)) {
+      TransferCmd cmd;
+      if (c.pop(&cmd)) {
+        c.flush();  // publish the tail at once: the kernel waits for it
+        popped.fetch_add(1);
+      }
+    }
+  });
+  fifo_rtt_kernel<<<1, 32>>>(fifos.device[0], iterations, dev, uint64_t(timeout_s * 1e9));
+  int err = int(cudaGetLastError());
+  if (!err) err = int(cudaDeviceSynchronize());
+  stop.store(true);
+  consumer.join();
+  out_ns->assign(size_t(iterations), 0);
+  if (!err) err = int(cudaMemcpy(out_ns->data(), dev, sizeof(uint64_t) * iterations, cudaMemcpyDeviceToHost));
+  cudaFree(dev);
+  return err;
+}
+
+#endif
+
+}  // namespace portep::cuda
