@@ -5,19 +5,39 @@
 #include <string.h>
 #include <unistd.h>
 
-#include <fstream>
-#include <sstream>
+#include <stdio.h>
 
 namespace portep {
 
 namespace {
 const char* kRegionTags[kNumRegions] = {"data", "signal"};
 
+// No iostreams in this library: an extension loaded next to another C++ runtime (torch's) can crash in
+// their locale machinery, as seen on the GPU machine's image.
 std::vector<std::string> split_lines(const std::string& s) {
   std::vector<std::string> out;
-  std::istringstream in(s);
-  for (std::string line; std::getline(in, line);) out.push_back(line);
+  size_t start = 0;
+  while (start < s.size()) {
+    size_t end = s.find('\n', start);
+    if (end == std::string::npos) end = s.size();
+    out.push_back(s.substr(start, end - start));
+    start = end + 1;
+  }
   return out;
+}
+
+// The state letter of a process from /proc/PID/stat ('?' when unreadable).
+char process_state(int pid) {
+  char path[64];
+  snprintf(path, sizeof(path), "/proc/%d/stat", pid);
+  FILE* f = fopen(path, "r");
+  if (!f) return '?';
+  char buf[512];
+  size_t n = fread(buf, 1, sizeof(buf) - 1, f);
+  fclose(f);
+  buf[n] = 0;
+  const char* close_paren = strrchr(buf, ')');  // the command name may hold spaces and parentheses
+  return close_paren && close_paren[1] == ' ' ? close_paren[2] : '?';
 }
 }  // namespace
 
@@ -47,11 +67,10 @@ void* ShmTransport::alloc_region(RegionId region, size_t bytes) {
 }
 
 std::string ShmTransport::endpoint_blob() {
-  std::ostringstream out;
-  out << getpid() << "\n";
-  for (auto& r : regions_) out << r.name() << "\n" << r.size() << "\n";
-  out << inbox_.name() << "\n" << inbox_.size() << "\n";
-  return out.str();
+  std::string out = std::to_string(getpid()) + "\n";
+  for (auto& r : regions_) out += r.name() + "\n" + std::to_string(r.size()) + "\n";
+  out += inbox_.name() + "\n" + std::to_string(inbox_.size()) + "\n";
+  return out;
 }
 
 void ShmTransport::connect(const std::vector<std::string>& blobs) {
@@ -210,9 +229,8 @@ std::string ShmTransport::describe_peer(int peer) const {
   const int pid = peers_[peer].pid;
   bool alive = kill(pid, 0) == 0 || errno == EPERM;
   if (alive) {  // a killed process stays a zombie until its parent reaps it: that counts as gone
-    std::ifstream stat("/proc/" + std::to_string(pid) + "/stat");
-    std::string pid_field, comm, state;
-    if (stat >> pid_field >> comm >> state) alive = state != "Z" && state != "X";
+    const char state = process_state(pid);
+    alive = state != 'Z' && state != 'X';
   }
   return "rank " + std::to_string(peer) + " (pid " + std::to_string(pid) + (alive ? ", alive)" : ", process gone)");
 }
