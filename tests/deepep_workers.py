@@ -977,3 +977,16 @@ def buffer_too_small(rank, world, transport):
        lambda: portep.Buffer(dist.group.WORLD, 1 * MiB, 0, num_ranks_per_node=world + 1, transport=transport,
                              timeout_s=30, explicitly_destroy=True), ["num_ranks_per_node"])
     return {"records": ex.records, "failures": ck.failures, "checks": ck.num_checks, "notes": notes}
+
+
+def case_id(case):
+    """pytest id of a (world, ranks_per_node, transport, ...) case."""
+    return f"{case[0]}ranks-{case[1]}pernode-{case[2]}"
+
+
+def assert_clean(out, min_checks):
+    """Every rank's collected check failures are empty and each rank made at least min_checks checks."""
+    failures = [f for r in sorted(out) for f in out[r]["failures"]]
+    assert not failures, f"{len(failures)} failed checks:\n" + "\n".join(failures)
+    for r, res in out.items():
+        assert res["checks"] >= min_checks, f"rank {r} made only {res['checks']} checks"

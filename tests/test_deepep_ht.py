@@ -10,6 +10,7 @@ import pytest
 
 import deepep_workers as w
 from dist_util import run_ranks
+from deepep_workers import case_id as _id, assert_clean as _assert_clean
 
 # world, ranks_per_node, transport, hidden, num_topk, experts per rank, tokens per rank, seed
 CASES = [
@@ -23,17 +24,6 @@ CASES = [
     (8, 2, "shm-unordered", 256, 8, 8, [64, 96, 128, 80, 72, 110, 64, 90], 8),
     (8, 8, "shm", 256, 8, 8, [100, 64, 128, 72, 90, 64, 81, 120], 9),
 ]
-
-
-def _id(case):
-    return f"{case[0]}ranks-{case[1]}pernode-{case[2]}"
-
-
-def _assert_clean(out, min_checks):
-    failures = [f for r in sorted(out) for f in out[r]["failures"]]
-    assert not failures, f"{len(failures)} failed checks:\n" + "\n".join(failures)
-    for r, res in out.items():
-        assert res["checks"] >= min_checks, f"rank {r} made only {res['checks']} checks"
 
 
 @pytest.mark.slow

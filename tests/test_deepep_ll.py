@@ -8,6 +8,7 @@ import pytest
 
 import deepep_workers as w
 from dist_util import run_ranks
+from deepep_workers import case_id as _id, assert_clean as _assert_clean
 
 # world, ranks_per_node, transport, T (num_max_dispatch_tokens_per_rank), hidden, experts, top-k, seed
 CASES = [
@@ -20,17 +21,6 @@ CASES = [
     (8, 1, "shm-unordered", 32, 512, 32, 8, 17),
     (8, 8, "shm", 32, 512, 64, 6, 18),
 ]
-
-
-def _id(case):
-    return f"{case[0]}ranks-{case[1]}pernode-{case[2]}"
-
-
-def _assert_clean(out, min_checks):
-    failures = [f for r in sorted(out) for f in out[r]["failures"]]
-    assert not failures, f"{len(failures)} failed checks:\n" + "\n".join(failures)
-    for r, res in out.items():
-        assert res["checks"] >= min_checks, f"rank {r} made only {res['checks']} checks"
 
 
 @pytest.mark.slow
