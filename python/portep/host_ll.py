@@ -107,7 +107,8 @@ def dispatch(eng, x, topk_idx, T, E, use_fp8, round_scale, use_ue8m0, cumulative
     msgs = _pack_messages(x, use_fp8, round_scale, lay)
     send, recv = lay.send_off(half), lay.recv_off(half)
     N = x.size(0)
-    eng.region[send:send + N * lay.disp].view(N, lay.disp).copy_(msgs)
+    if not all(eng.direct(d, low_latency=True) for d in range(R)):  # proxies copy from registered memory
+        eng.region[send:send + N * lay.disp].view(N, lay.disp).copy_(msgs)
     tokens, experts, slot, counts = _slots(topk_idx, E)
     dst = experts // E_l
     for d in range(R):
@@ -202,7 +203,10 @@ def combine(eng, x, topk_idx, topk_weights, handle, zero_copy, out, return_recv_
     send_rows = _combine_send_view(eng, lay, half)
     send, recv = lay.send_off(half), lay.recv_off(half)
     begins, counts = layout_range >> 32, layout_range & 0xFFFFFFFF
-    if not zero_copy:  # only the valid rows: each expert's are packed from row 0
+    x_rows = None  # where direct stores read from: x itself, or the registered send buffer
+    if not zero_copy and x.is_contiguous():
+        x_rows = x.view(torch.uint8).view(E_l * lay.M, 2 * H)
+    elif not zero_copy:  # only the valid rows: each expert's are packed from row 0
         for le, n in enumerate(counts.sum(1).tolist()):
             send_rows[le, :n].copy_(x[le, :n])
     n = int(counts.sum())
@@ -215,10 +219,16 @@ def combine(eng, x, topk_idx, topk_weights, handle, zero_copy, out, return_recv_
         sel = src == s_rank
         if not bool(sel.any()):
             continue
+        src_rows = le[sel] * lay.M + j[sel]
         if eng.direct(s_rank, low_latency=True):
-            eng.copy_rows(eng.peer_view(s_rank)[recv:], lay.comb, rows[sel], eng.region[send:], lay.comb,
-                          le[sel] * lay.M + j[sel], 2 * H)
+            if x_rows is not None:
+                eng.copy_rows(eng.peer_view(s_rank)[recv:], lay.comb, rows[sel], x_rows, 2 * H, src_rows, 2 * H)
+            else:
+                eng.copy_rows(eng.peer_view(s_rank)[recv:], lay.comb, rows[sel], eng.region[send:], lay.comb,
+                              src_rows, 2 * H)
         else:
+            if x_rows is not None:  # stage the rows the proxies will send
+                eng.copy_rows(eng.region[send:], lay.comb, src_rows, x_rows, 2 * H, src_rows, 2 * H)
             eng.put_rows_streams(s_rank, send + (le[sel] * lay.M + j[sel]) * lay.comb, recv + rows[sel] * lay.comb,
                                  _stream(eng, half, 1, le[sel]), 2 * H)
     pairs = torch.arange(E_l * R)
