@@ -1,4 +1,4 @@
-"""GPU command-channel benchmark: commands per second from probe kernels through mapped FIFOs to host
+"""GPU benchmarks of this stage: the command channel, and the get_dispatch_layout kernel. Command channel: commands per second from probe kernels through mapped FIFOs to host
 consumer threads (the proxies' drain loop), and the round trip of one command (GPU publish -> host pop ->
 tail visible to the GPU). Baseline from reference/gpu-machine.md's untuned probe on the same machine: 57.3 M/s
 with 32 FIFOs and 4 threads, 83.9 M/s with 128 FIFOs and 16 threads, 3.3 us round trip."""
@@ -24,4 +24,36 @@ def run(configs=((1, 1, 64, 20000), (8, 1, 256, 5000), (32, 4, 1024, 2000), (128
     printer(f"round trip of one command (GPU publish -> host pop -> tail seen by the GPU): median "
             f"{median(ns) / 1e3:.2f} us, p99 {percentile(ns, 99) / 1e3:.2f} us over {len(ns)} commands "
             f"(baseline probe on this machine: 3.3 us)")
+    layout_us = _layout_kernel_us()
+    printer(f"get_dispatch_layout kernel (4096 tokens, top-8, 256 experts, EP2, CUDA events, median of 200 "
+            f"launches incl. the output memsets): {layout_us:.1f} us (DeepEP V1 on this machine: 52 us)")
     return rows
+
+
+def _layout_kernel_us(tokens=4096, topk=8, experts=256, ranks=2, iterations=200):
+    import torch
+
+    from portep import native
+
+    g = torch.Generator().manual_seed(0)
+    idx = torch.topk(torch.rand(tokens, experts, generator=g), topk, dim=1).indices.cuda()
+    per_rank = torch.empty(ranks, dtype=torch.int32, device="cuda")
+    per_expert = torch.empty(experts, dtype=torch.int32, device="cuda")
+    in_rank = torch.empty(tokens, ranks, dtype=torch.bool, device="cuda")
+    stream = torch.cuda.current_stream().cuda_stream
+
+    def launch():
+        native.cuda_dispatch_layout(idx.data_ptr(), tokens, topk, experts, ranks, ranks, per_rank.data_ptr(), 0,
+                                    per_expert.data_ptr(), in_rank.data_ptr(), stream)
+
+    for _ in range(20):
+        launch()
+    times = []
+    for _ in range(iterations):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        launch()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) * 1e3)
+    return median(times)

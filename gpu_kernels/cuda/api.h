@@ -45,6 +45,19 @@ int run_fifo_probe(const FifoProbeConfig& cfg, FifoProbeResult* out);
 // times; out_ns gets each round trip as the GPU's globaltimer saw it.
 int run_fifo_rtt(int iterations, double timeout_s, std::vector<uint64_t>* out_ns);
 
+// get_dispatch_layout: all pointers are device memory; per_node may be null (one node). Asynchronous on
+// `stream`; returns the launch error.
+struct LayoutArgs {
+  const int64_t* topk_idx;  // [num_tokens, num_topk], -1 = no expert
+  int num_tokens, num_topk, num_experts, num_ranks, ranks_per_node;
+  int32_t* per_rank;        // [num_ranks]
+  int32_t* per_node;        // [num_ranks / ranks_per_node] or null
+  int32_t* per_expert;      // [num_experts]
+  bool* is_token_in_rank;   // [num_tokens, num_ranks]
+  void* stream;
+};
+int launch_dispatch_layout(const LayoutArgs& a);
+
 int cuda_device_count(int* count);
 const char* cuda_error_string(int err);
 

@@ -72,6 +72,20 @@ void bind_build_info(py::module_& m) {
         return ns;
       },
       py::arg("iterations"), py::arg("timeout_s") = 30.0);
+  m.def(
+      "cuda_dispatch_layout",
+      [](uintptr_t topk_idx, int num_tokens, int num_topk, int num_experts, int num_ranks, int ranks_per_node,
+         uintptr_t per_rank, uintptr_t per_node, uintptr_t per_expert, uintptr_t is_token_in_rank, uintptr_t stream) {
+        portep::cuda::LayoutArgs a{reinterpret_cast<const int64_t*>(topk_idx), num_tokens, num_topk, num_experts,
+                                   num_ranks, ranks_per_node, reinterpret_cast<int32_t*>(per_rank),
+                                   reinterpret_cast<int32_t*>(per_node), reinterpret_cast<int32_t*>(per_expert),
+                                   reinterpret_cast<bool*>(is_token_in_rank), reinterpret_cast<void*>(stream)};
+        if (int err = portep::cuda::launch_dispatch_layout(a))
+          throw std::runtime_error(std::string("cuda_dispatch_layout: ") + portep::cuda::cuda_error_string(err));
+      },
+      py::arg("topk_idx"), py::arg("num_tokens"), py::arg("num_topk"), py::arg("num_experts"), py::arg("num_ranks"),
+      py::arg("ranks_per_node"), py::arg("per_rank"), py::arg("per_node"), py::arg("per_expert"),
+      py::arg("is_token_in_rank"), py::arg("stream"));
 #endif
   m.def("transport_catalog", [] {
     py::list out;
