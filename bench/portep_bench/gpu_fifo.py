@@ -7,7 +7,7 @@ from .stats import median, percentile, table
 
 
 def run(configs=((1, 1, 64, 20000), (8, 1, 256, 5000), (32, 4, 1024, 2000), (128, 16, 4096, 500)),
-        rtt_iterations=20000, printer=print):
+        rtt_iterations=20000, repeats=5, printer=print):
     from portep import native
 
     if not native.build_info()["cuda_built"] or native.cuda_devices()[0] == 0:
@@ -15,11 +15,13 @@ def run(configs=((1, 1, 64, 20000), (8, 1, 256, 5000), (32, 4, 1024, 2000), (128
     rows = []
     for fifos, threads, warps, per_warp in configs:
         native.cuda_fifo_probe(fifos, threads, warps, min(per_warp, 100))  # warm-up
-        r = native.cuda_fifo_probe(fifos, threads, warps, per_warp)
-        ok = r["popped"] == warps * per_warp and r["out_of_order"] == 0 and not r["producer_timeout"]
-        rows.append([fifos, threads, warps, warps * per_warp, f"{r['popped'] / r['seconds'] / 1e6:.1f}",
-                     "yes" if ok else f"NO ({r})"])
-    printer(table(["FIFOs", "consumer threads", "pushing warps", "commands", "M cmd/s", "all in order"], rows))
+        runs = [native.cuda_fifo_probe(fifos, threads, warps, per_warp) for _ in range(repeats)]
+        bad = [r for r in runs if r["popped"] != warps * per_warp or r["out_of_order"] or r["producer_timeout"]]
+        rates = [r["popped"] / r["seconds"] / 1e6 for r in runs]
+        rows.append([fifos, threads, warps, warps * per_warp, f"{median(rates):.1f}",
+                     f"{min(rates):.1f} .. {max(rates):.1f}", "yes" if not bad else f"NO ({bad[0]})"])
+    printer(table(["FIFOs", "consumer threads", "pushing warps", "commands", f"M cmd/s (median of {repeats})",
+                   "min .. max", "all in order"], rows))
     ns = native.cuda_fifo_rtt(rtt_iterations)[100:]
     printer(f"round trip of one command (GPU publish -> host pop -> tail seen by the GPU): median "
             f"{median(ns) / 1e3:.2f} us, p99 {percentile(ns, 99) / 1e3:.2f} us over {len(ns)} commands "
