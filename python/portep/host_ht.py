@@ -53,23 +53,38 @@ class _Record:
         self.hidden_bytes, self.num_scales, self.num_topk = hidden_bytes, num_scales, num_topk
 
 
-def _pack_records(eng, rec, x, x_scales, topk_idx, topk_weights, node_masks):
-    N = x.size(0)
-    out = torch.empty(N, rec.bytes, dtype=torch.uint8)
-    out[:, rec.weights + 4 * rec.num_topk:] = 0
-    header = torch.zeros(N, 4, dtype=torch.int32)
-    header[:, 0] = torch.arange(N, dtype=torch.int32)
-    header[:, 1] = node_masks
-    header[:, 2] = eng.rank
-    out[:, :HEADER] = header.view(torch.uint8)
-    out[:, rec.x:rec.scales] = x.contiguous().view(torch.uint8).view(N, rec.hidden_bytes)
-    if rec.num_scales:
-        out[:, rec.scales:rec.topk] = x_scales.contiguous().view(torch.uint8).view(N, 4 * rec.num_scales)
-    if rec.num_topk:
-        out[:, rec.topk:rec.weights] = topk_idx.to(torch.int64).contiguous().view(torch.uint8).view(N, 8 * rec.num_topk)
-        out[:, rec.weights:rec.weights + 4 * rec.num_topk] = \
-            topk_weights.to(torch.float32).contiguous().view(torch.uint8).view(N, 4 * rec.num_topk)
-    return out
+class _RecordParts:
+    """A dispatch's records in three parts, written straight into their destinations with native row copies:
+    the header (its node mask set per destination node), the payload rows of x itself, and the tail (scales,
+    top-k ids and weights, padding)."""
+
+    def __init__(self, eng, rec, x, x_scales, topk_idx, topk_weights):
+        N = x.size(0)
+        self.rec = rec
+        header = torch.zeros(N, 4, dtype=torch.int32)
+        header[:, 0] = torch.arange(N, dtype=torch.int32)
+        header[:, 2] = eng.rank
+        self.header = header
+        self.x = x.contiguous().view(torch.uint8).view(N, rec.hidden_bytes)
+        tail = torch.zeros(N, rec.bytes - rec.scales, dtype=torch.uint8)
+        o = 0
+        if rec.num_scales:
+            tail[:, :4 * rec.num_scales] = x_scales.contiguous().view(torch.uint8).view(N, 4 * rec.num_scales)
+            o = 4 * rec.num_scales
+        if rec.num_topk:
+            K = rec.num_topk
+            tail[:, o:o + 8 * K] = topk_idx.to(torch.int64).contiguous().view(torch.uint8).view(N, 8 * K)
+            tail[:, o + 8 * K:o + 12 * K] = topk_weights.to(torch.float32).contiguous().view(torch.uint8).view(N, 4 * K)
+        self.tail = tail
+
+    def write(self, eng, dst, rows, node_mask):
+        """Records of `rows` (int64 token indices), back to back from dst (a uint8 tensor at the block start)."""
+        rec = self.rec
+        self.header[:, 1] = node_mask
+        header = self.header.view(torch.uint8).view(-1, HEADER)
+        eng.copy_rows(dst, rec.bytes, None, header, HEADER, rows, HEADER)
+        eng.copy_rows(dst[rec.x:], rec.bytes, None, self.x, rec.hidden_bytes, rows, rec.hidden_bytes)
+        eng.copy_rows(dst[rec.scales:], rec.bytes, None, self.tail, self.tail.size(1), rows, self.tail.size(1))
 
 
 def _node_masks(eng, is_token_in_rank):
@@ -128,23 +143,19 @@ def _exchange_counts(eng, is_token_in_rank, extra=None):
     return counts, row.numel()
 
 
-def _send_and_forward(eng, plan, records, is_token_in_rank, node_masks):
-    R, me = eng.num_ranks, eng.rank
-    rec = plan.rec
-    records[:, 4:8] = node_masks[:, eng.node].contiguous().view(torch.uint8).view(-1, 4)
+def _send_and_forward(eng, plan, parts, is_token_in_rank, node_masks):
+    me, rec = eng.rank, plan.rec
     for d in eng.node_ranks():
         rows = torch.nonzero(is_token_in_rank[:, d])[:, 0]
-        eng.copy_rows(eng.peer_view(d)[plan.nvl[d][me]:], rec, None, records, rec, rows, rec)
+        parts.write(eng, eng.peer_view(d)[plan.nvl[d][me]:], rows, node_masks[:, eng.node])
     for n in range(eng.num_nodes):
         if n == eng.node:
             continue
-        rows = is_token_in_rank.view(-1, eng.num_nodes, eng.ranks_per_node)[:, n].any(1)
-        block = records[rows].clone()
-        block[:, 4:8] = node_masks[rows, n].contiguous().view(torch.uint8).view(-1, 4)
+        rows = torch.nonzero(is_token_in_rank.view(-1, eng.num_nodes, eng.ranks_per_node)[:, n].any(1))[:, 0]
         off = plan.staging[me][n]
-        eng.region[off:off + block.numel()].view(block.shape).copy_(block)
+        parts.write(eng, eng.region[off:], rows, node_masks[:, n])
         f = eng.forwarder(n)
-        eng.put_block(f, off, plan.rdma[f][me], block.numel(), hb.STREAM_HT_TO_FORWARDER)
+        eng.put_block(f, off, plan.rdma[f][me], rows.numel() * rec, hb.STREAM_HT_TO_FORWARDER)
         eng.signal(f, hb.STREAM_HT_TO_FORWARDER)
     nvl_head = _forward(eng, plan)
     for d in eng.node_ranks():
@@ -198,8 +209,8 @@ def dispatch(eng, x, x_scales, topk_idx, topk_weights, num_tokens_per_rank, num_
     plan = _Plan(eng, counts, rec.bytes)
     eng.require_bytes(plan.needed(), f"this dispatch ({rec.bytes}-byte rows)")
     node_masks = _node_masks(eng, is_token_in_rank)
-    records = _pack_records(eng, rec, x, x_scales, topk_idx, topk_weights, torch.zeros(N, dtype=torch.int32))
-    nvl_head = _send_and_forward(eng, plan, records, is_token_in_rank, node_masks)
+    parts = _RecordParts(eng, rec, x, x_scales, topk_idx, topk_weights)
+    nvl_head = _send_and_forward(eng, plan, parts, is_token_in_rank, node_masks)
     for w in _writers_of(eng):
         eng.consume(w, hb.STREAM_HT_PLACED)
     num_recv = int(counts["rank"][:, eng.rank].sum())
