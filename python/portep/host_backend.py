@@ -13,6 +13,8 @@ peer can run at most one call ahead, and the areas it writes in that call are on
 reading (each call exchanges counts first, and nobody writes data before it has every rank's counts).
 """
 
+import os
+
 import torch
 
 from ._native import require_native
@@ -41,7 +43,7 @@ class HostEngine:
     """One per Buffer. Construction is collective over `group`."""
 
     def __init__(self, group, num_bytes, ranks_per_node, max_local_experts=1024, transport=None, timeout_s=None,
-                 allow_direct_ll=True, num_proxy_threads=4):
+                 allow_direct_ll=True, num_proxy_threads=None):
         require_native()
         self.group = group
         self.rank = torch.distributed.get_rank(group)
@@ -52,6 +54,9 @@ class HostEngine:
         self.num_nodes = self.num_ranks // ranks_per_node
         self.max_local_experts = max_local_experts
         self.allow_direct_ll = bool(allow_direct_ll)
+        if num_proxy_threads is None:
+            # Every rank of the host backend runs on this host: share its cores (an idle proxy still wakes up).
+            num_proxy_threads = max(1, min(4, (os.cpu_count() or 1) // self.num_ranks))
         self.channel = Channel(group, max(ALIGN, align(num_bytes)), transport=transport,
                                num_streams=STREAM_LL_BASE + 4 * max_local_experts,
                                num_proxy_threads=num_proxy_threads, timeout_s=timeout_s)
