@@ -63,11 +63,7 @@ void Channel::encode_or_throw(const CmdFields& f, TransferCmd* out) const {
 
 void Channel::write(int dst, uint64_t local_off, uint64_t remote_off, uint64_t bytes, uint32_t stream) {
   ProxyGroup& g = proxies();
-  if (dst < 0 || dst >= opts_.proxy.num_ranks)
-    throw std::invalid_argument("dst=" + std::to_string(dst) + " must be in 0.." + std::to_string(opts_.proxy.num_ranks - 1));
-  if (stream >= opts_.proxy.num_streams)
-    throw std::invalid_argument("stream=" + std::to_string(stream) + " must be < num_streams=" +
-                                std::to_string(opts_.proxy.num_streams));
+  check_peer_stream("dst", dst, stream);
   if (local_off + bytes > opts_.data_bytes || remote_off + bytes > opts_.data_bytes)
     throw std::invalid_argument("range of " + std::to_string(bytes) + " bytes at local_offset=" +
                                 std::to_string(local_off) + " / remote_offset=" + std::to_string(remote_off) +
@@ -82,11 +78,7 @@ void Channel::write(int dst, uint64_t local_off, uint64_t remote_off, uint64_t b
 
 void Channel::signal(int dst, uint32_t stream, bool final_signal) {
   ProxyGroup& g = proxies();
-  if (dst < 0 || dst >= opts_.proxy.num_ranks)
-    throw std::invalid_argument("dst=" + std::to_string(dst) + " must be in 0.." + std::to_string(opts_.proxy.num_ranks - 1));
-  if (stream >= opts_.proxy.num_streams)
-    throw std::invalid_argument("stream=" + std::to_string(stream) + " must be < num_streams=" +
-                                std::to_string(opts_.proxy.num_streams));
+  check_peer_stream("dst", dst, stream);
   TransferCmd cmd;
   encode_or_throw(CmdFields{kOpSignal, final_signal ? uint32_t(kFlagFinal) : 0u, uint32_t(dst), 0, stream, 0, 0}, &cmd);
   const int f = g.fifo_for(uint32_t(dst), stream);
@@ -97,27 +89,46 @@ void Channel::quiet() { proxies().quiet_all(); }
 
 void Channel::barrier() { proxies().barrier(); }
 
-uint64_t Channel::wait_signal(int src, uint32_t stream, uint64_t count, double timeout_s) {
+void Channel::check_peer_stream(const char* peer_name, int peer, uint32_t stream) const {
+  if (peer < 0 || peer >= opts_.proxy.num_ranks)
+    throw std::invalid_argument(std::string(peer_name) + "=" + std::to_string(peer) + " must be in 0.." +
+                                std::to_string(opts_.proxy.num_ranks - 1));
+  if (stream >= opts_.proxy.num_streams)
+    throw std::invalid_argument("stream=" + std::to_string(stream) + " must be < num_streams=" +
+                                std::to_string(opts_.proxy.num_streams));
+}
+
+uint64_t* Channel::slot(int src, uint32_t stream) const {
+  check_peer_stream("src", src, stream);
+  return signals_ + uint64_t(src) * opts_.proxy.num_streams + stream;
+}
+
+// Polls slot (src, stream) until ready(value); raises failure(value) after timeout_s or a latched proxy error.
+template <class Ready, class Failure>
+uint64_t Channel::wait_slot(int src, uint32_t stream, double timeout_s, Ready ready, Failure failure) {
   ProxyGroup& g = proxies();
-  if (src < 0 || src >= opts_.proxy.num_ranks || stream >= opts_.proxy.num_streams)
-    throw std::invalid_argument("signal slot (src=" + std::to_string(src) + ", stream=" + std::to_string(stream) +
-                                ") is outside " + std::to_string(opts_.proxy.num_ranks) + " ranks x " +
-                                std::to_string(opts_.proxy.num_streams) + " streams");
-  const uint64_t* slot = signals_ + uint64_t(src) * opts_.proxy.num_streams + stream;
+  uint64_t* p = slot(src, stream);
   const auto start = std::chrono::steady_clock::now();
   for (uint64_t iter = 0;; ++iter) {
-    const uint64_t v = __atomic_load_n(slot, __ATOMIC_ACQUIRE);
-    if ((v & 0xffffffffu) >= count) return v;
+    const uint64_t v = __atomic_load_n(p, __ATOMIC_ACQUIRE);
+    if (ready(v)) return v;
     if ((iter & 255) == 255) {
       g.check_error();
       if (std::chrono::steady_clock::now() - start > std::chrono::duration<double>(timeout_s))
-        throw std::runtime_error("rank " + std::to_string(opts_.proxy.rank) + ": signal (src " + std::to_string(src) +
-                                 ", stream " + std::to_string(stream) + ") reached " + std::to_string(v & 0xffffffffu) +
-                                 " of " + std::to_string(count) + " within " + std::to_string(timeout_s) + " s; " +
-                                 transport_->describe_peer(src));
+        throw std::runtime_error("rank " + std::to_string(opts_.proxy.rank) + ": " + failure(v) + " within " +
+                                 std::to_string(timeout_s) + " s; " + transport_->describe_peer(src));
     }
     backoff(kHostWait, iter);
   }
+}
+
+uint64_t Channel::wait_signal(int src, uint32_t stream, uint64_t count, double timeout_s) {
+  return wait_slot(
+      src, stream, timeout_s, [&](uint64_t v) { return (v & 0xffffffffu) >= count; },
+      [&](uint64_t v) {
+        return "signal (src " + std::to_string(src) + ", stream " + std::to_string(stream) + ") reached " +
+               std::to_string(v & 0xffffffffu) + " of " + std::to_string(count);
+      });
 }
 
 uint64_t Channel::write_rows(int dst, const int64_t* local_offs, const int64_t* remote_offs, size_t n,
@@ -159,9 +170,7 @@ uint64_t Channel::peer_data_bytes(int dst) const {
 }
 
 void Channel::direct_signal(int dst, uint32_t stream, uint64_t units, bool final_signal) {
-  if (stream >= opts_.proxy.num_streams)
-    throw std::invalid_argument("stream=" + std::to_string(stream) + " must be < num_streams=" +
-                                std::to_string(opts_.proxy.num_streams));
+  check_peer_stream("dst", dst, stream);
   auto* slots = transport_ ? static_cast<uint64_t*>(transport_->peer_region(dst, kRegionSignal)) : nullptr;
   if (!slots)
     throw std::invalid_argument("rank " + std::to_string(dst) + " is not reachable by direct stores from rank " +
@@ -171,31 +180,17 @@ void Channel::direct_signal(int dst, uint32_t stream, uint64_t units, bool final
 }
 
 uint64_t Channel::consume_signal(int src, uint32_t stream, uint64_t min_units, bool need_final, double timeout_s) {
-  ProxyGroup& g = proxies();
-  if (src < 0 || src >= opts_.proxy.num_ranks || stream >= opts_.proxy.num_streams)
-    throw std::invalid_argument("signal slot (src=" + std::to_string(src) + ", stream=" + std::to_string(stream) +
-                                ") is outside " + std::to_string(opts_.proxy.num_ranks) + " ranks x " +
-                                std::to_string(opts_.proxy.num_streams) + " streams");
-  uint64_t* slot = signals_ + uint64_t(src) * opts_.proxy.num_streams + stream;
-  const auto start = std::chrono::steady_clock::now();
-  for (uint64_t iter = 0;; ++iter) {
-    const uint64_t v = __atomic_load_n(slot, __ATOMIC_ACQUIRE);
-    const uint64_t units = v & 0xffffffffu;
-    if (need_final ? (v >> 32) >= 1 : units >= min_units) {
-      const uint64_t take = need_final ? units + kSignalFinalMark : min_units;
-      __atomic_fetch_sub(slot, take, __ATOMIC_ACQ_REL);
-      return need_final ? units : min_units;
-    }
-    if ((iter & 255) == 255) {
-      g.check_error();
-      if (std::chrono::steady_clock::now() - start > std::chrono::duration<double>(timeout_s))
-        throw std::runtime_error("rank " + std::to_string(opts_.proxy.rank) + ": waited " + std::to_string(timeout_s) +
-                                 " s for " + (need_final ? std::string("the final signal") : std::to_string(min_units) + " units") +
-                                 " of (src " + std::to_string(src) + ", stream " + std::to_string(stream) + "), have " +
-                                 std::to_string(units) + " units; " + transport_->describe_peer(src));
-    }
-    backoff(kHostWait, iter);
-  }
+  const uint64_t v = wait_slot(
+      src, stream, timeout_s,
+      [&](uint64_t v) { return need_final ? (v >> 32) >= 1 : (v & 0xffffffffu) >= min_units; },
+      [&](uint64_t v) {
+        return "no " + (need_final ? std::string("final signal") : std::to_string(min_units) + " units") +
+               " on (src " + std::to_string(src) + ", stream " + std::to_string(stream) + "), have " +
+               std::to_string(v & 0xffffffffu) + " units";
+      });
+  const uint64_t units = need_final ? (v & 0xffffffffu) : min_units;
+  __atomic_fetch_sub(slot(src, stream), need_final ? units + kSignalFinalMark : min_units, __ATOMIC_ACQ_REL);
+  return units;
 }
 
 void Channel::write_rows_streams(int dst, const int64_t* local_offs, const int64_t* remote_offs,

@@ -74,7 +74,6 @@ class HostEngine:
         self._peer_views = {}
         self.ht_calls = 0  # parity of the notify area
         self.ll_half = 0
-        self.ll_state = host_ll.LLState()
         self._writes_in_flight = False
 
     # ---- topology ----

@@ -98,12 +98,11 @@ def _node_masks(eng, is_token_in_rank):
 class _Plan:
     """Everyone's counts for one call, and from them every rank's memory layout."""
 
-    def __init__(self, eng, counts, rec_bytes, forward_bytes=None):
+    def __init__(self, eng, counts, rec_bytes):
         R, Nn, rpn = eng.num_ranks, eng.num_nodes, eng.ranks_per_node
         self.cnt = counts["rank"]       # [R src, R dst]
         self.node_cnt = counts["node"]  # [R src, Nn]
         self.rec = rec_bytes
-        fwd = rec_bytes if forward_bytes is None else forward_bytes
         start = eng.data_start
         self.staging, self.rdma, self.nvl, self.end = [], [], [], []
         for r in range(R):
@@ -113,7 +112,7 @@ class _Plan:
             off = start
             for n in other:
                 staging[n] = off
-                off += int(self.node_cnt[r, n]) * fwd
+                off += int(self.node_cnt[r, n]) * rec_bytes
             rdma = {}
             for n in other:
                 s = n * rpn + local
@@ -140,7 +139,7 @@ def _exchange_counts(eng, is_token_in_rank, extra=None):
     row = torch.cat(parts)
     table = eng.exchange_rows(row)
     counts = {"rank": table[:, :R], "node": table[:, R:R + eng.num_nodes], "extra": table[:, R + eng.num_nodes:]}
-    return counts, row.numel()
+    return counts
 
 
 def _send_and_forward(eng, plan, parts, is_token_in_rank, node_masks):
@@ -185,11 +184,6 @@ def _forward(eng, plan):
     return torch.cat(heads)
 
 
-def _writers_of(eng):
-    """Same-node ranks that store into this rank's memory during one dispatch (everyone of the node)."""
-    return list(eng.node_ranks())
-
-
 def dispatch(eng, x, x_scales, topk_idx, topk_weights, num_tokens_per_rank, num_tokens_per_rdma_rank,
              is_token_in_rank, num_tokens_per_expert, expert_alignment, num_worst_tokens, num_channels, handle):
     cached = handle is not None
@@ -205,13 +199,13 @@ def dispatch(eng, x, x_scales, topk_idx, topk_weights, num_tokens_per_rank, num_
     E = 0 if cached else num_tokens_per_expert.numel()
     extra = torch.cat([per_channel.flatten(),
                        num_tokens_per_expert.to(torch.int64) if not cached else torch.zeros(0, dtype=torch.int64)])
-    counts, row_len = _exchange_counts(eng, is_token_in_rank, extra)
+    counts = _exchange_counts(eng, is_token_in_rank, extra)
     plan = _Plan(eng, counts, rec.bytes)
     eng.require_bytes(plan.needed(), f"this dispatch ({rec.bytes}-byte rows)")
     node_masks = _node_masks(eng, is_token_in_rank)
     parts = _RecordParts(eng, rec, x, x_scales, topk_idx, topk_weights)
     nvl_head = _send_and_forward(eng, plan, parts, is_token_in_rank, node_masks)
-    for w in _writers_of(eng):
+    for w in eng.node_ranks():  # every rank of the node stores here (at least its final signal)
         eng.consume(w, hb.STREAM_HT_PLACED)
     num_recv = int(counts["rank"][:, eng.rank].sum())
     off = plan.nvl[eng.rank][0]
@@ -305,7 +299,7 @@ def _combine_plan(eng, is_token_in_rank, crec, prec):
     """Layout of the combine areas: direct area at the source (same-node contributions, ranks ascending), the
     to-forwarder area at forwarders (per served source, node ranks ascending), partial staging at forwarders
     and the partial area at the source (other nodes ascending)."""
-    counts, row_len = _exchange_counts(eng, is_token_in_rank)
+    counts = _exchange_counts(eng, is_token_in_rank)
     R, Nn, rpn = eng.num_ranks, eng.num_nodes, eng.ranks_per_node
     cnt, node_cnt = counts["rank"], counts["node"]
     start = eng.data_start
@@ -376,10 +370,6 @@ def combine(eng, x, handle, topk_weights, bias):
     if eng.num_nodes > 1:
         _forward_partials(eng, plan, handle, H, K, crec, prec)
     return _reduce_at_source(eng, plan, is_token_in_rank, handle, H, K, crec, prec, bias, N)
-
-
-def _read_rows(eng, off, n, width):
-    return eng.region[off:off + n * width].view(n, width)
 
 
 def _forward_partials(eng, plan, handle, H, K, crec, prec):

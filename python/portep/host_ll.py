@@ -17,11 +17,6 @@ from . import host_backend as hb
 FP8_MAX = 448.0
 
 
-class LLState:
-    def __init__(self):
-        self.pending = None  # the receive phase of a hook-mode call not run yet
-
-
 class _Layout:
     def __init__(self, eng, T, H, E):
         R = eng.num_ranks

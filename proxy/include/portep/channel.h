@@ -76,6 +76,11 @@ class Channel {
   void encode_or_throw(const CmdFields& f, TransferCmd* out) const;
 
  private:
+  void check_peer_stream(const char* peer_name, int peer, uint32_t stream) const;
+  uint64_t* slot(int src, uint32_t stream) const;  // checked
+  template <class Ready, class Failure>
+  uint64_t wait_slot(int src, uint32_t stream, double timeout_s, Ready ready, Failure failure);
+
   ChannelOptions opts_;
   std::unique_ptr<Transport> transport_;
   std::unique_ptr<ProxyGroup> proxies_;
