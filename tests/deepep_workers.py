@@ -599,15 +599,29 @@ def _ll_row_digest(res, use_fp8, world):
     return hashlib.sha256("|".join(parts).encode()).hexdigest()
 
 
+def make_ll_buffer(rank, world, rpn, transport, T, hidden, num_experts, backend="host", allow_nvlink=True):
+    """A low-latency Buffer of DeepEP's hinted size; backend='cuda' gives one on this rank's GPU, wrapped so that
+    CPU-tensor checks run unchanged (gpu_ll_adapter)."""
+    nbytes = portep.Buffer.get_low_latency_rdma_size_hint(T, hidden, world, num_experts)
+    if backend == "cuda":
+        torch.cuda.set_device(rank % torch.cuda.device_count())
+    buf = portep.Buffer(dist.group.WORLD, 0, nbytes, low_latency_mode=True, num_ranks_per_node=rpn,
+                        allow_nvlink_for_low_latency_mode=allow_nvlink, transport=transport, timeout_s=60,
+                        explicitly_destroy=True, backend=backend)
+    if backend == "cuda":
+        from gpu_ll_adapter import CudaLLAdapter
+
+        return CudaLLAdapter(buf)
+    return buf
+
+
 def ll_body(rank, world, rpn, transport, seed, T, hidden, num_experts, num_topk, vary_tokens=False,
-            pressure_runs=3):
+            pressure_runs=3, backend="host", allow_nvlink=True):
     ck = Checker(rank)
     e_l = num_experts // world
     n_all = [max(1, T - 3 * j - 1) if vary_tokens else T for j in range(world)]
     n = n_all[rank]
-    nbytes = portep.Buffer.get_low_latency_rdma_size_hint(T, hidden, world, num_experts)
-    buf = portep.Buffer(dist.group.WORLD, 0, nbytes, low_latency_mode=True, num_ranks_per_node=rpn,
-                        transport=transport, timeout_s=60, explicitly_destroy=True)
+    buf = make_ll_buffer(rank, world, rpn, transport, T, hidden, num_experts, backend, allow_nvlink)
     inp = make_ll_inputs(rank, seed, n, hidden, num_topk, num_experts)
     idx, w = inp["idx"], inp["w"]
     g = all_gather({"idx": idx, "x_rand": inp["x_rand"]})

@@ -176,7 +176,7 @@ def test_capture_returns_a_waitable_event():
     ({"num_rdma_bytes": 130}, ValueError, "num_rdma_bytes=130 must be a multiple of 128"),
     ({"num_nvl_bytes": -128}, ValueError, "num_nvl_bytes=-128 must be >= 0"),
     ({"low_latency_mode": True, "num_qps_per_rank": 0}, ValueError, "num_qps_per_rank=0 must be >= 1"),
-    ({"backend": "cuda"}, NotImplementedError, "backend='cuda': the cuda backend is not available yet"),
+    ({"backend": "hip"}, NotImplementedError, "backend='hip': the hip backend is not available yet"),
     ({"backend": "tpu"}, ValueError, "backend='tpu' is not a backend"),
     ({"transport": "ib"}, ValueError, "transport='ib' is not available"),
     ({"timeout_s": 0}, ValueError, "timeout_s=0.0 must be > 0"),
@@ -189,8 +189,8 @@ def test_constructor_refusals(kwargs, exc, match):
 
 
 def test_backend_from_environment(monkeypatch):
-    monkeypatch.setenv("PORTEP_BACKEND", "cuda")
-    with pytest.raises(NotImplementedError, match="PORTEP_BACKEND='cuda'"):
+    monkeypatch.setenv("PORTEP_BACKEND", "hip")
+    with pytest.raises(NotImplementedError, match="PORTEP_BACKEND='hip'"):
         Buffer(object())
 
 

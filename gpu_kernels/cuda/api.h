@@ -18,9 +18,10 @@ struct FifoProbeArgs {
   int dst_rank_modulo;
   uint64_t timeout_ns;
   void* stream;  // cudaStream_t; nullptr = default stream
+  bool nop = false;  // push NOP commands (a real proxy acknowledges them without moving bytes)
 };
 
-// Lane 0 of each warp w pushes commands_per_warp WRITE commands into fifos[w % num_fifos]
+// Lane 0 of each warp w pushes commands_per_warp WRITE (or NOP) commands into fifos[w % num_fifos]
 // (dst_rank = w % dst_rank_modulo, stream = w, size 16, offsets 16 * (i % 1024)); a warp stops at its first
 // failed push. Asynchronous: returns the launch error only.
 int launch_fifo_probe(const FifoProbeArgs& a);

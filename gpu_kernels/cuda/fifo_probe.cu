@@ -13,7 +13,7 @@ namespace {
 constexpr int kProbeBlockThreads = 256;
 
 __global__ void fifo_probe_kernel(const FifoView* fifos, int num_fifos, int commands_per_warp, int warps,
-                                  int dst_rank_modulo, uint64_t timeout_ns) {
+                                  int dst_rank_modulo, uint64_t timeout_ns, uint32_t op) {
   if (threadIdx.x % kWarpSize != 0) return;
   const int warp = int((blockIdx.x * uint64_t(blockDim.x) + threadIdx.x) / kWarpSize);
   if (warp >= warps) return;
@@ -21,7 +21,7 @@ __global__ void fifo_probe_kernel(const FifoView* fifos, int num_fifos, int comm
   uint64_t cached_tail = 0;
   for (int i = 0; i < commands_per_warp; ++i) {
     CmdFields c;
-    c.op = kOpWrite;
+    c.op = op;
     c.flags = 0;
     c.dst_rank = uint32_t(warp % dst_rank_modulo);
     c.size = 16;
@@ -83,7 +83,8 @@ int launch_fifo_probe(const FifoProbeArgs& a) {
   const long long threads = (long long)a.warps * kWarpSize;
   const unsigned blocks = unsigned((threads + kProbeBlockThreads - 1) / kProbeBlockThreads);
   fifo_probe_kernel<<<blocks, kProbeBlockThreads, 0, static_cast<cudaStream_t>(a.stream)>>>(
-      a.fifos, a.num_fifos, a.commands_per_warp, a.warps, a.dst_rank_modulo, a.timeout_ns);
+      a.fifos, a.num_fifos, a.commands_per_warp, a.warps, a.dst_rank_modulo, a.timeout_ns,
+      a.nop ? uint32_t(kOpNop) : uint32_t(kOpWrite));
   return cudaGetLastError();
 }
 

@@ -55,6 +55,7 @@ std::string ProxyGroupImpl::error() const {
 }
 
 FifoView ProxyGroupImpl::view(int i) const {
+  if (i >= cfg.num_fifos) return device_fifos.at(size_t(i - cfg.num_fifos));
   HostFifoStorage& f = *fifos.at(size_t(i));
   return FifoView{f.entries.data(), &f.head, &f.tail, &f.error_flag, cfg.fifo_capacity};
 }
@@ -97,6 +98,16 @@ ProxyGroup::ProxyGroup(Transport* transport, const ProxyConfig& cfg, uint64_t* s
     : impl_(std::make_unique<ProxyGroupImpl>(transport, cfg, signal_slots)) {}
 
 ProxyGroup::~ProxyGroup() { stop(); }
+
+void ProxyGroup::attach_device_fifos(const std::vector<FifoView>& host_views) {
+  if (!impl_->threads.empty()) throw std::runtime_error("attach_device_fifos after the proxies started");
+  for (const FifoView& v : host_views)
+    if (!v.entries || !v.tail || !v.error_flag || v.capacity == 0 || (v.capacity & (v.capacity - 1)))
+      throw std::invalid_argument("a device FIFO view is incomplete or its capacity is not a power of two");
+  impl_->device_fifos = host_views;
+}
+
+int ProxyGroup::num_device_fifos() const { return int(impl_->device_fifos.size()); }
 
 void ProxyGroup::start() {
   if (!impl_->threads.empty()) return;

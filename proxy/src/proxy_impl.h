@@ -34,6 +34,7 @@ class ProxyThread {
   void handle(const TransferCmd& cmd, int fifo);
   void handle_write(const CmdFields& f);
   void handle_signal(const CmdFields& f);
+  void check_host_fifo(const char* what, int fifo) const;
   void handle_quiet(const CmdFields& f, int fifo);
   void handle_barrier(const CmdFields& f, int fifo);
   template <class PostFn>
@@ -74,6 +75,7 @@ class ProxyGroupImpl {
   uint64_t* signal_slots;
   bool native_signals;
   std::vector<std::unique_ptr<HostFifoStorage>> fifos;
+  std::vector<FifoView> device_fifos;  // views i >= cfg.num_fifos
   std::vector<std::unique_ptr<ProxyThread>> workers;
   std::vector<std::thread> threads;
   std::atomic<bool> stop_flag{false};

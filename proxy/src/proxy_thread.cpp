@@ -19,10 +19,10 @@ ProxyThread::ProxyThread(ProxyGroupImpl* g, int index)
       inflight_(g->cfg.max_inflight_cmds, g->cfg.max_inflight_bytes),
       pending_(uint32_t(g->cfg.num_ranks), g->cfg.num_streams),
       timeout_(std::chrono::nanoseconds(int64_t(g->cfg.timeout_s * 1e9))) {
-  for (int f = index; f < g->cfg.num_fifos; f += g->cfg.num_threads) {
-    fifos_.push_back(f);
-    consumers_.emplace_back(g->view(f));
-  }
+  const int all_fifos = g->cfg.num_fifos + int(g->device_fifos.size());
+  for (int f = index; f < g->cfg.num_fifos; f += g->cfg.num_threads) fifos_.push_back(f);
+  for (int f = g->cfg.num_fifos + index; f < all_fifos; f += g->cfg.num_threads) fifos_.push_back(f);
+  for (int f : fifos_) consumers_.emplace_back(g->view(f));
 }
 
 void ProxyThread::run() {
@@ -46,7 +46,7 @@ void ProxyThread::run() {
         continue;
       }
       for (int f : fifos_)
-        if (__atomic_load_n(&g_->fifos[f]->error_flag, __ATOMIC_ACQUIRE))
+        if (__atomic_load_n(g_->view(f).error_flag, __ATOMIC_ACQUIRE))
           throw std::runtime_error("a producer of FIFO " + std::to_string(f) + " timed out waiting for room");
       backoff(kIdleProxy, ++idle);
     }
@@ -139,12 +139,20 @@ void ProxyThread::handle_signal(const CmdFields& f) {
   ++stats.signals;
 }
 
+void ProxyThread::check_host_fifo(const char* what, int fifo) const {
+  if (fifo >= g_->cfg.num_fifos)
+    throw std::runtime_error(std::string(what) + " arrived on device FIFO " + std::to_string(fifo - g_->cfg.num_fifos) +
+                             "; only host callers may push it");
+}
+
 void ProxyThread::handle_quiet(const CmdFields& f, int fifo) {
+  check_host_fifo("QUIET", fifo);
   wait_idle("QUIET");
   g_->fifos[fifo]->ack.store(f.remote_off / kOffsetAlign, std::memory_order_release);
 }
 
 void ProxyThread::handle_barrier(const CmdFields& f, int fifo) {
+  check_host_fifo("BARRIER", fifo);
   wait_idle("BARRIER");
   const uint64_t ticket = f.remote_off / kOffsetAlign;
   const uint64_t epoch = f.local_off / kOffsetAlign;

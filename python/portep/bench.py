@@ -4,10 +4,24 @@ import argparse
 import sys
 
 
+def _best_mode():
+    """The dispatch/combine benchmark on the best backend here: GPUs when two are visible, else the host."""
+    try:
+        import torch
+
+        from portep import native
+
+        if native.build_info()["cuda_built"] and torch.cuda.is_available() and torch.cuda.device_count() >= 2:
+            return "gpu-ll"
+    except Exception:  # noqa: BLE001 - no torch CUDA, no native module: the host benchmark still runs
+        pass
+    return "ep"
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(prog="python -m portep.bench", description=__doc__)
     sub = parser.add_subparsers(dest="mode")
-    ch = sub.add_parser("channel", help="command rate and write+signal latency through the proxies (default)")
+    ch = sub.add_parser("channel", help="command rate and write+signal latency through the proxies")
     ch.add_argument("--ranks", type=int, default=4, help="local ranks (processes), default 4")
     ch.add_argument("--transport", action="append", choices=["shm", "shm-unordered"],
                     help="repeat to run several; default both")
@@ -19,7 +33,9 @@ def main(argv=None):
     ch.add_argument("--iterations", type=int, default=2000, help="round trips per latency size")
     ch.add_argument("--sizes", type=int, nargs="+", default=[8, 4096], help="latency payload sizes in bytes")
     argv = list(argv if argv is not None else sys.argv[1:])
-    if not argv or (argv[0].startswith("-") and argv[0] not in ("-h", "--help")):
+    if not argv:
+        argv = [_best_mode()]
+    elif argv[0].startswith("-") and argv[0] not in ("-h", "--help"):
         argv.insert(0, "channel")
     ep = sub.add_parser("ep", help="layout, HT and LL dispatch/combine through portep.Buffer (host backend)")
     ep.add_argument("--ranks", type=int, default=4)
@@ -33,7 +49,20 @@ def main(argv=None):
     ep.add_argument("--ll-experts", type=int, default=288)
     ep.add_argument("--iterations", type=int, default=3)
     sub.add_parser("gpu-fifo", help="GPU -> host command channel: commands/s and round trip (needs a GPU)")
+    gl = sub.add_parser("gpu-ll", help="LL dispatch/combine on GPUs, direct and proxy paths, vs NCCL (needs 2 GPUs)")
+    gl.add_argument("--tokens", type=int, default=128)
+    gl.add_argument("--hidden", type=int, default=7168)
+    gl.add_argument("--topk", type=int, default=8)
+    gl.add_argument("--experts", type=int, default=288)
+    gl.add_argument("--iterations", type=int, default=50)
+    gl.add_argument("--proxy-transport", choices=["shm", "shm-unordered"], default="shm")
     args = parser.parse_args(argv)
+    if args.mode == "gpu-ll":
+        from portep_bench import ll_gpu
+
+        ll_gpu.run(tokens=args.tokens, hidden=args.hidden, topk=args.topk, experts=args.experts,
+                   iterations=args.iterations, proxy_transport=args.proxy_transport)
+        ll_gpu.run_channel()
     if args.mode == "gpu-fifo":
         from portep_bench import gpu_fifo
 

@@ -22,8 +22,8 @@ __all__ = ["Buffer", "Config", "EventOverlap", "topk_idx_t"]
 
 topk_idx_t = torch.int64
 
-BACKENDS = ("host",)
-PLANNED_BACKENDS = ("cuda", "hip")
+BACKENDS = ("host", "cuda")
+PLANNED_BACKENDS = ("hip",)
 DEFAULT_RANKS_PER_NODE = 8
 LL_TOPK_NOTE = f" (portep's limit; DeepEP's low-latency kernels allow at most {v.DEEPEP_LL_MAX_TOPK})"
 
@@ -41,7 +41,8 @@ class Buffer:
         num_ranks_per_node: ranks that form one "node" (default: $PORTEP_RANKS_PER_NODE, else min(8, group size)).
         transport: "shm" or "shm-unordered" (default: $PORTEP_TRANSPORT or "shm").
         timeout_s: every wait raises after this long (default: $PORTEP_TIMEOUT_S or 100 s).
-        backend: "host" (default; also $PORTEP_BACKEND). "cuda" is not available yet.
+        backend: "cuda" (GPU tensors; low-latency mode and get_dispatch_layout) or "host" (CPU tensors). Default:
+            $PORTEP_BACKEND, else "cuda" when the CUDA kernels are built and a GPU is visible, else "host".
     """
 
     num_sms = 20
@@ -74,12 +75,14 @@ class Buffer:
         self.num_rdma_bytes = num_rdma_bytes
         self.low_latency_mode = bool(low_latency_mode)
         self.enable_shrink = False
-        self._device = "cpu"
+        self._device = "cuda" if self.backend == "cuda" else "cpu"
 
-        from .host_backend import HostEngine
-
-        self.runtime = HostEngine(group, num_nvl_bytes + num_rdma_bytes, ranks_per_node, transport=transport,
-                                  timeout_s=timeout_s, allow_direct_ll=bool(allow_nvlink_for_low_latency_mode))
+        if self.backend == "cuda":
+            from .cuda_backend import CudaEngine as Engine
+        else:
+            from .host_backend import HostEngine as Engine
+        self.runtime = Engine(group, num_nvl_bytes + num_rdma_bytes, ranks_per_node, transport=transport,
+                              timeout_s=timeout_s, allow_direct_ll=bool(allow_nvlink_for_low_latency_mode))
 
     # ---- lifetime ----
     def destroy(self):
@@ -115,10 +118,13 @@ class Buffer:
             raise RuntimeError("low-latency operations need a Buffer created with low_latency_mode=True")
         return engine
 
-    @staticmethod
-    def _event(async_finish, extra_tensors=None):
+    def _event(self, async_finish, extra_tensors=None):
         if not async_finish:
             return EventOverlap(None)
+        if self._device == "cuda":
+            from .cuda_backend import CudaEvent
+
+            return EventOverlap(CudaEvent(), extra_tensors)
         return EventOverlap(HostEvent(), extra_tensors)
 
     # ---- class and static methods ----
@@ -139,7 +145,11 @@ class Buffer:
 
     @staticmethod
     def capture():
-        """An event on the current stream (on the host backend: an already complete one)."""
+        """An event on the current stream (without a GPU: an already complete one)."""
+        if torch.cuda.is_available() and torch.cuda.is_initialized():
+            from .cuda_backend import CudaEvent
+
+            return EventOverlap(CudaEvent())
         return EventOverlap(HostEvent())
 
     @staticmethod
@@ -158,9 +168,10 @@ class Buffer:
         return combine_config(num_ranks, Buffer.num_sms)
 
     def get_comm_stream(self):
-        """The communication stream; None on the host backend, which has no streams."""
+        """The communication stream: the current stream on the CUDA backend (its kernels run there); None on
+        the host backend, which has no streams."""
         self._engine()
-        return None
+        return torch.cuda.current_stream() if self._device == "cuda" else None
 
     def get_local_buffer_tensor(self, dtype, size=None, offset=0, use_rdma_buffer=False):
         """A view of this rank's NVL (or RDMA) buffer as `dtype`; `offset` is in bytes (as DeepEP's C++)."""
@@ -355,12 +366,19 @@ def _check_buffer_bytes(name, value):
         raise ValueError(f"{name}={value} must be a multiple of 128 bytes")
 
 
+def _default_backend():
+    from ._native import native
+
+    built = native is not None and native.build_info().get("cuda_built", False)
+    return "cuda" if built and torch.cuda.is_available() else "host"
+
+
 def _select_backend(explicit):
     source = "backend" if explicit is not None else "PORTEP_BACKEND"
-    name = explicit if explicit is not None else os.environ.get("PORTEP_BACKEND", "host")
+    name = explicit if explicit is not None else (os.environ.get("PORTEP_BACKEND") or _default_backend())
     if name in PLANNED_BACKENDS:
         raise NotImplementedError(f"{source}={name!r}: the {name} backend is not available yet; use "
-                                  f"backend='host' (CPU tensors)")
+                                  f"backend='cuda' (NVIDIA GPUs) or backend='host' (CPU tensors)")
     if name not in BACKENDS:
         raise ValueError(f"{source}={name!r} is not a backend; choose one of {', '.join(BACKENDS)}")
     return name

@@ -39,11 +39,14 @@ class Channel:
         max_inflight_cmds, max_inflight_bytes: per proxy thread caps.
         timeout_s: every wait raises after this long (default $PORTEP_TIMEOUT_S or 100 s).
         seed: seeds the unordered transport's delivery order.
+        device: CUDA device ordinal: the data memory is GPU memory of that device (shared through CUDA IPC, moved
+            by the proxies with copy-engine copies); None: host memory.
+        device_fifos: a native DeviceFifoSet whose FIFOs kernels push into, served by the proxy threads.
     """
 
     def __init__(self, group=None, nbytes=1 << 20, *, transport=None, num_streams=64, num_proxy_threads=4,
                  num_fifos=32, fifo_capacity=4096, max_inflight_cmds=512, max_inflight_bytes=64 << 20,
-                 timeout_s=None, unordered_window=64, seed=0, _skip_ordering=False):
+                 timeout_s=None, unordered_window=64, seed=0, device=None, device_fifos=None, _skip_ordering=False):
         native = require_native()
         self.group = group
         self.rank, self.num_ranks = group_rank_and_size(group)
@@ -68,8 +71,12 @@ class Channel:
             rank=self.rank, num_ranks=self.num_ranks, nbytes=nbytes, transport=self.transport,
             num_proxy_threads=num_proxy_threads, num_fifos=num_fifos, fifo_capacity=fifo_capacity,
             num_streams=num_streams, max_inflight_cmds=max_inflight_cmds, max_inflight_bytes=max_inflight_bytes,
-            timeout_s=self.timeout_s, unordered_window=unordered_window, seed=seed, skip_ordering=_skip_ordering)
+            timeout_s=self.timeout_s, unordered_window=unordered_window, seed=seed, skip_ordering=_skip_ordering,
+            device=-1 if device is None else _check_int("device", device, 0, 1 << 16))
+        self.device = device
         try:
+            if device_fifos is not None:  # kernels push into these; the proxies serve them with the host FIFOs
+                self._native.attach_device_fifos(device_fifos.host_views, device_fifos.count)
             blobs = all_gather_objects(self._native.endpoint_blob(), group)
             collective_step(lambda: self._native.connect(blobs), group, "channel connect")
             # Everyone has mapped everyone: names can go, proxies can start.
@@ -83,7 +90,9 @@ class Channel:
     # ---- memory ----
     @property
     def buffer(self):
-        """This rank's data memory as a torch.uint8 tensor (a view: valid until destroy())."""
+        """This rank's data memory as a torch.uint8 tensor (a view: valid until destroy()); host channels only."""
+        if self.device is not None:
+            raise RuntimeError(f"this Channel's data is GPU memory (device {self.device}); it has no host view")
         if self._buffer is None:
             import torch
 

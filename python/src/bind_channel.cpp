@@ -13,8 +13,9 @@ namespace {
 std::unique_ptr<Channel> make_channel(int rank, int num_ranks, uint64_t nbytes, const std::string& transport,
                                       int num_proxy_threads, int num_fifos, uint32_t fifo_capacity, uint32_t num_streams,
                                       uint32_t max_inflight_cmds, uint64_t max_inflight_bytes, double timeout_s,
-                                      uint32_t unordered_window, uint64_t seed, bool skip_ordering) {
+                                      uint32_t unordered_window, uint64_t seed, bool skip_ordering, int device) {
   ChannelOptions o;
+  o.transport.device = device;
   o.data_bytes = nbytes;
   o.transport.name = transport;
   o.transport.window = unordered_window;
@@ -61,7 +62,18 @@ void bind_channel(py::module_& m) {
       .def(py::init(&make_channel), py::arg("rank"), py::arg("num_ranks"), py::arg("nbytes"), py::arg("transport"),
            py::arg("num_proxy_threads"), py::arg("num_fifos"), py::arg("fifo_capacity"), py::arg("num_streams"),
            py::arg("max_inflight_cmds"), py::arg("max_inflight_bytes"), py::arg("timeout_s"),
-           py::arg("unordered_window"), py::arg("seed"), py::arg("skip_ordering"))
+           py::arg("unordered_window"), py::arg("seed"), py::arg("skip_ordering"), py::arg("device") = -1)
+      .def("attach_device_fifos",
+           [](Channel& c, uintptr_t host_views, int count) {
+             auto* v = reinterpret_cast<const FifoView*>(host_views);
+             c.proxies().attach_device_fifos(std::vector<FifoView>(v, v + count));
+           },
+           py::arg("host_views"), py::arg("count"))
+      .def("device_data_ptr", [](Channel& c) { return reinterpret_cast<uintptr_t>(c.device_address(kRegionData)); })
+      .def("device_signals_ptr",
+           [](Channel& c) { return reinterpret_cast<uintptr_t>(c.device_address(kRegionSignal)); })
+      .def("peer_data_ptr", [](Channel& c, int dst) { return reinterpret_cast<uintptr_t>(c.peer_data(dst)); },
+           py::arg("dst"))
       .def("endpoint_blob", [](Channel& c) { return py::bytes(c.endpoint_blob()); })
       .def("connect", [](Channel& c, const std::vector<py::bytes>& blobs) {
         std::vector<std::string> v;

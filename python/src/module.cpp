@@ -7,10 +7,16 @@ namespace py = pybind11;
 void bind_wire(py::module_& m);
 void bind_channel(py::module_& m);
 void bind_build_info(py::module_& m);
+#ifdef PORTEP_WITH_CUDA
+void bind_cuda_ll(py::module_& m);
+#endif
 
 PYBIND11_MODULE(_C, m) {
   m.doc() = "portep native core";
   bind_wire(m);
   bind_channel(m);
   bind_build_info(m);
+#ifdef PORTEP_WITH_CUDA
+  bind_cuda_ll(m);
+#endif
 }

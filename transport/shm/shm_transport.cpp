@@ -26,6 +26,29 @@ std::vector<std::string> split_lines(const std::string& s) {
   return out;
 }
 
+std::string to_hex(const std::string& bytes) {
+  static const char* digits = "0123456789abcdef";
+  std::string out;
+  for (unsigned char c : bytes) {
+    out += digits[c >> 4];
+    out += digits[c & 15];
+  }
+  return out;
+}
+
+std::string from_hex(const std::string& hex) {
+  auto nibble = [](char c) -> int {
+    if (c >= '0' && c <= '9') return c - '0';
+    if (c >= 'a' && c <= 'f') return c - 'a' + 10;
+    throw TransportError(std::string("shm: bad hex digit '") + c + "' in an endpoint description");
+  };
+  std::string out;
+  for (size_t i = 0; i + 1 < hex.size(); i += 2) out += char(nibble(hex[i]) << 4 | nibble(hex[i + 1]));
+  return out;
+}
+
+const char kIpcPrefix[] = "ipc:";
+
 // The state letter of a process from /proc/PID/stat ('?' when unreadable).
 char process_state(int pid) {
   char path[64];
@@ -50,6 +73,13 @@ ShmTransport::ShmTransport(const ShmOptions& o) : o_(o) {
 }
 
 ShmTransport::~ShmTransport() {
+  if (o_.device) {
+    o_.device->synchronize();  // copies in flight finish before the memory they touch goes away
+    for (int p = 0; p < int(peers_.size()); ++p)
+      if (p != o_.rank && peers_[p].data) o_.device->close_peer_region(peers_[p].data);
+    if (device_signal_) o_.device->unmap_host(regions_[kRegionSignal].data());
+    o_.device->free_region(device_data_);
+  }
   // A peer that died before bootstrap finished may have left its names behind: remove them too.
   for (auto& p : peers_)
     for (auto& n : p.names) shm_unlink_quiet(n);
@@ -62,13 +92,23 @@ TransportProps ShmTransport::props() const {
 void* ShmTransport::alloc_region(RegionId region, size_t bytes) {
   if (connected_) throw TransportError("shm: regions must be allocated before connect()");
   if (bytes == 0) bytes = 64;  // a zero-size object cannot be mapped
+  if (o_.device && region == kRegionData) {
+    device_data_ = o_.device->alloc_region(bytes);
+    device_data_bytes_ = bytes;
+    return device_data_;
+  }
   regions_[region] = ShmSegment::create(kRegionTags[region], bytes);
+  if (o_.device && region == kRegionSignal) device_signal_ = o_.device->map_host(regions_[region].data(), bytes);
   return regions_[region].data();
 }
 
 std::string ShmTransport::endpoint_blob() {
   std::string out = std::to_string(getpid()) + "\n";
-  for (auto& r : regions_) out += r.name() + "\n" + std::to_string(r.size()) + "\n";
+  if (o_.device)  // the data region travels as an IPC handle
+    out += kIpcPrefix + to_hex(o_.device->export_region(device_data_)) + "\n" + std::to_string(device_data_bytes_) + "\n";
+  else
+    out += regions_[kRegionData].name() + "\n" + std::to_string(regions_[kRegionData].size()) + "\n";
+  out += regions_[kRegionSignal].name() + "\n" + std::to_string(regions_[kRegionSignal].size()) + "\n";
   out += inbox_.name() + "\n" + std::to_string(inbox_.size()) + "\n";
   return out;
 }
@@ -77,8 +117,8 @@ void ShmTransport::connect(const std::vector<std::string>& blobs) {
   if (int(blobs.size()) != o_.num_ranks)
     throw TransportError("shm: connect got " + std::to_string(blobs.size()) + " endpoints for " +
                          std::to_string(o_.num_ranks) + " ranks");
-  for (auto& r : regions_)
-    if (!r.data()) throw TransportError("shm: allocate the data and signal regions before connect()");
+  if (!(o_.device ? device_data_ : regions_[kRegionData].data()) || !regions_[kRegionSignal].data())
+    throw TransportError("shm: allocate the data and signal regions before connect()");
   peers_.clear();
   peers_.resize(size_t(o_.num_ranks));
   std::vector<ShmSegment> peer_inboxes(o_.num_ranks);
@@ -87,17 +127,26 @@ void ShmTransport::connect(const std::vector<std::string>& blobs) {
     if (f.size() != 7) throw TransportError("shm: malformed endpoint description from rank " + std::to_string(p));
     Peer& peer = peers_[p];
     peer.pid = std::stoi(f[0]);
-    peer.names = {f[1], f[3], f[5]};
+    const bool peer_on_device = f[1].rfind(kIpcPrefix, 0) == 0;
+    if (peer_on_device != bool(o_.device))
+      throw TransportError("shm: rank " + std::to_string(p) + " has its data in " + (peer_on_device ? "GPU" : "host") +
+                           " memory and this rank in " + (o_.device ? "GPU" : "host") + " memory; every rank of a "
+                           "channel must use the same kind");
+    peer.names = {f[3], f[5]};
+    if (!peer_on_device) peer.names.push_back(f[1]);
     if (p == o_.rank) {
-      peer.data = static_cast<char*>(regions_[kRegionData].data());
+      peer.data = static_cast<char*>(o_.device ? device_data_ : regions_[kRegionData].data());
       peer.signal = static_cast<char*>(regions_[kRegionSignal].data());
       peer.names.clear();
     } else {
-      peer.maps.push_back(ShmSegment::open(f[1], std::stoull(f[2])));
+      if (peer_on_device)
+        peer.data = static_cast<char*>(o_.device->open_peer_region(from_hex(f[1].substr(sizeof(kIpcPrefix) - 1))));
+      else
+        peer.maps.push_back(ShmSegment::open(f[1], std::stoull(f[2])));
       peer.maps.push_back(ShmSegment::open(f[3], std::stoull(f[4])));
       peer_inboxes[p] = ShmSegment::open(f[5], std::stoull(f[6]));
-      peer.data = static_cast<char*>(peer.maps[0].data());
-      peer.signal = static_cast<char*>(peer.maps[1].data());
+      if (!peer_on_device) peer.data = static_cast<char*>(peer.maps[0].data());
+      peer.signal = static_cast<char*>(peer.maps.back().data());
     }
     peer.data_bytes = std::stoull(f[2]);
     peer.signal_bytes = std::stoull(f[4]);
@@ -137,7 +186,7 @@ void ShmTransport::check_channel_peer(int channel, int peer) const {
 }
 
 void ShmTransport::check_range(int peer, bool signal_region, uint64_t off, uint64_t bytes, const char* what) const {
-  const size_t limit = peer == -1 ? regions_[kRegionData].size()
+  const size_t limit = peer == -1 ? local_data_bytes()
                                   : (signal_region ? peers_[peer].signal_bytes : peers_[peer].data_bytes);
   if (off > limit || bytes > limit - off)
     throw TransportError(std::string("shm: ") + what + " [" + std::to_string(off) + ", +" + std::to_string(bytes) +
@@ -166,22 +215,57 @@ bool ShmTransport::post_atomic_add(int channel, int peer, uint64_t remote_off, u
   return deliver(channel, peer, Op{true, false, 0, 8, 0, remote_off, value, wr_id});
 }
 
+size_t ShmTransport::local_data_bytes() const {
+  return o_.device ? device_data_bytes_ : regions_[kRegionData].size();
+}
+
 bool ShmTransport::deliver(int channel, int peer, const Op& op) {
+  if (o_.device) {
+    issue_device_op(channel, peer, op);
+    return true;
+  }
+  if (!op.atomic && op.bytes)
+    memcpy(peers_[peer].data + op.remote_off, static_cast<char*>(regions_[kRegionData].data()) + op.local_off,
+           op.bytes);
+  // If the receiver's ring is full the op stays posted and is delivered again later (placing the same bytes
+  // twice is harmless).
+  return notify(channel, peer, op);
+}
+
+bool ShmTransport::notify(int channel, int peer, const Op& op) {
   Channel& ch = channels_[channel];
-  Lane& lane = ch.lanes[peer];
-  Peer& dst = peers_[peer];
   if (op.atomic) {
-    // Release: every write this thread delivered to the peer before is visible before the new value.
-    __atomic_fetch_add(reinterpret_cast<uint64_t*>(dst.signal + op.remote_off), op.value, __ATOMIC_RELEASE);
-  } else {
-    if (op.bytes)
-      memcpy(dst.data + op.remote_off, static_cast<char*>(regions_[kRegionData].data()) + op.local_off, op.bytes);
-    // The ring's release store publishes the notification after the bytes. If the receiver's ring is full the
-    // op stays posted and is delivered again later (placing the same bytes twice is harmless).
-    if (op.has_imm && !lane.ring.push(op.imm)) return false;
+    // Release: every write delivered to the peer before (host stores, or copies this thread saw complete) is
+    // visible before the new value.
+    __atomic_fetch_add(reinterpret_cast<uint64_t*>(peers_[peer].signal + op.remote_off), op.value, __ATOMIC_RELEASE);
+  } else if (op.has_imm && !ch.lanes[peer].ring.push(op.imm)) {  // the ring's release store follows the bytes
+    return false;
   }
   ch.done.push_back(op.wr_id);
   return true;
+}
+
+void ShmTransport::issue_device_op(int channel, int peer, const Op& op) {
+  Channel& ch = channels_[channel];
+  if (!op.atomic && op.bytes)
+    o_.device->copy_async(channel, peers_[peer].data + op.remote_off, static_cast<char*>(device_data_) + op.local_off,
+                          op.bytes);
+  ch.device_ops.push_back(DeviceOp{op, peer, kUnrecorded});
+}
+
+void ShmTransport::retire_device_ops(int channel) {
+  Channel& ch = channels_[channel];
+  if (!ch.device_ops.empty() && ch.device_ops.back().ticket == kUnrecorded) {
+    const uint64_t ticket = o_.device->record(channel);  // one event covers every op issued since the last one
+    for (auto it = ch.device_ops.rbegin(); it != ch.device_ops.rend() && it->ticket == kUnrecorded; ++it)
+      it->ticket = ticket;
+  }
+  // In issue order: an atomic or a notification never overtakes an earlier copy of this channel.
+  while (!ch.device_ops.empty()) {
+    DeviceOp& d = ch.device_ops.front();
+    if (!o_.device->done(channel, d.ticket) || !notify(channel, d.peer, d.op)) return;
+    ch.device_ops.pop_front();
+  }
 }
 
 void ShmTransport::deliver_some(int channel, int peer) {
@@ -202,6 +286,7 @@ int ShmTransport::poll_send(int channel, uint64_t* wr_ids, int max) {
   if (!o_.ordered)
     for (int p = 0; p < o_.num_ranks; ++p)
       if (!ch.lanes[p].pending.empty()) deliver_some(channel, p);
+  if (o_.device) retire_device_ops(channel);
   int n = 0;
   while (n < max && !ch.done.empty()) {
     wr_ids[n++] = ch.done.back();
@@ -238,6 +323,10 @@ std::string ShmTransport::describe_peer(int peer) const {
 void* ShmTransport::peer_region(int peer, RegionId region) const {
   if (!connected_ || peer < 0 || peer >= o_.num_ranks) return nullptr;
   return region == kRegionData ? peers_[peer].data : peers_[peer].signal;
+}
+
+void* ShmTransport::region_device_address(RegionId region) const {
+  return region == kRegionData ? device_data_ : device_signal_;
 }
 
 size_t ShmTransport::peer_region_bytes(int peer, RegionId region) const {

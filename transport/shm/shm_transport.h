@@ -1,5 +1,10 @@
 // The shm transport: processes of one host, host memory in POSIX shared memory.
 //
+// GPU memory (options.device set): the data region is device memory shared through IPC; a write is a copy
+// on the channel's copy-engine stream, and its notification (or a later atomic add) is delivered only once
+// that copy has completed, so the receiver never sees a signal before the bytes. The signal region stays in
+// shared host memory, mapped into the GPU so kernels can poll it.
+//
 // ordered mode:   a post is carried out at once by the posting thread (memcpy or atomic add, then the
 //                 notification), so one (channel, peer) delivers in posting order. Native atomics.
 // unordered mode: posts wait in a per-(channel, peer) window and are carried out in a seeded random order,
@@ -7,10 +12,13 @@
 //                 no remote atomics, so the proxies must use the ordering protocols.
 #pragma once
 
+#include <deque>
+#include <memory>
 #include <random>
 #include <vector>
 
 #include "notify_ring.h"
+#include "portep/device_memory.h"
 #include "portep/transport.h"
 #include "shm_segment.h"
 
@@ -23,6 +31,7 @@ struct ShmOptions {
   bool ordered = true;
   uint32_t window = 64;  // unordered: posts held per (channel, peer) before one must be delivered
   uint64_t seed = 0;     // unordered: delivery order
+  std::shared_ptr<DeviceMemory> device;  // set: the data region is GPU memory
 };
 
 class ShmTransport final : public Transport {
@@ -43,6 +52,7 @@ class ShmTransport final : public Transport {
   std::string describe_peer(int peer) const override;
   void* peer_region(int peer, RegionId region) const override;
   size_t peer_region_bytes(int peer, RegionId region) const override;
+  void* region_device_address(RegionId region) const override;
 
  private:
   struct Op {
@@ -65,7 +75,14 @@ class ShmTransport final : public Transport {
     std::vector<Op> pending;  // unordered mode only
     std::mt19937_64 rng;
   };
+  struct DeviceOp {  // GPU memory: an op waiting for its copy (and every earlier one) to complete
+    Op op;
+    int peer;
+    uint64_t ticket;  // kUnrecorded until the next record() covers it
+  };
+  static constexpr uint64_t kUnrecorded = ~0ull;
   struct Channel {
+    std::deque<DeviceOp> device_ops;          // issue order
     std::vector<Lane> lanes;                  // by peer
     std::vector<NotifyRingConsumer> inboxes;  // by source
     std::vector<uint64_t> done;               // local completions not yet polled
@@ -73,12 +90,19 @@ class ShmTransport final : public Transport {
   };
 
   bool deliver(int channel, int peer, const Op& op);
+  bool notify(int channel, int peer, const Op& op);  // the atomic or notification half of deliver
+  void issue_device_op(int channel, int peer, const Op& op);
+  void retire_device_ops(int channel);
+  size_t local_data_bytes() const;
   void deliver_some(int channel, int peer);
   void check_range(int peer, bool signal_region, uint64_t off, uint64_t bytes, const char* what) const;
   void check_channel_peer(int channel, int peer) const;
 
   ShmOptions o_;
   ShmSegment regions_[kNumRegions];
+  void* device_data_ = nullptr;     // GPU memory: this rank's data region
+  size_t device_data_bytes_ = 0;
+  void* device_signal_ = nullptr;   // GPU memory: the signal region's address for kernels
   ShmSegment inbox_;
   std::vector<Peer> peers_;
   std::vector<Channel> channels_;

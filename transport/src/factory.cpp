@@ -13,6 +13,11 @@ std::unique_ptr<Transport> make_transport(const TransportSpec& s) {
     o.ordered = s.name == "shm";
     o.window = s.window;
     o.seed = s.seed;
+    if (s.device >= 0) {
+      std::string why;
+      o.device = make_cuda_device_memory(s.device, s.num_channels, &why);
+      if (!o.device) throw TransportError(s.name + " on GPU " + std::to_string(s.device) + ": " + why);
+    }
     return std::make_unique<ShmTransport>(o);
   }
   throw TransportError("unknown transport '" + s.name + "' (this build has: shm, shm-unordered)");

@@ -37,3 +37,19 @@ PORTEP_DEVICE bool fifo_device_push(const FifoView& f, const TransferCmd& cmd, u
 }
 
 }  // namespace portep
+
+namespace portep {
+
+// fifo_device_push with the cached tail kept in device memory (one word per FIFO, shared by every pushing
+// thread and every launch), so a FIFO that has wrapped does not cost each new producer a read of the host
+// tail. A stale shared value is only conservative: the tail never decreases.
+PORTEP_DEVICE bool fifo_device_push_shared_tail(const FifoView& f, const TransferCmd& cmd, uint64_t* shared_tail,
+                                                uint64_t timeout_ns) {
+  uint64_t cached = *reinterpret_cast<volatile uint64_t*>(shared_tail);
+  const uint64_t before = cached;
+  const bool ok = fifo_device_push(f, cmd, &cached, timeout_ns);
+  if (cached != before) atomic_max_relaxed_gpu_u64(shared_tail, cached);
+  return ok;
+}
+
+}  // namespace portep

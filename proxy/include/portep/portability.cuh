@@ -45,6 +45,38 @@ PORTEP_DEVICE void sleep_ns(uint32_t ns) {
 // 100000 kHz there); a part with another rate needs this scale changed.
 PORTEP_DEVICE uint64_t globaltimer_ns() { return wall_clock64() * 10; }
 
+PORTEP_DEVICE void st_release_sys_u32(uint32_t* p, uint32_t v) {
+  __hip_atomic_store(p, v, __ATOMIC_RELEASE, __HIP_MEMORY_SCOPE_SYSTEM);
+}
+PORTEP_DEVICE void st_relaxed_sys_u64(uint64_t* p, uint64_t v) {
+  __hip_atomic_store(p, v, __ATOMIC_RELAXED, __HIP_MEMORY_SCOPE_SYSTEM);
+}
+PORTEP_DEVICE uint32_t ld_acquire_sys_u32(const uint32_t* p) {
+  return __hip_atomic_load(p, __ATOMIC_ACQUIRE, __HIP_MEMORY_SCOPE_SYSTEM);
+}
+PORTEP_DEVICE void fence_sys() { __threadfence_system(); }
+PORTEP_DEVICE void fence_gpu() { __threadfence(); }
+PORTEP_DEVICE uint32_t atomic_add_relaxed_gpu_u32(uint32_t* p, uint32_t v) {
+  return __hip_atomic_fetch_add(p, v, __ATOMIC_RELAXED, __HIP_MEMORY_SCOPE_AGENT);
+}
+PORTEP_DEVICE void atomic_max_relaxed_gpu_u64(uint64_t* p, uint64_t v) {
+  __hip_atomic_fetch_max(p, v, __ATOMIC_RELAXED, __HIP_MEMORY_SCOPE_AGENT);
+}
+PORTEP_DEVICE float warp_max_f32(float v) {
+  for (int o = kWarpSize / 2; o > 0; o /= 2) v = fmaxf(v, __shfl_xor(v, o));
+  return v;
+}
+PORTEP_DEVICE int warp_sum_i32(int v) {
+  for (int o = kWarpSize / 2; o > 0; o /= 2) v += __shfl_xor(v, o);
+  return v;
+}
+PORTEP_DEVICE int warp_broadcast_i32(int v, int lane) { return __shfl(v, lane); }
+PORTEP_DEVICE void warp_sync() {}
+// Round to nearest even, saturating to +-448 (e4m3fn has no infinity).
+PORTEP_DEVICE uint8_t float_to_e4m3(float v) {
+  return static_cast<uint8_t>(__builtin_amdgcn_cvt_pk_fp8_f32(v, v, 0, false) & 0xFF);
+}
+
 }  // namespace portep
 
 #else  // NVIDIA
@@ -52,6 +84,8 @@ PORTEP_DEVICE uint64_t globaltimer_ns() { return wall_clock64() * 10; }
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 700
 #error "portep device code needs sm_70 or newer (ld.acquire, st.release, __nanosleep)"
 #endif
+
+#include <cuda_fp8.h>
 
 #define PORTEP_DEVICE __device__ __forceinline__
 
@@ -88,6 +122,38 @@ PORTEP_DEVICE uint64_t globaltimer_ns() {
   uint64_t t;
   asm volatile("mov.u64 %0, %globaltimer;" : "=l"(t));
   return t;
+}
+
+PORTEP_DEVICE void st_release_sys_u32(uint32_t* p, uint32_t v) {
+  asm volatile("st.release.sys.global.u32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
+}
+PORTEP_DEVICE void st_relaxed_sys_u64(uint64_t* p, uint64_t v) {
+  asm volatile("st.relaxed.sys.global.u64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
+}
+PORTEP_DEVICE uint32_t ld_acquire_sys_u32(const uint32_t* p) {
+  uint32_t v;
+  asm volatile("ld.acquire.sys.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
+  return v;
+}
+PORTEP_DEVICE void fence_sys() { __threadfence_system(); }
+PORTEP_DEVICE void fence_gpu() { __threadfence(); }
+PORTEP_DEVICE uint32_t atomic_add_relaxed_gpu_u32(uint32_t* p, uint32_t v) { return atomicAdd(p, v); }
+PORTEP_DEVICE void atomic_max_relaxed_gpu_u64(uint64_t* p, uint64_t v) {
+  atomicMax(reinterpret_cast<unsigned long long*>(p), static_cast<unsigned long long>(v));
+}
+PORTEP_DEVICE float warp_max_f32(float v) {
+  for (int o = kWarpSize / 2; o > 0; o /= 2) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
+  return v;
+}
+PORTEP_DEVICE int warp_sum_i32(int v) {
+  for (int o = kWarpSize / 2; o > 0; o /= 2) v += __shfl_xor_sync(0xffffffffu, v, o);
+  return v;
+}
+PORTEP_DEVICE int warp_broadcast_i32(int v, int lane) { return __shfl_sync(0xffffffffu, v, lane); }
+PORTEP_DEVICE void warp_sync() { __syncwarp(); }
+// Round to nearest even, saturating to +-448 (e4m3fn has no infinity).
+PORTEP_DEVICE uint8_t float_to_e4m3(float v) {
+  return static_cast<uint8_t>(__nv_cvt_float_to_fp8(v, __NV_SATFINITE, __NV_E4M3));
 }
 
 }  // namespace portep

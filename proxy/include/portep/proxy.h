@@ -53,6 +53,13 @@ class ProxyGroup {
   ProxyGroup(const ProxyGroup&) = delete;
   ProxyGroup& operator=(const ProxyGroup&) = delete;
 
+  // FIFOs that GPU kernels push into (entries and tail in mapped host memory, head in device memory): host
+  // views, owned by the caller, which keeps them alive until stop(). Device FIFO i is served by thread
+  // i % num_threads; host producers never push into them (QUIET/BARRIER stay on the host FIFOs). Call before
+  // start().
+  void attach_device_fifos(const std::vector<FifoView>& host_views);
+  int num_device_fifos() const;
+
   void start();
   void stop();  // joins every thread; idempotent
 

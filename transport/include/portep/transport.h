@@ -70,6 +70,8 @@ class Transport {
   // peer's signal region, never through this transport's queues.
   virtual void* peer_region(int peer, RegionId region) const { return nullptr; }
   virtual size_t peer_region_bytes(int peer, RegionId region) const { return 0; }
+  // Where kernels address this rank's region when the transport keeps it GPU-visible, else nullptr.
+  virtual void* region_device_address(RegionId region) const { return nullptr; }
 };
 
 }  // namespace portep

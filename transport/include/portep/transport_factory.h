@@ -16,6 +16,7 @@ struct TransportSpec {
   int num_channels = 1;
   uint32_t window = 64;  // unordered delivery window per (channel, peer)
   uint64_t seed = 0;
+  int device = -1;  // >= 0: the data region is memory of this GPU (shm: CUDA IPC, copy-engine copies)
 };
 
 std::unique_ptr<Transport> make_transport(const TransportSpec& spec);

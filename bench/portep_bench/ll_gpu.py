@@ -1,0 +1,207 @@
+"""Low-latency dispatch/combine on GPUs through portep.Buffer(backend='cuda'), DeepEP's shapes and byte counting,
+with the same run's NCCL all_to_all_single baseline, for the direct NVLink path and the forced proxy path; and the
+command channel through the real proxy threads (GPU pushes NOP commands into a Channel's device FIFOs).
+
+Bytes as DeepEP's test_low_latency.py: every valid (token, expert) selection moves one message, FP8 dispatch
+counts hidden + hidden/128*4 + 16 bytes per message, BF16 combine 2*hidden. Times are CUDA events around the
+Python calls, medians over the iterations; rank 0 reports."""
+
+import time
+
+from .spawn import run_ranks
+from .stats import median, percentile, table
+
+DEEPEP = {"round trip": 90.0, "dispatch": 29.5, "combine": 40.5, "dispatch send": 20.0, "dispatch recv": 8.2,
+          "combine send": 32.5, "combine recv": 9.7}  # reference/gpu-machine.md, same machine
+
+
+def _once(fn):
+    import torch
+
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    value = fn()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) * 1e3, value
+
+
+def _timed(fn, iterations):
+    return median([_once(fn)[0] for _ in range(iterations)])
+
+
+def _inputs(rank, T, H, K, E):
+    import torch
+
+    g = torch.Generator().manual_seed(1234 + rank)
+    x = torch.randn(T, H, generator=g).to(torch.bfloat16).cuda()
+    scores = torch.randn(T, E, generator=g).abs() + 1
+    idx = torch.topk(scores, K, dim=-1).indices.cuda()
+    w = torch.rand(T, K, generator=g).cuda()
+    return x, idx, w
+
+
+def _path_times(buf, x, idx, w, T, E, iterations):
+    import torch
+    import torch.distributed as dist
+
+    def dispatch():
+        return buf.low_latency_dispatch(x, idx, T, E, use_fp8=True)
+
+    res = dispatch()
+    sim = res[0][0].to(torch.bfloat16)  # the identity expert's output, BF16 as in DeepEP's test
+    handle = res[2]
+
+    def combine():
+        buf.low_latency_combine(sim, idx, w, handle)
+
+    def round_trip():
+        buf.low_latency_combine(sim, idx, w, dispatch()[2])
+
+    for _ in range(20):
+        round_trip()
+    out = {"round trip": _timed(round_trip, iterations), "dispatch": _timed(dispatch, iterations),
+           "combine": _timed(combine, iterations)}
+    # Hook mode: each phase timed alone, the ranks lined up before it (the receive phase then only unpacks, as
+    # in DeepEP's measurement).
+    phases = {"dispatch send": [], "dispatch recv": [], "combine send": [], "combine recv": []}
+
+    def line_up():
+        torch.cuda.synchronize()
+        dist.barrier()
+
+    for _ in range(iterations):
+        line_up()
+        t, d = _once(lambda: buf.low_latency_dispatch(x, idx, T, E, use_fp8=True, return_recv_hook=True))
+        phases["dispatch send"].append(t)
+        line_up()
+        phases["dispatch recv"].append(_once(d[4])[0])
+        line_up()
+        t, c = _once(lambda: buf.low_latency_combine(sim, idx, w, d[2], return_recv_hook=True))
+        phases["combine send"].append(t)
+        line_up()
+        phases["combine recv"].append(_once(c[2])[0])
+    out.update({k: median(v) for k, v in phases.items()})
+    return out
+
+
+def _nccl_times(x, idx, world, E, H, iterations, group):
+    import torch
+    import torch.distributed as dist
+
+    E_l = E // world
+    valid = idx >= 0
+    dst = (idx // E_l)[valid]
+    counts = torch.bincount(dst, minlength=world).cpu()
+    msg_fp8, msg_bf16 = H + H // 128 * 4 + 16, 2 * H
+    recv_counts = torch.empty(world, dtype=counts.dtype, device="cuda")
+    dist.all_to_all_single(recv_counts, counts.cuda(), group=group)
+    recv_counts = recv_counts.cpu()
+    send_d = torch.empty(int(counts.sum()) * msg_fp8, dtype=torch.uint8, device="cuda")
+    recv_d = torch.empty(int(recv_counts.sum()) * msg_fp8, dtype=torch.uint8, device="cuda")
+    send_c = torch.empty(int(recv_counts.sum()) * msg_bf16, dtype=torch.uint8, device="cuda")
+    recv_c = torch.empty(int(counts.sum()) * msg_bf16, dtype=torch.uint8, device="cuda")
+
+    def disp():
+        dist.all_to_all_single(recv_d, send_d, (recv_counts * msg_fp8).tolist(), (counts * msg_fp8).tolist(),
+                               group=group)
+
+    def comb():
+        dist.all_to_all_single(recv_c, send_c, (counts * msg_bf16).tolist(), (recv_counts * msg_bf16).tolist(),
+                               group=group)
+
+    for _ in range(10):
+        disp()
+        comb()
+    return {"dispatch": _timed(disp, iterations), "combine": _timed(comb, iterations),
+            "round trip": _timed(lambda: (disp(), comb()), iterations)}
+
+
+def _rank_body(rank, world, T, H, K, E, iterations, proxy_transport):
+    import torch
+    import torch.distributed as dist
+
+    import portep
+
+    torch.cuda.set_device(rank)
+    nccl = dist.new_group(backend="nccl")
+    x, idx, w = _inputs(rank, T, H, K, E)
+    nbytes = portep.Buffer.get_low_latency_rdma_size_hint(T, H, world, E)
+    results = {"selections": int((idx >= 0).sum())}
+    for name, rpn, transport in (("direct NVLink", world, "shm"), (f"proxy ({proxy_transport})", 1, proxy_transport)):
+        buf = portep.Buffer(dist.group.WORLD, 0, nbytes, low_latency_mode=True, num_ranks_per_node=rpn,
+                            transport=transport, explicitly_destroy=True, backend="cuda")
+        results[name] = _path_times(buf, x, idx, w, T, E, iterations)
+        torch.cuda.synchronize()
+        buf.destroy()
+    results["NCCL all_to_all_single"] = _nccl_times(x, idx, world, E, H, iterations, nccl)
+    return results
+
+
+def _channel_body(rank, world, warps, per_warp, threads, repeats):
+    import torch
+
+    from portep import native
+    from portep.channel import Channel
+
+    fifos = native.DeviceFifoSet(32, 4096)
+    ch = Channel(None, 1 << 20, num_proxy_threads=threads, device=0, device_fifos=fifos)
+    rates = []
+    stream = torch.cuda.current_stream().cuda_stream
+    for r in range(repeats + 1):
+        before = sum(s["commands"] for s in ch.stats())
+        total = warps * per_warp
+        start = time.perf_counter()
+        native.cuda_push_nops(fifos, warps, per_warp, 30.0, stream)
+        while sum(s["commands"] for s in ch.stats()) - before < total:
+            if time.perf_counter() - start > 60:
+                raise RuntimeError("the proxies did not drain the NOP commands within 60 s")
+        seconds = time.perf_counter() - start
+        torch.cuda.synchronize()
+        if r:
+            rates.append(total / seconds / 1e6)
+    ch.destroy()
+    return rates
+
+
+def run(ranks=2, tokens=128, hidden=7168, topk=8, experts=288, iterations=50, proxy_transport="shm", printer=print):
+    import torch
+
+    if torch.cuda.device_count() < ranks:
+        raise RuntimeError(f"the GPU LL benchmark needs {ranks} GPUs, this machine has {torch.cuda.device_count()}")
+    out = run_ranks(_rank_body, ranks, args=(tokens, hidden, topk, experts, iterations, proxy_transport),
+                    timeout=600)
+    r0 = out[0]
+    sel = sum(o["selections"] for o in out.values()) / ranks
+    fp8_bytes = sel * (hidden + hidden // 128 * 4 + 16)
+    bf16_bytes = sel * 2 * hidden
+    printer(f"LL, EP{ranks}, {tokens} tokens, hidden {hidden}, top-{topk}, {experts} experts; FP8 dispatch, BF16 "
+            f"combine; median of {iterations} (CUDA events around the Python calls), rank 0")
+    rows = []
+    direct = r0["direct NVLink"]
+    paths = [k for k in r0 if k not in ("selections",)]
+    for key in ("round trip", "dispatch", "combine", "dispatch send", "dispatch recv", "combine send",
+                "combine recv"):
+        row = [key]
+        for p in paths:
+            v = r0[p].get(key)
+            row.append("-" if v is None else f"{v:.1f}")
+        proxy = [p for p in paths if p.startswith("proxy")][0]
+        row.append(f"{r0[proxy][key] / direct[key]:.2f}x")
+        row.append(f"{DEEPEP[key]:.1f}")
+        nbytes = {"dispatch": fp8_bytes, "combine": bf16_bytes, "round trip": fp8_bytes + bf16_bytes}.get(key)
+        row.append("-" if nbytes is None else f"{nbytes / (direct[key] * 1e-6) / 1e9:.1f}")
+        rows.append(row)
+    printer(table(["us"] + paths + ["proxy / direct", "DeepEP V1 (gpu-machine.md)", "direct GB/s"], rows))
+    return out
+
+
+def run_channel(warps=1024, per_warp=2000, threads=4, repeats=5, printer=print):
+    rates = run_ranks(_channel_body, 1, args=(warps, per_warp, threads, repeats), timeout=600)[0]
+    printer(f"command channel through the real proxy threads: {warps} warps push {per_warp} NOP commands each into "
+            f"32 device FIFOs, {threads} proxy threads: median {median(rates):.1f} M cmd/s (min {min(rates):.1f}, "
+            f"max {max(rates):.1f}, p50 of {len(rates)} runs; untuned probe baseline on this machine: 57.3 M/s)")
+    return rates
+
+
+__all__ = ["run", "run_channel", "percentile"]

@@ -1,0 +1,101 @@
+// Host entry points of the CUDA low-latency kernels (ll_dispatch.cu, ll_combine.cu). Plain C++, no CUDA types.
+//
+// Layout of one buffer half in every rank's data region (offsets are the same on all ranks):
+//   send  [send_off, +S)   dispatch, proxy peers: messages staged as [E][T] (expert, slot);
+//                          combine: the expert outputs as [E_l][R*T] rows of comb_pitch bytes (DeepEP's
+//                          zero-copy buffer), read by the proxies for proxy peers.
+//   recv  [recv_off, +Rv)  dispatch: [E_l][R][T] messages (local expert, source, slot);
+//                          combine: [E][T] rows of comb_pitch (expert, slot).
+//   flags [flag_off, +4E)  int32, direct peers only: dispatch [E_l][R] = count + 1; combine [E] = 1.
+// The slot of selection (t, k) is its rank among all selections of that expert in row-major (t, k) order, so
+// every layout is deterministic. A dispatch message is a 16-byte header (int32 source token, int32 number of
+// messages for that expert from this source) and the payload: BF16 row, or FP8 row + float32 scales.
+// Proxy peers receive WRITE (≤ 16 MiB each) + final SIGNAL commands per (peer, local expert) on signal stream
+// stream_base + local expert; their slots in `host_signals` are reset by the receiving kernel.
+#pragma once
+
+#include <stdint.h>
+
+#include "portep/fifo.h"
+
+namespace portep::cuda {
+
+struct LLError {  // mapped host memory: the first kernel failure (0 = none)
+  uint32_t code;  // 1: a wait timed out, 2: FIFO push timed out, 3: slot overflow (more selections than T)
+  uint32_t rank, src, index;
+};
+
+struct LLCommon {
+  int rank, num_ranks, num_experts, num_local_experts, T, hidden;
+  uint64_t send_off, recv_off, flag_off;  // this half, bytes into the data region
+  uint32_t disp_bytes, comb_pitch;
+  uint8_t* local;               // this rank's data region (device)
+  uint8_t* const* peers;        // device array [R]: peer data region when stored into directly, else null
+  uint64_t* host_signals;       // device address of this rank's signal slots [R][num_streams]
+  uint32_t num_streams, stream_base;
+  const FifoView* fifos;        // device array of device-side views
+  uint64_t* fifo_tails;         // device array [num_fifos]: shared cached tails
+  int num_fifos;
+  uint32_t* finish;             // device scratch, zero between calls: [E] (dispatch) / [E_l] (combine)
+  LLError* error;
+  uint64_t timeout_ns;
+  int num_sms;
+  void* stream;                 // cudaStream_t
+};
+
+struct LLDispatchArgs {
+  LLCommon c;
+  const void* x;                // [N][H] bf16
+  const int64_t* topk_idx;      // [N][K]
+  int num_tokens, num_topk;
+  bool use_fp8, round_scale, use_ue8m0;
+  // receive phase outputs
+  void* recv_x;                 // [E_l][R*T][H] bf16 or fp8
+  void* recv_scales;            // [E_l][S][R*T] float32 (S = H/128) or int32 (S = H/512, UE8M0); may be null
+  int32_t* recv_count;          // [E_l]
+  int32_t* src_info;            // [E_l][R*T]
+  int64_t* layout_range;        // [E_l][R]
+  int32_t* cumulative_stats;    // [E_l] or null
+  int64_t* wait_stats;          // [R] or null (nanoseconds waited per source)
+};
+
+struct LLCombineArgs {
+  LLCommon c;
+  const void* x;                // [E_l][R*T][H] bf16 rows, row pitch x_pitch bytes (the send area when zero-copy)
+  uint64_t x_pitch;
+  bool zero_copy;
+  const int32_t* src_info;      // [E_l][R*T]
+  const int64_t* layout_range;  // [E_l][R]
+  const int64_t* topk_idx;      // [N][K]
+  const float* topk_weights;    // [N][K]
+  int num_tokens, num_topk;
+  void* out;                    // [N][H] bf16, row pitch out_pitch bytes
+  uint64_t out_pitch;
+  int64_t* wait_stats;          // [R] or null
+};
+
+// Each returns the launch's cudaError_t (0 = success); kernels run asynchronously on c.stream.
+int ll_dispatch_send(const LLDispatchArgs& a);
+int ll_dispatch_recv(const LLDispatchArgs& a);
+int ll_combine_send(const LLCombineArgs& a);
+int ll_combine_recv(const LLCombineArgs& a);
+
+// Device FIFOs for kernels: mapped host entries/tail/error flag, device head; host views for the proxies,
+// a device array of device views and a device array of shared cached tails for kernels.
+struct DeviceFifoSet {
+  int count = 0;
+  FifoView* host_views = nullptr;     // host array [count]
+  FifoView* device_views = nullptr;   // device array [count]
+  uint64_t* device_tails = nullptr;   // device array [count], zeroed
+};
+int alloc_device_fifo_set(int count, uint32_t capacity, DeviceFifoSet* out);
+int free_device_fifo_set(DeviceFifoSet* set);
+
+// Copies between device pointers / host on the default stream and waits (setup of small device arrays).
+int copy_to_device(void* dst, const void* src, uint64_t bytes);
+int device_alloc_zeroed(void** p, uint64_t bytes);
+int device_free(void* p);
+int host_alloc_mapped(void** host, void** device, uint64_t bytes);
+int host_free_mapped(void* host);
+
+}  // namespace portep::cuda

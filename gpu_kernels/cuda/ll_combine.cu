@@ -1,0 +1,134 @@
+// Low-latency combine: the send kernel returns every received row to its source (into the source's
+// [E][T] receive rows, direct or through the proxies) and publishes each (local expert, source) once its
+// rows are written; the receive phase waits for every expert's signal, then reduces each token's rows in
+// top-k order in FP32 (the host backend's order and roundings, so both give the same bits).
+#include <cuda_runtime.h>
+
+#include "ll_common.cuh"
+
+namespace portep::cuda {
+
+namespace {
+
+constexpr int kMaxPartsPerExpert = 8;
+
+PORTEP_DEVICE void copy_row(uint8_t* dst, const uint8_t* src, int bytes) {
+  const uint4* s = reinterpret_cast<const uint4*>(src);
+  uint4* d = reinterpret_cast<uint4*>(dst);
+  for (int j = lane_id(); j < bytes / 16; j += kWarpSize) d[j] = s[j];
+}
+
+// Rows of (local expert le, source src) are written: publish them to src.
+PORTEP_DEVICE void publish_rows(const LLCombineArgs& a, int le, int src, uint32_t begin, uint32_t count) {
+  const LLCommon& c = a.c;
+  const int expert = c.rank * c.num_local_experts + le;
+  if (c.peers[src]) {
+    st_release_sys_u32(reinterpret_cast<uint32_t*>(c.peers[src] + c.flag_off) + expert, 1u);
+    return;
+  }
+  const uint64_t M = uint64_t(c.num_ranks) * c.T;
+  push_stream(c, src, c.stream_base + uint32_t(le), c.send_off + (uint64_t(le) * M + begin) * c.comb_pitch,
+              c.recv_off + uint64_t(expert) * c.T * c.comb_pitch, uint64_t(count) * c.comb_pitch);
+}
+
+__global__ void __launch_bounds__(kLLThreads) combine_send_kernel(LLCombineArgs a, int parts) {
+  extern __shared__ uint32_t shared[];  // begins [R], counts [R]
+  const LLCommon& c = a.c;
+  const int R = c.num_ranks, le = int(blockIdx.x) / parts, part = int(blockIdx.x) % parts;
+  const uint64_t M = uint64_t(R) * c.T;
+  uint32_t* begins = shared;
+  uint32_t* counts = shared + R;
+  __shared__ uint32_t total;
+  __shared__ bool last;
+  for (int src = threadIdx.x; src < R; src += blockDim.x) {
+    const uint64_t lr = uint64_t(a.layout_range[le * R + src]);
+    begins[src] = uint32_t(lr >> 32);
+    counts[src] = uint32_t(lr);
+  }
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    uint32_t n = 0;
+    for (int src = 0; src < R; ++src) n += counts[src];
+    total = n;
+  }
+  __syncthreads();
+  const int warp = int(threadIdx.x) / kWarpSize, expert = c.rank * c.num_local_experts + le;
+  for (uint32_t i = uint32_t(part * kLLWarps + warp); i < total; i += uint32_t(parts * kLLWarps)) {
+    int src = 0;
+    while (src + 1 < R && !(i >= begins[src] && i < begins[src] + counts[src])) ++src;
+    const uint8_t* row = static_cast<const uint8_t*>(a.x) + (uint64_t(le) * M + i) * a.x_pitch;
+    if (c.peers[src])
+      copy_row(c.peers[src] + c.recv_off + (uint64_t(expert) * c.T + (i - begins[src])) * c.comb_pitch, row,
+               2 * c.hidden);
+    else if (!a.zero_copy)  // proxy peers read the rows from the registered send area
+      copy_row(c.local + c.send_off + (uint64_t(le) * M + i) * c.comb_pitch, row, 2 * c.hidden);
+  }
+  fence_sys();
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    last = atomic_add_relaxed_gpu_u32(&c.finish[le], 1u) + 1 == uint32_t(parts);
+    if (last) c.finish[le] = 0;
+  }
+  __syncthreads();
+  if (!last) return;
+  fence_gpu();
+  for (int src = threadIdx.x; src < R; src += blockDim.x) publish_rows(a, le, src, begins[src], counts[src]);
+}
+
+__global__ void __launch_bounds__(kLLThreads) combine_wait_kernel(LLCombineArgs a) {
+  const LLCommon& c = a.c;
+  for (int e = threadIdx.x; e < c.num_experts; e += blockDim.x)
+    take_signal(c, e / c.num_local_experts, e, e % c.num_local_experts, [] { return 1u; }, a.wait_stats);
+}
+
+__global__ void __launch_bounds__(kLLThreads) combine_reduce_kernel(LLCombineArgs a) {
+  const LLCommon& c = a.c;
+  const int K = a.num_topk, H = c.hidden, lane = lane_id();
+  const int warp = int(threadIdx.x) / kWarpSize;
+  for (int t = int(blockIdx.x) * kLLWarps + warp; t < a.num_tokens; t += int(gridDim.x) * kLLWarps) {
+    const int my_expert = lane < K ? int(a.topk_idx[uint64_t(t) * K + lane]) : -1;
+    const int my_slot = selection_slot(a.topk_idx, t, K, my_expert);
+    const float my_weight = lane < K ? a.topk_weights[uint64_t(t) * K + lane] : 0.0f;
+    uint4* out = reinterpret_cast<uint4*>(static_cast<uint8_t*>(a.out) + uint64_t(t) * a.out_pitch);
+    for (int j = lane; j < H / 8; j += kWarpSize) {
+      float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+      for (int k = 0; k < K; ++k) {
+        const int e = warp_broadcast_i32(my_expert, k), slot = warp_broadcast_i32(my_slot, k);
+        const float w = __int_as_float(warp_broadcast_i32(__float_as_int(my_weight), k));
+        if (e < 0 || slot < 0 || slot >= c.T) continue;
+        const uint4 v = reinterpret_cast<const uint4*>(c.local + c.recv_off + (uint64_t(e) * c.T + slot) *
+                                                       c.comb_pitch)[j];
+        const uint32_t words[4] = {v.x, v.y, v.z, v.w};
+        for (int q = 0; q < 8; ++q) {  // acc += w * x, rounded twice, never fused (the host's arithmetic)
+          const float x = bf16_to_f32(uint16_t(words[q / 2] >> (16 * (q % 2))));
+          acc[q] = __fadd_rn(acc[q], __fmul_rn(w, x));
+        }
+      }
+      uint32_t packed[4];
+      for (int q = 0; q < 4; ++q)
+        packed[q] = uint32_t(f32_to_bf16(acc[2 * q])) | uint32_t(f32_to_bf16(acc[2 * q + 1])) << 16;
+      out[j] = make_uint4(packed[0], packed[1], packed[2], packed[3]);
+    }
+  }
+}
+
+}  // namespace
+
+int ll_combine_send(const LLCombineArgs& a) {
+  int parts = a.c.num_sms / (a.c.num_local_experts > 0 ? a.c.num_local_experts : 1);
+  parts = parts < 1 ? 1 : (parts > kMaxPartsPerExpert ? kMaxPartsPerExpert : parts);
+  combine_send_kernel<<<a.c.num_local_experts * parts, kLLThreads, size_t(a.c.num_ranks) * 8,
+                        static_cast<cudaStream_t>(a.c.stream)>>>(a, parts);
+  return int(cudaGetLastError());
+}
+
+int ll_combine_recv(const LLCombineArgs& a) {
+  combine_wait_kernel<<<1, kLLThreads, 0, static_cast<cudaStream_t>(a.c.stream)>>>(a);
+  if (cudaError_t e = cudaGetLastError(); e != cudaSuccess) return int(e);
+  int blocks = (a.num_tokens + kLLWarps - 1) / kLLWarps;
+  blocks = blocks < 1 ? 1 : blocks;
+  combine_reduce_kernel<<<blocks, kLLThreads, 0, static_cast<cudaStream_t>(a.c.stream)>>>(a);
+  return int(cudaGetLastError());
+}
+
+}  // namespace portep::cuda

@@ -1,0 +1,136 @@
+// Device helpers shared by the low-latency dispatch and combine kernels (layouts in ll_api.h).
+#pragma once
+
+#include <stdint.h>
+
+#include "ll_api.h"
+#include "portep/fifo_device.cuh"
+#include "portep/portability.cuh"
+
+namespace portep::cuda {
+
+constexpr int kLLWarps = 16;  // warps per block
+constexpr int kLLThreads = kLLWarps * kWarpSize;
+constexpr uint32_t kErrWaitTimeout = 1, kErrFifoTimeout = 2, kErrSlotOverflow = 3;
+
+// The first failure wins most of the time; a racing second one may overwrite it, which is harmless: any
+// non-zero code makes the host raise.
+PORTEP_DEVICE void report_error(LLError* e, uint32_t code, uint32_t rank, uint32_t src, uint32_t index) {
+  if (*reinterpret_cast<volatile uint32_t*>(&e->code) != 0) return;
+  e->rank = rank;
+  e->src = src;
+  e->index = index;
+  st_release_sys_u32(&e->code, code);
+}
+
+PORTEP_DEVICE float bf16_to_f32(uint16_t v) { return __uint_as_float(uint32_t(v) << 16); }
+
+PORTEP_DEVICE uint16_t f32_to_bf16(float f) {  // round to nearest even, NaN kept quiet (as the host kernels)
+  uint32_t bits = __float_as_uint(f);
+  if ((bits & 0x7fffffffu) > 0x7f800000u) return uint16_t((bits >> 16) | 0x40u);
+  bits += 0x7fffu + ((bits >> 16) & 1u);
+  return uint16_t(bits >> 16);
+}
+
+PORTEP_DEVICE int lane_id() { return int(threadIdx.x) % kWarpSize; }
+
+// Slot of selection (t, lane) for lanes < K: its rank among all selections of the same expert in row-major
+// (token, k) order. Warp-cooperative; lanes >= K (and invalid selections) get -1.
+PORTEP_DEVICE int selection_slot(const int64_t* idx, int t, int K, int my_expert) {
+  const int lane = lane_id();
+  int my_slot = -1;
+  for (int k = 0; k < K; ++k) {
+    const int e = warp_broadcast_i32(my_expert, k);
+    if (e < 0) continue;
+    const int before = t * K + k;
+    int n = 0;
+    for (int j = lane; j < before; j += kWarpSize) n += int(idx[j] == e);
+    n = warp_sum_i32(n);
+    if (lane == k) my_slot = n;
+  }
+  return my_slot;
+}
+
+// Waits until pred(load()) with a timeout; returns the last value loaded and whether it timed out.
+template <class Load, class Pred>
+PORTEP_DEVICE bool wait_until(Load load, Pred pred, uint64_t timeout_ns, uint64_t* value, uint64_t* waited_ns) {
+  uint64_t v = load();
+  if (pred(v)) {
+    *value = v;
+    *waited_ns = 0;
+    return true;
+  }
+  const uint64_t start = globaltimer_ns();
+  for (uint32_t iter = 1;; ++iter) {
+    v = load();
+    if (pred(v)) break;
+    if ((iter & 1023) == 0 && globaltimer_ns() - start > timeout_ns) {
+      *value = v;
+      *waited_ns = globaltimer_ns() - start;
+      return false;
+    }
+  }
+  *value = v;
+  *waited_ns = globaltimer_ns() - start;
+  return true;
+}
+
+PORTEP_DEVICE int fifo_of(const LLCommon& c, uint32_t dst, uint32_t stream) {
+  const uint32_t h = dst * 0x9E3779B1u ^ stream * 0x85EBCA77u;
+  return int((h ^ (h >> 15)) % uint32_t(c.num_fifos));
+}
+
+PORTEP_DEVICE bool push_cmd(const LLCommon& c, const CmdFields& f) {
+  TransferCmd cmd;
+  if (cmd_encode(f, &cmd) != kEncodeOk) {
+    report_error(c.error, kErrFifoTimeout, uint32_t(c.rank), f.dst_rank, f.stream);
+    return false;
+  }
+  const int q = fifo_of(c, f.dst_rank, f.stream);
+  if (!fifo_device_push_shared_tail(c.fifos[q], cmd, c.fifo_tails + q, c.timeout_ns)) {
+    report_error(c.error, kErrFifoTimeout, uint32_t(c.rank), f.dst_rank, f.stream);
+    return false;
+  }
+  return true;
+}
+
+// Through the proxies: WRITE commands for bytes (in pieces of at most kMaxCmdBytes) then the final SIGNAL,
+// all on the FIFO of (dst, stream), so the proxy sees them in this order. The caller fenced at system scope.
+PORTEP_DEVICE void push_stream(const LLCommon& c, int dst, uint32_t stream, uint64_t local_off, uint64_t remote_off,
+                               uint64_t bytes) {
+  for (uint64_t done = 0; done < bytes; done += kMaxCmdBytes) {
+    const uint64_t n = bytes - done < kMaxCmdBytes ? bytes - done : kMaxCmdBytes;
+    if (!push_cmd(c, CmdFields{kOpWrite, 0, uint32_t(dst), uint32_t(n), stream, remote_off + done, local_off + done}))
+      return;
+  }
+  push_cmd(c, CmdFields{kOpSignal, kFlagFinal, uint32_t(dst), 0, stream, 0, 0});
+}
+
+// Waits for this rank's signal of (src, local expert) and resets it for the next call on this half. Direct
+// peers store flag = value + 1 into the flag area; proxy peers' final signal arrives in the host slot, whose
+// unit count says whether any WRITE came (then `proxy_value` reads the value from the delivered data).
+template <class ProxyValue>
+PORTEP_DEVICE uint32_t take_signal(const LLCommon& c, int src, int flag_index, int local_expert,
+                                   ProxyValue proxy_value, int64_t* wait_stats) {
+  uint64_t v = 0, waited = 0;
+  bool ok;
+  uint32_t result = 0;
+  if (c.peers[src]) {
+    uint32_t* flag = reinterpret_cast<uint32_t*>(c.local + c.flag_off) + flag_index;
+    ok = wait_until([&] { return uint64_t(ld_acquire_sys_u32(flag)); }, [](uint64_t x) { return x != 0; },
+                    c.timeout_ns, &v, &waited);
+    *flag = 0;  // the next store to this flag comes from a later call on this half, after this one
+    result = ok ? uint32_t(v) - 1 : 0;
+  } else {
+    uint64_t* slot = c.host_signals + uint64_t(src) * c.num_streams + c.stream_base + uint32_t(local_expert);
+    ok = wait_until([&] { return ld_acquire_sys_u64(slot); }, [](uint64_t x) { return (x >> 32) != 0; },
+                    c.timeout_ns, &v, &waited);
+    st_relaxed_sys_u64(slot, 0);
+    result = ok && uint32_t(v) != 0 ? proxy_value() : 0;
+  }
+  if (!ok) report_error(c.error, kErrWaitTimeout, uint32_t(c.rank), uint32_t(src), uint32_t(flag_index));
+  if (wait_stats) atomicAdd(reinterpret_cast<unsigned long long*>(wait_stats + src), (unsigned long long)waited);
+  return result;
+}
+
+}  // namespace portep::cuda

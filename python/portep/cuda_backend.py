@@ -1,0 +1,272 @@
+"""The CUDA backend: LL dispatch/combine kernels and get_dispatch_layout on GPU tensors.
+
+Memory: one Channel whose data region is GPU memory (shm transport with CUDA IPC). Its first `num_bytes` are the
+DeepEP-sized LL buffer (two halves, laid out as gpu_kernels/cuda/ll_api.h says); after them come the direct-path
+flags, [half][phase][num_ranks * max_local_experts] int32. Peers reached directly (same node, NVLink) get
+stores through IPC pointers; the others get WRITE/SIGNAL commands through device FIFOs to the proxy threads,
+which copy with the copy engines and deliver the signal into the host signal slots the kernels poll.
+
+Kernels run on the current stream. A kernel that times out records the failure in mapped host memory; the next
+call (or `check_error()`) raises it.
+"""
+
+import ctypes
+
+import torch
+
+from ._native import require_native
+from .channel import Channel
+from . import host_backend as hb
+from .host_ll import _Layout
+
+NUM_DEVICE_FIFOS = 32
+DEVICE_FIFO_CAPACITY = 4096
+ERROR_NAMES = {1: "a signal did not arrive", 2: "a FIFO had no room", 3: "an expert got more selections than "
+               "num_max_dispatch_tokens_per_rank (duplicate experts in a token's topk_idx?)"}
+
+
+class CudaEvent:
+    """A CUDA event recorded on the current stream (EventOverlap's payload on the CUDA backend)."""
+
+    def __init__(self):
+        self.event = torch.cuda.Event()
+        self.event.record()
+
+    def current_stream_wait(self):
+        torch.cuda.current_stream().wait_event(self.event)
+
+    def query(self):
+        return self.event.query()
+
+    def synchronize(self):
+        self.event.synchronize()
+
+
+def _as_tensor(ptr, nbytes, device):
+    """A uint8 CUDA tensor viewing device memory this module allocated (no copy, no ownership)."""
+
+    class _Mem:
+        __cuda_array_interface__ = {"shape": (nbytes,), "typestr": "|u1", "data": (ptr, False), "version": 3,
+                                    "strides": None}
+
+    return torch.as_tensor(_Mem(), device=device)
+
+
+class CudaEngine:
+    """One per Buffer. Construction is collective over `group`."""
+
+    def __init__(self, group, num_bytes, ranks_per_node, max_local_experts=1024, transport=None, timeout_s=None,
+                 allow_direct_ll=True, num_proxy_threads=4):
+        self.native = require_native()
+        if not self.native.build_info()["cuda_built"]:
+            raise RuntimeError("backend='cuda': portep was built without the CUDA kernels ("
+                               f"{self.native.build_info()['cuda_reason']})")
+        if not torch.cuda.is_available():
+            raise RuntimeError("backend='cuda' needs a CUDA GPU (torch.cuda.is_available() is False)")
+        self.group = group
+        self.rank = torch.distributed.get_rank(group)
+        self.num_ranks = torch.distributed.get_world_size(group)
+        if ranks_per_node < 1 or self.num_ranks % ranks_per_node:
+            raise ValueError(f"num_ranks_per_node={ranks_per_node} must divide the group size {self.num_ranks}")
+        self.ranks_per_node = ranks_per_node
+        self.num_nodes = self.num_ranks // ranks_per_node
+        self.max_local_experts = max_local_experts
+        self.device = torch.device("cuda", torch.cuda.current_device())
+        self.num_bytes = hb.align(max(num_bytes, hb.ALIGN), 128)
+        self.flag_slots = self.num_ranks * max_local_experts
+        self.fifos = self.native.DeviceFifoSet(NUM_DEVICE_FIFOS, DEVICE_FIFO_CAPACITY)
+        self.channel = Channel(group, self.num_bytes + 4 * 4 * self.flag_slots, transport=transport,
+                               num_streams=hb.STREAM_LL_BASE + 4 * max_local_experts,
+                               num_proxy_threads=num_proxy_threads, timeout_s=timeout_s,
+                               device=self.device.index, device_fifos=self.fifos)
+        self.timeout_s = self.channel.timeout_s
+        ch = self.channel._native
+        self.region = _as_tensor(ch.device_data_ptr(), self.num_bytes, self.device)
+        self.direct_ranks = [d for d in range(self.num_ranks)
+                             if d == self.rank or (allow_direct_ll and d // ranks_per_node == self.node)]
+        peers = [ch.peer_data_ptr(d) if d in self.direct_ranks else 0 for d in range(self.num_ranks)]
+        self._peers = torch.tensor(peers, dtype=torch.int64, device=self.device)
+        self._finish = torch.zeros(self.flag_slots, dtype=torch.int32, device=self.device)
+        self._error_host, error_device = self.native.cuda_host_alloc_mapped(16)
+        self._error = (ctypes.c_uint32 * 4).from_address(self._error_host)
+        num_sms = torch.cuda.get_device_properties(self.device).multi_processor_count
+        self.kernels = self.native.LLKernels(self.rank, self.num_ranks, ch.device_data_ptr(), self._peers.data_ptr(),
+                                             ch.device_signals_ptr(), self.channel.num_streams, self.fifos,
+                                             self._finish.data_ptr(), error_device, self.timeout_s, num_sms)
+        self.ll_half = 0
+        torch.cuda.synchronize(self.device)
+        self.channel.barrier()  # every peer's memory is zeroed before anyone stores into it
+
+    @property
+    def node(self):
+        return self.rank // self.ranks_per_node
+
+    # ---- errors ----
+    def check_error(self):
+        code = self._error[0]
+        if code:
+            rank, src, index = self._error[1], self._error[2], self._error[3]
+            raise RuntimeError(f"rank {rank}: a low-latency kernel failed: {ERROR_NAMES.get(code, code)} (peer rank "
+                               f"{src}, index {index}) within {self.timeout_s} s; the Buffer's results are invalid")
+        self.channel.check_error()
+
+    # ---- layout ----
+    def _layout(self, T, H, E):
+        lay = _Layout(self, T, H, E)
+        if 2 * lay.half > self.num_bytes:
+            raise ValueError(f"the communication buffer has {self.num_bytes} bytes but low-latency mode with {T} "
+                             f"tokens, hidden {H}, {E} experts needs {2 * lay.half}")
+        return lay
+
+    def require_bytes(self, needed, what):
+        if needed > self.num_bytes:
+            raise ValueError(f"the communication buffer has {self.num_bytes} bytes but {what} needs {needed} bytes")
+
+    def _shape(self, lay, half, phase):
+        flag_off = self.num_bytes + (half * 2 + phase) * self.flag_slots * 4
+        stream_base = hb.STREAM_LL_BASE + (half * 2 + phase) * self.max_local_experts
+        return (lay.T, lay.H, lay.E, lay.send_off(half), lay.recv_off(half), flag_off, lay.disp, lay.comb,
+                stream_base, torch.cuda.current_stream(self.device).cuda_stream)
+
+    # ---- the API the Buffer calls ----
+    def get_dispatch_layout(self, topk_idx, num_experts):
+        N, K = topk_idx.shape
+        R = self.num_ranks
+        per_rank = torch.empty(R, dtype=torch.int32, device=self.device)
+        per_node = torch.empty(self.num_nodes, dtype=torch.int32, device=self.device) if self.num_nodes > 1 else None
+        per_expert = torch.empty(num_experts, dtype=torch.int32, device=self.device)
+        in_rank = torch.empty(N, R, dtype=torch.bool, device=self.device)
+        self.native.cuda_dispatch_layout(topk_idx.data_ptr(), N, K, num_experts, R, self.ranks_per_node,
+                                         per_rank.data_ptr(), 0 if per_node is None else per_node.data_ptr(),
+                                         per_expert.data_ptr(), in_rank.data_ptr(),
+                                         torch.cuda.current_stream(self.device).cuda_stream)
+        return per_rank, per_node, per_expert, in_rank
+
+    def dispatch(self, *args, **kwargs):
+        raise NotImplementedError("normal-mode dispatch on GPU tensors is not implemented yet (the CUDA HT kernels "
+                                  "are issue 5); use a backend='host' Buffer with CPU tensors")
+
+    def combine(self, *args, **kwargs):
+        raise NotImplementedError("normal-mode combine on GPU tensors is not implemented yet (the CUDA HT kernels "
+                                  "are issue 5); use a backend='host' Buffer with CPU tensors")
+
+    def low_latency_dispatch(self, x, topk_idx, T, E, use_fp8, round_scale, use_ue8m0, cumulative_stats,
+                             wait_stats, return_recv_hook):
+        self.check_error()
+        lay = self._layout(T, x.size(1), E)
+        half = self.ll_half
+        self.ll_half ^= 1
+        R, H, E_l, M = self.num_ranks, lay.H, lay.E_l, lay.M
+        x = x.contiguous()
+        topk_idx = topk_idx.contiguous()
+        dev = self.device
+        if use_fp8:
+            recv_x = torch.empty(E_l, M, H, dtype=torch.float8_e4m3fn, device=dev)
+            S, sdt = (H // 512, torch.int32) if use_ue8m0 else (H // 128, torch.float32)
+            scales = torch.empty(E_l, S, M, dtype=sdt, device=dev)
+            out_x = (recv_x, scales.transpose(1, 2))
+        else:
+            recv_x = out_x = torch.empty(E_l, M, H, dtype=torch.bfloat16, device=dev)
+            scales = None
+        recv_count = torch.empty(E_l, dtype=torch.int32, device=dev)
+        src_info = torch.empty(E_l, M, dtype=torch.int32, device=dev)
+        layout_range = torch.empty(E_l, R, dtype=torch.int64, device=dev)
+
+        def launch(receive):
+            self.kernels.dispatch(receive, self._shape(lay, half, 0), x.data_ptr(), topk_idx.data_ptr(), x.size(0),
+                                  topk_idx.size(1), use_fp8, round_scale, use_ue8m0, recv_x.data_ptr(),
+                                  0 if scales is None else scales.data_ptr(), recv_count.data_ptr(),
+                                  src_info.data_ptr(), layout_range.data_ptr(),
+                                  0 if cumulative_stats is None else cumulative_stats.data_ptr(),
+                                  0 if wait_stats is None else wait_stats.data_ptr())
+
+        launch(False)
+        handle = (src_info, layout_range, T, H, E)
+        if return_recv_hook:
+            return out_x, recv_count, handle, lambda: launch(True)
+        launch(True)
+        return out_x, recv_count, handle, None
+
+    def get_next_low_latency_combine_buffer(self, handle):
+        _, _, T, H, E = handle
+        lay = self._layout(T, H, E)
+        return self._combine_send_view(lay, self.ll_half)
+
+    def _combine_send_view(self, lay, half):
+        off = lay.send_off(half)
+        rows = self.region[off:off + lay.E_l * lay.M * lay.comb].view(lay.E_l, lay.M, lay.comb)
+        return rows.view(torch.bfloat16)[:, :, :lay.H]
+
+    def low_latency_combine(self, x, topk_idx, topk_weights, handle, zero_copy, out, return_recv_hook, wait_stats):
+        self.check_error()
+        src_info, layout_range, T, H, E = handle
+        lay = self._layout(T, H, E)
+        half = self.ll_half
+        self.ll_half ^= 1
+        if zero_copy:  # the rows are already in the send area (get_next_low_latency_combine_buffer)
+            rows, pitch = self._combine_send_view(lay, half), lay.comb
+        else:
+            rows, pitch = x.contiguous(), 2 * H
+        topk_idx = topk_idx.contiguous()
+        weights = topk_weights.to(torch.float32).contiguous()
+        N = topk_idx.size(0)
+        result = out if out is not None and out.is_contiguous() else torch.empty(N, H, dtype=torch.bfloat16,
+                                                                                  device=self.device)
+
+        def launch(receive):
+            self.kernels.combine(receive, self._shape(lay, half, 1), rows.data_ptr(), pitch, zero_copy,
+                                 src_info.data_ptr(), layout_range.data_ptr(), topk_idx.data_ptr(),
+                                 weights.data_ptr(), N, topk_idx.size(1), result.data_ptr(), H * 2,
+                                 0 if wait_stats is None else wait_stats.data_ptr())
+            if receive and out is not None and result is not out:
+                out.copy_(result)
+
+        launch(False)
+        if return_recv_hook:
+            return (out if out is not None else result), lambda: launch(True)
+        launch(True)
+        return (out if out is not None else result), None
+
+    def clean_low_latency_buffer(self, num_max_dispatch_tokens_per_rank, hidden, num_experts):
+        """Zero every LL flag and signal slot of this rank, between two barriers (DeepEP's clean)."""
+        torch.cuda.synchronize(self.device)
+        self.channel.barrier()
+        flags = self.num_bytes
+        _as_tensor(self.channel._native.device_data_ptr() + flags, 16 * self.flag_slots, self.device).zero_()
+        self._finish.zero_()
+        signals = self.channel.signals
+        for half in (0, 1):
+            for phase in (0, 1):
+                base = hb.STREAM_LL_BASE + (half * 2 + phase) * self.max_local_experts
+                signals[:, base:base + self.max_local_experts].zero_()
+        torch.cuda.synchronize(self.device)
+        self.channel.barrier()
+
+    def get_local_buffer_tensor(self, dtype, size=None, offset=0, use_rdma_buffer=False):
+        elem = torch.empty((), dtype=dtype).element_size()
+        view = self.region[offset:offset + (self.num_bytes - offset) // elem * elem].view(dtype)
+        if size is not None:
+            count = 1
+            for s in size:
+                count *= s
+            view = view[:count].view(size)
+        return view
+
+    def barrier(self):
+        torch.cuda.synchronize(self.device)
+        self.channel.barrier()
+
+    def destroy(self):
+        if self.channel is None:
+            return
+        try:
+            torch.cuda.synchronize(self.device)
+        finally:
+            self.region = None
+            self.channel.destroy()
+            self.channel = None
+            self.fifos = None
+            self.kernels = None
+            if self._error_host:
+                self.native.cuda_host_free_mapped(self._error_host)
+                self._error_host = 0

@@ -1,0 +1,161 @@
+// Bindings of the CUDA low-latency kernels and their device setup (built with the CUDA kernels only).
+#ifdef PORTEP_WITH_CUDA
+#include <pybind11/pybind11.h>
+
+#include <stdexcept>
+#include <string>
+
+#include "../../gpu_kernels/cuda/api.h"
+#include "../../gpu_kernels/cuda/ll_api.h"
+
+namespace py = pybind11;
+using namespace portep::cuda;
+
+namespace {
+
+void check(int err, const char* what) {
+  if (err) throw std::runtime_error(std::string(what) + ": " + cuda_error_string(err));
+}
+
+template <class T>
+T* ptr(uintptr_t p) {
+  return reinterpret_cast<T*>(p);
+}
+
+class PyFifoSet {
+ public:
+  PyFifoSet(int count, uint32_t capacity) { check(alloc_device_fifo_set(count, capacity, &set_), "device FIFOs"); }
+  ~PyFifoSet() { free_device_fifo_set(&set_); }
+  DeviceFifoSet set_;
+};
+
+// The per-Buffer constants of LLCommon; every call adds its half's offsets and its tensors.
+class LLKernels {
+ public:
+  LLKernels(int rank, int num_ranks, uintptr_t local, uintptr_t peers, uintptr_t host_signals, uint32_t num_streams,
+            const PyFifoSet& fifos, uintptr_t finish, uintptr_t error, double timeout_s, int num_sms) {
+    c_ = LLCommon{};
+    c_.rank = rank;
+    c_.num_ranks = num_ranks;
+    c_.local = ptr<uint8_t>(local);
+    c_.peers = ptr<uint8_t* const>(peers);
+    c_.host_signals = ptr<uint64_t>(host_signals);
+    c_.num_streams = num_streams;
+    c_.fifos = fifos.set_.device_views;
+    c_.fifo_tails = fifos.set_.device_tails;
+    c_.num_fifos = fifos.set_.count;
+    c_.finish = ptr<uint32_t>(finish);
+    c_.error = ptr<LLError>(error);
+    c_.timeout_ns = uint64_t(timeout_s * 1e9);
+    c_.num_sms = num_sms;
+  }
+
+  LLCommon shape(int T, int hidden, int num_experts, uint64_t send_off, uint64_t recv_off, uint64_t flag_off,
+                 uint32_t disp_bytes, uint32_t comb_pitch, uint32_t stream_base, uintptr_t stream) const {
+    LLCommon c = c_;
+    c.T = T;
+    c.hidden = hidden;
+    c.num_experts = num_experts;
+    c.num_local_experts = num_experts / c.num_ranks;
+    c.send_off = send_off;
+    c.recv_off = recv_off;
+    c.flag_off = flag_off;
+    c.disp_bytes = disp_bytes;
+    c.comb_pitch = comb_pitch;
+    c.stream_base = stream_base;
+    c.stream = reinterpret_cast<void*>(stream);
+    return c;
+  }
+
+  LLCommon c_;
+};
+
+}  // namespace
+
+void bind_cuda_ll(py::module_& m) {
+  py::class_<PyFifoSet>(m, "DeviceFifoSet")
+      .def(py::init<int, uint32_t>(), py::arg("count"), py::arg("capacity"))
+      .def_property_readonly("count", [](const PyFifoSet& f) { return f.set_.count; })
+      .def_property_readonly("host_views", [](const PyFifoSet& f) { return reinterpret_cast<uintptr_t>(f.set_.host_views); });
+
+  py::class_<LLKernels>(m, "LLKernels")
+      .def(py::init<int, int, uintptr_t, uintptr_t, uintptr_t, uint32_t, const PyFifoSet&, uintptr_t, uintptr_t, double,
+                    int>(),
+           py::arg("rank"), py::arg("num_ranks"), py::arg("local"), py::arg("peers"), py::arg("host_signals"),
+           py::arg("num_streams"), py::arg("fifos"), py::arg("finish"), py::arg("error"), py::arg("timeout_s"),
+           py::arg("num_sms"), py::keep_alive<1, 8>())
+      .def("dispatch",
+           [](const LLKernels& k, bool receive, py::tuple shape, uintptr_t x, uintptr_t topk_idx, int num_tokens,
+              int num_topk, bool use_fp8, bool round_scale, bool use_ue8m0, uintptr_t recv_x, uintptr_t recv_scales,
+              uintptr_t recv_count, uintptr_t src_info, uintptr_t layout_range, uintptr_t cumulative_stats,
+              uintptr_t wait_stats) {
+             LLDispatchArgs a{};
+             a.c = k.shape(shape[0].cast<int>(), shape[1].cast<int>(), shape[2].cast<int>(), shape[3].cast<uint64_t>(),
+                           shape[4].cast<uint64_t>(), shape[5].cast<uint64_t>(), shape[6].cast<uint32_t>(),
+                           shape[7].cast<uint32_t>(), shape[8].cast<uint32_t>(), shape[9].cast<uintptr_t>());
+             a.x = ptr<const void>(x);
+             a.topk_idx = ptr<const int64_t>(topk_idx);
+             a.num_tokens = num_tokens;
+             a.num_topk = num_topk;
+             a.use_fp8 = use_fp8;
+             a.round_scale = round_scale;
+             a.use_ue8m0 = use_ue8m0;
+             a.recv_x = ptr<void>(recv_x);
+             a.recv_scales = ptr<void>(recv_scales);
+             a.recv_count = ptr<int32_t>(recv_count);
+             a.src_info = ptr<int32_t>(src_info);
+             a.layout_range = ptr<int64_t>(layout_range);
+             a.cumulative_stats = ptr<int32_t>(cumulative_stats);
+             a.wait_stats = ptr<int64_t>(wait_stats);
+             check(receive ? ll_dispatch_recv(a) : ll_dispatch_send(a),
+                   receive ? "low-latency dispatch (receive)" : "low-latency dispatch (send)");
+           })
+      .def("combine",
+           [](const LLKernels& k, bool receive, py::tuple shape, uintptr_t x, uint64_t x_pitch, bool zero_copy,
+              uintptr_t src_info, uintptr_t layout_range, uintptr_t topk_idx, uintptr_t topk_weights, int num_tokens,
+              int num_topk, uintptr_t out, uint64_t out_pitch, uintptr_t wait_stats) {
+             LLCombineArgs a{};
+             a.c = k.shape(shape[0].cast<int>(), shape[1].cast<int>(), shape[2].cast<int>(), shape[3].cast<uint64_t>(),
+                           shape[4].cast<uint64_t>(), shape[5].cast<uint64_t>(), shape[6].cast<uint32_t>(),
+                           shape[7].cast<uint32_t>(), shape[8].cast<uint32_t>(), shape[9].cast<uintptr_t>());
+             a.x = ptr<const void>(x);
+             a.x_pitch = x_pitch;
+             a.zero_copy = zero_copy;
+             a.src_info = ptr<const int32_t>(src_info);
+             a.layout_range = ptr<const int64_t>(layout_range);
+             a.topk_idx = ptr<const int64_t>(topk_idx);
+             a.topk_weights = ptr<const float>(topk_weights);
+             a.num_tokens = num_tokens;
+             a.num_topk = num_topk;
+             a.out = ptr<void>(out);
+             a.out_pitch = out_pitch;
+             a.wait_stats = ptr<int64_t>(wait_stats);
+             check(receive ? ll_combine_recv(a) : ll_combine_send(a),
+                   receive ? "low-latency combine (receive)" : "low-latency combine (send)");
+           });
+
+  m.def(
+      "cuda_push_nops",
+      [](const PyFifoSet& fifos, int warps, int commands_per_warp, double timeout_s, uintptr_t stream) {
+        FifoProbeArgs a{fifos.set_.device_views, fifos.set_.count, commands_per_warp, warps, 1,
+                        uint64_t(timeout_s * 1e9), reinterpret_cast<void*>(stream), true};
+        check(launch_fifo_probe(a), "cuda_push_nops");
+      },
+      py::arg("fifos"), py::arg("warps"), py::arg("commands_per_warp"), py::arg("timeout_s"), py::arg("stream"));
+  m.def("cuda_device_alloc", [](uint64_t bytes) {
+    void* p = nullptr;
+    check(device_alloc_zeroed(&p, bytes), "cudaMalloc");
+    return reinterpret_cast<uintptr_t>(p);
+  });
+  m.def("cuda_device_free", [](uintptr_t p) { check(device_free(ptr<void>(p)), "cudaFree"); });
+  m.def("cuda_copy", [](uintptr_t dst, uintptr_t src, uint64_t bytes) {
+    check(copy_to_device(ptr<void>(dst), ptr<const void>(src), bytes), "cudaMemcpy");
+  });
+  m.def("cuda_host_alloc_mapped", [](uint64_t bytes) {
+    void *h = nullptr, *d = nullptr;
+    check(host_alloc_mapped(&h, &d, bytes), "cudaHostAlloc");
+    return py::make_tuple(reinterpret_cast<uintptr_t>(h), reinterpret_cast<uintptr_t>(d));
+  });
+  m.def("cuda_host_free_mapped", [](uintptr_t h) { check(host_free_mapped(ptr<void>(h)), "cudaFreeHost"); });
+}
+#endif

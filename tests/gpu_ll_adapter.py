@@ -1,0 +1,86 @@
+"""Runs a backend='cuda' Buffer under the host-backend LL suite (deepep_workers.ll_body), which is written
+against CPU tensors: arguments go to the GPU, results come back to the CPU once they are final (after the receive
+hook when there is one), and in-place outputs (stats, out=) are copied back. Handles keep their GPU originals."""
+
+import torch
+
+
+def _gpu(t):
+    return None if t is None else t.cuda()
+
+
+class CudaLLAdapter:
+    def __init__(self, buf):
+        self.buf = buf
+        self._handles = {}  # id(CPU src_info) -> the GPU handle
+
+    def _gpu_handle(self, handle):
+        return self._handles[id(handle[0])][0]
+
+    def low_latency_dispatch(self, x, topk_idx, T, E, cumulative_local_expert_recv_stats=None,
+                             dispatch_wait_recv_cost_stats=None, return_recv_hook=False, **kw):
+        stats, wait = cumulative_local_expert_recv_stats, dispatch_wait_recv_cost_stats
+        stats_g, wait_g = _gpu(stats), _gpu(wait)
+        recv_x, recv_count, handle, event, hook = self.buf.low_latency_dispatch(
+            x.cuda(), topk_idx.cuda(), T, E, cumulative_local_expert_recv_stats=stats_g,
+            dispatch_wait_recv_cost_stats=wait_g, return_recv_hook=return_recv_hook, **kw)
+        gpu_parts = list(recv_x) if isinstance(recv_x, tuple) else [recv_x]
+        cpu_parts = [torch.empty_like(t, device="cpu") for t in gpu_parts]
+        cpu_count = torch.empty_like(recv_count, device="cpu")
+        cpu_handle = (torch.empty_like(handle[0], device="cpu"), torch.empty_like(handle[1], device="cpu")) + \
+            tuple(handle[2:])
+        self._handles[id(cpu_handle[0])] = (handle, cpu_handle)
+
+        def fetch():
+            torch.cuda.synchronize()
+            for c, g in zip(cpu_parts, gpu_parts):
+                c.copy_(g)
+            cpu_count.copy_(recv_count)
+            cpu_handle[0].copy_(handle[0])
+            cpu_handle[1].copy_(handle[1])
+            if stats is not None:
+                stats.copy_(stats_g)
+            if wait is not None:
+                wait.copy_(wait_g)
+
+        def cpu_hook():
+            hook()
+            fetch()
+
+        if not return_recv_hook:
+            fetch()
+        out_x = tuple(cpu_parts) if isinstance(recv_x, tuple) else cpu_parts[0]
+        return out_x, cpu_count, cpu_handle, event, (cpu_hook if return_recv_hook else None)
+
+    def get_next_low_latency_combine_buffer(self, handle):
+        return self.buf.get_next_low_latency_combine_buffer(self._gpu_handle(handle))
+
+    def low_latency_combine(self, x, topk_idx, topk_weights, handle, out=None, combine_wait_recv_cost_stats=None,
+                            return_recv_hook=False, **kw):
+        out_g, wait_g = _gpu(out), _gpu(combine_wait_recv_cost_stats)
+        combined, event, hook = self.buf.low_latency_combine(
+            x.cuda(), topk_idx.cuda(), topk_weights.cuda(), self._gpu_handle(handle), out=out_g,
+            combine_wait_recv_cost_stats=wait_g, return_recv_hook=return_recv_hook, **kw)
+        result = out if out is not None else torch.empty_like(combined, device="cpu")
+
+        def fetch():
+            torch.cuda.synchronize()
+            result.copy_(combined)
+            if wait_g is not None:
+                combine_wait_recv_cost_stats.copy_(wait_g)
+
+        def cpu_hook():
+            hook()
+            fetch()
+
+        if return_recv_hook:
+            # DeepEP's result tensor is only final after the hook: hand out the CPU tensor the hook fills.
+            return result, event, cpu_hook
+        fetch()
+        return result, event, None
+
+    def clean_low_latency_buffer(self, *args):
+        self.buf.clean_low_latency_buffer(*args)
+
+    def destroy(self):
+        self.buf.destroy()

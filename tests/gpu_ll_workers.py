@@ -1,0 +1,111 @@
+"""Per-rank bodies of the two-GPU LL tests that have no host-backend twin: the CUDA backend against the host
+backend on the same inputs, CUDA-graph capture and replay, and a peer that never arrives."""
+
+import torch
+import torch.distributed as dist
+
+import deepep_reference as ref
+import deepep_workers as w
+import portep
+
+BF16 = torch.bfloat16
+
+
+def _buffers(rank, world, rpn, transport, T, H, E, allow_nvlink=True, with_host=True, timeout_s=60):
+    torch.cuda.set_device(rank % torch.cuda.device_count())
+    nbytes = portep.Buffer.get_low_latency_rdma_size_hint(T, H, world, E)
+    gpu = portep.Buffer(dist.group.WORLD, 0, nbytes, low_latency_mode=True, num_ranks_per_node=rpn,
+                        allow_nvlink_for_low_latency_mode=allow_nvlink, transport=transport, timeout_s=timeout_s,
+                        explicitly_destroy=True, backend="cuda")
+    host = portep.Buffer(dist.group.WORLD, 0, nbytes, low_latency_mode=True, num_ranks_per_node=rpn,
+                         transport=transport, timeout_s=timeout_s, explicitly_destroy=True,
+                         backend="host") if with_host else None
+    return gpu, host
+
+
+def _bytes(t):
+    return ref.dense(t.cpu()).contiguous().view(torch.uint8)
+
+
+def cross_backend_body(rank, world, rpn, transport, allow_nvlink, seed, T, H, E, K):
+    """Every LL output of the CUDA backend equals the host backend's bit for bit on the same inputs."""
+    ck = w.Checker(rank)
+    gpu, host = _buffers(rank, world, rpn, transport, T, H, E, allow_nvlink)
+    inp = w.make_ll_inputs(rank, seed, T, H, K, E)
+    x, idx, wts = inp["x_rand"], inp["idx"], inp["w"]
+    for fp8, rnd, ue in ((False, False, False), (True, False, False), (True, True, False), (True, True, True)):
+        ck.step = f"fp8={fp8} round_scale={rnd} ue8m0={ue}"
+        res_h = host.low_latency_dispatch(x, idx, T, E, use_fp8=fp8, round_scale=rnd, use_ue8m0=ue)
+        res_g = gpu.low_latency_dispatch(x.cuda(), idx.cuda(), T, E, use_fp8=fp8, round_scale=rnd, use_ue8m0=ue)
+        torch.cuda.synchronize()
+        parts_h = list(res_h[0]) if fp8 else [res_h[0]]
+        parts_g = list(res_g[0]) if fp8 else [res_g[0]]
+        counts = res_h[1]
+        for name, a, b in [("recv_count", res_g[1], res_h[1]), ("src_info", res_g[2][0], res_h[2][0]),
+                           ("layout_range", res_g[2][1], res_h[2][1])]:
+            ck.equal(name, a.cpu(), b)
+        for i, (pg, ph) in enumerate(zip(parts_g, parts_h)):
+            for e in range(counts.numel()):  # rows past recv_count are undefined in both backends
+                n = int(counts[e])
+                ck.equal(f"recv_x[{i}] rows of expert {e}", _bytes(pg[e, :n]), _bytes(ph[e, :n]))
+        sim = w._ll_sim_x(res_h[0], counts, fp8, False)
+        comb_h = host.low_latency_combine(sim, idx, wts, res_h[2])[0]
+        comb_g = gpu.low_latency_combine(sim.cuda(), idx.cuda(), wts.cuda(), res_g[2])[0]
+        ck.equal("combined_x", comb_g.cpu(), comb_h)
+    gpu.destroy()
+    host.destroy()
+    return {"failures": ck.failures, "checks": ck.num_checks}
+
+
+def graph_body(rank, world, rpn, transport, allow_nvlink, seed, T, H, E, K):
+    """LL dispatch + combine captured in one CUDA graph; replays on new inputs match eager calls bit for bit."""
+    ck = w.Checker(rank)
+    gpu, _ = _buffers(rank, world, rpn, transport, T, H, E, allow_nvlink, with_host=False)
+    inp = w.make_ll_inputs(rank, seed, T, H, K, E)
+    x = inp["x_rand"].cuda()
+    idx, wts = inp["idx"].cuda(), inp["w"].cuda()
+
+    def step():
+        recv_x, count, handle, _, _ = gpu.low_latency_dispatch(x, idx, T, E, use_fp8=False)
+        return gpu.low_latency_combine(recv_x, idx, wts, handle)[0]
+
+    step()  # warm-up outside the capture (both halves get used once)
+    step()
+    torch.cuda.synchronize()
+    dist.barrier()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out_graph = step()
+    torch.cuda.synchronize()
+    dist.barrier()
+    for r in range(4):
+        ck.step = f"replay {r}"
+        fresh = w.make_ll_inputs(rank, seed + 100 + r, T, H, K, E)["x_rand"]
+        x.copy_(fresh)
+        graph.replay()
+        torch.cuda.synchronize()
+        got = out_graph.cpu()
+        ck.diff_below("replayed combine vs x * sum(w)", got, ref.ll_combine_ref(fresh, inp["idx"], inp["w"]), 1e-5)
+        ck.equal("replay vs eager", got, step().cpu())
+    gpu.destroy()
+    return {"failures": ck.failures, "checks": ck.num_checks}
+
+
+def missing_peer_body(rank, world, transport, allow_nvlink):
+    """Rank 1 never dispatches: rank 0's kernel gives up after the timeout and the next call raises."""
+    T, H, E = 8, 512, 4
+    gpu, _ = _buffers(rank, world, 1 if not allow_nvlink else world, transport, T, H, E, allow_nvlink,
+                      with_host=False, timeout_s=2)
+    message = ""
+    if rank == 0:
+        x = torch.randn(T, H).to(BF16).cuda()
+        idx = torch.arange(T * 2).view(T, 2).remainder(E).cuda()
+        gpu.low_latency_dispatch(x, idx, T, E, use_fp8=False)
+        torch.cuda.synchronize()
+        try:
+            gpu.low_latency_dispatch(x, idx, T, E, use_fp8=False)
+        except RuntimeError as e:
+            message = str(e)
+    dist.barrier()
+    gpu.destroy()
+    return message

@@ -1,0 +1,69 @@
+"""The CUDA backend's low-latency mode on two GPUs: the host backend's whole LL suite (deepep_workers.ll_body)
+through the direct NVLink path and through the forced proxy path (FIFOs, proxy threads, copy engines) over both
+shm transport modes; the CUDA results against the host backend's bit for bit; CUDA-graph capture; a missing
+peer. Skipped without two GPUs and the CUDA kernels."""
+
+import pytest
+import torch
+
+import deepep_workers as w
+import gpu_ll_workers as g
+from deepep_workers import assert_clean
+from dist_util import run_ranks
+from portep import native
+
+two_gpus = pytest.mark.skipif(not native.build_info()["cuda_built"] or not torch.cuda.is_available()
+                              or torch.cuda.device_count() < 2, reason="needs the CUDA kernels and two CUDA GPUs")
+
+# (name, num_ranks_per_node, transport, allow_nvlink_for_low_latency_mode)
+PATHS = [
+    ("direct-nvlink", 2, "shm", True),
+    ("proxy-shm", 1, "shm", True),
+    ("proxy-shm-unordered", 1, "shm-unordered", True),
+    ("proxy-nvlink-off", 2, "shm-unordered", False),
+]
+SHAPES = [(64, 512, 16, 8, 31), (48, 2048, 12, 6, 32)]  # T, hidden, experts, top-k, seed
+
+
+@pytest.mark.gpu
+@two_gpus
+@pytest.mark.parametrize("path", PATHS, ids=[p[0] for p in PATHS])
+@pytest.mark.parametrize("shape", SHAPES, ids=[f"T{s[0]}-H{s[1]}-E{s[2]}" for s in SHAPES])
+def test_ll_suite_on_gpus(path, shape):
+    _, rpn, transport, nvlink = path
+    T, H, E, K, seed = shape
+    out = run_ranks(w.ll_body, 2, args=(rpn, transport, seed, T, H, E, K, False, 3, "cuda", nvlink), timeout=300)
+    assert_clean(out, 100)
+
+
+@pytest.mark.gpu
+@two_gpus
+def test_ll_suite_on_gpus_with_fewer_tokens():
+    out = run_ranks(w.ll_body, 2, args=(1, "shm-unordered", 41, 40, 1024, 8, 5, True, 1, "cuda", True), timeout=300)
+    assert_clean(out, 100)
+
+
+@pytest.mark.gpu
+@two_gpus
+@pytest.mark.parametrize("path", PATHS[:3], ids=[p[0] for p in PATHS[:3]])
+def test_cuda_matches_host_backend_bitwise(path):
+    _, rpn, transport, nvlink = path
+    out = run_ranks(g.cross_backend_body, 2, args=(rpn, transport, nvlink, 7, 64, 2048, 32, 8), timeout=300)
+    assert_clean(out, 20)
+
+
+@pytest.mark.gpu
+@two_gpus
+@pytest.mark.parametrize("path", PATHS[:3], ids=[p[0] for p in PATHS[:3]])
+def test_ll_cuda_graph_capture_and_replay(path):
+    _, rpn, transport, nvlink = path
+    out = run_ranks(g.graph_body, 2, args=(rpn, transport, nvlink, 5, 32, 1024, 16, 4), timeout=300)
+    assert_clean(out, 8)
+
+
+@pytest.mark.gpu
+@two_gpus
+@pytest.mark.parametrize("nvlink", [True, False], ids=["direct", "proxy"])
+def test_missing_peer_times_out_and_raises(nvlink):
+    out = run_ranks(g.missing_peer_body, 2, args=("shm", nvlink), timeout=120)
+    assert "a signal did not arrive" in out[0] and "peer rank 1" in out[0], out[0]

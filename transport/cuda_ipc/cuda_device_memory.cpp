@@ -1,0 +1,204 @@
+// DeviceMemory over the CUDA runtime: cudaMalloc + CUDA IPC handles for regions, cudaHostRegister for
+// host memory kernels poll, and cudaMemcpyAsync on one non-blocking stream per channel for the copies, with
+// a ring of events per channel to learn when they finished.
+#include <cuda_runtime.h>
+#include <string.h>
+
+#include <vector>
+
+#include "portep/device_memory.h"
+#include "portep/transport.h"
+
+namespace portep {
+
+namespace {
+
+constexpr uint32_t kEventsPerChannel = 256;
+
+void check(cudaError_t e, const char* what) {
+  if (e != cudaSuccess) throw TransportError(std::string("cuda-ipc: ") + what + ": " + cudaGetErrorString(e));
+}
+
+// Sets the device for one call from the owning thread and restores the caller's (torch keeps its own).
+class DeviceGuard {
+ public:
+  explicit DeviceGuard(int device) {
+    if (cudaGetDevice(&previous_) != cudaSuccess) previous_ = -1;
+    if (previous_ != device) check(cudaSetDevice(device), "cudaSetDevice");
+  }
+  ~DeviceGuard() {
+    if (previous_ >= 0) cudaSetDevice(previous_);
+  }
+
+ private:
+  int previous_ = -1;
+};
+
+struct CopyChannel {
+  cudaStream_t stream = nullptr;
+  std::vector<cudaEvent_t> events;
+  uint64_t recorded = 0;   // tickets 1..recorded have events
+  uint64_t completed = 0;  // tickets 1..completed are known done
+};
+
+class CudaDeviceMemory final : public DeviceMemory {
+ public:
+  CudaDeviceMemory(int device, int channels) : device_(device), channels_(size_t(channels)) {
+    DeviceGuard guard(device_);
+    for (auto& c : channels_) {
+      check(cudaStreamCreateWithFlags(&c.stream, cudaStreamNonBlocking), "cudaStreamCreateWithFlags");
+      c.events.resize(kEventsPerChannel);
+      for (auto& e : c.events) check(cudaEventCreateWithFlags(&e, cudaEventDisableTiming), "cudaEventCreate");
+    }
+  }
+
+  ~CudaDeviceMemory() override {
+    DeviceGuardQuiet guard(device_);
+    for (auto& c : channels_) {
+      if (c.stream) cudaStreamSynchronize(c.stream);
+      for (auto e : c.events)
+        if (e) cudaEventDestroy(e);
+      if (c.stream) cudaStreamDestroy(c.stream);
+    }
+  }
+
+  int device() const override { return device_; }
+
+  void synchronize() override {
+    DeviceGuardQuiet guard(device_);
+    for (auto& c : channels_)
+      if (c.stream) cudaStreamSynchronize(c.stream);
+  }
+
+  void* alloc_region(size_t bytes) override {
+    DeviceGuard guard(device_);
+    void* p = nullptr;
+    check(cudaMalloc(&p, bytes), "cudaMalloc");
+    if (cudaError_t e = cudaMemset(p, 0, bytes); e != cudaSuccess) {
+      cudaFree(p);
+      check(e, "cudaMemset");
+    }
+    return p;
+  }
+
+  void free_region(void* p) override {
+    DeviceGuardQuiet guard(device_);
+    if (p) cudaFree(p);
+  }
+
+  std::string export_region(void* p) override {
+    DeviceGuard guard(device_);
+    cudaIpcMemHandle_t h;
+    check(cudaIpcGetMemHandle(&h, p), "cudaIpcGetMemHandle");
+    return std::string(reinterpret_cast<const char*>(&h), sizeof(h));
+  }
+
+  void* open_peer_region(const std::string& handle) override {
+    if (handle.size() != sizeof(cudaIpcMemHandle_t))
+      throw TransportError("cuda-ipc: malformed IPC handle of " + std::to_string(handle.size()) + " bytes");
+    DeviceGuard guard(device_);
+    cudaIpcMemHandle_t h;
+    memcpy(&h, handle.data(), sizeof(h));
+    void* p = nullptr;
+    check(cudaIpcOpenMemHandle(&p, h, cudaIpcMemLazyEnablePeerAccess), "cudaIpcOpenMemHandle");
+    return p;
+  }
+
+  void close_peer_region(void* p) override {
+    DeviceGuardQuiet guard(device_);
+    if (p) cudaIpcCloseMemHandle(p);
+  }
+
+  void* map_host(void* host, size_t bytes) override {
+    DeviceGuard guard(device_);
+    check(cudaHostRegister(host, bytes, cudaHostRegisterMapped | cudaHostRegisterPortable), "cudaHostRegister");
+    void* d = nullptr;
+    if (cudaError_t e = cudaHostGetDevicePointer(&d, host, 0); e != cudaSuccess) {
+      cudaHostUnregister(host);
+      check(e, "cudaHostGetDevicePointer");
+    }
+    return d;
+  }
+
+  void unmap_host(void* host) override {
+    DeviceGuardQuiet guard(device_);
+    if (host) cudaHostUnregister(host);
+  }
+
+  void copy_async(int channel, void* dst, const void* src, size_t bytes) override {
+    use_device();
+    check(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDefault, at(channel).stream), "cudaMemcpyAsync");
+  }
+
+  uint64_t record(int channel) override {
+    use_device();
+    CopyChannel& c = at(channel);
+    if (c.recorded - c.completed >= kEventsPerChannel) {  // the ring is full: the oldest event must finish first
+      check(cudaEventSynchronize(c.events[(c.completed + 1) % kEventsPerChannel]), "cudaEventSynchronize");
+      ++c.completed;
+    }
+    const uint64_t ticket = ++c.recorded;
+    check(cudaEventRecord(c.events[ticket % kEventsPerChannel], c.stream), "cudaEventRecord");
+    return ticket;
+  }
+
+  bool done(int channel, uint64_t ticket) override {
+    CopyChannel& c = at(channel);
+    if (ticket <= c.completed) return true;
+    if (ticket > c.recorded) throw TransportError("cuda-ipc: ticket " + std::to_string(ticket) + " was never recorded");
+    use_device();
+    // Events of one stream complete in order: walking up from the oldest open ticket finds the new prefix.
+    while (c.completed < ticket) {
+      cudaError_t e = cudaEventQuery(c.events[(c.completed + 1) % kEventsPerChannel]);
+      if (e == cudaErrorNotReady) return false;
+      check(e, "copy on the proxy's stream failed (cudaEventQuery)");
+      ++c.completed;
+    }
+    return true;
+  }
+
+ private:
+  CopyChannel& at(int channel) {
+    if (channel < 0 || size_t(channel) >= channels_.size())
+      throw TransportError("cuda-ipc: channel " + std::to_string(channel) + " out of range");
+    return channels_[size_t(channel)];
+  }
+  // The runtime's current device is per thread: proxy threads set it on first use.
+  void use_device() {
+    thread_local int current = -1;
+    if (current != device_) {
+      check(cudaSetDevice(device_), "cudaSetDevice");
+      current = device_;
+    }
+  }
+  // Teardown: best effort, never throws.
+  struct DeviceGuardQuiet {
+    explicit DeviceGuardQuiet(int device) {
+      if (cudaGetDevice(&previous) == cudaSuccess && previous != device) cudaSetDevice(device);
+    }
+    ~DeviceGuardQuiet() {
+      if (previous >= 0) cudaSetDevice(previous);
+    }
+    int previous = -1;
+  };
+
+  int device_;
+  std::vector<CopyChannel> channels_;
+};
+
+}  // namespace
+
+std::unique_ptr<DeviceMemory> make_cuda_device_memory(int device, int channels, std::string* why) {
+  int count = 0;
+  if (cudaError_t e = cudaGetDeviceCount(&count); e != cudaSuccess) {
+    if (why) *why = std::string("cudaGetDeviceCount: ") + cudaGetErrorString(e);
+    return nullptr;
+  }
+  if (device < 0 || device >= count) {
+    if (why) *why = "device " + std::to_string(device) + " is outside the " + std::to_string(count) + " CUDA devices";
+    return nullptr;
+  }
+  return std::make_unique<CudaDeviceMemory>(device, channels);
+}
+
+}  // namespace portep

@@ -1,0 +1,48 @@
+// GPU memory as a transport sees it: allocate a region peers can open (IPC), open theirs, make host memory
+// GPU-visible, and move bytes with the copy engines on one stream per transport channel. One implementation
+// per GPU vendor (transport/cuda_ipc today; HIP IPC later), chosen at run time from the device a Channel is
+// created on. Every call throws TransportError with the failing API call's message; nothing aborts.
+//
+// Threading: copy_async/record/done for one channel come from one proxy thread (the transport's contract);
+// the other calls come from the thread that owns the Channel.
+#pragma once
+
+#include <stddef.h>
+#include <stdint.h>
+
+#include <memory>
+#include <string>
+
+namespace portep {
+
+class DeviceMemory {
+ public:
+  virtual ~DeviceMemory() = default;
+
+  virtual int device() const = 0;
+  // Zeroed device memory, owned until free_region.
+  virtual void* alloc_region(size_t bytes) = 0;
+  virtual void free_region(void* p) = 0;
+  // An opaque handle another process of this host can open, and opening / closing one.
+  virtual std::string export_region(void* p) = 0;
+  virtual void* open_peer_region(const std::string& handle) = 0;
+  virtual void close_peer_region(void* p) = 0;
+  // Host memory (e.g. a shared-memory mapping) made readable and writable by kernels; returns the device
+  // address. unmap_host undoes it.
+  virtual void* map_host(void* host, size_t bytes) = 0;
+  virtual void unmap_host(void* host) = 0;
+
+  // Starts a device-to-device copy on channel's stream (copies of one channel run in issue order).
+  virtual void copy_async(int channel, void* dst, const void* src, size_t bytes) = 0;
+  // Marks everything issued on channel so far; done(ticket) is true once all of it has completed.
+  virtual uint64_t record(int channel) = 0;
+  virtual bool done(int channel, uint64_t ticket) = 0;
+  // Waits for every channel's copies (teardown); never throws.
+  virtual void synchronize() = 0;
+};
+
+// The CUDA implementation for `device` with `channels` copy streams, or nullptr with *why set when this
+// build has no CUDA runtime.
+std::unique_ptr<DeviceMemory> make_cuda_device_memory(int device, int channels, std::string* why);
+
+}  // namespace portep
