@@ -117,7 +117,7 @@ def _nccl_times(x, idx, world, E, H, iterations, group):
             "round trip": _timed(lambda: (disp(), comb()), iterations)}
 
 
-def _rank_body(rank, world, T, H, K, E, iterations, proxy_transport):
+def _rank_body(rank, world, T, H, K, E, iterations, proxy_transport, with_proxy=True):
     import torch
     import torch.distributed as dist
 
@@ -128,7 +128,8 @@ def _rank_body(rank, world, T, H, K, E, iterations, proxy_transport):
     x, idx, w = _inputs(rank, T, H, K, E)
     nbytes = portep.Buffer.get_low_latency_rdma_size_hint(T, H, world, E)
     results = {"selections": int((idx >= 0).sum())}
-    for name, rpn, transport in (("direct NVLink", world, "shm"), (f"proxy ({proxy_transport})", 1, proxy_transport)):
+    paths = [("direct NVLink", world, "shm")] + ([(f"proxy ({proxy_transport})", 1, proxy_transport)] if with_proxy else [])
+    for name, rpn, transport in paths:
         buf = portep.Buffer(dist.group.WORLD, 0, nbytes, low_latency_mode=True, num_ranks_per_node=rpn,
                             transport=transport, explicitly_destroy=True, backend="cuda")
         results[name] = _path_times(buf, x, idx, w, T, E, iterations)
@@ -164,12 +165,13 @@ def _channel_body(rank, world, warps, per_warp, threads, repeats):
     return rates
 
 
-def run(ranks=2, tokens=128, hidden=7168, topk=8, experts=288, iterations=50, proxy_transport="shm", printer=print):
+def run(ranks=2, tokens=128, hidden=7168, topk=8, experts=288, iterations=50, proxy_transport="shm", with_proxy=True,
+        printer=print):
     import torch
 
     if torch.cuda.device_count() < ranks:
         raise RuntimeError(f"the GPU LL benchmark needs {ranks} GPUs, this machine has {torch.cuda.device_count()}")
-    out = run_ranks(_rank_body, ranks, args=(tokens, hidden, topk, experts, iterations, proxy_transport),
+    out = run_ranks(_rank_body, ranks, args=(tokens, hidden, topk, experts, iterations, proxy_transport, with_proxy),
                     timeout=600)
     r0 = out[0]
     sel = sum(o["selections"] for o in out.values()) / ranks
@@ -186,8 +188,8 @@ def run(ranks=2, tokens=128, hidden=7168, topk=8, experts=288, iterations=50, pr
         for p in paths:
             v = r0[p].get(key)
             row.append("-" if v is None else f"{v:.1f}")
-        proxy = [p for p in paths if p.startswith("proxy")][0]
-        row.append(f"{r0[proxy][key] / direct[key]:.2f}x")
+        proxy = [p for p in paths if p.startswith("proxy")]
+        row.append(f"{r0[proxy[0]][key] / direct[key]:.2f}x" if proxy else "-")
         row.append(f"{DEEPEP[key]:.1f}")
         nbytes = {"dispatch": fp8_bytes, "combine": bf16_bytes, "round trip": fp8_bytes + bf16_bytes}.get(key)
         row.append("-" if nbytes is None else f"{nbytes / (direct[key] * 1e-6) / 1e9:.1f}")

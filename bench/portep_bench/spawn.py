@@ -61,7 +61,8 @@ def run_ranks(fn, world, args=(), timeout=180, env=None, expect_missing=()):
         while waiting:
             left = (deadline - datetime.datetime.now()).total_seconds()
             if left <= 0:
-                raise RankFailure(f"ranks {sorted(waiting)} did not finish within {timeout} s")
+                done = "".join(f"\n--- rank {r} (finished with an error) ---\n{tb}" for r, tb in sorted(errors.items()))
+                raise RankFailure(f"ranks {sorted(waiting)} did not finish within {timeout} s{done}")
             try:
                 rank, status, value = results.get(timeout=min(left, 1.0))
             except queue.Empty:

@@ -21,7 +21,8 @@
 namespace portep::cuda {
 
 struct LLError {  // mapped host memory: the first kernel failure (0 = none)
-  uint32_t code;  // 1: a wait timed out, 2: FIFO push timed out, 3: slot overflow (more selections than T)
+  uint32_t code;  // 1: a wait timed out, 2: FIFO push timed out, 3: slot overflow (more selections than T),
+                  // 4: topk_idx entry outside [-1, num_experts) (src = token, index = the entry)
   uint32_t rank, src, index;
 };
 

@@ -81,34 +81,46 @@ __global__ void __launch_bounds__(kLLThreads) combine_wait_kernel(LLCombineArgs 
     take_signal(c, e / c.num_local_experts, e, e % c.num_local_experts, [] { return 1u; }, a.wait_stats);
 }
 
+// One block per token: warp 0 finds its K rows, the block reduces them chunk by chunk.
 __global__ void __launch_bounds__(kLLThreads) combine_reduce_kernel(LLCombineArgs a) {
+  __shared__ const uint4* rows[kWarpSize];
+  __shared__ float weights[kWarpSize];
   const LLCommon& c = a.c;
   const int K = a.num_topk, H = c.hidden, lane = lane_id();
-  const int warp = int(threadIdx.x) / kWarpSize;
-  for (int t = int(blockIdx.x) * kLLWarps + warp; t < a.num_tokens; t += int(gridDim.x) * kLLWarps) {
-    const int my_expert = lane < K ? int(a.topk_idx[uint64_t(t) * K + lane]) : -1;
-    const int my_slot = selection_slot(a.topk_idx, t, K, my_expert);
-    const float my_weight = lane < K ? a.topk_weights[uint64_t(t) * K + lane] : 0.0f;
+  for (int t = int(blockIdx.x); t < a.num_tokens; t += int(gridDim.x)) {
+    if (threadIdx.x < kWarpSize) {
+      const int my_expert = expert_of(a.topk_idx, t, K, c.num_experts);
+      const int my_slot = selection_slot(a.topk_idx, t, K, my_expert);
+      if (lane < K) {
+        const bool valid = my_expert >= 0 && my_slot >= 0 && my_slot < c.T;
+        rows[lane] = valid ? reinterpret_cast<const uint4*>(c.local + c.recv_off + (uint64_t(my_expert) * c.T + my_slot) *
+                                                            c.comb_pitch)
+                           : nullptr;
+        weights[lane] = a.topk_weights[uint64_t(t) * K + lane];
+      }
+    }
+    __syncthreads();
     uint4* out = reinterpret_cast<uint4*>(static_cast<uint8_t*>(a.out) + uint64_t(t) * a.out_pitch);
-    for (int j = lane; j < H / 8; j += kWarpSize) {
+    for (int j = threadIdx.x; j < H / 8; j += blockDim.x) {
       float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
       for (int k = 0; k < K; ++k) {
-        const int e = warp_broadcast_i32(my_expert, k), slot = warp_broadcast_i32(my_slot, k);
-        const float w = __int_as_float(warp_broadcast_i32(__float_as_int(my_weight), k));
-        if (e < 0 || slot < 0 || slot >= c.T) continue;
-        const uint4 v = reinterpret_cast<const uint4*>(c.local + c.recv_off + (uint64_t(e) * c.T + slot) *
-                                                       c.comb_pitch)[j];
+        if (!rows[k]) continue;
+        const uint4 v = rows[k][j];
+        const float w = weights[k];
         const uint32_t words[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
         for (int q = 0; q < 8; ++q) {  // acc += w * x, rounded twice, never fused (the host's arithmetic)
           const float x = bf16_to_f32(uint16_t(words[q / 2] >> (16 * (q % 2))));
           acc[q] = __fadd_rn(acc[q], __fmul_rn(w, x));
         }
       }
       uint32_t packed[4];
+#pragma unroll
       for (int q = 0; q < 4; ++q)
         packed[q] = uint32_t(f32_to_bf16(acc[2 * q])) | uint32_t(f32_to_bf16(acc[2 * q + 1])) << 16;
       out[j] = make_uint4(packed[0], packed[1], packed[2], packed[3]);
     }
+    __syncthreads();  // rows/weights are rewritten for the next token
   }
 }
 
@@ -125,8 +137,9 @@ int ll_combine_send(const LLCombineArgs& a) {
 int ll_combine_recv(const LLCombineArgs& a) {
   combine_wait_kernel<<<1, kLLThreads, 0, static_cast<cudaStream_t>(a.c.stream)>>>(a);
   if (cudaError_t e = cudaGetLastError(); e != cudaSuccess) return int(e);
-  int blocks = (a.num_tokens + kLLWarps - 1) / kLLWarps;
-  blocks = blocks < 1 ? 1 : blocks;
+  if (a.num_topk > kWarpSize) return int(cudaErrorInvalidValue);
+  int blocks = a.num_tokens < 1 ? 1 : a.num_tokens;
+  blocks = blocks > 4 * a.c.num_sms ? 4 * a.c.num_sms : blocks;
   combine_reduce_kernel<<<blocks, kLLThreads, 0, static_cast<cudaStream_t>(a.c.stream)>>>(a);
   return int(cudaGetLastError());
 }

@@ -11,7 +11,7 @@ namespace portep::cuda {
 
 constexpr int kLLWarps = 16;  // warps per block
 constexpr int kLLThreads = kLLWarps * kWarpSize;
-constexpr uint32_t kErrWaitTimeout = 1, kErrFifoTimeout = 2, kErrSlotOverflow = 3;
+constexpr uint32_t kErrWaitTimeout = 1, kErrFifoTimeout = 2, kErrSlotOverflow = 3, kErrBadExpert = 4;
 
 // The first failure wins most of the time; a racing second one may overwrite it, which is harmless: any
 // non-zero code makes the host raise.
@@ -33,6 +33,14 @@ PORTEP_DEVICE uint16_t f32_to_bf16(float f) {  // round to nearest even, NaN kep
 }
 
 PORTEP_DEVICE int lane_id() { return int(threadIdx.x) % kWarpSize; }
+
+// Lane k < K: expert of selection (t, k), or -1 for none and for entries outside [0, E) (reported elsewhere).
+PORTEP_DEVICE int expert_of(const int64_t* idx, int t, int K, int E) {
+  const int lane = lane_id();
+  if (lane >= K) return -1;
+  const int64_t e = idx[uint64_t(t) * K + lane];
+  return e >= 0 && e < E ? int(e) : -1;
+}
 
 // Slot of selection (t, lane) for lanes < K: its rank among all selections of the same expert in row-major
 // (token, k) order. Warp-cooperative; lanes >= K (and invalid selections) get -1.

@@ -34,29 +34,21 @@ PORTEP_DEVICE void publish_expert(const LLCommon& c, int expert, uint32_t count)
               uint64_t(count) * c.disp_bytes);
 }
 
-PORTEP_DEVICE uint8_t* broadcast_ptr(uint8_t* p, int lane) {
-  const uint64_t v = reinterpret_cast<uint64_t>(p);
-  const uint32_t lo = uint32_t(warp_broadcast_i32(int(uint32_t(v)), lane));
-  const uint32_t hi = uint32_t(warp_broadcast_i32(int(uint32_t(v >> 32)), lane));
-  return reinterpret_cast<uint8_t*>(uint64_t(hi) << 32 | lo);
-}
-
-// Writes token t's payload to the message of every lane k < K with a non-null dst (warp-cooperative).
-PORTEP_DEVICE void write_payloads(const LLDispatchArgs& a, int t, uint8_t* dst, int K) {
-  const int lane = lane_id(), H = a.c.hidden;
+// Token t's payload into every non-null msgs[k] (block-cooperative). FP8: each warp quantizes whole groups of
+// 128 channels (4 per lane) once and stores them K times.
+PORTEP_DEVICE void write_payloads(const LLDispatchArgs& a, int t, uint8_t* const* msgs, int K) {
+  const int lane = lane_id(), warp = int(threadIdx.x) / kWarpSize, H = a.c.hidden;
   if (!a.use_fp8) {
     const uint4* row = reinterpret_cast<const uint4*>(static_cast<const uint16_t*>(a.x) + uint64_t(t) * H);
-    for (int k = 0; k < K; ++k) {
-      uint8_t* m = broadcast_ptr(dst, k);
-      if (!m) continue;
-      uint4* out = reinterpret_cast<uint4*>(m + 16);
-      for (int i = lane; i < H / 8; i += kWarpSize) out[i] = row[i];
+    for (int i = threadIdx.x; i < H / 8; i += blockDim.x) {
+      const uint4 v = row[i];
+      for (int k = 0; k < K; ++k)
+        if (msgs[k]) reinterpret_cast<uint4*>(msgs[k] + 16)[i] = v;
     }
     return;
   }
-  // FP8: one group of 128 channels per warp step, 4 channels per lane; quantized once, stored K times.
   const uint2* row = reinterpret_cast<const uint2*>(static_cast<const uint16_t*>(a.x) + uint64_t(t) * H);
-  for (int g = 0; g < H / 128; ++g) {
+  for (int g = warp; g < H / 128; g += kLLWarps) {
     const uint2 v = row[g * 32 + lane];
     float f[4] = {bf16_to_f32(uint16_t(v.x)), bf16_to_f32(uint16_t(v.x >> 16)), bf16_to_f32(uint16_t(v.y)),
                   bf16_to_f32(uint16_t(v.y >> 16))};
@@ -68,13 +60,13 @@ PORTEP_DEVICE void write_payloads(const LLDispatchArgs& a, int t, uint8_t* dst, 
       if (bits & 0x7fffffu) bits = (bits & 0xff800000u) + 0x800000u;
       scale = __uint_as_float(bits);
       scale_inv = 1.0f / scale;
-    } else {
-      scale_inv = float(kFp8Max) / amax;
+    } else {  // 448 * (1 / amax), two roundings: torch's scalar / tensor, so the host backend gets the same bits
+      scale_inv = __fmul_rn(__frcp_rn(amax), float(kFp8Max));
     }
     uint32_t q = 0;
     for (int j = 0; j < 4; ++j) q |= uint32_t(float_to_e4m3(__fmul_rn(f[j], scale_inv))) << (8 * j);
     for (int k = 0; k < K; ++k) {
-      uint8_t* m = broadcast_ptr(dst, k);
+      uint8_t* m = msgs[k];
       if (!m) continue;
       reinterpret_cast<uint32_t*>(m + 16 + g * 128)[lane] = q;
       if (lane == 0) reinterpret_cast<float*>(m + 16 + H)[g] = scale;
@@ -82,34 +74,47 @@ PORTEP_DEVICE void write_payloads(const LLDispatchArgs& a, int t, uint8_t* dst, 
   }
 }
 
+// One block per token: warp 0 finds the K destinations and writes the headers, the block writes the payloads,
+// then warp 0 counts the messages in and the lane completing an expert publishes it.
 __global__ void __launch_bounds__(kLLThreads) dispatch_send_kernel(LLDispatchArgs a) {
   extern __shared__ uint32_t hist[];  // [E]: selections per expert, over all tokens
+  __shared__ uint8_t* msgs[kWarpSize];
   const LLCommon& c = a.c;
   const int E = c.num_experts, K = a.num_topk, N = a.num_tokens, lane = lane_id();
+  const bool warp0 = threadIdx.x < kWarpSize;
   for (int i = threadIdx.x; i < E; i += blockDim.x) hist[i] = 0;
   __syncthreads();
   for (int i = threadIdx.x; i < N * K; i += blockDim.x) {
     const int64_t e = a.topk_idx[i];
-    if (e >= 0) atomicAdd(&hist[e], 1u);
+    if (e >= E || e < -1) {  // never checked on the host (that would synchronize): dropped and reported
+      if (blockIdx.x == 0) report_error(c.error, kErrBadExpert, uint32_t(c.rank), uint32_t(i / K), uint32_t(e));
+    } else if (e >= 0) {
+      atomicAdd(&hist[e], 1u);
+    }
   }
   __syncthreads();
-  const int warp = int(threadIdx.x) / kWarpSize, global_warp = int(blockIdx.x) * kLLWarps + warp;
-  const int num_warps = int(gridDim.x) * kLLWarps;
-  for (int e = global_warp * kWarpSize + lane; e < E; e += num_warps * kWarpSize)
+  for (int e = int(blockIdx.x * blockDim.x + threadIdx.x); e < E; e += int(gridDim.x * blockDim.x))
     if (hist[e] == 0) publish_expert(c, e, 0);  // nobody selected it: its stream ends empty
 
-  for (int t = global_warp; t < N; t += num_warps) {
-    const int my_expert = lane < K ? int(a.topk_idx[uint64_t(t) * K + lane]) : -1;
-    const int my_slot = selection_slot(a.topk_idx, t, K, my_expert);
-    const bool mine = my_expert >= 0 && my_slot >= 0;
-    if (mine && my_slot >= c.T) report_error(c.error, kErrSlotOverflow, uint32_t(c.rank), uint32_t(t), uint32_t(my_expert));
-    const bool valid = mine && my_slot < c.T;
-    uint8_t* msg = valid ? message_address(c, my_expert, my_slot) : nullptr;
-    if (valid) *reinterpret_cast<int4*>(msg) = make_int4(t, int(hist[my_expert]), 0, 0);
-    write_payloads(a, t, msg, K);
-    // Every lane's stores are ordered before the finish count that lets some lane publish them.
+  for (int t = int(blockIdx.x); t < N; t += int(gridDim.x)) {
+    int my_expert = -1, my_slot = -1;
+    bool valid = false;
+    if (warp0) {
+      my_expert = expert_of(a.topk_idx, t, K, E);
+      my_slot = selection_slot(a.topk_idx, t, K, my_expert);
+      const bool mine = my_expert >= 0 && my_slot >= 0;
+      if (mine && my_slot >= c.T)
+        report_error(c.error, kErrSlotOverflow, uint32_t(c.rank), uint32_t(t), uint32_t(my_expert));
+      valid = mine && my_slot < c.T;
+      uint8_t* m = valid ? message_address(c, my_expert, my_slot) : nullptr;
+      if (valid) *reinterpret_cast<int4*>(m) = make_int4(t, int(hist[my_expert]), 0, 0);
+      if (lane < K) msgs[lane] = m;
+    }
+    __syncthreads();
+    write_payloads(a, t, msgs, K);
+    // Every thread's stores are ordered before the finish count that lets some lane publish them.
     fence_sys();
-    warp_sync();
+    __syncthreads();
     if (valid) {
       const uint32_t done = atomic_add_relaxed_gpu_u32(&c.finish[my_expert], 1u) + 1;
       if (done == hist[my_expert]) {
@@ -118,6 +123,7 @@ __global__ void __launch_bounds__(kLLThreads) dispatch_send_kernel(LLDispatchArg
         publish_expert(c, my_expert, done);
       }
     }
+    __syncthreads();  // msgs is rewritten for the next token
   }
 }
 
@@ -184,9 +190,9 @@ int launch_checked() { return int(cudaGetLastError()); }
 }  // namespace
 
 int ll_dispatch_send(const LLDispatchArgs& a) {
-  const int warps_needed = a.num_tokens > a.c.num_experts / kWarpSize ? a.num_tokens : a.c.num_experts / kWarpSize;
-  int blocks = (warps_needed + kLLWarps - 1) / kLLWarps;
-  blocks = blocks < 1 ? 1 : (blocks > a.c.num_sms ? a.c.num_sms : blocks);
+  if (a.num_topk > kWarpSize) return int(cudaErrorInvalidValue);
+  int blocks = a.num_tokens < 1 ? 1 : a.num_tokens;
+  blocks = blocks > 2 * a.c.num_sms ? 2 * a.c.num_sms : blocks;
   const size_t smem = size_t(a.c.num_experts) * 4;
   if (smem > 48 * 1024) {
     if (cudaError_t e = cudaFuncSetAttribute(dispatch_send_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,

@@ -56,12 +56,13 @@ def main(argv=None):
     gl.add_argument("--experts", type=int, default=288)
     gl.add_argument("--iterations", type=int, default=50)
     gl.add_argument("--proxy-transport", choices=["shm", "shm-unordered"], default="shm")
+    gl.add_argument("--no-proxy", action="store_true", help="measure the direct NVLink path only")
     args = parser.parse_args(argv)
     if args.mode == "gpu-ll":
         from portep_bench import ll_gpu
 
         ll_gpu.run(tokens=args.tokens, hidden=args.hidden, topk=args.topk, experts=args.experts,
-                   iterations=args.iterations, proxy_transport=args.proxy_transport)
+                   iterations=args.iterations, proxy_transport=args.proxy_transport, with_proxy=not args.no_proxy)
         ll_gpu.run_channel()
     if args.mode == "gpu-fifo":
         from portep_bench import gpu_fifo

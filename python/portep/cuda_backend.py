@@ -8,6 +8,11 @@ which copy with the copy engines and deliver the signal into the host signal slo
 
 Kernels run on the current stream. A kernel that times out records the failure in mapped host memory; the next
 call (or `check_error()`) raises it.
+
+Proxy path caveat (shm on GPUs only): the proxy threads issue their copies with CUDA runtime calls. A blocking
+copy to pageable host memory on another thread (`tensor.cpu()`, `.item()`, `.tolist()`) while an LL receive
+kernel waits for those copies holds them up until the kernel times out; synchronize the stream first
+(`torch.cuda.synchronize()`) before reading results back. NIC transports do not call CUDA from the proxies.
 """
 
 import ctypes
@@ -22,7 +27,8 @@ from .host_ll import _Layout
 NUM_DEVICE_FIFOS = 32
 DEVICE_FIFO_CAPACITY = 4096
 ERROR_NAMES = {1: "a signal did not arrive", 2: "a FIFO had no room", 3: "an expert got more selections than "
-               "num_max_dispatch_tokens_per_rank (duplicate experts in a token's topk_idx?)"}
+               "num_max_dispatch_tokens_per_rank (duplicate experts in a token's topk_idx?)",
+               4: "topk_idx holds an expert index outside [-1, num_experts) (the selection was dropped)"}
 
 
 class CudaEvent:
@@ -94,6 +100,7 @@ class CudaEngine:
                                              ch.device_signals_ptr(), self.channel.num_streams, self.fifos,
                                              self._finish.data_ptr(), error_device, self.timeout_s, num_sms)
         self.ll_half = 0
+        self._layouts = {}
         torch.cuda.synchronize(self.device)
         self.channel.barrier()  # every peer's memory is zeroed before anyone stores into it
 
@@ -103,19 +110,23 @@ class CudaEngine:
 
     # ---- errors ----
     def check_error(self):
+        """Raise what a proxy thread latched (often the cause of a kernel's timeout), else a kernel failure."""
+        self.channel.check_error()
         code = self._error[0]
         if code:
             rank, src, index = self._error[1], self._error[2], self._error[3]
-            raise RuntimeError(f"rank {rank}: a low-latency kernel failed: {ERROR_NAMES.get(code, code)} (peer rank "
-                               f"{src}, index {index}) within {self.timeout_s} s; the Buffer's results are invalid")
-        self.channel.check_error()
+            moved = {k: sum(s[k] for s in self.channel.stats()) for k in ("commands", "writes", "signals", "notices")}
+            where = (f"token {src}, value {ctypes.c_int32(index).value}" if code == 4 else
+                     f"peer rank {src}, index {index}, within {self.timeout_s} s")
+            raise RuntimeError(f"rank {rank}: a low-latency kernel failed: {ERROR_NAMES.get(code, code)} ({where}); "
+                               f"the Buffer's results are invalid (this rank's proxies so far: {moved})")
 
     # ---- layout ----
     def _layout(self, T, H, E):
-        lay = _Layout(self, T, H, E)
-        if 2 * lay.half > self.num_bytes:
-            raise ValueError(f"the communication buffer has {self.num_bytes} bytes but low-latency mode with {T} "
-                             f"tokens, hidden {H}, {E} experts needs {2 * lay.half}")
+        lay = self._layouts.get((T, H, E))
+        if lay is None:
+            lay = self._layouts[(T, H, E)] = _Layout(self, T, H, E)
+            lay.shapes = {}
         return lay
 
     def require_bytes(self, needed, what):
@@ -123,10 +134,14 @@ class CudaEngine:
             raise ValueError(f"the communication buffer has {self.num_bytes} bytes but {what} needs {needed} bytes")
 
     def _shape(self, lay, half, phase):
-        flag_off = self.num_bytes + (half * 2 + phase) * self.flag_slots * 4
-        stream_base = hb.STREAM_LL_BASE + (half * 2 + phase) * self.max_local_experts
-        return (lay.T, lay.H, lay.E, lay.send_off(half), lay.recv_off(half), flag_off, lay.disp, lay.comb,
-                stream_base, torch.cuda.current_stream(self.device).cuda_stream)
+        """The kernels' per-call constants (cached per layout, half and phase) and the current stream."""
+        shape = lay.shapes.get((half, phase))
+        if shape is None:
+            flag_off = self.num_bytes + (half * 2 + phase) * self.flag_slots * 4
+            stream_base = hb.STREAM_LL_BASE + (half * 2 + phase) * self.max_local_experts
+            shape = lay.shapes[(half, phase)] = (lay.T, lay.H, lay.E, lay.send_off(half), lay.recv_off(half),
+                                                 flag_off, lay.disp, lay.comb, stream_base)
+        return shape + (torch.cuda.current_stream().cuda_stream,)
 
     # ---- the API the Buffer calls ----
     def get_dispatch_layout(self, topk_idx, num_experts):

@@ -110,7 +110,9 @@ def check_topk_idx(name, topk_idx, num_experts, *, num_tokens=None, max_topk=MAX
     num_topk = topk_idx.size(1)
     if not 1 <= num_topk <= max_topk:
         raise ValueError(f"{name} has num_topk={num_topk} columns; it must be in 1..{max_topk}{limit_note}")
-    if topk_idx.numel():
+    # Values are checked on the CPU only: reading a GPU tensor would synchronize the stream (and break CUDA-graph
+    # capture); the CUDA kernels treat entries outside [0, num_experts) as -1 and report them (see cuda_backend).
+    if topk_idx.numel() and topk_idx.device.type == "cpu":
         low, high = int(topk_idx.min()), int(topk_idx.max())
         if low < -1 or high >= num_experts:
             bad = low if low < -1 else high
