@@ -606,7 +606,8 @@ def make_ll_buffer(rank, world, rpn, transport, T, hidden, num_experts, backend=
     if backend == "cuda":
         torch.cuda.set_device(rank % torch.cuda.device_count())
     buf = portep.Buffer(dist.group.WORLD, 0, nbytes, low_latency_mode=True, num_ranks_per_node=rpn,
-                        allow_nvlink_for_low_latency_mode=allow_nvlink, transport=transport, timeout_s=60,
+                        allow_nvlink_for_low_latency_mode=allow_nvlink, transport=transport,
+                        timeout_s=30 if backend == "cuda" else 60,
                         explicitly_destroy=True, backend=backend)
     if backend == "cuda":
         from gpu_ll_adapter import CudaLLAdapter

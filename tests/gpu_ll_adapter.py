@@ -32,7 +32,7 @@ class CudaLLAdapter:
         self._handles[id(cpu_handle[0])] = (handle, cpu_handle)
 
         def fetch():
-            torch.cuda.synchronize()
+            torch.cuda.current_stream().synchronize()
             for c, g in zip(cpu_parts, gpu_parts):
                 c.copy_(g)
             cpu_count.copy_(recv_count)
@@ -64,7 +64,7 @@ class CudaLLAdapter:
         result = out if out is not None else torch.empty_like(combined, device="cpu")
 
         def fetch():
-            torch.cuda.synchronize()
+            torch.cuda.current_stream().synchronize()
             result.copy_(combined)
             if wait_g is not None:
                 combine_wait_recv_cost_stats.copy_(wait_g)

@@ -26,7 +26,7 @@ def _buffers(rank, world, rpn, transport, T, H, E, allow_nvlink=True, with_host=
 def _cpu(t):
     # Synchronize first: a blocking copy to pageable memory would hold up the proxies' copy-engine work (see
     # cuda_backend's caveat) that a still-running receive kernel waits for.
-    torch.cuda.synchronize()
+    torch.cuda.current_stream().synchronize()
     return t.cpu()
 
 
@@ -45,7 +45,7 @@ def cross_backend_body(rank, world, rpn, transport, allow_nvlink, seed, T, H, E,
         ck.step = f"fp8={fp8} round_scale={rnd} ue8m0={ue}"
         res_h = host.low_latency_dispatch(x, idx, T, E, use_fp8=fp8, round_scale=rnd, use_ue8m0=ue)
         res_g = gpu.low_latency_dispatch(x.cuda(), idx.cuda(), T, E, use_fp8=fp8, round_scale=rnd, use_ue8m0=ue)
-        torch.cuda.synchronize()
+        torch.cuda.current_stream().synchronize()
         parts_h = list(res_h[0]) if fp8 else [res_h[0]]
         parts_g = list(res_g[0]) if fp8 else [res_g[0]]
         counts = res_h[1]
@@ -79,19 +79,19 @@ def graph_body(rank, world, rpn, transport, allow_nvlink, seed, T, H, E, K):
 
     step()  # warm-up outside the capture (both halves get used once)
     step()
-    torch.cuda.synchronize()
+    torch.cuda.current_stream().synchronize()
     dist.barrier()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         out_graph = step()
-    torch.cuda.synchronize()
+    torch.cuda.current_stream().synchronize()
     dist.barrier()
     for r in range(4):
         ck.step = f"replay {r}"
         fresh = w.make_ll_inputs(rank, seed + 100 + r, T, H, K, E)["x_rand"]
         x.copy_(fresh)
         graph.replay()
-        torch.cuda.synchronize()
+        torch.cuda.current_stream().synchronize()
         got = _cpu(out_graph)
         ck.diff_below("replayed combine vs x * sum(w)", got, ref.ll_combine_ref(fresh, inp["idx"], inp["w"]), 1e-5)
         ck.equal("replay vs eager", got, _cpu(step()))
@@ -109,7 +109,7 @@ def missing_peer_body(rank, world, transport, allow_nvlink):
         x = torch.randn(T, H).to(BF16).cuda()
         idx = torch.arange(T * 2).view(T, 2).remainder(E).cuda()
         gpu.low_latency_dispatch(x, idx, T, E, use_fp8=False)
-        torch.cuda.synchronize()
+        torch.cuda.current_stream().synchronize()
         try:
             gpu.low_latency_dispatch(x, idx, T, E, use_fp8=False)
         except RuntimeError as e:

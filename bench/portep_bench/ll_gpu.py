@@ -67,7 +67,7 @@ def _path_times(buf, x, idx, w, T, E, iterations):
     phases = {"dispatch send": [], "dispatch recv": [], "combine send": [], "combine recv": []}
 
     def line_up():
-        torch.cuda.synchronize()
+        torch.cuda.current_stream().synchronize()
         dist.barrier()
 
     for _ in range(iterations):
@@ -133,7 +133,7 @@ def _rank_body(rank, world, T, H, K, E, iterations, proxy_transport, with_proxy=
         buf = portep.Buffer(dist.group.WORLD, 0, nbytes, low_latency_mode=True, num_ranks_per_node=rpn,
                             transport=transport, explicitly_destroy=True, backend="cuda")
         results[name] = _path_times(buf, x, idx, w, T, E, iterations)
-        torch.cuda.synchronize()
+        torch.cuda.current_stream().synchronize()
         buf.destroy()
     results["NCCL all_to_all_single"] = _nccl_times(x, idx, world, E, H, iterations, nccl)
     return results
@@ -158,7 +158,7 @@ def _channel_body(rank, world, warps, per_warp, threads, repeats):
             if time.perf_counter() - start > 60:
                 raise RuntimeError("the proxies did not drain the NOP commands within 60 s")
         seconds = time.perf_counter() - start
-        torch.cuda.synchronize()
+        torch.cuda.current_stream().synchronize()
         if r:
             rates.append(total / seconds / 1e6)
     ch.destroy()

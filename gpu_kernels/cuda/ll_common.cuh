@@ -59,9 +59,11 @@ PORTEP_DEVICE int selection_slot(const int64_t* idx, int t, int K, int my_expert
   return my_slot;
 }
 
-// Waits until pred(load()) with a timeout; returns the last value loaded and whether it timed out.
+// Waits until pred(load()) with a timeout; returns the last value loaded and whether it timed out. backoff_ns
+// spaces the loads out (polls of host memory cross PCIe; hundreds of tight pollers slow the proxies' traffic).
 template <class Load, class Pred>
-PORTEP_DEVICE bool wait_until(Load load, Pred pred, uint64_t timeout_ns, uint64_t* value, uint64_t* waited_ns) {
+PORTEP_DEVICE bool wait_until(Load load, Pred pred, uint64_t timeout_ns, uint64_t* value, uint64_t* waited_ns,
+                              uint32_t backoff_ns = 0) {
   uint64_t v = load();
   if (pred(v)) {
     *value = v;
@@ -70,6 +72,7 @@ PORTEP_DEVICE bool wait_until(Load load, Pred pred, uint64_t timeout_ns, uint64_
   }
   const uint64_t start = globaltimer_ns();
   for (uint32_t iter = 1;; ++iter) {
+    if (backoff_ns) sleep_ns(backoff_ns);
     v = load();
     if (pred(v)) break;
     if ((iter & 1023) == 0 && globaltimer_ns() - start > timeout_ns) {
@@ -132,7 +135,7 @@ PORTEP_DEVICE uint32_t take_signal(const LLCommon& c, int src, int flag_index, i
   } else {
     uint64_t* slot = c.host_signals + uint64_t(src) * c.num_streams + c.stream_base + uint32_t(local_expert);
     ok = wait_until([&] { return ld_acquire_sys_u64(slot); }, [](uint64_t x) { return (x >> 32) != 0; },
-                    c.timeout_ns, &v, &waited);
+                    c.timeout_ns, &v, &waited, 200);
     st_relaxed_sys_u64(slot, 0);
     result = ok && uint32_t(v) != 0 ? proxy_value() : 0;
   }

@@ -9,10 +9,12 @@ which copy with the copy engines and deliver the signal into the host signal slo
 Kernels run on the current stream. A kernel that times out records the failure in mapped host memory; the next
 call (or `check_error()`) raises it.
 
-Proxy path caveat (shm on GPUs only): the proxy threads issue their copies with CUDA runtime calls. A blocking
-copy to pageable host memory on another thread (`tensor.cpu()`, `.item()`, `.tolist()`) while an LL receive
-kernel waits for those copies holds them up until the kernel times out; synchronize the stream first
-(`torch.cuda.synchronize()`) before reading results back. NIC transports do not call CUDA from the proxies.
+Proxy path caveat (shm on GPUs only): the proxy threads issue their copies with CUDA runtime calls, and a thread
+that waits device-wide (`torch.cuda.synchronize()` = cudaDeviceSynchronize) or copies to pageable host memory
+(`tensor.cpu()`, `.item()`) while an LL receive kernel still waits for a peer can hold those calls up until the
+kernel times out (each rank's proxies wait for its main thread, each main thread for the other rank's proxies).
+Wait on the stream instead (`torch.cuda.current_stream().synchronize()`, events) before reading results back.
+NIC transports do not call CUDA from the proxies.
 """
 
 import ctypes
@@ -101,7 +103,7 @@ class CudaEngine:
                                              self._finish.data_ptr(), error_device, self.timeout_s, num_sms)
         self.ll_half = 0
         self._layouts = {}
-        torch.cuda.synchronize(self.device)
+        torch.cuda.current_stream(self.device).synchronize()
         self.channel.barrier()  # every peer's memory is zeroed before anyone stores into it
 
     @property
@@ -244,7 +246,7 @@ class CudaEngine:
 
     def clean_low_latency_buffer(self, num_max_dispatch_tokens_per_rank, hidden, num_experts):
         """Zero every LL flag and signal slot of this rank, between two barriers (DeepEP's clean)."""
-        torch.cuda.synchronize(self.device)
+        torch.cuda.current_stream(self.device).synchronize()
         self.channel.barrier()
         flags = self.num_bytes
         _as_tensor(self.channel._native.device_data_ptr() + flags, 16 * self.flag_slots, self.device).zero_()
@@ -254,7 +256,7 @@ class CudaEngine:
             for phase in (0, 1):
                 base = hb.STREAM_LL_BASE + (half * 2 + phase) * self.max_local_experts
                 signals[:, base:base + self.max_local_experts].zero_()
-        torch.cuda.synchronize(self.device)
+        torch.cuda.current_stream(self.device).synchronize()
         self.channel.barrier()
 
     def get_local_buffer_tensor(self, dtype, size=None, offset=0, use_rdma_buffer=False):
@@ -268,14 +270,14 @@ class CudaEngine:
         return view
 
     def barrier(self):
-        torch.cuda.synchronize(self.device)
+        torch.cuda.current_stream(self.device).synchronize()
         self.channel.barrier()
 
     def destroy(self):
         if self.channel is None:
             return
         try:
-            torch.cuda.synchronize(self.device)
+            torch.cuda.current_stream(self.device).synchronize()
         finally:
             self.region = None
             self.channel.destroy()
