@@ -18,12 +18,13 @@ def leftover_shm(pids):
 
 
 def traffic(rank, world, transport, producers, messages, max_bytes, signal_every, seed, threads, skip_ordering=False,
-            window=48):
-    """Producers push random writes+signals to random peers; a checker validates each signal on arrival."""
+            window=48, device=None):
+    """Producers push random writes+signals to random peers; a checker validates each signal on arrival.
+    device="emulated": the data region takes the GPU path of the transport (copies on worker threads)."""
     nbytes = _C.traffic_region_bytes(producers, messages, max_bytes, world)
     ch = portep.Channel(None, nbytes, transport=transport, num_streams=producers, num_proxy_threads=threads,
                         num_fifos=8 * threads, timeout_s=60, seed=seed + rank, unordered_window=window,
-                        _skip_ordering=skip_ordering)
+                        device=device, _skip_ordering=skip_ordering)
     shm_while_running = leftover_shm([os.getpid()])
     result = {}
 
@@ -62,12 +63,12 @@ def _cuts(seed, src, dst, block):
     return sorted(inner - {0}) + [block]
 
 
-def python_api(rank, world, transport, seed):
+def python_api(rank, world, transport, seed, device=None):
     """Each rank writes a seeded random block to every peer with write_signal; receivers compare with a
     torch reference regenerated from the seed, and check the slot counts and final marks."""
     block = 4096
     ch = portep.Channel(None, 2 * world * block, transport=transport, num_streams=2, num_proxy_threads=2,
-                        timeout_s=30, seed=seed)
+                        timeout_s=30, seed=seed, device=device)
     send = ch.buffer[: world * block].view(world, block)
     for dst in range(world):
         send[dst] = _payload(seed, rank, dst, block)

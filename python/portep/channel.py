@@ -18,6 +18,14 @@ _ALIGN = 16
 _MAX_CMD_BYTES = 16 << 20
 
 
+def _device_code(device):
+    if device is None:
+        return -1
+    if device == "emulated":
+        return -2
+    return _check_int("device", device, 0, 1 << 16)
+
+
 def _check_int(name, value, low, high):
     if not isinstance(value, int) or isinstance(value, bool):
         raise TypeError(f"{name} must be an int, got {type(value).__name__}")
@@ -40,7 +48,8 @@ class Channel:
         timeout_s: every wait raises after this long (default $PORTEP_TIMEOUT_S or 100 s).
         seed: seeds the unordered transport's delivery order.
         device: CUDA device ordinal: the data memory is GPU memory of that device (shared through CUDA IPC, moved
-            by the proxies with copy-engine copies); None: host memory.
+            by the proxies with copy-engine copies); None: host memory; "emulated": host memory behind the same
+            GPU path (copies on worker threads, some delayed), to test that path without a GPU.
         device_fifos: a native DeviceFifoSet whose FIFOs kernels push into, served by the proxy threads.
     """
 
@@ -72,7 +81,7 @@ class Channel:
             num_proxy_threads=num_proxy_threads, num_fifos=num_fifos, fifo_capacity=fifo_capacity,
             num_streams=num_streams, max_inflight_cmds=max_inflight_cmds, max_inflight_bytes=max_inflight_bytes,
             timeout_s=self.timeout_s, unordered_window=unordered_window, seed=seed, skip_ordering=_skip_ordering,
-            device=-1 if device is None else _check_int("device", device, 0, 1 << 16))
+            device=_device_code(device))
         self.device = device
         try:
             if device_fifos is not None:  # kernels push into these; the proxies serve them with the host FIFOs
@@ -91,7 +100,7 @@ class Channel:
     @property
     def buffer(self):
         """This rank's data memory as a torch.uint8 tensor (a view: valid until destroy()); host channels only."""
-        if self.device is not None:
+        if self.device not in (None, "emulated"):
             raise RuntimeError(f"this Channel's data is GPU memory (device {self.device}); it has no host view")
         if self._buffer is None:
             import torch

@@ -172,6 +172,7 @@ void ShmTransport::connect(const std::vector<std::string>& blobs) {
 }
 
 void ShmTransport::bootstrap_done() {
+  if (o_.device) o_.device->release_names();
   for (auto& r : regions_) r.unlink_name();
   inbox_.unlink_name();
   for (auto& p : peers_) p.names.clear();  // each owner unlinked its own

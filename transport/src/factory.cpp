@@ -13,6 +13,7 @@ std::unique_ptr<Transport> make_transport(const TransportSpec& s) {
     o.ordered = s.name == "shm";
     o.window = s.window;
     o.seed = s.seed;
+    if (s.device == kEmulatedDevice) o.device = make_emulated_device_memory(s.num_channels, s.seed);
     if (s.device >= 0) {
       std::string why;
       o.device = make_cuda_device_memory(s.device, s.num_channels, &why);

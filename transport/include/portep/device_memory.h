@@ -27,6 +27,8 @@ class DeviceMemory {
   virtual std::string export_region(void* p) = 0;
   virtual void* open_peer_region(const std::string& handle) = 0;
   virtual void close_peer_region(void* p) = 0;
+  // Every peer has opened this rank's region: names it was shared under may go.
+  virtual void release_names() {}
   // Host memory (e.g. a shared-memory mapping) made readable and writable by kernels; returns the device
   // address. unmap_host undoes it.
   virtual void* map_host(void* host, size_t bytes) = 0;
@@ -44,5 +46,8 @@ class DeviceMemory {
 // The CUDA implementation for `device` with `channels` copy streams, or nullptr with *why set when this
 // build has no CUDA runtime.
 std::unique_ptr<DeviceMemory> make_cuda_device_memory(int device, int channels, std::string* why);
+
+// Host memory posing as device memory, copies on worker threads with random delays (tests without a GPU).
+std::unique_ptr<DeviceMemory> make_emulated_device_memory(int channels, uint64_t seed);
 
 }  // namespace portep

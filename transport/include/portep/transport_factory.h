@@ -9,6 +9,8 @@
 
 namespace portep {
 
+constexpr int kEmulatedDevice = -2;
+
 struct TransportSpec {
   std::string name = "shm";  // "shm" or "shm-unordered"
   int rank = 0;
@@ -16,7 +18,8 @@ struct TransportSpec {
   int num_channels = 1;
   uint32_t window = 64;  // unordered delivery window per (channel, peer)
   uint64_t seed = 0;
-  int device = -1;  // >= 0: the data region is memory of this GPU (shm: CUDA IPC, copy-engine copies)
+  int device = -1;  // >= 0: the data region is memory of this GPU (shm: CUDA IPC, copy-engine copies);
+                    // kEmulatedDevice: host memory behind the same GPU path (copies on worker threads)
 };
 
 std::unique_ptr<Transport> make_transport(const TransportSpec& spec);
