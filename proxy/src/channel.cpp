@@ -161,17 +161,23 @@ uint64_t Channel::write_rows(int dst, const int64_t* local_offs, const int64_t* 
   return commands;
 }
 
+// This rank's own regions are always reachable, also on transports that map no peer (verbs).
 uint8_t* Channel::peer_data(int dst) const {
-  return transport_ ? static_cast<uint8_t*>(transport_->peer_region(dst, kRegionData)) : nullptr;
+  if (!transport_) return nullptr;
+  void* p = transport_->peer_region(dst, kRegionData);
+  return static_cast<uint8_t*>(p ? p : (dst == opts_.proxy.rank ? data_ : nullptr));
 }
 
 uint64_t Channel::peer_data_bytes(int dst) const {
-  return transport_ ? transport_->peer_region_bytes(dst, kRegionData) : 0;
+  if (!transport_) return 0;
+  if (transport_->peer_region(dst, kRegionData)) return transport_->peer_region_bytes(dst, kRegionData);
+  return dst == opts_.proxy.rank ? opts_.data_bytes : 0;
 }
 
 void Channel::direct_signal(int dst, uint32_t stream, uint64_t units, bool final_signal) {
   check_peer_stream("dst", dst, stream);
   auto* slots = transport_ ? static_cast<uint64_t*>(transport_->peer_region(dst, kRegionSignal)) : nullptr;
+  if (!slots && transport_ && dst == opts_.proxy.rank) slots = signals_;
   if (!slots)
     throw std::invalid_argument("rank " + std::to_string(dst) + " is not reachable by direct stores from rank " +
                                 std::to_string(opts_.proxy.rank));

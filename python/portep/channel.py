@@ -41,7 +41,9 @@ class Channel:
         group: torch.distributed process group (None: the default group). Construction is collective.
         nbytes: bytes of data memory per rank (multiple of 16, at most 64 GiB).
         transport: "shm" (ordered, native atomics) or "shm-unordered" (delivers in a seeded random order
-            within `unordered_window` operations, no atomics, like EFA SRD). Default: $PORTEP_TRANSPORT or "shm".
+            within `unordered_window` operations, no atomics, like EFA SRD); "verbs" (RC, one QP per peer) or
+            "verbs-striped" (several QPs per peer, unordered) on an RDMA device. Default: $PORTEP_TRANSPORT or
+            "shm".
         num_streams: signal slots per source rank (<= 8192 on unordered transports).
         num_proxy_threads, num_fifos, fifo_capacity: the command path (each stream maps to one FIFO).
         max_inflight_cmds, max_inflight_bytes: per proxy thread caps.
@@ -65,7 +67,8 @@ class Channel:
         self.nbytes = nbytes
         self.transport = transport_from_env(transport)
         self.timeout_s = timeout_from_env(timeout_s)
-        stream_limit = native.wire.MAX_STREAMS if self.transport == "shm" else native.wire.IMM_MAX_STREAMS
+        # Ordered transports with atomics need no immediates (the native layer re-checks against the device).
+        stream_limit = native.wire.MAX_STREAMS if self.transport in ("shm", "verbs") else native.wire.IMM_MAX_STREAMS
         self.num_streams = _check_int("num_streams", num_streams, 1, stream_limit)
         _check_int("num_proxy_threads", num_proxy_threads, 1, 64)
         _check_int("num_fifos", num_fifos, num_proxy_threads, 4096)

@@ -3,7 +3,7 @@
 import os
 
 DEFAULT_TIMEOUT_S = 100.0
-TRANSPORTS = ("shm", "shm-unordered")
+TRANSPORTS = ("shm", "shm-unordered", "verbs", "verbs-striped")
 
 
 def timeout_from_env(explicit=None):

@@ -89,6 +89,7 @@ def collect():
         report["transports"][t["name"]] = entry
     devices, why = _rdma_devices()
     report["rdma_devices"] = devices
+    report["verbs_ports"] = native.verbs_devices()  # what libibverbs itself opens (atomics, link layer)
     if why:
         report["rdma_note"] = why
     report["torch"] = _torch_facts()
@@ -114,6 +115,8 @@ def format_text(r):
     lines.append(f"  RDMA:       {len(r['rdma_devices'])} device(s)" + (f" ({r['rdma_note']})" if r.get("rdma_note") else ""))
     for d in r["rdma_devices"]:
         lines.append(f"    {d['name']}{' (EFA)' if d['efa'] else ''}: {d['ports']}")
+    for port in r.get("verbs_ports", []):
+        lines.append(f"    verbs: {port}")
     t = r["torch"]
     if t.get("installed"):
         extra = f", NCCL {t['nccl_version']}" if t.get("nccl_version") else ""

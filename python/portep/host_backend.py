@@ -99,6 +99,8 @@ class HostEngine:
     # ---- data movement ----
     def peer_view(self, dst):
         """dst's whole registered memory as a uint8 tensor when it can be stored into directly, else None."""
+        if dst == self.rank:
+            return self.region
         if dst not in self._peer_views:
             mv = self._native.peer_data_view(dst)
             self._peer_views[dst] = None if mv is None else torch.frombuffer(mv, dtype=torch.uint8)
@@ -240,11 +242,22 @@ class HostEngine:
     def get_dispatch_layout(self, topk_idx, num_experts):
         return host_ht.dispatch_layout(self, topk_idx, num_experts)
 
+    def _require_node_views(self):
+        """Normal mode moves a node's traffic by loads and stores: every same-node peer must be mapped here."""
+        unmapped = [d for d in self.node_ranks() if self.peer_view(d) is None]
+        if unmapped:
+            raise ValueError(f"normal-mode dispatch/combine with num_ranks_per_node={self.ranks_per_node} needs the "
+                             f"memory of same-node ranks {unmapped} mapped into this process, which the "
+                             f"{self.channel.transport} transport cannot do; use num_ranks_per_node=1 with it (or "
+                             f"the shm transport within a node)")
+
     def dispatch(self, *args, **kwargs):
+        self._require_node_views()
         self.settle()
         return host_ht.dispatch(self, *args, **kwargs)
 
     def combine(self, x, handle, topk_weights, bias):
+        self._require_node_views()
         self.settle()
         return host_ht.combine(self, x, handle, topk_weights, bias)
 

@@ -2,6 +2,7 @@
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
+#include "../../transport/verbs/verbs_transport.h"
 #include "portep/transport_factory.h"
 
 #ifdef PORTEP_WITH_CUDA
@@ -87,6 +88,8 @@ void bind_build_info(py::module_& m) {
       py::arg("ranks_per_node"), py::arg("per_rank"), py::arg("per_node"), py::arg("per_expert"),
       py::arg("is_token_in_rank"), py::arg("stream"));
 #endif
+  m.def("verbs_devices", [] { return portep::verbs_device_summary(); },
+        "libibverbs devices and ports, one line each ('none: ...' when there are none)");
   m.def("transport_catalog", [] {
     py::list out;
     for (auto& t : portep::transport_catalog()) {

@@ -1,6 +1,7 @@
 #include "portep/transport_factory.h"
 
 #include "../shm/shm_transport.h"
+#include "../verbs/verbs_transport.h"
 
 namespace portep {
 
@@ -21,14 +22,25 @@ std::unique_ptr<Transport> make_transport(const TransportSpec& s) {
     }
     return std::make_unique<ShmTransport>(o);
   }
-  throw TransportError("unknown transport '" + s.name + "' (this build has: shm, shm-unordered)");
+  if (s.name == "verbs" || s.name == "verbs-striped") {
+    if (s.device != -1)
+      throw TransportError(s.name + " with GPU memory is not implemented yet (dma-buf registration); use shm");
+    std::string why;
+    auto t = make_verbs_transport(verbs_options_from_env(s.name, s.rank, s.num_ranks, s.num_channels), &why);
+    if (!t) throw TransportError(s.name + ": " + why);
+    return t;
+  }
+  throw TransportError("unknown transport '" + s.name + "' (known: shm, shm-unordered, verbs, verbs-striped)");
 }
 
 std::vector<TransportInfo> transport_catalog() {
+  std::string verbs_why;
   return {
       {"shm", true, true, true, ""},
       {"shm-unordered", true, false, false, ""},
-      {"verbs", false, false, false, "not implemented in this version (RC/EFA SRD transport is planned)"},
+      // verbs: atomics when the device reports them (else the proxies emulate them with immediates)
+      {"verbs", verbs_built(&verbs_why), true, true, verbs_why},
+      {"verbs-striped", verbs_built(&verbs_why), false, false, verbs_why},
       {"nccl", false, false, false, "not implemented in this version"},
   };
 }

@@ -1,0 +1,89 @@
+"""The verbs transports. Outside a guest (no RDMA in this kernel) they must fail cleanly and leave everything
+else working; inside a qemu guest with soft-RoCE (tests/guest_vm.py) they run for real: one guest boot runs
+every scenario of tests/verbs_inside.py (exact bytes, traffic checked at each signal, a bad remote key) over RC
+with one QP (native atomics) and striped over 4 QPs (unordered, signals emulated with immediates)."""
+
+import json
+import os
+import shutil
+import sys
+
+import pytest
+
+from portep import native
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+verbs_built = any(t["name"] == "verbs" and t["built"] for t in native.transport_catalog())
+
+
+def test_catalog_reports_verbs_transports():
+    names = {t["name"]: t for t in native.transport_catalog()}
+    assert names["verbs"]["ordered"] and not names["verbs-striped"]["ordered"]
+    for name in ("verbs", "verbs-striped"):
+        assert names[name]["built"] or "libibverbs" in names[name]["reason"]
+
+
+def test_no_rdma_device_is_a_clean_error():
+    if os.path.isdir("/sys/class/infiniband") and os.listdir("/sys/class/infiniband"):
+        pytest.skip("this machine has RDMA devices")
+    with pytest.raises(RuntimeError, match="verbs: (no RDMA devices|this build has no libibverbs)"):
+        native.Channel(rank=0, num_ranks=1, nbytes=4096, transport="verbs", num_proxy_threads=1, num_fifos=1,
+                       fifo_capacity=64, num_streams=1, max_inflight_cmds=8, max_inflight_bytes=1 << 20,
+                       timeout_s=5.0, unordered_window=8, seed=0, skip_ordering=False)
+
+
+@pytest.mark.verbs
+@pytest.mark.slow
+@pytest.mark.skipif(not verbs_built, reason="portep was built without libibverbs")
+@pytest.mark.skipif(os.geteuid() != 0 and shutil.which("qemu-system-x86_64") is None,
+                    reason="the guest needs qemu (installed with apt as root on first use)")
+def test_verbs_in_soft_roce_guest():
+    import guest_vm
+
+    rc, output, seconds = guest_vm.run_in_guest(f"{sys.executable} {HERE}/verbs_inside.py", cwd=HERE, timeout=1200)
+    results = {}
+    for line in output.splitlines():
+        if line.startswith("{"):
+            r = json.loads(line)
+            results[r["name"]] = r
+    assert rc == 0 and len(results) == 5, f"guest rc {rc} after {seconds:.0f} s:\n{output[-6000:]}"
+    for name, r in results.items():
+        for rank, v in enumerate(r["ranks"]):
+            assert "exception" not in v, f"{name} rank {rank}:\n{v['exception']}"
+    for transport, native_signals in (("verbs", True), ("verbs-striped", False)):
+        for v in results[f"exact_bytes/{transport}"]["ranks"]:
+            assert v["mismatched_sources"] == [] and v["native_signals"] == native_signals
+            assert all(s & 0xFFFFFFFF == 4 and s >> 32 == 1 for s in v["slots"]), v["slots"]
+        for v in results[f"traffic/{transport}"]["ranks"]:
+            assert v["error"] is None and v["violations"] == 0, v
+            assert v["streams_final"] == 2 * 3 and v["messages_checked"] > 0
+    err = results["bad_remote_key/verbs"]["ranks"][0]["error"]
+    assert "failed" in err and "remote" in err.lower(), err
+    print(f"guest run: {seconds:.0f} s; " + ", ".join(f"{n} {r['seconds']} s" for n, r in results.items()))
+
+
+@pytest.mark.verbs
+@pytest.mark.slow
+@pytest.mark.skipif(not verbs_built, reason="portep was built without libibverbs")
+@pytest.mark.skipif(os.geteuid() != 0 and shutil.which("qemu-system-x86_64") is None,
+                    reason="the guest needs qemu (installed with apt as root on first use)")
+def test_deepep_suite_over_verbs_in_soft_roce_guest():
+    """The host-backend DeepEP bodies (LL and HT, 2 and 4 ranks, 1 and 2 ranks per node) over verbs RC and over
+    striped verbs, in one guest boot (torch takes about a minute to import under TCG, so the runs are small)."""
+    import guest_vm
+    import verbs_deepep_inside
+
+    rc, output, seconds = guest_vm.run_in_guest(f"{sys.executable} {HERE}/verbs_deepep_inside.py", cwd=HERE,
+                                                timeout=2400)
+    results = {}
+    for line in output.splitlines():
+        if line.startswith("{"):
+            r = json.loads(line)
+            results[r["name"]] = r
+    assert rc == 0 and set(results) == set(verbs_deepep_inside.SCENARIOS), \
+        f"guest rc {rc} after {seconds:.0f} s:\n{output[-6000:]}"
+    for name, r in results.items():
+        assert "exception" not in r, f"{name}:\n{r['exception']}"
+        assert not r["failures"], f"{name}: " + "\n".join(r["failures"])
+        assert min(r["checks"]) >= 100, f"{name}: only {r['checks']} checks"
+    print(f"guest run: {seconds:.0f} s; " + ", ".join(f"{n} {r['seconds']} s" for n, r in results.items()))

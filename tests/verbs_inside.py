@@ -1,0 +1,158 @@
+"""Checks that run inside the soft-RoCE guest (tests/guest_vm.py), without torch (too slow to import under TCG):
+processes make native Channels on a verbs transport, exchange endpoint descriptions through a multiprocessing
+manager, and run one scenario each. Prints one JSON line per scenario: {"name", "ranks": [per-rank results]}.
+
+Scenarios: exact bytes of seeded writes + final signals; random writes+signals with a receiver that checks each
+signal when it becomes visible (the channel traffic checker); a corrupted remote key that must come back as a
+Python RuntimeError naming the failed completion. Over "verbs" (RC, native atomics) and "verbs-striped"
+(4 QPs per peer: unordered, signals emulated with immediates).
+"""
+
+import json
+import multiprocessing as mp
+import random
+import sys
+import threading
+import time
+import traceback
+
+
+def _channel(_C, rank, world, transport, nbytes, shared, barrier, tamper=None):
+    ch = _C.Channel(rank=rank, num_ranks=world, nbytes=nbytes, transport=transport, num_proxy_threads=2, num_fifos=8,
+                    fifo_capacity=4096, num_streams=8, max_inflight_cmds=256, max_inflight_bytes=1 << 24,
+                    timeout_s=30.0, unordered_window=64, seed=rank, skip_ordering=False)
+    shared[rank] = ch.endpoint_blob()
+    barrier.wait()
+    blobs = [shared[r] for r in range(world)]
+    if tamper:
+        blobs = tamper(rank, blobs)
+    ch.connect(blobs)
+    barrier.wait()
+    ch.bootstrap_done()
+    barrier.wait()
+    return ch
+
+
+def _pattern(src, dst, n):
+    rng = random.Random(src * 1000 + dst)
+    return bytes(rng.randrange(256) for _ in range(n))
+
+
+def exact_bytes(_C, rank, world, transport, shared, barrier):
+    block = 4096
+    ch = _channel(_C, rank, world, transport, 2 * world * block, shared, barrier)
+    mem = ch.data_view()
+    for dst in range(world):
+        mem[dst * block:(dst + 1) * block] = _pattern(rank, dst, block)
+    for dst in range(world):
+        for start in range(0, block, 1024):  # 4 writes per peer, then the final signal
+            ch.write(dst, dst * block + start, world * block + rank * block + start, 1024, 1)
+        ch.signal(dst, 1, True)
+    slots = [ch.wait_signal(src, 1, 4, 30.0) for src in range(world)]
+    ch.barrier()
+    bad = [src for src in range(world) if bytes(mem[world * block + src * block:][:block]) != _pattern(src, rank, block)]
+    native = ch.native_signals
+    ch.destroy()
+    return {"mismatched_sources": bad, "slots": slots, "native_signals": native}
+
+
+def traffic(_C, rank, world, transport, shared, barrier):
+    producers, messages, max_bytes, signal_every, seed = 3, 400, 256, 5, 7
+    ch = _channel(_C, rank, world, transport, _C.traffic_region_bytes(producers, messages, max_bytes, world), shared,
+                  barrier)
+    result = {}
+
+    def check():
+        try:
+            result["check"] = _C.run_checker(ch, producers, messages, max_bytes, signal_every, seed, 120.0)
+        except Exception as exc:  # noqa: BLE001 - reported
+            result["error"] = str(exc)
+
+    t = threading.Thread(target=check)
+    t.start()
+    ch.barrier()
+    produced = _C.run_producers(ch, producers, messages, max_bytes, signal_every, seed)
+    t.join()
+    ch.barrier()
+    native = ch.native_signals
+    delayed = sum(s["signals_delayed"] for s in ch.stats())
+    ch.destroy()
+    check = result.get("check", {})
+    return {"error": result.get("error"), "violations": check.get("violations"),
+            "messages_checked": check.get("messages_checked"), "streams_final": check.get("streams_final"),
+            "commands": produced.get("commands"), "native_signals": native, "signals_delayed": delayed}
+
+
+def _bad_rkey(rank, blobs):
+    if rank != 0:
+        return blobs
+    lines = blobs[1].split(b"\n")
+    addr, rkey, size = lines[2].split(b" ")
+    lines[2] = b" ".join([addr, str((int(rkey) + 0x1234) & 0xFFFFFFFF).encode(), size])
+    return blobs[:1] + [b"\n".join(lines)] + blobs[2:]
+
+
+def bad_remote_key(_C, rank, world, transport, shared, barrier):
+    ch = _channel(_C, rank, world, transport, 1 << 16, shared, barrier, tamper=_bad_rkey)
+    message = ""
+    if rank == 0:
+        ch.write(1, 0, 0, 4096, 0)
+        try:
+            ch.quiet()
+        except RuntimeError as exc:
+            message = str(exc)
+    barrier.wait()
+    ch.destroy()
+    return {"error": message}
+
+
+def _rank_main(fn, rank, world, transport, shared, barrier, out):
+    try:
+        from portep import _C
+
+        out.put((rank, fn(_C, rank, world, transport, shared, barrier)))
+    except Exception:  # noqa: BLE001 - reported
+        out.put((rank, {"exception": traceback.format_exc()}))
+
+
+def run(fn, transport, world=2, timeout=240):
+    ctx = mp.get_context("fork")
+    with ctx.Manager() as manager:
+        shared = manager.dict()
+        barrier = ctx.Barrier(world)
+        out = ctx.Queue()
+        procs = [ctx.Process(target=_rank_main, args=(fn, r, world, transport, shared, barrier, out))
+                 for r in range(world)]
+        start = time.monotonic()
+        for p in procs:
+            p.start()
+        results = {}
+        while len(results) < world and time.monotonic() - start < timeout:
+            try:
+                rank, value = out.get(timeout=1)
+                results[rank] = value
+            except Exception:  # noqa: BLE001 - queue.Empty
+                if all(p.exitcode is not None for p in procs) and out.empty():
+                    break
+        for p in procs:
+            p.join(5)
+            if p.is_alive():
+                p.kill()
+        return [results.get(r, {"exception": "no result (timeout or crash)"}) for r in range(world)], \
+            time.monotonic() - start
+
+
+def main():
+    scenarios = [("exact_bytes", exact_bytes, "verbs"), ("traffic", traffic, "verbs"),
+                 ("exact_bytes", exact_bytes, "verbs-striped"), ("traffic", traffic, "verbs-striped"),
+                 ("bad_remote_key", bad_remote_key, "verbs")]
+    only = sys.argv[1:]
+    for name, fn, transport in scenarios:
+        if only and f"{name}/{transport}" not in only:
+            continue
+        ranks, seconds = run(fn, transport)
+        print(json.dumps({"name": f"{name}/{transport}", "ranks": ranks, "seconds": round(seconds, 1)}), flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,512 @@
+#include "verbs_transport.h"
+
+#include <arpa/inet.h>
+#include <errno.h>
+#include <infiniband/verbs.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/mman.h>
+
+#include <unordered_map>
+
+namespace portep {
+
+namespace {
+
+constexpr int kPollBatch = 64;
+
+[[noreturn]] void fail(const std::string& what, int err) {
+  throw TransportError("verbs: " + what + ": " + strerror(err));
+}
+
+// NCCL_IB_HCA syntax: optional '^' (exclude the list), optional '=' (exact names, else prefixes), then
+// comma-separated "device[:port]".
+struct HcaFilter {
+  bool exclude = false, exact = false;
+  std::vector<std::pair<std::string, int>> items;  // port 0 = any
+};
+
+HcaFilter parse_hca(std::string s) {
+  HcaFilter f;
+  if (!s.empty() && s[0] == '^') f.exclude = true, s.erase(0, 1);
+  if (!s.empty() && s[0] == '=') f.exact = true, s.erase(0, 1);
+  size_t start = 0;
+  while (start < s.size()) {
+    size_t end = s.find(',', start);
+    if (end == std::string::npos) end = s.size();
+    std::string item = s.substr(start, end - start);
+    const size_t colon = item.find(':');
+    const int port = colon == std::string::npos ? 0 : atoi(item.c_str() + colon + 1);
+    if (!item.empty()) f.items.emplace_back(item.substr(0, colon), port);
+    start = end + 1;
+  }
+  return f;
+}
+
+bool hca_allows(const HcaFilter& f, const std::string& dev, int port) {
+  if (f.items.empty()) return true;
+  bool listed = false;
+  for (auto& [name, p] : f.items) {
+    const bool name_ok = f.exact ? dev == name : dev.compare(0, name.size(), name) == 0;
+    if (name_ok && (p == 0 || p == port)) listed = true;
+  }
+  return listed != f.exclude;
+}
+
+int env_int(const char* name, int fallback) {
+  const char* v = getenv(name);
+  return v && *v ? atoi(v) : fallback;
+}
+
+std::string hex(const void* p, size_t n) {
+  static const char* d = "0123456789abcdef";
+  std::string out;
+  for (size_t i = 0; i < n; ++i) {
+    const uint8_t b = static_cast<const uint8_t*>(p)[i];
+    out += d[b >> 4];
+    out += d[b & 15];
+  }
+  return out;
+}
+
+void unhex(const std::string& s, void* out, size_t n) {
+  if (s.size() != 2 * n) throw TransportError("verbs: malformed endpoint description (hex field)");
+  for (size_t i = 0; i < n; ++i) static_cast<uint8_t*>(out)[i] = uint8_t(std::stoul(s.substr(2 * i, 2), nullptr, 16));
+}
+
+struct Region {
+  void* addr = nullptr;
+  size_t bytes = 0;
+  ibv_mr* mr = nullptr;
+};
+
+struct RemoteRegions {
+  uint64_t addr[kNumRegions] = {};
+  uint32_t rkey[kNumRegions] = {};
+  uint64_t bytes[kNumRegions] = {};
+};
+
+struct Qp {
+  ibv_qp* qp = nullptr;
+  uint32_t outstanding = 0;  // signaled sends not yet completed
+};
+
+struct VerbsChannel {
+  ibv_cq* send_cq = nullptr;
+  ibv_cq* recv_cq = nullptr;
+  std::vector<std::vector<Qp>> qps;  // [peer][stripe]
+  std::vector<uint32_t> next_stripe;
+};
+
+class VerbsTransport final : public Transport {
+ public:
+  VerbsTransport(const VerbsOptions& o, ibv_context* ctx, int port, const std::string& dev_name)
+      : o_(o), ctx_(ctx), port_(port), dev_name_(dev_name) {
+    if (ibv_query_port(ctx_, uint8_t(port_), &port_attr_)) fail("ibv_query_port", errno);
+    if (ibv_query_device(ctx_, &dev_attr_)) fail("ibv_query_device", errno);
+    if (ibv_query_gid(ctx_, uint8_t(port_), o_.gid_index, &gid_)) fail("ibv_query_gid", errno);
+    atomics_ = dev_attr_.atomic_cap != IBV_ATOMIC_NONE;
+    pd_ = ibv_alloc_pd(ctx_);
+    if (!pd_) fail("ibv_alloc_pd", errno);
+    scratch_.bytes = 4096;
+    scratch_.addr = alloc_pages(scratch_.bytes);
+    register_region(&scratch_, IBV_ACCESS_LOCAL_WRITE);
+    build_channels();
+  }
+
+  ~VerbsTransport() override {
+    for (auto& ch : channels_) {
+      for (auto& peer : ch.qps)
+        for (auto& q : peer)
+          if (q.qp) ibv_destroy_qp(q.qp);
+      if (ch.send_cq) ibv_destroy_cq(ch.send_cq);
+      if (ch.recv_cq) ibv_destroy_cq(ch.recv_cq);
+    }
+    for (Region* r : {&regions_[0], &regions_[1], &scratch_}) {
+      if (r->mr) ibv_dereg_mr(r->mr);
+      if (r->addr) munmap(r->addr, r->bytes);
+    }
+    if (pd_) ibv_dealloc_pd(pd_);
+    ibv_close_device(ctx_);
+  }
+
+  TransportProps props() const override {
+    const bool ordered = o_.qps_per_peer == 1;
+    return TransportProps{ordered ? "verbs" : "verbs-striped", ordered, ordered && atomics_};
+  }
+
+  void* alloc_region(RegionId region, size_t bytes) override {
+    if (connected_) throw TransportError("verbs: regions must be allocated before connect()");
+    Region& r = regions_[region];
+    r.bytes = bytes ? bytes : 64;
+    r.addr = alloc_pages(r.bytes);
+    register_region(&r, IBV_ACCESS_LOCAL_WRITE | IBV_ACCESS_REMOTE_WRITE | IBV_ACCESS_REMOTE_READ |
+                            IBV_ACCESS_REMOTE_ATOMIC);
+    return r.addr;
+  }
+
+  // Lines: lid, gid, then per region "addr rkey bytes", then the QP numbers of (channel, peer, stripe).
+  std::string endpoint_blob() override {
+    std::string out = std::to_string(port_attr_.lid) + "\n" + hex(&gid_, sizeof(gid_)) + "\n";
+    for (auto& r : regions_)
+      out += std::to_string(reinterpret_cast<uintptr_t>(r.addr)) + " " + std::to_string(r.mr ? r.mr->rkey : 0) + " " +
+             std::to_string(r.bytes) + "\n";
+    for (auto& ch : channels_)
+      for (auto& peer : ch.qps)
+        for (auto& q : peer) out += std::to_string(q.qp->qp_num) + "\n";
+    return out;
+  }
+
+  void connect(const std::vector<std::string>& blobs) override {
+    if (int(blobs.size()) != o_.num_ranks) throw TransportError("verbs: wrong number of endpoint descriptions");
+    for (auto& r : regions_)
+      if (!r.mr) throw TransportError("verbs: allocate the data and signal regions before connect()");
+    remotes_.assign(size_t(o_.num_ranks), RemoteRegions{});
+    for (int p = 0; p < o_.num_ranks; ++p) {
+      std::vector<std::string> f;
+      size_t start = 0;
+      while (start < blobs[p].size()) {
+        size_t end = blobs[p].find('\n', start);
+        f.push_back(blobs[p].substr(start, end - start));
+        start = end + 1;
+      }
+      const size_t qps = size_t(o_.num_channels) * o_.num_ranks * o_.qps_per_peer;
+      if (f.size() != 4 + qps) throw TransportError("verbs: malformed endpoint description from rank " + std::to_string(p));
+      const uint16_t lid = uint16_t(std::stoul(f[0]));
+      ibv_gid gid;
+      unhex(f[1], &gid, sizeof(gid));
+      for (int r = 0; r < kNumRegions; ++r)
+        if (sscanf(f[2 + r].c_str(), "%lu %u %lu", &remotes_[p].addr[r], &remotes_[p].rkey[r], &remotes_[p].bytes[r]) != 3)
+          throw TransportError("verbs: malformed region description from rank " + std::to_string(p));
+      for (int c = 0; c < o_.num_channels; ++c)
+        for (int s = 0; s < o_.qps_per_peer; ++s) {
+          // Peer p's QP for (channel c, peer = me, stripe s) is the other end of mine for (c, p, s).
+          const size_t index = (size_t(c) * o_.num_ranks + o_.rank) * o_.qps_per_peer + s;
+          connect_qp(channels_[c].qps[p][s].qp, uint32_t(std::stoul(f[4 + index])), lid, gid);
+        }
+    }
+    connected_ = true;
+  }
+
+  bool post_write(int channel, int peer, uint64_t local_off, uint64_t remote_off, uint32_t bytes, const uint32_t* imm,
+                  uint64_t wr_id) override {
+    check_range(peer, kRegionData, local_off, remote_off, bytes);
+    Qp& q = pick(channel, peer);
+    if (q.outstanding >= o_.max_send_wr) return false;
+    ibv_sge sge{reinterpret_cast<uintptr_t>(regions_[kRegionData].addr) + local_off, bytes, regions_[kRegionData].mr->lkey};
+    ibv_send_wr wr{};
+    wr.wr_id = wr_id;
+    wr.sg_list = bytes ? &sge : nullptr;
+    wr.num_sge = bytes ? 1 : 0;
+    wr.opcode = imm ? IBV_WR_RDMA_WRITE_WITH_IMM : IBV_WR_RDMA_WRITE;
+    if (imm) wr.imm_data = htonl(*imm);
+    wr.send_flags = IBV_SEND_SIGNALED;
+    wr.wr.rdma.remote_addr = remotes_[peer].addr[kRegionData] + remote_off;
+    wr.wr.rdma.rkey = remotes_[peer].rkey[kRegionData];
+    return post(q, &wr, "RDMA write", peer);
+  }
+
+  bool post_atomic_add(int channel, int peer, uint64_t remote_off, uint64_t value, uint64_t wr_id) override {
+    if (!props().remote_atomics)
+      throw TransportError("verbs: " + props().name + " on " + dev_name_ + " has no remote atomics here; the proxy "
+                           "must emulate them");
+    if (remote_off % 8) throw TransportError("verbs: atomic target offset " + std::to_string(remote_off) + " is not 8-byte aligned");
+    check_range(peer, kRegionSignal, 0, remote_off, 8);
+    Qp& q = pick(channel, peer);
+    if (q.outstanding >= o_.max_send_wr) return false;
+    ibv_sge sge{reinterpret_cast<uintptr_t>(scratch_.addr) + 8 * uint64_t(channel % 512), 8, scratch_.mr->lkey};
+    ibv_send_wr wr{};
+    wr.wr_id = wr_id;
+    wr.sg_list = &sge;
+    wr.num_sge = 1;
+    wr.opcode = IBV_WR_ATOMIC_FETCH_AND_ADD;
+    wr.send_flags = IBV_SEND_SIGNALED;
+    wr.wr.atomic.remote_addr = remotes_[peer].addr[kRegionSignal] + remote_off;
+    wr.wr.atomic.rkey = remotes_[peer].rkey[kRegionSignal];
+    wr.wr.atomic.compare_add = value;
+    return post(q, &wr, "atomic add", peer);
+  }
+
+  int poll_send(int channel, uint64_t* wr_ids, int max) override {
+    VerbsChannel& ch = at(channel);
+    ibv_wc wc[kPollBatch];
+    const int n = ibv_poll_cq(ch.send_cq, max < kPollBatch ? max : kPollBatch, wc);
+    if (n < 0) fail("ibv_poll_cq (send)", errno);
+    for (int i = 0; i < n; ++i) {
+      auto [peer, qp] = owner(wc[i].qp_num);
+      if (wc[i].status != IBV_WC_SUCCESS)
+        // (a failed completion's opcode is undefined: only its status, QP and wr_id say anything)
+        throw TransportError(std::string("verbs: a write or atomic to rank ") + std::to_string(peer) + " failed: " +
+                             ibv_wc_status_str(wc[i].status) + " (vendor error " + std::to_string(wc[i].vendor_err) +
+                             ")");
+      --qp->outstanding;
+      wr_ids[i] = wc[i].wr_id;
+    }
+    return n;
+  }
+
+  int poll_recv(int channel, RecvNotice* out, int max) override {
+    VerbsChannel& ch = at(channel);
+    ibv_wc wc[kPollBatch];
+    const int n = ibv_poll_cq(ch.recv_cq, max < kPollBatch ? max : kPollBatch, wc);
+    if (n < 0) fail("ibv_poll_cq (recv)", errno);
+    for (int i = 0; i < n; ++i) {
+      auto [peer, qp] = owner(wc[i].qp_num);
+      if (wc[i].status != IBV_WC_SUCCESS)
+        throw TransportError(std::string("verbs: a receive from rank ") + std::to_string(peer) + " failed: " +
+                             ibv_wc_status_str(wc[i].status));
+      if (wc[i].opcode != IBV_WC_RECV_RDMA_WITH_IMM || !(wc[i].wc_flags & IBV_WC_WITH_IMM))
+        throw TransportError("verbs: unexpected receive completion from rank " + std::to_string(peer));
+      out[i] = RecvNotice{uint32_t(peer), ntohl(wc[i].imm_data)};
+      post_recvs(qp->qp, 1);
+    }
+    return n;
+  }
+
+  std::string describe_peer(int peer) const override {
+    return "rank " + std::to_string(peer) + " (verbs RC over " + dev_name_ + ":" + std::to_string(port_) + ")";
+  }
+
+ private:
+  static void* alloc_pages(size_t bytes) {
+    void* p = mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    if (p == MAP_FAILED) fail("mmap of " + std::to_string(bytes) + " bytes", errno);
+    return p;
+  }
+
+  void register_region(Region* r, int access) {
+    r->mr = ibv_reg_mr(pd_, r->addr, r->bytes, access);
+    if (!r->mr) fail("ibv_reg_mr of " + std::to_string(r->bytes) + " bytes", errno);
+  }
+
+  void build_channels() {
+    const int cqe_limit = dev_attr_.max_cqe;
+    auto clamp = [cqe_limit](long v) { return int(v < cqe_limit ? v : cqe_limit); };
+    channels_.resize(size_t(o_.num_channels));
+    for (int c = 0; c < o_.num_channels; ++c) {
+      VerbsChannel& ch = channels_[c];
+      const long per = long(o_.num_ranks) * o_.qps_per_peer;
+      ch.send_cq = ibv_create_cq(ctx_, clamp(per * o_.max_send_wr), nullptr, nullptr, 0);
+      ch.recv_cq = ibv_create_cq(ctx_, clamp(per * o_.recv_depth), nullptr, nullptr, 0);
+      if (!ch.send_cq || !ch.recv_cq) fail("ibv_create_cq", errno);
+      ch.qps.assign(size_t(o_.num_ranks), std::vector<Qp>(size_t(o_.qps_per_peer)));
+      ch.next_stripe.assign(size_t(o_.num_ranks), 0);
+      for (int p = 0; p < o_.num_ranks; ++p)
+        for (int s = 0; s < o_.qps_per_peer; ++s) {
+          ibv_qp_init_attr a{};
+          a.send_cq = ch.send_cq;
+          a.recv_cq = ch.recv_cq;
+          a.qp_type = IBV_QPT_RC;
+          a.cap.max_send_wr = o_.max_send_wr;
+          a.cap.max_recv_wr = o_.recv_depth;
+          a.cap.max_send_sge = 1;
+          a.cap.max_recv_sge = 1;
+          ibv_qp* qp = ibv_create_qp(pd_, &a);
+          if (!qp) fail("ibv_create_qp", errno);
+          ch.qps[p][s].qp = qp;
+          owners_[qp->qp_num] = {p, &ch.qps[p][s]};
+        }
+    }
+  }
+
+  void connect_qp(ibv_qp* qp, uint32_t remote_qpn, uint16_t remote_lid, const ibv_gid& remote_gid) {
+    const int rd_atomic = dev_attr_.max_qp_rd_atom < 16 ? dev_attr_.max_qp_rd_atom : 16;
+    ibv_qp_attr a{};
+    a.qp_state = IBV_QPS_INIT;
+    a.pkey_index = 0;
+    a.port_num = uint8_t(port_);
+    a.qp_access_flags = IBV_ACCESS_REMOTE_WRITE | IBV_ACCESS_REMOTE_READ | IBV_ACCESS_REMOTE_ATOMIC;
+    if (int e = ibv_modify_qp(qp, &a, IBV_QP_STATE | IBV_QP_PKEY_INDEX | IBV_QP_PORT | IBV_QP_ACCESS_FLAGS))
+      fail("ibv_modify_qp to INIT", e);
+    post_recvs(qp, o_.recv_depth);
+    a = ibv_qp_attr{};
+    a.qp_state = IBV_QPS_RTR;
+    a.path_mtu = port_attr_.active_mtu;
+    a.dest_qp_num = remote_qpn;
+    a.rq_psn = 0;
+    a.max_dest_rd_atomic = uint8_t(rd_atomic);
+    a.min_rnr_timer = 12;
+    a.ah_attr.dlid = remote_lid;
+    a.ah_attr.sl = uint8_t(o_.service_level);
+    a.ah_attr.port_num = uint8_t(port_);
+    if (port_attr_.link_layer == IBV_LINK_LAYER_ETHERNET || remote_lid == 0) {  // RoCE: routed by GID
+      a.ah_attr.is_global = 1;
+      a.ah_attr.grh.dgid = remote_gid;
+      a.ah_attr.grh.sgid_index = uint8_t(o_.gid_index);
+      a.ah_attr.grh.hop_limit = 64;
+      a.ah_attr.grh.traffic_class = uint8_t(o_.traffic_class);
+    }
+    if (int e = ibv_modify_qp(qp, &a, IBV_QP_STATE | IBV_QP_AV | IBV_QP_PATH_MTU | IBV_QP_DEST_QPN | IBV_QP_RQ_PSN |
+                                          IBV_QP_MAX_DEST_RD_ATOMIC | IBV_QP_MIN_RNR_TIMER))
+      fail("ibv_modify_qp to RTR", e);
+    a = ibv_qp_attr{};
+    a.qp_state = IBV_QPS_RTS;
+    a.timeout = 14;
+    a.retry_cnt = 7;
+    a.rnr_retry = 7;  // receiver not ready: retry forever (the proxies' timeouts bound the wait)
+    a.sq_psn = 0;
+    a.max_rd_atomic = uint8_t(rd_atomic);
+    if (int e = ibv_modify_qp(qp, &a, IBV_QP_STATE | IBV_QP_TIMEOUT | IBV_QP_RETRY_CNT | IBV_QP_RNR_RETRY |
+                                          IBV_QP_SQ_PSN | IBV_QP_MAX_QP_RD_ATOMIC))
+      fail("ibv_modify_qp to RTS", e);
+  }
+
+  void post_recvs(ibv_qp* qp, uint32_t n) {
+    for (uint32_t i = 0; i < n; ++i) {
+      ibv_recv_wr wr{};
+      ibv_recv_wr* bad = nullptr;
+      if (int e = ibv_post_recv(qp, &wr, &bad)) fail("ibv_post_recv", e);
+    }
+  }
+
+  bool post(Qp& q, ibv_send_wr* wr, const char* what, int peer) {
+    ibv_send_wr* bad = nullptr;
+    const int e = ibv_post_send(q.qp, wr, &bad);
+    if (e == ENOMEM) return false;  // the send queue is full right now
+    if (e) fail(std::string("ibv_post_send (") + what + " to rank " + std::to_string(peer) + ")", e);
+    ++q.outstanding;
+    return true;
+  }
+
+  Qp& pick(int channel, int peer) {
+    if (!connected_) throw TransportError("verbs: post before connect()");
+    VerbsChannel& ch = at(channel);
+    if (peer < 0 || peer >= o_.num_ranks) throw TransportError("verbs: peer " + std::to_string(peer) + " out of range");
+    // Striping: consecutive posts of a (channel, peer) go round-robin over its QPs.
+    const uint32_t s = ch.next_stripe[peer]++ % uint32_t(o_.qps_per_peer);
+    return ch.qps[peer][s];
+  }
+
+  VerbsChannel& at(int channel) {
+    if (channel < 0 || channel >= o_.num_channels)
+      throw TransportError("verbs: channel " + std::to_string(channel) + " out of range");
+    return channels_[size_t(channel)];
+  }
+
+  std::pair<int, Qp*> owner(uint32_t qp_num) const {
+    auto it = owners_.find(qp_num);
+    if (it == owners_.end()) throw TransportError("verbs: completion for unknown QP " + std::to_string(qp_num));
+    return it->second;
+  }
+
+  void check_range(int peer, RegionId region, uint64_t local_off, uint64_t remote_off, uint64_t bytes) const {
+    if (local_off + bytes > regions_[region].bytes || remote_off + bytes > remotes_.at(size_t(peer)).bytes[region])
+      throw TransportError("verbs: range [" + std::to_string(remote_off) + ", +" + std::to_string(bytes) +
+                           ") is outside the registered region of rank " + std::to_string(peer) + " (or [" +
+                           std::to_string(local_off) + ", +" + std::to_string(bytes) + ") outside this rank's)");
+  }
+
+  VerbsOptions o_;
+  ibv_context* ctx_;
+  int port_;
+  std::string dev_name_;
+  ibv_port_attr port_attr_{};
+  ibv_device_attr dev_attr_{};
+  ibv_gid gid_{};
+  bool atomics_ = false;
+  ibv_pd* pd_ = nullptr;
+  Region regions_[kNumRegions];
+  Region scratch_;  // where fetch-and-add results land (never read)
+  std::vector<VerbsChannel> channels_;
+  std::vector<RemoteRegions> remotes_;
+  std::unordered_map<uint32_t, std::pair<int, Qp*>> owners_;  // qp_num -> (peer, QP)
+  bool connected_ = false;
+};
+
+// The first (device, port) the filter allows whose port is ACTIVE.
+ibv_context* open_device(const std::string& hca, int* port, std::string* name, std::string* why) {
+  int n = 0;
+  ibv_device** list = ibv_get_device_list(&n);
+  if (!list) {  // no RDMA in this kernel: NULL with ENOSYS, not an empty list
+    *why = std::string("no RDMA devices (ibv_get_device_list: ") + strerror(errno) + ")";
+    return nullptr;
+  }
+  const HcaFilter filter = parse_hca(hca);
+  ibv_context* found = nullptr;
+  std::string seen;
+  for (int i = 0; i < n && !found; ++i) {
+    const std::string dev = ibv_get_device_name(list[i]);
+    ibv_context* ctx = ibv_open_device(list[i]);
+    if (!ctx) continue;
+    ibv_device_attr attr{};
+    if (ibv_query_device(ctx, &attr) == 0)
+      for (int p = 1; p <= attr.phys_port_cnt && !found; ++p) {
+        ibv_port_attr pa{};
+        if (ibv_query_port(ctx, uint8_t(p), &pa) || !hca_allows(filter, dev, p)) continue;
+        seen += (seen.empty() ? "" : ", ") + dev + ":" + std::to_string(p) + (pa.state == IBV_PORT_ACTIVE ? "" : " (down)");
+        if (pa.state == IBV_PORT_ACTIVE) found = ctx, *port = p, *name = dev;
+      }
+    if (!found) ibv_close_device(ctx);
+  }
+  ibv_free_device_list(list);
+  if (!found)
+    *why = n == 0 ? "no RDMA devices" : "no active port matches PORTEP_IB_HCA='" + hca + "' (ports: " + seen + ")";
+  return found;
+}
+
+}  // namespace
+
+VerbsOptions verbs_options_from_env(const std::string& name, int rank, int num_ranks, int num_channels) {
+  VerbsOptions o;
+  o.rank = rank;
+  o.num_ranks = num_ranks;
+  o.num_channels = num_channels;
+  const char* hca = getenv("PORTEP_IB_HCA");
+  o.hca = hca ? hca : "";
+  o.gid_index = env_int("PORTEP_IB_GID_INDEX", 0);
+  o.service_level = env_int("PORTEP_IB_SL", 0);
+  o.traffic_class = env_int("PORTEP_IB_TC", 0);
+  o.qps_per_peer = env_int("PORTEP_IB_QPS_PER_PEER", name == "verbs-striped" ? 4 : 1);
+  o.max_send_wr = uint32_t(env_int("PORTEP_IB_MAX_SEND_WR", 256));
+  if (name == "verbs" && o.qps_per_peer != 1)
+    throw TransportError("transport 'verbs' keeps RC order with one QP per peer; PORTEP_IB_QPS_PER_PEER=" +
+                         std::to_string(o.qps_per_peer) + " needs transport 'verbs-striped'");
+  if (o.qps_per_peer < 1 || o.qps_per_peer > 64)
+    throw TransportError("PORTEP_IB_QPS_PER_PEER=" + std::to_string(o.qps_per_peer) + " must be in 1..64");
+  return o;
+}
+
+std::unique_ptr<Transport> make_verbs_transport(const VerbsOptions& o, std::string* why) {
+  int port = 0;
+  std::string name;
+  ibv_context* ctx = open_device(o.hca, &port, &name, why);
+  if (!ctx) return nullptr;
+  return std::make_unique<VerbsTransport>(o, ctx, port, name);
+}
+
+bool verbs_built(std::string* why) {
+  if (why) why->clear();
+  return true;
+}
+
+std::vector<std::string> verbs_device_summary() {
+  int n = 0;
+  ibv_device** list = ibv_get_device_list(&n);
+  if (!list) return {std::string("none: ibv_get_device_list: ") + strerror(errno)};
+  std::vector<std::string> out;
+  for (int i = 0; i < n; ++i) {
+    ibv_context* ctx = ibv_open_device(list[i]);
+    if (!ctx) continue;
+    ibv_device_attr attr{};
+    if (ibv_query_device(ctx, &attr) == 0)
+      for (int p = 1; p <= attr.phys_port_cnt; ++p) {
+        ibv_port_attr pa{};
+        if (ibv_query_port(ctx, uint8_t(p), &pa)) continue;
+        ibv_gid gid{};
+        const bool has_gid = ibv_query_gid(ctx, uint8_t(p), 0, &gid) == 0;
+        const std::string dev = ibv_get_device_name(list[i]);
+        out.push_back(dev + ":" + std::to_string(p) + " " + (pa.state == IBV_PORT_ACTIVE ? "active" : "down") +
+                      ", link " + (pa.link_layer == IBV_LINK_LAYER_ETHERNET ? "Ethernet (RoCE)" : "InfiniBand") +
+                      ", atomics " + (attr.atomic_cap == IBV_ATOMIC_NONE ? "no" : "yes") + ", GID[0] " +
+                      (has_gid ? hex(&gid, sizeof(gid)) : std::string("?")) + ", lid " + std::to_string(pa.lid) +
+                      (dev.compare(0, 4, "efa_") == 0 ? ", EFA" : ""));
+      }
+    ibv_close_device(ctx);
+  }
+  ibv_free_device_list(list);
+  if (out.empty()) out.push_back("none: no RDMA devices");
+  return out;
+}
+
+}  // namespace portep

@@ -1,0 +1,51 @@
+// The verbs transport: libibverbs RC queue pairs (ConnectX, Broadcom bnxt_re, irdma, soft-RoCE, ...).
+//
+// Per (proxy channel, peer) `qps_per_peer` RC QPs, connected through the bootstrap exchange. Writes are RDMA
+// WRITE (with immediate when asked; receives are pre-posted and re-posted as they are consumed); signals are
+// native fetch-and-add when the device reports atomics, else the proxy emulates them with immediates.
+// One QP per peer keeps RC's order (props().ordered); several QPs ("striping") spread a stream over them, which
+// delivers out of order like EFA SRD, so the transport then reports ordered = false and no atomics, and the
+// proxies use the ordering protocols.
+//
+// Knobs (environment, read at construction): PORTEP_IB_HCA (NCCL_IB_HCA syntax: "mlx5_0:1,mlx5_1", "^mlx5_2"
+// excludes, "=" prefix for exact names), PORTEP_IB_GID_INDEX (default 0), PORTEP_IB_SL, PORTEP_IB_TC,
+// PORTEP_IB_QPS_PER_PEER (striping; "verbs-striped" defaults to 4), PORTEP_IB_MAX_SEND_WR (in-flight
+// operations per QP, default 256).
+#pragma once
+
+#include <stdint.h>
+
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "portep/transport.h"
+
+namespace portep {
+
+struct VerbsOptions {
+  int rank = 0;
+  int num_ranks = 1;
+  int num_channels = 1;
+  int qps_per_peer = 1;
+  std::string hca;    // NCCL_IB_HCA syntax; empty: the first active port of the first device
+  int gid_index = 0;
+  int service_level = 0;
+  int traffic_class = 0;
+  uint32_t max_send_wr = 256;
+  uint32_t recv_depth = 512;  // receives kept posted per QP (write-with-immediate notifications)
+};
+
+// Options from the environment knobs above, for transport name "verbs" or "verbs-striped".
+VerbsOptions verbs_options_from_env(const std::string& name, int rank, int num_ranks, int num_channels);
+
+// The transport, or nullptr with *why set (built without libibverbs, no RDMA device, no active port, ...).
+std::unique_ptr<Transport> make_verbs_transport(const VerbsOptions& o, std::string* why);
+
+// Whether this build has the verbs transports (else *why says what was missing at build time).
+bool verbs_built(std::string* why);
+
+// What the devices here look like, one line each ("none: <why>" when there are none), for the doctor.
+std::vector<std::string> verbs_device_summary();
+
+}  // namespace portep
