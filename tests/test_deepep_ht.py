@@ -36,3 +36,13 @@ def test_ht_layout_dispatch_combine(case):
                     timeout=150 + 30 * world)
     _assert_clean(out, 60)
     assert all(len(res["hashes"]) == 3 for res in out.values())
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", [CASES[3], CASES[5]], ids=[_id(CASES[3]), _id(CASES[5])])
+def test_ht_over_the_transports_gpu_path(case):
+    # Emulated device memory: the proxies' copies complete later, on worker threads (the CUDA-IPC code path).
+    world, rpn, transport, hidden, topk, per_rank, n_tokens, seed = case
+    out = run_ranks(w.ht_body, world, args=(rpn, transport, seed, n_tokens, hidden, topk, per_rank * world, 1),
+                    timeout=150 + 30 * world, env={"PORTEP_EMULATE_DEVICE_MEMORY": "1"})
+    _assert_clean(out, 60)

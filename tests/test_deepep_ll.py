@@ -33,6 +33,16 @@ def test_ll_dispatch_combine(case):
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("case", [CASES[1], CASES[4]], ids=[_id(CASES[1]), _id(CASES[4])])
+def test_ll_over_the_transports_gpu_path(case):
+    # Emulated device memory: the proxies' copies complete later, on worker threads (the CUDA-IPC code path).
+    world, rpn, transport, T, hidden, experts, topk, seed = case
+    out = run_ranks(w.ll_body, world, args=(rpn, transport, seed, T, hidden, experts, topk),
+                    timeout=150 + 30 * world, env={"PORTEP_EMULATE_DEVICE_MEMORY": "1"})
+    _assert_clean(out, 100)
+
+
+@pytest.mark.slow
 def test_ll_ranks_with_fewer_tokens_than_the_maximum():
     # Rank r dispatches T - 3r - 1 tokens (num_max_dispatch_tokens_per_rank is the same everywhere).
     out = run_ranks(w.ll_body, 4, args=(2, "shm-unordered", 21, 40, 512, 16, 5, True, 1), timeout=240)

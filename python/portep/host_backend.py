@@ -35,6 +35,13 @@ MAX_COMMAND_BYTES = 16 << 20
 MAX_CHANNELS = 128
 
 
+def _device_memory():
+    """PORTEP_EMULATE_DEVICE_MEMORY=1 (a testing knob): the engine's memory takes the transport's GPU path (emulated
+    device memory: shared host memory whose proxy copies run on worker threads, some delayed), so the DeepEP
+    protocols run over the same deferred-notification code as on GPUs, without one."""
+    return "emulated" if os.environ.get("PORTEP_EMULATE_DEVICE_MEMORY") == "1" else None
+
+
 def align(n, a=ALIGN):
     return (n + a - 1) // a * a
 
@@ -59,7 +66,7 @@ class HostEngine:
             num_proxy_threads = max(1, min(4, (os.cpu_count() or 1) // self.num_ranks))
         self.channel = Channel(group, max(ALIGN, align(num_bytes)), transport=transport,
                                num_streams=STREAM_LL_BASE + 4 * max_local_experts,
-                               num_proxy_threads=num_proxy_threads, timeout_s=timeout_s)
+                               num_proxy_threads=num_proxy_threads, timeout_s=timeout_s, device=_device_memory())
         self.num_bytes = self.channel.nbytes
         # The count exchange has a fixed home (two parities of one slot per rank) that no data area overlaps: a
         # peer one call ahead may write it while this rank still reads the previous call's data areas.
