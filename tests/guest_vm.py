@@ -7,13 +7,16 @@ output, and an rxe device on a veth pair. See shared reference/dev-machine.md fo
 """
 
 import gzip
+import hashlib
 import os
+import re
 import shutil
 import subprocess
 import tempfile
 import time
 from pathlib import Path
 
+VERIFIED_KERNEL = "linux-image-6.1.0-"
 CACHE = Path(os.environ.get("PORTEP_GUEST_CACHE", Path.home() / ".cache" / "portep-guest"))
 MODULES = ["virtio_ring", "virtio", "virtio_pci_modern_dev", "virtio_pci_legacy_dev", "virtio_pci", "netfs",
            "fscache", "9pnet", "9p", "9pnet_virtio", "crc32_generic", "udp_tunnel", "ip6_udp_tunnel", "ib_core",
@@ -41,6 +44,7 @@ ip link set lo up
 ip link add veth0 type veth peer name veth1
 ip link set veth0 up; ip link set veth1 up
 rdma link add rxe0 type rxe netdev veth0
+echo "portep-guest: rxe0 is up"
 sleep 1
 cd {cwd}
 {command}
@@ -59,22 +63,31 @@ def _ensure_packages():
         subprocess.run(["apt-get", "install", "-y", "-qq", "--no-install-recommends", *missing], check=True, env=env)
 
 
+def _version_key(name):
+    return [int(p) for p in re.findall(r"\d+", name)]
+
+
 def _kernel_dir():
-    """Extracts the newest linux-image-6.1.0-N-amd64 .deb (downloaded once) and returns (vmlinuz, modules dir)."""
+    """Extracts a kernel .deb (downloaded once; Debian's 6.1 series, on which the recipe was verified, when apt has
+    it, else the newest linux-image-X-N-amd64) and returns (vmlinuz, modules dir)."""
     CACHE.mkdir(parents=True, exist_ok=True)
-    debs = sorted(CACHE.glob("linux-image-6.1.0-*-amd64_*.deb"))
+    debs = sorted(CACHE.glob("linux-image-*-amd64_*.deb"), key=lambda p: _version_key(p.name))
     if not debs:
-        names = subprocess.run(["apt-cache", "search", "--names-only", r"^linux-image-6\.1\.0-[0-9]+-amd64$"],
+        names = subprocess.run(["apt-cache", "search", "--names-only", r"^linux-image-[0-9][0-9.]*-[0-9]+-amd64$"],
                                capture_output=True, text=True, check=True).stdout.split()
-        pkgs = sorted((n for n in names if n.startswith("linux-image-")), key=lambda n: int(n.split("-")[4]))
-        if not pkgs:
-            raise RuntimeError("apt has no linux-image-6.1.0-*-amd64 package for the verbs guest")
-        subprocess.run(["apt-get", "download", pkgs[-1]], cwd=CACHE, check=True, capture_output=True)
-        debs = sorted(CACHE.glob("linux-image-6.1.0-*-amd64_*.deb"))
-    root = CACHE / debs[-1].stem
+        pkgs = sorted((n for n in names if re.fullmatch(r"linux-image-[0-9][0-9.]*-[0-9]+-amd64", n)),
+                      key=_version_key)
+        preferred = [n for n in pkgs if n.startswith(VERIFIED_KERNEL)] or pkgs
+        if not preferred:
+            raise RuntimeError("apt offers no linux-image-*-amd64 package for the verbs guest")
+        subprocess.run(["apt-get", "download", preferred[-1]], cwd=CACHE, check=True, capture_output=True)
+        debs = sorted(CACHE.glob("linux-image-*-amd64_*.deb"), key=lambda p: _version_key(p.name))
+    verified = [d for d in debs if d.name.startswith(VERIFIED_KERNEL)]
+    deb = (verified or debs)[-1]
+    root = CACHE / deb.stem
     if not (root / "done").exists():
         shutil.rmtree(root, ignore_errors=True)
-        subprocess.run(["dpkg-deb", "-x", str(debs[-1]), str(root)], check=True)
+        subprocess.run(["dpkg-deb", "-x", str(deb), str(root)], check=True)
         (root / "done").touch()
     vmlinuz = next((root / "boot").glob("vmlinuz-*"))
     modules = next((root / "lib" / "modules").iterdir())
@@ -82,16 +95,18 @@ def _kernel_dir():
 
 
 def _find_module(modules, name):
+    """The module file, or None (another kernel may have it built in or under another name)."""
     for suffix in (".ko", ".ko.xz", ".ko.zst", ".ko.gz"):
         hits = list(modules.rglob(name + suffix))
         if hits:
             return hits[0]
-    raise RuntimeError(f"kernel module {name} not found under {modules}")
+    return None
 
 
 def _initramfs(modules):
     """busybox + the modules (decompressed) + /init, as a gzip'd newc cpio; cached."""
-    out = CACHE / f"initramfs-{modules.name}.gz"
+    recipe = hashlib.sha256((INIT + " ".join(MODULES)).encode()).hexdigest()[:12]
+    out = CACHE / f"initramfs-{modules.name}-{recipe}.gz"
     if out.exists():
         return out
     with tempfile.TemporaryDirectory() as d:
@@ -99,8 +114,12 @@ def _initramfs(modules):
         for sub in ("bin", "modules", "proc", "sys", "dev"):
             (d / sub).mkdir()
         shutil.copy("/bin/busybox", d / "bin" / "busybox")
+        present = []
         for m in MODULES:
             src = _find_module(modules, m)
+            if src is None:
+                continue
+            present.append(m)
             dst = d / "modules" / f"{m}.ko"
             if src.suffix == ".xz":
                 subprocess.run(f"xz -dc '{src}' > '{dst}'", shell=True, check=True)
@@ -109,7 +128,7 @@ def _initramfs(modules):
             else:
                 shutil.copy(src, dst)
         init = d / "init"
-        init.write_text(INIT.format(modules=" ".join(MODULES)))
+        init.write_text(INIT.format(modules=" ".join(present)))
         init.chmod(0o755)
         files = subprocess.run("find . -print0", shell=True, cwd=d, capture_output=True, check=True).stdout
         cpio = subprocess.run(["cpio", "--null", "-o", "-H", "newc", "--quiet"], input=files, cwd=d,
@@ -118,8 +137,13 @@ def _initramfs(modules):
     return out
 
 
+class GuestUnavailable(RuntimeError):
+    """The guest booted a kernel other than the verified 6.1 series and soft-RoCE did not come up in it."""
+
+
 def run_in_guest(command, cwd, timeout=900):
-    """Boots the guest, runs `command` (sh) in `cwd` of the chrooted host root; returns (rc, output, seconds)."""
+    """Boots the guest, runs `command` (sh) in `cwd` of the chrooted host root; returns (rc, output, seconds).
+    Raises GuestUnavailable when rxe could not be set up on a kernel the recipe was not verified on."""
     _ensure_packages()
     vmlinuz, modules = _kernel_dir()
     initrd = _initramfs(modules)
@@ -144,4 +168,8 @@ def run_in_guest(command, cwd, timeout=900):
         rc = int(rc_file.read_text().strip() or 1) if rc_file.exists() else 1
         if not rc_file.exists():
             output += f"\n[the guest wrote no exit status; console tail]\n{console[-4000:]}"
+        if "portep-guest: rxe0 is up" not in output and not modules.name.startswith("6.1.0-"):
+            raise GuestUnavailable(f"soft-RoCE did not come up in a guest with kernel {modules.name} (the recipe is "
+                                   f"verified with Debian's 6.1 kernels, which this machine's apt does not offer):\n"
+                                   f"{output[-2000:]}")
         return rc, output, seconds
