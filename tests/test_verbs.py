@@ -16,11 +16,32 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 verbs_built = any(t["name"] == "verbs" and t["built"] for t in native.transport_catalog())
 
 
-def _run_in_guest(guest_vm, command, timeout):
+def in_guest(test):
+    """Marks of the tests that boot the soft-RoCE guest."""
+    marks = [pytest.mark.verbs, pytest.mark.slow,
+             pytest.mark.skipif(not verbs_built, reason="portep was built without libibverbs"),
+             pytest.mark.skipif(os.geteuid() != 0 and shutil.which("qemu-system-x86_64") is None,
+                                reason="the guest needs qemu (installed with apt as root on first use)")]
+    for mark in reversed(marks):
+        test = mark(test)
+    return test
+
+
+def run_script_in_guest(script, timeout):
+    """Runs tests/<script> in one guest boot; returns (rc, {scenario name: its JSON line}, output, seconds).
+    Skips (with the reason) when soft-RoCE cannot come up on this machine's kernel (guest_vm.GuestUnavailable)."""
+    import guest_vm
+
     try:
-        return guest_vm.run_in_guest(command, cwd=HERE, timeout=timeout)
+        rc, output, seconds = guest_vm.run_in_guest(f"{sys.executable} {HERE}/{script}", cwd=HERE, timeout=timeout)
     except guest_vm.GuestUnavailable as exc:
         pytest.skip(str(exc))
+    results = {}
+    for line in output.splitlines():
+        if line.startswith("{"):
+            r = json.loads(line)
+            results[r["name"]] = r
+    return rc, results, output, seconds
 
 
 def test_catalog_reports_verbs_transports():
@@ -39,20 +60,9 @@ def test_no_rdma_device_is_a_clean_error():
                        timeout_s=5.0, unordered_window=8, seed=0, skip_ordering=False)
 
 
-@pytest.mark.verbs
-@pytest.mark.slow
-@pytest.mark.skipif(not verbs_built, reason="portep was built without libibverbs")
-@pytest.mark.skipif(os.geteuid() != 0 and shutil.which("qemu-system-x86_64") is None,
-                    reason="the guest needs qemu (installed with apt as root on first use)")
+@in_guest
 def test_verbs_in_soft_roce_guest():
-    import guest_vm
-
-    rc, output, seconds = _run_in_guest(guest_vm, f"{sys.executable} {HERE}/verbs_inside.py", 1200)
-    results = {}
-    for line in output.splitlines():
-        if line.startswith("{"):
-            r = json.loads(line)
-            results[r["name"]] = r
+    rc, results, output, seconds = run_script_in_guest("verbs_inside.py", 1200)
     assert rc == 0 and len(results) == 5, f"guest rc {rc} after {seconds:.0f} s:\n{output[-6000:]}"
     for name, r in results.items():
         for rank, v in enumerate(r["ranks"]):
@@ -69,23 +79,13 @@ def test_verbs_in_soft_roce_guest():
     print(f"guest run: {seconds:.0f} s; " + ", ".join(f"{n} {r['seconds']} s" for n, r in results.items()))
 
 
-@pytest.mark.verbs
-@pytest.mark.slow
-@pytest.mark.skipif(not verbs_built, reason="portep was built without libibverbs")
-@pytest.mark.skipif(os.geteuid() != 0 and shutil.which("qemu-system-x86_64") is None,
-                    reason="the guest needs qemu (installed with apt as root on first use)")
+@in_guest
 def test_deepep_suite_over_verbs_in_soft_roce_guest():
     """The host-backend DeepEP bodies (LL and HT, 2 and 4 ranks, 1 and 2 ranks per node) over verbs RC and over
     striped verbs, in one guest boot (torch takes about a minute to import under TCG, so the runs are small)."""
-    import guest_vm
     import verbs_deepep_inside
 
-    rc, output, seconds = _run_in_guest(guest_vm, f"{sys.executable} {HERE}/verbs_deepep_inside.py", 2400)
-    results = {}
-    for line in output.splitlines():
-        if line.startswith("{"):
-            r = json.loads(line)
-            results[r["name"]] = r
+    rc, results, output, seconds = run_script_in_guest("verbs_deepep_inside.py", 2400)
     assert rc == 0 and set(results) == set(verbs_deepep_inside.SCENARIOS), \
         f"guest rc {rc} after {seconds:.0f} s:\n{output[-6000:]}"
     for name, r in results.items():

@@ -9,7 +9,7 @@ Python calls, medians over the iterations; rank 0 reports."""
 import time
 
 from .spawn import run_ranks
-from .stats import median, percentile, table
+from .stats import median, table
 
 DEEPEP = {"round trip": 90.0, "dispatch": 29.5, "combine": 40.5, "dispatch send": 20.0, "dispatch recv": 8.2,
           "combine send": 32.5, "combine recv": 9.7}  # reference/gpu-machine.md, same machine
@@ -205,5 +205,3 @@ def run_channel(warps=1024, per_warp=2000, threads=4, repeats=5, printer=print):
             f"max {max(rates):.1f}, p50 of {len(rates)} runs; untuned probe baseline on this machine: 57.3 M/s)")
     return rates
 
-
-__all__ = ["run", "run_channel", "percentile"]

@@ -25,6 +25,7 @@ from ._native import require_native
 from .channel import Channel
 from . import host_backend as hb
 from .host_ll import _Layout
+from .topology import Topology
 
 NUM_DEVICE_FIFOS = 32
 DEVICE_FIFO_CAPACITY = 4096
@@ -60,25 +61,18 @@ def _as_tensor(ptr, nbytes, device):
     return torch.as_tensor(_Mem(), device=device)
 
 
-class CudaEngine:
+class CudaEngine(Topology):
     """One per Buffer. Construction is collective over `group`."""
 
     def __init__(self, group, num_bytes, ranks_per_node, max_local_experts=1024, transport=None, timeout_s=None,
                  allow_direct_ll=True, num_proxy_threads=4):
         self.native = require_native()
-        if not self.native.build_info()["cuda_built"]:
-            raise RuntimeError("backend='cuda': portep was built without the CUDA kernels ("
-                               f"{self.native.build_info()['cuda_reason']})")
+        info = self.native.build_info()
+        if not info["cuda_built"]:
+            raise RuntimeError(f"backend='cuda': portep was built without the CUDA kernels ({info['cuda_reason']})")
         if not torch.cuda.is_available():
             raise RuntimeError("backend='cuda' needs a CUDA GPU (torch.cuda.is_available() is False)")
-        self.group = group
-        self.rank = torch.distributed.get_rank(group)
-        self.num_ranks = torch.distributed.get_world_size(group)
-        if ranks_per_node < 1 or self.num_ranks % ranks_per_node:
-            raise ValueError(f"num_ranks_per_node={ranks_per_node} must divide the group size {self.num_ranks}")
-        self.ranks_per_node = ranks_per_node
-        self.num_nodes = self.num_ranks // ranks_per_node
-        self.max_local_experts = max_local_experts
+        super().__init__(group, ranks_per_node, max_local_experts)
         self.device = torch.device("cuda", torch.cuda.current_device())
         self.num_bytes = hb.align(max(num_bytes, hb.ALIGN), 128)
         self.flag_slots = self.num_ranks * max_local_experts
@@ -91,7 +85,7 @@ class CudaEngine:
         ch = self.channel._native
         self.region = _as_tensor(ch.device_data_ptr(), self.num_bytes, self.device)
         self.direct_ranks = [d for d in range(self.num_ranks)
-                             if d == self.rank or (allow_direct_ll and d // ranks_per_node == self.node)]
+                             if d == self.rank or (allow_direct_ll and self.node_of(d) == self.node)]
         peers = [ch.peer_data_ptr(d) if d in self.direct_ranks else 0 for d in range(self.num_ranks)]
         self._peers = torch.tensor(peers, dtype=torch.int64, device=self.device)
         self._finish = torch.zeros(self.flag_slots, dtype=torch.int32, device=self.device)
@@ -103,12 +97,9 @@ class CudaEngine:
                                              self._finish.data_ptr(), error_device, self.timeout_s, num_sms)
         self.ll_half = 0
         self._layouts = {}
+        self._shapes = {}
         torch.cuda.current_stream(self.device).synchronize()
         self.channel.barrier()  # every peer's memory is zeroed before anyone stores into it
-
-    @property
-    def node(self):
-        return self.rank // self.ranks_per_node
 
     # ---- errors ----
     def check_error(self):
@@ -128,7 +119,6 @@ class CudaEngine:
         lay = self._layouts.get((T, H, E))
         if lay is None:
             lay = self._layouts[(T, H, E)] = _Layout(self, T, H, E)
-            lay.shapes = {}
         return lay
 
     def require_bytes(self, needed, what):
@@ -137,11 +127,12 @@ class CudaEngine:
 
     def _shape(self, lay, half, phase):
         """The kernels' per-call constants (cached per layout, half and phase) and the current stream."""
-        shape = lay.shapes.get((half, phase))
+        key = (lay.T, lay.H, lay.E, half, phase)
+        shape = self._shapes.get(key)
         if shape is None:
             flag_off = self.num_bytes + (half * 2 + phase) * self.flag_slots * 4
             stream_base = hb.STREAM_LL_BASE + (half * 2 + phase) * self.max_local_experts
-            shape = lay.shapes[(half, phase)] = (lay.T, lay.H, lay.E, lay.send_off(half), lay.recv_off(half),
+            shape = self._shapes[key] = (lay.T, lay.H, lay.E, lay.send_off(half), lay.recv_off(half),
                                                  flag_off, lay.disp, lay.comb, stream_base)
         return shape + (torch.cuda.current_stream().cuda_stream,)
 

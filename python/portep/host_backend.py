@@ -5,7 +5,7 @@ commands through the FIFOs, the proxy threads and the transport, whose ordering 
 transports) keeps every signal behind the writes it covers. `portep.Buffer` validates arguments and calls
 this engine; tensors are CPU tensors and results are DeepEP-shaped.
 
-Topology: rank r is on node r // ranks_per_node. HT traffic to another node goes to that node's forwarder with
+Topology (topology.py): rank r is on node r // ranks_per_node. HT traffic to another node goes to that node's forwarder with
 the sender's local index, which places it for its node peers; LL traffic goes straight to every rank.
 
 Every signal slot is consumed exactly (see Channel.consume_signal), so nothing needs zeroing between calls: a
@@ -20,6 +20,7 @@ import torch
 from ._native import require_native
 from .channel import Channel
 from . import host_ht, host_ll
+from .topology import Topology
 
 # Signal streams of one Buffer (slots are (source rank, stream)).
 STREAM_NOTIFY = 0
@@ -46,20 +47,13 @@ def align(n, a=ALIGN):
     return (n + a - 1) // a * a
 
 
-class HostEngine:
+class HostEngine(Topology):
     """One per Buffer. Construction is collective over `group`."""
 
     def __init__(self, group, num_bytes, ranks_per_node, max_local_experts=1024, transport=None, timeout_s=None,
                  allow_direct_ll=True, num_proxy_threads=None):
         require_native()
-        self.group = group
-        self.rank = torch.distributed.get_rank(group)
-        self.num_ranks = torch.distributed.get_world_size(group)
-        if ranks_per_node < 1 or self.num_ranks % ranks_per_node:
-            raise ValueError(f"num_ranks_per_node={ranks_per_node} must divide the group size {self.num_ranks}")
-        self.ranks_per_node = ranks_per_node
-        self.num_nodes = self.num_ranks // ranks_per_node
-        self.max_local_experts = max_local_experts
+        super().__init__(group, ranks_per_node, max_local_experts)
         self.allow_direct_ll = bool(allow_direct_ll)
         if num_proxy_threads is None:
             # Every rank of the host backend runs on this host: share its cores (an idle proxy still wakes up).
@@ -83,31 +77,9 @@ class HostEngine:
         self.ll_half = 0
         self._writes_in_flight = False
 
-    # ---- topology ----
-    def node_of(self, r):
-        return r // self.ranks_per_node
-
-    def local_of(self, r):
-        return r % self.ranks_per_node
-
-    @property
-    def node(self):
-        return self.node_of(self.rank)
-
-    def node_ranks(self, node=None):
-        node = self.node if node is None else node
-        return range(node * self.ranks_per_node, (node + 1) * self.ranks_per_node)
-
-    def forwarder(self, node, local_index=None):
-        """The rank of `node` that relays HT traffic from ranks with this local index."""
-        local_index = self.local_of(self.rank) if local_index is None else local_index
-        return node * self.ranks_per_node + local_index
-
     # ---- data movement ----
     def peer_view(self, dst):
         """dst's whole registered memory as a uint8 tensor when it can be stored into directly, else None."""
-        if dst == self.rank:
-            return self.region
         if dst not in self._peer_views:
             mv = self._native.peer_data_view(dst)
             self._peer_views[dst] = None if mv is None else torch.frombuffer(mv, dtype=torch.uint8)

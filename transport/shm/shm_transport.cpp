@@ -1,5 +1,7 @@
 #include "shm_transport.h"
 
+#include "../src/endpoint_text.h"
+
 #include <errno.h>
 #include <signal.h>
 #include <string.h>
@@ -11,41 +13,6 @@ namespace portep {
 
 namespace {
 const char* kRegionTags[kNumRegions] = {"data", "signal"};
-
-// No iostreams in this library: an extension loaded next to another C++ runtime (torch's) can crash in
-// their locale machinery, as seen on the GPU machine's image.
-std::vector<std::string> split_lines(const std::string& s) {
-  std::vector<std::string> out;
-  size_t start = 0;
-  while (start < s.size()) {
-    size_t end = s.find('\n', start);
-    if (end == std::string::npos) end = s.size();
-    out.push_back(s.substr(start, end - start));
-    start = end + 1;
-  }
-  return out;
-}
-
-std::string to_hex(const std::string& bytes) {
-  static const char* digits = "0123456789abcdef";
-  std::string out;
-  for (unsigned char c : bytes) {
-    out += digits[c >> 4];
-    out += digits[c & 15];
-  }
-  return out;
-}
-
-std::string from_hex(const std::string& hex) {
-  auto nibble = [](char c) -> int {
-    if (c >= '0' && c <= '9') return c - '0';
-    if (c >= 'a' && c <= 'f') return c - 'a' + 10;
-    throw TransportError(std::string("shm: bad hex digit '") + c + "' in an endpoint description");
-  };
-  std::string out;
-  for (size_t i = 0; i + 1 < hex.size(); i += 2) out += char(nibble(hex[i]) << 4 | nibble(hex[i + 1]));
-  return out;
-}
 
 const char kIpcPrefix[] = "ipc:";
 
@@ -104,10 +71,12 @@ void* ShmTransport::alloc_region(RegionId region, size_t bytes) {
 
 std::string ShmTransport::endpoint_blob() {
   std::string out = std::to_string(getpid()) + "\n";
-  if (o_.device)  // the data region travels as an IPC handle
-    out += kIpcPrefix + to_hex(o_.device->export_region(device_data_)) + "\n" + std::to_string(device_data_bytes_) + "\n";
-  else
+  if (o_.device) {  // the data region travels as an IPC handle
+    const std::string handle = o_.device->export_region(device_data_);
+    out += kIpcPrefix + hex_encode(handle.data(), handle.size()) + "\n" + std::to_string(device_data_bytes_) + "\n";
+  } else {
     out += regions_[kRegionData].name() + "\n" + std::to_string(regions_[kRegionData].size()) + "\n";
+  }
   out += regions_[kRegionSignal].name() + "\n" + std::to_string(regions_[kRegionSignal].size()) + "\n";
   out += inbox_.name() + "\n" + std::to_string(inbox_.size()) + "\n";
   return out;
@@ -140,7 +109,7 @@ void ShmTransport::connect(const std::vector<std::string>& blobs) {
       peer.names.clear();
     } else {
       if (peer_on_device)
-        peer.data = static_cast<char*>(o_.device->open_peer_region(from_hex(f[1].substr(sizeof(kIpcPrefix) - 1))));
+        peer.data = static_cast<char*>(o_.device->open_peer_region(hex_decode(f[1].substr(sizeof(kIpcPrefix) - 1), "shm")));
       else
         peer.maps.push_back(ShmSegment::open(f[1], std::stoull(f[2])));
       peer.maps.push_back(ShmSegment::open(f[3], std::stoull(f[4])));

@@ -10,6 +10,8 @@
 
 #include <unordered_map>
 
+#include "../src/endpoint_text.h"
+
 namespace portep {
 
 namespace {
@@ -59,20 +61,10 @@ int env_int(const char* name, int fallback) {
   return v && *v ? atoi(v) : fallback;
 }
 
-std::string hex(const void* p, size_t n) {
-  static const char* d = "0123456789abcdef";
-  std::string out;
-  for (size_t i = 0; i < n; ++i) {
-    const uint8_t b = static_cast<const uint8_t*>(p)[i];
-    out += d[b >> 4];
-    out += d[b & 15];
-  }
-  return out;
-}
-
 void unhex(const std::string& s, void* out, size_t n) {
-  if (s.size() != 2 * n) throw TransportError("verbs: malformed endpoint description (hex field)");
-  for (size_t i = 0; i < n; ++i) static_cast<uint8_t*>(out)[i] = uint8_t(std::stoul(s.substr(2 * i, 2), nullptr, 16));
+  const std::string bytes = hex_decode(s, "verbs");
+  if (bytes.size() != n) throw TransportError("verbs: malformed endpoint description (hex field)");
+  memcpy(out, bytes.data(), n);
 }
 
 struct Region {
@@ -148,7 +140,7 @@ class VerbsTransport final : public Transport {
 
   // Lines: lid, gid, then per region "addr rkey bytes", then the QP numbers of (channel, peer, stripe).
   std::string endpoint_blob() override {
-    std::string out = std::to_string(port_attr_.lid) + "\n" + hex(&gid_, sizeof(gid_)) + "\n";
+    std::string out = std::to_string(port_attr_.lid) + "\n" + hex_encode(&gid_, sizeof(gid_)) + "\n";
     for (auto& r : regions_)
       out += std::to_string(reinterpret_cast<uintptr_t>(r.addr)) + " " + std::to_string(r.mr ? r.mr->rkey : 0) + " " +
              std::to_string(r.bytes) + "\n";
@@ -164,13 +156,7 @@ class VerbsTransport final : public Transport {
       if (!r.mr) throw TransportError("verbs: allocate the data and signal regions before connect()");
     remotes_.assign(size_t(o_.num_ranks), RemoteRegions{});
     for (int p = 0; p < o_.num_ranks; ++p) {
-      std::vector<std::string> f;
-      size_t start = 0;
-      while (start < blobs[p].size()) {
-        size_t end = blobs[p].find('\n', start);
-        f.push_back(blobs[p].substr(start, end - start));
-        start = end + 1;
-      }
+      const std::vector<std::string> f = split_lines(blobs[p]);
       const size_t qps = size_t(o_.num_channels) * o_.num_ranks * o_.qps_per_peer;
       if (f.size() != 4 + qps) throw TransportError("verbs: malformed endpoint description from rank " + std::to_string(p));
       const uint16_t lid = uint16_t(std::stoul(f[0]));
@@ -229,10 +215,8 @@ class VerbsTransport final : public Transport {
   }
 
   int poll_send(int channel, uint64_t* wr_ids, int max) override {
-    VerbsChannel& ch = at(channel);
     ibv_wc wc[kPollBatch];
-    const int n = ibv_poll_cq(ch.send_cq, max < kPollBatch ? max : kPollBatch, wc);
-    if (n < 0) fail("ibv_poll_cq (send)", errno);
+    const int n = poll_cq(at(channel).send_cq, max, wc, "ibv_poll_cq (send)");
     for (int i = 0; i < n; ++i) {
       auto [peer, qp] = owner(wc[i].qp_num);
       if (wc[i].status != IBV_WC_SUCCESS)
@@ -247,10 +231,8 @@ class VerbsTransport final : public Transport {
   }
 
   int poll_recv(int channel, RecvNotice* out, int max) override {
-    VerbsChannel& ch = at(channel);
     ibv_wc wc[kPollBatch];
-    const int n = ibv_poll_cq(ch.recv_cq, max < kPollBatch ? max : kPollBatch, wc);
-    if (n < 0) fail("ibv_poll_cq (recv)", errno);
+    const int n = poll_cq(at(channel).recv_cq, max, wc, "ibv_poll_cq (recv)");
     for (int i = 0; i < n; ++i) {
       auto [peer, qp] = owner(wc[i].qp_num);
       if (wc[i].status != IBV_WC_SUCCESS)
@@ -269,6 +251,13 @@ class VerbsTransport final : public Transport {
   }
 
  private:
+  // Up to min(max, kPollBatch) completions into wc.
+  static int poll_cq(ibv_cq* cq, int max, ibv_wc* wc, const char* what) {
+    const int n = ibv_poll_cq(cq, max < kPollBatch ? max : kPollBatch, wc);
+    if (n < 0) fail(what, errno);
+    return n;
+  }
+
   static void* alloc_pages(size_t bytes) {
     void* p = mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
     if (p == MAP_FAILED) fail("mmap of " + std::to_string(bytes) + " bytes", errno);
@@ -499,7 +488,7 @@ std::vector<std::string> verbs_device_summary() {
         out.push_back(dev + ":" + std::to_string(p) + " " + (pa.state == IBV_PORT_ACTIVE ? "active" : "down") +
                       ", link " + (pa.link_layer == IBV_LINK_LAYER_ETHERNET ? "Ethernet (RoCE)" : "InfiniBand") +
                       ", atomics " + (attr.atomic_cap == IBV_ATOMIC_NONE ? "no" : "yes") + ", GID[0] " +
-                      (has_gid ? hex(&gid, sizeof(gid)) : std::string("?")) + ", lid " + std::to_string(pa.lid) +
+                      (has_gid ? hex_encode(&gid, sizeof(gid)) : std::string("?")) + ", lid " + std::to_string(pa.lid) +
                       (dev.compare(0, 4, "efa_") == 0 ? ", EFA" : ""));
       }
     ibv_close_device(ctx);

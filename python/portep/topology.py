@@ -1,0 +1,35 @@
+"""Where each rank of an engine's group sits: nodes of `ranks_per_node` consecutive ranks (rank r is on node
+r // ranks_per_node). Shared by the host and CUDA engines."""
+
+import torch
+
+
+class Topology:
+    def __init__(self, group, ranks_per_node, max_local_experts):
+        self.group = group
+        self.rank = torch.distributed.get_rank(group)
+        self.num_ranks = torch.distributed.get_world_size(group)
+        if ranks_per_node < 1 or self.num_ranks % ranks_per_node:
+            raise ValueError(f"num_ranks_per_node={ranks_per_node} must divide the group size {self.num_ranks}")
+        self.ranks_per_node = ranks_per_node
+        self.num_nodes = self.num_ranks // ranks_per_node
+        self.max_local_experts = max_local_experts
+
+    def node_of(self, r):
+        return r // self.ranks_per_node
+
+    def local_of(self, r):
+        return r % self.ranks_per_node
+
+    @property
+    def node(self):
+        return self.node_of(self.rank)
+
+    def node_ranks(self, node=None):
+        node = self.node if node is None else node
+        return range(node * self.ranks_per_node, (node + 1) * self.ranks_per_node)
+
+    def forwarder(self, node, local_index=None):
+        """The rank of `node` that relays HT traffic from ranks with this local index."""
+        local_index = self.local_of(self.rank) if local_index is None else local_index
+        return node * self.ranks_per_node + local_index
