@@ -30,16 +30,18 @@ for m in {modules}; do insmod /modules/$m.ko || echo "insmod $m failed"; done
 mkdir -p /host
 mount -t 9p -o trans=virtio,version=9p2000.L,ro,msize=262144 hostroot /host
 mount -t proc proc /host/proc; mount -t sysfs sys /host/sys; mount -t devtmpfs dev /host/dev
-mkdir -p /host/dev/shm; mount -t tmpfs shm /host/dev/shm; mount -t tmpfs tmp /host/tmp
-mkdir -p /host/tmp/portep-out
-mount -t 9p -o trans=virtio,version=9p2000.L,msize=262144 out /host/tmp/portep-out
-chroot /host /bin/sh /tmp/portep-out/guest.sh > /host/tmp/portep-out/output.txt 2>&1
-echo $? > /host/tmp/portep-out/rc
+mkdir -p /host/dev/shm; mount -t tmpfs shm /host/dev/shm
+# Scratch space on /run, not /tmp: a tmpfs over /tmp would hide a checkout that lives there.
+mount -t tmpfs run /host/run
+mkdir -p /host/run/portep-out /host/run/portep-tmp
+mount -t 9p -o trans=virtio,version=9p2000.L,msize=262144 out /host/run/portep-out
+chroot /host /bin/sh /run/portep-out/guest.sh > /host/run/portep-out/output.txt 2>&1
+echo $? > /host/run/portep-out/rc
 poweroff -f
 """
 
 GUEST_SH = """set -e
-export HOME=/tmp PYTHONDONTWRITEBYTECODE=1 GLOO_SOCKET_IFNAME=lo PATH={path}
+export HOME=/run/portep-tmp TMPDIR=/run/portep-tmp PYTHONDONTWRITEBYTECODE=1 GLOO_SOCKET_IFNAME=lo PATH={path}
 ip link set lo up
 ip link add veth0 type veth peer name veth1
 ip link set veth0 up; ip link set veth1 up
