@@ -38,6 +38,7 @@ struct LLCommon {
   uint64_t* fifo_tails;         // device array [num_fifos]: shared cached tails
   int num_fifos;
   uint32_t* finish;             // device scratch, zero between calls: [E] (dispatch) / [E_l] (combine)
+                                //   + [E]: blocks of the combine's receive kernel done
   LLError* error;
   uint64_t timeout_ns;
   int num_sms;

@@ -13,9 +13,7 @@ namespace {
 constexpr int kMaxPartsPerExpert = 8;
 
 PORTEP_DEVICE void copy_row(uint8_t* dst, const uint8_t* src, int bytes) {
-  const uint4* s = reinterpret_cast<const uint4*>(src);
-  uint4* d = reinterpret_cast<uint4*>(dst);
-  for (int j = lane_id(); j < bytes / 16; j += kWarpSize) d[j] = s[j];
+  warp_copy16(reinterpret_cast<uint4*>(dst), reinterpret_cast<const uint4*>(src), bytes / 16);
 }
 
 // Rows of (local expert le, source src) are written: publish them to src.
@@ -81,38 +79,78 @@ __global__ void __launch_bounds__(kLLThreads) combine_wait_kernel(LLCombineArgs 
     take_signal(c, e / c.num_local_experts, e, e % c.num_local_experts, [] { return 1u; }, a.wait_stats);
 }
 
-// One block per token: warp 0 finds its K rows, the block reduces them chunk by chunk.
-__global__ void __launch_bounds__(kLLThreads) combine_reduce_kernel(LLCombineArgs a) {
+// Waits (without consuming it) until expert e's rows have arrived; false after the timeout (reported).
+PORTEP_DEVICE bool wait_expert_rows(const LLCommon& c, int e) {
+  const int src = e / c.num_local_experts;
+  uint64_t v = 0, waited = 0;
+  bool ok;
+  if (c.peers[src]) {
+    const uint32_t* flag = reinterpret_cast<const uint32_t*>(c.local + c.flag_off) + e;
+    ok = wait_until([&] { return uint64_t(ld_acquire_sys_u32(flag)); }, [](uint64_t x) { return x != 0; },
+                    c.timeout_ns, &v, &waited);
+  } else {
+    const uint64_t* slot = c.host_signals + uint64_t(src) * c.num_streams + c.stream_base +
+                           uint32_t(e % c.num_local_experts);
+    ok = wait_until([&] { return ld_acquire_sys_u64(slot); }, [](uint64_t x) { return (x >> 32) != 0; },
+                    c.timeout_ns, &v, &waited, 200);
+  }
+  if (!ok) report_error(c.error, kErrWaitTimeout, uint32_t(c.rank), uint32_t(src), uint32_t(e));
+  return ok;
+}
+
+// Every expert's signal of this call was read: back to zero for the next call on this half.
+PORTEP_DEVICE void reset_combine_signals(const LLCommon& c) {
+  for (int e = threadIdx.x; e < c.num_experts; e += blockDim.x) {
+    const int src = e / c.num_local_experts;
+    if (c.peers[src])
+      reinterpret_cast<uint32_t*>(c.local + c.flag_off)[e] = 0;
+    else
+      st_relaxed_sys_u64(c.host_signals + uint64_t(src) * c.num_streams + c.stream_base +
+                             uint32_t(e % c.num_local_experts), 0);
+  }
+}
+
+// acc[q] += w * x[q] for the 8 BF16 values of v, rounded twice and never fused (the host's arithmetic).
+PORTEP_DEVICE void accumulate_row(float* acc, const uint4& v, float w) {
+  const uint32_t words[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+  for (int q = 0; q < 8; ++q)
+    acc[q] = __fadd_rn(acc[q], __fmul_rn(w, bf16_to_f32(uint16_t(words[q / 2] >> (16 * (q % 2))))));
+}
+
+// One block per token: the block finds its K rows, waits for their experts (unless a wait kernel already
+// consumed every signal), then reduces them chunk by chunk in top-k order. The last block to finish resets
+// the signals.
+__global__ void __launch_bounds__(kLLThreads) combine_reduce_kernel(LLCombineArgs a, bool waited) {
   __shared__ const uint4* rows[kWarpSize];
   __shared__ float weights[kWarpSize];
+  __shared__ int tok_experts[kWarpSize];
+  __shared__ uint32_t tok_slots[kWarpSize];
   const LLCommon& c = a.c;
-  const int K = a.num_topk, H = c.hidden, lane = lane_id();
+  const int K = a.num_topk, H = c.hidden;
   for (int t = int(blockIdx.x); t < a.num_tokens; t += int(gridDim.x)) {
-    if (threadIdx.x < kWarpSize) {
-      const int my_expert = expert_of(a.topk_idx, t, K, c.num_experts);
-      const int my_slot = selection_slot(a.topk_idx, t, K, my_expert);
-      if (lane < K) {
-        const bool valid = my_expert >= 0 && my_slot >= 0 && my_slot < c.T;
-        rows[lane] = valid ? reinterpret_cast<const uint4*>(c.local + c.recv_off + (uint64_t(my_expert) * c.T + my_slot) *
-                                                            c.comb_pitch)
-                           : nullptr;
-        weights[lane] = a.topk_weights[uint64_t(t) * K + lane];
-      }
+    token_selections(a.topk_idx, t, K, c.num_experts, tok_experts, tok_slots);
+    if (int(threadIdx.x) < K) {
+      const int k = int(threadIdx.x), e = tok_experts[k];
+      const uint32_t slot = tok_slots[k];
+      const bool valid = e >= 0 && slot < uint32_t(c.T) && (waited || wait_expert_rows(c, e));
+      rows[k] = valid ? reinterpret_cast<const uint4*>(c.local + c.recv_off + (uint64_t(e) * c.T + slot) *
+                                                                                    c.comb_pitch)
+                      : nullptr;
+      weights[k] = a.topk_weights[uint64_t(t) * K + k];
     }
     __syncthreads();
     uint4* out = reinterpret_cast<uint4*>(static_cast<uint8_t*>(a.out) + uint64_t(t) * a.out_pitch);
     for (int j = threadIdx.x; j < H / 8; j += blockDim.x) {
       float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
-      for (int k = 0; k < K; ++k) {
-        if (!rows[k]) continue;
-        const uint4 v = rows[k][j];
-        const float w = weights[k];
-        const uint32_t words[4] = {v.x, v.y, v.z, v.w};
+      for (int k0 = 0; k0 < K; k0 += 8) {  // the loads of up to 8 rows are in flight together
+        uint4 v[8];
 #pragma unroll
-        for (int q = 0; q < 8; ++q) {  // acc += w * x, rounded twice, never fused (the host's arithmetic)
-          const float x = bf16_to_f32(uint16_t(words[q / 2] >> (16 * (q % 2))));
-          acc[q] = __fadd_rn(acc[q], __fmul_rn(w, x));
-        }
+        for (int q = 0; q < 8; ++q)
+          v[q] = k0 + q < K && rows[k0 + q] ? rows[k0 + q][j] : make_uint4(0, 0, 0, 0);
+#pragma unroll
+        for (int q = 0; q < 8; ++q)
+          if (k0 + q < K && rows[k0 + q]) accumulate_row(acc, v[q], weights[k0 + q]);
       }
       uint32_t packed[4];
 #pragma unroll
@@ -121,6 +159,20 @@ __global__ void __launch_bounds__(kLLThreads) combine_reduce_kernel(LLCombineArg
       out[j] = make_uint4(packed[0], packed[1], packed[2], packed[3]);
     }
     __syncthreads();  // rows/weights are rewritten for the next token
+  }
+  if (waited) return;
+  // Every block has read its signals before it counts itself done; the last one resets them all.
+  __shared__ bool last;
+  if (threadIdx.x == 0) {
+    fence_gpu();
+    uint32_t* done = c.finish + c.num_experts;
+    last = atomic_add_relaxed_gpu_u32(done, 1u) + 1 == gridDim.x;
+    if (last) *done = 0;
+  }
+  __syncthreads();
+  if (last) {
+    fence_gpu();
+    reset_combine_signals(c);
   }
 }
 
@@ -135,12 +187,17 @@ int ll_combine_send(const LLCombineArgs& a) {
 }
 
 int ll_combine_recv(const LLCombineArgs& a) {
-  combine_wait_kernel<<<1, kLLThreads, 0, static_cast<cudaStream_t>(a.c.stream)>>>(a);
-  if (cudaError_t e = cudaGetLastError(); e != cudaSuccess) return int(e);
+  // With wait statistics a single-block kernel waits for (and consumes) every signal and times each source;
+  // without, each reducing block waits for its own token's experts only.
+  const bool wait_first = a.wait_stats != nullptr;
+  if (wait_first) {
+    combine_wait_kernel<<<1, kLLThreads, 0, static_cast<cudaStream_t>(a.c.stream)>>>(a);
+    if (cudaError_t e = cudaGetLastError(); e != cudaSuccess) return int(e);
+  }
   if (a.num_topk > kWarpSize) return int(cudaErrorInvalidValue);
   int blocks = a.num_tokens < 1 ? 1 : a.num_tokens;
   blocks = blocks > 4 * a.c.num_sms ? 4 * a.c.num_sms : blocks;
-  combine_reduce_kernel<<<blocks, kLLThreads, 0, static_cast<cudaStream_t>(a.c.stream)>>>(a);
+  combine_reduce_kernel<<<blocks, kLLThreads, 0, static_cast<cudaStream_t>(a.c.stream)>>>(a, wait_first);
   return int(cudaGetLastError());
 }
 

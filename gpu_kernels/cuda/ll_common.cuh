@@ -34,29 +34,40 @@ PORTEP_DEVICE uint16_t f32_to_bf16(float f) {  // round to nearest even, NaN kep
 
 PORTEP_DEVICE int lane_id() { return int(threadIdx.x) % kWarpSize; }
 
-// Lane k < K: expert of selection (t, k), or -1 for none and for entries outside [0, E) (reported elsewhere).
-PORTEP_DEVICE int expert_of(const int64_t* idx, int t, int K, int E) {
-  const int lane = lane_id();
-  if (lane >= K) return -1;
-  const int64_t e = idx[uint64_t(t) * K + lane];
-  return e >= 0 && e < E ? int(e) : -1;
+// Token t's selections, for the whole block: experts[k] is the expert of selection (t, k) (-1 for none and for
+// entries outside [0, E), reported elsewhere) and slots[k] its rank among all selections of that expert in
+// row-major (token, k) order. One block-wide pass over the earlier entries; ends with __syncthreads().
+// experts and slots are shared arrays of kWarpSize entries.
+PORTEP_DEVICE void token_selections(const int64_t* idx, int t, int K, int E, int* experts, uint32_t* slots) {
+  if (int(threadIdx.x) < K) {
+    const int64_t e = idx[uint64_t(t) * K + threadIdx.x];
+    experts[threadIdx.x] = e >= 0 && e < E ? int(e) : -1;
+    slots[threadIdx.x] = 0;
+  }
+  __syncthreads();
+  const int first = t * K;
+  for (int j = int(threadIdx.x); j < first + K - 1; j += int(blockDim.x)) {
+    const int64_t e = idx[j];
+    if (e < 0 || e >= E) continue;
+    for (int k = 0; k < K; ++k)
+      if (experts[k] == int(e) && j < first + k) atomicAdd(&slots[k], 1u);
+  }
+  __syncthreads();
 }
 
-// Slot of selection (t, lane) for lanes < K: its rank among all selections of the same expert in row-major
-// (token, k) order. Warp-cooperative; lanes >= K (and invalid selections) get -1.
-PORTEP_DEVICE int selection_slot(const int64_t* idx, int t, int K, int my_expert) {
-  const int lane = lane_id();
-  int my_slot = -1;
-  for (int k = 0; k < K; ++k) {
-    const int e = warp_broadcast_i32(my_expert, k);
-    if (e < 0) continue;
-    const int before = t * K + k;
-    int n = 0;
-    for (int j = lane; j < before; j += kWarpSize) n += int(idx[j] == e);
-    n = warp_sum_i32(n);
-    if (lane == k) my_slot = n;
+// Warp-cooperative copy of n16 16-byte words. Each lane issues up to kCopyUnroll loads before their stores:
+// a load-store pair per iteration would wait out a memory round trip each time.
+constexpr int kCopyUnroll = 8;
+PORTEP_DEVICE void warp_copy16(uint4* __restrict__ dst, const uint4* __restrict__ src, int n16) {
+  int j = lane_id();
+  for (; j + (kCopyUnroll - 1) * kWarpSize < n16; j += kCopyUnroll * kWarpSize) {
+    uint4 v[kCopyUnroll];
+#pragma unroll
+    for (int u = 0; u < kCopyUnroll; ++u) v[u] = src[j + u * kWarpSize];
+#pragma unroll
+    for (int u = 0; u < kCopyUnroll; ++u) dst[j + u * kWarpSize] = v[u];
   }
-  return my_slot;
+  for (; j < n16; j += kWarpSize) dst[j] = src[j];
 }
 
 // Waits until pred(load()) with a timeout; returns the last value loaded and whether it timed out. backoff_ns

@@ -74,11 +74,13 @@ PORTEP_DEVICE void write_payloads(const LLDispatchArgs& a, int t, uint8_t* const
   }
 }
 
-// One block per token: warp 0 finds the K destinations and writes the headers, the block writes the payloads,
-// then warp 0 counts the messages in and the lane completing an expert publishes it.
+// One block per token: the block finds the K destinations and their slots, warp 0 writes the headers, the
+// block writes the payloads, then warp 0 counts the messages in and the lane completing an expert publishes it.
 __global__ void __launch_bounds__(kLLThreads) dispatch_send_kernel(LLDispatchArgs a) {
   extern __shared__ uint32_t hist[];  // [E]: selections per expert, over all tokens
   __shared__ uint8_t* msgs[kWarpSize];
+  __shared__ int tok_experts[kWarpSize];
+  __shared__ uint32_t tok_slots[kWarpSize];
   const LLCommon& c = a.c;
   const int E = c.num_experts, K = a.num_topk, N = a.num_tokens, lane = lane_id();
   const bool warp0 = threadIdx.x < kWarpSize;
@@ -97,33 +99,35 @@ __global__ void __launch_bounds__(kLLThreads) dispatch_send_kernel(LLDispatchArg
     if (hist[e] == 0) publish_expert(c, e, 0);  // nobody selected it: its stream ends empty
 
   for (int t = int(blockIdx.x); t < N; t += int(gridDim.x)) {
-    int my_expert = -1, my_slot = -1;
+    token_selections(a.topk_idx, t, K, E, tok_experts, tok_slots);
+    int my_expert = -1;
     bool valid = false;
     if (warp0) {
-      my_expert = expert_of(a.topk_idx, t, K, E);
-      my_slot = selection_slot(a.topk_idx, t, K, my_expert);
-      const bool mine = my_expert >= 0 && my_slot >= 0;
-      if (mine && my_slot >= c.T)
+      my_expert = lane < K ? tok_experts[lane] : -1;
+      const uint32_t slot = lane < K ? tok_slots[lane] : 0;
+      if (my_expert >= 0 && slot >= uint32_t(c.T))
         report_error(c.error, kErrSlotOverflow, uint32_t(c.rank), uint32_t(t), uint32_t(my_expert));
-      valid = mine && my_slot < c.T;
-      uint8_t* m = valid ? message_address(c, my_expert, my_slot) : nullptr;
+      valid = my_expert >= 0 && slot < uint32_t(c.T);
+      uint8_t* m = valid ? message_address(c, my_expert, int(slot)) : nullptr;
       if (valid) *reinterpret_cast<int4*>(m) = make_int4(t, int(hist[my_expert]), 0, 0);
       if (lane < K) msgs[lane] = m;
     }
     __syncthreads();
     write_payloads(a, t, msgs, K);
-    // Every thread's stores are ordered before the finish count that lets some lane publish them.
-    fence_sys();
     __syncthreads();
-    if (valid) {
-      const uint32_t done = atomic_add_relaxed_gpu_u32(&c.finish[my_expert], 1u) + 1;
-      if (done == hist[my_expert]) {
-        c.finish[my_expert] = 0;  // every add of this call is in: ready for the next call
-        fence_gpu();
-        publish_expert(c, my_expert, done);
+    if (warp0) {
+      // The barrier put every thread's stores before this fence, which (cumulatively) orders them before the
+      // finish count that lets some lane publish them.
+      fence_sys();
+      if (valid) {
+        const uint32_t done = atomic_add_relaxed_gpu_u32(&c.finish[my_expert], 1u) + 1;
+        if (done == hist[my_expert]) {
+          c.finish[my_expert] = 0;  // every add of this call is in: ready for the next call
+          fence_gpu();
+          publish_expert(c, my_expert, done);
+        }
       }
     }
-    __syncthreads();  // msgs is rewritten for the next token
   }
 }
 
@@ -165,12 +169,10 @@ __global__ void __launch_bounds__(kLLThreads) dispatch_recv_kernel(LLDispatchArg
     const uint4* payload = reinterpret_cast<const uint4*>(msg + 16);
     const uint64_t row = uint64_t(le) * M + i;
     if (!a.use_fp8) {
-      uint4* out = reinterpret_cast<uint4*>(static_cast<uint8_t*>(a.recv_x) + row * 2 * H);
-      for (int j = lane; j < H / 8; j += kWarpSize) out[j] = payload[j];
+      warp_copy16(reinterpret_cast<uint4*>(static_cast<uint8_t*>(a.recv_x) + row * 2 * H), payload, H / 8);
       continue;
     }
-    uint4* out = reinterpret_cast<uint4*>(static_cast<uint8_t*>(a.recv_x) + row * H);
-    for (int j = lane; j < H / 16; j += kWarpSize) out[j] = payload[j];
+    warp_copy16(reinterpret_cast<uint4*>(static_cast<uint8_t*>(a.recv_x) + row * H), payload, H / 16);
     const float* scales = reinterpret_cast<const float*>(msg + 16 + H);
     if (a.use_ue8m0) {  // exponent bytes of 4 consecutive groups per int32 (scales are powers of two)
       for (int q = lane; q < S / 4; q += kWarpSize) {

@@ -4,6 +4,7 @@
 #include <chrono>
 #include <condition_variable>
 
+#include "portep/backoff.h"
 #include "portep/inflight.h"
 #include "portep/pending_signals.h"
 #include "portep/proxy.h"
@@ -41,6 +42,7 @@ class ProxyThread {
   uint64_t post_with_retry(uint64_t bytes, const char* what, int peer, PostFn&& post);
   void wait_retired_past(uint64_t seq, const char* what, int peer);
   void wait_idle(const char* what);
+  IdleWaiter idle_waiter() const;
   bool progress();  // completions + notifications; true if anything happened
   void apply_notice(const RecvNotice& n);
   [[noreturn]] void timeout_error(const char* what, int peer);

@@ -1,5 +1,9 @@
 #include <thread>
 
+#if defined(__linux__)
+#include <sys/prctl.h>
+#endif
+
 #include "portep/backoff.h"
 #include "portep/imm.h"
 #include "proxy_impl.h"
@@ -11,7 +15,18 @@ using Clock = std::chrono::steady_clock;
 constexpr int kPopBatch = 64;
 constexpr int kPollBatch = 256;
 
+// Short sleeps of an idle proxy end when asked, not up to 50 us later (Linux's default timer slack).
+void set_short_timer_slack() {
+#ifdef PR_SET_TIMERSLACK
+  prctl(PR_SET_TIMERSLACK, 1000UL, 0, 0, 0);  // best effort: a refusal only costs latency
+#endif
+}
+
 }  // namespace
+
+IdleWaiter ProxyThread::idle_waiter() const {
+  return IdleWaiter(kIdleProxy, std::chrono::nanoseconds(int64_t(g_->cfg.idle_spin_us * 1e3)));
+}
 
 ProxyThread::ProxyThread(ProxyGroupImpl* g, int index)
     : g_(g),
@@ -26,7 +41,8 @@ ProxyThread::ProxyThread(ProxyGroupImpl* g, int index)
 }
 
 void ProxyThread::run() {
-  uint32_t idle = 0;
+  set_short_timer_slack();
+  IdleWaiter idle = idle_waiter();
   try {
     while (!g_->stop_flag.load(std::memory_order_acquire)) {
       int popped = 0;
@@ -42,13 +58,13 @@ void ProxyThread::run() {
       }
       bool moved = progress();
       if (popped || moved) {
-        idle = 0;
+        idle.reset();
         continue;
       }
       for (int f : fifos_)
         if (__atomic_load_n(g_->view(f).error_flag, __ATOMIC_ACQUIRE))
           throw std::runtime_error("a producer of FIFO " + std::to_string(f) + " timed out waiting for room");
-      backoff(kIdleProxy, ++idle);
+      idle.wait();
     }
   } catch (const std::exception& e) {
     g_->latch("rank " + std::to_string(g_->cfg.rank) + " proxy thread " + std::to_string(index_) + ": " + e.what());
@@ -72,13 +88,13 @@ void ProxyThread::handle(const TransferCmd& cmd, int fifo) {
 template <class PostFn>
 uint64_t ProxyThread::post_with_retry(uint64_t bytes, const char* what, int peer, PostFn&& post) {
   const auto start = Clock::now();
-  uint32_t idle = 0;
+  IdleWaiter idle = idle_waiter();
   for (uint64_t iter = 1;; ++iter) {
     if (inflight_.has_room(bytes)) {
       const uint64_t seq = inflight_.posted();
       if (post(seq)) return inflight_.on_post(bytes);
     }
-    if (progress()) idle = 0; else backoff(kIdleProxy, ++idle);
+    if (progress()) idle.reset(); else idle.wait();
     if ((iter & 63) == 0 && Clock::now() - start > timeout_) timeout_error(what, peer);
   }
 }
@@ -169,9 +185,9 @@ void ProxyThread::handle_barrier(const CmdFields& f, int fifo) {
 
 void ProxyThread::wait_retired_past(uint64_t seq, const char* what, int peer) {
   const auto start = Clock::now();
-  uint32_t idle = 0;
+  IdleWaiter idle = idle_waiter();
   for (uint64_t iter = 1; inflight_.retired() <= seq; ++iter) {
-    if (progress()) idle = 0; else backoff(kIdleProxy, ++idle);
+    if (progress()) idle.reset(); else idle.wait();
     if ((iter & 63) == 0 && Clock::now() - start > timeout_) timeout_error(what, peer);
   }
 }
@@ -190,6 +206,7 @@ bool ProxyThread::progress() {
   for (int i = 0; i < m; ++i) apply_notice(notices[i]);
   stats.notices += uint64_t(m);
   stats.held_signals = pending_.held();
+  stats.in_flight = inflight_.posted() - inflight_.retired();
   return n + m > 0;
 }
 

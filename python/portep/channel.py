@@ -8,6 +8,8 @@ every transport (ordered ones natively, unordered ones through the ordering prot
 adds 2**32, so `slot >> 32` counts finished streams.
 """
 
+import os
+
 from ._native import require_native
 from .bootstrap import all_gather_objects, collective_step, group_rank_and_size
 from .config import DEFAULT_TIMEOUT_S, timeout_from_env, transport_from_env
@@ -34,6 +36,21 @@ def _check_int(name, value, low, high):
     return value
 
 
+def _idle_spin_us(value, device):
+    if value is None:
+        env = os.environ.get("PORTEP_PROXY_SPIN_US")
+        if env is not None:
+            try:
+                value = float(env)
+            except ValueError:
+                raise ValueError(f"PORTEP_PROXY_SPIN_US={env!r} is not a number of microseconds") from None
+        else:
+            value = 1000.0 if isinstance(device, int) and not isinstance(device, bool) else 0.0
+    if not 0 <= value <= 1e6:
+        raise ValueError(f"idle_spin_us={value} must be within [0, 1e6] microseconds")
+    return float(value)
+
+
 class Channel:
     """Registered memory on every rank of `group` plus the proxies that move it.
 
@@ -53,11 +70,16 @@ class Channel:
             by the proxies with copy-engine copies); None: host memory; "emulated": host memory behind the same
             GPU path (copies on worker threads, some delayed), to test that path without a GPU.
         device_fifos: a native DeviceFifoSet whose FIFOs kernels push into, served by the proxy threads.
+        idle_spin_us: how long an idle proxy thread busy-polls before it yields and sleeps (default
+            $PORTEP_PROXY_SPIN_US, else 1000 on a CUDA device, where a sleeping proxy adds its wake-up time to
+            every hop of a kernel's command, and 0 on the host, where spinning threads take the CPUs the ranks
+            need).
     """
 
     def __init__(self, group=None, nbytes=1 << 20, *, transport=None, num_streams=64, num_proxy_threads=4,
                  num_fifos=32, fifo_capacity=4096, max_inflight_cmds=512, max_inflight_bytes=64 << 20,
-                 timeout_s=None, unordered_window=64, seed=0, device=None, device_fifos=None, _skip_ordering=False):
+                 timeout_s=None, unordered_window=64, seed=0, device=None, device_fifos=None, idle_spin_us=None,
+                 _skip_ordering=False):
         native = require_native()
         self.group = group
         self.rank, self.num_ranks = group_rank_and_size(group)
@@ -84,7 +106,7 @@ class Channel:
             num_proxy_threads=num_proxy_threads, num_fifos=num_fifos, fifo_capacity=fifo_capacity,
             num_streams=num_streams, max_inflight_cmds=max_inflight_cmds, max_inflight_bytes=max_inflight_bytes,
             timeout_s=self.timeout_s, unordered_window=unordered_window, seed=seed, skip_ordering=_skip_ordering,
-            device=_device_code(device))
+            device=_device_code(device), idle_spin_us=_idle_spin_us(idle_spin_us, device))
         self.device = device
         try:
             if device_fifos is not None:  # kernels push into these; the proxies serve them with the host FIFOs

@@ -9,12 +9,14 @@ which copy with the copy engines and deliver the signal into the host signal slo
 Kernels run on the current stream. A kernel that times out records the failure in mapped host memory; the next
 call (or `check_error()`) raises it.
 
-Proxy path caveat (shm on GPUs only): the proxy threads issue their copies with CUDA runtime calls, and a thread
-that waits device-wide (`torch.cuda.synchronize()` = cudaDeviceSynchronize) or copies to pageable host memory
-(`tensor.cpu()`, `.item()`) while an LL receive kernel still waits for a peer can hold those calls up until the
-kernel times out (each rank's proxies wait for its main thread, each main thread for the other rank's proxies).
-Wait on the stream instead (`torch.cuda.current_stream().synchronize()`, events) before reading results back.
-NIC transports do not call CUDA from the proxies.
+Proxy path caveat (shm on GPUs only): the proxy threads issue their copies with CUDA runtime calls, and while
+any thread of the process copies between the GPU and pageable host memory (`tensor.cpu()`, `.item()`,
+`.tolist()`, `.cuda()` of an unpinned tensor), every other thread's CUDA calls wait for that copy (measured on the
+H200 machine: a copy queued behind a 1 s kernel held another thread's cudaMemcpyAsync/cudaEventQuery for the
+whole second; stream, event and device synchronization did not). A pageable copy queued behind an LL receive
+kernel therefore stops this rank's proxies, and the peer's kernel, which waits for them, times out. Wait on the
+stream first (`torch.cuda.current_stream().synchronize()`, events), then copy. NIC transports do not call CUDA
+from the proxies.
 """
 
 import ctypes
@@ -49,6 +51,13 @@ class CudaEvent:
 
     def synchronize(self):
         self.event.synchronize()
+
+
+def _current_raw_stream(device_index):
+    """The current stream's cudaStream_t (torch's raw accessor skips building a Stream object, which costs
+    microseconds per call; the public route is the fallback)."""
+    raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+    return raw(device_index) if raw is not None else torch.cuda.current_stream(device_index).cuda_stream
 
 
 def _as_tensor(ptr, nbytes, device):
@@ -88,7 +97,7 @@ class CudaEngine(Topology):
                              if d == self.rank or (allow_direct_ll and self.node_of(d) == self.node)]
         peers = [ch.peer_data_ptr(d) if d in self.direct_ranks else 0 for d in range(self.num_ranks)]
         self._peers = torch.tensor(peers, dtype=torch.int64, device=self.device)
-        self._finish = torch.zeros(self.flag_slots, dtype=torch.int32, device=self.device)
+        self._finish = torch.zeros(self.flag_slots + 1, dtype=torch.int32, device=self.device)
         self._error_host, error_device = self.native.cuda_host_alloc_mapped(16)
         self._error = (ctypes.c_uint32 * 4).from_address(self._error_host)
         num_sms = torch.cuda.get_device_properties(self.device).multi_processor_count
@@ -108,11 +117,18 @@ class CudaEngine(Topology):
         code = self._error[0]
         if code:
             rank, src, index = self._error[1], self._error[2], self._error[3]
-            moved = {k: sum(s[k] for s in self.channel.stats()) for k in ("commands", "writes", "signals", "notices")}
+            moved = {k: sum(s[k] for s in self.channel.stats())
+                     for k in ("commands", "writes", "signals", "notices", "held_signals", "signals_delayed",
+                               "in_flight")}
             where = (f"token {src}, value {ctypes.c_int32(index).value}" if code == 4 else
                      f"peer rank {src}, index {index}, within {self.timeout_s} s")
+            slots = ""
+            if code == 1 and 0 <= src < self.num_ranks:  # the LL signal slots from that peer that are not zero
+                row = self.channel.signals[src, hb.STREAM_LL_BASE:hb.STREAM_LL_BASE + 4 * self.max_local_experts]
+                live = [(int(i), hex(int(row[i]))) for i in row.nonzero().flatten()[:8]]
+                slots = f"; LL signal slots from rank {src} not zero (stream offset, value): {live}"
             raise RuntimeError(f"rank {rank}: a low-latency kernel failed: {ERROR_NAMES.get(code, code)} ({where}); "
-                               f"the Buffer's results are invalid (this rank's proxies so far: {moved})")
+                               f"the Buffer's results are invalid (this rank's proxies so far: {moved}{slots})")
 
     # ---- layout ----
     def _layout(self, T, H, E):
@@ -134,7 +150,7 @@ class CudaEngine(Topology):
             stream_base = hb.STREAM_LL_BASE + (half * 2 + phase) * self.max_local_experts
             shape = self._shapes[key] = (lay.T, lay.H, lay.E, lay.send_off(half), lay.recv_off(half),
                                                  flag_off, lay.disp, lay.comb, stream_base)
-        return shape + (torch.cuda.current_stream().cuda_stream,)
+        return shape + (_current_raw_stream(self.device.index),)
 
     # ---- the API the Buffer calls ----
     def get_dispatch_layout(self, topk_idx, num_experts):
@@ -147,7 +163,7 @@ class CudaEngine(Topology):
         self.native.cuda_dispatch_layout(topk_idx.data_ptr(), N, K, num_experts, R, self.ranks_per_node,
                                          per_rank.data_ptr(), 0 if per_node is None else per_node.data_ptr(),
                                          per_expert.data_ptr(), in_rank.data_ptr(),
-                                         torch.cuda.current_stream(self.device).cuda_stream)
+                                         _current_raw_stream(self.device.index))
         return per_rank, per_node, per_expert, in_rank
 
     def dispatch(self, *args, **kwargs):

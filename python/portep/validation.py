@@ -31,14 +31,20 @@ def _format_dim(dim):
 
 
 def _check_shape(name, tensor, shape):
-    """shape: entries None (any), an int, or (label, int or None)."""
-    expected = "[" + ", ".join(_format_dim(d) for d in shape) + "]"
-    if tensor.dim() != len(shape):
-        raise ValueError(f"{name} has shape {list(tensor.shape)}; it must be {len(shape)}-D {expected}")
-    for actual, dim in zip(tensor.shape, shape):
-        want = dim[1] if isinstance(dim, tuple) else dim
-        if want is not None and actual != want:
-            raise ValueError(f"{name} has shape {list(tensor.shape)}; it must be {expected}")
+    """shape: entries None (any), an int, or (label, int or None). The message is built only on failure (this
+    runs on every call)."""
+    actual_shape = tensor.shape
+    ok = len(actual_shape) == len(shape)
+    if ok:
+        for actual, dim in zip(actual_shape, shape):
+            want = dim[1] if isinstance(dim, tuple) else dim
+            if want is not None and actual != want:
+                ok = False
+                break
+    if not ok:
+        expected = "[" + ", ".join(_format_dim(d) for d in shape) + "]"
+        rank_note = f"{len(shape)}-D " if len(actual_shape) != len(shape) else ""
+        raise ValueError(f"{name} has shape {list(actual_shape)}; it must be {rank_note}{expected}")
 
 
 def check_tensor(name, tensor, *, dtypes=None, shape=None, contiguous=True, device=CPU):

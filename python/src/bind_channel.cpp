@@ -13,7 +13,8 @@ namespace {
 std::unique_ptr<Channel> make_channel(int rank, int num_ranks, uint64_t nbytes, const std::string& transport,
                                       int num_proxy_threads, int num_fifos, uint32_t fifo_capacity, uint32_t num_streams,
                                       uint32_t max_inflight_cmds, uint64_t max_inflight_bytes, double timeout_s,
-                                      uint32_t unordered_window, uint64_t seed, bool skip_ordering, int device) {
+                                      uint32_t unordered_window, uint64_t seed, bool skip_ordering, int device,
+                                      double idle_spin_us) {
   ChannelOptions o;
   o.transport.device = device;
   o.data_bytes = nbytes;
@@ -30,6 +31,7 @@ std::unique_ptr<Channel> make_channel(int rank, int num_ranks, uint64_t nbytes, 
   o.proxy.max_inflight_bytes = max_inflight_bytes;
   o.proxy.timeout_s = timeout_s;
   o.proxy.skip_ordering = skip_ordering;
+  o.proxy.idle_spin_us = idle_spin_us;
   return std::make_unique<Channel>(o);
 }
 
@@ -52,6 +54,7 @@ py::dict stats_dict(const ProxyThreadStats& s) {
   d["bytes"] = s.bytes;
   d["notices"] = s.notices;
   d["held_signals"] = s.held_signals;
+  d["in_flight"] = s.in_flight;
   d["signals_delayed"] = s.signals_delayed;
   return d;
 }
@@ -62,7 +65,8 @@ void bind_channel(py::module_& m) {
       .def(py::init(&make_channel), py::arg("rank"), py::arg("num_ranks"), py::arg("nbytes"), py::arg("transport"),
            py::arg("num_proxy_threads"), py::arg("num_fifos"), py::arg("fifo_capacity"), py::arg("num_streams"),
            py::arg("max_inflight_cmds"), py::arg("max_inflight_bytes"), py::arg("timeout_s"),
-           py::arg("unordered_window"), py::arg("seed"), py::arg("skip_ordering"), py::arg("device") = -1)
+           py::arg("unordered_window"), py::arg("seed"), py::arg("skip_ordering"), py::arg("device") = -1,
+           py::arg("idle_spin_us") = 0.0)
       .def("attach_device_fifos",
            [](Channel& c, uintptr_t host_views, int count) {
              auto* v = reinterpret_cast<const FifoView*>(host_views);

@@ -4,6 +4,7 @@
 #include <cuda_runtime.h>
 #include <string.h>
 
+#include <atomic>
 #include <vector>
 
 #include "portep/device_memory.h"
@@ -36,6 +37,9 @@ class DeviceGuard {
 
 struct CopyChannel {
   cudaStream_t stream = nullptr;
+  std::vector<void*> dsts;  // copies issued since the last record, submitted together when it comes
+  std::vector<const void*> srcs;
+  std::vector<size_t> sizes;
   std::vector<cudaEvent_t> events;
   uint64_t recorded = 0;   // tickets 1..recorded have events
   uint64_t completed = 0;  // tickets 1..completed are known done
@@ -60,14 +64,20 @@ class CudaDeviceMemory final : public DeviceMemory {
         if (e) cudaEventDestroy(e);
       if (c.stream) cudaStreamDestroy(c.stream);
     }
+    if (scratch_) cudaFree(scratch_);
   }
 
   int device() const override { return device_; }
 
   void synchronize() override {
     DeviceGuardQuiet guard(device_);
-    for (auto& c : channels_)
+    for (auto& c : channels_) {
+      try {
+        submit_copies(c);
+      } catch (const TransportError&) {  // teardown: the copies are abandoned either way
+      }
       if (c.stream) cudaStreamSynchronize(c.stream);
+    }
   }
 
   void* alloc_region(size_t bytes) override {
@@ -101,6 +111,12 @@ class CudaDeviceMemory final : public DeviceMemory {
     memcpy(&h, handle.data(), sizeof(h));
     void* p = nullptr;
     check(cudaIpcOpenMemHandle(&p, h, cudaIpcMemLazyEnablePeerAccess), "cudaIpcOpenMemHandle");
+    try {
+      touch_peer(p);
+    } catch (...) {
+      cudaIpcCloseMemHandle(p);
+      throw;
+    }
     return p;
   }
 
@@ -126,13 +142,16 @@ class CudaDeviceMemory final : public DeviceMemory {
   }
 
   void copy_async(int channel, void* dst, const void* src, size_t bytes) override {
-    use_device();
-    check(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDefault, at(channel).stream), "cudaMemcpyAsync");
+    CopyChannel& c = at(channel);
+    c.dsts.push_back(dst);
+    c.srcs.push_back(src);
+    c.sizes.push_back(bytes);
   }
 
   uint64_t record(int channel) override {
     use_device();
     CopyChannel& c = at(channel);
+    submit_copies(c);
     if (c.recorded - c.completed >= kEventsPerChannel) {  // the ring is full: the oldest event must finish first
       check(cudaEventSynchronize(c.events[(c.completed + 1) % kEventsPerChannel]), "cudaEventSynchronize");
       ++c.completed;
@@ -163,6 +182,49 @@ class CudaDeviceMemory final : public DeviceMemory {
       throw TransportError("cuda-ipc: channel " + std::to_string(channel) + " out of range");
     return channels_[size_t(channel)];
   }
+  // A first copy from the peer's region, now, while this GPU is idle: the driver enables peer access lazily on
+  // first use, and doing that during a proxy's first copy can wait for a running kernel, which may be the
+  // receive kernel waiting for that very copy's peer.
+  void touch_peer(const void* peer) {
+    if (!scratch_) check(cudaMalloc(&scratch_, 16), "cudaMalloc (peer warm-up)");
+    cudaStream_t stream = channels_.empty() ? nullptr : channels_[0].stream;
+    check(cudaMemcpyAsync(scratch_, peer, 16, cudaMemcpyDefault, stream), "cudaMemcpyAsync (peer warm-up)");
+    check(cudaStreamSynchronize(stream), "cudaStreamSynchronize (peer warm-up)");
+  }
+
+  // One driver call for every copy queued on the channel (a proxy drains many WRITE commands per poll; a
+  // cudaMemcpyAsync each costs microseconds of CPU time on the proxy's critical path).
+  void submit_copies(CopyChannel& c) {
+    const size_t n = c.sizes.size();
+    if (n == 0) return;
+    cudaError_t e = cudaSuccess;
+#if CUDART_VERSION >= 12080
+    if (n > 1 && batch_supported_.load(std::memory_order_relaxed)) {
+      cudaMemcpyAttributes attr{};
+      attr.srcAccessOrder = cudaMemcpySrcAccessOrderStream;
+      size_t attr_index = 0;
+      e = cudaMemcpyBatchAsync(c.dsts.data(), c.srcs.data(), c.sizes.data(), n, &attr, &attr_index, 1, c.stream);
+      if (e == cudaErrorNotSupported || e == cudaErrorInvalidValue) {  // older driver: one call per copy
+        cudaGetLastError();
+        batch_supported_.store(false, std::memory_order_relaxed);
+      } else {
+        clear_copies(c);
+        check(e, "cudaMemcpyBatchAsync");
+        return;
+      }
+    }
+#endif
+    for (size_t i = 0; i < n && e == cudaSuccess; ++i)
+      e = cudaMemcpyAsync(c.dsts[i], c.srcs[i], c.sizes[i], cudaMemcpyDefault, c.stream);
+    clear_copies(c);
+    check(e, "cudaMemcpyAsync");
+  }
+  static void clear_copies(CopyChannel& c) {
+    c.dsts.clear();
+    c.srcs.clear();
+    c.sizes.clear();
+  }
+
   // The runtime's current device is per thread: proxy threads set it on first use.
   void use_device() {
     thread_local int current = -1;
@@ -184,6 +246,8 @@ class CudaDeviceMemory final : public DeviceMemory {
 
   int device_;
   std::vector<CopyChannel> channels_;
+  void* scratch_ = nullptr;                   // 16 bytes for the peer warm-up copies
+  std::atomic<bool> batch_supported_{true};  // proxy threads clear it on a driver without batched copies
 };
 
 }  // namespace

@@ -7,6 +7,13 @@
 #include <chrono>
 #include <thread>
 
+#if defined(__x86_64__) || defined(__i386__)
+#include <immintrin.h>
+#define PORTEP_CPU_RELAX() _mm_pause()
+#else
+#define PORTEP_CPU_RELAX() ((void)0)
+#endif
+
 namespace portep {
 
 struct BackoffPolicy {
@@ -29,5 +36,27 @@ inline void backoff(const BackoffPolicy& p, uint64_t round) {
   }
   std::this_thread::sleep_for(std::chrono::microseconds(round < p.short_sleep_rounds ? p.short_sleep_us : p.long_sleep_us));
 }
+
+// A thread with nothing to do: busy-polls for `spin` of wall time first (a GPU proxy that sleeps adds the
+// sleep, plus the kernel's timer slack, to every hop a command makes), then backs off as `policy` says.
+class IdleWaiter {
+ public:
+  IdleWaiter(const BackoffPolicy& policy, std::chrono::nanoseconds spin) : policy_(policy), spin_(spin) {}
+  void reset() { round_ = 0; }
+  void wait() {
+    if (round_++ == 0) start_ = std::chrono::steady_clock::now();
+    if (spin_.count() > 0 && std::chrono::steady_clock::now() - start_ < spin_) {
+      PORTEP_CPU_RELAX();
+      return;
+    }
+    backoff(policy_, round_);
+  }
+
+ private:
+  const BackoffPolicy& policy_;
+  std::chrono::nanoseconds spin_;
+  uint64_t round_ = 0;
+  std::chrono::steady_clock::time_point start_{};
+};
 
 }  // namespace portep

@@ -35,12 +35,14 @@ struct ProxyConfig {
   uint64_t max_inflight_bytes = 64ull << 20;  // per proxy thread
   uint32_t num_streams = 64;                  // signal slots per source rank
   double timeout_s = 100.0;
+  double idle_spin_us = 0;     // an idle proxy busy-polls this long before it yields and sleeps
   bool skip_ordering = false;  // debug only: release emulated signals on arrival (proves tests can fail)
 };
 
 struct ProxyThreadStats {
   uint64_t commands = 0, writes = 0, signals = 0, bytes = 0, notices = 0;
   uint64_t held_signals = 0;     // signals waiting for their writes right now
+  uint64_t in_flight = 0;        // operations posted to the transport and not yet completed
   uint64_t signals_delayed = 0;  // signals that arrived before their writes and were held (unordered transports)
 };
 
