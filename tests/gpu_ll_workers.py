@@ -117,3 +117,40 @@ def missing_peer_body(rank, world, transport, allow_nvlink):
     dist.barrier()
     gpu.destroy()
     return message
+
+
+def validation_cache_body(rank, world):
+    """A call signature that passed validation is not checked again, but any change of shape, dtype, layout
+    or option is, and a bad call still raises after good ones."""
+    T, H, E = 16, 512, 8
+    gpu, _ = _buffers(rank, world, world, "shm", T, H, E, with_host=False)
+    x = torch.randn(T, H).to(BF16).cuda()
+    idx = torch.arange(T * 2).view(T, 2).remainder(E).cuda()
+    errors = []
+    for _ in range(2):
+        gpu.low_latency_dispatch(x, idx, T, E, use_fp8=False)
+    bad_calls = {
+        "float32 x": lambda: gpu.low_latency_dispatch(x.float(), idx, T, E, use_fp8=False),
+        "too many tokens": lambda: gpu.low_latency_dispatch(torch.cat([x, x]), torch.cat([idx, idx]), T, E,
+                                                            use_fp8=False),
+        "int32 topk_idx": lambda: gpu.low_latency_dispatch(x, idx.int(), T, E, use_fp8=False),
+        "float T": lambda: gpu.low_latency_dispatch(x, idx, float(T), E, use_fp8=False),
+        "strided x": lambda: gpu.low_latency_dispatch(torch.randn(T, 2 * H).to(BF16).cuda()[:, ::2], idx, T, E,
+                                                      use_fp8=False),
+    }
+    for name, call in bad_calls.items():
+        try:
+            call()
+            errors.append(f"{name}: accepted")
+        except (TypeError, ValueError):
+            pass
+    recv_x, _, handle, _, _ = gpu.low_latency_dispatch(x, idx, T, E, use_fp8=False)
+    gpu.low_latency_combine(recv_x, idx, torch.rand(T, 2).cuda(), handle)
+    try:
+        gpu.low_latency_combine(recv_x, idx, torch.rand(T, 3).cuda(), handle)
+        errors.append("combine with [T, 3] topk_weights: accepted")
+    except ValueError:
+        pass
+    torch.cuda.current_stream().synchronize()
+    gpu.destroy()
+    return errors

@@ -67,3 +67,11 @@ def test_ll_cuda_graph_capture_and_replay(path):
 def test_missing_peer_times_out_and_raises(nvlink):
     out = run_ranks(g.missing_peer_body, 2, args=("shm", nvlink), timeout=120)
     assert "a signal did not arrive" in out[0] and "peer rank 1" in out[0], out[0]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not native.build_info()["cuda_built"] or not torch.cuda.is_available(),
+                    reason="needs the CUDA kernels and a CUDA GPU")
+def test_validation_cache_still_rejects_changed_calls():
+    out = run_ranks(g.validation_cache_body, 1, timeout=120)
+    assert out[0] == [], out[0]

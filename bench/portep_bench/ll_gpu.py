@@ -82,7 +82,38 @@ def _path_times(buf, x, idx, w, T, E, iterations):
         line_up()
         phases["combine recv"].append(_once(c[2])[0])
     out.update({k: median(v) for k, v in phases.items()})
+    out.update(_graph_and_cpu_times(round_trip, iterations))
     return out
+
+
+def _graph_and_cpu_times(round_trip, iterations):
+    """The round trip replayed from a CUDA graph (GPU time without the Python calls), and the CPU time of the
+    eager calls alone (issued back to back, synchronized once at the end)."""
+    import torch
+    import torch.distributed as dist
+
+    stream = torch.cuda.current_stream()
+    stream.synchronize()
+    dist.barrier()
+    start = time.perf_counter()
+    for _ in range(iterations):
+        round_trip()
+    cpu = (time.perf_counter() - start) / iterations * 1e6
+    stream.synchronize()
+    dist.barrier()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        round_trip()
+    stream.synchronize()
+    dist.barrier()
+    for _ in range(5):
+        graph.replay()
+    stream.synchronize()
+    dist.barrier()
+    replay = _timed(graph.replay, iterations)
+    stream.synchronize()
+    dist.barrier()
+    return {"graph round trip": replay, "CPU per round trip": cpu}
 
 
 def _nccl_times(x, idx, world, E, H, iterations, group):
@@ -183,15 +214,17 @@ def run(ranks=2, tokens=128, hidden=7168, topk=8, experts=288, iterations=50, pr
     direct = r0["direct NVLink"]
     paths = [k for k in r0 if k not in ("selections",)]
     for key in ("round trip", "dispatch", "combine", "dispatch send", "dispatch recv", "combine send",
-                "combine recv"):
+                "combine recv", "graph round trip", "CPU per round trip"):
         row = [key]
         for p in paths:
             v = r0[p].get(key)
             row.append("-" if v is None else f"{v:.1f}")
         proxy = [p for p in paths if p.startswith("proxy")]
         row.append(f"{r0[proxy[0]][key] / direct[key]:.2f}x" if proxy else "-")
-        row.append(f"{DEEPEP[key]:.1f}")
+        row.append(f"{DEEPEP[key]:.1f}" if key in DEEPEP else "-")
         nbytes = {"dispatch": fp8_bytes, "combine": bf16_bytes, "round trip": fp8_bytes + bf16_bytes}.get(key)
+        if key == "graph round trip":
+            nbytes = fp8_bytes + bf16_bytes
         row.append("-" if nbytes is None else f"{nbytes / (direct[key] * 1e-6) / 1e9:.1f}")
         rows.append(row)
     printer(table(["us"] + paths + ["proxy / direct", "DeepEP V1 (gpu-machine.md)", "direct GB/s"], rows))

@@ -76,11 +76,11 @@ struct LLCombineArgs {
   int64_t* wait_stats;          // [R] or null
 };
 
-// Each returns the launch's cudaError_t (0 = success); kernels run asynchronously on c.stream.
-int ll_dispatch_send(const LLDispatchArgs& a);
-int ll_dispatch_recv(const LLDispatchArgs& a);
-int ll_combine_send(const LLCombineArgs& a);
-int ll_combine_recv(const LLCombineArgs& a);
+// Each returns the launch's cudaError_t (0 = success); kernels run asynchronously on c.stream. phases: the send
+// phase, the receive phase (the hook), or both in one launch.
+constexpr int kPhaseSend = 1, kPhaseRecv = 2;
+int ll_dispatch(const LLDispatchArgs& a, int phases);
+int ll_combine(const LLCombineArgs& a, int phases);
 
 // Device FIFOs for kernels: mapped host entries/tail/error flag, device head; host views for the proxies,
 // a device array of device views and a device array of shared cached tails for kernels.

@@ -29,10 +29,10 @@ PORTEP_DEVICE void publish_rows(const LLCombineArgs& a, int le, int src, uint32_
               c.recv_off + uint64_t(expert) * c.T * c.comb_pitch, uint64_t(count) * c.comb_pitch);
 }
 
-__global__ void __launch_bounds__(kLLThreads) combine_send_kernel(LLCombineArgs a, int parts) {
-  extern __shared__ uint32_t shared[];  // begins [R], counts [R]
+// Part `part` of `parts` of local expert le's rows; the last part to finish publishes them. shared: [2R].
+PORTEP_DEVICE void combine_send_part(const LLCombineArgs& a, int le, int part, int parts, uint32_t* shared) {
   const LLCommon& c = a.c;
-  const int R = c.num_ranks, le = int(blockIdx.x) / parts, part = int(blockIdx.x) % parts;
+  const int R = c.num_ranks;
   const uint64_t M = uint64_t(R) * c.T;
   uint32_t* begins = shared;
   uint32_t* counts = shared + R;
@@ -61,9 +61,9 @@ __global__ void __launch_bounds__(kLLThreads) combine_send_kernel(LLCombineArgs 
     else if (!a.zero_copy)  // proxy peers read the rows from the registered send area
       copy_row(c.local + c.send_off + (uint64_t(le) * M + i) * c.comb_pitch, row, 2 * c.hidden);
   }
-  fence_sys();
   __syncthreads();
   if (threadIdx.x == 0) {
+    fence_sys();  // after the barrier: (cumulatively) every thread's row stores before the count
     last = atomic_add_relaxed_gpu_u32(&c.finish[le], 1u) + 1 == uint32_t(parts);
     if (last) c.finish[le] = 0;
   }
@@ -121,7 +121,7 @@ PORTEP_DEVICE void accumulate_row(float* acc, const uint4& v, float w) {
 // One block per token: the block finds its K rows, waits for their experts (unless a wait kernel already
 // consumed every signal), then reduces them chunk by chunk in top-k order. The last block to finish resets
 // the signals.
-__global__ void __launch_bounds__(kLLThreads) combine_reduce_kernel(LLCombineArgs a, bool waited) {
+PORTEP_DEVICE void combine_reduce(const LLCombineArgs& a, bool waited) {
   __shared__ const uint4* rows[kWarpSize];
   __shared__ float weights[kWarpSize];
   __shared__ int tok_experts[kWarpSize];
@@ -176,29 +176,54 @@ __global__ void __launch_bounds__(kLLThreads) combine_reduce_kernel(LLCombineArg
   }
 }
 
-}  // namespace
-
-int ll_combine_send(const LLCombineArgs& a) {
-  int parts = a.c.num_sms / (a.c.num_local_experts > 0 ? a.c.num_local_experts : 1);
-  parts = parts < 1 ? 1 : (parts > kMaxPartsPerExpert ? kMaxPartsPerExpert : parts);
-  combine_send_kernel<<<a.c.num_local_experts * parts, kLLThreads, size_t(a.c.num_ranks) * 8,
-                        static_cast<cudaStream_t>(a.c.stream)>>>(a, parts);
-  return int(cudaGetLastError());
+// phases: kPhaseSend and/or kPhaseRecv (both: every block sends its parts, then reduces its tokens; at most one
+// block per SM, so all are resident and a reducing block never waits for a part that cannot run). `waited`:
+// a wait kernel already consumed the signals.
+__global__ void __launch_bounds__(kLLThreads) combine_kernel(LLCombineArgs a, int phases, int parts, bool waited) {
+  extern __shared__ uint32_t shared[];  // begins [R], counts [R]
+  if (phases & kPhaseSend) {
+    for (int item = int(blockIdx.x); item < a.c.num_local_experts * parts; item += int(gridDim.x)) {
+      __syncthreads();  // shared memory is reused
+      combine_send_part(a, item / parts, item % parts, parts, shared);
+    }
+  }
+  if (phases & kPhaseRecv) combine_reduce(a, waited);
 }
 
-int ll_combine_recv(const LLCombineArgs& a) {
+}  // namespace
+
+int ll_combine(const LLCombineArgs& a, int phases) {
+  if (a.num_topk > kWarpSize) return int(cudaErrorInvalidValue);
+  const LLCommon& c = a.c;
+  cudaStream_t stream = static_cast<cudaStream_t>(c.stream);
+  const size_t smem = size_t(c.num_ranks) * 8;
+  const int N = a.num_tokens < 1 ? 1 : a.num_tokens, E_l = c.num_local_experts > 0 ? c.num_local_experts : 1;
   // With wait statistics a single-block kernel waits for (and consumes) every signal and times each source;
   // without, each reducing block waits for its own token's experts only.
   const bool wait_first = a.wait_stats != nullptr;
-  if (wait_first) {
-    combine_wait_kernel<<<1, kLLThreads, 0, static_cast<cudaStream_t>(a.c.stream)>>>(a);
+  if (phases == (kPhaseSend | kPhaseRecv) && !wait_first) {
+    const int blocks = (N > E_l ? N : E_l) < c.num_sms ? (N > E_l ? N : E_l) : c.num_sms;
+    int parts = blocks / E_l;
+    parts = parts < 1 ? 1 : (parts > kMaxPartsPerExpert ? kMaxPartsPerExpert : parts);
+    combine_kernel<<<blocks, kLLThreads, smem, stream>>>(a, phases, parts, false);
+    return int(cudaGetLastError());
+  }
+  if (phases & kPhaseSend) {
+    int parts = c.num_sms / E_l;
+    parts = parts < 1 ? 1 : (parts > kMaxPartsPerExpert ? kMaxPartsPerExpert : parts);
+    combine_kernel<<<E_l * parts, kLLThreads, smem, stream>>>(a, kPhaseSend, parts, false);
     if (cudaError_t e = cudaGetLastError(); e != cudaSuccess) return int(e);
   }
-  if (a.num_topk > kWarpSize) return int(cudaErrorInvalidValue);
-  int blocks = a.num_tokens < 1 ? 1 : a.num_tokens;
-  blocks = blocks > 4 * a.c.num_sms ? 4 * a.c.num_sms : blocks;
-  combine_reduce_kernel<<<blocks, kLLThreads, 0, static_cast<cudaStream_t>(a.c.stream)>>>(a, wait_first);
-  return int(cudaGetLastError());
+  if (phases & kPhaseRecv) {
+    if (wait_first) {
+      combine_wait_kernel<<<1, kLLThreads, 0, stream>>>(a);
+      if (cudaError_t e = cudaGetLastError(); e != cudaSuccess) return int(e);
+    }
+    const int blocks = N < 4 * c.num_sms ? N : 4 * c.num_sms;
+    combine_kernel<<<blocks, kLLThreads, smem, stream>>>(a, kPhaseRecv, 1, wait_first);
+    return int(cudaGetLastError());
+  }
+  return 0;
 }
 
 }  // namespace portep::cuda

@@ -76,8 +76,8 @@ PORTEP_DEVICE void write_payloads(const LLDispatchArgs& a, int t, uint8_t* const
 
 // One block per token: the block finds the K destinations and their slots, warp 0 writes the headers, the
 // block writes the payloads, then warp 0 counts the messages in and the lane completing an expert publishes it.
-__global__ void __launch_bounds__(kLLThreads) dispatch_send_kernel(LLDispatchArgs a) {
-  extern __shared__ uint32_t hist[];  // [E]: selections per expert, over all tokens
+// hist: shared [E], selections per expert over all tokens.
+PORTEP_DEVICE void dispatch_send(const LLDispatchArgs& a, uint32_t* hist) {
   __shared__ uint8_t* msgs[kWarpSize];
   __shared__ int tok_experts[kWarpSize];
   __shared__ uint32_t tok_slots[kWarpSize];
@@ -131,10 +131,10 @@ __global__ void __launch_bounds__(kLLThreads) dispatch_send_kernel(LLDispatchArg
   }
 }
 
-__global__ void __launch_bounds__(kLLThreads) dispatch_recv_kernel(LLDispatchArgs a) {
-  extern __shared__ uint32_t shared[];  // counts [R], begins [R]
+// Local expert le: wait for every source, then pack its messages. shared: [2R] (counts, begins).
+PORTEP_DEVICE void dispatch_recv_expert(const LLDispatchArgs& a, int le, uint32_t* shared) {
   const LLCommon& c = a.c;
-  const int R = c.num_ranks, le = int(blockIdx.x), H = c.hidden, M = R * c.T, lane = lane_id();
+  const int R = c.num_ranks, H = c.hidden, M = R * c.T, lane = lane_id();
   uint32_t* counts = shared;
   uint32_t* begins = shared + R;
   __shared__ uint32_t total;
@@ -187,29 +187,40 @@ __global__ void __launch_bounds__(kLLThreads) dispatch_recv_kernel(LLDispatchArg
   }
 }
 
-int launch_checked() { return int(cudaGetLastError()); }
+// phases: kPhaseSend and/or kPhaseRecv. With both, every block sends, then receives: the grid is at most one
+// block per SM, so all blocks are resident and a receiving block never waits for a send that cannot run.
+__global__ void __launch_bounds__(kLLThreads) dispatch_kernel(LLDispatchArgs a, int phases) {
+  extern __shared__ uint32_t shared[];  // send: hist [E]; receive: counts [R], begins [R]
+  if (phases & kPhaseSend) dispatch_send(a, shared);
+  if (!(phases & kPhaseRecv)) return;
+  for (int le = int(blockIdx.x); le < a.c.num_local_experts; le += int(gridDim.x)) {
+    __syncthreads();  // shared memory is reused
+    dispatch_recv_expert(a, le, shared);
+  }
+}
 
 }  // namespace
 
-int ll_dispatch_send(const LLDispatchArgs& a) {
+int ll_dispatch(const LLDispatchArgs& a, int phases) {
   if (a.num_topk > kWarpSize) return int(cudaErrorInvalidValue);
-  int blocks = a.num_tokens < 1 ? 1 : a.num_tokens;
-  blocks = blocks > 2 * a.c.num_sms ? 2 * a.c.num_sms : blocks;
-  const size_t smem = size_t(a.c.num_experts) * 4;
+  const int N = a.num_tokens < 1 ? 1 : a.num_tokens, E_l = a.c.num_local_experts;
+  int blocks;
+  if (phases == kPhaseSend)
+    blocks = N < 2 * a.c.num_sms ? N : 2 * a.c.num_sms;
+  else if (phases == kPhaseRecv)
+    blocks = E_l;
+  else
+    blocks = (N > E_l ? N : E_l) < a.c.num_sms ? (N > E_l ? N : E_l) : a.c.num_sms;
+  size_t smem = size_t(a.c.num_ranks) * 8;
+  if (phases & kPhaseSend) smem = smem > size_t(a.c.num_experts) * 4 ? smem : size_t(a.c.num_experts) * 4;
   if (smem > 48 * 1024) {
-    if (cudaError_t e = cudaFuncSetAttribute(dispatch_send_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+    if (cudaError_t e = cudaFuncSetAttribute(dispatch_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                              int(smem));
         e != cudaSuccess)
       return int(e);
   }
-  dispatch_send_kernel<<<blocks, kLLThreads, smem, static_cast<cudaStream_t>(a.c.stream)>>>(a);
-  return launch_checked();
-}
-
-int ll_dispatch_recv(const LLDispatchArgs& a) {
-  dispatch_recv_kernel<<<a.c.num_local_experts, kLLThreads, size_t(a.c.num_ranks) * 8,
-                         static_cast<cudaStream_t>(a.c.stream)>>>(a);
-  return launch_checked();
+  dispatch_kernel<<<blocks, kLLThreads, smem, static_cast<cudaStream_t>(a.c.stream)>>>(a, phases);
+  return int(cudaGetLastError());
 }
 
 }  // namespace portep::cuda

@@ -52,6 +52,8 @@ class Buffer:
                  explicitly_destroy=False, enable_shrink=False, comm=None, *, num_ranks_per_node=None,
                  transport=None, timeout_s=None, backend=None):
         self.runtime = None
+        # Signatures of LL calls that passed validation (CUDA tensors only: on the CPU the checks read values).
+        self._checked = v.CheckedCalls()
         self.explicitly_destroy = bool(explicitly_destroy)
         if group is None:
             if comm is None:
@@ -301,17 +303,28 @@ class Buffer:
         """Send one message per (token, selected expert), packed expert-major on the receiver. Returns (recv_x,
         recv_count, handle, event, hook)."""
         engine = self._ll_engine()
-        v.check_ll_flags(async_finish, return_recv_hook)
-        v.check_fp8_flags(use_fp8, round_scale, use_ue8m0)
-        tokens = check_int("num_max_dispatch_tokens_per_rank", num_max_dispatch_tokens_per_rank, 1)
-        v.check_num_experts(num_experts, self.group_size)
-        v.check_ll_x(x, tokens, use_ue8m0, self._device)
-        v.check_topk_idx("topk_idx", topk_idx, num_experts, num_tokens=x.size(0), limit_note=LL_TOPK_NOTE,
-                         device=self._device)
-        recv_stats = v.check_stats("cumulative_local_expert_recv_stats", cumulative_local_expert_recv_stats,
-                                   num_experts // self.group_size, torch.int32, "num_local_experts", self._device)
-        wait_stats = v.check_stats("dispatch_wait_recv_cost_stats", dispatch_wait_recv_cost_stats,
-                                   self.group_size, torch.int64, "num_ranks", self._device)
+        key = None
+        if self._device == "cuda":
+            key = v.call_key("dispatch", v.tensor_key(x), v.tensor_key(topk_idx),
+                             type(num_max_dispatch_tokens_per_rank), num_max_dispatch_tokens_per_rank,
+                             type(num_experts), num_experts, v.tensor_key(cumulative_local_expert_recv_stats),
+                             v.tensor_key(dispatch_wait_recv_cost_stats), use_fp8, round_scale, use_ue8m0,
+                             async_finish, return_recv_hook)
+        if not self._checked.seen(key):
+            v.check_ll_flags(async_finish, return_recv_hook)
+            v.check_fp8_flags(use_fp8, round_scale, use_ue8m0)
+            tokens = check_int("num_max_dispatch_tokens_per_rank", num_max_dispatch_tokens_per_rank, 1)
+            v.check_num_experts(num_experts, self.group_size)
+            v.check_ll_x(x, tokens, use_ue8m0, self._device)
+            v.check_topk_idx("topk_idx", topk_idx, num_experts, num_tokens=x.size(0), limit_note=LL_TOPK_NOTE,
+                             device=self._device)
+            v.check_stats("cumulative_local_expert_recv_stats", cumulative_local_expert_recv_stats,
+                          num_experts // self.group_size, torch.int32, "num_local_experts", self._device)
+            v.check_stats("dispatch_wait_recv_cost_stats", dispatch_wait_recv_cost_stats,
+                          self.group_size, torch.int64, "num_ranks", self._device)
+            self._checked.add(key)
+        tokens, recv_stats, wait_stats = (num_max_dispatch_tokens_per_rank, cumulative_local_expert_recv_stats,
+                                          dispatch_wait_recv_cost_stats)
         recv_x, recv_count, handle, hook = engine.low_latency_dispatch(
             x, topk_idx, tokens, num_experts, bool(use_fp8), bool(round_scale), bool(use_ue8m0), recv_stats,
             wait_stats, bool(return_recv_hook))
@@ -329,15 +342,24 @@ class Buffer:
         if use_logfmt:
             raise NotImplementedError("use_logfmt=True (LogFMT-10 combine) is not supported by portep yet; "
                                       "use use_logfmt=False (BF16)")
-        v.check_ll_flags(async_finish, return_recv_hook)
-        tokens, hidden, num_experts = v.check_ll_handle(handle, self.group_size)
-        v.check_ll_combine_x(x, self.group_size, tokens, hidden, num_experts, self._device)
-        v.check_topk_idx("topk_idx", topk_idx, num_experts, limit_note=LL_TOPK_NOTE, device=self._device)
-        v.check_ll_num_tokens("topk_idx", topk_idx.size(0), tokens)
-        v.check_topk_weights("topk_weights", topk_weights, tuple(topk_idx.shape), self._device)
-        v.check_ll_out(out, topk_idx.size(0), hidden, self._device)
-        wait_stats = v.check_stats("combine_wait_recv_cost_stats", combine_wait_recv_cost_stats, self.group_size,
-                                   torch.int64, "num_ranks", self._device)
+        key = None
+        if self._device == "cuda" and isinstance(handle, tuple) and len(handle) == v.LL_HANDLE_LEN:
+            key = v.call_key("combine", v.tensor_key(x), v.tensor_key(topk_idx), v.tensor_key(topk_weights),
+                             v.tensor_key(handle[0]), v.tensor_key(handle[1]), *((type(h), h) for h in handle[2:]),
+                             v.tensor_key(out), v.tensor_key(combine_wait_recv_cost_stats), zero_copy, async_finish,
+                             return_recv_hook)
+        if not self._checked.seen(key):
+            v.check_ll_flags(async_finish, return_recv_hook)
+            tokens, hidden, num_experts = v.check_ll_handle(handle, self.group_size)
+            v.check_ll_combine_x(x, self.group_size, tokens, hidden, num_experts, self._device)
+            v.check_topk_idx("topk_idx", topk_idx, num_experts, limit_note=LL_TOPK_NOTE, device=self._device)
+            v.check_ll_num_tokens("topk_idx", topk_idx.size(0), tokens)
+            v.check_topk_weights("topk_weights", topk_weights, tuple(topk_idx.shape), self._device)
+            v.check_ll_out(out, topk_idx.size(0), hidden, self._device)
+            v.check_stats("combine_wait_recv_cost_stats", combine_wait_recv_cost_stats, self.group_size,
+                          torch.int64, "num_ranks", self._device)
+            self._checked.add(key)
+        wait_stats = combine_wait_recv_cost_stats
         handle = tuple(handle)
         combined_x, hook = engine.low_latency_combine(x, topk_idx, topk_weights, handle, bool(zero_copy), out,
                                                       bool(return_recv_hook), wait_stats)

@@ -30,6 +30,7 @@ from .host_ll import _Layout
 from .topology import Topology
 
 NUM_DEVICE_FIFOS = 32
+SEND, RECV = 1, 2  # kernel phases (the native LL_PHASE_SEND / LL_PHASE_RECV)
 DEVICE_FIFO_CAPACITY = 4096
 ERROR_NAMES = {1: "a signal did not arrive", 2: "a FIFO had no room", 3: "an expert got more selections than "
                "num_max_dispatch_tokens_per_rank (duplicate experts in a token's topk_idx?)",
@@ -79,6 +80,7 @@ class CudaEngine(Topology):
         info = self.native.build_info()
         if not info["cuda_built"]:
             raise RuntimeError(f"backend='cuda': portep was built without the CUDA kernels ({info['cuda_reason']})")
+        assert (self.native.LL_PHASE_SEND, self.native.LL_PHASE_RECV) == (SEND, RECV)
         if not torch.cuda.is_available():
             raise RuntimeError("backend='cuda' needs a CUDA GPU (torch.cuda.is_available() is False)")
         super().__init__(group, ranks_per_node, max_local_experts)
@@ -196,19 +198,19 @@ class CudaEngine(Topology):
         src_info = torch.empty(E_l, M, dtype=torch.int32, device=dev)
         layout_range = torch.empty(E_l, R, dtype=torch.int64, device=dev)
 
-        def launch(receive):
-            self.kernels.dispatch(receive, self._shape(lay, half, 0), x.data_ptr(), topk_idx.data_ptr(), x.size(0),
+        def launch(phases):
+            self.kernels.dispatch(phases, self._shape(lay, half, 0), x.data_ptr(), topk_idx.data_ptr(), x.size(0),
                                   topk_idx.size(1), use_fp8, round_scale, use_ue8m0, recv_x.data_ptr(),
                                   0 if scales is None else scales.data_ptr(), recv_count.data_ptr(),
                                   src_info.data_ptr(), layout_range.data_ptr(),
                                   0 if cumulative_stats is None else cumulative_stats.data_ptr(),
                                   0 if wait_stats is None else wait_stats.data_ptr())
 
-        launch(False)
         handle = (src_info, layout_range, T, H, E)
         if return_recv_hook:
-            return out_x, recv_count, handle, lambda: launch(True)
-        launch(True)
+            launch(SEND)
+            return out_x, recv_count, handle, lambda: launch(RECV)
+        launch(SEND | RECV)  # one kernel: sends, then receives
         return out_x, recv_count, handle, None
 
     def get_next_low_latency_combine_buffer(self, handle):
@@ -237,18 +239,18 @@ class CudaEngine(Topology):
         result = out if out is not None and out.is_contiguous() else torch.empty(N, H, dtype=torch.bfloat16,
                                                                                   device=self.device)
 
-        def launch(receive):
-            self.kernels.combine(receive, self._shape(lay, half, 1), rows.data_ptr(), pitch, zero_copy,
+        def launch(phases):
+            self.kernels.combine(phases, self._shape(lay, half, 1), rows.data_ptr(), pitch, zero_copy,
                                  src_info.data_ptr(), layout_range.data_ptr(), topk_idx.data_ptr(),
                                  weights.data_ptr(), N, topk_idx.size(1), result.data_ptr(), H * 2,
                                  0 if wait_stats is None else wait_stats.data_ptr())
-            if receive and out is not None and result is not out:
+            if phases & RECV and out is not None and result is not out:
                 out.copy_(result)
 
-        launch(False)
         if return_recv_hook:
-            return (out if out is not None else result), lambda: launch(True)
-        launch(True)
+            launch(SEND)
+            return (out if out is not None else result), lambda: launch(RECV)
+        launch(SEND | RECV)
         return (out if out is not None else result), None
 
     def clean_low_latency_buffer(self, num_max_dispatch_tokens_per_rank, hidden, num_experts):

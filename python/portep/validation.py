@@ -289,3 +289,41 @@ def check_ll_combine_x(x, num_ranks, tokens, hidden, num_experts, device=CPU):
 def check_ll_out(out, num_tokens, hidden, device=CPU):
     return check_optional_tensor("out", out, dtypes=(torch.bfloat16,),
                                  shape=(("num_combined_tokens", num_tokens), ("hidden", hidden)), device=device)
+
+
+# ---- signatures of calls that passed validation ----
+_UNCACHEABLE = object()
+
+
+def tensor_key(t):
+    """What validation looks at in a tensor argument (None stays None)."""
+    if t is None:
+        return None
+    if not isinstance(t, torch.Tensor):
+        return _UNCACHEABLE
+    return (t.shape, t.dtype, t.device, t.is_contiguous())
+
+
+def call_key(*parts):
+    """A hashable signature of a call's arguments (ints as (type, value), so 128.0 never matches 128), or None
+    when some argument cannot be summarized (that call is always validated in full)."""
+    return None if any(p is _UNCACHEABLE for p in parts) else parts
+
+
+class CheckedCalls:
+    """Signatures of calls that passed validation. LL calls repeat the same shapes thousands of times per step,
+    and checking them again costs microseconds of a call whose whole budget is tens."""
+
+    def __init__(self, limit=256):
+        self._seen = set()
+        self._limit = limit
+
+    def seen(self, key):
+        return key is not None and key in self._seen
+
+    def add(self, key):
+        if key is None:
+            return
+        if len(self._seen) >= self._limit:
+            self._seen.clear()
+        self._seen.add(key)

@@ -78,6 +78,8 @@ void bind_cuda_ll(py::module_& m) {
       .def_property_readonly("count", [](const PyFifoSet& f) { return f.set_.count; })
       .def_property_readonly("host_views", [](const PyFifoSet& f) { return reinterpret_cast<uintptr_t>(f.set_.host_views); });
 
+  m.attr("LL_PHASE_SEND") = kPhaseSend;
+  m.attr("LL_PHASE_RECV") = kPhaseRecv;
   py::class_<LLKernels>(m, "LLKernels")
       .def(py::init<int, int, uintptr_t, uintptr_t, uintptr_t, uint32_t, const PyFifoSet&, uintptr_t, uintptr_t, double,
                     int>(),
@@ -85,7 +87,7 @@ void bind_cuda_ll(py::module_& m) {
            py::arg("num_streams"), py::arg("fifos"), py::arg("finish"), py::arg("error"), py::arg("timeout_s"),
            py::arg("num_sms"), py::keep_alive<1, 8>())
       .def("dispatch",
-           [](const LLKernels& k, bool receive, py::tuple shape, uintptr_t x, uintptr_t topk_idx, int num_tokens,
+           [](const LLKernels& k, int phases, py::tuple shape, uintptr_t x, uintptr_t topk_idx, int num_tokens,
               int num_topk, bool use_fp8, bool round_scale, bool use_ue8m0, uintptr_t recv_x, uintptr_t recv_scales,
               uintptr_t recv_count, uintptr_t src_info, uintptr_t layout_range, uintptr_t cumulative_stats,
               uintptr_t wait_stats) {
@@ -107,11 +109,10 @@ void bind_cuda_ll(py::module_& m) {
              a.layout_range = ptr<int64_t>(layout_range);
              a.cumulative_stats = ptr<int32_t>(cumulative_stats);
              a.wait_stats = ptr<int64_t>(wait_stats);
-             check(receive ? ll_dispatch_recv(a) : ll_dispatch_send(a),
-                   receive ? "low-latency dispatch (receive)" : "low-latency dispatch (send)");
+             check(ll_dispatch(a, phases), "low-latency dispatch");
            })
       .def("combine",
-           [](const LLKernels& k, bool receive, py::tuple shape, uintptr_t x, uint64_t x_pitch, bool zero_copy,
+           [](const LLKernels& k, int phases, py::tuple shape, uintptr_t x, uint64_t x_pitch, bool zero_copy,
               uintptr_t src_info, uintptr_t layout_range, uintptr_t topk_idx, uintptr_t topk_weights, int num_tokens,
               int num_topk, uintptr_t out, uint64_t out_pitch, uintptr_t wait_stats) {
              LLCombineArgs a{};
@@ -130,8 +131,7 @@ void bind_cuda_ll(py::module_& m) {
              a.out = ptr<void>(out);
              a.out_pitch = out_pitch;
              a.wait_stats = ptr<int64_t>(wait_stats);
-             check(receive ? ll_combine_recv(a) : ll_combine_send(a),
-                   receive ? "low-latency combine (receive)" : "low-latency combine (send)");
+             check(ll_combine(a, phases), "low-latency combine");
            });
 
   m.def(
