@@ -42,9 +42,6 @@ struct LLCommon {
   LLError* error;
   uint64_t timeout_ns;
   int num_sms;
-  bool has_proxy_peers;         // some peer is reached through the proxies: send and receive phases launch
-                                // separately (kernels that spin on every SM while the proxies' copies run made the
-                                // proxy path 5x slower on the H200s), and one block waits for combine signals
   void* stream;                 // cudaStream_t
 };
 

@@ -198,9 +198,9 @@ int ll_combine(const LLCombineArgs& a, int phases) {
   cudaStream_t stream = static_cast<cudaStream_t>(c.stream);
   const size_t smem = size_t(c.num_ranks) * 8;
   const int N = a.num_tokens < 1 ? 1 : a.num_tokens, E_l = c.num_local_experts > 0 ? c.num_local_experts : 1;
-  // With wait statistics, or signals in host memory, a single-block kernel waits for (and consumes) every
-  // signal (and times each source); otherwise each reducing block waits for its own token's experts only.
-  const bool wait_first = a.wait_stats != nullptr || c.has_proxy_peers;
+  // With wait statistics a single-block kernel waits for (and consumes) every signal and times each source;
+  // without, each reducing block waits for its own token's experts only.
+  const bool wait_first = a.wait_stats != nullptr;
   if (phases == (kPhaseSend | kPhaseRecv) && !wait_first) {
     const int blocks = (N > E_l ? N : E_l) < c.num_sms ? (N > E_l ? N : E_l) : c.num_sms;
     int parts = blocks / E_l;

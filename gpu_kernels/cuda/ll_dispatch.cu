@@ -204,10 +204,6 @@ __global__ void __launch_bounds__(kLLThreads) dispatch_kernel(LLDispatchArgs a, 
 int ll_dispatch(const LLDispatchArgs& a, int phases) {
   if (a.num_topk > kWarpSize) return int(cudaErrorInvalidValue);
   const int N = a.num_tokens < 1 ? 1 : a.num_tokens, E_l = a.c.num_local_experts;
-  if (phases == (kPhaseSend | kPhaseRecv) && a.c.has_proxy_peers) {
-    if (int e = ll_dispatch(a, kPhaseSend); e != 0) return e;
-    return ll_dispatch(a, kPhaseRecv);
-  }
   int blocks;
   if (phases == kPhaseSend)
     blocks = N < 2 * a.c.num_sms ? N : 2 * a.c.num_sms;

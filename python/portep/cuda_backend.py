@@ -105,8 +105,7 @@ class CudaEngine(Topology):
         num_sms = torch.cuda.get_device_properties(self.device).multi_processor_count
         self.kernels = self.native.LLKernels(self.rank, self.num_ranks, ch.device_data_ptr(), self._peers.data_ptr(),
                                              ch.device_signals_ptr(), self.channel.num_streams, self.fifos,
-                                             self._finish.data_ptr(), error_device, self.timeout_s, num_sms,
-                                             len(self.direct_ranks) < self.num_ranks)
+                                             self._finish.data_ptr(), error_device, self.timeout_s, num_sms)
         self.ll_half = 0
         self._layouts = {}
         self._shapes = {}

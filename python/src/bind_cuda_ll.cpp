@@ -33,8 +33,7 @@ class PyFifoSet {
 class LLKernels {
  public:
   LLKernels(int rank, int num_ranks, uintptr_t local, uintptr_t peers, uintptr_t host_signals, uint32_t num_streams,
-            const PyFifoSet& fifos, uintptr_t finish, uintptr_t error, double timeout_s, int num_sms,
-            bool has_proxy_peers) {
+            const PyFifoSet& fifos, uintptr_t finish, uintptr_t error, double timeout_s, int num_sms) {
     c_ = LLCommon{};
     c_.rank = rank;
     c_.num_ranks = num_ranks;
@@ -49,7 +48,6 @@ class LLKernels {
     c_.error = ptr<LLError>(error);
     c_.timeout_ns = uint64_t(timeout_s * 1e9);
     c_.num_sms = num_sms;
-    c_.has_proxy_peers = has_proxy_peers;
   }
 
   LLCommon shape(int T, int hidden, int num_experts, uint64_t send_off, uint64_t recv_off, uint64_t flag_off,
@@ -84,10 +82,10 @@ void bind_cuda_ll(py::module_& m) {
   m.attr("LL_PHASE_RECV") = kPhaseRecv;
   py::class_<LLKernels>(m, "LLKernels")
       .def(py::init<int, int, uintptr_t, uintptr_t, uintptr_t, uint32_t, const PyFifoSet&, uintptr_t, uintptr_t, double,
-                    int, bool>(),
+                    int>(),
            py::arg("rank"), py::arg("num_ranks"), py::arg("local"), py::arg("peers"), py::arg("host_signals"),
            py::arg("num_streams"), py::arg("fifos"), py::arg("finish"), py::arg("error"), py::arg("timeout_s"),
-           py::arg("num_sms"), py::arg("has_proxy_peers"), py::keep_alive<1, 8>())
+           py::arg("num_sms"), py::keep_alive<1, 8>())
       .def("dispatch",
            [](const LLKernels& k, int phases, py::tuple shape, uintptr_t x, uintptr_t topk_idx, int num_tokens,
               int num_topk, bool use_fp8, bool round_scale, bool use_ue8m0, uintptr_t recv_x, uintptr_t recv_scales,
