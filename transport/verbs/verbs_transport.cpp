@@ -10,17 +10,14 @@
 
 #include <unordered_map>
 
-#include "../src/endpoint_text.h"
+#include "efa_transport.h"
+#include "verbs_common.h"
 
 namespace portep {
 
+using namespace verbs;
+
 namespace {
-
-constexpr int kPollBatch = 64;
-
-[[noreturn]] void fail(const std::string& what, int err) {
-  throw TransportError("verbs: " + what + ": " + strerror(err));
-}
 
 // NCCL_IB_HCA syntax: optional '^' (exclude the list), optional '=' (exact names, else prefixes), then
 // comma-separated "device[:port]".
@@ -61,24 +58,6 @@ int env_int(const char* name, int fallback) {
   return v && *v ? atoi(v) : fallback;
 }
 
-void unhex(const std::string& s, void* out, size_t n) {
-  const std::string bytes = hex_decode(s, "verbs");
-  if (bytes.size() != n) throw TransportError("verbs: malformed endpoint description (hex field)");
-  memcpy(out, bytes.data(), n);
-}
-
-struct Region {
-  void* addr = nullptr;
-  size_t bytes = 0;
-  ibv_mr* mr = nullptr;
-};
-
-struct RemoteRegions {
-  uint64_t addr[kNumRegions] = {};
-  uint32_t rkey[kNumRegions] = {};
-  uint64_t bytes[kNumRegions] = {};
-};
-
 struct Qp {
   ibv_qp* qp = nullptr;
   uint32_t outstanding = 0;  // signaled sends not yet completed
@@ -103,7 +82,7 @@ class VerbsTransport final : public Transport {
     if (!pd_) fail("ibv_alloc_pd", errno);
     scratch_.bytes = 4096;
     scratch_.addr = alloc_pages(scratch_.bytes);
-    register_region(&scratch_, IBV_ACCESS_LOCAL_WRITE);
+    register_region(pd_, &scratch_, IBV_ACCESS_LOCAL_WRITE);
     build_channels();
   }
 
@@ -115,10 +94,7 @@ class VerbsTransport final : public Transport {
       if (ch.send_cq) ibv_destroy_cq(ch.send_cq);
       if (ch.recv_cq) ibv_destroy_cq(ch.recv_cq);
     }
-    for (Region* r : {&regions_[0], &regions_[1], &scratch_}) {
-      if (r->mr) ibv_dereg_mr(r->mr);
-      if (r->addr) munmap(r->addr, r->bytes);
-    }
+    for (Region* r : {&regions_[0], &regions_[1], &scratch_}) release_region(r);
     if (pd_) ibv_dealloc_pd(pd_);
     ibv_close_device(ctx_);
   }
@@ -133,7 +109,7 @@ class VerbsTransport final : public Transport {
     Region& r = regions_[region];
     r.bytes = bytes ? bytes : 64;
     r.addr = alloc_pages(r.bytes);
-    register_region(&r, IBV_ACCESS_LOCAL_WRITE | IBV_ACCESS_REMOTE_WRITE | IBV_ACCESS_REMOTE_READ |
+    register_region(pd_, &r, IBV_ACCESS_LOCAL_WRITE | IBV_ACCESS_REMOTE_WRITE | IBV_ACCESS_REMOTE_READ |
                             IBV_ACCESS_REMOTE_ATOMIC);
     return r.addr;
   }
@@ -141,9 +117,7 @@ class VerbsTransport final : public Transport {
   // Lines: lid, gid, then per region "addr rkey bytes", then the QP numbers of (channel, peer, stripe).
   std::string endpoint_blob() override {
     std::string out = std::to_string(port_attr_.lid) + "\n" + hex_encode(&gid_, sizeof(gid_)) + "\n";
-    for (auto& r : regions_)
-      out += std::to_string(reinterpret_cast<uintptr_t>(r.addr)) + " " + std::to_string(r.mr ? r.mr->rkey : 0) + " " +
-             std::to_string(r.bytes) + "\n";
+    for (auto& r : regions_) out += region_line(r);
     for (auto& ch : channels_)
       for (auto& peer : ch.qps)
         for (auto& q : peer) out += std::to_string(q.qp->qp_num) + "\n";
@@ -162,9 +136,7 @@ class VerbsTransport final : public Transport {
       const uint16_t lid = uint16_t(std::stoul(f[0]));
       ibv_gid gid;
       unhex(f[1], &gid, sizeof(gid));
-      for (int r = 0; r < kNumRegions; ++r)
-        if (sscanf(f[2 + r].c_str(), "%lu %u %lu", &remotes_[p].addr[r], &remotes_[p].rkey[r], &remotes_[p].bytes[r]) != 3)
-          throw TransportError("verbs: malformed region description from rank " + std::to_string(p));
+      for (int r = 0; r < kNumRegions; ++r) parse_region_line(f[2 + r], &remotes_[p], r, p);
       for (int c = 0; c < o_.num_channels; ++c)
         for (int s = 0; s < o_.qps_per_peer; ++s) {
           // Peer p's QP for (channel c, peer = me, stripe s) is the other end of mine for (c, p, s).
@@ -251,24 +223,6 @@ class VerbsTransport final : public Transport {
   }
 
  private:
-  // Up to min(max, kPollBatch) completions into wc.
-  static int poll_cq(ibv_cq* cq, int max, ibv_wc* wc, const char* what) {
-    const int n = ibv_poll_cq(cq, max < kPollBatch ? max : kPollBatch, wc);
-    if (n < 0) fail(what, errno);
-    return n;
-  }
-
-  static void* alloc_pages(size_t bytes) {
-    void* p = mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
-    if (p == MAP_FAILED) fail("mmap of " + std::to_string(bytes) + " bytes", errno);
-    return p;
-  }
-
-  void register_region(Region* r, int access) {
-    r->mr = ibv_reg_mr(pd_, r->addr, r->bytes, access);
-    if (!r->mr) fail("ibv_reg_mr of " + std::to_string(r->bytes) + " bytes", errno);
-  }
-
   void build_channels() {
     const int cqe_limit = dev_attr_.max_cqe;
     auto clamp = [cqe_limit](long v) { return int(v < cqe_limit ? v : cqe_limit); };
@@ -380,10 +334,7 @@ class VerbsTransport final : public Transport {
   }
 
   void check_range(int peer, RegionId region, uint64_t local_off, uint64_t remote_off, uint64_t bytes) const {
-    if (local_off + bytes > regions_[region].bytes || remote_off + bytes > remotes_.at(size_t(peer)).bytes[region])
-      throw TransportError("verbs: range [" + std::to_string(remote_off) + ", +" + std::to_string(bytes) +
-                           ") is outside the registered region of rank " + std::to_string(peer) + " (or [" +
-                           std::to_string(local_off) + ", +" + std::to_string(bytes) + ") outside this rank's)");
+    verbs::check_range(regions_[region], remotes_.at(size_t(peer)), region, peer, local_off, remote_off, bytes);
   }
 
   VerbsOptions o_;
@@ -461,6 +412,7 @@ std::unique_ptr<Transport> make_verbs_transport(const VerbsOptions& o, std::stri
   std::string name;
   ibv_context* ctx = open_device(o.hca, &port, &name, why);
   if (!ctx) return nullptr;
+  if (is_efa_device(ctx)) return make_efa_transport(o, ctx, port, name);  // SRD: the EFA transport
   return std::make_unique<VerbsTransport>(o, ctx, port, name);
 }
 
@@ -489,7 +441,7 @@ std::vector<std::string> verbs_device_summary() {
                       ", link " + (pa.link_layer == IBV_LINK_LAYER_ETHERNET ? "Ethernet (RoCE)" : "InfiniBand") +
                       ", atomics " + (attr.atomic_cap == IBV_ATOMIC_NONE ? "no" : "yes") + ", GID[0] " +
                       (has_gid ? hex_encode(&gid, sizeof(gid)) : std::string("?")) + ", lid " + std::to_string(pa.lid) +
-                      (dev.compare(0, 4, "efa_") == 0 ? ", EFA" : ""));
+                      (is_efa_device(ctx) ? ", EFA (SRD transport)" : ""));
       }
     ibv_close_device(ctx);
   }

@@ -5,7 +5,8 @@
 // native fetch-and-add when the device reports atomics, else the proxy emulates them with immediates.
 // One QP per peer keeps RC's order (props().ordered); several QPs ("striping") spread a stream over them, which
 // delivers out of order like EFA SRD, so the transport then reports ordered = false and no atomics, and the
-// proxies use the ordering protocols.
+// proxies use the ordering protocols. On an EFA device both names build the EFA SRD transport instead
+// (efa_transport.h).
 //
 // Knobs (environment, read at construction): PORTEP_IB_HCA (NCCL_IB_HCA syntax: "mlx5_0:1,mlx5_1", "^mlx5_2"
 // excludes, "=" prefix for exact names), PORTEP_IB_GID_INDEX (default 0), PORTEP_IB_SL, PORTEP_IB_TC,

@@ -1,0 +1,324 @@
+// EFA SRD transport (see efa_transport.h). Reviewed against efadv(7), efadv_create_qp_ex(3),
+// efadv_query_device(3) and efadv_query_ah(3) of rdma-core 44; compiled in CI, not run there (no EFA device).
+#include "efa_transport.h"
+
+#include <arpa/inet.h>
+#include <infiniband/efadv.h>
+
+#include <unordered_map>
+#include <vector>
+
+#include "verbs_common.h"
+
+namespace portep {
+
+using namespace verbs;
+
+namespace {
+
+// Bits of efadv_device_attr.device_caps, as rdma-core's efadv.h numbers them (older headers lack the later ones).
+constexpr uint32_t kCapsRnrRetry = 1u << 1;   // EFADV_DEVICE_ATTR_CAPS_RNR_RETRY
+constexpr uint32_t kCapsRdmaWrite = 1u << 3;  // EFADV_DEVICE_ATTR_CAPS_RDMA_WRITE
+constexpr uint32_t kQkey = 0x11111111;        // SRD QPs of one job agree on a qkey; any non-reserved value works
+constexpr uint8_t kRnrRetryForever = 7;       // the proxies' timeouts bound the wait instead
+
+struct SrdChannel {
+  ibv_cq* send_cq = nullptr;
+  ibv_cq* recv_cq = nullptr;
+  ibv_qp* qp = nullptr;
+  ibv_qp_ex* qpx = nullptr;
+  uint32_t outstanding = 0;  // signaled writes not yet completed
+};
+
+struct SrdPeer {
+  ibv_ah* ah = nullptr;
+  std::vector<uint32_t> qpn;  // the peer's QP of each channel
+};
+
+uint64_t sender_key(uint32_t ahn, uint32_t qpn) { return uint64_t(ahn) << 32 | qpn; }
+
+class EfaTransport final : public Transport {
+ public:
+  EfaTransport(const VerbsOptions& o, ibv_context* ctx, int port, const std::string& dev_name,
+               const efadv_device_attr& efa)
+      : o_(o), ctx_(ctx), port_(port), dev_name_(dev_name), efa_(efa) {
+    try {
+      setup();
+    } catch (...) {
+      teardown();
+      throw;
+    }
+  }
+
+  ~EfaTransport() override { teardown(); }
+
+  TransportProps props() const override { return TransportProps{"efa-srd", false, false}; }
+
+  void* alloc_region(RegionId region, size_t bytes) override {
+    if (connected_) throw TransportError("efa: regions must be allocated before connect()");
+    Region& r = regions_[region];
+    r.bytes = bytes ? bytes : 64;
+    r.addr = alloc_pages(r.bytes);
+    register_region(pd_, &r, IBV_ACCESS_LOCAL_WRITE | IBV_ACCESS_REMOTE_WRITE | IBV_ACCESS_REMOTE_READ);
+    return r.addr;
+  }
+
+  // Lines: gid, then per region "addr rkey bytes", then the QP number of each channel.
+  std::string endpoint_blob() override {
+    std::string out = hex_encode(&gid_, sizeof(gid_)) + "\n";
+    for (auto& r : regions_) out += region_line(r);
+    for (auto& ch : channels_) out += std::to_string(ch.qp->qp_num) + "\n";
+    return out;
+  }
+
+  void connect(const std::vector<std::string>& blobs) override {
+    if (int(blobs.size()) != o_.num_ranks) throw TransportError("efa: wrong number of endpoint descriptions");
+    for (auto& r : regions_)
+      if (!r.mr) throw TransportError("efa: allocate the data and signal regions before connect()");
+    remotes_.assign(size_t(o_.num_ranks), RemoteRegions{});
+    peers_.assign(size_t(o_.num_ranks), SrdPeer{});
+    for (int p = 0; p < o_.num_ranks; ++p) {
+      const std::vector<std::string> f = split_lines(blobs[p]);
+      if (f.size() != size_t(1 + kNumRegions + o_.num_channels))
+        throw TransportError("efa: malformed endpoint description from rank " + std::to_string(p));
+      ibv_gid gid;
+      unhex(f[0], &gid, sizeof(gid));
+      for (int r = 0; r < kNumRegions; ++r) parse_region_line(f[1 + r], &remotes_[p], r, p);
+      SrdPeer& peer = peers_[p];
+      peer.ah = create_ah(gid, p);
+      efadv_ah_attr ah_attr{};
+      if (int e = efadv_query_ah(peer.ah, &ah_attr, sizeof(ah_attr))) fail("efadv_query_ah", e);
+      for (int c = 0; c < o_.num_channels; ++c) {
+        peer.qpn.push_back(uint32_t(std::stoul(f[1 + kNumRegions + c])));
+        // A receive completion carries the AH number this rank created for the sender and its QP number.
+        senders_[sender_key(ah_attr.ahn, peer.qpn.back())] = p;
+      }
+    }
+    connected_ = true;
+  }
+
+  bool post_write(int channel, int peer, uint64_t local_off, uint64_t remote_off, uint32_t bytes, const uint32_t* imm,
+                  uint64_t wr_id) override {
+    if (!connected_) throw TransportError("efa: post before connect()");
+    SrdChannel& ch = at(channel);
+    check_peer(peer);
+    check_range(regions_[kRegionData], remotes_[size_t(peer)], kRegionData, peer, local_off, remote_off, bytes);
+    if (bytes > efa_.max_rdma_size)
+      throw TransportError("efa: a write of " + std::to_string(bytes) + " bytes exceeds the device's max_rdma_size " +
+                           std::to_string(efa_.max_rdma_size));
+    if (ch.outstanding >= o_.max_send_wr) return false;
+    const uint64_t remote_addr = remotes_[size_t(peer)].addr[kRegionData] + remote_off;
+    const uint32_t rkey = remotes_[size_t(peer)].rkey[kRegionData];
+    ibv_wr_start(ch.qpx);
+    ch.qpx->wr_id = wr_id;
+    ch.qpx->wr_flags = IBV_SEND_SIGNALED;
+    if (imm)
+      ibv_wr_rdma_write_imm(ch.qpx, rkey, remote_addr, htonl(*imm));
+    else
+      ibv_wr_rdma_write(ch.qpx, rkey, remote_addr);
+    if (bytes)
+      ibv_wr_set_sge(ch.qpx, regions_[kRegionData].mr->lkey,
+                     reinterpret_cast<uintptr_t>(regions_[kRegionData].addr) + local_off, bytes);
+    else
+      ibv_wr_set_sge_list(ch.qpx, 0, nullptr);
+    ibv_wr_set_ud_addr(ch.qpx, peers_[size_t(peer)].ah, peers_[size_t(peer)].qpn[size_t(channel)], kQkey);
+    const int e = ibv_wr_complete(ch.qpx);
+    if (e == ENOMEM) return false;  // the send queue is full right now
+    if (e) fail("ibv_wr_complete (RDMA write to rank " + std::to_string(peer) + ")", e);
+    ++ch.outstanding;
+    return true;
+  }
+
+  bool post_atomic_add(int, int, uint64_t, uint64_t, uint64_t) override {
+    throw TransportError("efa: SRD has no remote atomics; the proxy must emulate them (props().remote_atomics "
+                         "is false)");
+  }
+
+  int poll_send(int channel, uint64_t* wr_ids, int max) override {
+    SrdChannel& ch = at(channel);
+    ibv_wc wc[kPollBatch];
+    const int n = poll_cq(ch.send_cq, max, wc, "ibv_poll_cq (send)");
+    for (int i = 0; i < n; ++i) {
+      if (wc[i].status != IBV_WC_SUCCESS)
+        throw TransportError(std::string("efa: a write on channel ") + std::to_string(channel) + " failed: " +
+                             ibv_wc_status_str(wc[i].status) + " (vendor error " + std::to_string(wc[i].vendor_err) +
+                             ")");
+      --ch.outstanding;
+      wr_ids[i] = wc[i].wr_id;
+    }
+    return n;
+  }
+
+  int poll_recv(int channel, RecvNotice* out, int max) override {
+    SrdChannel& ch = at(channel);
+    ibv_wc wc[kPollBatch];
+    const int n = poll_cq(ch.recv_cq, max, wc, "ibv_poll_cq (recv)");
+    for (int i = 0; i < n; ++i) {
+      if (wc[i].status != IBV_WC_SUCCESS)
+        throw TransportError(std::string("efa: a receive on channel ") + std::to_string(channel) + " failed: " +
+                             ibv_wc_status_str(wc[i].status));
+      if (wc[i].opcode != IBV_WC_RECV_RDMA_WITH_IMM || !(wc[i].wc_flags & IBV_WC_WITH_IMM))
+        throw TransportError("efa: unexpected receive completion on channel " + std::to_string(channel));
+      auto it = senders_.find(sender_key(wc[i].slid, wc[i].src_qp));
+      if (it == senders_.end())
+        throw TransportError("efa: an immediate from an unknown sender (AH " + std::to_string(wc[i].slid) + ", QP " +
+                             std::to_string(wc[i].src_qp) + ")");
+      out[i] = RecvNotice{uint32_t(it->second), ntohl(wc[i].imm_data)};
+      post_recvs(ch.qp, 1);
+    }
+    return n;
+  }
+
+  std::string describe_peer(int peer) const override {
+    return "rank " + std::to_string(peer) + " (EFA SRD over " + dev_name_ + ":" + std::to_string(port_) + ")";
+  }
+
+ private:
+  void setup() {
+    if (!(efa_.device_caps & kCapsRdmaWrite))
+      throw TransportError("efa: " + dev_name_ + " reports no RDMA write (efadv device_caps 0x" +
+                           hex_encode(&efa_.device_caps, sizeof(efa_.device_caps)) +
+                           "): portep needs an EFA device and an rdma-core whose efadv reports "
+                           "EFADV_DEVICE_ATTR_CAPS_RDMA_WRITE");
+    if (ibv_query_port(ctx_, uint8_t(port_), &port_attr_)) fail("ibv_query_port", errno);
+    if (ibv_query_device(ctx_, &dev_attr_)) fail("ibv_query_device", errno);
+    if (ibv_query_gid(ctx_, uint8_t(port_), o_.gid_index, &gid_)) fail("ibv_query_gid", errno);
+    pd_ = ibv_alloc_pd(ctx_);
+    if (!pd_) fail("ibv_alloc_pd", errno);
+    channels_.resize(size_t(o_.num_channels));
+    for (auto& ch : channels_) build_channel(&ch);
+  }
+
+  void build_channel(SrdChannel* ch) {
+    const uint32_t send_wr = o_.max_send_wr < efa_.max_sq_wr ? o_.max_send_wr : efa_.max_sq_wr;
+    const uint64_t want_recv = uint64_t(o_.recv_depth) * uint64_t(o_.num_ranks);
+    const uint32_t recv_wr = uint32_t(want_recv < efa_.max_rq_wr ? want_recv : efa_.max_rq_wr);
+    const int cqe_limit = dev_attr_.max_cqe;
+    ch->send_cq = ibv_create_cq(ctx_, int(send_wr) < cqe_limit ? int(send_wr) : cqe_limit, nullptr, nullptr, 0);
+    ch->recv_cq = ibv_create_cq(ctx_, int(recv_wr) < cqe_limit ? int(recv_wr) : cqe_limit, nullptr, nullptr, 0);
+    if (!ch->send_cq || !ch->recv_cq) fail("ibv_create_cq", errno);
+    ibv_qp_init_attr_ex a{};
+    a.qp_type = IBV_QPT_DRIVER;
+    a.send_cq = ch->send_cq;
+    a.recv_cq = ch->recv_cq;
+    a.cap.max_send_wr = send_wr;
+    a.cap.max_recv_wr = recv_wr;
+    a.cap.max_send_sge = 1;
+    a.cap.max_recv_sge = 1;
+    a.pd = pd_;
+    a.comp_mask = IBV_QP_INIT_ATTR_PD | IBV_QP_INIT_ATTR_SEND_OPS_FLAGS;
+    a.send_ops_flags = IBV_QP_EX_WITH_RDMA_WRITE | IBV_QP_EX_WITH_RDMA_WRITE_WITH_IMM;
+    efadv_qp_init_attr e{};
+    e.driver_qp_type = EFADV_QP_DRIVER_TYPE_SRD;
+    ch->qp = efadv_create_qp_ex(ctx_, &a, &e, sizeof(e));
+    if (!ch->qp) fail("efadv_create_qp_ex (SRD)", errno);
+    ch->qpx = ibv_qp_to_qp_ex(ch->qp);
+    if (!ch->qpx) throw TransportError("efa: ibv_qp_to_qp_ex gave no extended QP");
+    bring_up(ch->qp);
+    post_recvs(ch->qp, recv_wr);
+  }
+
+  // SRD QPs go INIT (port, pkey, qkey) -> RTR -> RTS like UD ones; no remote address is bound.
+  void bring_up(ibv_qp* qp) {
+    ibv_qp_attr a{};
+    a.qp_state = IBV_QPS_INIT;
+    a.pkey_index = 0;
+    a.port_num = uint8_t(port_);
+    a.qkey = kQkey;
+    if (int e = ibv_modify_qp(qp, &a, IBV_QP_STATE | IBV_QP_PKEY_INDEX | IBV_QP_PORT | IBV_QP_QKEY))
+      fail("ibv_modify_qp to INIT", e);
+    a = ibv_qp_attr{};
+    a.qp_state = IBV_QPS_RTR;
+    if (int e = ibv_modify_qp(qp, &a, IBV_QP_STATE)) fail("ibv_modify_qp to RTR", e);
+    a = ibv_qp_attr{};
+    a.qp_state = IBV_QPS_RTS;
+    a.sq_psn = 0;
+    int mask = IBV_QP_STATE | IBV_QP_SQ_PSN;
+    if (efa_.device_caps & kCapsRnrRetry) {
+      a.rnr_retry = kRnrRetryForever;
+      mask |= IBV_QP_RNR_RETRY;
+    }
+    if (int e = ibv_modify_qp(qp, &a, mask)) fail("ibv_modify_qp to RTS", e);
+  }
+
+  ibv_ah* create_ah(const ibv_gid& gid, int peer) {
+    ibv_ah_attr a{};
+    a.is_global = 1;
+    a.grh.dgid = gid;
+    a.grh.sgid_index = uint8_t(o_.gid_index);
+    a.port_num = uint8_t(port_);
+    ibv_ah* ah = ibv_create_ah(pd_, &a);
+    if (!ah) fail("ibv_create_ah for rank " + std::to_string(peer), errno);
+    return ah;
+  }
+
+  void post_recvs(ibv_qp* qp, uint32_t n) {
+    for (uint32_t i = 0; i < n; ++i) {
+      ibv_recv_wr wr{};
+      ibv_recv_wr* bad = nullptr;
+      if (int e = ibv_post_recv(qp, &wr, &bad)) fail("ibv_post_recv", e);
+    }
+  }
+
+  SrdChannel& at(int channel) {
+    if (channel < 0 || channel >= o_.num_channels)
+      throw TransportError("efa: channel " + std::to_string(channel) + " out of range");
+    return channels_[size_t(channel)];
+  }
+
+  void check_peer(int peer) const {
+    if (peer < 0 || peer >= o_.num_ranks) throw TransportError("efa: peer " + std::to_string(peer) + " out of range");
+  }
+
+  void teardown() {
+    for (auto& p : peers_)
+      if (p.ah) ibv_destroy_ah(p.ah);
+    peers_.clear();
+    for (auto& ch : channels_) {
+      if (ch.qp) ibv_destroy_qp(ch.qp);
+      if (ch.send_cq) ibv_destroy_cq(ch.send_cq);
+      if (ch.recv_cq) ibv_destroy_cq(ch.recv_cq);
+    }
+    channels_.clear();
+    for (auto& r : regions_) release_region(&r);
+    if (pd_) ibv_dealloc_pd(pd_);
+    pd_ = nullptr;
+    if (ctx_) ibv_close_device(ctx_);
+    ctx_ = nullptr;
+  }
+
+  VerbsOptions o_;
+  ibv_context* ctx_;
+  int port_;
+  std::string dev_name_;
+  efadv_device_attr efa_;
+  ibv_port_attr port_attr_{};
+  ibv_device_attr dev_attr_{};
+  ibv_gid gid_{};
+  ibv_pd* pd_ = nullptr;
+  Region regions_[kNumRegions];
+  std::vector<SrdChannel> channels_;
+  std::vector<SrdPeer> peers_;
+  std::vector<RemoteRegions> remotes_;
+  std::unordered_map<uint64_t, int> senders_;  // (AH number, QP number) of a receive completion -> rank
+  bool connected_ = false;
+};
+
+}  // namespace
+
+bool is_efa_device(ibv_context* ctx) {
+  efadv_device_attr a{};
+  return efadv_query_device(ctx, &a, sizeof(a)) == 0;
+}
+
+std::unique_ptr<Transport> make_efa_transport(const VerbsOptions& o, ibv_context* ctx, int port,
+                                              const std::string& dev_name) {
+  efadv_device_attr a{};
+  if (int e = efadv_query_device(ctx, &a, sizeof(a))) {
+    ibv_close_device(ctx);
+    fail("efadv_query_device on " + dev_name, e);
+  }
+  return std::make_unique<EfaTransport>(o, ctx, port, dev_name, a);
+}
+
+}  // namespace portep

@@ -1,0 +1,13 @@
+// Builds with libibverbs but without efadv (libefa): no device is taken for EFA, so `verbs` runs RC everywhere.
+#include "efa_transport.h"
+
+namespace portep {
+
+bool is_efa_device(ibv_context*) { return false; }
+
+std::unique_ptr<Transport> make_efa_transport(const VerbsOptions&, ibv_context* ctx, int, const std::string& dev_name) {
+  ibv_close_device(ctx);
+  throw TransportError("efa: this build has no efadv (libefa); rebuild with rdma-core's libefa to use " + dev_name);
+}
+
+}  // namespace portep
