@@ -15,7 +15,9 @@ SCENARIOS = {
     "ll/2x1/verbs": (w.ll_body, 2, 1, "verbs", (5, 32, 512, 8, 4, False, 1)),
     "ll/2x2/verbs-striped": (w.ll_body, 2, 2, "verbs-striped", (6, 32, 512, 8, 4, False, 1)),
     "ht/2x1/verbs": (w.ht_body, 2, 1, "verbs", (7, [96, 64], 512, 4, 8, 1)),
-    "ht/4x1/verbs-striped": (w.ht_body, 4, 1, "verbs-striped", (8, [64, 48, 80, 32], 512, 4, 16, 1)),
+    # 2 ranks per node: node peers map each other's shared-memory regions (node views), other nodes via RDMA
+    "ht/4x2/verbs-striped": (w.ht_body, 4, 2, "verbs-striped", (8, [64, 48, 80, 32], 512, 4, 16, 1)),
+    "ht/4x2/verbs": (w.ht_body, 4, 2, "verbs", (10, [56, 72, 40, 64], 512, 4, 16, 1)),
     "ll/4x2/verbs": (w.ll_body, 4, 2, "verbs", (9, 16, 512, 8, 4, False, 1)),
 }
 

@@ -227,8 +227,9 @@ class HostEngine(Topology):
         if unmapped:
             raise ValueError(f"normal-mode dispatch/combine with num_ranks_per_node={self.ranks_per_node} needs the "
                              f"memory of same-node ranks {unmapped} mapped into this process, which the "
-                             f"{self.channel.transport} transport cannot do; use num_ranks_per_node=1 with it (or "
-                             f"the shm transport within a node)")
+                             f"{self.channel.transport} transport cannot do here (verbs maps the regions of ranks "
+                             f"on the same host only); use num_ranks_per_node=1, or place each node's ranks on one "
+                             f"host")
 
     def dispatch(self, *args, **kwargs):
         self._require_node_views()

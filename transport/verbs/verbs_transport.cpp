@@ -7,17 +7,30 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/mman.h>
+#include <unistd.h>
 
+#include <array>
+#include <fstream>
 #include <unordered_map>
 
 #include "efa_transport.h"
 #include "verbs_common.h"
+#include "../shm/shm_segment.h"
 
 namespace portep {
 
 using namespace verbs;
 
 namespace {
+
+// This host and this boot: ranks that print the same can map each other's shared memory.
+std::string host_identity() {
+  char host[256] = {};
+  gethostname(host, sizeof(host) - 1);
+  std::string boot;
+  std::ifstream("/proc/sys/kernel/random/boot_id") >> boot;
+  return std::string(host) + "/" + boot;
+}
 
 // NCCL_IB_HCA syntax: optional '^' (exclude the list), optional '=' (exact names, else prefixes), then
 // comma-separated "device[:port]".
@@ -94,7 +107,9 @@ class VerbsTransport final : public Transport {
       if (ch.send_cq) ibv_destroy_cq(ch.send_cq);
       if (ch.recv_cq) ibv_destroy_cq(ch.recv_cq);
     }
-    for (Region* r : {&regions_[0], &regions_[1], &scratch_}) release_region(r);
+    for (Region& r : regions_)  // the memory itself is the shared-memory segment's, unmapped by it
+      if (r.mr) ibv_dereg_mr(r.mr);
+    release_region(&scratch_);
     if (pd_) ibv_dealloc_pd(pd_);
     ibv_close_device(ctx_);
   }
@@ -108,7 +123,9 @@ class VerbsTransport final : public Transport {
     if (connected_) throw TransportError("verbs: regions must be allocated before connect()");
     Region& r = regions_[region];
     r.bytes = bytes ? bytes : 64;
-    r.addr = alloc_pages(r.bytes);
+    // Shared memory, so that ranks on this host can also map it (node views for normal mode).
+    segments_[region] = ShmSegment::create(region == kRegionData ? "verbs-data" : "verbs-signal", r.bytes);
+    r.addr = segments_[region].data();
     register_region(pd_, &r, IBV_ACCESS_LOCAL_WRITE | IBV_ACCESS_REMOTE_WRITE | IBV_ACCESS_REMOTE_READ |
                             IBV_ACCESS_REMOTE_ATOMIC);
     return r.addr;
@@ -118,6 +135,7 @@ class VerbsTransport final : public Transport {
   std::string endpoint_blob() override {
     std::string out = std::to_string(port_attr_.lid) + "\n" + hex_encode(&gid_, sizeof(gid_)) + "\n";
     for (auto& r : regions_) out += region_line(r);
+    out += host_identity() + "\n" + segments_[kRegionData].name() + " " + segments_[kRegionSignal].name() + "\n";
     for (auto& ch : channels_)
       for (auto& peer : ch.qps)
         for (auto& q : peer) out += std::to_string(q.qp->qp_num) + "\n";
@@ -129,10 +147,12 @@ class VerbsTransport final : public Transport {
     for (auto& r : regions_)
       if (!r.mr) throw TransportError("verbs: allocate the data and signal regions before connect()");
     remotes_.assign(size_t(o_.num_ranks), RemoteRegions{});
+    peer_maps_.clear();
+    peer_maps_.resize(size_t(o_.num_ranks));
     for (int p = 0; p < o_.num_ranks; ++p) {
       const std::vector<std::string> f = split_lines(blobs[p]);
       const size_t qps = size_t(o_.num_channels) * o_.num_ranks * o_.qps_per_peer;
-      if (f.size() != 4 + qps) throw TransportError("verbs: malformed endpoint description from rank " + std::to_string(p));
+      if (f.size() != 6 + qps) throw TransportError("verbs: malformed endpoint description from rank " + std::to_string(p));
       const uint16_t lid = uint16_t(std::stoul(f[0]));
       ibv_gid gid;
       unhex(f[1], &gid, sizeof(gid));
@@ -141,8 +161,9 @@ class VerbsTransport final : public Transport {
         for (int s = 0; s < o_.qps_per_peer; ++s) {
           // Peer p's QP for (channel c, peer = me, stripe s) is the other end of mine for (c, p, s).
           const size_t index = (size_t(c) * o_.num_ranks + o_.rank) * o_.qps_per_peer + s;
-          connect_qp(channels_[c].qps[p][s].qp, uint32_t(std::stoul(f[4 + index])), lid, gid);
+          connect_qp(channels_[c].qps[p][s].qp, uint32_t(std::stoul(f[6 + index])), lid, gid);
         }
+      if (p != o_.rank && f[4] == host_identity()) map_peer(p, f[5]);
     }
     connected_ = true;
   }
@@ -218,11 +239,37 @@ class VerbsTransport final : public Transport {
     return n;
   }
 
+  // Every peer has mapped this rank's segments: their names can go.
+  void bootstrap_done() override {
+    for (auto& seg : segments_) seg.unlink_name();
+  }
+
+  void* peer_region(int peer, RegionId region) const override {
+    if (!connected_ || peer < 0 || peer >= o_.num_ranks) return nullptr;
+    if (peer == o_.rank) return regions_[region].addr;
+    return peer_maps_[size_t(peer)][region].data();
+  }
+
+  size_t peer_region_bytes(int peer, RegionId region) const override {
+    if (!connected_ || peer < 0 || peer >= o_.num_ranks) return 0;
+    if (peer == o_.rank) return regions_[region].bytes;
+    return peer_maps_[size_t(peer)][region].size();
+  }
+
   std::string describe_peer(int peer) const override {
     return "rank " + std::to_string(peer) + " (verbs RC over " + dev_name_ + ":" + std::to_string(port_) + ")";
   }
 
  private:
+  // Maps a same-host peer's data and signal segments ("data_name signal_name" from its blob).
+  void map_peer(int p, const std::string& names) {
+    const size_t space = names.find(' ');
+    if (space == std::string::npos) throw TransportError("verbs: malformed segment names from rank " + std::to_string(p));
+    if (peer_maps_.empty()) peer_maps_.resize(size_t(o_.num_ranks));
+    peer_maps_[size_t(p)][kRegionData] = ShmSegment::open(names.substr(0, space), remotes_[p].bytes[kRegionData]);
+    peer_maps_[size_t(p)][kRegionSignal] = ShmSegment::open(names.substr(space + 1), remotes_[p].bytes[kRegionSignal]);
+  }
+
   void build_channels() {
     const int cqe_limit = dev_attr_.max_cqe;
     auto clamp = [cqe_limit](long v) { return int(v < cqe_limit ? v : cqe_limit); };
@@ -347,6 +394,8 @@ class VerbsTransport final : public Transport {
   bool atomics_ = false;
   ibv_pd* pd_ = nullptr;
   Region regions_[kNumRegions];
+  ShmSegment segments_[kNumRegions];                       // this rank's regions
+  std::vector<std::array<ShmSegment, kNumRegions>> peer_maps_;  // same-host peers' regions, mapped here
   Region scratch_;  // where fetch-and-add results land (never read)
   std::vector<VerbsChannel> channels_;
   std::vector<RemoteRegions> remotes_;
