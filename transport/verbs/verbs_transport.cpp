@@ -10,7 +10,6 @@
 #include <unistd.h>
 
 #include <array>
-#include <fstream>
 #include <unordered_map>
 
 #include "efa_transport.h"
@@ -27,9 +26,14 @@ namespace {
 std::string host_identity() {
   char host[256] = {};
   gethostname(host, sizeof(host) - 1);
-  std::string boot;
-  std::ifstream("/proc/sys/kernel/random/boot_id") >> boot;
-  return std::string(host) + "/" + boot;
+  char boot[64] = {};  // stdio, not iostreams (iostreams in this library crashed next to torch's C++ runtime)
+  if (FILE* f = fopen("/proc/sys/kernel/random/boot_id", "r")) {
+    if (!fgets(boot, sizeof(boot), f)) boot[0] = 0;
+    fclose(f);
+  }
+  std::string id = std::string(host) + "/" + boot;
+  while (!id.empty() && (id.back() == '\n' || id.back() == ' ')) id.pop_back();  // one blob line
+  return id;
 }
 
 // NCCL_IB_HCA syntax: optional '^' (exclude the list), optional '=' (exact names, else prefixes), then
