@@ -171,14 +171,21 @@ PORTEP_DEVICE void combine_reduce(const LLCombineArgs& a, bool waited) {
   }
   __syncthreads();
   if (last) {
+    // Blocks waited only for their own tokens' experts, but every (expert, source) pair is signalled on every
+    // call: wait for the rest too, or a late signal would survive the reset and satisfy a later call's wait
+    // before its rows arrive.
+    for (int e = threadIdx.x; e < c.num_experts; e += blockDim.x) wait_expert_rows(c, e);
+    __syncthreads();
     fence_gpu();
     reset_combine_signals(c);
   }
 }
 
-// phases: kPhaseSend and/or kPhaseRecv (both: every block sends its parts, then reduces its tokens; at most one
-// block per SM, so all are resident and a reducing block never waits for a part that cannot run). `waited`:
-// a wait kernel already consumed the signals.
+// phases: kPhaseSend and/or kPhaseRecv (both: every block sends its parts, then reduces its tokens). With both,
+// the grid is at most one block per SM so that, on a GPU this launch can fill, every block is resident and a
+// reducing block never waits for a part that cannot run. When other work holds SMs (MPS limits, long kernels
+// on other streams) some blocks may have to wait for those; a wait that outlasts the timeout is reported, not
+// hung. `waited`: a wait kernel already consumed the signals.
 __global__ void __launch_bounds__(kLLThreads) combine_kernel(LLCombineArgs a, int phases, int parts, bool waited) {
   extern __shared__ uint32_t shared[];  // begins [R], counts [R]
   if (phases & kPhaseSend) {

@@ -308,8 +308,8 @@ class Buffer:
             key = v.call_key("dispatch", v.tensor_key(x), v.tensor_key(topk_idx),
                              type(num_max_dispatch_tokens_per_rank), num_max_dispatch_tokens_per_rank,
                              type(num_experts), num_experts, v.tensor_key(cumulative_local_expert_recv_stats),
-                             v.tensor_key(dispatch_wait_recv_cost_stats), use_fp8, round_scale, use_ue8m0,
-                             async_finish, return_recv_hook)
+                             v.tensor_key(dispatch_wait_recv_cost_stats), bool(use_fp8), bool(round_scale),
+                             bool(use_ue8m0), bool(async_finish), bool(return_recv_hook))
         if not self._checked.seen(key):
             v.check_ll_flags(async_finish, return_recv_hook)
             v.check_fp8_flags(use_fp8, round_scale, use_ue8m0)
@@ -346,8 +346,8 @@ class Buffer:
         if self._device == "cuda" and isinstance(handle, tuple) and len(handle) == v.LL_HANDLE_LEN:
             key = v.call_key("combine", v.tensor_key(x), v.tensor_key(topk_idx), v.tensor_key(topk_weights),
                              v.tensor_key(handle[0]), v.tensor_key(handle[1]), *((type(h), h) for h in handle[2:]),
-                             v.tensor_key(out), v.tensor_key(combine_wait_recv_cost_stats), zero_copy, async_finish,
-                             return_recv_hook)
+                             v.tensor_key(out), v.tensor_key(combine_wait_recv_cost_stats), bool(zero_copy),
+                             bool(async_finish), bool(return_recv_hook), bool(use_logfmt))
         if not self._checked.seen(key):
             v.check_ll_flags(async_finish, return_recv_hook)
             tokens, hidden, num_experts = v.check_ll_handle(handle, self.group_size)

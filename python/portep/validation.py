@@ -319,11 +319,17 @@ class CheckedCalls:
         self._limit = limit
 
     def seen(self, key):
-        return key is not None and key in self._seen
+        try:
+            return key is not None and key in self._seen
+        except TypeError:  # an unhashable argument: validated in full every time
+            return False
 
     def add(self, key):
         if key is None:
             return
         if len(self._seen) >= self._limit:
             self._seen.clear()
-        self._seen.add(key)
+        try:
+            self._seen.add(key)
+        except TypeError:
+            pass

@@ -198,13 +198,14 @@ class CudaDeviceMemory final : public DeviceMemory {
     const size_t n = c.sizes.size();
     if (n == 0) return;
     cudaError_t e = cudaSuccess;
-#if CUDART_VERSION >= 12080
+#if CUDART_VERSION >= 13000  // 12.8/12.9 declare another signature (failIdx)
     if (n > 1 && batch_supported_.load(std::memory_order_relaxed)) {
       cudaMemcpyAttributes attr{};
       attr.srcAccessOrder = cudaMemcpySrcAccessOrderStream;
       size_t attr_index = 0;
       e = cudaMemcpyBatchAsync(c.dsts.data(), c.srcs.data(), c.sizes.data(), n, &attr, &attr_index, 1, c.stream);
-      if (e == cudaErrorNotSupported || e == cudaErrorInvalidValue) {  // older driver: one call per copy
+      if (e == cudaErrorNotSupported || e == cudaErrorInvalidValue ||
+          e == cudaErrorCallRequiresNewerDriver) {  // older driver: one call per copy
         cudaGetLastError();
         batch_supported_.store(false, std::memory_order_relaxed);
       } else {

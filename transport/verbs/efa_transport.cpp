@@ -3,6 +3,7 @@
 #include "efa_transport.h"
 
 #include <arpa/inet.h>
+#include <stdlib.h>
 #include <infiniband/efadv.h>
 
 #include <unordered_map>
@@ -37,6 +38,14 @@ struct SrdPeer {
 
 uint64_t sender_key(uint32_t ahn, uint32_t qpn) { return uint64_t(ahn) << 32 | qpn; }
 
+uint32_t parse_qpn(const std::string& s, int peer) {
+  char* end = nullptr;
+  const unsigned long v = strtoul(s.c_str(), &end, 10);
+  if (s.empty() || *end || v > 0xffffff)
+    throw TransportError("efa: malformed QP number '" + s + "' from rank " + std::to_string(peer));
+  return uint32_t(v);
+}
+
 class EfaTransport final : public Transport {
  public:
   EfaTransport(const VerbsOptions& o, ibv_context* ctx, int port, const std::string& dev_name,
@@ -59,7 +68,7 @@ class EfaTransport final : public Transport {
     Region& r = regions_[region];
     r.bytes = bytes ? bytes : 64;
     r.addr = alloc_pages(r.bytes);
-    register_region(pd_, &r, IBV_ACCESS_LOCAL_WRITE | IBV_ACCESS_REMOTE_WRITE | IBV_ACCESS_REMOTE_READ);
+    register_region(pd_, &r, IBV_ACCESS_LOCAL_WRITE | IBV_ACCESS_REMOTE_WRITE);  // no reads: not every EFA has them
     return r.addr;
   }
 
@@ -89,7 +98,7 @@ class EfaTransport final : public Transport {
       efadv_ah_attr ah_attr{};
       if (int e = efadv_query_ah(peer.ah, &ah_attr, sizeof(ah_attr))) fail("efadv_query_ah", e);
       for (int c = 0; c < o_.num_channels; ++c) {
-        peer.qpn.push_back(uint32_t(std::stoul(f[1 + kNumRegions + c])));
+        peer.qpn.push_back(parse_qpn(f[1 + kNumRegions + c], p));
         // A receive completion carries the AH number this rank created for the sender and its QP number.
         senders_[sender_key(ah_attr.ahn, peer.qpn.back())] = p;
       }
@@ -190,12 +199,17 @@ class EfaTransport final : public Transport {
   }
 
   void build_channel(SrdChannel* ch) {
-    const uint32_t send_wr = o_.max_send_wr < efa_.max_sq_wr ? o_.max_send_wr : efa_.max_sq_wr;
-    const uint64_t want_recv = uint64_t(o_.recv_depth) * uint64_t(o_.num_ranks);
-    const uint32_t recv_wr = uint32_t(want_recv < efa_.max_rq_wr ? want_recv : efa_.max_rq_wr);
-    const int cqe_limit = dev_attr_.max_cqe;
-    ch->send_cq = ibv_create_cq(ctx_, int(send_wr) < cqe_limit ? int(send_wr) : cqe_limit, nullptr, nullptr, 0);
-    ch->recv_cq = ibv_create_cq(ctx_, int(recv_wr) < cqe_limit ? int(recv_wr) : cqe_limit, nullptr, nullptr, 0);
+    // Queue depths within the device's limits, and never deeper than a CQ can hold (no CQ overflow).
+    const uint64_t cqe_limit = uint64_t(dev_attr_.max_cqe > 0 ? dev_attr_.max_cqe : 1);
+    auto cap = [cqe_limit](uint64_t want, uint64_t device_max) {
+      const uint64_t v = want < device_max ? want : device_max;
+      return uint32_t(v < cqe_limit ? v : cqe_limit);
+    };
+    const uint32_t send_wr = cap(o_.max_send_wr, efa_.max_sq_wr);
+    const uint32_t recv_wr = cap(uint64_t(o_.recv_depth) * uint64_t(o_.num_ranks), efa_.max_rq_wr);
+    if (o_.max_send_wr > send_wr) o_.max_send_wr = send_wr;  // the in-flight window follows the queue
+    ch->send_cq = ibv_create_cq(ctx_, int(send_wr), nullptr, nullptr, 0);
+    ch->recv_cq = ibv_create_cq(ctx_, int(recv_wr), nullptr, nullptr, 0);
     if (!ch->send_cq || !ch->recv_cq) fail("ibv_create_cq", errno);
     ibv_qp_init_attr_ex a{};
     a.qp_type = IBV_QPT_DRIVER;

@@ -7,6 +7,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/mman.h>
+#include <sys/statvfs.h>
 #include <unistd.h>
 
 #include <array>
@@ -23,6 +24,8 @@ using namespace verbs;
 namespace {
 
 // This host and this boot: ranks that print the same can map each other's shared memory.
+constexpr char kNoSegment[] = "-";  // a region in private pages: not mappable by peers
+
 std::string host_identity() {
   char host[256] = {};
   gethostname(host, sizeof(host) - 1);
@@ -31,7 +34,10 @@ std::string host_identity() {
     if (!fgets(boot, sizeof(boot), f)) boot[0] = 0;
     fclose(f);
   }
-  std::string id = std::string(host) + "/" + boot;
+  char ipc_ns[128] = {};  // containers on one host with separate IPC namespaces cannot share memory
+  const ssize_t n = readlink("/proc/self/ns/ipc", ipc_ns, sizeof(ipc_ns) - 1);
+  if (n > 0) ipc_ns[n] = 0;
+  std::string id = std::string(host) + "/" + boot + "/" + ipc_ns;
   while (!id.empty() && (id.back() == '\n' || id.back() == ' ')) id.pop_back();  // one blob line
   return id;
 }
@@ -111,8 +117,10 @@ class VerbsTransport final : public Transport {
       if (ch.send_cq) ibv_destroy_cq(ch.send_cq);
       if (ch.recv_cq) ibv_destroy_cq(ch.recv_cq);
     }
-    for (Region& r : regions_)  // the memory itself is the shared-memory segment's, unmapped by it
-      if (r.mr) ibv_dereg_mr(r.mr);
+    for (int i = 0; i < kNumRegions; ++i) {
+      if (regions_[i].mr) ibv_dereg_mr(regions_[i].mr);
+      if (!segments_[i].data() && regions_[i].addr) munmap(regions_[i].addr, regions_[i].bytes);  // private pages
+    }
     release_region(&scratch_);
     if (pd_) ibv_dealloc_pd(pd_);
     ibv_close_device(ctx_);
@@ -127,9 +135,14 @@ class VerbsTransport final : public Transport {
     if (connected_) throw TransportError("verbs: regions must be allocated before connect()");
     Region& r = regions_[region];
     r.bytes = bytes ? bytes : 64;
-    // Shared memory, so that ranks on this host can also map it (node views for normal mode).
-    segments_[region] = ShmSegment::create(region == kRegionData ? "verbs-data" : "verbs-signal", r.bytes);
-    r.addr = segments_[region].data();
+    // Shared memory, so that ranks on this host can also map it (node views for normal mode), when /dev/shm
+    // has room (a container's may be 64 MiB); else private pages, which only RDMA reaches.
+    if (shm_has_room(r.bytes)) {
+      segments_[region] = ShmSegment::create(region == kRegionData ? "verbs-data" : "verbs-signal", r.bytes);
+      r.addr = segments_[region].data();
+    } else {
+      r.addr = alloc_pages(r.bytes);
+    }
     register_region(pd_, &r, IBV_ACCESS_LOCAL_WRITE | IBV_ACCESS_REMOTE_WRITE | IBV_ACCESS_REMOTE_READ |
                             IBV_ACCESS_REMOTE_ATOMIC);
     return r.addr;
@@ -139,7 +152,7 @@ class VerbsTransport final : public Transport {
   std::string endpoint_blob() override {
     std::string out = std::to_string(port_attr_.lid) + "\n" + hex_encode(&gid_, sizeof(gid_)) + "\n";
     for (auto& r : regions_) out += region_line(r);
-    out += host_identity() + "\n" + segments_[kRegionData].name() + " " + segments_[kRegionSignal].name() + "\n";
+    out += host_identity() + "\n" + segment_name(kRegionData) + " " + segment_name(kRegionSignal) + "\n";
     for (auto& ch : channels_)
       for (auto& peer : ch.qps)
         for (auto& q : peer) out += std::to_string(q.qp->qp_num) + "\n";
@@ -265,13 +278,28 @@ class VerbsTransport final : public Transport {
   }
 
  private:
-  // Maps a same-host peer's data and signal segments ("data_name signal_name" from its blob).
+  std::string segment_name(RegionId region) const {
+    return segments_[region].data() ? segments_[region].name() : std::string(kNoSegment);
+  }
+
+  // Maps a same-host peer's data and signal segments ("data_name signal_name" from its blob). A peer whose
+  // memory cannot be mapped here stays reachable through RDMA only (normal mode then says what is missing).
   void map_peer(int p, const std::string& names) {
     const size_t space = names.find(' ');
     if (space == std::string::npos) throw TransportError("verbs: malformed segment names from rank " + std::to_string(p));
-    if (peer_maps_.empty()) peer_maps_.resize(size_t(o_.num_ranks));
-    peer_maps_[size_t(p)][kRegionData] = ShmSegment::open(names.substr(0, space), remotes_[p].bytes[kRegionData]);
-    peer_maps_[size_t(p)][kRegionSignal] = ShmSegment::open(names.substr(space + 1), remotes_[p].bytes[kRegionSignal]);
+    const std::string data = names.substr(0, space), signal = names.substr(space + 1);
+    if (data == kNoSegment || signal == kNoSegment) return;
+    try {
+      peer_maps_[size_t(p)][kRegionData] = ShmSegment::open(data, remotes_[p].bytes[kRegionData]);
+      peer_maps_[size_t(p)][kRegionSignal] = ShmSegment::open(signal, remotes_[p].bytes[kRegionSignal]);
+    } catch (const TransportError&) {
+      peer_maps_[size_t(p)] = {};
+    }
+  }
+
+  static bool shm_has_room(size_t bytes) {
+    struct statvfs st {};
+    return statvfs("/dev/shm", &st) == 0 && uint64_t(st.f_bavail) * st.f_frsize >= bytes;
   }
 
   void build_channels() {

@@ -42,20 +42,24 @@ inline void backoff(const BackoffPolicy& p, uint64_t round) {
 class IdleWaiter {
  public:
   IdleWaiter(const BackoffPolicy& policy, std::chrono::nanoseconds spin) : policy_(policy), spin_(spin) {}
-  void reset() { round_ = 0; }
+  void reset() { round_ = spun_ = 0; }
   void wait() {
     if (round_++ == 0) start_ = std::chrono::steady_clock::now();
-    if (spin_.count() > 0 && std::chrono::steady_clock::now() - start_ < spin_) {
-      PORTEP_CPU_RELAX();
-      return;
+    if (spin_.count() > 0 && spun_ == 0) {
+      if (std::chrono::steady_clock::now() - start_ < spin_) {
+        PORTEP_CPU_RELAX();
+        return;
+      }
+      spun_ = round_;  // the policy's rounds (spin, yield, short sleeps) start counting here
     }
-    backoff(policy_, round_);
+    backoff(policy_, round_ - spun_);
   }
 
  private:
   const BackoffPolicy& policy_;
   std::chrono::nanoseconds spin_;
   uint64_t round_ = 0;
+  uint64_t spun_ = 0;  // rounds spent in the timed spin
   std::chrono::steady_clock::time_point start_{};
 };
 

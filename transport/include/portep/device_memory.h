@@ -34,9 +34,11 @@ class DeviceMemory {
   virtual void* map_host(void* host, size_t bytes) = 0;
   virtual void unmap_host(void* host) = 0;
 
-  // Starts a device-to-device copy on channel's stream (copies of one channel run in issue order).
+  // Queues a device-to-device copy on channel's stream. Copies issued between two record() calls form a batch
+  // that runs after the previous batch; within a batch they may run in any order (callers never give one
+  // batch two copies to the same bytes).
   virtual void copy_async(int channel, void* dst, const void* src, size_t bytes) = 0;
-  // Marks everything issued on channel so far; done(ticket) is true once all of it has completed.
+  // Submits and marks everything issued on channel so far; done(ticket) is true once all of it has completed.
   virtual uint64_t record(int channel) = 0;
   virtual bool done(int channel, uint64_t ticket) = 0;
   // Waits for every channel's copies (teardown); never throws.
