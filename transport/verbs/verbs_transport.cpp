@@ -34,11 +34,13 @@ std::string host_identity() {
     if (!fgets(boot, sizeof(boot), f)) boot[0] = 0;
     fclose(f);
   }
+  boot[strcspn(boot, "\r\n")] = 0;  // the id must stay one line of the endpoint blob
   char ipc_ns[128] = {};  // containers on one host with separate IPC namespaces cannot share memory
   const ssize_t n = readlink("/proc/self/ns/ipc", ipc_ns, sizeof(ipc_ns) - 1);
   if (n > 0) ipc_ns[n] = 0;
   std::string id = std::string(host) + "/" + boot + "/" + ipc_ns;
-  while (!id.empty() && (id.back() == '\n' || id.back() == ' ')) id.pop_back();  // one blob line
+  for (char& ch : id)
+    if (ch == '\n' || ch == '\r') ch = '_';
   return id;
 }
 
