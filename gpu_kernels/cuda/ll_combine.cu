@@ -81,33 +81,14 @@ __global__ void __launch_bounds__(kLLThreads) combine_wait_kernel(LLCombineArgs 
 
 // Waits (without consuming it) until expert e's rows have arrived; false after the timeout (reported).
 PORTEP_DEVICE bool wait_expert_rows(const LLCommon& c, int e) {
-  const int src = e / c.num_local_experts;
   uint64_t v = 0, waited = 0;
-  bool ok;
-  if (c.peers[src]) {
-    const uint32_t* flag = reinterpret_cast<const uint32_t*>(c.local + c.flag_off) + e;
-    ok = wait_until([&] { return uint64_t(ld_acquire_sys_u32(flag)); }, [](uint64_t x) { return x != 0; },
-                    c.timeout_ns, &v, &waited);
-  } else {
-    const uint64_t* slot = c.host_signals + uint64_t(src) * c.num_streams + c.stream_base +
-                           uint32_t(e % c.num_local_experts);
-    ok = wait_until([&] { return ld_acquire_sys_u64(slot); }, [](uint64_t x) { return (x >> 32) != 0; },
-                    c.timeout_ns, &v, &waited, 200);
-  }
-  if (!ok) report_error(c.error, kErrWaitTimeout, uint32_t(c.rank), uint32_t(src), uint32_t(e));
-  return ok;
+  return await_signal(c, e / c.num_local_experts, e, e % c.num_local_experts, &v, &waited);
 }
 
 // Every expert's signal of this call was read: back to zero for the next call on this half.
 PORTEP_DEVICE void reset_combine_signals(const LLCommon& c) {
-  for (int e = threadIdx.x; e < c.num_experts; e += blockDim.x) {
-    const int src = e / c.num_local_experts;
-    if (c.peers[src])
-      reinterpret_cast<uint32_t*>(c.local + c.flag_off)[e] = 0;
-    else
-      st_relaxed_sys_u64(c.host_signals + uint64_t(src) * c.num_streams + c.stream_base +
-                             uint32_t(e % c.num_local_experts), 0);
-  }
+  for (int e = threadIdx.x; e < c.num_experts; e += blockDim.x)
+    clear_signal(c, e / c.num_local_experts, e, e % c.num_local_experts);
 }
 
 // acc[q] += w * x[q] for the 8 BF16 values of v, rounded twice and never fused (the host's arithmetic).
@@ -181,11 +162,8 @@ PORTEP_DEVICE void combine_reduce(const LLCombineArgs& a, bool waited) {
   }
 }
 
-// phases: kPhaseSend and/or kPhaseRecv (both: every block sends its parts, then reduces its tokens). With both,
-// the grid is at most one block per SM so that, on a GPU this launch can fill, every block is resident and a
-// reducing block never waits for a part that cannot run. When other work holds SMs (MPS limits, long kernels
-// on other streams) some blocks may have to wait for those; a wait that outlasts the timeout is reported, not
-// hung. `waited`: a wait kernel already consumed the signals.
+// phases: kPhaseSend and/or kPhaseRecv (both: every block sends its parts, then reduces its tokens; grid:
+// send_recv_grid). `waited`: a wait kernel already consumed the signals.
 __global__ void __launch_bounds__(kLLThreads) combine_kernel(LLCombineArgs a, int phases, int parts, bool waited) {
   extern __shared__ uint32_t shared[];  // begins [R], counts [R]
   if (phases & kPhaseSend) {
@@ -204,20 +182,18 @@ int ll_combine(const LLCombineArgs& a, int phases) {
   const LLCommon& c = a.c;
   cudaStream_t stream = static_cast<cudaStream_t>(c.stream);
   const size_t smem = size_t(c.num_ranks) * 8;
-  const int N = a.num_tokens < 1 ? 1 : a.num_tokens, E_l = c.num_local_experts > 0 ? c.num_local_experts : 1;
+  const int N = std::max(a.num_tokens, 1), E_l = std::max(c.num_local_experts, 1);
+  auto parts_for = [E_l](int blocks) { return std::clamp(blocks / E_l, 1, kMaxPartsPerExpert); };
   // With wait statistics a single-block kernel waits for (and consumes) every signal and times each source;
   // without, each reducing block waits for its own token's experts only.
   const bool wait_first = a.wait_stats != nullptr;
   if (phases == (kPhaseSend | kPhaseRecv) && !wait_first) {
-    const int blocks = (N > E_l ? N : E_l) < c.num_sms ? (N > E_l ? N : E_l) : c.num_sms;
-    int parts = blocks / E_l;
-    parts = parts < 1 ? 1 : (parts > kMaxPartsPerExpert ? kMaxPartsPerExpert : parts);
-    combine_kernel<<<blocks, kLLThreads, smem, stream>>>(a, phases, parts, false);
+    const int blocks = send_recv_grid(N, E_l, c.num_sms);
+    combine_kernel<<<blocks, kLLThreads, smem, stream>>>(a, phases, parts_for(blocks), false);
     return int(cudaGetLastError());
   }
   if (phases & kPhaseSend) {
-    int parts = c.num_sms / E_l;
-    parts = parts < 1 ? 1 : (parts > kMaxPartsPerExpert ? kMaxPartsPerExpert : parts);
+    const int parts = parts_for(c.num_sms);
     combine_kernel<<<E_l * parts, kLLThreads, smem, stream>>>(a, kPhaseSend, parts, false);
     if (cudaError_t e = cudaGetLastError(); e != cudaSuccess) return int(e);
   }
@@ -226,8 +202,7 @@ int ll_combine(const LLCombineArgs& a, int phases) {
       combine_wait_kernel<<<1, kLLThreads, 0, stream>>>(a);
       if (cudaError_t e = cudaGetLastError(); e != cudaSuccess) return int(e);
     }
-    const int blocks = N < 4 * c.num_sms ? N : 4 * c.num_sms;
-    combine_kernel<<<blocks, kLLThreads, smem, stream>>>(a, kPhaseRecv, 1, wait_first);
+    combine_kernel<<<std::min(N, 4 * c.num_sms), kLLThreads, smem, stream>>>(a, kPhaseRecv, 1, wait_first);
     return int(cudaGetLastError());
   }
   return 0;

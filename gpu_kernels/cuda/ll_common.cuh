@@ -3,6 +3,8 @@
 
 #include <stdint.h>
 
+#include <algorithm>
+
 #include "ll_api.h"
 #include "portep/fifo_device.cuh"
 #include "portep/portability.cuh"
@@ -11,6 +13,14 @@ namespace portep::cuda {
 
 constexpr int kLLWarps = 16;  // warps per block
 constexpr int kLLThreads = kLLWarps * kWarpSize;
+// Grid of a launch that sends, then receives (no hook): one block per unit of work (tokens or local experts),
+// at most one per SM, so that on a GPU the launch can fill every block is resident and a receiving block never
+// waits for a send that cannot run. When other work holds SMs (MPS limits, long kernels on other streams) some
+// blocks wait for those; a wait past the timeout is reported, not hung.
+inline int send_recv_grid(int tokens, int local_experts, int num_sms) {
+  return std::min(std::max(tokens, local_experts), num_sms);
+}
+
 constexpr uint32_t kErrWaitTimeout = 1, kErrFifoTimeout = 2, kErrSlotOverflow = 3, kErrBadExpert = 4;
 
 // The first failure wins most of the time; a racing second one may overwrite it, which is harmless: any
@@ -128,29 +138,52 @@ PORTEP_DEVICE void push_stream(const LLCommon& c, int dst, uint32_t stream, uint
   push_cmd(c, CmdFields{kOpSignal, kFlagFinal, uint32_t(dst), 0, stream, 0, 0});
 }
 
-// Waits for this rank's signal of (src, local expert) and resets it for the next call on this half. Direct
-// peers store flag = value + 1 into the flag area; proxy peers' final signal arrives in the host slot, whose
-// unit count says whether any WRITE came (then `proxy_value` reads the value from the delivered data).
+// Where this rank learns that src's part of (flag_index, local_expert) arrived: direct peers store value + 1
+// into a flag of this rank's data region; proxy peers' final signal lands in a host signal slot, whose unit
+// count says whether any WRITE came.
+PORTEP_DEVICE uint32_t* signal_flag(const LLCommon& c, int flag_index) {
+  return reinterpret_cast<uint32_t*>(c.local + c.flag_off) + flag_index;
+}
+PORTEP_DEVICE uint64_t* signal_slot(const LLCommon& c, int src, int local_expert) {
+  return c.host_signals + uint64_t(src) * c.num_streams + c.stream_base + uint32_t(local_expert);
+}
+
+// Waits, without consuming it, until the signal is there; false after the timeout (reported). *value is the
+// flag or slot read last, *waited the nanoseconds spent.
+PORTEP_DEVICE bool await_signal(const LLCommon& c, int src, int flag_index, int local_expert, uint64_t* value,
+                                uint64_t* waited) {
+  bool ok;
+  if (c.peers[src]) {
+    const uint32_t* flag = signal_flag(c, flag_index);
+    ok = wait_until([&] { return uint64_t(ld_acquire_sys_u32(flag)); }, [](uint64_t x) { return x != 0; },
+                    c.timeout_ns, value, waited);
+  } else {
+    const uint64_t* slot = signal_slot(c, src, local_expert);
+    ok = wait_until([&] { return ld_acquire_sys_u64(slot); }, [](uint64_t x) { return (x >> 32) != 0; },
+                    c.timeout_ns, value, waited, 200);
+  }
+  if (!ok) report_error(c.error, kErrWaitTimeout, uint32_t(c.rank), uint32_t(src), uint32_t(flag_index));
+  return ok;
+}
+
+// Back to zero for the next call on this half: the next store to it comes from a later call, after this one.
+PORTEP_DEVICE void clear_signal(const LLCommon& c, int src, int flag_index, int local_expert) {
+  if (c.peers[src])
+    *signal_flag(c, flag_index) = 0;
+  else
+    st_relaxed_sys_u64(signal_slot(c, src, local_expert), 0);
+}
+
+// Waits for this rank's signal of (src, local expert) and consumes it; returns the count it carries (direct:
+// the flag's value - 1; proxy: `proxy_value()` reads it from the delivered data when any WRITE came).
 template <class ProxyValue>
 PORTEP_DEVICE uint32_t take_signal(const LLCommon& c, int src, int flag_index, int local_expert,
                                    ProxyValue proxy_value, int64_t* wait_stats) {
   uint64_t v = 0, waited = 0;
-  bool ok;
+  const bool ok = await_signal(c, src, flag_index, local_expert, &v, &waited);
+  clear_signal(c, src, flag_index, local_expert);
   uint32_t result = 0;
-  if (c.peers[src]) {
-    uint32_t* flag = reinterpret_cast<uint32_t*>(c.local + c.flag_off) + flag_index;
-    ok = wait_until([&] { return uint64_t(ld_acquire_sys_u32(flag)); }, [](uint64_t x) { return x != 0; },
-                    c.timeout_ns, &v, &waited);
-    *flag = 0;  // the next store to this flag comes from a later call on this half, after this one
-    result = ok ? uint32_t(v) - 1 : 0;
-  } else {
-    uint64_t* slot = c.host_signals + uint64_t(src) * c.num_streams + c.stream_base + uint32_t(local_expert);
-    ok = wait_until([&] { return ld_acquire_sys_u64(slot); }, [](uint64_t x) { return (x >> 32) != 0; },
-                    c.timeout_ns, &v, &waited, 200);
-    st_relaxed_sys_u64(slot, 0);
-    result = ok && uint32_t(v) != 0 ? proxy_value() : 0;
-  }
-  if (!ok) report_error(c.error, kErrWaitTimeout, uint32_t(c.rank), uint32_t(src), uint32_t(flag_index));
+  if (ok) result = c.peers[src] ? uint32_t(v) - 1 : (uint32_t(v) != 0 ? proxy_value() : 0);
   if (wait_stats) atomicAdd(reinterpret_cast<unsigned long long*>(wait_stats + src), (unsigned long long)waited);
   return result;
 }

@@ -187,8 +187,7 @@ PORTEP_DEVICE void dispatch_recv_expert(const LLDispatchArgs& a, int le, uint32_
   }
 }
 
-// phases: kPhaseSend and/or kPhaseRecv. With both, every block sends, then receives: the grid is at most one
-// block per SM, so all blocks are resident and a receiving block never waits for a send that cannot run.
+// phases: kPhaseSend and/or kPhaseRecv. With both, every block sends, then receives (grid: send_recv_grid).
 __global__ void __launch_bounds__(kLLThreads) dispatch_kernel(LLDispatchArgs a, int phases) {
   extern __shared__ uint32_t shared[];  // send: hist [E]; receive: counts [R], begins [R]
   if (phases & kPhaseSend) dispatch_send(a, shared);
@@ -203,16 +202,12 @@ __global__ void __launch_bounds__(kLLThreads) dispatch_kernel(LLDispatchArgs a, 
 
 int ll_dispatch(const LLDispatchArgs& a, int phases) {
   if (a.num_topk > kWarpSize) return int(cudaErrorInvalidValue);
-  const int N = a.num_tokens < 1 ? 1 : a.num_tokens, E_l = a.c.num_local_experts;
-  int blocks;
-  if (phases == kPhaseSend)
-    blocks = N < 2 * a.c.num_sms ? N : 2 * a.c.num_sms;
-  else if (phases == kPhaseRecv)
-    blocks = E_l;
-  else
-    blocks = (N > E_l ? N : E_l) < a.c.num_sms ? (N > E_l ? N : E_l) : a.c.num_sms;
+  const int N = std::max(a.num_tokens, 1), E_l = a.c.num_local_experts;
+  const int blocks = phases == kPhaseSend   ? std::min(N, 2 * a.c.num_sms)
+                     : phases == kPhaseRecv ? E_l
+                                            : send_recv_grid(N, E_l, a.c.num_sms);
   size_t smem = size_t(a.c.num_ranks) * 8;
-  if (phases & kPhaseSend) smem = smem > size_t(a.c.num_experts) * 4 ? smem : size_t(a.c.num_experts) * 4;
+  if (phases & kPhaseSend) smem = std::max(smem, size_t(a.c.num_experts) * 4);
   if (smem > 48 * 1024) {
     if (cudaError_t e = cudaFuncSetAttribute(dispatch_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                              int(smem));

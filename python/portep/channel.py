@@ -8,11 +8,9 @@ every transport (ordered ones natively, unordered ones through the ordering prot
 adds 2**32, so `slot >> 32` counts finished streams.
 """
 
-import os
-
 from ._native import require_native
 from .bootstrap import all_gather_objects, collective_step, group_rank_and_size
-from .config import DEFAULT_TIMEOUT_S, timeout_from_env, transport_from_env
+from .config import DEFAULT_TIMEOUT_S, proxy_spin_us_from_env, timeout_from_env, transport_from_env
 
 __all__ = ["Channel", "DEFAULT_TIMEOUT_S"]
 
@@ -34,21 +32,6 @@ def _check_int(name, value, low, high):
     if not low <= value <= high:
         raise ValueError(f"{name}={value} must be in {low}..{high}")
     return value
-
-
-def _idle_spin_us(value, device):
-    if value is None:
-        env = os.environ.get("PORTEP_PROXY_SPIN_US")
-        if env is not None:
-            try:
-                value = float(env)
-            except ValueError:
-                raise ValueError(f"PORTEP_PROXY_SPIN_US={env!r} is not a number of microseconds") from None
-        else:
-            value = 1000.0 if isinstance(device, int) and not isinstance(device, bool) else 0.0
-    if not 0 <= value <= 1e6:
-        raise ValueError(f"idle_spin_us={value} must be within [0, 1e6] microseconds")
-    return float(value)
 
 
 class Channel:
@@ -106,7 +89,8 @@ class Channel:
             num_proxy_threads=num_proxy_threads, num_fifos=num_fifos, fifo_capacity=fifo_capacity,
             num_streams=num_streams, max_inflight_cmds=max_inflight_cmds, max_inflight_bytes=max_inflight_bytes,
             timeout_s=self.timeout_s, unordered_window=unordered_window, seed=seed, skip_ordering=_skip_ordering,
-            device=_device_code(device), idle_spin_us=_idle_spin_us(idle_spin_us, device))
+            device=_device_code(device), idle_spin_us=proxy_spin_us_from_env(
+                idle_spin_us, isinstance(device, int) and not isinstance(device, bool)))
         self.device = device
         try:
             if device_fifos is not None:  # kernels push into these; the proxies serve them with the host FIFOs

@@ -81,9 +81,7 @@ class EfaTransport final : public Transport {
   }
 
   void connect(const std::vector<std::string>& blobs) override {
-    if (int(blobs.size()) != o_.num_ranks) throw TransportError("efa: wrong number of endpoint descriptions");
-    for (auto& r : regions_)
-      if (!r.mr) throw TransportError("efa: allocate the data and signal regions before connect()");
+    check_connect_inputs(blobs.size(), o_.num_ranks, regions_, "efa");
     remotes_.assign(size_t(o_.num_ranks), RemoteRegions{});
     peers_.assign(size_t(o_.num_ranks), SrdPeer{});
     for (int p = 0; p < o_.num_ranks; ++p) {
@@ -148,10 +146,7 @@ class EfaTransport final : public Transport {
     ibv_wc wc[kPollBatch];
     const int n = poll_cq(ch.send_cq, max, wc, "ibv_poll_cq (send)");
     for (int i = 0; i < n; ++i) {
-      if (wc[i].status != IBV_WC_SUCCESS)
-        throw TransportError(std::string("efa: a write on channel ") + std::to_string(channel) + " failed: " +
-                             ibv_wc_status_str(wc[i].status) + " (vendor error " + std::to_string(wc[i].vendor_err) +
-                             ")");
+      check_send_completion(wc[i], "efa", "a write on channel", channel);
       --ch.outstanding;
       wr_ids[i] = wc[i].wr_id;
     }
@@ -163,11 +158,7 @@ class EfaTransport final : public Transport {
     ibv_wc wc[kPollBatch];
     const int n = poll_cq(ch.recv_cq, max, wc, "ibv_poll_cq (recv)");
     for (int i = 0; i < n; ++i) {
-      if (wc[i].status != IBV_WC_SUCCESS)
-        throw TransportError(std::string("efa: a receive on channel ") + std::to_string(channel) + " failed: " +
-                             ibv_wc_status_str(wc[i].status));
-      if (wc[i].opcode != IBV_WC_RECV_RDMA_WITH_IMM || !(wc[i].wc_flags & IBV_WC_WITH_IMM))
-        throw TransportError("efa: unexpected receive completion on channel " + std::to_string(channel));
+      check_imm_receive(wc[i], "efa", "on channel", channel);
       auto it = senders_.find(sender_key(wc[i].slid, wc[i].src_qp));
       if (it == senders_.end())
         throw TransportError("efa: an immediate from an unknown sender (AH " + std::to_string(wc[i].slid) + ", QP " +
@@ -264,14 +255,6 @@ class EfaTransport final : public Transport {
     ibv_ah* ah = ibv_create_ah(pd_, &a);
     if (!ah) fail("ibv_create_ah for rank " + std::to_string(peer), errno);
     return ah;
-  }
-
-  void post_recvs(ibv_qp* qp, uint32_t n) {
-    for (uint32_t i = 0; i < n; ++i) {
-      ibv_recv_wr wr{};
-      ibv_recv_wr* bad = nullptr;
-      if (int e = ibv_post_recv(qp, &wr, &bad)) fail("ibv_post_recv", e);
-    }
   }
 
   SrdChannel& at(int channel) {

@@ -74,6 +74,42 @@ inline int poll_cq(ibv_cq* cq, int max, ibv_wc* wc, const char* what) {
   return n;
 }
 
+// Receives kept posted for write-with-immediate notifications (no buffers: the immediate is the message).
+inline void post_recvs(ibv_qp* qp, uint32_t n) {
+  for (uint32_t i = 0; i < n; ++i) {
+    ibv_recv_wr wr{};
+    ibv_recv_wr* bad = nullptr;
+    if (int e = ibv_post_recv(qp, &wr, &bad)) fail("ibv_post_recv", e);
+  }
+}
+
+// connect() needs one endpoint description per rank and both regions registered.
+inline void check_connect_inputs(size_t num_blobs, int num_ranks, const Region* regions, const char* transport) {
+  if (num_blobs != size_t(num_ranks))
+    throw TransportError(std::string(transport) + ": wrong number of endpoint descriptions");
+  for (int r = 0; r < kNumRegions; ++r)
+    if (!regions[r].mr)
+      throw TransportError(std::string(transport) + ": allocate the data and signal regions before connect()");
+}
+
+// Throws for a failed send completion, naming it "<transport>: <what> <id>" (text built only then). A failed
+// completion's opcode is undefined: only its status, QP and wr_id say anything.
+inline void check_send_completion(const ibv_wc& wc, const char* transport, const char* what, int id) {
+  if (wc.status != IBV_WC_SUCCESS)
+    throw TransportError(std::string(transport) + ": " + what + " " + std::to_string(id) + " failed: " +
+                         ibv_wc_status_str(wc.status) + " (vendor error " + std::to_string(wc.vendor_err) + ")");
+}
+
+// A receive completion must be a successful RDMA write with immediate.
+inline void check_imm_receive(const ibv_wc& wc, const char* transport, const char* from, int id) {
+  if (wc.status != IBV_WC_SUCCESS)
+    throw TransportError(std::string(transport) + ": a receive " + from + " " + std::to_string(id) + " failed: " +
+                         ibv_wc_status_str(wc.status));
+  if (wc.opcode != IBV_WC_RECV_RDMA_WITH_IMM || !(wc.wc_flags & IBV_WC_WITH_IMM))
+    throw TransportError(std::string(transport) + ": unexpected receive completion " + from + " " +
+                         std::to_string(id));
+}
+
 inline void check_range(const Region& local, const RemoteRegions& remote, int region, int peer, uint64_t local_off,
                         uint64_t remote_off, uint64_t bytes) {
   if (local_off + bytes > local.bytes || remote_off + bytes > remote.bytes[region])

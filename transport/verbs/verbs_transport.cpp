@@ -162,9 +162,7 @@ class VerbsTransport final : public Transport {
   }
 
   void connect(const std::vector<std::string>& blobs) override {
-    if (int(blobs.size()) != o_.num_ranks) throw TransportError("verbs: wrong number of endpoint descriptions");
-    for (auto& r : regions_)
-      if (!r.mr) throw TransportError("verbs: allocate the data and signal regions before connect()");
+    check_connect_inputs(blobs.size(), o_.num_ranks, regions_, "verbs");
     remotes_.assign(size_t(o_.num_ranks), RemoteRegions{});
     peer_maps_.clear();
     peer_maps_.resize(size_t(o_.num_ranks));
@@ -231,11 +229,7 @@ class VerbsTransport final : public Transport {
     const int n = poll_cq(at(channel).send_cq, max, wc, "ibv_poll_cq (send)");
     for (int i = 0; i < n; ++i) {
       auto [peer, qp] = owner(wc[i].qp_num);
-      if (wc[i].status != IBV_WC_SUCCESS)
-        // (a failed completion's opcode is undefined: only its status, QP and wr_id say anything)
-        throw TransportError(std::string("verbs: a write or atomic to rank ") + std::to_string(peer) + " failed: " +
-                             ibv_wc_status_str(wc[i].status) + " (vendor error " + std::to_string(wc[i].vendor_err) +
-                             ")");
+      check_send_completion(wc[i], "verbs", "a write or atomic to rank", peer);
       --qp->outstanding;
       wr_ids[i] = wc[i].wr_id;
     }
@@ -247,11 +241,7 @@ class VerbsTransport final : public Transport {
     const int n = poll_cq(at(channel).recv_cq, max, wc, "ibv_poll_cq (recv)");
     for (int i = 0; i < n; ++i) {
       auto [peer, qp] = owner(wc[i].qp_num);
-      if (wc[i].status != IBV_WC_SUCCESS)
-        throw TransportError(std::string("verbs: a receive from rank ") + std::to_string(peer) + " failed: " +
-                             ibv_wc_status_str(wc[i].status));
-      if (wc[i].opcode != IBV_WC_RECV_RDMA_WITH_IMM || !(wc[i].wc_flags & IBV_WC_WITH_IMM))
-        throw TransportError("verbs: unexpected receive completion from rank " + std::to_string(peer));
+      check_imm_receive(wc[i], "verbs", "from rank", peer);
       out[i] = RecvNotice{uint32_t(peer), ntohl(wc[i].imm_data)};
       post_recvs(qp->qp, 1);
     }
@@ -263,23 +253,22 @@ class VerbsTransport final : public Transport {
     for (auto& seg : segments_) seg.unlink_name();
   }
 
-  void* peer_region(int peer, RegionId region) const override {
-    if (!connected_ || peer < 0 || peer >= o_.num_ranks) return nullptr;
-    if (peer == o_.rank) return regions_[region].addr;
-    return peer_maps_[size_t(peer)][region].data();
-  }
-
-  size_t peer_region_bytes(int peer, RegionId region) const override {
-    if (!connected_ || peer < 0 || peer >= o_.num_ranks) return 0;
-    if (peer == o_.rank) return regions_[region].bytes;
-    return peer_maps_[size_t(peer)][region].size();
-  }
+  void* peer_region(int peer, RegionId region) const override { return mapped(peer, region).first; }
+  size_t peer_region_bytes(int peer, RegionId region) const override { return mapped(peer, region).second; }
 
   std::string describe_peer(int peer) const override {
     return "rank " + std::to_string(peer) + " (verbs RC over " + dev_name_ + ":" + std::to_string(port_) + ")";
   }
 
  private:
+  // Where peer's region is mapped in this process and its size ({nullptr, 0}: not mapped here).
+  std::pair<void*, size_t> mapped(int peer, RegionId region) const {
+    if (!connected_ || peer < 0 || peer >= o_.num_ranks) return {nullptr, 0};
+    if (peer == o_.rank) return {regions_[region].addr, regions_[region].bytes};
+    const ShmSegment& seg = peer_maps_[size_t(peer)][region];
+    return {seg.data(), seg.size()};
+  }
+
   std::string segment_name(RegionId region) const {
     return segments_[region].data() ? segments_[region].name() : std::string(kNoSegment);
   }
@@ -374,14 +363,6 @@ class VerbsTransport final : public Transport {
     if (int e = ibv_modify_qp(qp, &a, IBV_QP_STATE | IBV_QP_TIMEOUT | IBV_QP_RETRY_CNT | IBV_QP_RNR_RETRY |
                                           IBV_QP_SQ_PSN | IBV_QP_MAX_QP_RD_ATOMIC))
       fail("ibv_modify_qp to RTS", e);
-  }
-
-  void post_recvs(ibv_qp* qp, uint32_t n) {
-    for (uint32_t i = 0; i < n; ++i) {
-      ibv_recv_wr wr{};
-      ibv_recv_wr* bad = nullptr;
-      if (int e = ibv_post_recv(qp, &wr, &bad)) fail("ibv_post_recv", e);
-    }
   }
 
   bool post(Qp& q, ibv_send_wr* wr, const char* what, int peer) {
