@@ -21,5 +21,15 @@ def test_every_gpu_command_arrives_in_order(num_fifos, threads, warps, per_warp)
 @pytest.mark.gpu
 @needs_gpu
 def test_gpu_round_trip_is_measured_for_every_command():
-    ns = native.cuda_fifo_rtt(2000, 30.0)
-    assert len(ns) == 2000 and all(v > 0 for v in ns)
+    t = native.cuda_fifo_rtt(2000, 30.0)
+    assert all(len(t[k]) == 2000 for k in ("publish_ns", "pop_ns", "release_ns", "seen_ns"))
+    for i in range(2000):
+        # each clock runs forward: publish before seen (GPU), pop before release (host), one command after another
+        assert 0 < t["publish_ns"][i] < t["seen_ns"][i]
+        assert 0 < t["pop_ns"][i] <= t["release_ns"][i]
+        if i:
+            assert t["seen_ns"][i - 1] <= t["publish_ns"][i] and t["release_ns"][i - 1] <= t["pop_ns"][i]
+    # the host popped and released each command within the GPU's round trip of it
+    host = sorted(r - p for p, r in zip(t["pop_ns"], t["release_ns"]))
+    gpu = sorted(s - p for p, s in zip(t["publish_ns"], t["seen_ns"]))
+    assert host[len(host) // 2] < gpu[len(gpu) // 2]

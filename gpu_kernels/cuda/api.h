@@ -43,8 +43,13 @@ struct FifoProbeResult {
 // The probe kernel against `consumer_threads` host threads that pop and check (the proxies' drain loop).
 int run_fifo_probe(const FifoProbeConfig& cfg, FifoProbeResult* out);
 // One GPU thread pushes a command and waits for the host to pop it and publish the tail, `iterations`
-// times; out_ns gets each round trip as the GPU's globaltimer saw it.
-int run_fifo_rtt(int iterations, double timeout_s, std::vector<uint64_t>* out_ns);
+// times. Per command: the GPU's globaltimer just before the publish and when it saw the tail, the host's
+// CLOCK_REALTIME when it popped the command and when it had published the tail (the driver sets globaltimer
+// from the host's real-time clock, so pop - publish is the one-way latency up to the clocks' offset).
+struct FifoRttTimes {
+  std::vector<uint64_t> publish_ns, pop_ns, release_ns, seen_ns;
+};
+int run_fifo_rtt(int iterations, double timeout_s, FifoRttTimes* out);
 
 // get_dispatch_layout: all pointers are device memory; per_node may be null (one node). Asynchronous on
 // `stream`; returns the launch error.

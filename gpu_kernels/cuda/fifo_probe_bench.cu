@@ -1,6 +1,7 @@
 // The GPU -> host command channel measured on its own: probe kernels push commands into mapped FIFOs while
 // host consumer threads (the proxies' drain loop without a transport) pop and check them.
 #include <cuda_runtime.h>
+#include <time.h>
 
 #include <atomic>
 #include <chrono>
@@ -14,6 +15,7 @@
 namespace portep::cuda {
 namespace {
 
+// out_ns[2i] = globaltimer just before command i is published, out_ns[2i + 1] = when the GPU saw its tail.
 __global__ void fifo_rtt_kernel(FifoView f, int iterations, uint64_t* out_ns, uint64_t timeout_ns) {
   if (threadIdx.x != 0 || blockIdx.x != 0) return;
   uint64_t cached_tail = 0;
@@ -26,7 +28,8 @@ __global__ void fifo_rtt_kernel(FifoView f, int iterations, uint64_t* out_ns, ui
     while (ld_acquire_sys_u64(f.tail) < uint64_t(i) + 1) {
       if (globaltimer_ns() - t0 > timeout_ns) return;
     }
-    out_ns[i] = globaltimer_ns() - t0;
+    out_ns[2 * i] = t0;
+    out_ns[2 * i + 1] = globaltimer_ns();
   }
 }
 
@@ -108,22 +111,32 @@ int run_fifo_probe(const FifoProbeConfig& cfg, FifoProbeResult* out) {
   return err;
 }
 
-int run_fifo_rtt(int iterations, double timeout_s, std::vector<uint64_t>* out_ns) {
+uint64_t realtime_ns() {
+  timespec ts;
+  clock_gettime(CLOCK_REALTIME, &ts);
+  return uint64_t(ts.tv_sec) * 1000000000ull + uint64_t(ts.tv_nsec);
+}
+
+int run_fifo_rtt(int iterations, double timeout_s, FifoRttTimes* out) {
   Fifos fifos;
   if (int err = fifos.alloc(1, 1024)) return err;
   uint64_t* dev = nullptr;
-  if (cudaError_t err = cudaMalloc(&dev, sizeof(uint64_t) * iterations)) return int(err);
-  cudaMemset(dev, 0, sizeof(uint64_t) * iterations);
-  std::atomic<uint64_t> popped{0}, bad{0};
+  if (cudaError_t err = cudaMalloc(&dev, sizeof(uint64_t) * 2 * iterations)) return int(err);
+  if (cudaError_t err = cudaMemset(dev, 0, sizeof(uint64_t) * 2 * iterations)) {
+    cudaFree(dev);
+    return int(err);
+  }
+  out->pop_ns.assign(size_t(iterations), 0);
+  out->release_ns.assign(size_t(iterations), 0);
   std::atomic<bool> stop{false};
   std::thread consumer([&] {
     FifoConsumer c(fifos.host[0]);
-    while (!stop.load(std::memory_order_relaxed)) {
+    for (size_t popped = 0; popped < size_t(iterations) && !stop.load(std::memory_order_relaxed);) {
       TransferCmd cmd;
-      if (c.pop(&cmd)) {
-        c.flush();  // publish the tail at once: the kernel waits for it
-        popped.fetch_add(1);
-      }
+      if (!c.pop(&cmd)) continue;
+      out->pop_ns[popped] = realtime_ns();
+      c.flush();  // publish the tail at once: the kernel waits for it
+      out->release_ns[popped++] = realtime_ns();
     }
   });
   fifo_rtt_kernel<<<1, 32>>>(fifos.device[0], iterations, dev, uint64_t(timeout_s * 1e9));
@@ -131,9 +144,15 @@ int run_fifo_rtt(int iterations, double timeout_s, std::vector<uint64_t>* out_ns
   if (!err) err = int(cudaDeviceSynchronize());
   stop.store(true);
   consumer.join();
-  out_ns->assign(size_t(iterations), 0);
-  if (!err) err = int(cudaMemcpy(out_ns->data(), dev, sizeof(uint64_t) * iterations, cudaMemcpyDeviceToHost));
+  std::vector<uint64_t> gpu(size_t(2 * iterations), 0);
+  if (!err) err = int(cudaMemcpy(gpu.data(), dev, sizeof(uint64_t) * 2 * iterations, cudaMemcpyDeviceToHost));
   cudaFree(dev);
+  out->publish_ns.resize(size_t(iterations));
+  out->seen_ns.resize(size_t(iterations));
+  for (size_t i = 0; i < size_t(iterations); ++i) {
+    out->publish_ns[i] = gpu[2 * i];
+    out->seen_ns[i] = gpu[2 * i + 1];
+  }
   return err;
 }
 

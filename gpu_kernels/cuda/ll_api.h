@@ -9,7 +9,9 @@
 //   flags [flag_off, +4E)  int32, direct peers only: dispatch [E_l][R] = count + 1; combine [E] = 1.
 // The slot of selection (t, k) is its rank among all selections of that expert in row-major (t, k) order, so
 // every layout is deterministic. A dispatch message is a 16-byte header (int32 source token, int32 number of
-// messages for that expert from this source) and the payload: BF16 row, or FP8 row + float32 scales.
+// messages for that expert from this source, uint32 share, unused) and the payload: BF16 row, or FP8 row +
+// float32 scales. Direct peers get a token's payload once: share = 0 in the message that holds it; the token's
+// other messages to that rank carry no payload and share = 1 + the index of that message in [E_l][R][T].
 // Proxy peers receive WRITE (≤ 16 MiB each) + final SIGNAL commands per (peer, local expert) on signal stream
 // stream_base + local expert; their slots in `host_signals` are reset by the receiving kernel.
 #pragma once

@@ -81,6 +81,7 @@ PORTEP_DEVICE void dispatch_send(const LLDispatchArgs& a, uint32_t* hist) {
   __shared__ uint8_t* msgs[kWarpSize];
   __shared__ int tok_experts[kWarpSize];
   __shared__ uint32_t tok_slots[kWarpSize];
+  __shared__ int tok_dsts[kWarpSize];
   const LLCommon& c = a.c;
   const int E = c.num_experts, K = a.num_topk, N = a.num_tokens, lane = lane_id();
   const bool warp0 = threadIdx.x < kWarpSize;
@@ -109,8 +110,24 @@ PORTEP_DEVICE void dispatch_send(const LLDispatchArgs& a, uint32_t* hist) {
         report_error(c.error, kErrSlotOverflow, uint32_t(c.rank), uint32_t(t), uint32_t(my_expert));
       valid = my_expert >= 0 && slot < uint32_t(c.T);
       uint8_t* m = valid ? message_address(c, my_expert, int(slot)) : nullptr;
-      if (valid) *reinterpret_cast<int4*>(m) = make_int4(t, int(hist[my_expert]), 0, 0);
-      if (lane < K) msgs[lane] = m;
+      // A direct destination gets the payload once per token, in the message of the token's first selection
+      // on that rank; the token's other messages there carry only the header, whose third word is 1 + the
+      // index of that message in the receiver's [E_l][R][T] area (0: the payload is in this message).
+      const int dst = valid ? my_expert / c.num_local_experts : -1;
+      tok_dsts[lane] = valid && c.peers[dst] ? dst : -1;
+      warp_sync();
+      int primary = lane;
+      for (int j = 0; j < lane && tok_dsts[lane] >= 0; ++j)
+        if (tok_dsts[j] == tok_dsts[lane]) {
+          primary = j;
+          break;
+        }
+      const uint32_t index = valid ? (uint32_t(my_expert % c.num_local_experts) * c.num_ranks + c.rank) * c.T + slot
+                                   : 0;
+      const uint32_t primary_index = uint32_t(warp_broadcast_i32(int(index), primary));
+      if (valid)
+        *reinterpret_cast<int4*>(m) = make_int4(t, int(hist[my_expert]), primary == lane ? 0 : int(primary_index + 1), 0);
+      if (lane < K) msgs[lane] = primary == lane ? m : nullptr;
     }
     __syncthreads();
     write_payloads(a, t, msgs, K);
@@ -165,7 +182,9 @@ PORTEP_DEVICE void dispatch_recv_expert(const LLDispatchArgs& a, int le, uint32_
     while (src + 1 < R && begins[src + 1] <= i) ++src;
     const uint32_t slot = i - begins[src];
     const uint8_t* msg = c.local + c.recv_off + ((uint64_t(le) * R + src) * c.T + slot) * c.disp_bytes;
-    if (lane == 0) a.src_info[uint64_t(le) * M + i] = reinterpret_cast<const int32_t*>(msg)[0];
+    const int4 head = *reinterpret_cast<const int4*>(msg);
+    if (lane == 0) a.src_info[uint64_t(le) * M + i] = head.x;
+    if (head.z) msg = c.local + c.recv_off + uint64_t(uint32_t(head.z) - 1) * c.disp_bytes;  // payload shared
     const uint4* payload = reinterpret_cast<const uint4*>(msg + 16);
     const uint64_t row = uint64_t(le) * M + i;
     if (!a.use_fp8) {

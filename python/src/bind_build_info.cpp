@@ -63,14 +63,19 @@ void bind_build_info(py::module_& m) {
   m.def(
       "cuda_fifo_rtt",
       [](int iterations, double timeout_s) {
-        std::vector<uint64_t> ns;
+        portep::cuda::FifoRttTimes t;
         int err;
         {
           py::gil_scoped_release nogil;
-          err = portep::cuda::run_fifo_rtt(iterations, timeout_s, &ns);
+          err = portep::cuda::run_fifo_rtt(iterations, timeout_s, &t);
         }
         if (err) throw std::runtime_error(std::string("cuda_fifo_rtt: ") + portep::cuda::cuda_error_string(err));
-        return ns;
+        py::dict d;
+        d["publish_ns"] = t.publish_ns;
+        d["pop_ns"] = t.pop_ns;
+        d["release_ns"] = t.release_ns;
+        d["seen_ns"] = t.seen_ns;
+        return d;
       },
       py::arg("iterations"), py::arg("timeout_s") = 30.0);
   m.def(
