@@ -31,26 +31,30 @@ def run(configs=((1, 1, 64, 20000), (8, 1, 256, 5000), (32, 4, 1024, 2000), (128
 
 
 def command_latency_lines(t, skip=100):
-    """The round trip of one command and its one-way legs from cuda_fifo_rtt's four clocks. The legs compare
-    the GPU's globaltimer with the host's CLOCK_REALTIME (the driver sets one from the other), so each is exact
-    up to the clocks' offset d: publish->pop reads true + d and release->seen true - d. Both legs are positive
-    for every command, which bounds d; the bounds are printed with the figure."""
+    """The round trip of one command and the one-way publish -> proxy-sees-it latency, from cuda_fifo_rtt's
+    clocks. One-way latency needs one clock: the GPU's globaltimer and the host's CLOCK_REALTIME are offset by
+    an unknown d (hundreds of us on the H200 host), so we bound it two ways. (1) Causality: every command's
+    publish -> pop (true + d) and release -> seen (true - d) legs are positive, which bounds d. (2) The return
+    leg, host release -> GPU sees the tail, is one GPU read of host memory after the store lands: between half
+    and one and a half read round trips R (R timed on the GPU clock alone), so publish -> pop = round trip - host
+    part - return leg."""
     pub, pop, rel, seen = (t[k][skip:] for k in ("publish_ns", "pop_ns", "release_ns", "seen_ns"))
     rtt = [s - p for p, s in zip(pub, seen)]
-    fwd = [o - p for p, o in zip(pub, pop)]
-    back = [s - r for r, s in zip(rel, seen)]
+    fwd_raw = [o - p for p, o in zip(pub, pop)]
+    back_raw = [s - r for r, s in zip(rel, seen)]
     host = [r - o for o, r in zip(pop, rel)]
-    n = len(rtt)
-    # true forward = fwd - d with d in [-min(back), min(fwd)]: the median's possible range
-    lo, hi = median(fwd) - min(fwd), median(fwd) + min(back)
+    read = median(t["host_read_ns"][10:])
+    one_way = [x - h - read for x, h in zip(rtt, host)]  # the return leg taken as one read round trip
+    lo_c, hi_c = median(fwd_raw) - min(fwd_raw), median(fwd_raw) + min(back_raw)
+    lo_r, hi_r = median(rtt) - median(host) - 1.5 * read, median(rtt) - median(host) - 0.5 * read
+    lo, hi = max(lo_c, lo_r, 0), min(hi_c, hi_r)
     return [f"round trip of one command (GPU publish -> proxy loop pops it -> tail seen by the GPU): median "
-            f"{median(rtt) / 1e3:.2f} us, p99 {percentile(rtt, 99) / 1e3:.2f} us over {n} commands (baseline probe "
-            f"on this machine: 3.3 us)",
-            f"publish -> the proxy loop sees the command (GPU globaltimer vs host CLOCK_REALTIME): median "
-            f"{median(fwd) / 1e3:.2f} us, p99 {percentile(fwd, 99) / 1e3:.2f} us; host pop -> tail published "
-            f"{median(host) / 1e3:.2f} us; tail published -> GPU sees it {median(back) / 1e3:.2f} us "
-            f"(causality bounds the clocks' offset: the true publish -> pop median lies in "
-            f"[{max(lo, 0) / 1e3:.2f}, {hi / 1e3:.2f}] us; target median <= 1.5 us)"]
+            f"{median(rtt) / 1e3:.2f} us, p99 {percentile(rtt, 99) / 1e3:.2f} us over {len(rtt)} commands (baseline "
+            f"probe on this machine: 3.3 us); host pop -> tail published {median(host) / 1e3:.2f} us; one GPU read "
+            f"of host memory {read / 1e3:.2f} us",
+            f"publish -> the proxy loop sees the command: median {median(one_way) / 1e3:.2f} us, p99 "
+            f"{percentile(one_way, 99) / 1e3:.2f} us (round trip - host part - one read; the median lies in "
+            f"[{lo / 1e3:.2f}, {hi / 1e3:.2f}] us by the causality and read bounds; target median <= 1.5 us)"]
 
 
 def _layout_kernel_us(tokens=4096, topk=8, experts=256, ranks=2, iterations=200):

@@ -48,6 +48,7 @@ int run_fifo_probe(const FifoProbeConfig& cfg, FifoProbeResult* out);
 // from the host's real-time clock, so pop - publish is the one-way latency up to the clocks' offset).
 struct FifoRttTimes {
   std::vector<uint64_t> publish_ns, pop_ns, release_ns, seen_ns;
+  std::vector<uint64_t> host_read_ns;  // GPU clock alone: single acquire loads of the host-resident tail
 };
 int run_fifo_rtt(int iterations, double timeout_s, FifoRttTimes* out);
 

@@ -15,9 +15,18 @@
 namespace portep::cuda {
 namespace {
 
-// out_ns[2i] = globaltimer just before command i is published, out_ns[2i + 1] = when the GPU saw its tail.
+// out_ns[2i] = globaltimer just before command i is published, out_ns[2i + 1] = when the GPU saw its tail;
+// out_ns[2 * iterations + j] = the time of one acquire load of the (host) tail, j < kHostReads, first.
+constexpr int kHostReads = 1000;
 __global__ void fifo_rtt_kernel(FifoView f, int iterations, uint64_t* out_ns, uint64_t timeout_ns) {
   if (threadIdx.x != 0 || blockIdx.x != 0) return;
+  for (int j = 0; j < kHostReads; ++j) {
+    const uint64_t t0 = globaltimer_ns();
+    const uint64_t tail = ld_acquire_sys_u64(f.tail);
+    uint64_t t1 = t0;
+    if (tail != ~0ull) t1 = globaltimer_ns();  // a branch on the value: the clock is read after the load returns
+    out_ns[2 * uint64_t(iterations) + j] = t1 - t0;
+  }
   uint64_t cached_tail = 0;
   for (int i = 0; i < iterations; ++i) {
     CmdFields c{kOpNop, 0, 0, 0, 0, 16ull * uint64_t(i % 1024), 0};
@@ -121,8 +130,9 @@ int run_fifo_rtt(int iterations, double timeout_s, FifoRttTimes* out) {
   Fifos fifos;
   if (int err = fifos.alloc(1, 1024)) return err;
   uint64_t* dev = nullptr;
-  if (cudaError_t err = cudaMalloc(&dev, sizeof(uint64_t) * 2 * iterations)) return int(err);
-  if (cudaError_t err = cudaMemset(dev, 0, sizeof(uint64_t) * 2 * iterations)) {
+  const size_t words = size_t(2 * iterations + kHostReads);
+  if (cudaError_t err = cudaMalloc(&dev, sizeof(uint64_t) * words)) return int(err);
+  if (cudaError_t err = cudaMemset(dev, 0, sizeof(uint64_t) * words)) {
     cudaFree(dev);
     return int(err);
   }
@@ -144,8 +154,8 @@ int run_fifo_rtt(int iterations, double timeout_s, FifoRttTimes* out) {
   if (!err) err = int(cudaDeviceSynchronize());
   stop.store(true);
   consumer.join();
-  std::vector<uint64_t> gpu(size_t(2 * iterations), 0);
-  if (!err) err = int(cudaMemcpy(gpu.data(), dev, sizeof(uint64_t) * 2 * iterations, cudaMemcpyDeviceToHost));
+  std::vector<uint64_t> gpu(words, 0);
+  if (!err) err = int(cudaMemcpy(gpu.data(), dev, sizeof(uint64_t) * words, cudaMemcpyDeviceToHost));
   cudaFree(dev);
   out->publish_ns.resize(size_t(iterations));
   out->seen_ns.resize(size_t(iterations));
@@ -153,6 +163,7 @@ int run_fifo_rtt(int iterations, double timeout_s, FifoRttTimes* out) {
     out->publish_ns[i] = gpu[2 * i];
     out->seen_ns[i] = gpu[2 * i + 1];
   }
+  out->host_read_ns.assign(gpu.begin() + 2 * iterations, gpu.end());
   return err;
 }
 

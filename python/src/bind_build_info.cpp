@@ -75,6 +75,7 @@ void bind_build_info(py::module_& m) {
         d["pop_ns"] = t.pop_ns;
         d["release_ns"] = t.release_ns;
         d["seen_ns"] = t.seen_ns;
+        d["host_read_ns"] = t.host_read_ns;
         return d;
       },
       py::arg("iterations"), py::arg("timeout_s") = 30.0);
