@@ -76,6 +76,7 @@ struct LLCombineArgs {
   void* out;                    // [N][H] bf16, row pitch out_pitch bytes
   uint64_t out_pitch;
   int64_t* wait_stats;          // [R] or null
+  bool own_rows_in_input;       // set by ll_combine: rows for this rank are read from x, not copied
 };
 
 // Each returns the launch's cudaError_t (0 = success); kernels run asynchronously on c.stream. phases: the send

@@ -1,7 +1,9 @@
 // Low-latency combine: the send kernel returns every received row to its source (into the source's
 // [E][T] receive rows, direct or through the proxies) and publishes each (local expert, source) once its
 // rows are written; the receive phase waits for every expert's signal, then reduces each token's rows in
-// top-k order in FP32 (the host backend's order and roundings, so both give the same bits).
+// top-k order in FP32 (the host backend's order and roundings, so both give the same bits). In one launch
+// (no hook) this rank's rows for itself are not copied: the reduce reads them from the input, which cannot
+// change before it runs.
 #include <cuda_runtime.h>
 
 #include "ll_common.cuh"
@@ -55,6 +57,7 @@ PORTEP_DEVICE void combine_send_part(const LLCombineArgs& a, int le, int part, i
     int src = 0;
     while (src + 1 < R && !(i >= begins[src] && i < begins[src] + counts[src])) ++src;
     const uint8_t* row = static_cast<const uint8_t*>(a.x) + (uint64_t(le) * M + i) * a.x_pitch;
+    if (src == c.rank && a.own_rows_in_input) continue;
     if (c.peers[src])
       copy_row(c.peers[src] + c.recv_off + (uint64_t(expert) * c.T + (i - begins[src])) * c.comb_pitch, row,
                2 * c.hidden);
@@ -99,6 +102,20 @@ PORTEP_DEVICE void accumulate_row(float* acc, const uint4& v, float w) {
     acc[q] = __fadd_rn(acc[q], __fmul_rn(w, bf16_to_f32(uint16_t(words[q / 2] >> (16 * (q % 2))))));
 }
 
+// Where the reduce finds the row of (expert e, slot): in one launch a local expert's row is still in the
+// combine input, at this rank's packed position (layout_range gives where this rank's messages begin); the others arrived in
+// the receive area.
+PORTEP_DEVICE const uint4* row_address(const LLCombineArgs& a, int e, uint32_t slot) {
+  const LLCommon& c = a.c;
+  if (a.own_rows_in_input && e / c.num_local_experts == c.rank) {
+    const int le = e % c.num_local_experts;
+    const uint32_t begin = uint32_t(uint64_t(a.layout_range[le * c.num_ranks + c.rank]) >> 32);
+    return reinterpret_cast<const uint4*>(static_cast<const uint8_t*>(a.x) +
+                                          (uint64_t(le) * c.num_ranks * c.T + begin + slot) * a.x_pitch);
+  }
+  return reinterpret_cast<const uint4*>(c.local + c.recv_off + (uint64_t(e) * c.T + slot) * c.comb_pitch);
+}
+
 // One block per token: the block finds its K rows, waits for their experts (unless a wait kernel already
 // consumed every signal), then reduces them chunk by chunk in top-k order. The last block to finish resets
 // the signals.
@@ -115,9 +132,7 @@ PORTEP_DEVICE void combine_reduce(const LLCombineArgs& a, bool waited) {
       const int k = int(threadIdx.x), e = tok_experts[k];
       const uint32_t slot = tok_slots[k];
       const bool valid = e >= 0 && slot < uint32_t(c.T) && (waited || wait_expert_rows(c, e));
-      rows[k] = valid ? reinterpret_cast<const uint4*>(c.local + c.recv_off + (uint64_t(e) * c.T + slot) *
-                                                                                    c.comb_pitch)
-                      : nullptr;
+      rows[k] = valid ? row_address(a, e, slot) : nullptr;
       weights[k] = a.topk_weights[uint64_t(t) * K + k];
     }
     __syncthreads();
@@ -189,7 +204,9 @@ int ll_combine(const LLCombineArgs& a, int phases) {
   const bool wait_first = a.wait_stats != nullptr;
   if (phases == (kPhaseSend | kPhaseRecv) && !wait_first) {
     const int blocks = send_recv_grid(N, E_l, c.num_sms);
-    combine_kernel<<<blocks, kLLThreads, smem, stream>>>(a, phases, parts_for(blocks), false);
+    LLCombineArgs fused = a;
+    fused.own_rows_in_input = true;
+    combine_kernel<<<blocks, kLLThreads, smem, stream>>>(fused, phases, parts_for(blocks), false);
     return int(cudaGetLastError());
   }
   if (phases & kPhaseSend) {
