@@ -226,11 +226,16 @@ class CudaDeviceMemory final : public DeviceMemory {
     c.sizes.clear();
   }
 
-  // The runtime's current device is per thread: proxy threads set it on first use.
+  // The runtime's current device is per thread: proxy threads set it on first use. They also leave the global
+  // stream-capture interaction mode: while the application captures a CUDA graph in global mode (torch's
+  // default), a proxy's event queries and copies for work issued before the capture must neither fail nor
+  // invalidate that capture (NCCL's proxy threads do the same).
   void use_device() {
     thread_local int current = -1;
     if (current != device_) {
       check(cudaSetDevice(device_), "cudaSetDevice");
+      cudaStreamCaptureMode mode = cudaStreamCaptureModeRelaxed;
+      check(cudaThreadExchangeStreamCaptureMode(&mode), "cudaThreadExchangeStreamCaptureMode");
       current = device_;
     }
   }
