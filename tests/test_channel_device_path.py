@@ -25,6 +25,10 @@ def test_every_signal_covers_its_copies(world, transport):
         assert r["native_signals"] == (transport == "shm")
         assert r["shm_while_running"] == [] and r["shm_after_destroy"] == []
         assert r["live_threads"] == 0
+        # after the closing barrier nothing is in flight, and the transport's backlog report agrees
+        for s in r["stats"]:
+            assert (s["in_flight"], s["queued"], s["copying"], s["notify_full"]) == (0, 0, 0, 0), s
+        assert sum(s["writes"] for s in r["stats"]) > 0
     assert total_checked == world * producers * messages
 
 

@@ -207,6 +207,8 @@ bool ProxyThread::progress() {
   stats.notices += uint64_t(m);
   stats.held_signals = pending_.held();
   stats.in_flight = inflight_.posted() - inflight_.retired();
+  if (stats.in_flight) stats.backlog = g_->transport->backlog(index_);
+  else stats.backlog = TransportBacklog{};
   return n + m > 0;
 }
 

@@ -119,9 +119,13 @@ class CudaEngine(Topology):
         code = self._error[0]
         if code:
             rank, src, index = self._error[1], self._error[2], self._error[3]
-            moved = {k: sum(s[k] for s in self.channel.stats())
+            stats = self.channel.stats()
+            moved = {k: sum(s[k] for s in stats)
                      for k in ("commands", "writes", "signals", "notices", "held_signals", "signals_delayed",
                                "in_flight")}
+            if moved["in_flight"] or moved["held_signals"]:  # per proxy thread: where the operations wait
+                moved["per_thread"] = [{k: s[k] for k in ("in_flight", "queued", "copying", "notify_full",
+                                                          "held_signals")} for s in stats]
             where = (f"token {src}, value {ctypes.c_int32(index).value}" if code == 4 else
                      f"peer rank {src}, index {index}, within {self.timeout_s} s")
             slots = ""

@@ -56,6 +56,9 @@ py::dict stats_dict(const ProxyThreadStats& s) {
   d["held_signals"] = s.held_signals;
   d["in_flight"] = s.in_flight;
   d["signals_delayed"] = s.signals_delayed;
+  d["queued"] = s.backlog.queued;
+  d["copying"] = s.backlog.copying;
+  d["notify_full"] = s.backlog.notify_full;
   return d;
 }
 }  // namespace

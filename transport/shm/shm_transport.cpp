@@ -231,11 +231,26 @@ void ShmTransport::retire_device_ops(int channel) {
       it->ticket = ticket;
   }
   // In issue order: an atomic or a notification never overtakes an earlier copy of this channel.
+  ch.ring_full = false;
   while (!ch.device_ops.empty()) {
     DeviceOp& d = ch.device_ops.front();
-    if (!o_.device->done(channel, d.ticket) || !notify(channel, d.peer, d.op)) return;
+    if (!o_.device->done(channel, d.ticket)) return;
+    if (!notify(channel, d.peer, d.op)) {
+      ch.ring_full = true;
+      return;
+    }
     ch.device_ops.pop_front();
   }
+}
+
+TransportBacklog ShmTransport::backlog(int channel) const {
+  TransportBacklog b;
+  if (channel < 0 || channel >= int(channels_.size())) return b;
+  const Channel& ch = channels_[size_t(channel)];
+  for (const Lane& lane : ch.lanes) b.queued += lane.pending.size();
+  b.copying = ch.device_ops.size() - (ch.ring_full ? 1 : 0);
+  b.notify_full = ch.ring_full ? 1 : 0;
+  return b;
 }
 
 void ShmTransport::deliver_some(int channel, int peer) {

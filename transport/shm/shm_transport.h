@@ -39,6 +39,7 @@ class ShmTransport final : public Transport {
   explicit ShmTransport(const ShmOptions& o);
   ~ShmTransport() override;
 
+  TransportBacklog backlog(int channel) const override;
   TransportProps props() const override;
   void* alloc_region(RegionId region, size_t bytes) override;
   std::string endpoint_blob() override;
@@ -87,6 +88,7 @@ class ShmTransport final : public Transport {
     std::vector<NotifyRingConsumer> inboxes;  // by source
     std::vector<uint64_t> done;               // local completions not yet polled
     uint32_t next_source = 0;                 // round-robin start for poll_recv fairness
+    bool ring_full = false;                   // the oldest finished copy's notification found no room
   };
 
   bool deliver(int channel, int peer, const Op& op);

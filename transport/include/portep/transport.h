@@ -35,6 +35,13 @@ class TransportError : public std::runtime_error {
   explicit TransportError(const std::string& what) : std::runtime_error(what) {}
 };
 
+// Where a channel's posted operations wait, for error messages (read by the channel's own proxy thread).
+struct TransportBacklog {
+  uint64_t queued = 0;        // posted, not yet handed to the wire or the copy engine (unordered windows)
+  uint64_t copying = 0;       // handed to a copy engine, completion not yet seen
+  uint64_t notify_full = 0;   // 1 when the oldest completed copy waits for room in the receiver's ring
+};
+
 class Transport {
  public:
   virtual ~Transport() = default;
@@ -72,6 +79,8 @@ class Transport {
   virtual size_t peer_region_bytes(int peer, RegionId region) const { return 0; }
   // Where kernels address this rank's region when the transport keeps it GPU-visible, else nullptr.
   virtual void* region_device_address(RegionId region) const { return nullptr; }
+  // Only from the thread that drives `channel` (its poll_send / poll_recv caller).
+  virtual TransportBacklog backlog(int channel) const { return {}; }
 };
 
 }  // namespace portep
