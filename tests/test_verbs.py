@@ -63,11 +63,11 @@ def test_no_rdma_device_is_a_clean_error():
 @in_guest
 def test_verbs_in_soft_roce_guest():
     rc, results, output, seconds = run_script_in_guest("verbs_inside.py", 1200)
-    assert rc == 0 and len(results) == 5, f"guest rc {rc} after {seconds:.0f} s:\n{output[-6000:]}"
+    assert rc == 0 and len(results) == 7, f"guest rc {rc} after {seconds:.0f} s:\n{output[-6000:]}"
     for name, r in results.items():
         for rank, v in enumerate(r["ranks"]):
             assert "exception" not in v, f"{name} rank {rank}:\n{v['exception']}"
-    for transport, native_signals in (("verbs", True), ("verbs-striped", False)):
+    for transport, native_signals in (("verbs", True), ("verbs-striped", False), ("verbs+gpu", False)):
         for v in results[f"exact_bytes/{transport}"]["ranks"]:
             assert v["mismatched_sources"] == [] and v["native_signals"] == native_signals
             assert all(s & 0xFFFFFFFF == 4 and s >> 32 == 1 for s in v["slots"]), v["slots"]

@@ -4,8 +4,10 @@ manager, and run one scenario each. Prints one JSON line per scenario: {"name", 
 
 Scenarios: exact bytes of seeded writes + final signals; random writes+signals with a receiver that checks each
 signal when it becomes visible (the channel traffic checker); a corrupted remote key that must come back as a
-Python RuntimeError naming the failed completion. Over "verbs" (RC, native atomics) and "verbs-striped"
-(4 QPs per peer: unordered, signals emulated with immediates).
+Python RuntimeError naming the failed completion. Over "verbs" (RC, native atomics), "verbs-striped"
+(4 QPs per peer: unordered, signals emulated with immediates) and "verbs+gpu" (RC with the data region on
+emulated GPU memory: no dma-buf there, so the registration falls back to ibv_reg_mr on the "device" pointer, and
+signals go through immediates).
 """
 
 import json
@@ -17,10 +19,17 @@ import time
 import traceback
 
 
+EMULATED_GPU = -2  # the native kEmulatedDevice: host memory behind the transports' GPU-memory path
+
+
 def _channel(_C, rank, world, transport, nbytes, shared, barrier, tamper=None):
-    ch = _C.Channel(rank=rank, num_ranks=world, nbytes=nbytes, transport=transport, num_proxy_threads=2, num_fifos=8,
+    # "<transport>+gpu": the data region takes the GPU-memory path (registration chain, signals through
+    # immediates, flush before publishing) on emulated device memory
+    name, _, gpu = transport.partition("+")
+    ch = _C.Channel(rank=rank, num_ranks=world, nbytes=nbytes, transport=name, num_proxy_threads=2, num_fifos=8,
                     fifo_capacity=4096, num_streams=8, max_inflight_cmds=256, max_inflight_bytes=1 << 24,
-                    timeout_s=30.0, unordered_window=64, seed=rank, skip_ordering=False)
+                    timeout_s=30.0, unordered_window=64, seed=rank, skip_ordering=False,
+                    device=EMULATED_GPU if gpu else -1)
     shared[rank] = ch.endpoint_blob()
     barrier.wait()
     blobs = [shared[r] for r in range(world)]
@@ -145,6 +154,7 @@ def run(fn, transport, world=2, timeout=240):
 def main():
     scenarios = [("exact_bytes", exact_bytes, "verbs"), ("traffic", traffic, "verbs"),
                  ("exact_bytes", exact_bytes, "verbs-striped"), ("traffic", traffic, "verbs-striped"),
+                 ("exact_bytes", exact_bytes, "verbs+gpu"), ("traffic", traffic, "verbs+gpu"),
                  ("bad_remote_key", bad_remote_key, "verbs")]
     only = sys.argv[1:]
     for name, fn, transport in scenarios:

@@ -237,6 +237,7 @@ void ProxyThread::apply_notice(const RecvNotice& n) {
       throw std::runtime_error("sequenced add from rank " + std::to_string(n.src) +
                                ": no HT stream is registered with this proxy group");
   }
+  if (!releases_.empty()) g_->transport->make_writes_visible(index_);
   for (const SignalRelease& r : releases_) {
     uint64_t* slot = g_->signal_slots + (uint64_t(r.src) * g_->cfg.num_streams + r.stream);
     // Release: the notification's acquire (ring head) made the writes visible; publish them with the count.

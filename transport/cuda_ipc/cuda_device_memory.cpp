@@ -1,8 +1,10 @@
 // DeviceMemory over the CUDA runtime: cudaMalloc + CUDA IPC handles for regions, cudaHostRegister for
 // host memory kernels poll, and cudaMemcpyAsync on one non-blocking stream per channel for the copies, with
 // a ring of events per channel to learn when they finished.
+#include <cuda.h>
 #include <cuda_runtime.h>
 #include <string.h>
+#include <unistd.h>
 
 #include <atomic>
 #include <vector>
@@ -141,6 +143,49 @@ class CudaDeviceMemory final : public DeviceMemory {
     if (host) cudaHostUnregister(host);
   }
 
+  // The driver's cuMemGetHandleForAddressRange through the runtime's entry-point lookup (no link to libcuda);
+  // the range is widened to host pages, as it requires.
+  int export_dmabuf(void* p, size_t bytes, uint64_t* offset, std::string* why) override {
+    using GetHandle = CUresult (*)(void*, CUdeviceptr, size_t, CUmemRangeHandleType, unsigned long long);
+    void* fn = nullptr;
+    cudaDriverEntryPointQueryResult status{};
+#if CUDART_VERSION >= 12050
+    cudaError_t e = cudaGetDriverEntryPointByVersion("cuMemGetHandleForAddressRange", &fn, 11070, cudaEnableDefault,
+                                                     &status);
+#else
+    cudaError_t e = cudaGetDriverEntryPoint("cuMemGetHandleForAddressRange", &fn, cudaEnableDefault, &status);
+#endif
+    if (e != cudaSuccess || status != cudaDriverEntryPointSuccess || !fn) {
+      *why = "the driver has no cuMemGetHandleForAddressRange (CUDA 11.7+)";
+      return -1;
+    }
+    int supported = 0;
+    // The runtime's attribute numbers are the driver's; this one has no runtime name.
+    if (cuda_attribute(static_cast<cudaDeviceAttr>(CU_DEVICE_ATTRIBUTE_DMA_BUF_SUPPORTED), &supported) && !supported) {
+      *why = "GPU " + std::to_string(device_) + " reports no dma-buf support";
+      return -1;
+    }
+    const uintptr_t page = uintptr_t(sysconf(_SC_PAGESIZE));
+    const uintptr_t begin = reinterpret_cast<uintptr_t>(p) / page * page;
+    const uintptr_t end = (reinterpret_cast<uintptr_t>(p) + bytes + page - 1) / page * page;
+    int fd = -1;
+    const CUresult r = reinterpret_cast<GetHandle>(fn)(&fd, CUdeviceptr(begin), size_t(end - begin),
+                                                       CU_MEM_RANGE_HANDLE_TYPE_DMA_BUF_FD, 0);
+    if (r != CUDA_SUCCESS || fd < 0) {
+      *why = "cuMemGetHandleForAddressRange(DMA_BUF_FD) failed with CUresult " + std::to_string(int(r));
+      return -1;
+    }
+    *offset = uint64_t(reinterpret_cast<uintptr_t>(p) - begin);
+    return fd;
+  }
+
+  void flush_remote_writes() override {
+    use_device();
+    check(cudaDeviceFlushGPUDirectRDMAWrites(cudaFlushGPUDirectRDMAWritesTargetCurrentDevice,
+                                             cudaFlushGPUDirectRDMAWritesToOwner),
+          "cudaDeviceFlushGPUDirectRDMAWrites");
+  }
+
   void copy_async(int channel, void* dst, const void* src, size_t bytes) override {
     CopyChannel& c = at(channel);
     c.dsts.push_back(dst);
@@ -224,6 +269,11 @@ class CudaDeviceMemory final : public DeviceMemory {
     c.dsts.clear();
     c.srcs.clear();
     c.sizes.clear();
+  }
+
+  // An attribute of this GPU; false when the query itself failed (older runtimes lack some attributes).
+  bool cuda_attribute(cudaDeviceAttr attr, int* value) const {
+    return cudaDeviceGetAttribute(value, attr, device_) == cudaSuccess;
   }
 
   // The runtime's current device is per thread: proxy threads set it on first use. They also leave the global

@@ -5,6 +5,20 @@
 
 namespace portep {
 
+namespace {
+
+// The data region's GPU memory for spec.device (null: host memory).
+std::unique_ptr<DeviceMemory> device_memory_for(const TransportSpec& s) {
+  if (s.device == kEmulatedDevice) return make_emulated_device_memory(s.num_channels, s.seed);
+  if (s.device < 0) return nullptr;
+  std::string why;
+  auto device = make_cuda_device_memory(s.device, s.num_channels, &why);
+  if (!device) throw TransportError(s.name + " on GPU " + std::to_string(s.device) + ": " + why);
+  return device;
+}
+
+}  // namespace
+
 std::unique_ptr<Transport> make_transport(const TransportSpec& s) {
   if (s.name == "shm" || s.name == "shm-unordered") {
     ShmOptions o;
@@ -14,19 +28,14 @@ std::unique_ptr<Transport> make_transport(const TransportSpec& s) {
     o.ordered = s.name == "shm";
     o.window = s.window;
     o.seed = s.seed;
-    if (s.device == kEmulatedDevice) o.device = make_emulated_device_memory(s.num_channels, s.seed);
-    if (s.device >= 0) {
-      std::string why;
-      o.device = make_cuda_device_memory(s.device, s.num_channels, &why);
-      if (!o.device) throw TransportError(s.name + " on GPU " + std::to_string(s.device) + ": " + why);
-    }
+    o.device = device_memory_for(s);
     return std::make_unique<ShmTransport>(o);
   }
   if (s.name == "verbs" || s.name == "verbs-striped") {
-    if (s.device != -1)
-      throw TransportError(s.name + " with GPU memory is not implemented yet (dma-buf registration); use shm");
+    VerbsOptions o = verbs_options_from_env(s.name, s.rank, s.num_ranks, s.num_channels);
+    o.device = device_memory_for(s);
     std::string why;
-    auto t = make_verbs_transport(verbs_options_from_env(s.name, s.rank, s.num_ranks, s.num_channels), &why);
+    auto t = make_verbs_transport(o, &why);
     if (!t) throw TransportError(s.name + ": " + why);
     return t;
   }

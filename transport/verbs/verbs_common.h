@@ -7,10 +7,12 @@
 #include <stdio.h>
 #include <string.h>
 #include <sys/mman.h>
+#include <unistd.h>
 
 #include <string>
 
 #include "../src/endpoint_text.h"
+#include "portep/device_memory.h"
 #include "portep/transport.h"
 
 namespace portep::verbs {
@@ -42,6 +44,38 @@ inline void* alloc_pages(size_t bytes) {
 inline void register_region(ibv_pd* pd, Region* r, int access) {
   r->mr = ibv_reg_mr(pd, r->addr, r->bytes, access);
   if (!r->mr) fail("ibv_reg_mr of " + std::to_string(r->bytes) + " bytes", errno);
+}
+
+// GPU memory: through the GPU's dma-buf when the driver exports one and rdma-core has ibv_reg_dmabuf_mr, else
+// ibv_reg_mr on the device pointer (works where a peer-memory client such as nvidia-peermem is loaded). *how
+// says which; both failures are in the error.
+inline void register_device_region(ibv_pd* pd, Region* r, DeviceMemory* device, int access, std::string* how) {
+  std::string dmabuf_why;
+#ifdef PORTEP_HAVE_IBV_REG_DMABUF_MR
+  uint64_t offset = 0;
+  const int fd = device->export_dmabuf(r->addr, r->bytes, &offset, &dmabuf_why);
+  if (fd >= 0) {
+    r->mr = ibv_reg_dmabuf_mr(pd, offset, r->bytes, reinterpret_cast<uintptr_t>(r->addr), fd, access);
+    const int err = errno;
+    close(fd);  // the registration holds its own reference to the buffer
+    if (r->mr) {
+      *how = "dma-buf";
+      return;
+    }
+    dmabuf_why = std::string("ibv_reg_dmabuf_mr: ") + strerror(err);
+  }
+#else
+  dmabuf_why = "this build's rdma-core has no ibv_reg_dmabuf_mr";
+#endif
+  r->mr = ibv_reg_mr(pd, r->addr, r->bytes, access);
+  if (r->mr) {
+    *how = "peer memory (ibv_reg_mr on the device pointer)";
+    return;
+  }
+  const int err = errno;
+  throw TransportError("verbs: cannot register " + std::to_string(r->bytes) + " bytes of GPU memory: dma-buf: " +
+                       dmabuf_why + "; ibv_reg_mr on the device pointer: " + strerror(err) +
+                       " (is a peer-memory module such as nvidia-peermem loaded?); host staging is not implemented");
 }
 
 inline void release_region(Region* r) {

@@ -119,9 +119,13 @@ class VerbsTransport final : public Transport {
       if (ch.send_cq) ibv_destroy_cq(ch.send_cq);
       if (ch.recv_cq) ibv_destroy_cq(ch.recv_cq);
     }
+    if (device_signal_) o_.device->unmap_host(regions_[kRegionSignal].addr);
     for (int i = 0; i < kNumRegions; ++i) {
       if (regions_[i].mr) ibv_dereg_mr(regions_[i].mr);
-      if (!segments_[i].data() && regions_[i].addr) munmap(regions_[i].addr, regions_[i].bytes);  // private pages
+      if (on_device(RegionId(i)))
+        o_.device->free_region(regions_[i].addr);
+      else if (!segments_[i].data() && regions_[i].addr)
+        munmap(regions_[i].addr, regions_[i].bytes);  // private pages
     }
     release_region(&scratch_);
     if (pd_) ibv_dealloc_pd(pd_);
@@ -130,13 +134,22 @@ class VerbsTransport final : public Transport {
 
   TransportProps props() const override {
     const bool ordered = o_.qps_per_peer == 1;
-    return TransportProps{ordered ? "verbs" : "verbs-striped", ordered, ordered && atomics_};
+    // With GPU data no native atomics: a NIC's atomic on the host signal could be seen by a kernel before the
+    // NIC's writes into GPU memory; through immediates the receiving proxy flushes them first.
+    return TransportProps{ordered ? "verbs" : "verbs-striped", ordered, ordered && atomics_ && !o_.device};
   }
 
   void* alloc_region(RegionId region, size_t bytes) override {
     if (connected_) throw TransportError("verbs: regions must be allocated before connect()");
     Region& r = regions_[region];
     r.bytes = bytes ? bytes : 64;
+    if (on_device(region)) {  // never shared through /dev/shm: same-host peers reach it through RDMA
+      r.addr = o_.device->alloc_region(r.bytes);
+      register_device_region(pd_, &r, o_.device.get(),
+                             IBV_ACCESS_LOCAL_WRITE | IBV_ACCESS_REMOTE_WRITE | IBV_ACCESS_REMOTE_READ,
+                             &registration_);
+      return r.addr;
+    }
     // Shared memory, so that ranks on this host can also map it (node views for normal mode), when /dev/shm
     // has room (a container's may be 64 MiB); else private pages, which only RDMA reaches.
     if (shm_has_room(r.bytes)) {
@@ -147,7 +160,19 @@ class VerbsTransport final : public Transport {
     }
     register_region(pd_, &r, IBV_ACCESS_LOCAL_WRITE | IBV_ACCESS_REMOTE_WRITE | IBV_ACCESS_REMOTE_READ |
                             IBV_ACCESS_REMOTE_ATOMIC);
+    if (o_.device && region == kRegionSignal) device_signal_ = o_.device->map_host(r.addr, r.bytes);
     return r.addr;
+  }
+
+  void* region_device_address(RegionId region) const override {
+    if (!o_.device) return nullptr;
+    return region == kRegionData ? regions_[kRegionData].addr : device_signal_;
+  }
+
+  // Before the proxy publishes a signal whose writes landed in GPU memory.
+  void make_writes_visible(int channel) override {
+    (void)channel;
+    if (o_.device) o_.device->flush_remote_writes();
   }
 
   // Lines: lid, gid, then per region "addr rkey bytes", then the QP numbers of (channel, peer, stripe).
@@ -257,10 +282,13 @@ class VerbsTransport final : public Transport {
   size_t peer_region_bytes(int peer, RegionId region) const override { return mapped(peer, region).second; }
 
   std::string describe_peer(int peer) const override {
-    return "rank " + std::to_string(peer) + " (verbs RC over " + dev_name_ + ":" + std::to_string(port_) + ")";
+    return "rank " + std::to_string(peer) + " (verbs RC over " + dev_name_ + ":" + std::to_string(port_) +
+           (o_.device ? ", GPU memory registered by " + registration_ : std::string()) + ")";
   }
 
  private:
+  bool on_device(RegionId region) const { return o_.device && region == kRegionData; }
+
   // Where peer's region is mapped in this process and its size ({nullptr, 0}: not mapped here).
   std::pair<void*, size_t> mapped(int peer, RegionId region) const {
     if (!connected_ || peer < 0 || peer >= o_.num_ranks) return {nullptr, 0};
@@ -412,6 +440,8 @@ class VerbsTransport final : public Transport {
   ShmSegment segments_[kNumRegions];                       // this rank's regions
   std::vector<std::array<ShmSegment, kNumRegions>> peer_maps_;  // same-host peers' regions, mapped here
   Region scratch_;  // where fetch-and-add results land (never read)
+  void* device_signal_ = nullptr;  // the signal region as kernels address it (GPU data only)
+  std::string registration_;       // how the GPU data region was registered
   std::vector<VerbsChannel> channels_;
   std::vector<RemoteRegions> remotes_;
   std::unordered_map<uint32_t, std::pair<int, Qp*>> owners_;  // qp_num -> (peer, QP)
@@ -476,7 +506,14 @@ std::unique_ptr<Transport> make_verbs_transport(const VerbsOptions& o, std::stri
   std::string name;
   ibv_context* ctx = open_device(o.hca, &port, &name, why);
   if (!ctx) return nullptr;
-  if (is_efa_device(ctx)) return make_efa_transport(o, ctx, port, name);  // SRD: the EFA transport
+  if (is_efa_device(ctx)) {  // SRD: the EFA transport
+    if (o.device) {
+      ibv_close_device(ctx);
+      *why = "EFA with GPU memory (dma-buf registration on SRD) is not implemented yet; use host memory";
+      return nullptr;
+    }
+    return make_efa_transport(o, ctx, port, name);
+  }
   return std::make_unique<VerbsTransport>(o, ctx, port, name);
 }
 

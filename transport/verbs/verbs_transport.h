@@ -12,6 +12,9 @@
 // excludes, "=" prefix for exact names), PORTEP_IB_GID_INDEX (default 0), PORTEP_IB_SL, PORTEP_IB_TC,
 // PORTEP_IB_QPS_PER_PEER (striping; "verbs-striped" defaults to 4), PORTEP_IB_MAX_SEND_WR (in-flight
 // operations per QP, default 256).
+//
+// GPU memory (VerbsOptions::device): see that field. Host staging of GPU memory is not implemented: a GPU
+// that neither exports dma-bufs nor has peer-memory registration makes the transport fail with both reasons.
 #pragma once
 
 #include <stdint.h>
@@ -20,6 +23,7 @@
 #include <string>
 #include <vector>
 
+#include "portep/device_memory.h"
 #include "portep/transport.h"
 
 namespace portep {
@@ -35,6 +39,11 @@ struct VerbsOptions {
   int traffic_class = 0;
   uint32_t max_send_wr = 256;
   uint32_t recv_depth = 512;  // receives kept posted per QP (write-with-immediate notifications)
+  // GPU memory for the data region (null: host memory). Registered with ibv_reg_dmabuf_mr on the GPU's dma-buf,
+  // else with ibv_reg_mr on the GPU pointer (nvidia-peermem / amdgpu peer memory). The signal region stays in
+  // host memory, mapped for kernels; signals then go through immediates so the receiving proxy can flush the
+  // NIC's writes into GPU memory before it publishes them.
+  std::shared_ptr<DeviceMemory> device;
 };
 
 // Options from the environment knobs above, for transport name "verbs" or "verbs-striped".

@@ -43,6 +43,17 @@ class DeviceMemory {
   virtual bool done(int channel, uint64_t ticket) = 0;
   // Waits for every channel's copies (teardown); never throws.
   virtual void synchronize() = 0;
+
+  // For NIC registration (ibv_reg_dmabuf_mr): a dma-buf file descriptor covering [p, p + bytes), with *offset
+  // the position of p in it, which the caller closes; -1 with *why when this memory or driver has none.
+  virtual int export_dmabuf(void* p, size_t bytes, uint64_t* offset, std::string* why) {
+    (void)p, (void)bytes, (void)offset;
+    *why = "this device memory has no dma-buf export";
+    return -1;
+  }
+  // Writes a NIC placed in this memory become visible to kernels that saw the completion signal in host
+  // memory (GPUDirect RDMA leaves them unordered until a flush). Called before such a signal is published.
+  virtual void flush_remote_writes() {}
 };
 
 // The CUDA implementation for `device` with `channels` copy streams, or nullptr with *why set when this
