@@ -147,15 +147,22 @@ class CudaDeviceMemory final : public DeviceMemory {
   // the range is widened to host pages, as it requires.
   int export_dmabuf(void* p, size_t bytes, uint64_t* offset, std::string* why) override {
     using GetHandle = CUresult (*)(void*, CUdeviceptr, size_t, CUmemRangeHandleType, unsigned long long);
+    DeviceGuard guard(device_);
     void* fn = nullptr;
-    cudaDriverEntryPointQueryResult status{};
+    bool found = false;
 #if CUDART_VERSION >= 12050
-    cudaError_t e = cudaGetDriverEntryPointByVersion("cuMemGetHandleForAddressRange", &fn, 11070, cudaEnableDefault,
-                                                     &status);
+    cudaDriverEntryPointQueryResult status{};
+    found = cudaGetDriverEntryPointByVersion("cuMemGetHandleForAddressRange", &fn, 11070, cudaEnableDefault,
+                                             &status) == cudaSuccess && status == cudaDriverEntryPointSuccess;
+#elif CUDART_VERSION >= 12000
+    cudaDriverEntryPointQueryResult status{};
+    found = cudaGetDriverEntryPoint("cuMemGetHandleForAddressRange", &fn, cudaEnableDefault, &status) == cudaSuccess &&
+            status == cudaDriverEntryPointSuccess;
 #else
-    cudaError_t e = cudaGetDriverEntryPoint("cuMemGetHandleForAddressRange", &fn, cudaEnableDefault, &status);
+    found = cudaGetDriverEntryPoint("cuMemGetHandleForAddressRange", &fn, cudaEnableDefault) == cudaSuccess;
 #endif
-    if (e != cudaSuccess || status != cudaDriverEntryPointSuccess || !fn) {
+    if (!found || !fn) {
+      cudaGetLastError();  // a failed lookup must not surface later as another call's error
       *why = "the driver has no cuMemGetHandleForAddressRange (CUDA 11.7+)";
       return -1;
     }
@@ -179,8 +186,16 @@ class CudaDeviceMemory final : public DeviceMemory {
     return fd;
   }
 
+  // Only where the GPU does not already order GPUDirect RDMA writes for its own kernels (the attribute says);
+  // a GPU that neither orders them nor can flush them cannot take NIC writes safely, and says so.
   void flush_remote_writes() override {
     use_device();
+    RdmaFlush mode = rdma_flush_.load(std::memory_order_relaxed);
+    if (mode == RdmaFlush::kUnknown) rdma_flush_.store(mode = rdma_flush_mode(), std::memory_order_relaxed);
+    if (mode == RdmaFlush::kNotNeeded) return;
+    if (mode == RdmaFlush::kUnsupported)
+      throw TransportError("cuda-ipc: GPU " + std::to_string(device_) + " neither orders GPUDirect RDMA writes for "
+                           "its kernels nor supports cudaDeviceFlushGPUDirectRDMAWrites");
     check(cudaDeviceFlushGPUDirectRDMAWrites(cudaFlushGPUDirectRDMAWritesTargetCurrentDevice,
                                              cudaFlushGPUDirectRDMAWritesToOwner),
           "cudaDeviceFlushGPUDirectRDMAWrites");
@@ -271,9 +286,24 @@ class CudaDeviceMemory final : public DeviceMemory {
     c.sizes.clear();
   }
 
-  // An attribute of this GPU; false when the query itself failed (older runtimes lack some attributes).
+  // An attribute of this GPU; false when the query itself failed (older runtimes lack some attributes), with
+  // the failure cleared so that it never surfaces as a later call's error.
   bool cuda_attribute(cudaDeviceAttr attr, int* value) const {
-    return cudaDeviceGetAttribute(value, attr, device_) == cudaSuccess;
+    if (cudaDeviceGetAttribute(value, attr, device_) == cudaSuccess) return true;
+    cudaGetLastError();
+    return false;
+  }
+
+  enum class RdmaFlush { kUnknown, kNotNeeded, kNeeded, kUnsupported };
+  RdmaFlush rdma_flush_mode() const {
+    int ordering = 0, options = 0;
+    if (cuda_attribute(cudaDevAttrGPUDirectRDMAWritesOrdering, &ordering) &&
+        ordering >= int(cudaGPUDirectRDMAWritesOrderingOwner))
+      return RdmaFlush::kNotNeeded;
+    if (cuda_attribute(cudaDevAttrGPUDirectRDMAFlushWritesOptions, &options) &&
+        (options & int(cudaFlushGPUDirectRDMAWritesOptionHost)))
+      return RdmaFlush::kNeeded;
+    return RdmaFlush::kUnsupported;
   }
 
   // The runtime's current device is per thread: proxy threads set it on first use. They also leave the global
@@ -303,6 +333,7 @@ class CudaDeviceMemory final : public DeviceMemory {
   int device_;
   std::vector<CopyChannel> channels_;
   void* scratch_ = nullptr;                   // 16 bytes for the peer warm-up copies
+  std::atomic<RdmaFlush> rdma_flush_{RdmaFlush::kUnknown};  // decided by the first proxy publishing NIC writes
   std::atomic<bool> batch_supported_{true};  // proxy threads clear it on a driver without batched copies
 };
 

@@ -144,6 +144,8 @@ class VerbsTransport final : public Transport {
     Region& r = regions_[region];
     r.bytes = bytes ? bytes : 64;
     if (on_device(region)) {  // never shared through /dev/shm: same-host peers reach it through RDMA
+      constexpr size_t kGpuPage = 2u << 20;  // dma-buf export covers whole pages: allocate whole GPU pages
+      r.bytes = (r.bytes + kGpuPage - 1) / kGpuPage * kGpuPage;
       r.addr = o_.device->alloc_region(r.bytes);
       register_device_region(pd_, &r, o_.device.get(),
                              IBV_ACCESS_LOCAL_WRITE | IBV_ACCESS_REMOTE_WRITE | IBV_ACCESS_REMOTE_READ,
