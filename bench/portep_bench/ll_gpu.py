@@ -3,8 +3,11 @@ with the same run's NCCL all_to_all_single baseline, for the direct NVLink path 
 command channel through the real proxy threads (GPU pushes NOP commands into a Channel's device FIFOs).
 
 Bytes as DeepEP's test_low_latency.py: every valid (token, expert) selection moves one message, FP8 dispatch
-counts hidden + hidden/128*4 + 16 bytes per message, BF16 combine 2*hidden. Times are CUDA events around the
-Python calls, medians over the iterations; rank 0 reports."""
+counts hidden + hidden/128*4 + 16 bytes per message, BF16 combine 2*hidden. Three kinds of time, rank 0
+reporting: the round trip as DeepEP's bench() takes it (calls issued back to back, events around each, the
+mean); CUDA events around calls that each wait for the GPU (medians); and kernel times as DeepEP's bench_kineto
+takes them (launches queued behind a GPU sleep, durations from the profiler, medians). Also the command
+channel's rate and its publish -> proxy latency bounds (gpu_fifo.command_latency_lines)."""
 
 import time
 
