@@ -51,7 +51,8 @@ def _back_to_back(fn, iterations):
     return sum(times) / len(times)
 
 
-def _inputs(rank, T, H, K, E):
+def ll_inputs(rank, T, H, K, E):
+    """This rank's seeded BF16 tokens, top-k expert indices and weights, on its GPU (the probes share them)."""
     import torch
 
     g = torch.Generator().manual_seed(1234 + rank)
@@ -60,6 +61,17 @@ def _inputs(rank, T, H, K, E):
     idx = torch.topk(scores, K, dim=-1).indices.cuda()
     w = torch.rand(T, K, generator=g).cuda()
     return x, idx, w
+
+
+def cuda_ll_buffer(world, T, H, E, ranks_per_node, transport):
+    """A CUDA-backend LL Buffer of DeepEP's size hint over the WORLD group (ranks_per_node=1: the proxy path)."""
+    import torch.distributed as dist
+
+    import portep
+
+    nbytes = portep.Buffer.get_low_latency_rdma_size_hint(T, H, world, E)
+    return portep.Buffer(dist.group.WORLD, 0, nbytes, low_latency_mode=True, num_ranks_per_node=ranks_per_node,
+                         transport=transport, explicitly_destroy=True, backend="cuda")
 
 
 def _path_times(buf, x, idx, w, T, E, iterations, hook_kernels):
@@ -203,17 +215,13 @@ def _rank_body(rank, world, T, H, K, E, iterations, proxy_transport, with_proxy=
     import torch
     import torch.distributed as dist
 
-    import portep
-
     torch.cuda.set_device(rank)
     nccl = dist.new_group(backend="nccl")
-    x, idx, w = _inputs(rank, T, H, K, E)
-    nbytes = portep.Buffer.get_low_latency_rdma_size_hint(T, H, world, E)
+    x, idx, w = ll_inputs(rank, T, H, K, E)
     results = {"selections": int((idx >= 0).sum())}
     paths = [("direct NVLink", world, "shm")] + ([(f"proxy ({proxy_transport})", 1, proxy_transport)] if with_proxy else [])
     for name, rpn, transport in paths:
-        buf = portep.Buffer(dist.group.WORLD, 0, nbytes, low_latency_mode=True, num_ranks_per_node=rpn,
-                            transport=transport, explicitly_destroy=True, backend="cuda")
+        buf = cuda_ll_buffer(world, T, H, E, rpn, transport)
         # Hook phases queued back to back on the proxy path stop until the kernels time out (not understood
         # yet; their synchronized use passes the GPU tests), so only the direct path times them.
         results[name] = _path_times(buf, x, idx, w, T, E, iterations, hook_kernels=rpn > 1)

@@ -10,16 +10,11 @@ from portep_bench.spawn import run_ranks
 
 
 def body(rank, world, rpn, transport, T, H, K, E, reps):
-    import torch, torch.distributed as dist, portep
-    from portep_bench.ll_gpu import kernel_times
+    import torch
+    from portep_bench.ll_gpu import cuda_ll_buffer, kernel_times, ll_inputs
     torch.cuda.set_device(rank)
-    g = torch.Generator().manual_seed(1234 + rank)
-    x = torch.randn(T, H, generator=g).to(torch.bfloat16).cuda()
-    idx = torch.topk(torch.randn(T, E, generator=g).abs() + 1, K, dim=-1).indices.cuda()
-    w = torch.rand(T, K, generator=g).cuda()
-    nbytes = portep.Buffer.get_low_latency_rdma_size_hint(T, H, world, E)
-    buf = portep.Buffer(dist.group.WORLD, 0, nbytes, low_latency_mode=True, num_ranks_per_node=rpn,
-                        transport=transport, explicitly_destroy=True, backend="cuda")
+    x, idx, w = ll_inputs(rank, T, H, K, E)
+    buf = cuda_ll_buffer(world, T, H, E, rpn, transport)
     sim = buf.low_latency_dispatch(x, idx, T, E, use_fp8=True)[0][0].to(torch.bfloat16)
 
     def fused():

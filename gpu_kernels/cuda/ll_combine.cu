@@ -103,8 +103,8 @@ PORTEP_DEVICE void accumulate_row(float* acc, const uint4& v, float w) {
 }
 
 // Where the reduce finds the row of (expert e, slot): in one launch a local expert's row is still in the
-// combine input, at this rank's packed position (layout_range gives where this rank's messages begin); the others arrived in
-// the receive area.
+// combine input, at this rank's packed position (layout_range gives where this rank's messages begin); the
+// others arrived in the receive area.
 PORTEP_DEVICE const uint4* row_address(const LLCombineArgs& a, int e, uint32_t slot) {
   const LLCommon& c = a.c;
   if (a.own_rows_in_input && e / c.num_local_experts == c.rank) {

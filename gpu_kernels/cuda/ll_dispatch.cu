@@ -125,8 +125,8 @@ PORTEP_DEVICE void dispatch_send(const LLDispatchArgs& a, uint32_t* hist) {
       const uint32_t index = valid ? (uint32_t(my_expert % c.num_local_experts) * c.num_ranks + c.rank) * c.T + slot
                                    : 0;
       const uint32_t primary_index = uint32_t(warp_broadcast_i32(int(index), primary));
-      if (valid)
-        *reinterpret_cast<int4*>(m) = make_int4(t, int(hist[my_expert]), primary == lane ? 0 : int(primary_index + 1), 0);
+      const int share = primary == lane ? 0 : int(primary_index + 1);
+      if (valid) *reinterpret_cast<int4*>(m) = make_int4(t, int(hist[my_expert]), share, 0);
       if (lane < K) msgs[lane] = primary == lane ? m : nullptr;
     }
     __syncthreads();

@@ -203,12 +203,18 @@ bool ProxyThread::progress() {
   for (int i = 0; i < n; ++i) inflight_.on_complete(done[i]);
   RecvNotice notices[kPollBatch];
   int m = g_->transport->poll_recv(index_, notices, kPollBatch);
+  // Every write these notices cover has landed: one flush makes them all visible to kernels before any of
+  // their signals is published.
+  if (m) g_->transport->make_writes_visible(index_);
   for (int i = 0; i < m; ++i) apply_notice(notices[i]);
   stats.notices += uint64_t(m);
   stats.held_signals = pending_.held();
   stats.in_flight = inflight_.posted() - inflight_.retired();
-  if (stats.in_flight) stats.backlog = g_->transport->backlog(index_);
-  else stats.backlog = TransportBacklog{};
+  // The backlog is for diagnosing waits: taken on polls that moved nothing, not on every busy one.
+  if (!stats.in_flight)
+    stats.backlog = TransportBacklog{};
+  else if (n + m == 0)
+    stats.backlog = g_->transport->backlog(index_);
   return n + m > 0;
 }
 
@@ -237,7 +243,6 @@ void ProxyThread::apply_notice(const RecvNotice& n) {
       throw std::runtime_error("sequenced add from rank " + std::to_string(n.src) +
                                ": no HT stream is registered with this proxy group");
   }
-  if (!releases_.empty()) g_->transport->make_writes_visible(index_);
   for (const SignalRelease& r : releases_) {
     uint64_t* slot = g_->signal_slots + (uint64_t(r.src) * g_->cfg.num_streams + r.stream);
     // Release: the notification's acquire (ring head) made the writes visible; publish them with the count.

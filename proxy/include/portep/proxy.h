@@ -44,7 +44,7 @@ struct ProxyThreadStats {
   uint64_t held_signals = 0;     // signals waiting for their writes right now
   uint64_t in_flight = 0;        // operations posted to the transport and not yet completed
   uint64_t signals_delayed = 0;  // signals that arrived before their writes and were held (unordered transports)
-  TransportBacklog backlog;      // where this thread's in-flight operations wait (transport's view)
+  TransportBacklog backlog;      // where in-flight operations waited at the last poll that moved nothing
 };
 
 class ProxyGroupImpl;

@@ -81,8 +81,8 @@ class Transport {
   virtual void* region_device_address(RegionId region) const { return nullptr; }
   // Only from the thread that drives `channel` (its poll_send / poll_recv caller).
   virtual TransportBacklog backlog(int channel) const { return {}; }
-  // Called by channel's proxy thread before it publishes signals whose writes arrived through this transport:
-  // a NIC's writes into GPU memory need a flush before kernels may read them.
+  // Called by channel's proxy thread after poll_recv returned notices, before it publishes their signals: a
+  // NIC's writes into GPU memory need a flush before kernels may read them.
   virtual void make_writes_visible(int channel) { (void)channel; }
 };
 
