@@ -29,6 +29,12 @@ def test_every_signal_covers_its_copies(world, transport):
         for s in r["stats"]:
             assert (s["in_flight"], s["queued"], s["copying"], s["notify_full"]) == (0, 0, 0, 0), s
         assert sum(s["writes"] for s in r["stats"]) > 0
+        # the timing counters: every write and signal was posted and seen complete (barriers add more), the
+        # mean post -> complete time lies under the largest, and time was spent posting and polling
+        for s in r["stats"]:
+            assert s["completed"] >= s["writes"] + s["signals"], s
+            assert 0 < s["op_latency_ns"] <= s["op_latency_max_ns"] * s["completed"], s
+            assert s["polls"] > 0 and s["post_ns"] > 0 and s["poll_ns"] > 0, s
     assert total_checked == world * producers * messages
 
 

@@ -79,19 +79,20 @@ PORTEP_DEVICE void combine_send_part(const LLCombineArgs& a, int le, int part, i
 __global__ void __launch_bounds__(kLLThreads) combine_wait_kernel(LLCombineArgs a) {
   const LLCommon& c = a.c;
   for (int e = threadIdx.x; e < c.num_experts; e += blockDim.x)
-    take_signal(c, e / c.num_local_experts, e, e % c.num_local_experts, [] { return 1u; }, a.wait_stats);
+    take_signal(c, e / c.num_local_experts, e, e % c.num_local_experts, false, [] { return 1u; }, a.wait_stats);
 }
 
-// Waits (without consuming it) until expert e's rows have arrived; false after the timeout (reported).
+// Waits (without consuming it) until expert e's rows have arrived (proxy sources: relayed into its flag); false
+// after the timeout (reported).
 PORTEP_DEVICE bool wait_expert_rows(const LLCommon& c, int e) {
   uint64_t v = 0, waited = 0;
-  return await_signal(c, e / c.num_local_experts, e, e % c.num_local_experts, &v, &waited);
+  return await_signal(c, e / c.num_local_experts, e, e % c.num_local_experts, true, &v, &waited);
 }
 
-// Every expert's signal of this call was read: back to zero for the next call on this half.
+// Every expert's flag of this call was read: back to zero for the next call on this half.
 PORTEP_DEVICE void reset_combine_signals(const LLCommon& c) {
   for (int e = threadIdx.x; e < c.num_experts; e += blockDim.x)
-    clear_signal(c, e / c.num_local_experts, e, e % c.num_local_experts);
+    clear_signal(c, e / c.num_local_experts, e, e % c.num_local_experts, true);
 }
 
 // acc[q] += w * x[q] for the 8 BF16 values of v, rounded twice and never fused (the host's arithmetic).
@@ -126,6 +127,11 @@ PORTEP_DEVICE void combine_reduce(const LLCombineArgs& a, bool waited) {
   __shared__ uint32_t tok_slots[kWarpSize];
   const LLCommon& c = a.c;
   const int K = a.num_topk, H = c.hidden;
+  if (!waited)
+    relay_proxy_signals(c, [&](int src, int le, uint64_t, uint32_t* index, uint32_t* value) {
+      *index = uint32_t(src * c.num_local_experts + le);
+      *value = 1;
+    });
   for (int t = int(blockIdx.x); t < a.num_tokens; t += int(gridDim.x)) {
     token_selections(a.topk_idx, t, K, c.num_experts, tok_experts, tok_slots);
     if (int(threadIdx.x) < K) {

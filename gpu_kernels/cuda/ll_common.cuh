@@ -140,7 +140,8 @@ PORTEP_DEVICE void push_stream(const LLCommon& c, int dst, uint32_t stream, uint
 
 // Where this rank learns that src's part of (flag_index, local_expert) arrived: direct peers store value + 1
 // into a flag of this rank's data region; proxy peers' final signal lands in a host signal slot, whose unit
-// count says whether any WRITE came.
+// count says whether any WRITE came. Receive phases relay the slots into the flags (relay_proxy_signals), so
+// their waits read device memory only; `relayed` says a wait reads the flag for a proxy source too.
 PORTEP_DEVICE uint32_t* signal_flag(const LLCommon& c, int flag_index) {
   return reinterpret_cast<uint32_t*>(c.local + c.flag_off) + flag_index;
 }
@@ -150,10 +151,10 @@ PORTEP_DEVICE uint64_t* signal_slot(const LLCommon& c, int src, int local_expert
 
 // Waits, without consuming it, until the signal is there; false after the timeout (reported). *value is the
 // flag or slot read last, *waited the nanoseconds spent.
-PORTEP_DEVICE bool await_signal(const LLCommon& c, int src, int flag_index, int local_expert, uint64_t* value,
-                                uint64_t* waited) {
+PORTEP_DEVICE bool await_signal(const LLCommon& c, int src, int flag_index, int local_expert, bool relayed,
+                                uint64_t* value, uint64_t* waited) {
   bool ok;
-  if (c.peers[src]) {
+  if (c.peers[src] || relayed) {
     const uint32_t* flag = signal_flag(c, flag_index);
     ok = wait_until([&] { return uint64_t(ld_acquire_sys_u32(flag)); }, [](uint64_t x) { return x != 0; },
                     c.timeout_ns, value, waited);
@@ -167,25 +168,70 @@ PORTEP_DEVICE bool await_signal(const LLCommon& c, int src, int flag_index, int 
 }
 
 // Back to zero for the next call on this half: the next store to it comes from a later call, after this one.
-PORTEP_DEVICE void clear_signal(const LLCommon& c, int src, int flag_index, int local_expert) {
-  if (c.peers[src])
+PORTEP_DEVICE void clear_signal(const LLCommon& c, int src, int flag_index, int local_expert, bool relayed) {
+  if (c.peers[src] || relayed)
     *signal_flag(c, flag_index) = 0;
   else
     st_relaxed_sys_u64(signal_slot(c, src, local_expert), 0);
 }
 
-// Waits for this rank's signal of (src, local expert) and consumes it; returns the count it carries (direct:
-// the flag's value - 1; proxy: `proxy_value()` reads it from the delivered data when any WRITE came).
+// Waits for this rank's signal of (src, local expert) and consumes it; returns the count it carries (a flag:
+// its value - 1; a proxy slot: `proxy_value()` reads it from the delivered data when any WRITE came).
 template <class ProxyValue>
-PORTEP_DEVICE uint32_t take_signal(const LLCommon& c, int src, int flag_index, int local_expert,
+PORTEP_DEVICE uint32_t take_signal(const LLCommon& c, int src, int flag_index, int local_expert, bool relayed,
                                    ProxyValue proxy_value, int64_t* wait_stats) {
   uint64_t v = 0, waited = 0;
-  const bool ok = await_signal(c, src, flag_index, local_expert, &v, &waited);
-  clear_signal(c, src, flag_index, local_expert);
+  const bool ok = await_signal(c, src, flag_index, local_expert, relayed, &v, &waited);
+  clear_signal(c, src, flag_index, local_expert, relayed);
   uint32_t result = 0;
-  if (ok) result = c.peers[src] ? uint32_t(v) - 1 : (uint32_t(v) != 0 ? proxy_value() : 0);
+  if (ok) result = c.peers[src] || relayed ? uint32_t(v) - 1 : (uint32_t(v) != 0 ? proxy_value() : 0);
   if (wait_stats) atomicAdd(reinterpret_cast<unsigned long long*>(wait_stats + src), (unsigned long long)waited);
   return result;
+}
+
+// Polls of host memory cross PCIe, which the proxies' own traffic shares (the kernels' FIFO commands, the copy
+// engines' work): hundreds of threads polling their own slots there slowed the proxy path many times over. So one
+// warp per 32 consecutive local experts of a proxy source reads their slots with one coalesced load per round,
+// clears each slot that holds a final signal and stores the device flag a direct peer would have stored:
+// flag_for(src, local expert, slot value, &flag index, &flag value). Chunk i of all (proxy source, 32 experts)
+// goes to warp 0 of block i % gridDim; the other threads return at once. No barrier inside.
+constexpr uint32_t kRelayBackoffNs = 300;
+template <class FlagFor>
+PORTEP_DEVICE void relay_chunk(const LLCommon& c, int src, int first_le, FlagFor flag_for) {
+  const int le = first_le + lane_id();
+  bool done = le >= c.num_local_experts;
+  uint64_t* slot = done ? nullptr : signal_slot(c, src, le);
+  const uint64_t start = globaltimer_ns();
+  for (uint32_t iter = 1;; ++iter) {
+    if (!done) {
+      const uint64_t v = ld_acquire_sys_u64(slot);
+      if (v >> 32) {
+        uint32_t index = 0, value = 0;
+        flag_for(src, le, v, &index, &value);
+        st_relaxed_sys_u64(slot, 0);  // the next signal into it comes from a later call on this half
+        st_release_sys_u32(signal_flag(c, int(index)), value);  // cumulative: the slot's acquire saw the bytes
+        done = true;
+      }
+    }
+    if (warp_all(done)) return;
+    sleep_ns(kRelayBackoffNs);
+    if ((iter & 255) == 0 && globaltimer_ns() - start > c.timeout_ns) {
+      if (!done) report_error(c.error, kErrWaitTimeout, uint32_t(c.rank), uint32_t(src), uint32_t(le));
+      return;
+    }
+  }
+}
+
+template <class FlagFor>
+PORTEP_DEVICE void relay_proxy_signals(const LLCommon& c, FlagFor flag_for) {
+  if (threadIdx.x >= kWarpSize) return;
+  const int chunks = (c.num_local_experts + kWarpSize - 1) / kWarpSize;
+  int i = 0;
+  for (int src = 0; src < c.num_ranks; ++src) {
+    if (c.peers[src]) continue;
+    for (int k = 0; k < chunks; ++k, ++i)
+      if (i % int(gridDim.x) == int(blockIdx.x)) relay_chunk(c, src, k * kWarpSize, flag_for);
+  }
 }
 
 }  // namespace portep::cuda

@@ -155,12 +155,8 @@ PORTEP_DEVICE void dispatch_recv_expert(const LLDispatchArgs& a, int le, uint32_
   uint32_t* counts = shared;
   uint32_t* begins = shared + R;
   __shared__ uint32_t total;
-  for (int src = threadIdx.x; src < R; src += blockDim.x) {
-    const uint8_t* first = c.local + c.recv_off + (uint64_t(le) * R + src) * c.T * c.disp_bytes;
-    counts[src] = take_signal(c, src, le * R + src, le,
-                              [&] { return uint32_t(reinterpret_cast<const volatile int32_t*>(first)[1]); },
-                              a.wait_stats);
-  }
+  for (int src = threadIdx.x; src < R; src += blockDim.x)  // proxy sources were relayed into flags
+    counts[src] = take_signal(c, src, le * R + src, le, true, [] { return 0u; }, a.wait_stats);
   __syncthreads();
   if (threadIdx.x == 0) {
     uint32_t run = 0;
@@ -211,6 +207,13 @@ __global__ void __launch_bounds__(kLLThreads) dispatch_kernel(LLDispatchArgs a, 
   extern __shared__ uint32_t shared[];  // send: hist [E]; receive: counts [R], begins [R]
   if (phases & kPhaseSend) dispatch_send(a, shared);
   if (!(phases & kPhaseRecv)) return;
+  relay_proxy_signals(a.c, [&](int src, int le, uint64_t slot, uint32_t* index, uint32_t* value) {
+    // Any WRITE came (the slot's unit count): the first message's header holds the message count.
+    const uint8_t* first = a.c.local + a.c.recv_off + (uint64_t(le) * a.c.num_ranks + src) * a.c.T * a.c.disp_bytes;
+    const uint32_t count = uint32_t(slot) ? uint32_t(reinterpret_cast<const volatile int32_t*>(first)[1]) : 0u;
+    *index = uint32_t(le * a.c.num_ranks + src);
+    *value = count + 1;
+  });
   for (int le = int(blockIdx.x); le < a.c.num_local_experts; le += int(gridDim.x)) {
     __syncthreads();  // shared memory is reused
     dispatch_recv_expert(a, le, shared);

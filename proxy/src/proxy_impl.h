@@ -55,6 +55,8 @@ class ProxyThread {
   StreamEpochTable epochs_;
   PendingSignalTable pending_;
   std::vector<SignalRelease> releases_;
+  std::vector<std::chrono::steady_clock::time_point> post_times_;  // by sequence number & post_mask_
+  uint64_t post_mask_;
   std::chrono::nanoseconds timeout_;
  public:
   ProxyThreadStats stats;

@@ -1,3 +1,4 @@
+#include <algorithm>
 #include <thread>
 
 #if defined(__linux__)
@@ -22,6 +23,12 @@ void set_short_timer_slack() {
 #endif
 }
 
+size_t power_of_two_at_least(uint64_t n) {
+  size_t p = 1;
+  while (p < n) p <<= 1;
+  return p;
+}
+
 }  // namespace
 
 IdleWaiter ProxyThread::idle_waiter() const {
@@ -33,6 +40,8 @@ ProxyThread::ProxyThread(ProxyGroupImpl* g, int index)
       index_(index),
       inflight_(g->cfg.max_inflight_cmds, g->cfg.max_inflight_bytes),
       pending_(uint32_t(g->cfg.num_ranks), g->cfg.num_streams),
+      post_times_(power_of_two_at_least(g->cfg.max_inflight_cmds)),
+      post_mask_(post_times_.size() - 1),
       timeout_(std::chrono::nanoseconds(int64_t(g->cfg.timeout_s * 1e9))) {
   const int all_fifos = g->cfg.num_fifos + int(g->device_fifos.size());
   for (int f = index; f < g->cfg.num_fifos; f += g->cfg.num_threads) fifos_.push_back(f);
@@ -92,7 +101,14 @@ uint64_t ProxyThread::post_with_retry(uint64_t bytes, const char* what, int peer
   for (uint64_t iter = 1;; ++iter) {
     if (inflight_.has_room(bytes)) {
       const uint64_t seq = inflight_.posted();
-      if (post(seq)) return inflight_.on_post(bytes);
+      const auto t0 = Clock::now();
+      const bool posted = post(seq);
+      const auto t1 = Clock::now();
+      stats.post_ns += uint64_t((t1 - t0).count());
+      if (posted) {
+        post_times_[seq & post_mask_] = t1;
+        return inflight_.on_post(bytes);
+      }
     }
     if (progress()) idle.reset(); else idle.wait();
     if ((iter & 63) == 0 && Clock::now() - start > timeout_) timeout_error(what, peer);
@@ -199,13 +215,23 @@ void ProxyThread::wait_idle(const char* what) {
 
 bool ProxyThread::progress() {
   uint64_t done[kPollBatch];
+  const auto t0 = Clock::now();
   int n = g_->transport->poll_send(index_, done, kPollBatch);
-  for (int i = 0; i < n; ++i) inflight_.on_complete(done[i]);
+  const auto t1 = Clock::now();
+  for (int i = 0; i < n; ++i) {
+    inflight_.on_complete(done[i]);
+    const uint64_t latency = uint64_t((t1 - post_times_[done[i] & post_mask_]).count());
+    stats.op_latency_ns += latency;
+    stats.op_latency_max_ns = std::max(stats.op_latency_max_ns, latency);
+  }
+  stats.completed += uint64_t(n);
   RecvNotice notices[kPollBatch];
   int m = g_->transport->poll_recv(index_, notices, kPollBatch);
   // Every write these notices cover has landed: one flush makes them all visible to kernels before any of
   // their signals is published.
   if (m) g_->transport->make_writes_visible(index_);
+  ++stats.polls;
+  stats.poll_ns += uint64_t((Clock::now() - t0).count());
   for (int i = 0; i < m; ++i) apply_notice(notices[i]);
   stats.notices += uint64_t(m);
   stats.held_signals = pending_.held();

@@ -130,7 +130,8 @@ class CudaEngine(Topology):
                      f"peer rank {src}, index {index}, within {self.timeout_s} s")
             slots = ""
             if code == 1 and 0 <= src < self.num_ranks:  # the LL signal slots from that peer that are not zero
-                row = self.channel.signals[src, hb.STREAM_LL_BASE:hb.STREAM_LL_BASE + 4 * self.max_local_experts]
+                # a snapshot: the proxies may still write the live slots, which torch's nonzero must not see change
+                row = self.channel.signals[src, hb.STREAM_LL_BASE:hb.STREAM_LL_BASE + 4 * self.max_local_experts].clone()
                 live = [(int(i), hex(int(row[i]))) for i in row.nonzero().flatten()[:8]]
                 slots = f"; LL signal slots from rank {src} not zero (stream offset, value): {live}"
             raise RuntimeError(f"rank {rank}: a low-latency kernel failed: {ERROR_NAMES.get(code, code)} ({where}); "

@@ -59,6 +59,12 @@ py::dict stats_dict(const ProxyThreadStats& s) {
   d["queued"] = s.backlog.queued;
   d["copying"] = s.backlog.copying;
   d["notify_full"] = s.backlog.notify_full;
+  d["polls"] = s.polls;
+  d["post_ns"] = s.post_ns;
+  d["poll_ns"] = s.poll_ns;
+  d["completed"] = s.completed;
+  d["op_latency_ns"] = s.op_latency_ns;
+  d["op_latency_max_ns"] = s.op_latency_max_ns;
   return d;
 }
 }  // namespace

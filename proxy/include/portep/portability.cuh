@@ -71,6 +71,7 @@ PORTEP_DEVICE int warp_sum_i32(int v) {
   return v;
 }
 PORTEP_DEVICE int warp_broadcast_i32(int v, int lane) { return __shfl(v, lane); }
+PORTEP_DEVICE bool warp_all(bool p) { return __all(p); }
 PORTEP_DEVICE void warp_sync() {}
 // Round to nearest even, saturating to +-448 (e4m3fn has no infinity).
 PORTEP_DEVICE uint8_t float_to_e4m3(float v) {
@@ -150,6 +151,7 @@ PORTEP_DEVICE int warp_sum_i32(int v) {
   return v;
 }
 PORTEP_DEVICE int warp_broadcast_i32(int v, int lane) { return __shfl_sync(0xffffffffu, v, lane); }
+PORTEP_DEVICE bool warp_all(bool p) { return __all_sync(0xffffffffu, p); }
 PORTEP_DEVICE void warp_sync() { __syncwarp(); }
 // Round to nearest even, saturating to +-448 (e4m3fn has no infinity).
 PORTEP_DEVICE uint8_t float_to_e4m3(float v) {

@@ -45,6 +45,10 @@ struct ProxyThreadStats {
   uint64_t in_flight = 0;        // operations posted to the transport and not yet completed
   uint64_t signals_delayed = 0;  // signals that arrived before their writes and were held (unordered transports)
   TransportBacklog backlog;      // where in-flight operations waited at the last poll that moved nothing
+  // Where the thread's time goes (steady clock, nanoseconds): inside the transport's post and poll calls, and
+  // from each operation's post until the poll that saw it complete.
+  uint64_t polls = 0, post_ns = 0, poll_ns = 0;
+  uint64_t completed = 0, op_latency_ns = 0, op_latency_max_ns = 0;
 };
 
 class ProxyGroupImpl;
