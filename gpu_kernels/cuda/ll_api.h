@@ -13,7 +13,8 @@
 // float32 scales. Direct peers get a token's payload once: share = 0 in the message that holds it; the token's
 // other messages to that rank carry no payload and share = 1 + the index of that message in [E_l][R][T].
 // Proxy peers receive WRITE (≤ 16 MiB each) + final SIGNAL commands per (peer, local expert) on signal stream
-// stream_base + local expert; their slots in `host_signals` are reset by the receiving kernel.
+// stream_base + local expert; their slots in `host_signals` only grow (the kernels keep the value they consumed
+// last in `signal_seen`, device memory).
 #pragma once
 
 #include <stdint.h>
@@ -34,7 +35,8 @@ struct LLCommon {
   uint32_t disp_bytes, comb_pitch;
   uint8_t* local;               // this rank's data region (device)
   uint8_t* const* peers;        // device array [R]: peer data region when stored into directly, else null
-  uint64_t* host_signals;       // device address of this rank's signal slots [R][num_streams]
+  uint64_t* host_signals;       // device address of this rank's signal slots [R][num_streams] (host-written)
+  uint64_t* signal_seen;        // device [R][num_streams]: each slot's value when a kernel last consumed it
   uint32_t num_streams, stream_base;
   const FifoView* fifos;        // device array of device-side views
   uint64_t* fifo_tails;         // device array [num_fifos]: shared cached tails

@@ -91,8 +91,7 @@ PORTEP_DEVICE bool wait_expert_rows(const LLCommon& c, int e) {
 
 // Every expert's flag of this call was read: back to zero for the next call on this half.
 PORTEP_DEVICE void reset_combine_signals(const LLCommon& c) {
-  for (int e = threadIdx.x; e < c.num_experts; e += blockDim.x)
-    clear_signal(c, e / c.num_local_experts, e, e % c.num_local_experts, true);
+  for (int e = threadIdx.x; e < c.num_experts; e += blockDim.x) clear_flag(c, e);
 }
 
 // acc[q] += w * x[q] for the 8 BF16 values of v, rounded twice and never fused (the host's arithmetic).
@@ -128,7 +127,7 @@ PORTEP_DEVICE void combine_reduce(const LLCombineArgs& a, bool waited) {
   const LLCommon& c = a.c;
   const int K = a.num_topk, H = c.hidden;
   if (!waited)
-    relay_proxy_signals(c, [&](int src, int le, uint64_t, uint32_t* index, uint32_t* value) {
+    relay_proxy_signals(c, [&](int src, int le, uint32_t, uint32_t* index, uint32_t* value) {
       *index = uint32_t(src * c.num_local_experts + le);
       *value = 1;
     });

@@ -139,15 +139,22 @@ PORTEP_DEVICE void push_stream(const LLCommon& c, int dst, uint32_t stream, uint
 }
 
 // Where this rank learns that src's part of (flag_index, local_expert) arrived: direct peers store value + 1
-// into a flag of this rank's data region; proxy peers' final signal lands in a host signal slot, whose unit
-// count says whether any WRITE came. Receive phases relay the slots into the flags (relay_proxy_signals), so
-// their waits read device memory only; `relayed` says a wait reads the flag for a proxy source too.
+// into a flag of this rank's data region; proxy peers' final signal adds to a host signal slot (bits 63..32:
+// final signals so far, 31..0: units so far). Only the host writes the slots: a kernel's store into host memory
+// can leave the line in the GPU's L2, where later polls read it stale instead of the proxy's next update (seen
+// on the H200 machine as signals sitting in their slots while the kernel timed out). So kernels keep the slot
+// value they consumed last in device memory (`signal_seen`): a new final signal is a change of the final count,
+// and its units are the difference of the low words. Receive phases relay the slots into the flags
+// (relay_proxy_signals), so their waits read device memory only; `relayed` says a wait reads the flag for a
+// proxy source too.
 PORTEP_DEVICE uint32_t* signal_flag(const LLCommon& c, int flag_index) {
   return reinterpret_cast<uint32_t*>(c.local + c.flag_off) + flag_index;
 }
-PORTEP_DEVICE uint64_t* signal_slot(const LLCommon& c, int src, int local_expert) {
-  return c.host_signals + uint64_t(src) * c.num_streams + c.stream_base + uint32_t(local_expert);
+PORTEP_DEVICE uint64_t slot_index(const LLCommon& c, int src, int local_expert) {
+  return uint64_t(src) * c.num_streams + c.stream_base + uint32_t(local_expert);
 }
+PORTEP_DEVICE bool new_final_signal(uint64_t slot, uint64_t seen) { return (slot >> 32) != (seen >> 32); }
+PORTEP_DEVICE uint32_t units_since(uint64_t slot, uint64_t seen) { return uint32_t(slot) - uint32_t(seen); }
 
 // Waits, without consuming it, until the signal is there; false after the timeout (reported). *value is the
 // flag or slot read last, *waited the nanoseconds spent.
@@ -159,21 +166,16 @@ PORTEP_DEVICE bool await_signal(const LLCommon& c, int src, int flag_index, int 
     ok = wait_until([&] { return uint64_t(ld_acquire_sys_u32(flag)); }, [](uint64_t x) { return x != 0; },
                     c.timeout_ns, value, waited);
   } else {
-    const uint64_t* slot = signal_slot(c, src, local_expert);
-    ok = wait_until([&] { return ld_acquire_sys_u64(slot); }, [](uint64_t x) { return (x >> 32) != 0; },
-                    c.timeout_ns, value, waited, 200);
+    const uint64_t i = slot_index(c, src, local_expert), seen = c.signal_seen[i];
+    ok = wait_until([&] { return ld_acquire_sys_u64(c.host_signals + i); },
+                    [seen](uint64_t x) { return new_final_signal(x, seen); }, c.timeout_ns, value, waited, 200);
   }
   if (!ok) report_error(c.error, kErrWaitTimeout, uint32_t(c.rank), uint32_t(src), uint32_t(flag_index));
   return ok;
 }
 
-// Back to zero for the next call on this half: the next store to it comes from a later call, after this one.
-PORTEP_DEVICE void clear_signal(const LLCommon& c, int src, int flag_index, int local_expert, bool relayed) {
-  if (c.peers[src] || relayed)
-    *signal_flag(c, flag_index) = 0;
-  else
-    st_relaxed_sys_u64(signal_slot(c, src, local_expert), 0);
-}
+// A flag back to zero for the next call on this half: the next store to it comes from a later call.
+PORTEP_DEVICE void clear_flag(const LLCommon& c, int flag_index) { *signal_flag(c, flag_index) = 0; }
 
 // Waits for this rank's signal of (src, local expert) and consumes it; returns the count it carries (a flag:
 // its value - 1; a proxy slot: `proxy_value()` reads it from the delivered data when any WRITE came).
@@ -182,33 +184,40 @@ PORTEP_DEVICE uint32_t take_signal(const LLCommon& c, int src, int flag_index, i
                                    ProxyValue proxy_value, int64_t* wait_stats) {
   uint64_t v = 0, waited = 0;
   const bool ok = await_signal(c, src, flag_index, local_expert, relayed, &v, &waited);
-  clear_signal(c, src, flag_index, local_expert, relayed);
   uint32_t result = 0;
-  if (ok) result = c.peers[src] || relayed ? uint32_t(v) - 1 : (uint32_t(v) != 0 ? proxy_value() : 0);
+  if (c.peers[src] || relayed) {
+    clear_flag(c, flag_index);
+    if (ok) result = uint32_t(v) - 1;
+  } else if (ok) {
+    uint64_t* seen = c.signal_seen + slot_index(c, src, local_expert);
+    result = units_since(v, *seen) != 0 ? proxy_value() : 0;
+    *seen = v;
+  }
   if (wait_stats) atomicAdd(reinterpret_cast<unsigned long long*>(wait_stats + src), (unsigned long long)waited);
   return result;
 }
 
 // Polls of host memory cross PCIe, which the proxies' own traffic shares (the kernels' FIFO commands, the copy
 // engines' work): hundreds of threads polling their own slots there slowed the proxy path many times over. So one
-// warp per 32 consecutive local experts of a proxy source reads their slots with one coalesced load per round,
-// clears each slot that holds a final signal and stores the device flag a direct peer would have stored:
-// flag_for(src, local expert, slot value, &flag index, &flag value). Chunk i of all (proxy source, 32 experts)
-// goes to warp 0 of block i % gridDim; the other threads return at once. No barrier inside.
+// warp per 32 consecutive local experts of a proxy source reads their slots with one coalesced load per round and
+// turns each new final signal into the device flag a direct peer would have stored:
+// flag_for(src, local expert, units, &flag index, &flag value). Chunk i of all (proxy source, 32 experts) goes to
+// warp 0 of block i % gridDim; the other threads return at once. No barrier inside.
 constexpr uint32_t kRelayBackoffNs = 300;
 template <class FlagFor>
 PORTEP_DEVICE void relay_chunk(const LLCommon& c, int src, int first_le, FlagFor flag_for) {
   const int le = first_le + lane_id();
   bool done = le >= c.num_local_experts;
-  uint64_t* slot = done ? nullptr : signal_slot(c, src, le);
+  const uint64_t i = done ? 0 : slot_index(c, src, le);
+  const uint64_t seen = done ? 0 : c.signal_seen[i];
   const uint64_t start = globaltimer_ns();
   for (uint32_t iter = 1;; ++iter) {
     if (!done) {
-      const uint64_t v = ld_acquire_sys_u64(slot);
-      if (v >> 32) {
+      const uint64_t v = ld_acquire_sys_u64(c.host_signals + i);
+      if (new_final_signal(v, seen)) {
         uint32_t index = 0, value = 0;
-        flag_for(src, le, v, &index, &value);
-        st_relaxed_sys_u64(slot, 0);  // the next signal into it comes from a later call on this half
+        flag_for(src, le, units_since(v, seen), &index, &value);
+        c.signal_seen[i] = v;
         st_release_sys_u32(signal_flag(c, int(index)), value);  // cumulative: the slot's acquire saw the bytes
         done = true;
       }

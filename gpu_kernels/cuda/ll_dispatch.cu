@@ -207,10 +207,10 @@ __global__ void __launch_bounds__(kLLThreads) dispatch_kernel(LLDispatchArgs a, 
   extern __shared__ uint32_t shared[];  // send: hist [E]; receive: counts [R], begins [R]
   if (phases & kPhaseSend) dispatch_send(a, shared);
   if (!(phases & kPhaseRecv)) return;
-  relay_proxy_signals(a.c, [&](int src, int le, uint64_t slot, uint32_t* index, uint32_t* value) {
-    // Any WRITE came (the slot's unit count): the first message's header holds the message count.
+  relay_proxy_signals(a.c, [&](int src, int le, uint32_t units, uint32_t* index, uint32_t* value) {
+    // Any WRITE came: the first message's header holds the message count.
     const uint8_t* first = a.c.local + a.c.recv_off + (uint64_t(le) * a.c.num_ranks + src) * a.c.T * a.c.disp_bytes;
-    const uint32_t count = uint32_t(slot) ? uint32_t(reinterpret_cast<const volatile int32_t*>(first)[1]) : 0u;
+    const uint32_t count = units ? uint32_t(reinterpret_cast<const volatile int32_t*>(first)[1]) : 0u;
     *index = uint32_t(le * a.c.num_ranks + src);
     *value = count + 1;
   });

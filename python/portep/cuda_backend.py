@@ -100,11 +100,15 @@ class CudaEngine(Topology):
         peers = [ch.peer_data_ptr(d) if d in self.direct_ranks else 0 for d in range(self.num_ranks)]
         self._peers = torch.tensor(peers, dtype=torch.int64, device=self.device)
         self._finish = torch.zeros(self.flag_slots + 1, dtype=torch.int32, device=self.device)
+        # the proxy signal slots' values the kernels consumed last (only the host writes the slots themselves)
+        self._signal_seen = torch.zeros(self.num_ranks * self.channel.num_streams, dtype=torch.int64,
+                                        device=self.device)
         self._error_host, error_device = self.native.cuda_host_alloc_mapped(16)
         self._error = (ctypes.c_uint32 * 4).from_address(self._error_host)
         num_sms = torch.cuda.get_device_properties(self.device).multi_processor_count
         self.kernels = self.native.LLKernels(self.rank, self.num_ranks, ch.device_data_ptr(), self._peers.data_ptr(),
-                                             ch.device_signals_ptr(), self.channel.num_streams, self.fifos,
+                                             ch.device_signals_ptr(), self._signal_seen.data_ptr(),
+                                             self.channel.num_streams, self.fifos,
                                              self._finish.data_ptr(), error_device, self.timeout_s, num_sms)
         self.ll_half = 0
         self._layouts = {}
@@ -129,11 +133,12 @@ class CudaEngine(Topology):
             where = (f"token {src}, value {ctypes.c_int32(index).value}" if code == 4 else
                      f"peer rank {src}, index {index}, within {self.timeout_s} s")
             slots = ""
-            if code == 1 and 0 <= src < self.num_ranks:  # the LL signal slots from that peer that are not zero
+            if code == 1 and 0 <= src < self.num_ranks:  # what that peer's proxies delivered into the LL slots
                 # a snapshot: the proxies may still write the live slots, which torch's nonzero must not see change
                 row = self.channel.signals[src, hb.STREAM_LL_BASE:hb.STREAM_LL_BASE + 4 * self.max_local_experts].clone()
-                live = [(int(i), hex(int(row[i]))) for i in row.nonzero().flatten()[:8]]
-                slots = f"; LL signal slots from rank {src} not zero (stream offset, value): {live}"
+                live = [(int(i), int(row[i]) >> 32, int(row[i]) & 0xFFFFFFFF) for i in row.nonzero().flatten()[:8]]
+                slots = (f"; LL signal slots from rank {src} (stream offset, final signals, units delivered since the "
+                         f"Buffer was created or cleaned): {live}")
             raise RuntimeError(f"rank {rank}: a low-latency kernel failed: {ERROR_NAMES.get(code, code)} ({where}); "
                                f"the Buffer's results are invalid (this rank's proxies so far: {moved}{slots})")
 
@@ -265,6 +270,7 @@ class CudaEngine(Topology):
         flags = self.num_bytes
         _as_tensor(self.channel._native.device_data_ptr() + flags, 16 * self.flag_slots, self.device).zero_()
         self._finish.zero_()
+        self._signal_seen.zero_()
         signals = self.channel.signals
         for half in (0, 1):
             for phase in (0, 1):

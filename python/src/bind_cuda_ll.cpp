@@ -32,14 +32,16 @@ class PyFifoSet {
 // The per-Buffer constants of LLCommon; every call adds its half's offsets and its tensors.
 class LLKernels {
  public:
-  LLKernels(int rank, int num_ranks, uintptr_t local, uintptr_t peers, uintptr_t host_signals, uint32_t num_streams,
-            const PyFifoSet& fifos, uintptr_t finish, uintptr_t error, double timeout_s, int num_sms) {
+  LLKernels(int rank, int num_ranks, uintptr_t local, uintptr_t peers, uintptr_t host_signals, uintptr_t signal_seen,
+            uint32_t num_streams, const PyFifoSet& fifos, uintptr_t finish, uintptr_t error, double timeout_s,
+            int num_sms) {
     c_ = LLCommon{};
     c_.rank = rank;
     c_.num_ranks = num_ranks;
     c_.local = ptr<uint8_t>(local);
     c_.peers = ptr<uint8_t* const>(peers);
     c_.host_signals = ptr<uint64_t>(host_signals);
+    c_.signal_seen = ptr<uint64_t>(signal_seen);
     c_.num_streams = num_streams;
     c_.fifos = fifos.set_.device_views;
     c_.fifo_tails = fifos.set_.device_tails;
@@ -81,11 +83,11 @@ void bind_cuda_ll(py::module_& m) {
   m.attr("LL_PHASE_SEND") = kPhaseSend;
   m.attr("LL_PHASE_RECV") = kPhaseRecv;
   py::class_<LLKernels>(m, "LLKernels")
-      .def(py::init<int, int, uintptr_t, uintptr_t, uintptr_t, uint32_t, const PyFifoSet&, uintptr_t, uintptr_t, double,
-                    int>(),
+      .def(py::init<int, int, uintptr_t, uintptr_t, uintptr_t, uintptr_t, uint32_t, const PyFifoSet&, uintptr_t,
+                    uintptr_t, double, int>(),
            py::arg("rank"), py::arg("num_ranks"), py::arg("local"), py::arg("peers"), py::arg("host_signals"),
-           py::arg("num_streams"), py::arg("fifos"), py::arg("finish"), py::arg("error"), py::arg("timeout_s"),
-           py::arg("num_sms"), py::keep_alive<1, 8>())
+           py::arg("signal_seen"), py::arg("num_streams"), py::arg("fifos"), py::arg("finish"), py::arg("error"),
+           py::arg("timeout_s"), py::arg("num_sms"), py::keep_alive<1, 9>())
       .def("dispatch",
            [](const LLKernels& k, int phases, py::tuple shape, uintptr_t x, uintptr_t topk_idx, int num_tokens,
               int num_topk, bool use_fp8, bool round_scale, bool use_ue8m0, uintptr_t recv_x, uintptr_t recv_scales,
