@@ -1,20 +1,30 @@
 // Host entry points of the CUDA low-latency kernels (ll_dispatch.cu, ll_combine.cu). Plain C++, no CUDA types.
 //
 // Layout of one buffer half in every rank's data region (offsets are the same on all ranks):
-//   send  [send_off, +S)   dispatch, proxy peers: messages staged as [E][T] (expert, slot);
+//   send  [send_off, +S)   dispatch, proxy peers: messages staged as [E][T] (expert, slot), packed per chunk;
 //                          combine: the expert outputs as [E_l][R*T] rows of comb_pitch bytes (DeepEP's
-//                          zero-copy buffer), read by the proxies for proxy peers.
-//   recv  [recv_off, +Rv)  dispatch: [E_l][R][T] messages (local expert, source, slot);
+//                          zero-copy buffer); without zero-copy, rows for proxy peers are staged packed per chunk
+//                          in the rows of the chunk's experts: peer p's at [first * R*T + p * n * T] (n experts).
+//   recv  [recv_off, +Rv)  dispatch: [R][E_l][T] messages (source, local expert, slot);
 //                          combine: [E][T] rows of comb_pitch (expert, slot).
-//   flags [flag_off, +4E)  int32, direct peers only: dispatch [E_l][R] = count + 1; combine [E] = 1.
+//   flags [flag_off, +4E)  int32: dispatch [E_l][R] = count + 1; combine [E] = 1 (proxy sources: stored by the
+//                          receive kernel's relay, see ll_common.cuh).
 // The slot of selection (t, k) is its rank among all selections of that expert in row-major (t, k) order, so
 // every layout is deterministic. A dispatch message is a 16-byte header (int32 source token, int32 number of
 // messages for that expert from this source, uint32 share, unused) and the payload: BF16 row, or FP8 row +
 // float32 scales. Direct peers get a token's payload once: share = 0 in the message that holds it; the token's
-// other messages to that rank carry no payload and share = 1 + the index of that message in [E_l][R][T].
-// Proxy peers receive WRITE (≤ 16 MiB each) + final SIGNAL commands per (peer, local expert) on signal stream
-// stream_base + local expert; their slots in `host_signals` only grow (the kernels keep the value they consumed
-// last in `signal_seen`, device memory).
+// other messages to that rank carry no payload and share = 1 + the index of that message in [R][E_l][T].
+//
+// Proxy peers get data per chunk of kChunkExperts consecutive local experts: WRITE commands (<= 16 MiB each) and
+// one final SIGNAL on signal stream stream_base + chunk, so a copy engine or NIC moves a few large blocks, not one
+// per expert. A chunk's data is packed, expert after expert, into the region its experts have in the receiver's
+// layout (dispatch: [src][first .. first + n)[T]; combine: [first expert .. + n)[T]):
+//   dispatch: message 0 is a table (header int32 -1, int32 total messages, 0, 0; payload int32 count per expert)
+//             and the messages follow; when every slot of the chunk is taken (each count = T) there is no room
+//             for it and none is sent (message 0 is then a real message, header >= 0).
+//   combine:  the receiver knows the counts (its own selections), so rows come packed without a table.
+// Their slots in `host_signals` only grow (the kernels keep the value they consumed last in `signal_seen`,
+// device memory).
 #pragma once
 
 #include <stdint.h>
@@ -22,6 +32,8 @@
 #include "portep/fifo.h"
 
 namespace portep::cuda {
+
+constexpr int kChunkExperts = 32;  // local experts per proxy chunk (the relay maps them to one warp's lanes)
 
 struct LLError {  // mapped host memory: the first kernel failure (0 = none)
   uint32_t code;  // 1: a wait timed out, 2: FIFO push timed out, 3: slot overflow (more selections than T),
@@ -43,6 +55,9 @@ struct LLCommon {
   int num_fifos;
   uint32_t* finish;             // device scratch, zero between calls: [E] (dispatch) / [E_l] (combine)
                                 //   + [E]: blocks of the combine's receive kernel done
+  uint32_t* chunk_done;         // device scratch, zero between calls: [R][max_chunks] experts of a chunk ready
+  uint32_t* proxy_begin;        // device [E]: where a proxy source's messages / rows of an expert begin in its chunk
+  int max_chunks;               // chunks of kChunkExperts local experts the scratch has room for, per rank
   LLError* error;
   uint64_t timeout_ns;
   int num_sms;

@@ -18,32 +18,70 @@ PORTEP_DEVICE void copy_row(uint8_t* dst, const uint8_t* src, int bytes) {
   warp_copy16(reinterpret_cast<uint4*>(dst), reinterpret_cast<const uint4*>(src), bytes / 16);
 }
 
-// Rows of (local expert le, source src) are written: publish them to src.
-PORTEP_DEVICE void publish_rows(const LLCombineArgs& a, int le, int src, uint32_t begin, uint32_t count) {
-  const LLCommon& c = a.c;
-  const int expert = c.rank * c.num_local_experts + le;
-  if (c.peers[src]) {
-    st_release_sys_u32(reinterpret_cast<uint32_t*>(c.peers[src] + c.flag_off) + expert, 1u);
-    return;
-  }
-  const uint64_t M = uint64_t(c.num_ranks) * c.T;
-  push_stream(c, src, c.stream_base + uint32_t(le), c.send_off + (uint64_t(le) * M + begin) * c.comb_pitch,
-              c.recv_off + uint64_t(expert) * c.T * c.comb_pitch, uint64_t(count) * c.comb_pitch);
+// Without zero-copy, proxy destination dst's rows of a chunk are staged packed from this row of the send area
+// (ll_api.h); with zero-copy the proxies read them where the caller wrote them.
+PORTEP_DEVICE uint64_t combine_staging_row(const LLCommon& c, int dst, int chunk) {
+  return uint64_t(chunk) * kChunkExperts * c.num_ranks * c.T + uint64_t(dst) * chunk_experts(c, chunk) * c.T;
 }
 
-// Part `part` of `parts` of local expert le's rows; the last part to finish publishes them. shared: [2R].
+// Every local expert of `chunk` has its rows for proxy destination dst in place: one WRITE of the packed rows
+// (zero-copy: one per expert, from the caller's rows), into the chunk's rows of dst's receive area, then the
+// chunk's final SIGNAL.
+PORTEP_DEVICE void publish_combine_chunk(const LLCombineArgs& a, int dst, int chunk) {
+  const LLCommon& c = a.c;
+  const int R = c.num_ranks, first = chunk * kChunkExperts, n = chunk_experts(c, chunk);
+  const uint64_t M = uint64_t(R) * c.T, pitch = c.comb_pitch;
+  const uint32_t stream = c.stream_base + uint32_t(chunk);
+  const uint64_t remote = c.recv_off + (uint64_t(c.rank) * c.num_local_experts + first) * c.T * pitch;
+  fence_sys();  // the copy engine (or NIC) reads the rows after the proxy sees the command
+  uint32_t packed = 0;
+  for (int le = first; le < first + n; ++le) {
+    const uint64_t lr = uint64_t(a.layout_range[le * R + dst]);
+    const uint32_t begin = uint32_t(lr >> 32), count = uint32_t(lr);
+    if (a.zero_copy && count &&
+        !push_write(c, dst, stream, c.send_off + (uint64_t(le) * M + begin) * pitch, remote + uint64_t(packed) * pitch,
+                    uint64_t(count) * pitch))
+      return;
+    packed += count;
+  }
+  if (!a.zero_copy && packed &&
+      !push_write(c, dst, stream, c.send_off + combine_staging_row(c, dst, chunk) * pitch, remote,
+                  uint64_t(packed) * pitch))
+    return;
+  push_signal(c, dst, stream);
+}
+
+// Rows of (local expert le, source src) are written: publish them to src (a proxy source: once the whole chunk's
+// are). The caller fenced at GPU scope after counting the rows in.
+PORTEP_DEVICE void publish_rows(const LLCombineArgs& a, int le, int src) {
+  const LLCommon& c = a.c;
+  if (c.peers[src]) {
+    st_release_sys_u32(reinterpret_cast<uint32_t*>(c.peers[src] + c.flag_off) + c.rank * c.num_local_experts + le, 1u);
+    return;
+  }
+  if (!chunk_complete(c, src, le / kChunkExperts)) return;
+  fence_gpu();  // every other expert of the chunk was counted in after its rows
+  publish_combine_chunk(a, src, le / kChunkExperts);
+}
+
+// Part `part` of `parts` of local expert le's rows; the last part to finish publishes them. shared: [3R].
 PORTEP_DEVICE void combine_send_part(const LLCombineArgs& a, int le, int part, int parts, uint32_t* shared) {
   const LLCommon& c = a.c;
-  const int R = c.num_ranks;
+  const int R = c.num_ranks, chunk = le / kChunkExperts;
   const uint64_t M = uint64_t(R) * c.T;
   uint32_t* begins = shared;
   uint32_t* counts = shared + R;
+  uint32_t* packed_before = shared + 2 * R;  // proxy sources: rows of the chunk's earlier experts
   __shared__ uint32_t total;
   __shared__ bool last;
   for (int src = threadIdx.x; src < R; src += blockDim.x) {
     const uint64_t lr = uint64_t(a.layout_range[le * R + src]);
     begins[src] = uint32_t(lr >> 32);
     counts[src] = uint32_t(lr);
+    uint32_t before = 0;
+    if (!c.peers[src] && !a.zero_copy)
+      for (int e = chunk * kChunkExperts; e < le; ++e) before += uint32_t(uint64_t(a.layout_range[e * R + src]));
+    packed_before[src] = before;
   }
   __syncthreads();
   if (threadIdx.x == 0) {
@@ -61,8 +99,10 @@ PORTEP_DEVICE void combine_send_part(const LLCombineArgs& a, int le, int part, i
     if (c.peers[src])
       copy_row(c.peers[src] + c.recv_off + (uint64_t(expert) * c.T + (i - begins[src])) * c.comb_pitch, row,
                2 * c.hidden);
-    else if (!a.zero_copy)  // proxy peers read the rows from the registered send area
-      copy_row(c.local + c.send_off + (uint64_t(le) * M + i) * c.comb_pitch, row, 2 * c.hidden);
+    else if (!a.zero_copy)  // proxy peers' rows are staged packed per chunk in the registered send area
+      copy_row(c.local + c.send_off +
+                   (combine_staging_row(c, src, chunk) + packed_before[src] + (i - begins[src])) * c.comb_pitch,
+               row, 2 * c.hidden);
   }
   __syncthreads();
   if (threadIdx.x == 0) {
@@ -73,13 +113,34 @@ PORTEP_DEVICE void combine_send_part(const LLCombineArgs& a, int le, int part, i
   __syncthreads();
   if (!last) return;
   fence_gpu();
-  for (int src = threadIdx.x; src < R; src += blockDim.x) publish_rows(a, le, src, begins[src], counts[src]);
+  for (int src = threadIdx.x; src < R; src += blockDim.x) publish_rows(a, le, src);
+}
+
+// Warp 0: proxy source src's chunk of rows; this rank's selections of each of the chunk's experts (the numbers the
+// sender packed by) give where each expert's rows begin, counted while the rows travel. Then its flags.
+PORTEP_DEVICE void relay_combine_chunk(const LLCombineArgs& a, int src, int chunk) {
+  __shared__ uint32_t counts[kChunkExperts];
+  const LLCommon& c = a.c;
+  const int first = src * c.num_local_experts + chunk * kChunkExperts, n = chunk_experts(c, chunk), j = lane_id();
+  if (j < kChunkExperts) counts[j] = 0;
+  warp_sync();
+  for (int i = j; i < a.num_tokens * a.num_topk; i += kWarpSize) {
+    const int64_t e = a.topk_idx[i];
+    if (e >= first && e < first + n) atomicAdd(&counts[e - first], 1u);
+  }
+  warp_sync();
+  const uint32_t begin = lane_exclusive_sum(counts);
+  warp_sync();  // counts is reused by this warp's next chunk
+  if (await_chunk_signal(c, src, chunk) < 0 || j >= n) return;
+  c.proxy_begin[first + j] = begin;
+  st_release_sys_u32(signal_flag(c, first + j), 1u);  // cumulative: the slot's acquire saw the rows
 }
 
 __global__ void __launch_bounds__(kLLThreads) combine_wait_kernel(LLCombineArgs a) {
   const LLCommon& c = a.c;
+  for_my_relay_chunks(c, [&](int src, int chunk) { relay_combine_chunk(a, src, chunk); });
   for (int e = threadIdx.x; e < c.num_experts; e += blockDim.x)
-    take_signal(c, e / c.num_local_experts, e, e % c.num_local_experts, false, [] { return 1u; }, a.wait_stats);
+    take_signal(c, e / c.num_local_experts, e, e % c.num_local_experts, true, [] { return 1u; }, a.wait_stats);
 }
 
 // Waits (without consuming it) until expert e's rows have arrived (proxy sources: relayed into its flag); false
@@ -113,7 +174,11 @@ PORTEP_DEVICE const uint4* row_address(const LLCombineArgs& a, int e, uint32_t s
     return reinterpret_cast<const uint4*>(static_cast<const uint8_t*>(a.x) +
                                           (uint64_t(le) * c.num_ranks * c.T + begin + slot) * a.x_pitch);
   }
-  return reinterpret_cast<const uint4*>(c.local + c.recv_off + (uint64_t(e) * c.T + slot) * c.comb_pitch);
+  const int src = e / c.num_local_experts;
+  uint64_t row = uint64_t(e) * c.T + slot;
+  if (!c.peers[src])  // packed per chunk; the relay stored where e's rows begin
+    row = uint64_t(e - e % c.num_local_experts % kChunkExperts) * c.T + c.proxy_begin[e] + slot;
+  return reinterpret_cast<const uint4*>(c.local + c.recv_off + row * c.comb_pitch);
 }
 
 // One block per token: the block finds its K rows, waits for their experts (unless a wait kernel already
@@ -126,11 +191,7 @@ PORTEP_DEVICE void combine_reduce(const LLCombineArgs& a, bool waited) {
   __shared__ uint32_t tok_slots[kWarpSize];
   const LLCommon& c = a.c;
   const int K = a.num_topk, H = c.hidden;
-  if (!waited)
-    relay_proxy_signals(c, [&](int src, int le, uint32_t, uint32_t* index, uint32_t* value) {
-      *index = uint32_t(src * c.num_local_experts + le);
-      *value = 1;
-    });
+  if (!waited) for_my_relay_chunks(c, [&](int src, int chunk) { relay_combine_chunk(a, src, chunk); });
   for (int t = int(blockIdx.x); t < a.num_tokens; t += int(gridDim.x)) {
     token_selections(a.topk_idx, t, K, c.num_experts, tok_experts, tok_slots);
     if (int(threadIdx.x) < K) {
@@ -201,7 +262,7 @@ int ll_combine(const LLCombineArgs& a, int phases) {
   if (a.num_topk > kWarpSize) return int(cudaErrorInvalidValue);
   const LLCommon& c = a.c;
   cudaStream_t stream = static_cast<cudaStream_t>(c.stream);
-  const size_t smem = size_t(c.num_ranks) * 8;
+  const size_t smem = size_t(c.num_ranks) * 12;
   const int N = std::max(a.num_tokens, 1), E_l = std::max(c.num_local_experts, 1);
   auto parts_for = [E_l](int blocks) { return std::clamp(blocks / E_l, 1, kMaxPartsPerExpert); };
   // With wait statistics a single-block kernel waits for (and consumes) every signal and times each source;

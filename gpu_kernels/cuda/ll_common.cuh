@@ -107,6 +107,21 @@ PORTEP_DEVICE bool wait_until(Load load, Pred pred, uint64_t timeout_ns, uint64_
   return true;
 }
 
+// Proxy peers' data travels per chunk of kChunkExperts consecutive local experts (layout in ll_api.h).
+PORTEP_DEVICE int chunk_experts(const LLCommon& c, int chunk) {
+  return min(kChunkExperts, c.num_local_experts - chunk * kChunkExperts);
+}
+PORTEP_DEVICE int num_chunks(const LLCommon& c) { return (c.num_local_experts + kChunkExperts - 1) / kChunkExperts; }
+
+// An expert of `chunk` is ready for proxy peer `peer`: true for the call that completes the chunk, which also
+// resets the count for the next call. The caller fenced (release) before; the winner fences (acquire) after.
+PORTEP_DEVICE bool chunk_complete(const LLCommon& c, int peer, int chunk) {
+  uint32_t* n = c.chunk_done + peer * c.max_chunks + chunk;
+  if (atomic_add_relaxed_gpu_u32(n, 1u) + 1 != uint32_t(chunk_experts(c, chunk))) return false;
+  *n = 0;
+  return true;
+}
+
 PORTEP_DEVICE int fifo_of(const LLCommon& c, uint32_t dst, uint32_t stream) {
   const uint32_t h = dst * 0x9E3779B1u ^ stream * 0x85EBCA77u;
   return int((h ^ (h >> 15)) % uint32_t(c.num_fifos));
@@ -126,15 +141,19 @@ PORTEP_DEVICE bool push_cmd(const LLCommon& c, const CmdFields& f) {
   return true;
 }
 
-// Through the proxies: WRITE commands for bytes (in pieces of at most kMaxCmdBytes) then the final SIGNAL,
-// all on the FIFO of (dst, stream), so the proxy sees them in this order. The caller fenced at system scope.
-PORTEP_DEVICE void push_stream(const LLCommon& c, int dst, uint32_t stream, uint64_t local_off, uint64_t remote_off,
-                               uint64_t bytes) {
+// Through the proxies: WRITE commands for bytes (in pieces of at most kMaxCmdBytes), on the FIFO of (dst, stream),
+// so the proxy sees them in order; then push_signal ends the stream's part of this call. The caller fenced at
+// system scope. false: a push failed (reported).
+PORTEP_DEVICE bool push_write(const LLCommon& c, int dst, uint32_t stream, uint64_t local_off, uint64_t remote_off,
+                              uint64_t bytes) {
   for (uint64_t done = 0; done < bytes; done += kMaxCmdBytes) {
     const uint64_t n = bytes - done < kMaxCmdBytes ? bytes - done : kMaxCmdBytes;
     if (!push_cmd(c, CmdFields{kOpWrite, 0, uint32_t(dst), uint32_t(n), stream, remote_off + done, local_off + done}))
-      return;
+      return false;
   }
+  return true;
+}
+PORTEP_DEVICE void push_signal(const LLCommon& c, int dst, uint32_t stream) {
   push_cmd(c, CmdFields{kOpSignal, kFlagFinal, uint32_t(dst), 0, stream, 0, 0});
 }
 
@@ -199,48 +218,50 @@ PORTEP_DEVICE uint32_t take_signal(const LLCommon& c, int src, int flag_index, i
 
 // Polls of host memory cross PCIe, which the proxies' own traffic shares (the kernels' FIFO commands, the copy
 // engines' work): hundreds of threads polling their own slots there slowed the proxy path many times over. So one
-// warp per 32 consecutive local experts of a proxy source reads their slots with one coalesced load per round and
-// turns each new final signal into the device flag a direct peer would have stored:
-// flag_for(src, local expert, units, &flag index, &flag value). Chunk i of all (proxy source, 32 experts) goes to
-// warp 0 of block i % gridDim; the other threads return at once. No barrier inside.
-constexpr uint32_t kRelayBackoffNs = 300;
-template <class FlagFor>
-PORTEP_DEVICE void relay_chunk(const LLCommon& c, int src, int first_le, FlagFor flag_for) {
-  const int le = first_le + lane_id();
-  bool done = le >= c.num_local_experts;
-  const uint64_t i = done ? 0 : slot_index(c, src, le);
-  const uint64_t seen = done ? 0 : c.signal_seen[i];
-  const uint64_t start = globaltimer_ns();
-  for (uint32_t iter = 1;; ++iter) {
-    if (!done) {
-      const uint64_t v = ld_acquire_sys_u64(c.host_signals + i);
-      if (new_final_signal(v, seen)) {
-        uint32_t index = 0, value = 0;
-        flag_for(src, le, units_since(v, seen), &index, &value);
-        c.signal_seen[i] = v;
-        st_release_sys_u32(signal_flag(c, int(index)), value);  // cumulative: the slot's acquire saw the bytes
-        done = true;
-      }
-    }
-    if (warp_all(done)) return;
-    sleep_ns(kRelayBackoffNs);
-    if ((iter & 255) == 0 && globaltimer_ns() - start > c.timeout_ns) {
-      if (!done) report_error(c.error, kErrWaitTimeout, uint32_t(c.rank), uint32_t(src), uint32_t(le));
-      return;
-    }
-  }
-}
-
-template <class FlagFor>
-PORTEP_DEVICE void relay_proxy_signals(const LLCommon& c, FlagFor flag_for) {
+// warp per (proxy source, chunk) polls the chunk's slot and turns its final signal into the device flags (and
+// begins) a direct peer's stores would have given; every other wait reads device memory. Chunk i of all (proxy
+// source, chunk) goes to warp 0 of block i % gridDim: relay(src, chunk) runs there, the other warps skip it. No
+// barrier inside.
+template <class Relay>
+PORTEP_DEVICE void for_my_relay_chunks(const LLCommon& c, Relay relay) {
   if (threadIdx.x >= kWarpSize) return;
-  const int chunks = (c.num_local_experts + kWarpSize - 1) / kWarpSize;
   int i = 0;
   for (int src = 0; src < c.num_ranks; ++src) {
     if (c.peers[src]) continue;
-    for (int k = 0; k < chunks; ++k, ++i)
-      if (i % int(gridDim.x) == int(blockIdx.x)) relay_chunk(c, src, k * kWarpSize, flag_for);
+    for (int q = 0; q < num_chunks(c); ++q, ++i)
+      if (i % int(gridDim.x) == int(blockIdx.x)) relay(src, q);
   }
+}
+
+// Warp-wide: waits for a new final signal in (src, chunk)'s slot and consumes it; returns its units (WRITE
+// commands), or -1 after the timeout (reported).
+constexpr uint32_t kRelayBackoffNs = 300;
+PORTEP_DEVICE int64_t await_chunk_signal(const LLCommon& c, int src, int chunk) {
+  const uint64_t i = slot_index(c, src, chunk), seen = c.signal_seen[i];
+  const uint64_t start = globaltimer_ns();
+  uint64_t v = 0;
+  for (uint32_t iter = 1;; ++iter) {
+    v = ld_acquire_sys_u64(c.host_signals + i);
+    // Once the final signal is in, the slot holds still until a later call on this half: every lane ends
+    // with the same value.
+    if (warp_all(new_final_signal(v, seen))) break;
+    sleep_ns(kRelayBackoffNs);
+    if ((iter & 255) == 0 && globaltimer_ns() - start > c.timeout_ns) {
+      if (lane_id() == 0)
+        report_error(c.error, kErrWaitTimeout, uint32_t(c.rank), uint32_t(src), uint32_t(chunk * kChunkExperts));
+      return -1;
+    }
+  }
+  warp_sync();
+  if (lane_id() == 0) c.signal_seen[i] = v;
+  return units_since(v, seen);
+}
+
+// Lane j < n: the sum of counts[0 .. j) (counts: shared, kChunkExperts entries).
+PORTEP_DEVICE uint32_t lane_exclusive_sum(const uint32_t* counts) {
+  uint32_t sum = 0;
+  for (int j = 0; j < lane_id() && j < kChunkExperts; ++j) sum += counts[j];
+  return sum;
 }
 
 }  // namespace portep::cuda

@@ -12,26 +12,62 @@ namespace {
 
 constexpr uint32_t kFp8Max = 448;
 
-// Where the message of (expert, slot) goes.
-PORTEP_DEVICE uint8_t* message_address(const LLCommon& c, int expert, int slot) {
-  const int dst = expert / c.num_local_experts, le = expert % c.num_local_experts;
-  if (c.peers[dst])
-    return c.peers[dst] + c.recv_off + ((uint64_t(le) * c.num_ranks + c.rank) * c.T + slot) * c.disp_bytes;
-  return c.local + c.send_off + (uint64_t(expert) * c.T + slot) * c.disp_bytes;
+// A proxy destination's chunk of experts [first, first + n) of rank dst, packed in the staging area (ll_api.h):
+// hist holds this call's selections per expert (all tokens).
+struct DispatchChunk {
+  uint64_t staging;  // byte offset of message 0 in this rank's data region
+  uint32_t total;    // messages of the chunk's experts
+  bool table;        // message 0 is the count table (false only when every slot of the chunk is taken)
+};
+PORTEP_DEVICE DispatchChunk dispatch_chunk(const LLCommon& c, const uint32_t* hist, int dst, int chunk) {
+  const int first = dst * c.num_local_experts + chunk * kChunkExperts, n = chunk_experts(c, chunk);
+  uint32_t total = 0;
+  for (int j = 0; j < n; ++j) total += hist[first + j];
+  return {c.send_off + uint64_t(first) * c.T * c.disp_bytes, total, total < uint32_t(n) * c.T};
 }
 
-// All `count` messages for expert are in place: make them visible to its owner.
-PORTEP_DEVICE void publish_expert(const LLCommon& c, int expert, uint32_t count) {
+// Where the message of (expert, slot) goes: a direct destination's receive slot, or its packed place in the
+// staging area for a proxy destination.
+PORTEP_DEVICE uint8_t* message_address(const LLCommon& c, const uint32_t* hist, int expert, int slot) {
+  const int dst = expert / c.num_local_experts, le = expert % c.num_local_experts;
+  if (c.peers[dst])
+    return c.peers[dst] + c.recv_off + ((uint64_t(c.rank) * c.num_local_experts + le) * c.T + slot) * c.disp_bytes;
+  const DispatchChunk ch = dispatch_chunk(c, hist, dst, le / kChunkExperts);
+  uint32_t before = 0;
+  for (int e = dst * c.num_local_experts + le / kChunkExperts * kChunkExperts; e < expert; ++e) before += hist[e];
+  return c.local + ch.staging + (uint64_t(ch.table) + before + uint32_t(slot)) * c.disp_bytes;
+}
+
+// Every message of proxy destination dst's chunk is staged: write the count table (when there is room) and hand
+// the chunk to the proxies as one WRITE (split only past 16 MiB) and its final SIGNAL.
+PORTEP_DEVICE void publish_dispatch_chunk(const LLCommon& c, const uint32_t* hist, int dst, int chunk) {
+  const DispatchChunk ch = dispatch_chunk(c, hist, dst, chunk);
+  const int first = dst * c.num_local_experts + chunk * kChunkExperts, n = chunk_experts(c, chunk);
+  if (ch.table && ch.total) {
+    uint8_t* table = c.local + ch.staging;
+    *reinterpret_cast<int4*>(table) = make_int4(-1, int(ch.total), 0, 0);
+    for (int j = 0; j < n; ++j) reinterpret_cast<uint32_t*>(table + 16)[j] = hist[first + j];
+  }
+  fence_sys();  // the copy engine (or NIC) reads the staged messages after the proxy sees the command
+  const uint32_t stream = c.stream_base + uint32_t(chunk);
+  const uint64_t remote = c.recv_off + (uint64_t(c.rank) * c.num_local_experts + chunk * kChunkExperts) * c.T * c.disp_bytes;
+  if (ch.total && !push_write(c, dst, stream, ch.staging, remote, uint64_t(ch.total + ch.table) * c.disp_bytes))
+    return;
+  push_signal(c, dst, stream);
+}
+
+// All `count` messages for expert are in place: make them visible to its owner (a proxy destination: once its
+// whole chunk is). The caller fenced at GPU scope after counting them in.
+PORTEP_DEVICE void publish_expert(const LLCommon& c, const uint32_t* hist, int expert, uint32_t count) {
   const int dst = expert / c.num_local_experts, le = expert % c.num_local_experts;
   if (c.peers[dst]) {
     uint32_t* flag = reinterpret_cast<uint32_t*>(c.peers[dst] + c.flag_off) + le * c.num_ranks + c.rank;
     st_release_sys_u32(flag, count + 1);
     return;
   }
-  fence_sys();  // the copy engine reads the staged messages after the proxy sees the command
-  push_stream(c, dst, c.stream_base + uint32_t(le), c.send_off + uint64_t(expert) * c.T * c.disp_bytes,
-              c.recv_off + (uint64_t(le) * c.num_ranks + c.rank) * c.T * c.disp_bytes,
-              uint64_t(count) * c.disp_bytes);
+  if (!chunk_complete(c, dst, le / kChunkExperts)) return;
+  fence_gpu();  // every other expert of the chunk was counted in after its messages
+  publish_dispatch_chunk(c, hist, dst, le / kChunkExperts);
 }
 
 // Token t's payload into every non-null msgs[k] (block-cooperative). FP8: each warp quantizes whole groups of
@@ -97,7 +133,10 @@ PORTEP_DEVICE void dispatch_send(const LLDispatchArgs& a, uint32_t* hist) {
   }
   __syncthreads();
   for (int e = int(blockIdx.x * blockDim.x + threadIdx.x); e < E; e += int(gridDim.x * blockDim.x))
-    if (hist[e] == 0) publish_expert(c, e, 0);  // nobody selected it: its stream ends empty
+    if (hist[e] == 0) {  // nobody selected it: its stream ends empty
+      fence_gpu();
+      publish_expert(c, hist, e, 0);
+    }
 
   for (int t = int(blockIdx.x); t < N; t += int(gridDim.x)) {
     token_selections(a.topk_idx, t, K, E, tok_experts, tok_slots);
@@ -109,10 +148,10 @@ PORTEP_DEVICE void dispatch_send(const LLDispatchArgs& a, uint32_t* hist) {
       if (my_expert >= 0 && slot >= uint32_t(c.T))
         report_error(c.error, kErrSlotOverflow, uint32_t(c.rank), uint32_t(t), uint32_t(my_expert));
       valid = my_expert >= 0 && slot < uint32_t(c.T);
-      uint8_t* m = valid ? message_address(c, my_expert, int(slot)) : nullptr;
+      uint8_t* m = valid ? message_address(c, hist, my_expert, int(slot)) : nullptr;
       // A direct destination gets the payload once per token, in the message of the token's first selection
       // on that rank; the token's other messages there carry only the header, whose third word is 1 + the
-      // index of that message in the receiver's [E_l][R][T] area (0: the payload is in this message).
+      // index of that message in the receiver's [R][E_l][T] area (0: the payload is in this message).
       const int dst = valid ? my_expert / c.num_local_experts : -1;
       tok_dsts[lane] = valid && c.peers[dst] ? dst : -1;
       warp_sync();
@@ -122,8 +161,8 @@ PORTEP_DEVICE void dispatch_send(const LLDispatchArgs& a, uint32_t* hist) {
           primary = j;
           break;
         }
-      const uint32_t index = valid ? (uint32_t(my_expert % c.num_local_experts) * c.num_ranks + c.rank) * c.T + slot
-                                   : 0;
+      const uint32_t index =
+          valid ? (uint32_t(c.rank) * c.num_local_experts + my_expert % c.num_local_experts) * c.T + slot : 0;
       const uint32_t primary_index = uint32_t(warp_broadcast_i32(int(index), primary));
       const int share = primary == lane ? 0 : int(primary_index + 1);
       if (valid) *reinterpret_cast<int4*>(m) = make_int4(t, int(hist[my_expert]), share, 0);
@@ -141,11 +180,42 @@ PORTEP_DEVICE void dispatch_send(const LLDispatchArgs& a, uint32_t* hist) {
         if (done == hist[my_expert]) {
           c.finish[my_expert] = 0;  // every add of this call is in: ready for the next call
           fence_gpu();
-          publish_expert(c, my_expert, done);
+          publish_expert(c, hist, my_expert, done);
         }
       }
     }
   }
+}
+
+// Message `slot` of (local expert le, source src) in this rank's receive area: a direct source's slot, or its
+// place in the source's packed chunk (the relay stored where le's messages begin).
+PORTEP_DEVICE const uint8_t* message_in(const LLCommon& c, int le, int src, uint32_t slot) {
+  uint64_t index = (uint64_t(src) * c.num_local_experts + le) * c.T + slot;
+  if (!c.peers[src])
+    index = (uint64_t(src) * c.num_local_experts + le / kChunkExperts * kChunkExperts) * c.T +
+            c.proxy_begin[le * c.num_ranks + src] + slot;
+  return c.local + c.recv_off + index * c.disp_bytes;
+}
+
+// Warp 0: proxy source src's chunk arrived; store each expert's begin in the packed chunk and its flag (count + 1),
+// lane j for local expert first + j: from the table, or T each when the chunk came full (no table).
+PORTEP_DEVICE void relay_dispatch_chunk(const LLCommon& c, int src, int chunk) {
+  __shared__ uint32_t counts[kChunkExperts];
+  const int64_t units = await_chunk_signal(c, src, chunk);
+  if (units < 0) return;
+  const int first = chunk * kChunkExperts, n = chunk_experts(c, chunk), j = lane_id();
+  const uint8_t* base = c.local + c.recv_off + (uint64_t(src) * c.num_local_experts + first) * c.T * c.disp_bytes;
+  const bool table = units && reinterpret_cast<const volatile int32_t*>(base)[0] == -1;
+  uint32_t count = 0;
+  if (j < n && units) count = table ? reinterpret_cast<const volatile uint32_t*>(base + 16)[j] : uint32_t(c.T);
+  if (j < kChunkExperts) counts[j] = j < n ? count : 0;
+  warp_sync();
+  const uint32_t begin = uint32_t(table) + lane_exclusive_sum(counts);
+  warp_sync();  // counts is reused by this warp's next chunk
+  if (j >= n) return;
+  const int index = (first + j) * c.num_ranks + src;
+  c.proxy_begin[index] = begin;
+  st_release_sys_u32(signal_flag(c, index), count + 1);  // cumulative: the slot's acquire saw the bytes
 }
 
 // Local expert le: wait for every source, then pack its messages. shared: [2R] (counts, begins).
@@ -176,8 +246,7 @@ PORTEP_DEVICE void dispatch_recv_expert(const LLDispatchArgs& a, int le, uint32_
   for (uint32_t i = warp; i < total; i += kLLWarps) {
     int src = 0;
     while (src + 1 < R && begins[src + 1] <= i) ++src;
-    const uint32_t slot = i - begins[src];
-    const uint8_t* msg = c.local + c.recv_off + ((uint64_t(le) * R + src) * c.T + slot) * c.disp_bytes;
+    const uint8_t* msg = message_in(c, le, src, i - begins[src]);
     const int4 head = *reinterpret_cast<const int4*>(msg);
     if (lane == 0) a.src_info[uint64_t(le) * M + i] = head.x;
     if (head.z) msg = c.local + c.recv_off + uint64_t(uint32_t(head.z) - 1) * c.disp_bytes;  // payload shared
@@ -207,13 +276,7 @@ __global__ void __launch_bounds__(kLLThreads) dispatch_kernel(LLDispatchArgs a, 
   extern __shared__ uint32_t shared[];  // send: hist [E]; receive: counts [R], begins [R]
   if (phases & kPhaseSend) dispatch_send(a, shared);
   if (!(phases & kPhaseRecv)) return;
-  relay_proxy_signals(a.c, [&](int src, int le, uint32_t units, uint32_t* index, uint32_t* value) {
-    // Any WRITE came: the first message's header holds the message count.
-    const uint8_t* first = a.c.local + a.c.recv_off + (uint64_t(le) * a.c.num_ranks + src) * a.c.T * a.c.disp_bytes;
-    const uint32_t count = units ? uint32_t(reinterpret_cast<const volatile int32_t*>(first)[1]) : 0u;
-    *index = uint32_t(le * a.c.num_ranks + src);
-    *value = count + 1;
-  });
+  for_my_relay_chunks(a.c, [&](int src, int chunk) { relay_dispatch_chunk(a.c, src, chunk); });
   for (int le = int(blockIdx.x); le < a.c.num_local_experts; le += int(gridDim.x)) {
     __syncthreads();  // shared memory is reused
     dispatch_recv_expert(a, le, shared);

@@ -3,8 +3,9 @@
 Memory: one Channel whose data region is GPU memory (shm transport with CUDA IPC). Its first `num_bytes` are the
 DeepEP-sized LL buffer (two halves, laid out as gpu_kernels/cuda/ll_api.h says); after them come the direct-path
 flags, [half][phase][num_ranks * max_local_experts] int32. Peers reached directly (same node, NVLink) get
-stores through IPC pointers; the others get WRITE/SIGNAL commands through device FIFOs to the proxy threads,
-which copy with the copy engines and deliver the signal into the host signal slots the kernels poll.
+stores through IPC pointers; the others get WRITE/SIGNAL commands (per chunk of 32 local experts) through device
+FIFOs to the proxy threads, which copy with the copy engines and deliver the signal into host signal slots that
+one warp per chunk polls and relays into device flags.
 
 Kernels run on the current stream. A kernel that times out records the failure in mapped host memory; the next
 call (or `check_error()`) raises it.
@@ -99,7 +100,13 @@ class CudaEngine(Topology):
                              if d == self.rank or (allow_direct_ll and self.node_of(d) == self.node)]
         peers = [ch.peer_data_ptr(d) if d in self.direct_ranks else 0 for d in range(self.num_ranks)]
         self._peers = torch.tensor(peers, dtype=torch.int64, device=self.device)
-        self._finish = torch.zeros(self.flag_slots + 1, dtype=torch.int32, device=self.device)
+        # kernel scratch, int32: finish counts [flag_slots + 1], proxy chunks' ready counts [R][max_chunks], where a
+        # proxy source's messages or rows of an expert begin in its chunk [flag_slots]
+        max_chunks = -(-max_local_experts // self.native.LL_CHUNK_EXPERTS)
+        self._finish = torch.zeros(2 * self.flag_slots + 1 + self.num_ranks * max_chunks, dtype=torch.int32,
+                                   device=self.device)
+        chunk_done = self._finish.data_ptr() + 4 * (self.flag_slots + 1)
+        proxy_begin = chunk_done + 4 * self.num_ranks * max_chunks
         # the proxy signal slots' values the kernels consumed last (only the host writes the slots themselves)
         self._signal_seen = torch.zeros(self.num_ranks * self.channel.num_streams, dtype=torch.int64,
                                         device=self.device)
@@ -108,8 +115,9 @@ class CudaEngine(Topology):
         num_sms = torch.cuda.get_device_properties(self.device).multi_processor_count
         self.kernels = self.native.LLKernels(self.rank, self.num_ranks, ch.device_data_ptr(), self._peers.data_ptr(),
                                              ch.device_signals_ptr(), self._signal_seen.data_ptr(),
-                                             self.channel.num_streams, self.fifos,
-                                             self._finish.data_ptr(), error_device, self.timeout_s, num_sms)
+                                             self.channel.num_streams, self.fifos, self._finish.data_ptr(),
+                                             chunk_done, proxy_begin, max_chunks, error_device, self.timeout_s,
+                                             num_sms)
         self.ll_half = 0
         self._layouts = {}
         self._shapes = {}

@@ -33,8 +33,8 @@ class PyFifoSet {
 class LLKernels {
  public:
   LLKernels(int rank, int num_ranks, uintptr_t local, uintptr_t peers, uintptr_t host_signals, uintptr_t signal_seen,
-            uint32_t num_streams, const PyFifoSet& fifos, uintptr_t finish, uintptr_t error, double timeout_s,
-            int num_sms) {
+            uint32_t num_streams, const PyFifoSet& fifos, uintptr_t finish, uintptr_t chunk_done, uintptr_t proxy_begin,
+            int max_chunks, uintptr_t error, double timeout_s, int num_sms) {
     c_ = LLCommon{};
     c_.rank = rank;
     c_.num_ranks = num_ranks;
@@ -47,6 +47,9 @@ class LLKernels {
     c_.fifo_tails = fifos.set_.device_tails;
     c_.num_fifos = fifos.set_.count;
     c_.finish = ptr<uint32_t>(finish);
+    c_.chunk_done = ptr<uint32_t>(chunk_done);
+    c_.proxy_begin = ptr<uint32_t>(proxy_begin);
+    c_.max_chunks = max_chunks;
     c_.error = ptr<LLError>(error);
     c_.timeout_ns = uint64_t(timeout_s * 1e9);
     c_.num_sms = num_sms;
@@ -82,12 +85,14 @@ void bind_cuda_ll(py::module_& m) {
 
   m.attr("LL_PHASE_SEND") = kPhaseSend;
   m.attr("LL_PHASE_RECV") = kPhaseRecv;
+  m.attr("LL_CHUNK_EXPERTS") = kChunkExperts;
   py::class_<LLKernels>(m, "LLKernels")
       .def(py::init<int, int, uintptr_t, uintptr_t, uintptr_t, uintptr_t, uint32_t, const PyFifoSet&, uintptr_t,
-                    uintptr_t, double, int>(),
+                    uintptr_t, uintptr_t, int, uintptr_t, double, int>(),
            py::arg("rank"), py::arg("num_ranks"), py::arg("local"), py::arg("peers"), py::arg("host_signals"),
-           py::arg("signal_seen"), py::arg("num_streams"), py::arg("fifos"), py::arg("finish"), py::arg("error"),
-           py::arg("timeout_s"), py::arg("num_sms"), py::keep_alive<1, 9>())
+           py::arg("signal_seen"), py::arg("num_streams"), py::arg("fifos"), py::arg("finish"), py::arg("chunk_done"),
+           py::arg("proxy_begin"), py::arg("max_chunks"), py::arg("error"), py::arg("timeout_s"), py::arg("num_sms"),
+           py::keep_alive<1, 9>())
       .def("dispatch",
            [](const LLKernels& k, int phases, py::tuple shape, uintptr_t x, uintptr_t topk_idx, int num_tokens,
               int num_topk, bool use_fp8, bool round_scale, bool use_ue8m0, uintptr_t recv_x, uintptr_t recv_scales,
