@@ -20,6 +20,7 @@ def free_port():
 
 def _entry(fn, rank, world, port, args, results, env):
     os.environ.update(env)
+    import portep  # noqa: F401  (before torch sets CUDA up: portep asks for CUDA's most hardware queues)
     import torch.distributed as dist
 
     try:

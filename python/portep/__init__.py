@@ -5,6 +5,7 @@ them into transfers on whatever transport the machine has. `portep.Buffer` is De
 on top of this; `portep.Channel` is the low-level one-sided API it builds on.
 """
 
+from . import config as _config  # noqa: F401  (first: asks CUDA for its most hardware queues, see config.py)
 from ._native import native, native_error
 from .channel import Channel, DEFAULT_TIMEOUT_S
 from .deepep_config import Config

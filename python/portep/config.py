@@ -2,6 +2,7 @@
 environment."""
 
 import os
+import sys
 
 DEFAULT_TIMEOUT_S = 100.0
 TRANSPORTS = ("shm", "shm-unordered", "verbs", "verbs-striped")
@@ -53,3 +54,59 @@ def transport_from_env(explicit=None):
     if name not in TRANSPORTS:
         raise ValueError(f"transport={name!r} is not available; choose one of {', '.join(TRANSPORTS)}")
     return name
+
+
+# The shm transport on GPU memory (the proxy path between GPUs of one host) copies with the copy engines from the
+# proxies' own streams. CUDA maps streams onto CUDA_DEVICE_MAX_CONNECTIONS hardware queues (8 by default); a proxy
+# copy that shares the queue of the stream running an LL kernel waits behind that kernel, which waits for the
+# copy, until the kernel's timeout. Seen on the H200 machine: the CUDA-graph test over shm-unordered hung in 2 or 3
+# of 4 attempts with the default and in none of 4 with 32. CUDA reads the variable when it creates a context, so
+# portep asks for the most queues at import unless the application chose a number or torch has already set
+# CUDA up.
+CUDA_CONNECTIONS_VAR = "CUDA_DEVICE_MAX_CONNECTIONS"
+CUDA_MAX_CONNECTIONS = 32
+
+
+def _cuda_already_initialized():
+    torch = sys.modules.get("torch")
+    try:
+        return bool(torch is not None and torch.cuda.is_initialized())
+    except Exception:  # noqa: BLE001 (a partly imported torch): assume the worst
+        return True
+
+
+def widen_cuda_connections():
+    """Set CUDA_DEVICE_MAX_CONNECTIONS to 32 when unset and CUDA is not set up yet; returns why it was not."""
+    if CUDA_CONNECTIONS_VAR in os.environ:
+        return f"{CUDA_CONNECTIONS_VAR}={os.environ[CUDA_CONNECTIONS_VAR]} was set by the application"
+    if _cuda_already_initialized():
+        return "torch had set up CUDA before portep was imported"
+    os.environ[CUDA_CONNECTIONS_VAR] = str(CUDA_MAX_CONNECTIONS)
+    return None
+
+
+CUDA_CONNECTIONS_NOTE = widen_cuda_connections()
+
+
+def check_gpu_copy_connections(what):
+    """Raise where the proxies' copies would surely queue behind the LL kernels (one hardware queue); warn where
+    they may (fewer than 32 queues)."""
+    if CUDA_CONNECTIONS_NOTE is None:
+        return
+    raw = os.environ.get(CUDA_CONNECTIONS_VAR)
+    try:
+        value = int(raw) if raw is not None else 8
+    except ValueError:
+        value = 8
+    if value < 2:
+        raise ValueError(f"{what} copies on the copy engines from the proxy threads' streams, but "
+                         f"{CUDA_CONNECTIONS_VAR}={raw} puts every stream in one hardware queue, where those copies wait "
+                         f"behind the LL kernels that wait for them (a hang until the timeout); set it to "
+                         f"{CUDA_MAX_CONNECTIONS} before CUDA starts, or give every peer the direct path")
+    if value < CUDA_MAX_CONNECTIONS:
+        import warnings
+
+        warnings.warn(f"{what}: {CUDA_CONNECTIONS_NOTE}, so CUDA uses {value} hardware queues; a proxy copy that shares "
+                      f"one with the LL kernel's stream waits behind the kernel and the call times out. Set "
+                      f"{CUDA_CONNECTIONS_VAR}={CUDA_MAX_CONNECTIONS} before CUDA starts (importing portep first does)",
+                      RuntimeWarning, stacklevel=3)

@@ -26,6 +26,7 @@ import torch
 
 from ._native import require_native
 from .channel import Channel
+from .config import check_gpu_copy_connections
 from . import host_backend as hb
 from .host_ll import _Layout
 from .topology import Topology
@@ -98,6 +99,8 @@ class CudaEngine(Topology):
         self.region = _as_tensor(ch.device_data_ptr(), self.num_bytes, self.device)
         self.direct_ranks = [d for d in range(self.num_ranks)
                              if d == self.rank or (allow_direct_ll and self.node_of(d) == self.node)]
+        if len(self.direct_ranks) < self.num_ranks and self.channel.transport.startswith("shm"):
+            check_gpu_copy_connections(f"the proxy path over transport={self.channel.transport!r} on GPU memory")
         peers = [ch.peer_data_ptr(d) if d in self.direct_ranks else 0 for d in range(self.num_ranks)]
         self._peers = torch.tensor(peers, dtype=torch.int64, device=self.device)
         # kernel scratch, int32: finish counts [flag_slots + 1], proxy chunks' ready counts [R][max_chunks], where a
@@ -135,9 +138,14 @@ class CudaEngine(Topology):
             moved = {k: sum(s[k] for s in stats)
                      for k in ("commands", "writes", "signals", "notices", "held_signals", "signals_delayed",
                                "in_flight")}
+            hint = ""
             if moved["in_flight"] or moved["held_signals"]:  # per proxy thread: where the operations wait
                 moved["per_thread"] = [{k: s[k] for k in ("in_flight", "queued", "copying", "notify_full",
                                                           "held_signals")} for s in stats]
+                if any(s["copying"] for s in stats):
+                    hint = ("; copies issued by this rank's proxies have not completed: if their stream shares a "
+                            "hardware queue with the LL kernels' stream they wait behind those kernels (see "
+                            "CUDA_DEVICE_MAX_CONNECTIONS in portep/config.py)")
             where = (f"token {src}, value {ctypes.c_int32(index).value}" if code == 4 else
                      f"peer rank {src}, index {index}, within {self.timeout_s} s")
             slots = ""
@@ -148,7 +156,7 @@ class CudaEngine(Topology):
                 slots = (f"; LL signal slots from rank {src} (stream offset, final signals, units delivered since the "
                          f"Buffer was created or cleaned): {live}")
             raise RuntimeError(f"rank {rank}: a low-latency kernel failed: {ERROR_NAMES.get(code, code)} ({where}); "
-                               f"the Buffer's results are invalid (this rank's proxies so far: {moved}{slots})")
+                               f"the Buffer's results are invalid (this rank's proxies so far: {moved}{slots}{hint})")
 
     # ---- layout ----
     def _layout(self, T, H, E):
