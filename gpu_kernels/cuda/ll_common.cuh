@@ -159,13 +159,12 @@ PORTEP_DEVICE void push_signal(const LLCommon& c, int dst, uint32_t stream) {
 
 // Where this rank learns that src's part of (flag_index, local_expert) arrived: direct peers store value + 1
 // into a flag of this rank's data region; proxy peers' final signal adds to a host signal slot (bits 63..32:
-// final signals so far, 31..0: units so far). Only the host writes the slots: a kernel's store into host memory
-// can leave the line in the GPU's L2, where later polls read it stale instead of the proxy's next update (seen
-// on the H200 machine as signals sitting in their slots while the kernel timed out). So kernels keep the slot
-// value they consumed last in device memory (`signal_seen`): a new final signal is a change of the final count,
-// and its units are the difference of the low words. Receive phases relay the slots into the flags
-// (relay_proxy_signals), so their waits read device memory only; `relayed` says a wait reads the flag for a
-// proxy source too.
+// final signals so far, 31..0: units so far). Only the host writes a slot (the proxies' atomic adds): a GPU
+// store into the same host word would race with them, and PCIe gives a CPU atomic no atomicity against GPU
+// stores. So kernels keep the value they consumed last in device memory (`signal_seen`): a new final signal is a
+// change of the final count, and its units are the difference of the low words. Receive phases relay the
+// slots into the flags (for_my_relay_chunks), so their waits read device memory only; `relayed` says a wait
+// reads the flag for a proxy source too.
 PORTEP_DEVICE uint32_t* signal_flag(const LLCommon& c, int flag_index) {
   return reinterpret_cast<uint32_t*>(c.local + c.flag_off) + flag_index;
 }

@@ -50,7 +50,8 @@ PORTEP_DEVICE void publish_dispatch_chunk(const LLCommon& c, const uint32_t* his
   }
   fence_sys();  // the copy engine (or NIC) reads the staged messages after the proxy sees the command
   const uint32_t stream = c.stream_base + uint32_t(chunk);
-  const uint64_t remote = c.recv_off + (uint64_t(c.rank) * c.num_local_experts + chunk * kChunkExperts) * c.T * c.disp_bytes;
+  const uint64_t remote =
+      c.recv_off + (uint64_t(c.rank) * c.num_local_experts + chunk * kChunkExperts) * c.T * c.disp_bytes;
   if (ch.total && !push_write(c, dst, stream, ch.staging, remote, uint64_t(ch.total + ch.table) * c.disp_bytes))
     return;
   push_signal(c, dst, stream);
