@@ -35,7 +35,7 @@ def body(rank, world, transport, iters, T, H, K, E):
     import torch
     import torch.distributed as dist
 
-    from portep_bench.ll_gpu import cuda_ll_buffer, ll_inputs
+    from portep_bench.ll_gpu import _once, cuda_ll_buffer, ll_inputs
     torch.cuda.set_device(rank)
     x, idx, w = ll_inputs(rank, T, H, K, E)
     buf = cuda_ll_buffer(world, T, H, E, 1, transport)
@@ -60,12 +60,7 @@ def body(rank, world, transport, iters, T, H, K, E):
                 dispatch()
                 torch.cuda.synchronize()
                 dist.barrier()
-            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            a.record()
-            fn()
-            b.record()
-            b.synchronize()
-            times.append(a.elapsed_time(b) * 1e3)
+            times.append(_once(fn)[0])
             dist.barrier()
         after = _totals(buf)
         if name == "combine":  # take the dispatches' share out: they were counted between the same snapshots

@@ -140,14 +140,14 @@ __global__ void __launch_bounds__(kLLThreads) combine_wait_kernel(LLCombineArgs 
   const LLCommon& c = a.c;
   for_my_relay_chunks(c, [&](int src, int chunk) { relay_combine_chunk(a, src, chunk); });
   for (int e = threadIdx.x; e < c.num_experts; e += blockDim.x)
-    take_signal(c, e / c.num_local_experts, e, e % c.num_local_experts, true, [] { return 1u; }, a.wait_stats);
+    take_flag(c, e / c.num_local_experts, e, a.wait_stats);
 }
 
 // Waits (without consuming it) until expert e's rows have arrived (proxy sources: relayed into its flag); false
 // after the timeout (reported).
 PORTEP_DEVICE bool wait_expert_rows(const LLCommon& c, int e) {
   uint64_t v = 0, waited = 0;
-  return await_signal(c, e / c.num_local_experts, e, e % c.num_local_experts, true, &v, &waited);
+  return await_flag(c, e / c.num_local_experts, e, &v, &waited);
 }
 
 // Every expert's flag of this call was read: back to zero for the next call on this half.

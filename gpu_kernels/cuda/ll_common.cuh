@@ -157,37 +157,28 @@ PORTEP_DEVICE void push_signal(const LLCommon& c, int dst, uint32_t stream) {
   push_cmd(c, CmdFields{kOpSignal, kFlagFinal, uint32_t(dst), 0, stream, 0, 0});
 }
 
-// Where this rank learns that src's part of (flag_index, local_expert) arrived: direct peers store value + 1
-// into a flag of this rank's data region; proxy peers' final signal adds to a host signal slot (bits 63..32:
-// final signals so far, 31..0: units so far). Only the host writes a slot (the proxies' atomic adds): a GPU
-// store into the same host word would race with them, and PCIe gives a CPU atomic no atomicity against GPU
-// stores. So kernels keep the value they consumed last in device memory (`signal_seen`): a new final signal is a
-// change of the final count, and its units are the difference of the low words. Receive phases relay the
-// slots into the flags (for_my_relay_chunks), so their waits read device memory only; `relayed` says a wait
-// reads the flag for a proxy source too.
+// Where this rank learns that src's part of flag_index arrived: a flag of this rank's data region, stored by a
+// direct peer (value + 1) or, for a proxy peer, by the receive kernel's relay (for_my_relay_chunks), so every
+// wait reads device memory. A proxy peer's final signal adds to a host signal slot (bits 63..32: final signals so
+// far, 31..0: units so far). Only the host writes a slot (the proxies' atomic adds): a GPU store into the same host
+// word would race with them, and PCIe gives a CPU atomic no atomicity against GPU stores. So kernels keep the
+// value they consumed last in device memory (`signal_seen`): a new final signal is a change of the final count,
+// and its units are the difference of the low words.
 PORTEP_DEVICE uint32_t* signal_flag(const LLCommon& c, int flag_index) {
   return reinterpret_cast<uint32_t*>(c.local + c.flag_off) + flag_index;
 }
-PORTEP_DEVICE uint64_t slot_index(const LLCommon& c, int src, int local_expert) {
-  return uint64_t(src) * c.num_streams + c.stream_base + uint32_t(local_expert);
+PORTEP_DEVICE uint64_t slot_index(const LLCommon& c, int src, int chunk) {
+  return uint64_t(src) * c.num_streams + c.stream_base + uint32_t(chunk);
 }
 PORTEP_DEVICE bool new_final_signal(uint64_t slot, uint64_t seen) { return (slot >> 32) != (seen >> 32); }
 PORTEP_DEVICE uint32_t units_since(uint64_t slot, uint64_t seen) { return uint32_t(slot) - uint32_t(seen); }
 
-// Waits, without consuming it, until the signal is there; false after the timeout (reported). *value is the
-// flag or slot read last, *waited the nanoseconds spent.
-PORTEP_DEVICE bool await_signal(const LLCommon& c, int src, int flag_index, int local_expert, bool relayed,
-                                uint64_t* value, uint64_t* waited) {
-  bool ok;
-  if (c.peers[src] || relayed) {
-    const uint32_t* flag = signal_flag(c, flag_index);
-    ok = wait_until([&] { return uint64_t(ld_acquire_sys_u32(flag)); }, [](uint64_t x) { return x != 0; },
-                    c.timeout_ns, value, waited);
-  } else {
-    const uint64_t i = slot_index(c, src, local_expert), seen = c.signal_seen[i];
-    ok = wait_until([&] { return ld_acquire_sys_u64(c.host_signals + i); },
-                    [seen](uint64_t x) { return new_final_signal(x, seen); }, c.timeout_ns, value, waited, 200);
-  }
+// Waits, without consuming it, until src's flag is set; false after the timeout (reported). *value is the flag
+// read last, *waited the nanoseconds spent.
+PORTEP_DEVICE bool await_flag(const LLCommon& c, int src, int flag_index, uint64_t* value, uint64_t* waited) {
+  const uint32_t* flag = signal_flag(c, flag_index);
+  const bool ok = wait_until([&] { return uint64_t(ld_acquire_sys_u32(flag)); }, [](uint64_t x) { return x != 0; },
+                             c.timeout_ns, value, waited);
   if (!ok) report_error(c.error, kErrWaitTimeout, uint32_t(c.rank), uint32_t(src), uint32_t(flag_index));
   return ok;
 }
@@ -195,24 +186,13 @@ PORTEP_DEVICE bool await_signal(const LLCommon& c, int src, int flag_index, int 
 // A flag back to zero for the next call on this half: the next store to it comes from a later call.
 PORTEP_DEVICE void clear_flag(const LLCommon& c, int flag_index) { *signal_flag(c, flag_index) = 0; }
 
-// Waits for this rank's signal of (src, local expert) and consumes it; returns the count it carries (a flag:
-// its value - 1; a proxy slot: `proxy_value()` reads it from the delivered data when any WRITE came).
-template <class ProxyValue>
-PORTEP_DEVICE uint32_t take_signal(const LLCommon& c, int src, int flag_index, int local_expert, bool relayed,
-                                   ProxyValue proxy_value, int64_t* wait_stats) {
+// Waits for src's flag and consumes it; returns the count it carries (its value - 1; 0 after a timeout).
+PORTEP_DEVICE uint32_t take_flag(const LLCommon& c, int src, int flag_index, int64_t* wait_stats) {
   uint64_t v = 0, waited = 0;
-  const bool ok = await_signal(c, src, flag_index, local_expert, relayed, &v, &waited);
-  uint32_t result = 0;
-  if (c.peers[src] || relayed) {
-    clear_flag(c, flag_index);
-    if (ok) result = uint32_t(v) - 1;
-  } else if (ok) {
-    uint64_t* seen = c.signal_seen + slot_index(c, src, local_expert);
-    result = units_since(v, *seen) != 0 ? proxy_value() : 0;
-    *seen = v;
-  }
+  const bool ok = await_flag(c, src, flag_index, &v, &waited);
+  clear_flag(c, flag_index);
   if (wait_stats) atomicAdd(reinterpret_cast<unsigned long long*>(wait_stats + src), (unsigned long long)waited);
-  return result;
+  return ok ? uint32_t(v) - 1 : 0;
 }
 
 // Polls of host memory cross PCIe, which the proxies' own traffic shares (the kernels' FIFO commands, the copy

@@ -227,7 +227,7 @@ PORTEP_DEVICE void dispatch_recv_expert(const LLDispatchArgs& a, int le, uint32_
   uint32_t* begins = shared + R;
   __shared__ uint32_t total;
   for (int src = threadIdx.x; src < R; src += blockDim.x)  // proxy sources were relayed into flags
-    counts[src] = take_signal(c, src, le * R + src, le, true, [] { return 0u; }, a.wait_stats);
+    counts[src] = take_flag(c, src, le * R + src, a.wait_stats);
   __syncthreads();
   if (threadIdx.x == 0) {
     uint32_t run = 0;

@@ -3,7 +3,6 @@
 // a ring of events per channel to learn when they finished.
 #include <cuda.h>
 #include <cuda_runtime.h>
-#include <stdlib.h>
 #include <string.h>
 #include <unistd.h>
 
@@ -335,13 +334,7 @@ class CudaDeviceMemory final : public DeviceMemory {
   std::vector<CopyChannel> channels_;
   void* scratch_ = nullptr;                   // 16 bytes for the peer warm-up copies
   std::atomic<RdmaFlush> rdma_flush_{RdmaFlush::kUnknown};  // decided by the first proxy publishing NIC writes
-  // Proxy threads clear it on a driver without batched copies; PORTEP_CUDA_BATCH_COPIES=0 turns batching off
-  // (one cudaMemcpyAsync per copy), to compare the two on a given driver.
-  std::atomic<bool> batch_supported_{batch_copies_wanted()};
-  static bool batch_copies_wanted() {
-    const char* v = getenv("PORTEP_CUDA_BATCH_COPIES");
-    return !(v && v[0] == '0');
-  }
+  std::atomic<bool> batch_supported_{true};  // proxy threads clear it on a driver without batched copies
 };
 
 }  // namespace
