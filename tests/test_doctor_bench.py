@@ -48,3 +48,32 @@ def test_channel_benchmark_prints_rates_latencies_and_baselines():
     for row in lat_rows:
         cells = [c.strip() for c in row.split("|")[3:7]]
         assert all(float(c) > 0 for c in cells), row
+
+
+def test_command_latency_upper_bound_uses_the_host_clock_alone():
+    # Synthetic clocks: the GPU clock is 500 us off the host's; each command's true publish -> pop is 1.0-1.3 us,
+    # and the host clock the GPU read before publishing is 0.4 us older than the publish (the read's return leg).
+    import random
+
+    from portep_bench.gpu_fifo import command_latency_lines
+
+    rng = random.Random(3)
+    n, offset = 400, 500_000
+    t = {k: [] for k in ("publish_ns", "pop_ns", "release_ns", "seen_ns", "host_clock_before_ns")}
+    truth = []
+    for i in range(n):
+        host_publish = 10_000_000 + i * 5_000
+        fwd = rng.randint(1_000, 1_300)
+        truth.append(fwd)
+        t["host_clock_before_ns"].append(host_publish - 400)
+        t["publish_ns"].append(host_publish + offset)
+        t["pop_ns"].append(host_publish + fwd)
+        t["release_ns"].append(host_publish + fwd + 40)
+        t["seen_ns"].append(host_publish + offset + fwd + 40 + 1_000)
+    t["host_read_ns"] = [1_000] * 50
+    lines = command_latency_lines(t, skip=100)
+    bound = [line for line in lines if "host clock alone" in line]
+    assert len(bound) == 1, lines
+    tail = sorted(truth[100:])  # the first `skip` commands are left out; an even count: the mean of two
+    true_median = (tail[len(tail) // 2 - 1] + tail[len(tail) // 2]) / 2
+    assert f"median at most {(true_median + 400) / 1e3:.2f} us" in bound[0], bound[0]

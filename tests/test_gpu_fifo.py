@@ -33,6 +33,10 @@ def test_gpu_round_trip_is_measured_for_every_command():
     host = sorted(r - p for p, r in zip(t["pop_ns"], t["release_ns"]))
     gpu = sorted(s - p for p, s in zip(t["publish_ns"], t["seen_ns"]))
     assert host[len(host) // 2] < gpu[len(gpu) // 2]
+    # the host clock the GPU read before each publish predates that command's pop, and runs forward
+    before = t["host_clock_before_ns"]
+    assert len(before) == 2000 and all(0 < b < p for b, p in zip(before, t["pop_ns"]))
+    assert all(before[i - 1] <= before[i] for i in range(1, 2000))
     # a GPU read of host memory takes time, and less than a whole round trip through the host
     reads = sorted(t["host_read_ns"])
     assert len(reads) == 1000 and reads[0] > 0 and reads[len(reads) // 2] < gpu[len(gpu) // 2]

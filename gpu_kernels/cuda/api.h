@@ -49,6 +49,7 @@ int run_fifo_probe(const FifoProbeConfig& cfg, FifoProbeResult* out);
 struct FifoRttTimes {
   std::vector<uint64_t> publish_ns, pop_ns, release_ns, seen_ns;
   std::vector<uint64_t> host_read_ns;  // GPU clock alone: single acquire loads of the host-resident tail
+  std::vector<uint64_t> host_clock_before_ns;  // per command: the host clock as the GPU read it before publishing
 };
 int run_fifo_rtt(int iterations, double timeout_s, FifoRttTimes* out);
 

@@ -16,9 +16,13 @@ namespace portep::cuda {
 namespace {
 
 // out_ns[2i] = globaltimer just before command i is published, out_ns[2i + 1] = when the GPU saw its tail;
-// out_ns[2 * iterations + j] = the time of one acquire load of the (host) tail, j < kHostReads, first.
+// out_ns[2 * iterations + j] = the time of one acquire load of the (host) tail, j < kHostReads, first;
+// out_ns[2 * iterations + kHostReads + i] = the host clock (a host thread keeps storing it into host_clock) as
+// the GPU read it just before publishing command i: its value is older than the publish, so the pop's host time
+// minus it bounds publish -> pop from above on one clock.
 constexpr int kHostReads = 1000;
-__global__ void fifo_rtt_kernel(FifoView f, int iterations, uint64_t* out_ns, uint64_t timeout_ns) {
+__global__ void fifo_rtt_kernel(FifoView f, int iterations, uint64_t* out_ns, uint64_t timeout_ns,
+                                const uint64_t* host_clock) {
   if (threadIdx.x != 0 || blockIdx.x != 0) return;
   for (int j = 0; j < kHostReads; ++j) {
     const uint64_t t0 = globaltimer_ns();
@@ -32,8 +36,13 @@ __global__ void fifo_rtt_kernel(FifoView f, int iterations, uint64_t* out_ns, ui
     CmdFields c{kOpNop, 0, 0, 0, 0, 16ull * uint64_t(i % 1024), 0};
     TransferCmd cmd;
     cmd_encode(c, &cmd);
+    uint64_t slot = 0;
+    if (!fifo_device_reserve(f, &cached_tail, timeout_ns, &slot)) return;
+    // The acquire keeps the publish after this read has returned, so the host clock it got predates the publish.
+    const uint64_t host_before = ld_acquire_sys_u64(host_clock);
     const uint64_t t0 = globaltimer_ns();
-    if (!fifo_device_push(f, cmd, &cached_tail, timeout_ns)) return;
+    fifo_device_publish(f, slot, cmd);
+    out_ns[2 * uint64_t(iterations) + kHostReads + i] = host_before;
     while (ld_acquire_sys_u64(f.tail) < uint64_t(i) + 1) {
       if (globaltimer_ns() - t0 > timeout_ns) return;
     }
@@ -130,15 +139,24 @@ int run_fifo_rtt(int iterations, double timeout_s, FifoRttTimes* out) {
   Fifos fifos;
   if (int err = fifos.alloc(1, 1024)) return err;
   uint64_t* dev = nullptr;
-  const size_t words = size_t(2 * iterations + kHostReads);
+  const size_t words = size_t(3 * iterations + kHostReads);
   if (cudaError_t err = cudaMalloc(&dev, sizeof(uint64_t) * words)) return int(err);
-  if (cudaError_t err = cudaMemset(dev, 0, sizeof(uint64_t) * words)) {
+  uint64_t *clock_host = nullptr, *clock_dev = nullptr;
+  cudaError_t setup = cudaMemset(dev, 0, sizeof(uint64_t) * words);
+  if (!setup) setup = cudaHostAlloc(reinterpret_cast<void**>(&clock_host), 64, cudaHostAllocMapped);
+  if (!setup) setup = cudaHostGetDevicePointer(reinterpret_cast<void**>(&clock_dev), clock_host, 0);
+  if (setup) {
     cudaFree(dev);
-    return int(err);
+    if (clock_host) cudaFreeHost(clock_host);
+    return int(setup);
   }
   out->pop_ns.assign(size_t(iterations), 0);
   out->release_ns.assign(size_t(iterations), 0);
   std::atomic<bool> stop{false};
+  __atomic_store_n(clock_host, realtime_ns(), __ATOMIC_RELEASE);
+  std::thread clock([&] {
+    while (!stop.load(std::memory_order_relaxed)) __atomic_store_n(clock_host, realtime_ns(), __ATOMIC_RELEASE);
+  });
   std::thread consumer([&] {
     FifoConsumer c(fifos.host[0]);
     for (size_t popped = 0; popped < size_t(iterations) && !stop.load(std::memory_order_relaxed);) {
@@ -149,11 +167,13 @@ int run_fifo_rtt(int iterations, double timeout_s, FifoRttTimes* out) {
       out->release_ns[popped++] = realtime_ns();
     }
   });
-  fifo_rtt_kernel<<<1, 32>>>(fifos.device[0], iterations, dev, uint64_t(timeout_s * 1e9));
+  fifo_rtt_kernel<<<1, 32>>>(fifos.device[0], iterations, dev, uint64_t(timeout_s * 1e9), clock_dev);
   int err = int(cudaGetLastError());
   if (!err) err = int(cudaDeviceSynchronize());
   stop.store(true);
   consumer.join();
+  clock.join();
+  cudaFreeHost(clock_host);
   std::vector<uint64_t> gpu(words, 0);
   if (!err) err = int(cudaMemcpy(gpu.data(), dev, sizeof(uint64_t) * words, cudaMemcpyDeviceToHost));
   cudaFree(dev);
@@ -163,7 +183,8 @@ int run_fifo_rtt(int iterations, double timeout_s, FifoRttTimes* out) {
     out->publish_ns[i] = gpu[2 * i];
     out->seen_ns[i] = gpu[2 * i + 1];
   }
-  out->host_read_ns.assign(gpu.begin() + 2 * iterations, gpu.end());
+  out->host_read_ns.assign(gpu.begin() + 2 * iterations, gpu.begin() + 2 * iterations + kHostReads);
+  out->host_clock_before_ns.assign(gpu.begin() + 2 * iterations + kHostReads, gpu.end());
   if (!err && iterations > 0 && out->seen_ns.back() == 0) err = int(cudaErrorTimeout);  // the kernel gave up
   return err;
 }

@@ -76,6 +76,7 @@ void bind_build_info(py::module_& m) {
         d["release_ns"] = t.release_ns;
         d["seen_ns"] = t.seen_ns;
         d["host_read_ns"] = t.host_read_ns;
+        d["host_clock_before_ns"] = t.host_clock_before_ns;
         return d;
       },
       py::arg("iterations"), py::arg("timeout_s") = 30.0);

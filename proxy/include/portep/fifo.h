@@ -11,7 +11,8 @@
 //   error_flag         host memory: a producer that timed out waiting for room sets it (never spins forever).
 //
 // Publish (host producer): store hi (relaxed), then lo (release). A GPU publishes both words with one
-// 128-bit system-scope store. Consume: load lo (acquire); non-zero => read hi, zero the slot, advance tail.
+// 128-bit system-scope store that orders no earlier write (a kernel fences before a command that refers to its
+// data). Consume: load lo (acquire); non-zero => read hi, zero the slot, advance tail.
 #pragma once
 
 #include <stdint.h>

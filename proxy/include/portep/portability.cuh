@@ -28,6 +28,9 @@ PORTEP_DEVICE uint64_t ld_acquire_sys_u64(const uint64_t* p) {
   return __hip_atomic_load(p, __ATOMIC_ACQUIRE, __HIP_MEMORY_SCOPE_SYSTEM);
 }
 
+// The FIFO publish: two 8-byte stores here, so lo keeps its release (the consumer must see hi with it).
+PORTEP_DEVICE void st_publish_sys_cmd(TransferCmd* dst, const TransferCmd& v) { st_release_sys_cmd(dst, v); }
+
 PORTEP_DEVICE uint64_t atomic_add_relaxed_gpu_u64(uint64_t* p, uint64_t v) {
   return __hip_atomic_fetch_add(p, v, __ATOMIC_RELAXED, __HIP_MEMORY_SCOPE_AGENT);
 }
@@ -98,6 +101,13 @@ constexpr int kWarpSize = 32;
 // host proxy before the command is. dst must be 16-byte aligned.
 PORTEP_DEVICE void st_release_sys_cmd(TransferCmd* dst, const TransferCmd& v) {
   asm volatile("st.release.sys.global.v2.u64 [%0], {%1, %2};" ::"l"(dst), "l"(v.lo), "l"(v.hi) : "memory");
+}
+
+// The FIFO publish: one 16-byte store (one PCIe write, seen whole by the consumer) that orders nothing before
+// it: a release would first wait until every earlier write of the thread is visible system-wide, which a NOP or
+// a SIGNAL after a fenced WRITE does not need. Callers whose command refers to their writes fence first.
+PORTEP_DEVICE void st_publish_sys_cmd(TransferCmd* dst, const TransferCmd& v) {
+  asm volatile("st.relaxed.sys.global.v2.u64 [%0], {%1, %2};" ::"l"(dst), "l"(v.lo), "l"(v.hi) : "memory");
 }
 
 PORTEP_DEVICE uint64_t ld_acquire_sys_u64(const uint64_t* p) {
