@@ -3,6 +3,8 @@ through the direct NVLink path and through the forced proxy path (FIFOs, proxy t
 shm transport modes; the CUDA results against the host backend's bit for bit; CUDA-graph capture; a missing
 peer. Skipped without two GPUs and the CUDA kernels."""
 
+import os
+
 import pytest
 import torch
 
@@ -12,8 +14,11 @@ from deepep_workers import assert_clean
 from dist_util import run_ranks
 from portep import native
 
+# PORTEP_TEST_SHARE_GPU=1 lets both ranks share one GPU (their kernels time-slice: correctness only, slowly)
+GPUS_NEEDED = 1 if os.environ.get("PORTEP_TEST_SHARE_GPU") == "1" else 2
 two_gpus = pytest.mark.skipif(not native.build_info()["cuda_built"] or not torch.cuda.is_available()
-                              or torch.cuda.device_count() < 2, reason="needs the CUDA kernels and two CUDA GPUs")
+                              or torch.cuda.device_count() < GPUS_NEEDED,
+                              reason="needs the CUDA kernels and two CUDA GPUs (or PORTEP_TEST_SHARE_GPU=1)")
 
 # (name, num_ranks_per_node, transport, allow_nvlink_for_low_latency_mode)
 PATHS = [
@@ -49,6 +54,15 @@ def test_ll_suite_on_gpus_with_fewer_tokens():
 def test_cuda_matches_host_backend_bitwise(path):
     _, rpn, transport, nvlink = path
     out = run_ranks(g.cross_backend_body, 2, args=(rpn, transport, nvlink, 7, 64, 2048, 32, 8), timeout=300)
+    assert_clean(out, 20)
+
+
+@pytest.mark.gpu
+@two_gpus
+def test_cuda_matches_host_backend_bitwise_past_partials():
+    # more tokens than the combine's meta blocks hold (LL_META_TOKENS): direct peers get rows, not partial sums
+    T = native.LL_META_TOKENS + 16
+    out = run_ranks(g.cross_backend_body, 2, args=(2, "shm", True, 9, T, 512, 8, 4), timeout=300)
     assert_clean(out, 20)
 
 

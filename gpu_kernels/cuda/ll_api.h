@@ -25,6 +25,16 @@
 //   combine:  the receiver knows the counts (its own selections), so rows come packed without a table.
 // Their slots in `host_signals` only grow (the kernels keep the value they consumed last in `signal_seen`,
 // device memory).
+//
+// Combine between two direct peers (partials, when meta_off != 0): the reduce adds a token's rows per owner rank
+// (top-k order within a rank, FP32), then those per-rank sums in rank order. So an owner holding two or more of a
+// direct peer's selections of one token sends their FP32 sum instead of the BF16 rows, in half the bytes (or
+// less): floats [0, H/2) in the row of the token's first selection on that owner (top-k order), [H/2, H) in the
+// row of its second. A single selection still travels as its BF16 row. The owner needs the receiver's expert
+// indices and weights for that: each source writes them into every direct peer's meta block of this half, at
+// meta_off + src * meta_stride (data region of the peer):
+//   uint32 ready (1 = written; the owner zeroes it), int32 N (tokens), int32 K, unused,
+//   int32 experts [N][K] (-1: none), float32 weights [N][K]   (N * K <= kMetaTokens * kWarpSize entries)
 #pragma once
 
 #include <stdint.h>
@@ -34,6 +44,10 @@
 namespace portep::cuda {
 
 constexpr int kChunkExperts = 32;  // local experts per proxy chunk (the relay maps them to one warp's lanes)
+constexpr int kMetaTokens = 1024;  // partial sums in combine for num_max_dispatch_tokens_per_rank up to this
+constexpr int kMetaMaxTopk = 32;   // the kernels' limit on num_topk
+constexpr uint64_t kMetaHeaderBytes = 16;
+constexpr uint64_t kMetaStride = kMetaHeaderBytes + uint64_t(kMetaTokens) * kMetaMaxTopk * 8;  // per source
 
 struct LLError {  // mapped host memory: the first kernel failure (0 = none)
   uint32_t code;  // 1: a wait timed out, 2: FIFO push timed out, 3: slot overflow (more selections than T),
@@ -58,6 +72,8 @@ struct LLCommon {
   uint32_t* chunk_done;         // device scratch, zero between calls: [R][max_chunks] experts of a chunk ready
   uint32_t* proxy_begin;        // device [E]: where a proxy source's messages / rows of an expert begin in its chunk
   int max_chunks;               // chunks of kChunkExperts local experts the scratch has room for, per rank
+  uint32_t* dest_done;          // device scratch, zero between calls: [R] combine blocks done with a partial peer
+  uint64_t meta_off, meta_stride;  // combine partials (see above); meta_off 0: every peer gets rows
   LLError* error;
   uint64_t timeout_ns;
   int num_sms;

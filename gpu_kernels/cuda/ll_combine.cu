@@ -1,12 +1,13 @@
 // Low-latency combine: the send kernel returns every received row to its source (into the source's
 // [E][T] receive rows, direct or through the proxies) and publishes each (local expert, source) once its
-// rows are written; the receive phase waits for every expert's signal, then reduces each token's rows in
-// top-k order in FP32 (the host backend's order and roundings, so both give the same bits). In one launch
-// (no hook) this rank's rows for itself are not copied: the reduce reads them from the input, which cannot
-// change before it runs.
+// rows are written; a direct peer gets, per token, the FP32 sum of its two or more selections held here
+// instead of their rows (partials, ll_api.h). The receive phase waits for every expert's signal, then reduces
+// each token per owner rank (top-k order, FP32), then over owner ranks in rank order: the host backend's order
+// and roundings, so both give the same bits. In one launch (no hook) this rank's rows for itself are not
+// copied: the reduce reads them from the input, which cannot change before it runs.
 #include <cuda_runtime.h>
 
-#include "ll_common.cuh"
+#include "ll_partials.cuh"
 
 namespace portep::cuda {
 
@@ -95,7 +96,7 @@ PORTEP_DEVICE void combine_send_part(const LLCombineArgs& a, int le, int part, i
     int src = 0;
     while (src + 1 < R && !(i >= begins[src] && i < begins[src] + counts[src])) ++src;
     const uint8_t* row = static_cast<const uint8_t*>(a.x) + (uint64_t(le) * M + i) * a.x_pitch;
-    if (src == c.rank && a.own_rows_in_input) continue;
+    if ((src == c.rank && a.own_rows_in_input) || partial_peer(c, src)) continue;
     if (c.peers[src])
       copy_row(c.peers[src] + c.recv_off + (uint64_t(expert) * c.T + (i - begins[src])) * c.comb_pitch, row,
                2 * c.hidden);
@@ -113,7 +114,8 @@ PORTEP_DEVICE void combine_send_part(const LLCombineArgs& a, int le, int part, i
   __syncthreads();
   if (!last) return;
   fence_gpu();
-  for (int src = threadIdx.x; src < R; src += blockDim.x) publish_rows(a, le, src);
+  for (int src = threadIdx.x; src < R; src += blockDim.x)
+    if (!partial_peer(c, src)) publish_rows(a, le, src);
 }
 
 // Warp 0: proxy source src's chunk of rows; this rank's selections of each of the chunk's experts (the numbers the
@@ -155,14 +157,6 @@ PORTEP_DEVICE void reset_combine_signals(const LLCommon& c) {
   for (int e = threadIdx.x; e < c.num_experts; e += blockDim.x) clear_flag(c, e);
 }
 
-// acc[q] += w * x[q] for the 8 BF16 values of v, rounded twice and never fused (the host's arithmetic).
-PORTEP_DEVICE void accumulate_row(float* acc, const uint4& v, float w) {
-  const uint32_t words[4] = {v.x, v.y, v.z, v.w};
-#pragma unroll
-  for (int q = 0; q < 8; ++q)
-    acc[q] = __fadd_rn(acc[q], __fmul_rn(w, bf16_to_f32(uint16_t(words[q / 2] >> (16 * (q % 2))))));
-}
-
 // Where the reduce finds the row of (expert e, slot): in one launch a local expert's row is still in the
 // combine input, at this rank's packed position (layout_range gives where this rank's messages begin); the
 // others arrived in the receive area.
@@ -181,14 +175,109 @@ PORTEP_DEVICE const uint4* row_address(const LLCombineArgs& a, int e, uint32_t s
   return reinterpret_cast<const uint4*>(c.local + c.recv_off + row * c.comb_pitch);
 }
 
+// Token t's terms for the reduce, in shared memory: its rows grouped by owner rank (ranks ascending, top-k order
+// within), where a partial peer holding two or more of them gives one FP32 term instead (its two halves in the
+// first two rows' places). Thread 0 sorts (K <= 32); group_terms ends with __syncthreads().
+struct ReduceTerms {
+  const uint4* row[kWarpSize];   // BF16 row, or the first half of an FP32 partial
+  const uint4* row2[kWarpSize];  // FP32 partial: its second half; BF16 row: null
+  float weight[kWarpSize];
+  bool new_group[kWarpSize];     // the first term of an owner rank
+  int count;
+};
+PORTEP_DEVICE void sort_terms(const LLCombineArgs& a, const uint4* const* rows, const float* weights,
+                              const int* experts, ReduceTerms* terms) {
+  const LLCommon& c = a.c;
+  int order[kWarpSize], n = 0;
+  for (int k = 0; k < a.num_topk; ++k) {  // insertion sort of the valid selections by (owner, k)
+    if (!rows[k]) continue;
+    const int owner = experts[k] / c.num_local_experts;
+    int at = n++;
+    for (; at > 0 && experts[order[at - 1]] / c.num_local_experts > owner; --at) order[at] = order[at - 1];
+    order[at] = k;
+  }
+  int m = 0;
+  for (int i = 0; i < n;) {
+    const int owner = experts[order[i]] / c.num_local_experts;
+    int end = i;
+    while (end < n && experts[order[end]] / c.num_local_experts == owner) ++end;
+    if (partial_peer(c, owner) && end - i >= 2) {
+      terms->row[m] = rows[order[i]];
+      terms->row2[m] = rows[order[i + 1]];
+      terms->weight[m] = 1.0f;
+      terms->new_group[m++] = true;
+    } else {
+      for (int j = i; j < end; ++j) {
+        terms->row[m] = rows[order[j]];
+        terms->row2[m] = nullptr;
+        terms->weight[m] = weights[order[j]];
+        terms->new_group[m++] = j == i;
+      }
+    }
+    i = end;
+  }
+  terms->count = m;
+}
+PORTEP_DEVICE void group_terms(const LLCombineArgs& a, const uint4* const* rows, const float* weights,
+                               const int* experts, ReduceTerms* terms) {
+  if (threadIdx.x == 0) sort_terms(a, rows, weights, experts, terms);
+  __syncthreads();  // one barrier for the whole block (bar.sync must not diverge within a warp)
+}
+
+// Channels [8j, 8j + 8) of a token: sum over owner groups in order of (sum over the group's terms in order),
+// FP32, each product and sum rounded on its own.
+PORTEP_DEVICE void reduce_channels(const ReduceTerms& terms, int j, int H, float* acc) {
+  float group[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+  const int n = terms.count, f = 8 * j;
+  for (int i0 = 0; i0 < n; i0 += 8) {  // the loads of up to 8 terms are in flight together
+    uint4 v[8], v2[8];
+#pragma unroll
+    for (int q = 0; q < 8; ++q) {
+      v[q] = v2[q] = make_uint4(0, 0, 0, 0);
+      if (i0 + q >= n) continue;
+      const int i = i0 + q;
+      if (!terms.row2[i]) {
+        v[q] = terms.row[i][j];
+        continue;
+      }
+      const uint4* p = reinterpret_cast<const uint4*>(f < H / 2 ? reinterpret_cast<const float*>(terms.row[i]) + f
+                                                                : reinterpret_cast<const float*>(terms.row2[i]) + f - H / 2);
+      v[q] = p[0];
+      v2[q] = p[1];
+    }
+#pragma unroll
+    for (int q = 0; q < 8; ++q) {
+      const int i = i0 + q;
+      if (i >= n) continue;
+      if (terms.new_group[i] && i > 0) {
+#pragma unroll
+        for (int x = 0; x < 8; ++x) {
+          acc[x] = __fadd_rn(acc[x], group[x]);
+          group[x] = 0;
+        }
+      }
+      if (!terms.row2[i]) {
+        accumulate_row(group, v[q], terms.weight[i]);
+        continue;
+      }
+      const uint32_t words[8] = {v[q].x, v[q].y, v[q].z, v[q].w, v2[q].x, v2[q].y, v2[q].z, v2[q].w};
+#pragma unroll
+      for (int x = 0; x < 8; ++x) group[x] = __fadd_rn(group[x], __uint_as_float(words[x]));
+    }
+  }
+  if (n)
+#pragma unroll
+    for (int x = 0; x < 8; ++x) acc[x] = __fadd_rn(acc[x], group[x]);
+}
+
 // One block per token: the block finds its K rows, waits for their experts (unless a wait kernel already
-// consumed every signal), then reduces them chunk by chunk in top-k order. The last block to finish resets
-// the signals.
+// consumed every signal), then reduces them (reduce_channels). The last block to finish resets the signals.
 PORTEP_DEVICE void combine_reduce(const LLCombineArgs& a, bool waited) {
   __shared__ const uint4* rows[kWarpSize];
   __shared__ float weights[kWarpSize];
   __shared__ int tok_experts[kWarpSize];
   __shared__ uint32_t tok_slots[kWarpSize];
+  __shared__ ReduceTerms terms;
   const LLCommon& c = a.c;
   const int K = a.num_topk, H = c.hidden;
   if (!waited) for_my_relay_chunks(c, [&](int src, int chunk) { relay_combine_chunk(a, src, chunk); });
@@ -202,25 +291,18 @@ PORTEP_DEVICE void combine_reduce(const LLCombineArgs& a, bool waited) {
       weights[k] = a.topk_weights[uint64_t(t) * K + k];
     }
     __syncthreads();
+    group_terms(a, rows, weights, tok_experts, &terms);
     uint4* out = reinterpret_cast<uint4*>(static_cast<uint8_t*>(a.out) + uint64_t(t) * a.out_pitch);
     for (int j = threadIdx.x; j < H / 8; j += blockDim.x) {
       float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
-      for (int k0 = 0; k0 < K; k0 += 8) {  // the loads of up to 8 rows are in flight together
-        uint4 v[8];
-#pragma unroll
-        for (int q = 0; q < 8; ++q)
-          v[q] = k0 + q < K && rows[k0 + q] ? rows[k0 + q][j] : make_uint4(0, 0, 0, 0);
-#pragma unroll
-        for (int q = 0; q < 8; ++q)
-          if (k0 + q < K && rows[k0 + q]) accumulate_row(acc, v[q], weights[k0 + q]);
-      }
+      reduce_channels(terms, j, H, acc);
       uint32_t packed[4];
 #pragma unroll
       for (int q = 0; q < 4; ++q)
         packed[q] = uint32_t(f32_to_bf16(acc[2 * q])) | uint32_t(f32_to_bf16(acc[2 * q + 1])) << 16;
       out[j] = make_uint4(packed[0], packed[1], packed[2], packed[3]);
     }
-    __syncthreads();  // rows/weights are rewritten for the next token
+    __syncthreads();  // rows/weights/terms are rewritten for the next token
   }
   if (waited) return;
   // Every block has read its signals before it counts itself done; the last one resets them all.
@@ -248,9 +330,20 @@ PORTEP_DEVICE void combine_reduce(const LLCombineArgs& a, bool waited) {
 __global__ void __launch_bounds__(kLLThreads) combine_kernel(LLCombineArgs a, int phases, int parts, bool waited) {
   extern __shared__ uint32_t shared[];  // begins [R], counts [R]
   if (phases & kPhaseSend) {
-    for (int item = int(blockIdx.x); item < a.c.num_local_experts * parts; item += int(gridDim.x)) {
+    const LLCommon& c = a.c;
+    int partial_peers = 0;
+    for (int r = 0; r < c.num_ranks; ++r) partial_peers += partial_peer(c, r);
+    if (partial_peers && blockIdx.x == 0) write_combine_meta(a);
+    // items: (partial peer, token) first, then (local expert, part) for the rows of every other peer
+    const int token_items = partial_peers * c.T;
+    for (int item = int(blockIdx.x); item < token_items + c.num_local_experts * parts; item += int(gridDim.x)) {
       __syncthreads();  // shared memory is reused
-      combine_send_part(a, item / parts, item % parts, parts, shared);
+      if (item < token_items) {
+        combine_partial_token(a, nth_partial_peer(c, item / c.T), item % c.T);
+      } else {
+        const int part_item = item - token_items;
+        combine_send_part(a, part_item / parts, part_item % parts, parts, shared);
+      }
     }
   }
   if (phases & kPhaseRecv) combine_reduce(a, waited);

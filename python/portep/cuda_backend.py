@@ -7,6 +7,11 @@ stores through IPC pointers; the others get WRITE/SIGNAL commands (per chunk of 
 FIFOs to the proxy threads, which copy with the copy engines and deliver the signal into host signal slots that
 one warp per chunk polls and relays into device flags.
 
+Combine between direct peers sends partial sums (gpu_kernels/cuda/ll_api.h): each rank first writes its combine
+expert indices and weights into its direct peers' meta blocks (after the flags), and an owner returns the FP32 sum
+of a token's two or more selections it holds instead of their BF16 rows. So unlike DeepEP's, the send phase of a
+hooked combine waits for the direct peers to start their combine (their send phase, not their hook).
+
 Kernels run on the current stream. A kernel that times out records the failure in mapped host memory; the next
 call (or `check_error()`) raises it.
 
@@ -89,8 +94,11 @@ class CudaEngine(Topology):
         self.device = torch.device("cuda", torch.cuda.current_device())
         self.num_bytes = hb.align(max(num_bytes, hb.ALIGN), 128)
         self.flag_slots = self.num_ranks * max_local_experts
+        # after the flags: per half, each source's meta block for combine partials (ll_api.h)
+        self.meta_base = self.num_bytes + 4 * 4 * self.flag_slots
+        meta_bytes = 2 * self.num_ranks * self.native.LL_META_STRIDE
         self.fifos = self.native.DeviceFifoSet(NUM_DEVICE_FIFOS, DEVICE_FIFO_CAPACITY)
-        self.channel = Channel(group, self.num_bytes + 4 * 4 * self.flag_slots, transport=transport,
+        self.channel = Channel(group, self.meta_base + meta_bytes, transport=transport,
                                num_streams=hb.STREAM_LL_BASE + 4 * max_local_experts,
                                num_proxy_threads=num_proxy_threads, timeout_s=timeout_s,
                                device=self.device.index, device_fifos=self.fifos)
@@ -104,12 +112,14 @@ class CudaEngine(Topology):
         peers = [ch.peer_data_ptr(d) if d in self.direct_ranks else 0 for d in range(self.num_ranks)]
         self._peers = torch.tensor(peers, dtype=torch.int64, device=self.device)
         # kernel scratch, int32: finish counts [flag_slots + 1], proxy chunks' ready counts [R][max_chunks], where a
-        # proxy source's messages or rows of an expert begin in its chunk [flag_slots]
+        # proxy source's messages or rows of an expert begin in its chunk [flag_slots], combine blocks done with a
+        # partial peer [R]
         max_chunks = -(-max_local_experts // self.native.LL_CHUNK_EXPERTS)
-        self._finish = torch.zeros(2 * self.flag_slots + 1 + self.num_ranks * max_chunks, dtype=torch.int32,
+        self._finish = torch.zeros(2 * self.flag_slots + 1 + self.num_ranks * (max_chunks + 1), dtype=torch.int32,
                                    device=self.device)
         chunk_done = self._finish.data_ptr() + 4 * (self.flag_slots + 1)
         proxy_begin = chunk_done + 4 * self.num_ranks * max_chunks
+        dest_done = proxy_begin + 4 * self.flag_slots
         # the proxy signal slots' values the kernels consumed last (only the host writes the slots themselves)
         self._signal_seen = torch.zeros(self.num_ranks * self.channel.num_streams, dtype=torch.int64,
                                         device=self.device)
@@ -119,8 +129,8 @@ class CudaEngine(Topology):
         self.kernels = self.native.LLKernels(self.rank, self.num_ranks, ch.device_data_ptr(), self._peers.data_ptr(),
                                              ch.device_signals_ptr(), self._signal_seen.data_ptr(),
                                              self.channel.num_streams, self.fifos, self._finish.data_ptr(),
-                                             chunk_done, proxy_begin, max_chunks, error_device, self.timeout_s,
-                                             num_sms)
+                                             chunk_done, proxy_begin, max_chunks, dest_done, error_device,
+                                             self.timeout_s, num_sms)
         self.ll_half = 0
         self._layouts = {}
         self._shapes = {}
@@ -176,8 +186,11 @@ class CudaEngine(Topology):
         if shape is None:
             flag_off = self.num_bytes + (half * 2 + phase) * self.flag_slots * 4
             stream_base = hb.STREAM_LL_BASE + (half * 2 + phase) * self.max_local_experts
+            # combine partials between direct peers while the meta blocks have room (0: rows to every peer)
+            partials = phase == 1 and lay.T <= self.native.LL_META_TOKENS and len(self.direct_ranks) > 1
+            meta_off = self.meta_base + half * self.num_ranks * self.native.LL_META_STRIDE if partials else 0
             shape = self._shapes[key] = (lay.T, lay.H, lay.E, lay.send_off(half), lay.recv_off(half),
-                                                 flag_off, lay.disp, lay.comb, stream_base)
+                                         flag_off, lay.disp, lay.comb, stream_base, meta_off)
         return shape + (_current_raw_stream(self.device.index),)
 
     # ---- the API the Buffer calls ----
@@ -284,7 +297,8 @@ class CudaEngine(Topology):
         torch.cuda.current_stream(self.device).synchronize()
         self.channel.barrier()
         flags = self.num_bytes
-        _as_tensor(self.channel._native.device_data_ptr() + flags, 16 * self.flag_slots, self.device).zero_()
+        _as_tensor(self.channel._native.device_data_ptr() + flags, self.meta_base - flags +
+                   2 * self.num_ranks * self.native.LL_META_STRIDE, self.device).zero_()  # flags, meta blocks
         self._finish.zero_()
         self._signal_seen.zero_()
         signals = self.channel.signals

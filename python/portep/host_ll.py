@@ -251,17 +251,22 @@ def _combine_receive(eng, lay, half, topk_idx, topk_weights, result, wait_stats)
     recv = lay.recv_off(half)
     N, K = topk_idx.shape
     tokens = torch.arange(N)
-    sources = []
-    for k in range(K):  # top-k order, FP32 accumulation: deterministic
-        e = topk_idx[:, k]
-        sources.append((eng.region[recv:], lay.comb, hb.BF16, torch.where(e >= 0, e * T + tokens, -1),
-                        topk_weights[:, k]))
-    if result.is_contiguous():
-        eng.reduce_rows(result.view(torch.uint8), 2 * H, hb.BF16, N, H, sources)
-    else:
-        tmp = torch.empty(N, H, dtype=torch.bfloat16)
-        eng.reduce_rows(tmp.view(torch.uint8), 2 * H, hb.BF16, N, H, sources)
-        result.copy_(tmp)
+    # Per owner rank, its rows in top-k order, then those sums in rank order, FP32 with every product and sum
+    # rounded: deterministic, and the order in which the CUDA backend's direct peers send partial sums.
+    partials = []
+    for owner in torch.unique(topk_idx[topk_idx >= 0] // E_l).tolist():
+        sources = []
+        for k in range(K):
+            e = topk_idx[:, k]
+            index = torch.where((e >= 0) & (e // E_l == owner), e * T + tokens, -1)
+            sources.append((eng.region[recv:], lay.comb, hb.BF16, index, topk_weights[:, k]))
+        partial = torch.empty(N, H, dtype=torch.float32)
+        eng.reduce_rows(partial.view(torch.uint8), 4 * H, hb.F32, N, H, sources)
+        partials.append((partial.view(torch.uint8), 4 * H, hb.F32, tokens, None))
+    out = result if result.is_contiguous() else torch.empty(N, H, dtype=torch.bfloat16)
+    eng.reduce_rows(out.view(torch.uint8), 2 * H, hb.BF16, N, H, partials)
+    if out is not result:
+        result.copy_(out)
 
 
 def clean(eng, T, H, E):

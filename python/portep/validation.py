@@ -307,7 +307,7 @@ def tensor_key(t):
 def call_key(*parts):
     """A hashable signature of a call's arguments (ints as (type, value), so 128.0 never matches 128), or None
     when some argument cannot be summarized (that call is always validated in full)."""
-    return None if any(p is _UNCACHEABLE for p in parts) else parts
+    return None if _UNCACHEABLE in parts else parts  # `in` tries identity first; no part equals the sentinel
 
 
 class CheckedCalls:

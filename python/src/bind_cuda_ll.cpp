@@ -34,7 +34,7 @@ class LLKernels {
  public:
   LLKernels(int rank, int num_ranks, uintptr_t local, uintptr_t peers, uintptr_t host_signals, uintptr_t signal_seen,
             uint32_t num_streams, const PyFifoSet& fifos, uintptr_t finish, uintptr_t chunk_done, uintptr_t proxy_begin,
-            int max_chunks, uintptr_t error, double timeout_s, int num_sms) {
+            int max_chunks, uintptr_t dest_done, uintptr_t error, double timeout_s, int num_sms) {
     c_ = LLCommon{};
     c_.rank = rank;
     c_.num_ranks = num_ranks;
@@ -50,13 +50,16 @@ class LLKernels {
     c_.chunk_done = ptr<uint32_t>(chunk_done);
     c_.proxy_begin = ptr<uint32_t>(proxy_begin);
     c_.max_chunks = max_chunks;
+    c_.dest_done = ptr<uint32_t>(dest_done);
+    c_.meta_stride = kMetaStride;
     c_.error = ptr<LLError>(error);
     c_.timeout_ns = uint64_t(timeout_s * 1e9);
     c_.num_sms = num_sms;
   }
 
   LLCommon shape(int T, int hidden, int num_experts, uint64_t send_off, uint64_t recv_off, uint64_t flag_off,
-                 uint32_t disp_bytes, uint32_t comb_pitch, uint32_t stream_base, uintptr_t stream) const {
+                 uint32_t disp_bytes, uint32_t comb_pitch, uint32_t stream_base, uint64_t meta_off,
+                 uintptr_t stream) const {
     LLCommon c = c_;
     c.T = T;
     c.hidden = hidden;
@@ -68,6 +71,7 @@ class LLKernels {
     c.disp_bytes = disp_bytes;
     c.comb_pitch = comb_pitch;
     c.stream_base = stream_base;
+    c.meta_off = meta_off;
     c.stream = reinterpret_cast<void*>(stream);
     return c;
   }
@@ -86,12 +90,15 @@ void bind_cuda_ll(py::module_& m) {
   m.attr("LL_PHASE_SEND") = kPhaseSend;
   m.attr("LL_PHASE_RECV") = kPhaseRecv;
   m.attr("LL_CHUNK_EXPERTS") = kChunkExperts;
+  m.attr("LL_META_TOKENS") = kMetaTokens;
+  m.attr("LL_META_STRIDE") = kMetaStride;
   py::class_<LLKernels>(m, "LLKernels")
       .def(py::init<int, int, uintptr_t, uintptr_t, uintptr_t, uintptr_t, uint32_t, const PyFifoSet&, uintptr_t,
-                    uintptr_t, uintptr_t, int, uintptr_t, double, int>(),
+                    uintptr_t, uintptr_t, int, uintptr_t, uintptr_t, double, int>(),
            py::arg("rank"), py::arg("num_ranks"), py::arg("local"), py::arg("peers"), py::arg("host_signals"),
            py::arg("signal_seen"), py::arg("num_streams"), py::arg("fifos"), py::arg("finish"), py::arg("chunk_done"),
-           py::arg("proxy_begin"), py::arg("max_chunks"), py::arg("error"), py::arg("timeout_s"), py::arg("num_sms"),
+           py::arg("proxy_begin"), py::arg("max_chunks"), py::arg("dest_done"), py::arg("error"), py::arg("timeout_s"),
+           py::arg("num_sms"),
            py::keep_alive<1, 9>())
       .def("dispatch",
            [](const LLKernels& k, int phases, py::tuple shape, uintptr_t x, uintptr_t topk_idx, int num_tokens,
@@ -101,7 +108,8 @@ void bind_cuda_ll(py::module_& m) {
              LLDispatchArgs a{};
              a.c = k.shape(shape[0].cast<int>(), shape[1].cast<int>(), shape[2].cast<int>(), shape[3].cast<uint64_t>(),
                            shape[4].cast<uint64_t>(), shape[5].cast<uint64_t>(), shape[6].cast<uint32_t>(),
-                           shape[7].cast<uint32_t>(), shape[8].cast<uint32_t>(), shape[9].cast<uintptr_t>());
+                           shape[7].cast<uint32_t>(), shape[8].cast<uint32_t>(), shape[9].cast<uint64_t>(),
+                           shape[10].cast<uintptr_t>());
              a.x = ptr<const void>(x);
              a.topk_idx = ptr<const int64_t>(topk_idx);
              a.num_tokens = num_tokens;
@@ -125,7 +133,8 @@ void bind_cuda_ll(py::module_& m) {
              LLCombineArgs a{};
              a.c = k.shape(shape[0].cast<int>(), shape[1].cast<int>(), shape[2].cast<int>(), shape[3].cast<uint64_t>(),
                            shape[4].cast<uint64_t>(), shape[5].cast<uint64_t>(), shape[6].cast<uint32_t>(),
-                           shape[7].cast<uint32_t>(), shape[8].cast<uint32_t>(), shape[9].cast<uintptr_t>());
+                           shape[7].cast<uint32_t>(), shape[8].cast<uint32_t>(), shape[9].cast<uint64_t>(),
+                           shape[10].cast<uintptr_t>());
              a.x = ptr<const void>(x);
              a.x_pitch = x_pitch;
              a.zero_copy = zero_copy;
