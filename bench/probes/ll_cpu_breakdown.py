@@ -38,7 +38,7 @@ def body(rank, world, iterations):
 
     from portep_bench.ll_gpu import _timed, cuda_ll_buffer, ll_inputs
 
-    torch.cuda.set_device(rank)
+    torch.cuda.set_device(rank % torch.cuda.device_count())  # ranks may share a GPU (host times only)
     T, H, K, E = 128, 7168, 8, 288
     x, idx, w = ll_inputs(rank, T, H, K, E)
     buf = cuda_ll_buffer(world, T, H, E, world, "shm")
