@@ -97,7 +97,7 @@ def body(rank, world, iterations):
     out["gpu (graph replay, events)"] = _timed(graph.replay, iterations)
     core = sorted(os.sched_getaffinity(0))[-1 - rank]
     os.sched_setaffinity(0, {core})
-    out[f"buffer, pinned to core {core}"] = per_iteration_us(buffer_rt, iterations)
+    out["buffer, main thread pinned to one core"] = per_iteration_us(buffer_rt, iterations)
     torch.cuda.synchronize()
     if rank == 0 and os.environ.get("PORTEP_PROBE_CPROFILE"):  # where the Buffer path's time goes, by function
         import cProfile
