@@ -344,9 +344,11 @@ class Buffer:
                                       "use use_logfmt=False (BF16)")
         key = None
         if self._device == "cuda" and isinstance(handle, tuple) and len(handle) == v.LL_HANDLE_LEN:
+            _, _, tokens, hidden, experts = handle
             key = v.call_key("combine", v.tensor_key(x), v.tensor_key(topk_idx), v.tensor_key(topk_weights),
-                             v.tensor_key(handle[0]), v.tensor_key(handle[1]), *((type(h), h) for h in handle[2:]),
-                             v.tensor_key(out), v.tensor_key(combine_wait_recv_cost_stats), bool(zero_copy),
+                             v.tensor_key(handle[0]), v.tensor_key(handle[1]), type(tokens), tokens, type(hidden),
+                             hidden, type(experts), experts, v.tensor_key(out),
+                             v.tensor_key(combine_wait_recv_cost_stats), bool(zero_copy),
                              bool(async_finish), bool(return_recv_hook), bool(use_logfmt))
         if not self._checked.seen(key):
             v.check_ll_flags(async_finish, return_recv_hook)
