@@ -64,9 +64,9 @@ PORTEP_DEVICE void write_combine_meta(const LLCombineArgs& a) {
     if (partial_peer(c, d)) st_release_sys_u32(&reinterpret_cast<MetaHeader*>(meta_block(c, c.peers[d], c.rank))->ready, 1u);
 }
 
-// Position of token t among the rows this rank received from src for local expert le (they are in token order),
-// or -1.
-PORTEP_DEVICE int find_row(const LLCombineArgs& a, int le, int src, int t) {
+// Position of token t's nth row among the rows this rank received from src for local expert le (they are in
+// token order; a token that selected the expert twice has two consecutive rows), or -1.
+PORTEP_DEVICE int find_row(const LLCombineArgs& a, int le, int src, int t, int nth) {
   const LLCommon& c = a.c;
   const uint64_t lr = uint64_t(a.layout_range[le * c.num_ranks + src]);
   const int32_t* tokens = a.src_info + uint64_t(le) * c.num_ranks * c.T + uint32_t(lr >> 32);
@@ -75,6 +75,7 @@ PORTEP_DEVICE int find_row(const LLCombineArgs& a, int le, int src, int t) {
     const int mid = (lo + hi) / 2;
     if (tokens[mid] < t) lo = mid + 1; else hi = mid;
   }
+  lo += nth;
   return lo < int(uint32_t(lr)) && tokens[lo] == t ? lo : -1;
 }
 
@@ -86,13 +87,16 @@ PORTEP_DEVICE void combine_partial_token(const LLCombineArgs& a, int dst, int t)
   __shared__ float weights[kWarpSize];
   __shared__ uint64_t dst_rows[kWarpSize];  // byte offsets of the selections' receive rows in dst's region
   __shared__ int found[kWarpSize];          // per k: the row's position among dst's rows of that expert, or -1
+  __shared__ int selected[kWarpSize];       // per k: the expert
   __shared__ int count;
   __shared__ bool ready, last;
   const LLCommon& c = a.c;
   MetaHeader* meta = reinterpret_cast<MetaHeader*>(meta_block(c, c.local, dst));
   if (threadIdx.x == 0) {
     uint64_t v = 0, waited = 0;
-    ready = wait_until([&] { return uint64_t(ld_acquire_sys_u32(&meta->ready)); }, [](uint64_t x) { return x != 0; },
+    // After any failure (this call's results are void) the items stop waiting: each would wait out the timeout.
+    ready = *reinterpret_cast<volatile uint32_t*>(&c.error->code) == 0 &&
+            wait_until([&] { return uint64_t(ld_acquire_sys_u32(&meta->ready)); }, [](uint64_t x) { return x != 0; },
                        c.timeout_ns, &v, &waited);
     if (!ready) report_error(c.error, kErrWaitTimeout, uint32_t(c.rank), uint32_t(dst), uint32_t(t));
   }
@@ -102,7 +106,11 @@ PORTEP_DEVICE void combine_partial_token(const LLCombineArgs& a, int dst, int t)
     const int k = lane_id();
     const int32_t* all = reinterpret_cast<const int32_t*>(meta + 1);
     const int e = ready && t < N && k < K ? all[uint64_t(t) * K + k] : -1;
-    const int le = e % E_l, i = e >= 0 && e / E_l == c.rank ? find_row(a, le, dst, t) : -1;
+    selected[k] = e;
+    warp_sync();
+    int earlier = 0;  // selections of the same expert before this one (duplicates have consecutive rows)
+    for (int j = 0; j < k; ++j) earlier += selected[j] == e;
+    const int le = e % E_l, i = e >= 0 && e / E_l == c.rank ? find_row(a, le, dst, t, earlier) : -1;
     found[k] = i;
     if (i >= 0) {
       const uint32_t begin = uint32_t(uint64_t(a.layout_range[le * c.num_ranks + dst]) >> 32);
