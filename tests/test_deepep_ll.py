@@ -67,3 +67,14 @@ def test_low_latency_rdma_size_hint_matches_deepep():
     for T, H, E, R in ((128, 7168, 288, 8), (128, 7168, 256, 16), (256, 4096, 64, 4), (64, 512, 16, 2),
                        (32, 512, 64, 8), (1, 2048, 3, 3)):
         assert portep.Buffer.get_low_latency_rdma_size_hint(T, H, R, E) == _deepep_size_hint(T, H, E), (T, H, E, R)
+
+
+@pytest.mark.parametrize("case", [(2, 1, "shm", 21), (4, 2, "shm-unordered", 22)], ids=["2x1-shm", "4x2-unordered"])
+def test_ll_combine_sums_per_owner_rank_then_over_ranks(case):
+    # the order the CUDA backend's partial sums between direct peers need, bit for bit
+    import ll_order_workers as o
+
+    world, rpn, transport, seed = case
+    out = run_ranks(o.combine_order_body, world, args=(rpn, transport, seed, 48, 1024, 8 * world, 8), timeout=200)
+    _assert_clean(out, 1)
+    assert sum(res["order_sensitive"] for res in out.values()) > 0, "these inputs cannot tell the orders apart"
