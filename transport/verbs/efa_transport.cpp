@@ -67,9 +67,26 @@ class EfaTransport final : public Transport {
     if (connected_) throw TransportError("efa: regions must be allocated before connect()");
     Region& r = regions_[region];
     r.bytes = bytes ? bytes : 64;
+    const int access = IBV_ACCESS_LOCAL_WRITE | IBV_ACCESS_REMOTE_WRITE;  // no reads: not every EFA has them
+    if (on_device(region)) {  // as RC does (verbs_common.h); SRD has no atomics, so signals are immediates anyway
+      alloc_device_data_region(pd_, &r, o_.device.get(), access, &registration_);
+      return r.addr;
+    }
     r.addr = alloc_pages(r.bytes);
-    register_region(pd_, &r, IBV_ACCESS_LOCAL_WRITE | IBV_ACCESS_REMOTE_WRITE);  // no reads: not every EFA has them
+    register_region(pd_, &r, access);
+    if (o_.device && region == kRegionSignal) device_signal_ = o_.device->map_host(r.addr, r.bytes);
     return r.addr;
+  }
+
+  void* region_device_address(RegionId region) const override {
+    if (!o_.device) return nullptr;
+    return region == kRegionData ? regions_[kRegionData].addr : device_signal_;
+  }
+
+  // Before the proxy publishes a signal whose writes landed in GPU memory.
+  void make_writes_visible(int channel) override {
+    (void)channel;
+    if (o_.device) o_.device->flush_remote_writes();
   }
 
   // Lines: gid, then per region "addr rkey bytes", then the QP number of each channel.
@@ -170,7 +187,8 @@ class EfaTransport final : public Transport {
   }
 
   std::string describe_peer(int peer) const override {
-    return "rank " + std::to_string(peer) + " (EFA SRD over " + dev_name_ + ":" + std::to_string(port_) + ")";
+    return "rank " + std::to_string(peer) + " (EFA SRD over " + dev_name_ + ":" + std::to_string(port_) +
+           (o_.device ? ", GPU memory registered by " + registration_ : std::string()) + ")";
   }
 
  private:
@@ -277,12 +295,21 @@ class EfaTransport final : public Transport {
       if (ch.recv_cq) ibv_destroy_cq(ch.recv_cq);
     }
     channels_.clear();
-    for (auto& r : regions_) release_region(&r);
+    if (device_signal_) o_.device->unmap_host(regions_[kRegionSignal].addr);
+    device_signal_ = nullptr;
+    for (int i = 0; i < kNumRegions; ++i) {
+      if (on_device(RegionId(i)))
+        release_device_region(&regions_[i], o_.device.get());
+      else
+        release_region(&regions_[i]);
+    }
     if (pd_) ibv_dealloc_pd(pd_);
     pd_ = nullptr;
     if (ctx_) ibv_close_device(ctx_);
     ctx_ = nullptr;
   }
+
+  bool on_device(RegionId region) const { return o_.device && region == kRegionData; }
 
   VerbsOptions o_;
   ibv_context* ctx_;
@@ -298,6 +325,8 @@ class EfaTransport final : public Transport {
   std::vector<SrdPeer> peers_;
   std::vector<RemoteRegions> remotes_;
   std::unordered_map<uint64_t, int> senders_;  // (AH number, QP number) of a receive completion -> rank
+  void* device_signal_ = nullptr;              // the signal region as kernels address it (GPU data only)
+  std::string registration_;                   // how the GPU data region was registered
   bool connected_ = false;
 };
 

@@ -78,6 +78,28 @@ inline void register_device_region(ibv_pd* pd, Region* r, DeviceMemory* device, 
                        " (is a peer-memory module such as nvidia-peermem loaded?); host staging is not implemented");
 }
 
+// A transport's data region in GPU memory (VerbsOptions::device), both transports alike: whole 2 MiB GPU pages
+// (a dma-buf export covers whole pages), registered as register_device_region says. The signal region stays in
+// host memory, mapped for kernels. Never shared through /dev/shm: same-host peers reach it through RDMA.
+inline void alloc_device_data_region(ibv_pd* pd, Region* r, DeviceMemory* device, int access, std::string* how) {
+  constexpr size_t kGpuPage = 2u << 20;
+  r->bytes = (r->bytes + kGpuPage - 1) / kGpuPage * kGpuPage;
+  r->addr = device->alloc_region(r->bytes);
+  try {
+    register_device_region(pd, r, device, access, how);
+  } catch (...) {
+    device->free_region(r->addr);
+    *r = Region{};
+    throw;
+  }
+}
+
+inline void release_device_region(Region* r, DeviceMemory* device) {
+  if (r->mr) ibv_dereg_mr(r->mr);
+  if (r->addr) device->free_region(r->addr);
+  *r = Region{};
+}
+
 inline void release_region(Region* r) {
   if (r->mr) ibv_dereg_mr(r->mr);
   if (r->addr) munmap(r->addr, r->bytes);

@@ -121,11 +121,12 @@ class VerbsTransport final : public Transport {
     }
     if (device_signal_) o_.device->unmap_host(regions_[kRegionSignal].addr);
     for (int i = 0; i < kNumRegions; ++i) {
+      if (on_device(RegionId(i))) {
+        release_device_region(&regions_[i], o_.device.get());
+        continue;
+      }
       if (regions_[i].mr) ibv_dereg_mr(regions_[i].mr);
-      if (on_device(RegionId(i)))
-        o_.device->free_region(regions_[i].addr);
-      else if (!segments_[i].data() && regions_[i].addr)
-        munmap(regions_[i].addr, regions_[i].bytes);  // private pages
+      if (!segments_[i].data() && regions_[i].addr) munmap(regions_[i].addr, regions_[i].bytes);  // private pages
     }
     release_region(&scratch_);
     if (pd_) ibv_dealloc_pd(pd_);
@@ -143,13 +144,9 @@ class VerbsTransport final : public Transport {
     if (connected_) throw TransportError("verbs: regions must be allocated before connect()");
     Region& r = regions_[region];
     r.bytes = bytes ? bytes : 64;
-    if (on_device(region)) {  // never shared through /dev/shm: same-host peers reach it through RDMA
-      constexpr size_t kGpuPage = 2u << 20;  // dma-buf export covers whole pages: allocate whole GPU pages
-      r.bytes = (r.bytes + kGpuPage - 1) / kGpuPage * kGpuPage;
-      r.addr = o_.device->alloc_region(r.bytes);
-      register_device_region(pd_, &r, o_.device.get(),
-                             IBV_ACCESS_LOCAL_WRITE | IBV_ACCESS_REMOTE_WRITE | IBV_ACCESS_REMOTE_READ,
-                             &registration_);
+    if (on_device(region)) {
+      alloc_device_data_region(pd_, &r, o_.device.get(),
+                               IBV_ACCESS_LOCAL_WRITE | IBV_ACCESS_REMOTE_WRITE | IBV_ACCESS_REMOTE_READ, &registration_);
       return r.addr;
     }
     // Shared memory, so that ranks on this host can also map it (node views for normal mode), when /dev/shm
@@ -508,14 +505,7 @@ std::unique_ptr<Transport> make_verbs_transport(const VerbsOptions& o, std::stri
   std::string name;
   ibv_context* ctx = open_device(o.hca, &port, &name, why);
   if (!ctx) return nullptr;
-  if (is_efa_device(ctx)) {  // SRD: the EFA transport
-    if (o.device) {
-      ibv_close_device(ctx);
-      *why = "EFA with GPU memory (dma-buf registration on SRD) is not implemented yet; use host memory";
-      return nullptr;
-    }
-    return make_efa_transport(o, ctx, port, name);
-  }
+  if (is_efa_device(ctx)) return make_efa_transport(o, ctx, port, name);  // SRD: the EFA transport
   return std::make_unique<VerbsTransport>(o, ctx, port, name);
 }
 
