@@ -79,15 +79,9 @@ class EfaTransport final : public Transport {
   }
 
   void* region_device_address(RegionId region) const override {
-    if (!o_.device) return nullptr;
-    return region == kRegionData ? regions_[kRegionData].addr : device_signal_;
+    return gpu_region_address(o_.device.get(), regions_, device_signal_, region);
   }
-
-  // Before the proxy publishes a signal whose writes landed in GPU memory.
-  void make_writes_visible(int channel) override {
-    (void)channel;
-    if (o_.device) o_.device->flush_remote_writes();
-  }
+  void make_writes_visible(int) override { flush_gpu_writes(o_.device.get()); }
 
   // Lines: gid, then per region "addr rkey bytes", then the QP number of each channel.
   std::string endpoint_blob() override {

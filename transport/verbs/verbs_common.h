@@ -94,6 +94,19 @@ inline void alloc_device_data_region(ibv_pd* pd, Region* r, DeviceMemory* device
   }
 }
 
+// Where kernels address a region: the GPU data region itself, the host signal region through its mapping
+// (device_signal); nullptr without GPU data.
+inline void* gpu_region_address(const DeviceMemory* device, const Region* regions, void* device_signal,
+                                 RegionId region) {
+  if (!device) return nullptr;
+  return region == kRegionData ? regions[kRegionData].addr : device_signal;
+}
+
+// Before a proxy publishes a signal whose writes landed in GPU memory (Transport::make_writes_visible).
+inline void flush_gpu_writes(DeviceMemory* device) {
+  if (device) device->flush_remote_writes();
+}
+
 inline void release_device_region(Region* r, DeviceMemory* device) {
   if (r->mr) ibv_dereg_mr(r->mr);
   if (r->addr) device->free_region(r->addr);
