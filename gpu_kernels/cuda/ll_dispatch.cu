@@ -247,7 +247,8 @@ PORTEP_DEVICE void dispatch_recv_expert(const LLDispatchArgs& a, int le, uint32_
   // into `parts` pieces, one warp each; part 0 also writes its source token and scales.
   const int S = H / 128, warp = int(threadIdx.x) / kWarpSize;
   const uint32_t fit = total ? uint32_t(kLLWarps) / total : 1u, parts = fit < 1u ? 1u : fit > 4u ? 4u : fit;
-  const int n16 = a.use_fp8 ? H / 16 : H / 8, piece = (n16 / int(parts) + kWarpSize - 1) / kWarpSize * kWarpSize;
+  const int n16 = a.use_fp8 ? H / 16 : H / 8;
+  const int piece = ((n16 + int(parts) - 1) / int(parts) + kWarpSize - 1) / kWarpSize * kWarpSize;  // parts cover n16
   for (uint32_t item = warp; item < total * parts; item += kLLWarps) {
     const uint32_t i = item / parts, part = item % parts;
     int src = 0;

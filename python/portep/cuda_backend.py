@@ -96,9 +96,9 @@ class CudaEngine(Topology):
         self.flag_slots = self.num_ranks * max_local_experts
         # after the flags: per half, each source's meta block for combine partials (ll_api.h)
         self.meta_base = self.num_bytes + 4 * 4 * self.flag_slots
-        meta_bytes = 2 * self.num_ranks * self.native.LL_META_STRIDE
+        self.meta_bytes = 2 * self.num_ranks * self.native.LL_META_STRIDE
         self.fifos = self.native.DeviceFifoSet(NUM_DEVICE_FIFOS, DEVICE_FIFO_CAPACITY)
-        self.channel = Channel(group, self.meta_base + meta_bytes, transport=transport,
+        self.channel = Channel(group, self.meta_base + self.meta_bytes, transport=transport,
                                num_streams=hb.STREAM_LL_BASE + 4 * max_local_experts,
                                num_proxy_threads=num_proxy_threads, timeout_s=timeout_s,
                                device=self.device.index, device_fifos=self.fifos)
@@ -297,8 +297,8 @@ class CudaEngine(Topology):
         torch.cuda.current_stream(self.device).synchronize()
         self.channel.barrier()
         flags = self.num_bytes
-        _as_tensor(self.channel._native.device_data_ptr() + flags, self.meta_base - flags +
-                   2 * self.num_ranks * self.native.LL_META_STRIDE, self.device).zero_()  # flags, meta blocks
+        _as_tensor(self.channel._native.device_data_ptr() + flags, self.meta_base + self.meta_bytes - flags,
+                   self.device).zero_()  # flags, meta blocks
         self._finish.zero_()
         self._signal_seen.zero_()
         signals = self.channel.signals

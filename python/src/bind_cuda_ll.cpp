@@ -76,6 +76,13 @@ class LLKernels {
     return c;
   }
 
+  // The per-call constants as _shape in cuda_backend.py packs them.
+  LLCommon shape(const py::tuple& s) const {
+    return shape(s[0].cast<int>(), s[1].cast<int>(), s[2].cast<int>(), s[3].cast<uint64_t>(), s[4].cast<uint64_t>(),
+                 s[5].cast<uint64_t>(), s[6].cast<uint32_t>(), s[7].cast<uint32_t>(), s[8].cast<uint32_t>(),
+                 s[9].cast<uint64_t>(), s[10].cast<uintptr_t>());
+  }
+
   LLCommon c_;
 };
 
@@ -106,10 +113,7 @@ void bind_cuda_ll(py::module_& m) {
               uintptr_t recv_count, uintptr_t src_info, uintptr_t layout_range, uintptr_t cumulative_stats,
               uintptr_t wait_stats) {
              LLDispatchArgs a{};
-             a.c = k.shape(shape[0].cast<int>(), shape[1].cast<int>(), shape[2].cast<int>(), shape[3].cast<uint64_t>(),
-                           shape[4].cast<uint64_t>(), shape[5].cast<uint64_t>(), shape[6].cast<uint32_t>(),
-                           shape[7].cast<uint32_t>(), shape[8].cast<uint32_t>(), shape[9].cast<uint64_t>(),
-                           shape[10].cast<uintptr_t>());
+             a.c = k.shape(shape);
              a.x = ptr<const void>(x);
              a.topk_idx = ptr<const int64_t>(topk_idx);
              a.num_tokens = num_tokens;
@@ -131,10 +135,7 @@ void bind_cuda_ll(py::module_& m) {
               uintptr_t src_info, uintptr_t layout_range, uintptr_t topk_idx, uintptr_t topk_weights, int num_tokens,
               int num_topk, uintptr_t out, uint64_t out_pitch, uintptr_t wait_stats) {
              LLCombineArgs a{};
-             a.c = k.shape(shape[0].cast<int>(), shape[1].cast<int>(), shape[2].cast<int>(), shape[3].cast<uint64_t>(),
-                           shape[4].cast<uint64_t>(), shape[5].cast<uint64_t>(), shape[6].cast<uint32_t>(),
-                           shape[7].cast<uint32_t>(), shape[8].cast<uint32_t>(), shape[9].cast<uint64_t>(),
-                           shape[10].cast<uintptr_t>());
+             a.c = k.shape(shape);
              a.x = ptr<const void>(x);
              a.x_pitch = x_pitch;
              a.zero_copy = zero_copy;
