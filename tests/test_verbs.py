@@ -1,7 +1,9 @@
 """The verbs transports. Outside a guest (no RDMA in this kernel) they must fail cleanly and leave everything
 else working; inside a qemu guest with soft-RoCE (tests/guest_vm.py) they run for real: one guest boot runs
 every scenario of tests/verbs_inside.py (exact bytes, traffic checked at each signal, a bad remote key) over RC
-with one QP (native atomics) and striped over 4 QPs (unordered, signals emulated with immediates)."""
+with one QP (native atomics) and striped over 4 QPs (unordered, signals emulated with immediates), also with the
+data region on emulated GPU memory: registered by pointer, or staged in host memory when no NIC can register it
+or PORTEP_IB_GPUDIRECT=0 says so."""
 
 import json
 import os
@@ -63,13 +65,25 @@ def test_no_rdma_device_is_a_clean_error():
 @in_guest
 def test_verbs_in_soft_roce_guest():
     rc, results, output, seconds = run_script_in_guest("verbs_inside.py", 1200)
-    assert rc == 0 and len(results) == 7, f"guest rc {rc} after {seconds:.0f} s:\n{output[-6000:]}"
+    assert rc == 0 and len(results) == 11, f"guest rc {rc} after {seconds:.0f} s:\n{output[-6000:]}"
     for name, r in results.items():
         for rank, v in enumerate(r["ranks"]):
             assert "exception" not in v, f"{name} rank {rank}:\n{v['exception']}"
-    for transport, native_signals in (("verbs", True), ("verbs-striped", False), ("verbs+gpu", False)):
+    # transport -> (native signals, where the data region went: None for host memory)
+    expected = {"verbs": (True, None), "verbs-striped": (False, None),
+                "verbs+gpu": (False, "GPU data region: peer memory"),
+                "verbs+gpu-no-rdma": (False, "ibv_reg_mr on the device pointer: Bad address"),
+                "verbs-striped+gpu-staged": (False, "GPU memory: GPUDirect RDMA turned off (PORTEP_IB_GPUDIRECT=0)")}
+    for transport, (native_signals, placement) in expected.items():
+        for v in results[f"exact_bytes/{transport}"]["ranks"] + results[f"traffic/{transport}"]["ranks"]:
+            assert v["native_signals"] == native_signals
+            if placement is None:
+                assert "GPU data region" not in v["placement"], v["placement"]
+            else:
+                assert placement in v["placement"], v["placement"]
+                assert ("host staging" in v["placement"]) == ("gpu-" in transport), v["placement"]
         for v in results[f"exact_bytes/{transport}"]["ranks"]:
-            assert v["mismatched_sources"] == [] and v["native_signals"] == native_signals
+            assert v["mismatched_sources"] == []
             assert all(s & 0xFFFFFFFF == 4 and s >> 32 == 1 for s in v["slots"]), v["slots"]
         for v in results[f"traffic/{transport}"]["ranks"]:
             assert v["error"] is None and v["violations"] == 0, v

@@ -5,13 +5,15 @@ manager, and run one scenario each. Prints one JSON line per scenario: {"name", 
 Scenarios: exact bytes of seeded writes + final signals; random writes+signals with a receiver that checks each
 signal when it becomes visible (the channel traffic checker); a corrupted remote key that must come back as a
 Python RuntimeError naming the failed completion. Over "verbs" (RC, native atomics), "verbs-striped"
-(4 QPs per peer: unordered, signals emulated with immediates) and "verbs+gpu" (RC with the data region on
-emulated GPU memory: no dma-buf there, so the registration falls back to ibv_reg_mr on the "device" pointer, and
-signals go through immediates).
+(4 QPs per peer: unordered, signals emulated with immediates) and with the data region on emulated GPU memory
+(signals then go through immediates): "verbs+gpu" (no dma-buf there, so the registration falls back to ibv_reg_mr
+on the "device" pointer), "verbs+gpu-no-rdma" (device addresses no NIC can register, so the data region falls
+back to host staging) and "verbs-striped+gpu-staged" (PORTEP_IB_GPUDIRECT=0: host staging without trying).
 """
 
 import json
 import multiprocessing as mp
+import os
 import random
 import sys
 import threading
@@ -20,16 +22,20 @@ import traceback
 
 
 EMULATED_GPU = -2  # the native kEmulatedDevice: host memory behind the transports' GPU-memory path
+EMULATED_GPU_WITHOUT_RDMA = -3  # kEmulatedDeviceWithoutRdma: device addresses no NIC can register
 
 
 def _channel(_C, rank, world, transport, nbytes, shared, barrier, tamper=None):
-    # "<transport>+gpu": the data region takes the GPU-memory path (registration chain, signals through
+    # "<transport>+gpu...": the data region takes the GPU-memory path (registration chain, signals through
     # immediates, flush before publishing) on emulated device memory
     name, _, gpu = transport.partition("+")
+    if gpu == "gpu-staged":
+        os.environ["PORTEP_IB_GPUDIRECT"] = "0"  # this rank's process only
+    device = {"": -1, "gpu-no-rdma": EMULATED_GPU_WITHOUT_RDMA}.get(gpu, EMULATED_GPU)
     ch = _C.Channel(rank=rank, num_ranks=world, nbytes=nbytes, transport=name, num_proxy_threads=2, num_fifos=8,
                     fifo_capacity=4096, num_streams=8, max_inflight_cmds=256, max_inflight_bytes=1 << 24,
                     timeout_s=30.0, unordered_window=64, seed=rank, skip_ordering=False,
-                    device=EMULATED_GPU if gpu else -1)
+                    device=device)
     shared[rank] = ch.endpoint_blob()
     barrier.wait()
     blobs = [shared[r] for r in range(world)]
@@ -60,9 +66,9 @@ def exact_bytes(_C, rank, world, transport, shared, barrier):
     slots = [ch.wait_signal(src, 1, 4, 30.0) for src in range(world)]
     ch.barrier()
     bad = [src for src in range(world) if bytes(mem[world * block + src * block:][:block]) != _pattern(src, rank, block)]
-    native = ch.native_signals
+    native, placement = ch.native_signals, ch.describe_peer(rank)
     ch.destroy()
-    return {"mismatched_sources": bad, "slots": slots, "native_signals": native}
+    return {"mismatched_sources": bad, "slots": slots, "native_signals": native, "placement": placement}
 
 
 def traffic(_C, rank, world, transport, shared, barrier):
@@ -83,13 +89,14 @@ def traffic(_C, rank, world, transport, shared, barrier):
     produced = _C.run_producers(ch, producers, messages, max_bytes, signal_every, seed)
     t.join()
     ch.barrier()
-    native = ch.native_signals
+    native, placement = ch.native_signals, ch.describe_peer(rank)
     delayed = sum(s["signals_delayed"] for s in ch.stats())
     ch.destroy()
     check = result.get("check", {})
     return {"error": result.get("error"), "violations": check.get("violations"),
             "messages_checked": check.get("messages_checked"), "streams_final": check.get("streams_final"),
-            "commands": produced.get("commands"), "native_signals": native, "signals_delayed": delayed}
+            "commands": produced.get("commands"), "native_signals": native, "signals_delayed": delayed,
+            "placement": placement}
 
 
 def _bad_rkey(rank, blobs):
@@ -155,6 +162,9 @@ def main():
     scenarios = [("exact_bytes", exact_bytes, "verbs"), ("traffic", traffic, "verbs"),
                  ("exact_bytes", exact_bytes, "verbs-striped"), ("traffic", traffic, "verbs-striped"),
                  ("exact_bytes", exact_bytes, "verbs+gpu"), ("traffic", traffic, "verbs+gpu"),
+                 ("exact_bytes", exact_bytes, "verbs+gpu-no-rdma"), ("traffic", traffic, "verbs+gpu-no-rdma"),
+                 ("exact_bytes", exact_bytes, "verbs-striped+gpu-staged"),
+                 ("traffic", traffic, "verbs-striped+gpu-staged"),
                  ("bad_remote_key", bad_remote_key, "verbs")]
     only = sys.argv[1:]
     for name, fn, transport in scenarios:

@@ -2,8 +2,10 @@
 // peers by name) and each channel's "copy engine" is a worker thread that performs the copies in issue order,
 // some after a seeded random delay. The shm transport's GPU path (notify only once a copy has completed, in
 // issue order) then runs, and is checked, exactly as with CUDA IPC and copy engines.
+#include <errno.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/mman.h>
 
 #include <atomic>
 #include <chrono>
@@ -85,7 +87,8 @@ class CopyWorker {
 
 class EmulatedDeviceMemory final : public DeviceMemory {
  public:
-  EmulatedDeviceMemory(int channels, uint64_t seed) {
+  EmulatedDeviceMemory(int channels, uint64_t seed, bool nic_can_register)
+      : nic_can_register_(nic_can_register) {
     for (int c = 0; c < channels; ++c) workers_.push_back(std::make_unique<CopyWorker>(seed * 7919u + uint64_t(c)));
   }
   ~EmulatedDeviceMemory() override { synchronize(); }
@@ -93,10 +96,18 @@ class EmulatedDeviceMemory final : public DeviceMemory {
   int device() const override { return -1; }
 
   void* alloc_region(size_t bytes) override {
+    if (!nic_can_register_) return reserve_unbacked(bytes);
     own_ = ShmSegment::create("emudev", bytes);
     return own_.data();
   }
-  void free_region(void*) override { own_ = ShmSegment(); }
+  void free_region(void* p) override {
+    if (auto it = unbacked_.find(p); it != unbacked_.end()) {
+      munmap(p, it->second);
+      unbacked_.erase(it);
+      return;
+    }
+    own_ = ShmSegment();
+  }
   std::string export_region(void*) override { return own_.name() + "\n" + std::to_string(own_.size()); }
 
   void* open_peer_region(const std::string& handle) override {
@@ -131,15 +142,27 @@ class EmulatedDeviceMemory final : public DeviceMemory {
     return *workers_[size_t(channel)];
   }
 
+  // What a GPU pointer is to a NIC without dma-buf or peer memory: addresses with nothing the kernel can pin
+  // (CUDA reserves its device addresses in the process the same way), so ibv_reg_mr fails with EFAULT.
+  void* reserve_unbacked(size_t bytes) {
+    void* p = mmap(nullptr, bytes, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
+    if (p == MAP_FAILED)
+      throw TransportError("emulated device memory: mmap of " + std::to_string(bytes) + " bytes: " + strerror(errno));
+    unbacked_[p] = bytes;
+    return p;
+  }
+
+  bool nic_can_register_;
   ShmSegment own_;
+  std::map<void*, size_t> unbacked_;
   std::map<void*, ShmSegment> peers_;
   std::vector<std::unique_ptr<CopyWorker>> workers_;
 };
 
 }  // namespace
 
-std::unique_ptr<DeviceMemory> make_emulated_device_memory(int channels, uint64_t seed) {
-  return std::make_unique<EmulatedDeviceMemory>(channels, seed);
+std::unique_ptr<DeviceMemory> make_emulated_device_memory(int channels, uint64_t seed, bool nic_can_register) {
+  return std::make_unique<EmulatedDeviceMemory>(channels, seed, nic_can_register);
 }
 
 }  // namespace portep

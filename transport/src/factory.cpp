@@ -9,7 +9,8 @@ namespace {
 
 // The data region's GPU memory for spec.device (null: host memory).
 std::unique_ptr<DeviceMemory> device_memory_for(const TransportSpec& s) {
-  if (s.device == kEmulatedDevice) return make_emulated_device_memory(s.num_channels, s.seed);
+  if (s.device == kEmulatedDevice || s.device == kEmulatedDeviceWithoutRdma)
+    return make_emulated_device_memory(s.num_channels, s.seed, s.device == kEmulatedDevice);
   if (s.device < 0) return nullptr;
   std::string why;
   auto device = make_cuda_device_memory(s.device, s.num_channels, &why);
@@ -28,6 +29,9 @@ std::unique_ptr<Transport> make_transport(const TransportSpec& s) {
     o.ordered = s.name == "shm";
     o.window = s.window;
     o.seed = s.seed;
+    if (s.device == kEmulatedDeviceWithoutRdma)
+      throw TransportError(s.name + ": device=" + std::to_string(s.device) + " (emulated GPU memory no NIC can "
+                           "register) is for the verbs transports only");
     o.device = device_memory_for(s);
     return std::make_unique<ShmTransport>(o);
   }

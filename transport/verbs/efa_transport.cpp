@@ -9,6 +9,7 @@
 #include <unordered_map>
 #include <vector>
 
+#include "gpu_data_region.h"
 #include "verbs_common.h"
 
 namespace portep {
@@ -69,7 +70,7 @@ class EfaTransport final : public Transport {
     r.bytes = bytes ? bytes : 64;
     const int access = IBV_ACCESS_LOCAL_WRITE | IBV_ACCESS_REMOTE_WRITE;  // no reads: not every EFA has them
     if (on_device(region)) {  // as RC does (verbs_common.h); SRD has no atomics, so signals are immediates anyway
-      alloc_device_data_region(pd_, &r, o_.device.get(), access, &registration_);
+      gpu_data_.allocate(pd_, &r, o_.device.get(), access, o_.gpudirect);
       return r.addr;
     }
     r.addr = alloc_pages(r.bytes);
@@ -79,9 +80,9 @@ class EfaTransport final : public Transport {
   }
 
   void* region_device_address(RegionId region) const override {
-    return gpu_region_address(o_.device.get(), regions_, device_signal_, region);
+    return o_.device ? gpu_data_.kernel_address(region, regions_[kRegionData], device_signal_) : nullptr;
   }
-  void make_writes_visible(int) override { flush_gpu_writes(o_.device.get()); }
+  void make_writes_visible(int) override { gpu_data_.flush_nic_writes(); }
 
   // Lines: gid, then per region "addr rkey bytes", then the QP number of each channel.
   std::string endpoint_blob() override {
@@ -182,7 +183,7 @@ class EfaTransport final : public Transport {
 
   std::string describe_peer(int peer) const override {
     return "rank " + std::to_string(peer) + " (EFA SRD over " + dev_name_ + ":" + std::to_string(port_) +
-           (o_.device ? ", GPU memory registered by " + registration_ : std::string()) + ")";
+           (o_.device ? ", GPU data region: " + gpu_data_.how() : std::string()) + ")";
   }
 
  private:
@@ -293,7 +294,7 @@ class EfaTransport final : public Transport {
     device_signal_ = nullptr;
     for (int i = 0; i < kNumRegions; ++i) {
       if (on_device(RegionId(i)))
-        release_device_region(&regions_[i], o_.device.get());
+        gpu_data_.release(&regions_[i]);
       else
         release_region(&regions_[i]);
     }
@@ -320,7 +321,7 @@ class EfaTransport final : public Transport {
   std::vector<RemoteRegions> remotes_;
   std::unordered_map<uint64_t, int> senders_;  // (AH number, QP number) of a receive completion -> rank
   void* device_signal_ = nullptr;              // the signal region as kernels address it (GPU data only)
-  std::string registration_;                   // how the GPU data region was registered
+  GpuDataRegion gpu_data_;                     // how the data region is placed and registered (GPU data only)
   bool connected_ = false;
 };
 

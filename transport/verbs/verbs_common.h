@@ -12,7 +12,6 @@
 #include <string>
 
 #include "../src/endpoint_text.h"
-#include "portep/device_memory.h"
 #include "portep/transport.h"
 
 namespace portep::verbs {
@@ -44,73 +43,6 @@ inline void* alloc_pages(size_t bytes) {
 inline void register_region(ibv_pd* pd, Region* r, int access) {
   r->mr = ibv_reg_mr(pd, r->addr, r->bytes, access);
   if (!r->mr) fail("ibv_reg_mr of " + std::to_string(r->bytes) + " bytes", errno);
-}
-
-// GPU memory: through the GPU's dma-buf when the driver exports one and rdma-core has ibv_reg_dmabuf_mr, else
-// ibv_reg_mr on the device pointer (works where a peer-memory client such as nvidia-peermem is loaded). *how
-// says which; both failures are in the error.
-inline void register_device_region(ibv_pd* pd, Region* r, DeviceMemory* device, int access, std::string* how) {
-  std::string dmabuf_why;
-#ifdef PORTEP_HAVE_IBV_REG_DMABUF_MR
-  uint64_t offset = 0;
-  const int fd = device->export_dmabuf(r->addr, r->bytes, &offset, &dmabuf_why);
-  if (fd >= 0) {
-    r->mr = ibv_reg_dmabuf_mr(pd, offset, r->bytes, reinterpret_cast<uintptr_t>(r->addr), fd, access);
-    const int err = errno;
-    close(fd);  // the registration holds its own reference to the buffer
-    if (r->mr) {
-      *how = "dma-buf";
-      return;
-    }
-    dmabuf_why = std::string("ibv_reg_dmabuf_mr: ") + strerror(err);
-  }
-#else
-  dmabuf_why = "this build's rdma-core has no ibv_reg_dmabuf_mr";
-#endif
-  r->mr = ibv_reg_mr(pd, r->addr, r->bytes, access);
-  if (r->mr) {
-    *how = "peer memory (ibv_reg_mr on the device pointer)";
-    return;
-  }
-  const int err = errno;
-  throw TransportError("verbs: cannot register " + std::to_string(r->bytes) + " bytes of GPU memory: dma-buf: " +
-                       dmabuf_why + "; ibv_reg_mr on the device pointer: " + strerror(err) +
-                       " (is a peer-memory module such as nvidia-peermem loaded?); host staging is not implemented");
-}
-
-// A transport's data region in GPU memory (VerbsOptions::device), both transports alike: whole 2 MiB GPU pages
-// (a dma-buf export covers whole pages), registered as register_device_region says. The signal region stays in
-// host memory, mapped for kernels. Never shared through /dev/shm: same-host peers reach it through RDMA.
-inline void alloc_device_data_region(ibv_pd* pd, Region* r, DeviceMemory* device, int access, std::string* how) {
-  constexpr size_t kGpuPage = 2u << 20;
-  r->bytes = (r->bytes + kGpuPage - 1) / kGpuPage * kGpuPage;
-  r->addr = device->alloc_region(r->bytes);
-  try {
-    register_device_region(pd, r, device, access, how);
-  } catch (...) {
-    device->free_region(r->addr);
-    *r = Region{};
-    throw;
-  }
-}
-
-// Where kernels address a region: the GPU data region itself, the host signal region through its mapping
-// (device_signal); nullptr without GPU data.
-inline void* gpu_region_address(const DeviceMemory* device, const Region* regions, void* device_signal,
-                                 RegionId region) {
-  if (!device) return nullptr;
-  return region == kRegionData ? regions[kRegionData].addr : device_signal;
-}
-
-// Before a proxy publishes a signal whose writes landed in GPU memory (Transport::make_writes_visible).
-inline void flush_gpu_writes(DeviceMemory* device) {
-  if (device) device->flush_remote_writes();
-}
-
-inline void release_device_region(Region* r, DeviceMemory* device) {
-  if (r->mr) ibv_dereg_mr(r->mr);
-  if (r->addr) device->free_region(r->addr);
-  *r = Region{};
 }
 
 inline void release_region(Region* r) {

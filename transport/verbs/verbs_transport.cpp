@@ -14,6 +14,7 @@
 #include <unordered_map>
 
 #include "efa_transport.h"
+#include "gpu_data_region.h"
 #include "verbs_common.h"
 #include "../shm/shm_segment.h"
 
@@ -122,7 +123,7 @@ class VerbsTransport final : public Transport {
     if (device_signal_) o_.device->unmap_host(regions_[kRegionSignal].addr);
     for (int i = 0; i < kNumRegions; ++i) {
       if (on_device(RegionId(i))) {
-        release_device_region(&regions_[i], o_.device.get());
+        gpu_data_.release(&regions_[i]);
         continue;
       }
       if (regions_[i].mr) ibv_dereg_mr(regions_[i].mr);
@@ -145,8 +146,8 @@ class VerbsTransport final : public Transport {
     Region& r = regions_[region];
     r.bytes = bytes ? bytes : 64;
     if (on_device(region)) {
-      alloc_device_data_region(pd_, &r, o_.device.get(),
-                               IBV_ACCESS_LOCAL_WRITE | IBV_ACCESS_REMOTE_WRITE | IBV_ACCESS_REMOTE_READ, &registration_);
+      gpu_data_.allocate(pd_, &r, o_.device.get(),
+                         IBV_ACCESS_LOCAL_WRITE | IBV_ACCESS_REMOTE_WRITE | IBV_ACCESS_REMOTE_READ, o_.gpudirect);
       return r.addr;
     }
     // Shared memory, so that ranks on this host can also map it (node views for normal mode), when /dev/shm
@@ -164,9 +165,9 @@ class VerbsTransport final : public Transport {
   }
 
   void* region_device_address(RegionId region) const override {
-    return gpu_region_address(o_.device.get(), regions_, device_signal_, region);
+    return o_.device ? gpu_data_.kernel_address(region, regions_[kRegionData], device_signal_) : nullptr;
   }
-  void make_writes_visible(int) override { flush_gpu_writes(o_.device.get()); }
+  void make_writes_visible(int) override { gpu_data_.flush_nic_writes(); }
 
   // Lines: lid, gid, then per region "addr rkey bytes", then the QP numbers of (channel, peer, stripe).
   std::string endpoint_blob() override {
@@ -276,7 +277,7 @@ class VerbsTransport final : public Transport {
 
   std::string describe_peer(int peer) const override {
     return "rank " + std::to_string(peer) + " (verbs RC over " + dev_name_ + ":" + std::to_string(port_) +
-           (o_.device ? ", GPU memory registered by " + registration_ : std::string()) + ")";
+           (o_.device ? ", GPU data region: " + gpu_data_.how() : std::string()) + ")";
   }
 
  private:
@@ -434,7 +435,7 @@ class VerbsTransport final : public Transport {
   std::vector<std::array<ShmSegment, kNumRegions>> peer_maps_;  // same-host peers' regions, mapped here
   Region scratch_;  // where fetch-and-add results land (never read)
   void* device_signal_ = nullptr;  // the signal region as kernels address it (GPU data only)
-  std::string registration_;       // how the GPU data region was registered
+  GpuDataRegion gpu_data_;         // how the data region is placed and registered (GPU data only)
   std::vector<VerbsChannel> channels_;
   std::vector<RemoteRegions> remotes_;
   std::unordered_map<uint32_t, std::pair<int, Qp*>> owners_;  // qp_num -> (peer, QP)
@@ -486,6 +487,7 @@ VerbsOptions verbs_options_from_env(const std::string& name, int rank, int num_r
   o.traffic_class = env_int("PORTEP_IB_TC", 0);
   o.qps_per_peer = env_int("PORTEP_IB_QPS_PER_PEER", name == "verbs-striped" ? 4 : 1);
   o.max_send_wr = uint32_t(env_int("PORTEP_IB_MAX_SEND_WR", 256));
+  o.gpudirect = env_int("PORTEP_IB_GPUDIRECT", 1) != 0;
   if (name == "verbs" && o.qps_per_peer != 1)
     throw TransportError("transport 'verbs' keeps RC order with one QP per peer; PORTEP_IB_QPS_PER_PEER=" +
                          std::to_string(o.qps_per_peer) + " needs transport 'verbs-striped'");

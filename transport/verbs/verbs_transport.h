@@ -11,10 +11,10 @@
 // Knobs (environment, read at construction): PORTEP_IB_HCA (NCCL_IB_HCA syntax: "mlx5_0:1,mlx5_1", "^mlx5_2"
 // excludes, "=" prefix for exact names), PORTEP_IB_GID_INDEX (default 0), PORTEP_IB_SL, PORTEP_IB_TC,
 // PORTEP_IB_QPS_PER_PEER (striping; "verbs-striped" defaults to 4), PORTEP_IB_MAX_SEND_WR (in-flight
-// operations per QP, default 256).
+// operations per QP, default 256), PORTEP_IB_GPUDIRECT (0: stage GPU data in host memory).
 //
-// GPU memory (VerbsOptions::device): see that field. Host staging of GPU memory is not implemented: a GPU
-// that neither exports dma-bufs nor has peer-memory registration makes the transport fail with both reasons.
+// GPU memory (VerbsOptions::device): see that field and gpu_data_region.h (dma-buf, then peer memory, then host
+// staging). PORTEP_IB_GPUDIRECT=0 skips the first two.
 #pragma once
 
 #include <stdint.h>
@@ -39,11 +39,13 @@ struct VerbsOptions {
   int traffic_class = 0;
   uint32_t max_send_wr = 256;
   uint32_t recv_depth = 512;  // receives kept posted per QP (write-with-immediate notifications)
-  // GPU memory for the data region (null: host memory). Registered with ibv_reg_dmabuf_mr on the GPU's dma-buf,
-  // else with ibv_reg_mr on the GPU pointer (nvidia-peermem / amdgpu peer memory). The signal region stays in
-  // host memory, mapped for kernels; signals then go through immediates so the receiving proxy can flush the
-  // NIC's writes into GPU memory before it publishes them.
+  // The GPU whose kernels use the data region (null: a host-memory data region). Registered with
+  // ibv_reg_dmabuf_mr on the GPU's dma-buf, else with ibv_reg_mr on the GPU pointer (nvidia-peermem / amdgpu
+  // peer memory), else staged in pinned host memory mapped for kernels (gpu_data_region.h). The signal region
+  // stays in host memory, mapped for kernels; signals then go through immediates so the receiving proxy can
+  // flush the NIC's writes into GPU memory before it publishes them.
   std::shared_ptr<DeviceMemory> device;
+  bool gpudirect = true;  // false: host staging without trying GPU memory (PORTEP_IB_GPUDIRECT=0)
 };
 
 // Options from the environment knobs above, for transport name "verbs" or "verbs-striped".

@@ -7,6 +7,7 @@
 #pragma once
 
 #include <memory>
+#include <stdexcept>
 #include <string>
 #include <vector>
 
@@ -73,6 +74,10 @@ class Channel {
   ProxyGroup& proxies();
   const ChannelOptions& options() const { return opts_; }
   TransportProps transport_props() const { return transport_->props(); }
+  std::string describe_peer(int peer) const {
+    if (!transport_) throw std::runtime_error("channel was destroyed");
+    return transport_->describe_peer(peer);
+  }
   bool alive() const { return proxies_ != nullptr; }
 
   void encode_or_throw(const CmdFields& f, TransferCmd* out) const;

@@ -61,6 +61,8 @@ class DeviceMemory {
 std::unique_ptr<DeviceMemory> make_cuda_device_memory(int device, int channels, std::string* why);
 
 // Host memory posing as device memory, copies on worker threads with random delays (tests without a GPU).
-std::unique_ptr<DeviceMemory> make_emulated_device_memory(int channels, uint64_t seed);
+// With nic_can_register false, regions are addresses no NIC can register (and nothing may touch), as GPU
+// memory is without dma-buf or peer memory: only the verbs transports' host staging can use such a device.
+std::unique_ptr<DeviceMemory> make_emulated_device_memory(int channels, uint64_t seed, bool nic_can_register);
 
 }  // namespace portep

@@ -10,6 +10,7 @@
 namespace portep {
 
 constexpr int kEmulatedDevice = -2;
+constexpr int kEmulatedDeviceWithoutRdma = -3;  // emulated GPU memory no NIC can register (verbs only)
 
 struct TransportSpec {
   std::string name = "shm";  // "shm" or "shm-unordered"
@@ -19,7 +20,8 @@ struct TransportSpec {
   uint32_t window = 64;  // unordered delivery window per (channel, peer)
   uint64_t seed = 0;
   int device = -1;  // >= 0: the data region is memory of this GPU (shm: CUDA IPC, copy-engine copies);
-                    // kEmulatedDevice: host memory behind the same GPU path (copies on worker threads)
+                    // kEmulatedDevice: host memory behind the same GPU path (copies on worker threads);
+                    // kEmulatedDeviceWithoutRdma: the same, but memory a NIC cannot register (verbs' staging)
 };
 
 std::unique_ptr<Transport> make_transport(const TransportSpec& spec);
