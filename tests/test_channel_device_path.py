@@ -47,3 +47,15 @@ def test_python_api_moves_bytes_exactly_through_copy_workers(transport):
         for src, slot in enumerate(r["slots"]):
             assert slot & 0xFFFFFFFF == r["expected"][src]
             assert slot >> 32 == 1
+
+
+@pytest.mark.parametrize("transport", ["shm", "shm-unordered"])
+def test_unregistrable_emulated_device_memory_is_refused_outside_verbs(transport):
+    # device=-3 (kEmulatedDeviceWithoutRdma) stands for GPU memory no NIC can register; only the verbs transports
+    # have a way around that (host staging, tests/verbs_inside.py), so shm must say so instead of touching it
+    from portep import native
+
+    with pytest.raises(RuntimeError, match=r"device=-3 .* is for the verbs transports only"):
+        native.Channel(rank=0, num_ranks=1, nbytes=4096, transport=transport, num_proxy_threads=1, num_fifos=1,
+                       fifo_capacity=64, num_streams=1, max_inflight_cmds=8, max_inflight_bytes=1 << 20,
+                       timeout_s=5.0, unordered_window=8, seed=0, skip_ordering=False, device=-3)

@@ -63,6 +63,21 @@ def ll_inputs(rank, T, H, K, E):
     return x, idx, w
 
 
+def round_trip_allocs(T, H, E_l, M, world, dev):
+    """The six torch.empty calls of an FP8 LL round trip's outputs, as a function (host-time probes)."""
+    import torch
+
+    def allocs():
+        torch.empty(E_l, M, H, dtype=torch.float8_e4m3fn, device=dev)
+        torch.empty(E_l, H // 128, M, dtype=torch.float32, device=dev)
+        torch.empty(E_l, dtype=torch.int32, device=dev)
+        torch.empty(E_l, M, dtype=torch.int32, device=dev)
+        torch.empty(E_l, world, dtype=torch.int64, device=dev)
+        torch.empty(T, H, dtype=torch.bfloat16, device=dev)
+
+    return allocs
+
+
 def cuda_ll_buffer(world, T, H, E, ranks_per_node, transport):
     """A CUDA-backend LL Buffer of DeepEP's size hint over the WORLD group (ranks_per_node=1: the proxy path)."""
     import torch.distributed as dist

@@ -36,7 +36,7 @@ def per_iteration_us(fn, iterations):
 def body(rank, world, iterations):
     import torch
 
-    from portep_bench.ll_gpu import _timed, cuda_ll_buffer, ll_inputs
+    from portep_bench.ll_gpu import _timed, cuda_ll_buffer, ll_inputs, round_trip_allocs
 
     torch.cuda.set_device(rank % torch.cuda.device_count())  # ranks may share a GPU (host times only)
     T, H, K, E = 128, 7168, 8, 288
@@ -78,15 +78,7 @@ def body(rank, world, iterations):
 
     out["launches"] = per_iteration_us(launches_rt, iterations)
 
-    def allocs():
-        torch.empty(E_l, M, H, dtype=torch.float8_e4m3fn, device=dev)
-        torch.empty(E_l, H // 128, M, dtype=torch.float32, device=dev)
-        torch.empty(E_l, dtype=torch.int32, device=dev)
-        torch.empty(E_l, M, dtype=torch.int32, device=dev)
-        torch.empty(E_l, world, dtype=torch.int64, device=dev)
-        torch.empty(T, H, dtype=torch.bfloat16, device=dev)
-
-    out["allocs"] = per_iteration_us(allocs, iterations)
+    out["allocs"] = per_iteration_us(round_trip_allocs(T, H, E_l, M, world, dev), iterations)
     out["check_error x2"] = per_iteration_us(lambda: (eng.check_error(), eng.check_error()), iterations)
 
     graph = torch.cuda.CUDAGraph()
