@@ -186,21 +186,21 @@ struct ReduceTerms {
   int count;
 };
 PORTEP_DEVICE void sort_terms(const LLCombineArgs& a, const uint4* const* rows, const float* weights,
-                              const int* experts, ReduceTerms* terms) {
+                              const int* owners, ReduceTerms* terms) {
   const LLCommon& c = a.c;
   int order[kWarpSize], n = 0;
   for (int k = 0; k < a.num_topk; ++k) {  // insertion sort of the valid selections by (owner, k)
     if (!rows[k]) continue;
-    const int owner = experts[k] / c.num_local_experts;
+    const int owner = owners[k];
     int at = n++;
-    for (; at > 0 && experts[order[at - 1]] / c.num_local_experts > owner; --at) order[at] = order[at - 1];
+    for (; at > 0 && owners[order[at - 1]] > owner; --at) order[at] = order[at - 1];
     order[at] = k;
   }
   int m = 0;
   for (int i = 0; i < n;) {
-    const int owner = experts[order[i]] / c.num_local_experts;
+    const int owner = owners[order[i]];
     int end = i;
-    while (end < n && experts[order[end]] / c.num_local_experts == owner) ++end;
+    while (end < n && owners[order[end]] == owner) ++end;
     if (partial_peer(c, owner) && end - i >= 2) {
       terms->row[m] = rows[order[i]];
       terms->row2[m] = rows[order[i + 1]];
@@ -219,8 +219,8 @@ PORTEP_DEVICE void sort_terms(const LLCombineArgs& a, const uint4* const* rows, 
   terms->count = m;
 }
 PORTEP_DEVICE void group_terms(const LLCombineArgs& a, const uint4* const* rows, const float* weights,
-                               const int* experts, ReduceTerms* terms) {
-  if (threadIdx.x == 0) sort_terms(a, rows, weights, experts, terms);
+                               const int* owners, ReduceTerms* terms) {
+  if (threadIdx.x == 0) sort_terms(a, rows, weights, owners, terms);
   __syncthreads();  // one barrier for the whole block (bar.sync must not diverge within a warp)
 }
 
@@ -277,6 +277,7 @@ PORTEP_DEVICE void combine_reduce(const LLCombineArgs& a, bool waited) {
   __shared__ float weights[kWarpSize];
   __shared__ int tok_experts[kWarpSize];
   __shared__ uint32_t tok_slots[kWarpSize];
+  __shared__ int owners[kWarpSize];  // the rank holding each selection's expert (divided once, in parallel)
   __shared__ ReduceTerms terms;
   const LLCommon& c = a.c;
   const int K = a.num_topk, H = c.hidden;
@@ -289,9 +290,10 @@ PORTEP_DEVICE void combine_reduce(const LLCombineArgs& a, bool waited) {
       const bool valid = e >= 0 && slot < uint32_t(c.T) && (waited || wait_expert_rows(c, e));
       rows[k] = valid ? row_address(a, e, slot) : nullptr;
       weights[k] = a.topk_weights[uint64_t(t) * K + k];
+      owners[k] = valid ? e / c.num_local_experts : 0;
     }
     __syncthreads();
-    group_terms(a, rows, weights, tok_experts, &terms);
+    group_terms(a, rows, weights, owners, &terms);
     uint4* out = reinterpret_cast<uint4*>(static_cast<uint8_t*>(a.out) + uint64_t(t) * a.out_pitch);
     for (int j = threadIdx.x; j < H / 8; j += blockDim.x) {
       float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};

@@ -243,25 +243,21 @@ PORTEP_DEVICE void dispatch_recv_expert(const LLDispatchArgs& a, int le, uint32_
   for (int src = threadIdx.x; src < R; src += blockDim.x)
     a.layout_range[le * R + src] = int64_t(uint64_t(begins[src]) << 32 | counts[src]);
 
-  // A few messages per expert (the usual LL case) would leave most warps idle: each message's row is split
-  // into `parts` pieces, one warp each; part 0 also writes its source token and scales.
   const int S = H / 128, warp = int(threadIdx.x) / kWarpSize;
-  const uint32_t fit = total ? uint32_t(kLLWarps) / total : 1u, parts = fit < 1u ? 1u : fit > 4u ? 4u : fit;
-  const int n16 = a.use_fp8 ? H / 16 : H / 8;
-  const int piece = ((n16 + int(parts) - 1) / int(parts) + kWarpSize - 1) / kWarpSize * kWarpSize;  // parts cover n16
-  for (uint32_t item = warp; item < total * parts; item += kLLWarps) {
-    const uint32_t i = item / parts, part = item % parts;
+  for (uint32_t i = warp; i < total; i += kLLWarps) {
     int src = 0;
     while (src + 1 < R && begins[src + 1] <= i) ++src;
     const uint8_t* msg = message_in(c, le, src, i - begins[src]);
     const int4 head = *reinterpret_cast<const int4*>(msg);
-    if (lane == 0 && part == 0) a.src_info[uint64_t(le) * M + i] = head.x;
+    if (lane == 0) a.src_info[uint64_t(le) * M + i] = head.x;
     if (head.z) msg = c.local + c.recv_off + uint64_t(uint32_t(head.z) - 1) * c.disp_bytes;  // payload shared
-    const int first = int(part) * piece, count = min(n16 - first, piece);
+    const uint4* payload = reinterpret_cast<const uint4*>(msg + 16);
     const uint64_t row = uint64_t(le) * M + i;
-    uint4* dst = reinterpret_cast<uint4*>(static_cast<uint8_t*>(a.recv_x) + row * (a.use_fp8 ? H : 2 * H)) + first;
-    if (count > 0) warp_copy16(dst, reinterpret_cast<const uint4*>(msg + 16) + first, count);
-    if (!a.use_fp8 || part != 0) continue;
+    if (!a.use_fp8) {
+      warp_copy16(reinterpret_cast<uint4*>(static_cast<uint8_t*>(a.recv_x) + row * 2 * H), payload, H / 8);
+      continue;
+    }
+    warp_copy16(reinterpret_cast<uint4*>(static_cast<uint8_t*>(a.recv_x) + row * H), payload, H / 16);
     const float* scales = reinterpret_cast<const float*>(msg + 16 + H);
     if (a.use_ue8m0) {  // exponent bytes of 4 consecutive groups per int32 (scales are powers of two)
       for (int q = lane; q < S / 4; q += kWarpSize) {
