@@ -4,7 +4,7 @@ in a host barrier, so no other context time-slices the GPU during it. A receive 
 memory (the messages already arrived), as on separate GPUs; the send phases, which time-slice here and store
 into the same GPU instead of over NVLink, are not reported. DeepEP shape (128 tokens, hidden 7168, top-8,
 288 experts, EP2), FP8 dispatch, BF16 combine; medians of kernel durations from torch's profiler (as DeepEP's
-bench_kineto). Run from the repository root: python bench/probes/ll_recv_phases.py [iterations]"""
+bench_kineto). Run from the repository root: python bench/probes/ll_recv_phases.py [iterations] [direct]"""
 import statistics
 import sys
 import time
@@ -66,7 +66,10 @@ def body(rank, world, iterations, ranks_per_node):
 
 if __name__ == "__main__":
     iterations = int(sys.argv[1]) if len(sys.argv) > 1 else 30
-    for rpn, path in ((2, "direct NVLink"), (1, "forced proxy (shm)")):
+    paths = ((2, "direct NVLink"), (1, "forced proxy (shm)"))
+    if len(sys.argv) > 2 and sys.argv[2] == "direct":
+        paths = paths[:1]
+    for rpn, path in paths:
         out = run_ranks(body, 2, args=(iterations, rpn), timeout=600)
         for label, deepep in DEEPEP_US.items():
             print(f"{path:20s} {label}: " + ", ".join(f"rank {r} {out[r][label]:.1f} us" for r in sorted(out)) +

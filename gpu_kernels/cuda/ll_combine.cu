@@ -7,6 +7,8 @@
 // copied: the reduce reads them from the input, which cannot change before it runs.
 #include <cuda_runtime.h>
 
+#include <climits>
+
 #include "ll_partials.cuh"
 
 namespace portep::cuda {
@@ -177,7 +179,7 @@ PORTEP_DEVICE const uint4* row_address(const LLCombineArgs& a, int e, uint32_t s
 
 // Token t's terms for the reduce, in shared memory: its rows grouped by owner rank (ranks ascending, top-k order
 // within), where a partial peer holding two or more of them gives one FP32 term instead (its two halves in the
-// first two rows' places). Thread 0 sorts (K <= 32); group_terms ends with __syncthreads().
+// first two rows' places).
 struct ReduceTerms {
   const uint4* row[kWarpSize];   // BF16 row, or the first half of an FP32 partial
   const uint4* row2[kWarpSize];  // FP32 partial: its second half; BF16 row: null
@@ -185,43 +187,38 @@ struct ReduceTerms {
   bool new_group[kWarpSize];     // the first term of an owner rank
   int count;
 };
-PORTEP_DEVICE void sort_terms(const LLCombineArgs& a, const uint4* const* rows, const float* weights,
-                              const int* owners, ReduceTerms* terms) {
-  const LLCommon& c = a.c;
-  int order[kWarpSize], n = 0;
-  for (int k = 0; k < a.num_topk; ++k) {  // insertion sort of the valid selections by (owner, k)
-    if (!rows[k]) continue;
-    const int owner = owners[k];
-    int at = n++;
-    for (; at > 0 && owners[order[at - 1]] > owner; --at) order[at] = order[at - 1];
-    order[at] = k;
-  }
-  int m = 0;
-  for (int i = 0; i < n;) {
-    const int owner = owners[order[i]];
-    int end = i;
-    while (end < n && owners[order[end]] == owner) ++end;
-    if (partial_peer(c, owner) && end - i >= 2) {
-      terms->row[m] = rows[order[i]];
-      terms->row2[m] = rows[order[i + 1]];
-      terms->weight[m] = 1.0f;
-      terms->new_group[m++] = true;
-    } else {
-      for (int j = i; j < end; ++j) {
-        terms->row[m] = rows[order[j]];
-        terms->row2[m] = nullptr;
-        terms->weight[m] = weights[order[j]];
-        terms->new_group[m++] = j == i;
-      }
-    }
-    i = end;
-  }
-  terms->count = m;
-}
-PORTEP_DEVICE void group_terms(const LLCombineArgs& a, const uint4* const* rows, const float* weights,
+
+// Warp 0, lane k for selection k (K <= 32): where selection k's term goes in the (owner, k) order, found by
+// counting instead of sorting, so no lane waits for a serial sort. Invalid selections (null rows) give no term.
+PORTEP_DEVICE void place_terms(const LLCombineArgs& a, const uint4* const* rows, const float* weights,
                                const int* owners, ReduceTerms* terms) {
-  if (threadIdx.x == 0) sort_terms(a, rows, weights, owners, terms);
-  __syncthreads();  // one barrier for the whole block (bar.sync must not diverge within a warp)
+  const int K = a.num_topk, k = lane_id();
+  const bool valid = k < K && rows[k];
+  const int owner = valid ? owners[k] : INT_MAX;
+  int same_before = 0, group_size = 0, next_same = -1;  // within this selection's owner group
+  for (int j = 0; j < K; ++j) {
+    if (!rows[j] || owners[j] != owner) continue;
+    ++group_size;
+    if (j < k) ++same_before;
+    if (j > k && next_same < 0) next_same = j;
+  }
+  const bool collapsed = valid && partial_peer(a.c, owner) && group_size >= 2;
+  const bool emits = valid && (!collapsed || same_before == 0);
+  int before = 0, count = 0;  // terms of lower owner ranks; all terms
+  for (int j = 0; j < K; ++j) {
+    const int owner_j = warp_broadcast_i32(owner, j);
+    const int emits_j = warp_broadcast_i32(int(emits), j);
+    count += emits_j;
+    if (owner_j < owner) before += emits_j;
+  }
+  if (emits) {
+    const int m = before + (collapsed ? 0 : same_before);
+    terms->row[m] = rows[k];
+    terms->row2[m] = collapsed ? rows[next_same] : nullptr;
+    terms->weight[m] = collapsed ? 1.0f : weights[k];
+    terms->new_group[m] = same_before == 0;
+  }
+  if (k == 0) terms->count = count;
 }
 
 // Channels [8j, 8j + 8) of a token: sum over owner groups in order of (sum over the group's terms in order),
@@ -293,7 +290,8 @@ PORTEP_DEVICE void combine_reduce(const LLCombineArgs& a, bool waited) {
       owners[k] = valid ? e / c.num_local_experts : 0;
     }
     __syncthreads();
-    group_terms(a, rows, weights, owners, &terms);
+    if (int(threadIdx.x) < kWarpSize) place_terms(a, rows, weights, owners, &terms);
+    __syncthreads();
     uint4* out = reinterpret_cast<uint4*>(static_cast<uint8_t*>(a.out) + uint64_t(t) * a.out_pitch);
     for (int j = threadIdx.x; j < H / 8; j += blockDim.x) {
       float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
