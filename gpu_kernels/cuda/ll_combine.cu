@@ -237,8 +237,9 @@ PORTEP_DEVICE void reduce_channels(const ReduceTerms& terms, int j, int H, float
         v[q] = terms.row[i][j];
         continue;
       }
-      const uint4* p = reinterpret_cast<const uint4*>(f < H / 2 ? reinterpret_cast<const float*>(terms.row[i]) + f
-                                                                : reinterpret_cast<const float*>(terms.row2[i]) + f - H / 2);
+      const float* half = f < H / 2 ? reinterpret_cast<const float*>(terms.row[i]) + f
+                                    : reinterpret_cast<const float*>(terms.row2[i]) + f - H / 2;
+      const uint4* p = reinterpret_cast<const uint4*>(half);
       v[q] = p[0];
       v2[q] = p[1];
     }
