@@ -1,4 +1,5 @@
 """Small statistics and table helpers shared by the benchmarks."""
+import time
 
 
 def median(values):
@@ -15,6 +16,18 @@ def percentile(values, q):
         raise ValueError("percentile of no values")
     k = min(len(v) - 1, max(0, int(round(q / 100.0 * (len(v) - 1)))))
     return v[k]
+
+
+def call_durations_us(fn, calls, warmup=20):
+    """Microseconds of each of `calls` calls of fn (host time), after `warmup` untimed calls."""
+    for _ in range(warmup):
+        fn()
+    out = []
+    for _ in range(calls):
+        t = time.perf_counter_ns()
+        fn()
+        out.append((time.perf_counter_ns() - t) / 1e3)
+    return out
 
 
 def table(headers, rows):

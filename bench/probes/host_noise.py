@@ -14,24 +14,12 @@ import time
 
 sys.path.insert(0, "bench")
 from portep_bench.spawn import run_ranks  # noqa: E402
-
-
-def durations_us(fn, calls):
-    for _ in range(20):
-        fn()
-    out = []
-    for _ in range(calls):
-        t = time.perf_counter_ns()
-        fn()
-        out.append((time.perf_counter_ns() - t) / 1e3)
-    return out
+from portep_bench.stats import call_durations_us, median, percentile  # noqa: E402
 
 
 def summary(values):
-    v = sorted(values)
-    pick = lambda q: v[min(len(v) - 1, int(q * len(v)))]  # noqa: E731
-    return (f"median {statistics.median(v):7.2f}  mean {statistics.fmean(v):7.2f}  p90 {pick(0.9):7.2f}  "
-            f"p99 {pick(0.99):8.2f}  max {v[-1]:8.2f}")
+    return (f"median {median(values):7.2f}  mean {statistics.fmean(values):7.2f}  p90 {percentile(values, 90):7.2f}  "
+            f"p99 {percentile(values, 99):8.2f}  max {max(values):8.2f}")
 
 
 def thread_cpu_seconds():
@@ -90,8 +78,8 @@ def body(rank, world, calls):
     allocs = round_trip_allocs(T, H, E_l, M, world, dev)
 
     lines.append(f"threads busy over an idle second, before the Buffer: {idle_thread_load()}")
-    lines.append(f"python     no Buffer  {summary(durations_us(python_work, calls))}")
-    lines.append(f"allocs     no Buffer  {summary(durations_us(allocs, calls))}")
+    lines.append(f"python     no Buffer  {summary(call_durations_us(python_work, calls))}")
+    lines.append(f"allocs     no Buffer  {summary(call_durations_us(allocs, calls))}")
     x, idx, w = ll_inputs(rank, T, H, K, E)
     buf = cuda_ll_buffer(world, T, H, E, world, "shm")
     rx = buf.low_latency_dispatch(x, idx, T, E, use_fp8=False)[0]
@@ -108,10 +96,10 @@ def body(rank, world, calls):
         return (time.perf_counter_ns() - t) / 1e3
 
     for label in ("Buffer", "Buffer, main thread pinned"):
-        lines.append(f"python     {label:26s} {summary(durations_us(python_work, calls))}")
-        lines.append(f"allocs     {label:26s} {summary(durations_us(allocs, calls))}")
+        lines.append(f"python     {label:26s} {summary(call_durations_us(python_work, calls))}")
+        lines.append(f"allocs     {label:26s} {summary(call_durations_us(allocs, calls))}")
         lines.append(f"rt-synced  {label:26s} {summary([synced_round_trip() for _ in range(calls // 4)])}")
-        lines.append(f"rt-b2b     {label:26s} {summary(durations_us(round_trip, calls // 4))}")
+        lines.append(f"rt-b2b     {label:26s} {summary(call_durations_us(round_trip, calls // 4))}")
         torch.cuda.synchronize()
         os.sched_setaffinity(0, {sorted(os.sched_getaffinity(0))[0]})
     buf.destroy()

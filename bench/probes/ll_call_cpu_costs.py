@@ -1,21 +1,15 @@
 """Host time of the pieces of one LL call on the CUDA backend (1 rank, one GPU): torch allocation, stream lookup,
 a pybind kernel launch, validation, and whole Buffer/engine calls. Medians of a few hundred calls, microseconds.
 Run from the repository root: python bench/probes/ll_call_cpu_costs.py"""
-import statistics
 import sys
-import time
 
 sys.path.insert(0, "bench")
 from portep_bench.spawn import run_ranks
+from portep_bench.stats import call_durations_us, median
 
 
 def tm(fn, n=300):
-    for _ in range(20):
-        fn()
-    ts = []
-    for _ in range(n):
-        t0 = time.perf_counter_ns(); fn(); ts.append(time.perf_counter_ns() - t0)
-    return statistics.median(ts) / 1e3
+    return median(call_durations_us(fn, n))
 
 
 def body(rank, world):

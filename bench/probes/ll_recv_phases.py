@@ -5,12 +5,12 @@ memory (the messages already arrived), as on separate GPUs; the send phases, whi
 into the same GPU instead of over NVLink, are not reported. DeepEP shape (128 tokens, hidden 7168, top-8,
 288 experts, EP2), FP8 dispatch, BF16 combine; medians of kernel durations from torch's profiler (as DeepEP's
 bench_kineto). Run from the repository root: python bench/probes/ll_recv_phases.py [iterations] [direct]"""
-import statistics
 import sys
 import time
 
 sys.path.insert(0, "bench")
 from portep_bench.spawn import run_ranks  # noqa: E402
+from portep_bench.stats import median  # noqa: E402
 
 DEEPEP_US = {"dispatch recv kernel": 8.2, "combine recv kernel": 9.7}  # reference/gpu-machine.md
 
@@ -60,8 +60,8 @@ def body(rank, world, iterations, ranks_per_node):
     buf.destroy()
     if len(durations) != 4 * iterations:
         raise RuntimeError(f"the profiler saw {len(durations)} LL kernels, expected {4 * iterations}")
-    return {"dispatch recv kernel": statistics.median(durations[1::4]),
-            "combine recv kernel": statistics.median(durations[3::4])}
+    return {"dispatch recv kernel": median(durations[1::4]),
+            "combine recv kernel": median(durations[3::4])}
 
 
 if __name__ == "__main__":
