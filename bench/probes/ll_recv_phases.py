@@ -1,10 +1,11 @@
 """GPU time of the LL hook's receive-phase kernels (dispatch recv, combine recv), measurable with every rank on
 ONE GPU: all ranks run the send phases together, then each rank's receive phase runs alone while the others wait
 in a host barrier, so no other context time-slices the GPU during it. A receive phase reads only this GPU's
-memory (the messages already arrived), as on separate GPUs; the send phases, which time-slice here and store
-into the same GPU instead of over NVLink, are not reported. DeepEP shape (128 tokens, hidden 7168, top-8,
-288 experts, EP2), FP8 dispatch, BF16 combine; medians of kernel durations from torch's profiler (as DeepEP's
-bench_kineto). Run from the repository root: python bench/probes/ll_recv_phases.py [iterations] [direct]"""
+memory (the messages already arrived), as on separate GPUs. The send phases time-slice here and store into the
+same GPU instead of over NVLink; only the dispatch send phase, which waits for no peer, is run alone and reported,
+as a figure to compare builds by, not with DeepEP. DeepEP shape (128 tokens, hidden 7168, top-8, 288 experts,
+EP2), FP8 dispatch, BF16 combine; medians of kernel durations from torch's profiler (as DeepEP's bench_kineto).
+Run from the repository root: python bench/probes/ll_recv_phases.py [iterations] [direct]"""
 import sys
 import time
 
@@ -44,7 +45,9 @@ def body(rank, world, iterations, ranks_per_node):
             dist.barrier()
 
     def iteration():
-        d = buf.low_latency_dispatch(x, idx, T, E, use_fp8=True, return_recv_hook=True)
+        calls = []
+        alone(lambda: calls.append(buf.low_latency_dispatch(x, idx, T, E, use_fp8=True, return_recv_hook=True)))
+        d = calls[0]
         settle()
         alone(d[4])
         c = buf.low_latency_combine(sim, idx, w, d[2], return_recv_hook=True)
@@ -60,7 +63,7 @@ def body(rank, world, iterations, ranks_per_node):
     buf.destroy()
     if len(durations) != 4 * iterations:
         raise RuntimeError(f"the profiler saw {len(durations)} LL kernels, expected {4 * iterations}")
-    return {"dispatch recv kernel": median(durations[1::4]),
+    return {"dispatch send kernel": median(durations[0::4]), "dispatch recv kernel": median(durations[1::4]),
             "combine recv kernel": median(durations[3::4])}
 
 
@@ -74,3 +77,6 @@ if __name__ == "__main__":
         for label, deepep in DEEPEP_US.items():
             print(f"{path:20s} {label}: " + ", ".join(f"rank {r} {out[r][label]:.1f} us" for r in sorted(out)) +
                   f" (median of {iterations}; DeepEP V1 {deepep} us)", flush=True)
+        label = "dispatch send kernel"
+        print(f"{path:20s} {label}, alone: " + ", ".join(f"rank {r} {out[r][label]:.1f} us" for r in sorted(out)) +
+              f" (median of {iterations}; stores into this GPU, not over NVLink)", flush=True)

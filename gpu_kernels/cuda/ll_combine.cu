@@ -177,22 +177,25 @@ PORTEP_DEVICE const uint4* row_address(const LLCombineArgs& a, int e, uint32_t s
   return reinterpret_cast<const uint4*>(c.local + c.recv_off + row * c.comb_pitch);
 }
 
-// Token t's terms for the reduce, in shared memory: its rows grouped by owner rank (ranks ascending, top-k order
-// within), where a partial peer holding two or more of them gives one FP32 term instead (its two halves in the
-// first two rows' places).
-struct ReduceTerms {
-  const uint4* row[kWarpSize];   // BF16 row, or the first half of an FP32 partial
-  const uint4* row2[kWarpSize];  // FP32 partial: its second half; BF16 row: null
-  float weight[kWarpSize];
-  bool new_group[kWarpSize];     // the first term of an owner rank
+// Token t's terms for the reduce, in shared memory, as load slots of 16 bytes per channel group (8 channels): its
+// rows grouped by owner rank (ranks ascending, top-k order within), where a partial peer holding two or more of them
+// gives one FP32 term instead (its two halves in the first two rows' places), which takes two slots (the group's
+// 8 floats). Slot i of channel group j lies at (j < H/16 ? lo[i] : hi[i]) + j * stride, stride 16 for a BF16 row,
+// 32 for a partial. So a batch of loads is the same code for both kinds, and a thread needs 8 registers per slot.
+constexpr uint8_t kSlotPartialLow = 1, kSlotPartialHigh = 2, kSlotNewGroup = 4;  // kind bits; BF16 row: neither
+struct ReduceSlots {  // at most K <= 32 slots: a partial's two slots replace two or more selections
+  uint64_t lo[kWarpSize];
+  uint64_t hi[kWarpSize];
+  float weight[kWarpSize];  // BF16 rows
+  uint8_t kind[kWarpSize];
   int count;
 };
 
 // Warp 0, lane k for selection k (K <= 32): where selection k's term goes in the (owner, k) order, found by
 // counting instead of sorting, so no lane waits for a serial sort. Invalid selections (null rows) give no term.
-PORTEP_DEVICE void place_terms(const LLCombineArgs& a, const uint4* const* rows, const float* weights,
-                               const int* owners, ReduceTerms* terms) {
-  const int K = a.num_topk, k = lane_id();
+PORTEP_DEVICE void place_slots(const LLCombineArgs& a, const uint4* const* rows, const float* weights,
+                               const int* owners, ReduceSlots* slots) {
+  const int K = a.num_topk, H = a.c.hidden, k = lane_id();
   const bool valid = k < K && rows[k];
   const int owner = valid ? owners[k] : INT_MAX;
   int same_before = 0, group_size = 0, next_same = -1;  // within this selection's owner group
@@ -204,63 +207,74 @@ PORTEP_DEVICE void place_terms(const LLCombineArgs& a, const uint4* const* rows,
   }
   const bool collapsed = valid && partial_peer(a.c, owner) && group_size >= 2;
   const bool emits = valid && (!collapsed || same_before == 0);
-  int before = 0, count = 0;  // terms of lower owner ranks; all terms
+  const int size = emits ? (collapsed ? 2 : 1) : 0;
+  int before = 0, count = 0;  // slots of lower owner ranks; all slots
   for (int j = 0; j < K; ++j) {
     const int owner_j = warp_broadcast_i32(owner, j);
-    const int emits_j = warp_broadcast_i32(int(emits), j);
-    count += emits_j;
-    if (owner_j < owner) before += emits_j;
+    const int size_j = warp_broadcast_i32(size, j);
+    count += size_j;
+    if (owner_j < owner) before += size_j;
   }
-  if (emits) {
-    const int m = before + (collapsed ? 0 : same_before);
-    terms->row[m] = rows[k];
-    terms->row2[m] = collapsed ? rows[next_same] : nullptr;
-    terms->weight[m] = collapsed ? 1.0f : weights[k];
-    terms->new_group[m] = same_before == 0;
+  const uint8_t new_group = same_before == 0 ? kSlotNewGroup : 0;
+  const uint64_t row = uint64_t(rows[k]);
+  if (emits && !collapsed) {
+    const int m = before + same_before;
+    slots->lo[m] = slots->hi[m] = row;
+    slots->weight[m] = weights[k];
+    slots->kind[m] = new_group;
+  } else if (emits) {  // floats [0, H/2) from this row, [H/2, H) = groups from H/16 from the next selection's row
+    const uint64_t high = uint64_t(rows[next_same]) - 2 * uint64_t(H);
+    slots->lo[before] = row;
+    slots->hi[before] = high;
+    slots->kind[before] = kSlotPartialLow | new_group;
+    slots->lo[before + 1] = row + 16;
+    slots->hi[before + 1] = high + 16;
+    slots->kind[before + 1] = kSlotPartialHigh;
   }
-  if (k == 0) terms->count = count;
+  if (k == 0) slots->count = count;
 }
 
 // Channels [8j, 8j + 8) of a token: sum over owner groups in order of (sum over the group's terms in order),
 // FP32, each product and sum rounded on its own.
-PORTEP_DEVICE void reduce_channels(const ReduceTerms& terms, int j, int H, float* acc) {
+PORTEP_DEVICE void reduce_channels(const ReduceSlots& slots, int j, int H, float* acc) {
   float group[8] = {0, 0, 0, 0, 0, 0, 0, 0};
-  const int n = terms.count, f = 8 * j;
-  for (int i0 = 0; i0 < n; i0 += 8) {  // the loads of up to 8 terms are in flight together
-    uint4 v[8], v2[8];
+  const int n = slots.count;
+  const bool high = j >= H / 16;
+  for (int i0 = 0; i0 < n; i0 += 8) {  // the loads of up to 8 slots are in flight together
+    uint4 v[8];
 #pragma unroll
     for (int q = 0; q < 8; ++q) {
-      v[q] = v2[q] = make_uint4(0, 0, 0, 0);
-      if (i0 + q >= n) continue;
       const int i = i0 + q;
-      if (!terms.row2[i]) {
-        v[q] = terms.row[i][j];
-        continue;
-      }
-      const float* half = f < H / 2 ? reinterpret_cast<const float*>(terms.row[i]) + f
-                                    : reinterpret_cast<const float*>(terms.row2[i]) + f - H / 2;
-      const uint4* p = reinterpret_cast<const uint4*>(half);
-      v[q] = p[0];
-      v2[q] = p[1];
+      v[q] = make_uint4(0, 0, 0, 0);
+      if (i >= n) continue;
+      const uint64_t stride = slots.kind[i] & (kSlotPartialLow | kSlotPartialHigh) ? 32 : 16;
+      v[q] = *reinterpret_cast<const uint4*>((high ? slots.hi[i] : slots.lo[i]) + uint64_t(j) * stride);
     }
 #pragma unroll
     for (int q = 0; q < 8; ++q) {
       const int i = i0 + q;
       if (i >= n) continue;
-      if (terms.new_group[i] && i > 0) {
+      const uint8_t kind = slots.kind[i];
+      if ((kind & kSlotNewGroup) && i > 0) {
 #pragma unroll
         for (int x = 0; x < 8; ++x) {
           acc[x] = __fadd_rn(acc[x], group[x]);
           group[x] = 0;
         }
       }
-      if (!terms.row2[i]) {
-        accumulate_row(group, v[q], terms.weight[i]);
+      if (!(kind & (kSlotPartialLow | kSlotPartialHigh))) {
+        accumulate_row(group, v[q], slots.weight[i]);
         continue;
       }
-      const uint32_t words[8] = {v[q].x, v[q].y, v[q].z, v[q].w, v2[q].x, v2[q].y, v2[q].z, v2[q].w};
+      const float f[4] = {__uint_as_float(v[q].x), __uint_as_float(v[q].y), __uint_as_float(v[q].z),
+                          __uint_as_float(v[q].w)};
+      if (kind & kSlotPartialHigh) {
 #pragma unroll
-      for (int x = 0; x < 8; ++x) group[x] = __fadd_rn(group[x], __uint_as_float(words[x]));
+        for (int x = 0; x < 4; ++x) group[4 + x] = __fadd_rn(group[4 + x], f[x]);
+      } else {
+#pragma unroll
+        for (int x = 0; x < 4; ++x) group[x] = __fadd_rn(group[x], f[x]);
+      }
     }
   }
   if (n)
@@ -276,7 +290,7 @@ PORTEP_DEVICE void combine_reduce(const LLCombineArgs& a, bool waited) {
   __shared__ int tok_experts[kWarpSize];
   __shared__ uint32_t tok_slots[kWarpSize];
   __shared__ int owners[kWarpSize];  // the rank holding each selection's expert (divided once, in parallel)
-  __shared__ ReduceTerms terms;
+  __shared__ ReduceSlots slots;
   const LLCommon& c = a.c;
   const int K = a.num_topk, H = c.hidden;
   if (!waited) for_my_relay_chunks(c, [&](int src, int chunk) { relay_combine_chunk(a, src, chunk); });
@@ -291,19 +305,19 @@ PORTEP_DEVICE void combine_reduce(const LLCombineArgs& a, bool waited) {
       owners[k] = valid ? e / c.num_local_experts : 0;
     }
     __syncthreads();
-    if (int(threadIdx.x) < kWarpSize) place_terms(a, rows, weights, owners, &terms);
+    if (int(threadIdx.x) < kWarpSize) place_slots(a, rows, weights, owners, &slots);
     __syncthreads();
     uint4* out = reinterpret_cast<uint4*>(static_cast<uint8_t*>(a.out) + uint64_t(t) * a.out_pitch);
     for (int j = threadIdx.x; j < H / 8; j += blockDim.x) {
       float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
-      reduce_channels(terms, j, H, acc);
+      reduce_channels(slots, j, H, acc);
       uint32_t packed[4];
 #pragma unroll
       for (int q = 0; q < 4; ++q)
         packed[q] = uint32_t(f32_to_bf16(acc[2 * q])) | uint32_t(f32_to_bf16(acc[2 * q + 1])) << 16;
       out[j] = make_uint4(packed[0], packed[1], packed[2], packed[3]);
     }
-    __syncthreads();  // rows/weights/terms are rewritten for the next token
+    __syncthreads();  // rows/weights/slots are rewritten for the next token
   }
   if (waited) return;
   // Every block has read its signals before it counts itself done; the last one resets them all.
@@ -326,11 +340,16 @@ PORTEP_DEVICE void combine_reduce(const LLCombineArgs& a, bool waited) {
   }
 }
 
-// phases: kPhaseSend and/or kPhaseRecv (both: every block sends its parts, then reduces its tokens; grid:
-// send_recv_grid). `waited`: a wait kernel already consumed the signals.
-__global__ void __launch_bounds__(kLLThreads) combine_kernel(LLCombineArgs a, int phases, int parts, bool waited) {
+// kPhases: kPhaseSend and/or kPhaseRecv (both: every block sends its parts, then reduces its tokens; grid:
+// send_recv_grid). `waited`: a wait kernel already consumed the signals. A compile-time argument: the receive
+// kernel compiled together with the send code (one kernel, phases at run time) took 15.5 us instead of 11.0 on
+// the hook probe (bench/results/RESULTS.md). The send phase's grid (one block per local expert and part) runs in one
+// wave only with two blocks per SM; the reduce needs more registers than that allows.
+template <int kPhases>
+__global__ void __launch_bounds__(kLLThreads, kPhases == kPhaseSend ? 2 : 1)
+    combine_kernel(LLCombineArgs a, int parts, bool waited) {
   extern __shared__ uint32_t shared[];  // begins [R], counts [R]
-  if (phases & kPhaseSend) {
+  if constexpr ((kPhases & kPhaseSend) != 0) {
     const LLCommon& c = a.c;
     int partial_peers = 0;
     for (int r = 0; r < c.num_ranks; ++r) partial_peers += partial_peer(c, r);
@@ -347,7 +366,7 @@ __global__ void __launch_bounds__(kLLThreads) combine_kernel(LLCombineArgs a, in
       }
     }
   }
-  if (phases & kPhaseRecv) combine_reduce(a, waited);
+  if constexpr ((kPhases & kPhaseRecv) != 0) combine_reduce(a, waited);
 }
 
 }  // namespace
@@ -366,12 +385,12 @@ int ll_combine(const LLCombineArgs& a, int phases) {
     const int blocks = send_recv_grid(N, E_l, c.num_sms);
     LLCombineArgs fused = a;
     fused.own_rows_in_input = true;
-    combine_kernel<<<blocks, kLLThreads, smem, stream>>>(fused, phases, parts_for(blocks), false);
+    combine_kernel<kPhaseSend | kPhaseRecv><<<blocks, kLLThreads, smem, stream>>>(fused, parts_for(blocks), false);
     return int(cudaGetLastError());
   }
   if (phases & kPhaseSend) {
     const int parts = parts_for(c.num_sms);
-    combine_kernel<<<E_l * parts, kLLThreads, smem, stream>>>(a, kPhaseSend, parts, false);
+    combine_kernel<kPhaseSend><<<E_l * parts, kLLThreads, smem, stream>>>(a, parts, false);
     if (cudaError_t e = cudaGetLastError(); e != cudaSuccess) return int(e);
   }
   if (phases & kPhaseRecv) {
@@ -379,7 +398,7 @@ int ll_combine(const LLCombineArgs& a, int phases) {
       combine_wait_kernel<<<1, kLLThreads, 0, stream>>>(a);
       if (cudaError_t e = cudaGetLastError(); e != cudaSuccess) return int(e);
     }
-    combine_kernel<<<std::min(N, 4 * c.num_sms), kLLThreads, smem, stream>>>(a, kPhaseRecv, 1, wait_first);
+    combine_kernel<kPhaseRecv><<<std::min(N, 4 * c.num_sms), kLLThreads, smem, stream>>>(a, 1, wait_first);
     return int(cudaGetLastError());
   }
   return 0;

@@ -272,16 +272,32 @@ PORTEP_DEVICE void dispatch_recv_expert(const LLDispatchArgs& a, int le, uint32_
   }
 }
 
-// phases: kPhaseSend and/or kPhaseRecv. With both, every block sends, then receives (grid: send_recv_grid).
-__global__ void __launch_bounds__(kLLThreads) dispatch_kernel(LLDispatchArgs a, int phases) {
+// kPhases: kPhaseSend and/or kPhaseRecv. With both, every block sends, then receives (grid: send_recv_grid). A
+// compile-time argument, so that each phase's kernel holds only its own code and registers. A single phase's grid
+// (up to 2 blocks per SM, or one per local expert) runs in one wave only with two blocks per SM.
+template <int kPhases>
+__global__ void __launch_bounds__(kLLThreads, kPhases == (kPhaseSend | kPhaseRecv) ? 1 : 2)
+    dispatch_kernel(LLDispatchArgs a) {
   extern __shared__ uint32_t shared[];  // send: hist [E]; receive: counts [R], begins [R]
-  if (phases & kPhaseSend) dispatch_send(a, shared);
-  if (!(phases & kPhaseRecv)) return;
+  if constexpr ((kPhases & kPhaseSend) != 0) dispatch_send(a, shared);
+  if constexpr ((kPhases & kPhaseRecv) == 0) return;
   for_my_relay_chunks(a.c, [&](int src, int chunk) { relay_dispatch_chunk(a.c, src, chunk); });
   for (int le = int(blockIdx.x); le < a.c.num_local_experts; le += int(gridDim.x)) {
     __syncthreads();  // shared memory is reused
     dispatch_recv_expert(a, le, shared);
   }
+}
+
+template <int kPhases>
+int launch_dispatch(const LLDispatchArgs& a, int blocks, size_t smem) {
+  if (smem > 48 * 1024) {
+    if (cudaError_t e = cudaFuncSetAttribute(dispatch_kernel<kPhases>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                             int(smem));
+        e != cudaSuccess)
+      return int(e);
+  }
+  dispatch_kernel<kPhases><<<blocks, kLLThreads, smem, static_cast<cudaStream_t>(a.c.stream)>>>(a);
+  return int(cudaGetLastError());
 }
 
 }  // namespace
@@ -294,14 +310,12 @@ int ll_dispatch(const LLDispatchArgs& a, int phases) {
                                             : send_recv_grid(N, E_l, a.c.num_sms);
   size_t smem = size_t(a.c.num_ranks) * 8;
   if (phases & kPhaseSend) smem = std::max(smem, size_t(a.c.num_experts) * 4);
-  if (smem > 48 * 1024) {
-    if (cudaError_t e = cudaFuncSetAttribute(dispatch_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                             int(smem));
-        e != cudaSuccess)
-      return int(e);
+  switch (phases) {
+    case kPhaseSend: return launch_dispatch<kPhaseSend>(a, blocks, smem);
+    case kPhaseRecv: return launch_dispatch<kPhaseRecv>(a, blocks, smem);
+    case kPhaseSend | kPhaseRecv: return launch_dispatch<kPhaseSend | kPhaseRecv>(a, blocks, smem);
+    default: return int(cudaErrorInvalidValue);
   }
-  dispatch_kernel<<<blocks, kLLThreads, smem, static_cast<cudaStream_t>(a.c.stream)>>>(a, phases);
-  return int(cudaGetLastError());
 }
 
 }  // namespace portep::cuda
