@@ -282,8 +282,39 @@ PORTEP_DEVICE void reduce_channels(const ReduceSlots& slots, int j, int H, float
     for (int x = 0; x < 8; ++x) acc[x] = __fadd_rn(acc[x], group[x]);
 }
 
-// One block per token: the block finds its K rows, waits for their experts (unless a wait kernel already
-// consumed every signal), then reduces them (reduce_channels). The last block to finish resets the signals.
+// Waits for the experts of this block's tokens, then counts the block done; the last block resets every flag.
+// Before the reduce's output stores: so the fence has no stores to wait for, and the last block resets while the
+// others reduce. Every read of a flag happens here, so the reset cannot hide one from a block.
+PORTEP_DEVICE void await_block_experts(const LLCombineArgs& a) {
+  const LLCommon& c = a.c;
+  const int K = a.num_topk;
+  for (int t = int(blockIdx.x); t < a.num_tokens; t += int(gridDim.x)) {
+    if (int(threadIdx.x) >= K) break;
+    const int64_t e = a.topk_idx[uint64_t(t) * K + threadIdx.x];
+    if (e >= 0 && e < c.num_experts) wait_expert_rows(c, int(e));  // a timeout is reported; the results are void
+  }
+  __syncthreads();
+  __shared__ bool last;
+  if (threadIdx.x == 0) {
+    fence_gpu();
+    uint32_t* done = c.finish + c.num_experts;
+    last = atomic_add_relaxed_gpu_u32(done, 1u) + 1 == gridDim.x;
+    if (last) *done = 0;
+  }
+  __syncthreads();
+  if (!last) return;
+  // Blocks waited only for their own tokens' experts, but every (expert, source) pair is signalled on every call:
+  // wait for the rest too, or a late signal would survive the reset and satisfy a later call's wait before its rows
+  // arrive.
+  for (int e = threadIdx.x; e < c.num_experts; e += blockDim.x) wait_expert_rows(c, e);
+  __syncthreads();
+  fence_gpu();
+  reset_combine_signals(c);
+  __syncthreads();
+}
+
+// One block per token: the block waits for its tokens' experts (await_block_experts; not when a wait kernel already
+// consumed every signal), then finds each token's K rows and reduces them (reduce_channels).
 PORTEP_DEVICE void combine_reduce(const LLCombineArgs& a, bool waited) {
   __shared__ const uint4* rows[kWarpSize];
   __shared__ float weights[kWarpSize];
@@ -293,13 +324,16 @@ PORTEP_DEVICE void combine_reduce(const LLCombineArgs& a, bool waited) {
   __shared__ ReduceSlots slots;
   const LLCommon& c = a.c;
   const int K = a.num_topk, H = c.hidden;
-  if (!waited) for_my_relay_chunks(c, [&](int src, int chunk) { relay_combine_chunk(a, src, chunk); });
+  if (!waited) {
+    for_my_relay_chunks(c, [&](int src, int chunk) { relay_combine_chunk(a, src, chunk); });
+    await_block_experts(a);
+  }
   for (int t = int(blockIdx.x); t < a.num_tokens; t += int(gridDim.x)) {
     token_selections(a.topk_idx, t, K, c.num_experts, tok_experts, tok_slots);
     if (int(threadIdx.x) < K) {
       const int k = int(threadIdx.x), e = tok_experts[k];
       const uint32_t slot = tok_slots[k];
-      const bool valid = e >= 0 && slot < uint32_t(c.T) && (waited || wait_expert_rows(c, e));
+      const bool valid = e >= 0 && slot < uint32_t(c.T);
       rows[k] = valid ? row_address(a, e, slot) : nullptr;
       weights[k] = a.topk_weights[uint64_t(t) * K + k];
       owners[k] = valid ? e / c.num_local_experts : 0;
@@ -318,25 +352,6 @@ PORTEP_DEVICE void combine_reduce(const LLCombineArgs& a, bool waited) {
       out[j] = make_uint4(packed[0], packed[1], packed[2], packed[3]);
     }
     __syncthreads();  // rows/weights/slots are rewritten for the next token
-  }
-  if (waited) return;
-  // Every block has read its signals before it counts itself done; the last one resets them all.
-  __shared__ bool last;
-  if (threadIdx.x == 0) {
-    fence_gpu();
-    uint32_t* done = c.finish + c.num_experts;
-    last = atomic_add_relaxed_gpu_u32(done, 1u) + 1 == gridDim.x;
-    if (last) *done = 0;
-  }
-  __syncthreads();
-  if (last) {
-    // Blocks waited only for their own tokens' experts, but every (expert, source) pair is signalled on every
-    // call: wait for the rest too, or a late signal would survive the reset and satisfy a later call's wait
-    // before its rows arrive.
-    for (int e = threadIdx.x; e < c.num_experts; e += blockDim.x) wait_expert_rows(c, e);
-    __syncthreads();
-    fence_gpu();
-    reset_combine_signals(c);
   }
 }
 
