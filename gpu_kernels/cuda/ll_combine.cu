@@ -181,7 +181,7 @@ PORTEP_DEVICE const uint4* row_address(const LLCombineArgs& a, int e, uint32_t s
 // rows grouped by owner rank (ranks ascending, top-k order within), where a partial peer holding two or more of them
 // gives one FP32 term instead (its two halves in the first two rows' places), which takes two slots (the group's
 // 8 floats). Slot i of channel group j lies at (j < H/16 ? lo[i] : hi[i]) + j * stride, stride 16 for a BF16 row,
-// 32 for a partial. So a batch of loads is the same code for both kinds, and a thread needs 8 registers per slot.
+// 32 for a partial. So a batch of loads is the same code for both kinds, and a thread needs 4 registers per slot.
 constexpr uint8_t kSlotPartialLow = 1, kSlotPartialHigh = 2, kSlotNewGroup = 4;  // kind bits; BF16 row: neither
 struct ReduceSlots {  // at most K <= 32 slots: a partial's two slots replace two or more selections
   uint64_t lo[kWarpSize];
