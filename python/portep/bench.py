@@ -12,7 +12,7 @@ def _best_mode():
         from portep import native
 
         if native.build_info()["cuda_built"] and torch.cuda.is_available() and torch.cuda.device_count() >= 2:
-            return "gpu-ll"
+            return "gpu"
     except Exception:  # noqa: BLE001 - no torch CUDA, no native module: the host benchmark still runs
         pass
     return "ep"
@@ -57,13 +57,32 @@ def main(argv=None):
     gl.add_argument("--iterations", type=int, default=50)
     gl.add_argument("--proxy-transport", choices=["shm", "shm-unordered"], default="shm")
     gl.add_argument("--no-proxy", action="store_true", help="measure the direct NVLink path only")
+    gh = sub.add_parser("gpu-ht", help="HT (normal) dispatch/combine on GPUs of one node vs NCCL (needs 2 GPUs)")
+    gh.add_argument("--tokens", type=int, default=4096)
+    gh.add_argument("--hidden", type=int, default=7168)
+    gh.add_argument("--topk", type=int, default=8)
+    gh.add_argument("--experts", type=int, default=256)
+    gh.add_argument("--iterations", type=int, default=20)
+    gh.add_argument("--sms", type=int, nargs="+", default=[24, 8, 16, 32], help="config.num_sms values to run")
+    sub.add_parser("gpu", help="gpu-ll, then gpu-ht (the default with two GPUs)")
     args = parser.parse_args(argv)
-    if args.mode == "gpu-ll":
+    if args.mode in ("gpu-ll", "gpu"):
         from portep_bench import ll_gpu
 
-        ll_gpu.run(tokens=args.tokens, hidden=args.hidden, topk=args.topk, experts=args.experts,
-                   iterations=args.iterations, proxy_transport=args.proxy_transport, with_proxy=not args.no_proxy)
+        if args.mode == "gpu":
+            ll_gpu.run()
+        else:
+            ll_gpu.run(tokens=args.tokens, hidden=args.hidden, topk=args.topk, experts=args.experts,
+                       iterations=args.iterations, proxy_transport=args.proxy_transport, with_proxy=not args.no_proxy)
         ll_gpu.run_channel()
+    if args.mode in ("gpu-ht", "gpu"):
+        from portep_bench import ht_gpu
+
+        if args.mode == "gpu":
+            ht_gpu.run()
+        else:
+            ht_gpu.run(tokens=args.tokens, hidden=args.hidden, topk=args.topk, experts=args.experts,
+                       iterations=args.iterations, sms_list=tuple(args.sms))
     if args.mode == "gpu-fifo":
         from portep_bench import gpu_fifo
 

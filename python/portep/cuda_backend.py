@@ -41,7 +41,10 @@ SEND, RECV = 1, 2  # kernel phases (the native LL_PHASE_SEND / LL_PHASE_RECV)
 DEVICE_FIFO_CAPACITY = 4096
 ERROR_NAMES = {1: "a signal did not arrive", 2: "a FIFO had no room", 3: "an expert got more selections than "
                "num_max_dispatch_tokens_per_rank (duplicate experts in a token's topk_idx?)",
-               4: "topk_idx holds an expert index outside [-1, num_experts) (the selection was dropped)"}
+               4: "topk_idx holds an expert index outside [-1, num_experts) (the selection was dropped)",
+               5: "a dispatch received more tokens than num_worst_tokens (the rows past it were dropped)",
+               6: "the communication buffer is too small for a normal-mode dispatch or combine (create the Buffer "
+                  "with a larger num_nvl_bytes)"}
 
 
 class CudaEvent:
@@ -97,8 +100,9 @@ class CudaEngine(Topology):
         # after the flags: per half, each source's meta block for combine partials (ll_api.h)
         self.meta_base = self.num_bytes + 4 * 4 * self.flag_slots
         self.meta_bytes = 2 * self.num_ranks * self.native.LL_META_STRIDE
+        self.ht_ctrl_off = self.meta_base + self.meta_bytes  # normal mode's control area (cuda_ht.py)
         self.fifos = self.native.DeviceFifoSet(NUM_DEVICE_FIFOS, DEVICE_FIFO_CAPACITY)
-        self.channel = Channel(group, self.meta_base + self.meta_bytes, transport=transport,
+        self.channel = Channel(group, self.ht_ctrl_off + self.native.HT_CTRL_BYTES, transport=transport,
                                num_streams=hb.STREAM_LL_BASE + 4 * max_local_experts,
                                num_proxy_threads=num_proxy_threads, timeout_s=timeout_s,
                                device=self.device.index, device_fifos=self.fifos)
@@ -123,13 +127,14 @@ class CudaEngine(Topology):
         # the proxy signal slots' values the kernels consumed last (only the host writes the slots themselves)
         self._signal_seen = torch.zeros(self.num_ranks * self.channel.num_streams, dtype=torch.int64,
                                         device=self.device)
-        self._error_host, error_device = self.native.cuda_host_alloc_mapped(16)
+        self._error_host, self.error_device = self.native.cuda_host_alloc_mapped(16)
         self._error = (ctypes.c_uint32 * 4).from_address(self._error_host)
+        self._ht = None
         num_sms = torch.cuda.get_device_properties(self.device).multi_processor_count
         self.kernels = self.native.LLKernels(self.rank, self.num_ranks, ch.device_data_ptr(), self._peers.data_ptr(),
                                              ch.device_signals_ptr(), self._signal_seen.data_ptr(),
                                              self.channel.num_streams, self.fifos, self._finish.data_ptr(),
-                                             chunk_done, proxy_begin, max_chunks, dest_done, error_device,
+                                             chunk_done, proxy_begin, max_chunks, dest_done, self.error_device,
                                              self.timeout_s, num_sms)
         self.ll_half = 0
         self._layouts = {}
@@ -156,8 +161,10 @@ class CudaEngine(Topology):
                     hint = ("; copies issued by this rank's proxies have not completed: if their stream shares a "
                             "hardware queue with the LL kernels' stream they wait behind those kernels (see "
                             "CUDA_DEVICE_MAX_CONNECTIONS in portep/config.py)")
-            where = (f"token {src}, value {ctypes.c_int32(index).value}" if code == 4 else
-                     f"peer rank {src}, index {index}, within {self.timeout_s} s")
+            where = {4: f"token {src}, value {ctypes.c_int32(index).value}",
+                     5: f"{src} rows received, num_worst_tokens={index}",
+                     6: f"destination rank {src}"}.get(code,
+                                                       f"peer rank {src}, index {index}, within {self.timeout_s} s")
             slots = ""
             if code == 1 and 0 <= src < self.num_ranks:  # what that peer's proxies delivered into the LL slots
                 # a snapshot: the proxies may still write the live slots, which torch's nonzero must not see change
@@ -165,7 +172,7 @@ class CudaEngine(Topology):
                 live = [(int(i), int(row[i]) >> 32, int(row[i]) & 0xFFFFFFFF) for i in row.nonzero().flatten()[:8]]
                 slots = (f"; LL signal slots from rank {src} (stream offset, final signals, units delivered since the "
                          f"Buffer was created or cleaned): {live}")
-            raise RuntimeError(f"rank {rank}: a low-latency kernel failed: {ERROR_NAMES.get(code, code)} ({where}); "
+            raise RuntimeError(f"rank {rank}: a kernel failed: {ERROR_NAMES.get(code, code)} ({where}); "
                                f"the Buffer's results are invalid (this rank's proxies so far: {moved}{slots}{hint})")
 
     # ---- layout ----
@@ -207,13 +214,26 @@ class CudaEngine(Topology):
                                          _current_raw_stream(self.device.index))
         return per_rank, per_node, per_expert, in_rank
 
-    def dispatch(self, *args, **kwargs):
-        raise NotImplementedError("normal-mode dispatch on GPU tensors is not implemented yet (the CUDA HT kernels "
-                                  "are issue 5); use a backend='host' Buffer with CPU tensors")
+    def raw_stream(self):
+        return _current_raw_stream(self.device.index)
 
-    def combine(self, *args, **kwargs):
-        raise NotImplementedError("normal-mode combine on GPU tensors is not implemented yet (the CUDA HT kernels "
-                                  "are issue 5); use a backend='host' Buffer with CPU tensors")
+    def _normal_mode(self):
+        if self._ht is None:
+            from .cuda_ht import CudaHT
+
+            self._ht = CudaHT(self, self.ht_ctrl_off)
+        return self._ht
+
+    def dispatch(self, x, x_scales, topk_idx, topk_weights, num_tokens_per_rank, num_tokens_per_rdma_rank,
+                 is_token_in_rank, num_tokens_per_expert, expert_alignment, num_worst_tokens, num_channels, handle):
+        self.check_error()
+        return self._normal_mode().dispatch(x, x_scales, topk_idx, topk_weights, is_token_in_rank,
+                                            num_tokens_per_expert, expert_alignment, num_worst_tokens, num_channels,
+                                            handle)
+
+    def combine(self, x, handle, topk_weights, bias):
+        self.check_error()
+        return self._normal_mode().combine(x, handle, topk_weights, bias)
 
     def low_latency_dispatch(self, x, topk_idx, T, E, use_fp8, round_scale, use_ue8m0, cumulative_stats,
                              wait_stats, return_recv_hook):
@@ -330,6 +350,9 @@ class CudaEngine(Topology):
             torch.cuda.current_stream(self.device).synchronize()
         finally:
             self.region = None
+            if self._ht is not None:
+                self._ht.destroy()
+                self._ht = None
             self.channel.destroy()
             self.channel = None
             self.fifos = None

@@ -6,6 +6,7 @@
 #include <string>
 
 #include "../../gpu_kernels/cuda/api.h"
+#include "bind_util.h"
 #include "../../gpu_kernels/cuda/ll_api.h"
 
 namespace py = pybind11;
@@ -13,14 +14,8 @@ using namespace portep::cuda;
 
 namespace {
 
-void check(int err, const char* what) {
-  if (err) throw std::runtime_error(std::string(what) + ": " + cuda_error_string(err));
-}
-
-template <class T>
-T* ptr(uintptr_t p) {
-  return reinterpret_cast<T*>(p);
-}
+using portep::bind::check;
+using portep::bind::ptr;
 
 class PyFifoSet {
  public:

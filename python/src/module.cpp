@@ -9,6 +9,7 @@ void bind_channel(py::module_& m);
 void bind_build_info(py::module_& m);
 #ifdef PORTEP_WITH_CUDA
 void bind_cuda_ll(py::module_& m);
+void bind_cuda_ht(py::module_& m);
 #endif
 
 PYBIND11_MODULE(_C, m) {
@@ -18,5 +19,6 @@ PYBIND11_MODULE(_C, m) {
   bind_build_info(m);
 #ifdef PORTEP_WITH_CUDA
   bind_cuda_ll(m);
+  bind_cuda_ht(m);
 #endif
 }

@@ -1,0 +1,177 @@
+// Bindings of the CUDA normal-mode (HT) kernels (built with the CUDA kernels only). Layouts in ht_api.h.
+#ifdef PORTEP_WITH_CUDA
+#include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
+
+#include <atomic>
+#include <chrono>
+#include <stdexcept>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "../../gpu_kernels/cuda/api.h"
+#include "bind_util.h"
+#include "../../gpu_kernels/cuda/ht_api.h"
+
+namespace py = pybind11;
+using namespace portep::cuda;
+
+namespace {
+
+using portep::bind::check;
+using portep::bind::ptr;
+
+// The per-Buffer constants of HTCommon; each call adds its channels and stream.
+class HTKernels {
+ public:
+  HTKernels(int rank, int num_ranks, uintptr_t local, uintptr_t peers, uint64_t ctrl_off, uint64_t data_off,
+            uint64_t data_bytes, uintptr_t epoch, uintptr_t host_counts, uintptr_t host_counts_device,
+            uintptr_t error, uintptr_t error_host, double timeout_s)
+      : host_(ptr<HTHostCounts>(host_counts)), error_host_(ptr<LLError>(error_host)), timeout_s_(timeout_s) {
+    if (num_ranks > kHTMaxRanks)
+      throw std::invalid_argument("num_ranks=" + std::to_string(num_ranks) +
+                                  ": the CUDA HT kernels store into at most " + std::to_string(kHTMaxRanks) + " ranks");
+    c_ = HTCommon{};
+    c_.rank = rank;
+    c_.num_ranks = num_ranks;
+    c_.local = ptr<uint8_t>(local);
+    c_.peers = ptr<uint8_t* const>(peers);
+    c_.ctrl_off = ctrl_off;
+    c_.data_off = data_off;
+    c_.data_bytes = data_bytes;
+    c_.epoch = ptr<uint64_t>(epoch);
+    c_.host = ptr<HTHostCounts>(host_counts_device);
+    c_.error = ptr<LLError>(error);
+    c_.timeout_ns = uint64_t(timeout_s * 1e9);
+  }
+
+  HTCommon common(int num_channels, uintptr_t stream) const {
+    if (num_channels < 1 || num_channels > kHTMaxChannels)
+      throw std::invalid_argument("num_channels=" + std::to_string(num_channels) +
+                                  " (config.num_sms // 2) must be in [1, " + std::to_string(kHTMaxChannels) + "]");
+    HTCommon c = c_;
+    c.num_channels = num_channels;
+    c.stream = reinterpret_cast<void*>(stream);
+    return c;
+  }
+
+  // Spins (without the GIL) until the notify kernel of `ticket` published its counts, or a kernel failed, or the
+  // timeout passed. Returns (num_recv, max_recv_any, [selections per local expert]) or None.
+  py::object wait_counts(uint64_t ticket, int num_local_experts) const {
+    const auto deadline = std::chrono::steady_clock::now() + std::chrono::duration<double>(timeout_s_);
+    bool ok = false;
+    {
+      py::gil_scoped_release nogil;
+      const volatile uint64_t* e = &host_->ticket;
+      const volatile uint32_t* err = &error_host_->code;
+      for (uint32_t spins = 0;; ++spins) {
+        if (*e >= ticket) {
+          ok = *e == ticket;
+          break;
+        }
+        if (*err) break;
+        if ((spins & 1023) == 0 && std::chrono::steady_clock::now() > deadline) break;
+        if (spins > 4096) std::this_thread::yield();
+      }
+      std::atomic_thread_fence(std::memory_order_acquire);
+    }
+    if (!ok) return py::none();
+    std::vector<int64_t> experts(host_->expert, host_->expert + num_local_experts);
+    return py::make_tuple(host_->num_recv, host_->max_recv_any, experts);
+  }
+
+  HTCommon c_;
+  HTHostCounts* host_;
+  LLError* error_host_;
+  double timeout_s_;
+};
+
+}  // namespace
+
+void bind_cuda_ht(py::module_& m) {
+  m.attr("HT_CTRL_BYTES") = kHTCtrlBytes;
+  m.attr("HT_HOST_COUNTS_BYTES") = sizeof(HTHostCounts);
+  m.attr("HT_MAX_RANKS") = kHTMaxRanks;
+  m.attr("HT_MAX_CHANNELS") = kHTMaxChannels;
+  m.attr("HT_MAX_LOCAL_EXPERTS") = kHTMaxLocalExperts;
+  py::class_<HTKernels>(m, "HTKernels")
+      .def(py::init<int, int, uintptr_t, uintptr_t, uint64_t, uint64_t, uint64_t, uintptr_t, uintptr_t, uintptr_t,
+                    uintptr_t, uintptr_t, double>(),
+           py::arg("rank"), py::arg("num_ranks"), py::arg("local"), py::arg("peers"), py::arg("ctrl_off"),
+           py::arg("data_off"), py::arg("data_bytes"), py::arg("epoch"), py::arg("host_counts"),
+           py::arg("host_counts_device"), py::arg("error"), py::arg("error_host"), py::arg("timeout_s"))
+      .def("wait_counts", &HTKernels::wait_counts, py::arg("ticket"), py::arg("num_local_experts"))
+      .def("notify",
+           [](const HTKernels& k, int num_channels, uintptr_t stream, bool exchange, uintptr_t is_token_in_rank,
+              uintptr_t tokens_per_expert, int num_tokens, int num_experts, uintptr_t rank_prefix,
+              uintptr_t channel_prefix, uintptr_t recv_channel_prefix, int64_t max_recv, uint64_t ticket) {
+             HTNotifyArgs a{};
+             a.c = k.common(num_channels, stream);
+             a.exchange = exchange;
+             a.is_token_in_rank = ptr<const bool>(is_token_in_rank);
+             a.tokens_per_expert = ptr<const int32_t>(tokens_per_expert);
+             a.num_tokens = num_tokens;
+             a.num_experts = num_experts;
+             a.rank_prefix = ptr<int32_t>(rank_prefix);
+             a.channel_prefix = ptr<int32_t>(channel_prefix);
+             a.recv_channel_prefix = ptr<int32_t>(recv_channel_prefix);
+             a.max_recv = max_recv;
+             a.ticket = ticket;
+             check(ht_notify(a), "HT notify");
+           })
+      .def("dispatch",
+           [](const HTKernels& k, int num_channels, uintptr_t stream, uintptr_t x, uintptr_t scales, uintptr_t topk_idx,
+              uintptr_t topk_weights, uintptr_t is_token_in_rank, uintptr_t rank_prefix, uintptr_t channel_prefix,
+              uintptr_t recv_channel_prefix, int num_tokens, int row_bytes, int num_scales, int num_topk,
+              int num_local_experts, int64_t max_recv, uintptr_t recv_x, uintptr_t recv_scales, uintptr_t recv_topk_idx,
+              uintptr_t recv_topk_weights, uintptr_t recv_src_idx, uintptr_t send_head) {
+             HTDispatchArgs a{};
+             a.c = k.common(num_channels, stream);
+             a.x = ptr<const uint8_t>(x);
+             a.scales = ptr<const float>(scales);
+             a.topk_idx = ptr<const int64_t>(topk_idx);
+             a.topk_weights = ptr<const float>(topk_weights);
+             a.is_token_in_rank = ptr<const bool>(is_token_in_rank);
+             a.rank_prefix = ptr<const int32_t>(rank_prefix);
+             a.channel_prefix = ptr<const int32_t>(channel_prefix);
+             a.recv_channel_prefix = ptr<const int32_t>(recv_channel_prefix);
+             a.num_tokens = num_tokens;
+             a.row_bytes = row_bytes;
+             a.num_scales = num_scales;
+             a.num_topk = num_topk;
+             a.num_local_experts = num_local_experts;
+             a.max_recv = max_recv;
+             a.recv_x = ptr<uint8_t>(recv_x);
+             a.recv_scales = ptr<float>(recv_scales);
+             a.recv_topk_idx = ptr<int64_t>(recv_topk_idx);
+             a.recv_topk_weights = ptr<float>(recv_topk_weights);
+             a.recv_src_idx = ptr<int32_t>(recv_src_idx);
+             a.send_head = ptr<int32_t>(send_head);
+             check(ht_dispatch(a), "HT dispatch");
+           })
+      .def("combine",
+           [](const HTKernels& k, int num_channels, uintptr_t stream, uintptr_t x, uintptr_t topk_weights,
+              uintptr_t bias0, uintptr_t bias1, uintptr_t is_token_in_rank, uintptr_t rank_prefix,
+              uintptr_t channel_prefix, uintptr_t recv_channel_prefix, uintptr_t send_head, int num_tokens, int hidden,
+              int num_topk, uintptr_t out, uintptr_t out_weights) {
+             HTCombineArgs a{};
+             a.c = k.common(num_channels, stream);
+             a.x = ptr<const uint16_t>(x);
+             a.topk_weights = ptr<const float>(topk_weights);
+             a.bias0 = ptr<const uint16_t>(bias0);
+             a.bias1 = ptr<const uint16_t>(bias1);
+             a.is_token_in_rank = ptr<const bool>(is_token_in_rank);
+             a.rank_prefix = ptr<const int32_t>(rank_prefix);
+             a.channel_prefix = ptr<const int32_t>(channel_prefix);
+             a.recv_channel_prefix = ptr<const int32_t>(recv_channel_prefix);
+             a.send_head = ptr<const int32_t>(send_head);
+             a.num_tokens = num_tokens;
+             a.hidden = hidden;
+             a.num_topk = num_topk;
+             a.out = ptr<uint16_t>(out);
+             a.out_weights = ptr<float>(out_weights);
+             check(ht_combine(a), "HT combine");
+           });
+}
+#endif

@@ -1,0 +1,165 @@
+"""Per-rank bodies of the GPU HT tests that have no host-backend twin: the CUDA backend against the host backend
+on the same inputs (bit for bit), num_worst_tokens dispatch + combine captured in a CUDA graph and replayed on new
+inputs, and the refusal of a multi-node layout."""
+
+import torch
+import torch.distributed as dist
+
+import deepep_reference as ref
+import deepep_workers as w
+import portep
+
+BF16 = torch.bfloat16
+
+
+def _buffers(rank, world, with_host=True):
+    torch.cuda.set_device(rank % torch.cuda.device_count())
+    gpu = portep.Buffer(dist.group.WORLD, w.HT_NVL_BYTES, 0, num_ranks_per_node=world, transport="shm",
+                        timeout_s=60, explicitly_destroy=True, backend="cuda")
+    host = portep.Buffer(dist.group.WORLD, w.HT_NVL_BYTES, 0, num_ranks_per_node=world, transport="shm",
+                         timeout_s=60, explicitly_destroy=True, backend="host") if with_host else None
+    return gpu, host
+
+
+def _cpu(v):
+    torch.cuda.current_stream().synchronize()
+    if isinstance(v, (tuple, list)):
+        return type(v)(_cpu(t) for t in v)
+    return v.cpu() if torch.is_tensor(v) else v
+
+
+def _gpu(v):
+    if isinstance(v, tuple):
+        return tuple(_gpu(t) for t in v)
+    return v.cuda() if torch.is_tensor(v) else v
+
+
+def _same(ck, name, got, exp):
+    """Bitwise equality of tensors (or tuples of them), None with None."""
+    if exp is None or got is None:
+        ck.true(got is None and exp is None, f"{name}: got {type(got).__name__}, expected {type(exp).__name__}")
+        return
+    if isinstance(exp, tuple):
+        for i, (g, e) in enumerate(zip(got, exp)):
+            _same(ck, f"{name}[{i}]", g, e)
+        return
+    if isinstance(exp, list):
+        ck.true(got == exp, f"{name}: {got!r:.120} != {exp!r:.120}")
+        return
+    g = _cpu(got)
+    if ck.true(g.shape == exp.shape and g.dtype == exp.dtype, f"{name}: {g.dtype}{tuple(g.shape)} vs "
+               f"{exp.dtype}{tuple(exp.shape)}"):
+        ck.true(torch.equal(ref.dense(g).contiguous().view(torch.uint8), ref.dense(exp).contiguous().view(torch.uint8))
+                if g.numel() else True, f"{name}: not bitwise equal to the host backend's")
+
+
+def cross_backend_body(rank, world, seed, n_tokens, hidden, num_topk, num_experts, num_sms):
+    ck = w.Checker(rank)
+    gpu, host = _buffers(rank, world)
+    inp = w.make_ht_inputs(rank, seed, n_tokens[rank], hidden, num_topk, num_experts)
+    idx, wts = inp["idx"], inp["w"]
+    cfg = portep.Config(num_sms, 6, 256, 6, 256)
+    ck.step = "layout"
+    lay_h = host.get_dispatch_layout(idx, num_experts)
+    lay_g = gpu.get_dispatch_layout(idx.cuda(), num_experts)
+    for i, name in enumerate(["per_rank", "per_rdma_rank", "per_expert", "is_token_in_rank"]):
+        _same(ck, name, lay_g[i], lay_h[i])
+    keys = ["num_tokens_per_rank", "num_tokens_per_rdma_rank", "num_tokens_per_expert", "is_token_in_rank"]
+    lay_h = dict(zip(keys, lay_h[:4]))
+    lay_g = dict(zip(keys, lay_g[:4]))
+    for kind, x in (("bf16", inp["x"]), ("fp8", (inp["x_fp8"], inp["s_cm"]))):
+        for with_topk, align in ((True, 4), (False, 1)):
+            ck.step = f"dispatch {kind} topk={with_topk} align={align}"
+            targs_h = dict(topk_idx=idx, topk_weights=wts) if with_topk else {}
+            targs_g = {k: v.cuda() for k, v in targs_h.items()}
+            dh = host.dispatch(x, expert_alignment=align, config=cfg, **targs_h, **lay_h)
+            dg = gpu.dispatch(_gpu(x), expert_alignment=align, config=cfg, **targs_g, **lay_g)
+            for i, name in enumerate(["recv_x", "recv_topk_idx", "recv_topk_weights", "list"]):
+                _same(ck, name, dg[i], dh[i])
+            for i, (hg, hh) in enumerate(zip(dg[4], dh[4])):
+                _same(ck, f"handle[{i}]", hg, hh)
+            ck.step = f"cached dispatch {kind}"
+            _same(ck, "cached recv_x", gpu.dispatch(_gpu(x), handle=dg[4], config=cfg)[0],
+                  host.dispatch(x, handle=dh[4], config=cfg)[0])
+            if kind == "fp8":
+                continue
+            for bias in (None, inp["b1"], (inp["b0"], inp["b1"])):
+                ck.step = f"combine topk={with_topk} bias={type(bias).__name__}"
+                y = dh[0] * 0.5 + 1  # expert outputs: any BF16 rows in recv order
+                cw = {"topk_weights": dh[2] * 3} if with_topk else {}
+                ch = host.combine(y, dh[4], bias=bias, config=cfg, **cw)
+                cg = gpu.combine(y.cuda(), dg[4], bias=_gpu(bias), config=cfg, **{k: v.cuda() for k, v in cw.items()})
+                _same(ck, "combined_x", cg[0], ch[0])
+                _same(ck, "combined_topk_weights", cg[1], ch[1])
+    gpu.destroy()
+    host.destroy()
+    return {"failures": ck.failures, "checks": ck.num_checks}
+
+
+def graph_body(rank, world, seed, n, hidden, num_topk, num_experts, replays):
+    """num_worst_tokens dispatch and combine captured once, replayed on new inputs copied into the captured
+    tensors; each replay equals the host backend's eager results on the same inputs."""
+    ck = w.Checker(rank)
+    gpu, host = _buffers(rank, world)
+    worst = n * world
+    inputs = [w.make_ht_inputs(rank, seed + 10 * r, n, hidden, num_topk, num_experts) for r in range(replays + 1)]
+    static = {k: inputs[0][k].cuda() for k in ("x", "idx", "w")}
+    lay = gpu.get_dispatch_layout(static["idx"], num_experts)
+    keys = ["num_tokens_per_rank", "num_tokens_per_rdma_rank", "num_tokens_per_expert", "is_token_in_rank"]
+    static_lay = dict(zip(keys, lay[:4]))
+
+    def step():
+        d = gpu.dispatch(static["x"], topk_idx=static["idx"], topk_weights=static["w"], num_worst_tokens=worst,
+                         **static_lay)
+        c = gpu.combine(d[0] * 2, d[4], topk_weights=d[2])
+        return d, c
+
+    step()  # warm-up outside the graph
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        d, c = step()
+    for r in range(1, replays + 1):
+        ck.step = f"replay {r}"
+        p = inputs[r]
+        for k in ("x", "idx", "w"):
+            static[k].copy_(p[k])
+        new_lay = gpu.get_dispatch_layout(static["idx"], num_experts)
+        for k, v in zip(keys, new_lay[:4]):
+            if v is not None:
+                static_lay[k].copy_(v)
+        graph.replay()
+        lay_h = dict(zip(keys, host.get_dispatch_layout(p["idx"], num_experts)[:4]))
+        dh = host.dispatch(p["x"], topk_idx=p["idx"], topk_weights=p["w"], **lay_h)
+        ch = host.combine(dh[0] * 2, dh[4], topk_weights=dh[2])
+        m = dh[0].size(0)
+        _same(ck, "recv_x[:num_recv]", d[0][:m], dh[0])
+        _same(ck, "recv_topk_idx[:num_recv]", d[1][:m], dh[1])
+        _same(ck, "recv_topk_weights[:num_recv]", d[2][:m], dh[2])
+        ck.true(bool((_cpu(d[1][m:]) == -1).all()), "recv_topk_idx rows past the real count are not all -1")
+        _same(ck, "combined_x", c[0], ch[0])
+        _same(ck, "combined_topk_weights", c[1], ch[1])
+    gpu.destroy()
+    host.destroy()
+    return {"failures": ck.failures, "checks": ck.num_checks}
+
+
+def internode_refused_body(rank, world):
+    """A multi-node layout on the CUDA backend raises NotImplementedError naming it, and the Buffer still works
+    for the LL-independent layout call."""
+    ck = w.Checker(rank)
+    torch.cuda.set_device(rank % torch.cuda.device_count())
+    buf = portep.Buffer(dist.group.WORLD, w.HT_NVL_BYTES, 0, num_ranks_per_node=1, transport="shm", timeout_s=30,
+                        explicitly_destroy=True, backend="cuda")
+    inp = w.make_ht_inputs(rank, 5, 32, 256, 4, 8)
+    idx = inp["idx"].cuda()
+    lay = buf.get_dispatch_layout(idx, 8)
+    try:
+        buf.dispatch(inp["x"].cuda(), topk_idx=idx, topk_weights=inp["w"].cuda(), num_tokens_per_rank=lay[0],
+                     num_tokens_per_rdma_rank=lay[1], num_tokens_per_expert=lay[2], is_token_in_rank=lay[3])
+        ck.fail("dispatch across nodes on the CUDA backend did not raise")
+    except NotImplementedError as e:
+        ck.true("num_ranks_per_node" in str(e), f"the error does not name num_ranks_per_node: {e}")
+    ck.equal("num_tokens_per_rank after the refusal", _cpu(buf.get_dispatch_layout(idx, 8)[0]), _cpu(lay[0]))
+    buf.destroy()
+    return {"failures": ck.failures, "checks": ck.num_checks}
