@@ -91,6 +91,24 @@ def cross_backend_body(rank, world, seed, n_tokens, hidden, num_topk, num_expert
                 cg = gpu.combine(y.cuda(), dg[4], bias=_gpu(bias), config=cfg, **{k: v.cuda() for k, v in cw.items()})
                 _same(ck, "combined_x", cg[0], ch[0])
                 _same(ck, "combined_topk_weights", cg[1], ch[1])
+    ck.step = "stream rules: previous_event, async_finish, allocate_on_comm_stream"
+    comm = gpu.get_comm_stream()
+    ck.true(isinstance(comm, torch.cuda.Stream) and comm != torch.cuda.current_stream(),
+            f"get_comm_stream() returned {comm!r}, not a stream of its own")
+    dh = host.dispatch(inp["x"], topk_idx=idx, topk_weights=wts, config=cfg, **lay_h)
+    torch.cuda._sleep(200_000_000)  # the current stream is busy for a while: x below is produced after that
+    x_late = inp["x"].cuda() + 0
+    prev = portep.Buffer.capture()
+    dg = gpu.dispatch(x_late, topk_idx=idx.cuda(), topk_weights=wts.cuda(), config=cfg, previous_event=prev,
+                      async_finish=True, allocate_on_comm_stream=True, **lay_g)
+    dg[5].current_stream_wait()
+    _same(ck, "recv_x after previous_event", dg[0], dh[0])
+    y = dh[0] * 0.5 + 1
+    ch = host.combine(y, dh[4], config=cfg)
+    torch.cuda._sleep(200_000_000)
+    y_late = y.cuda() + 0
+    cg = gpu.combine(y_late, dg[4], config=cfg)  # no event: the comm stream waits for the current stream
+    _same(ck, "combined_x after the current stream", cg[0], ch[0])
     gpu.destroy()
     host.destroy()
     return {"failures": ck.failures, "checks": ck.num_checks}

@@ -85,6 +85,11 @@ class Buffer:
             from .host_backend import HostEngine as Engine
         self.runtime = Engine(group, num_nvl_bytes + num_rdma_bytes, ranks_per_node, transport=transport,
                               timeout_s=timeout_s, allow_direct_ll=bool(allow_nvlink_for_low_latency_mode))
+        self._comm = None
+        if self.backend == "cuda":
+            from .comm_stream import CommStream
+
+            self._comm = CommStream(self.runtime.device)
 
     # ---- lifetime ----
     def destroy(self):
@@ -119,6 +124,12 @@ class Buffer:
         if not self.low_latency_mode:
             raise RuntimeError("low-latency operations need a Buffer created with low_latency_mode=True")
         return engine
+
+    def _normal_op(self, fn, previous_event, async_finish, allocate_on_comm_stream, inputs):
+        """fn()'s result and its EventOverlap; on the CUDA backend with DeepEP's stream rules (comm_stream.py)."""
+        if self._device != "cuda":
+            return fn(), self._event(async_finish)
+        return self._comm.run(self.runtime, fn, previous_event, async_finish, allocate_on_comm_stream, inputs)
 
     def _event(self, async_finish, extra_tensors=None):
         if not async_finish:
@@ -170,10 +181,10 @@ class Buffer:
         return combine_config(num_ranks, Buffer.num_sms)
 
     def get_comm_stream(self):
-        """The communication stream: the current stream on the CUDA backend (its kernels run there); None on
-        the host backend, which has no streams."""
+        """The communication stream of the normal-mode operations on the CUDA backend (the low-latency ones run
+        on the current stream); None on the host backend, which has no streams."""
         self._engine()
-        return torch.cuda.current_stream() if self._device == "cuda" else None
+        return self._comm.stream if self._comm is not None else None
 
     def get_local_buffer_tensor(self, dtype, size=None, offset=0, use_rdma_buffer=False):
         """A view of this rank's NVL (or RDMA) buffer as `dtype`; `offset` is in bytes (as DeepEP's C++)."""
@@ -201,8 +212,9 @@ class Buffer:
         v.check_event_args(previous_event, async_finish, allocate_on_comm_stream)
         v.check_num_experts(num_experts, self.group_size)
         v.check_topk_idx("topk_idx", topk_idx, num_experts, device=self._device)
-        per_rank, per_rdma_rank, per_expert, in_rank = engine.get_dispatch_layout(topk_idx, num_experts)
-        return per_rank, per_rdma_rank, per_expert, in_rank, self._event(async_finish)
+        out, event = self._normal_op(lambda: engine.get_dispatch_layout(topk_idx, num_experts), previous_event,
+                                     async_finish, allocate_on_comm_stream, (topk_idx,))
+        return tuple(out) + (event,)
 
     def dispatch(self, x, handle=None, num_tokens_per_rank=None, num_tokens_per_rdma_rank=None,
                  is_token_in_rank=None, num_tokens_per_expert=None, topk_idx=None, topk_weights=None,
@@ -225,17 +237,20 @@ class Buffer:
                 raise ValueError("dispatch with a handle (cached mode) reuses the handle's routing: topk_idx and "
                                  "topk_weights must be None")
             return self._cached_dispatch(engine, x_data, x_scales, handle, expert_alignment, num_worst_tokens,
-                                         config, async_finish)
+                                         config, (previous_event, async_finish, allocate_on_comm_stream))
         num_experts = v.check_layout_tensors(num_tokens_per_rank, num_tokens_per_rdma_rank, is_token_in_rank,
                                              num_tokens_per_expert, x_data.size(0), self.group_size,
                                              engine.num_nodes, self._device)
         self._check_dispatch_topk(topk_idx, topk_weights, num_experts, x_data.size(0), num_worst_tokens)
         per_rdma_rank = num_tokens_per_rdma_rank if engine.num_nodes > 1 else None
-        recv_x, recv_scales, recv_topk_idx, recv_topk_weights, counts, handle = engine.dispatch(
-            x_data, x_scales, topk_idx, topk_weights, num_tokens_per_rank, per_rdma_rank, is_token_in_rank,
-            num_tokens_per_expert, expert_alignment, num_worst_tokens, config.num_sms // 2, None)
+        inputs = (x_data, x_scales, topk_idx, topk_weights, num_tokens_per_rank, per_rdma_rank, is_token_in_rank,
+                  num_tokens_per_expert)
+        out, event = self._normal_op(lambda: engine.dispatch(*inputs, expert_alignment, num_worst_tokens,
+                                                             config.num_sms // 2, None),
+                                     previous_event, async_finish, allocate_on_comm_stream, inputs)
+        recv_x, recv_scales, recv_topk_idx, recv_topk_weights, counts, handle = out
         recv = (recv_x, recv_scales) if x_scales is not None else recv_x
-        return recv, recv_topk_idx, recv_topk_weights, counts, handle, self._event(async_finish)
+        return recv, recv_topk_idx, recv_topk_weights, counts, handle, event
 
     def _check_dispatch_topk(self, topk_idx, topk_weights, num_experts, num_tokens, num_worst_tokens):
         if topk_idx is None:
@@ -245,16 +260,17 @@ class Buffer:
         v.check_topk_idx("topk_idx", topk_idx, num_experts, num_tokens=num_tokens, device=self._device)
         v.check_topk_weights("topk_weights", topk_weights, tuple(topk_idx.shape), self._device)
 
-    def _cached_dispatch(self, engine, x, x_scales, handle, expert_alignment, num_worst_tokens, config,
-                         async_finish):
+    def _cached_dispatch(self, engine, x, x_scales, handle, expert_alignment, num_worst_tokens, config, stream_args):
         handle, num_tokens, _, channels = v.check_normal_handle(handle, self.group_size, engine.num_nodes)
         if x.size(0) != num_tokens:
             raise ValueError(f"x has {x.size(0)} tokens; the handle was made by a dispatch of {num_tokens}")
         v.check_handle_channels(channels, config, "cached dispatch")
-        recv_x, recv_scales = engine.dispatch(x, x_scales, None, None, None, None, None, None, expert_alignment,
-                                              num_worst_tokens, channels, handle)[:2]
+        out, event = self._normal_op(lambda: engine.dispatch(x, x_scales, None, None, None, None, None, None,
+                                                             expert_alignment, num_worst_tokens, channels, handle)[:2],
+                                     *stream_args, (x, x_scales) + tuple(handle))
+        recv_x, recv_scales = out
         recv = (recv_x, recv_scales) if x_scales is not None else recv_x
-        return recv, None, None, None, None, self._event(async_finish)
+        return recv, None, None, None, None, event
 
     def combine(self, x, handle, topk_weights=None, bias=None, config=None, previous_event=None,
                 async_finish=False, allocate_on_comm_stream=False):
@@ -275,8 +291,9 @@ class Buffer:
         v.check_optional_tensor("topk_weights", topk_weights, dtypes=(torch.float32,),
                                 shape=(("num_recv_tokens", num_recv), ("num_topk", None)), device=self._device)
         biases = v.check_bias(bias, num_tokens, x.size(1), x.dtype, self._device)
-        combined_x, combined_weights = engine.combine(x, handle, topk_weights, biases)
-        return combined_x, combined_weights, self._event(async_finish)
+        out, event = self._normal_op(lambda: engine.combine(x, handle, topk_weights, biases), previous_event,
+                                     async_finish, allocate_on_comm_stream, (x, topk_weights) + biases + tuple(handle))
+        return out[0], out[1], event
 
     def internode_dispatch(self, *args, **kwargs):
         raise NotImplementedError("Buffer.internode_dispatch is DeepEP-internal; call Buffer.dispatch, which "

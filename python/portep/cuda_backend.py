@@ -130,6 +130,7 @@ class CudaEngine(Topology):
         self._error_host, self.error_device = self.native.cuda_host_alloc_mapped(16)
         self._error = (ctypes.c_uint32 * 4).from_address(self._error_host)
         self._ht = None
+        self.launch_stream = None  # set by the Buffer around normal-mode calls (comm_stream.py)
         num_sms = torch.cuda.get_device_properties(self.device).multi_processor_count
         self.kernels = self.native.LLKernels(self.rank, self.num_ranks, ch.device_data_ptr(), self._peers.data_ptr(),
                                              ch.device_signals_ptr(), self._signal_seen.data_ptr(),
@@ -210,12 +211,21 @@ class CudaEngine(Topology):
         in_rank = torch.empty(N, R, dtype=torch.bool, device=self.device)
         self.native.cuda_dispatch_layout(topk_idx.data_ptr(), N, K, num_experts, R, self.ranks_per_node,
                                          per_rank.data_ptr(), 0 if per_node is None else per_node.data_ptr(),
-                                         per_expert.data_ptr(), in_rank.data_ptr(),
-                                         _current_raw_stream(self.device.index))
+                                         per_expert.data_ptr(), in_rank.data_ptr(), self.raw_stream())
         return per_rank, per_node, per_expert, in_rank
 
     def raw_stream(self):
-        return _current_raw_stream(self.device.index)
+        """Where normal-mode kernels launch: the Buffer's communication stream during its calls, else the current
+        stream."""
+        return self.launch_stream or _current_raw_stream(self.device.index)
+
+    def keep_for_launch(self, *tensors):
+        """Temporaries made on the current stream for a kernel on another stream stay allocated until it ran."""
+        if self.launch_stream:
+            stream = torch.cuda.ExternalStream(self.launch_stream, device=self.device)
+            for t in tensors:
+                if t is not None:
+                    t.record_stream(stream)
 
     def _normal_mode(self):
         if self._ht is None:
@@ -353,6 +363,7 @@ class CudaEngine(Topology):
             if self._ht is not None:
                 self._ht.destroy()
                 self._ht = None
+        self.launch_stream = None  # set by the Buffer around normal-mode calls (comm_stream.py)
             self.channel.destroy()
             self.channel = None
             self.fifos = None

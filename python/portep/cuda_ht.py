@@ -53,23 +53,29 @@ class CudaHT:
             self.eng.native.cuda_host_free_mapped(self.host_counts)
             self.host_counts = 0
 
+    def _copy(self, original, converted):
+        """converted (original made contiguous or cast): a temporary, kept until the kernels that read it ran."""
+        if converted is not original:
+            self.eng.keep_for_launch(converted)
+        return converted
+
     # ---- dispatch ----
     def dispatch(self, x, x_scales, topk_idx, topk_weights, is_token_in_rank, num_tokens_per_expert, expert_alignment,
                  num_worst_tokens, num_channels, handle):
         eng = self.eng
         stream = eng.raw_stream()
         R, N, dev = eng.num_ranks, x.size(0), eng.device
-        x = x.contiguous()
-        scales = None if x_scales is None else x_scales.contiguous()
+        x = self._copy(x, x.contiguous())
+        scales = None if x_scales is None else self._copy(x_scales, x_scales.contiguous())
         counts_list = []
         if handle is not None:
             rank_prefix, channel_prefix, recv_channel_prefix, src_idx, is_token_in_rank, _ = handle
             num_recv = src_idx.size(0)
             self._notify(num_channels, stream, False, is_token_in_rank, None, N, 0, None, 0)
         else:
-            is_token_in_rank = is_token_in_rank.contiguous()
+            is_token_in_rank = self._copy(is_token_in_rank, is_token_in_rank.contiguous())
             E = num_tokens_per_expert.numel()
-            per_expert = num_tokens_per_expert.to(torch.int32).contiguous()
+            per_expert = self._copy(num_tokens_per_expert, num_tokens_per_expert.to(torch.int32).contiguous())
             rank_prefix = torch.empty(R, R, dtype=torch.int32, device=dev)
             channel_prefix = torch.empty(R, num_channels, dtype=torch.int32, device=dev)
             recv_channel_prefix = torch.empty(R, num_channels, dtype=torch.int32, device=dev)
@@ -93,8 +99,8 @@ class CudaHT:
             if K:
                 recv_idx = torch.full((rows, K), -1, dtype=torch.int64, device=dev)
                 recv_w = torch.zeros(rows, K, dtype=torch.float32, device=dev)
-                topk_idx = topk_idx.to(torch.int64).contiguous()
-                topk_weights = topk_weights.to(torch.float32).contiguous()
+                topk_idx = self._copy(topk_idx, topk_idx.to(torch.int64).contiguous())
+                topk_weights = self._copy(topk_weights, topk_weights.to(torch.float32).contiguous())
             src_out = torch.empty(rows, dtype=torch.int32, device=dev)
             send_head = torch.empty(N, R, dtype=torch.int32, device=dev)
         E_l = 0 if cached else num_tokens_per_expert.numel() // R
@@ -137,13 +143,14 @@ class CudaHT:
         rank_prefix, channel_prefix, recv_channel_prefix, _, is_token_in_rank, send_head = handle
         N, H = is_token_in_rank.size(0), x.size(1)
         C = channel_prefix.size(1)
-        x = x.contiguous()
+        x = self._copy(x, x.contiguous())
         K = 0 if topk_weights is None else topk_weights.size(1)
-        weights = None if topk_weights is None else topk_weights.to(torch.float32).contiguous()
+        weights = None if topk_weights is None else self._copy(topk_weights,
+                                                               topk_weights.to(torch.float32).contiguous())
         out = torch.empty(N, H, dtype=torch.bfloat16, device=eng.device)
         out_w = torch.empty(N, K, dtype=torch.float32, device=eng.device) if weights is not None else None
-        b0 = bias[0].contiguous() if len(bias) > 0 else None
-        b1 = bias[1].contiguous() if len(bias) > 1 else None
+        b0 = self._copy(bias[0], bias[0].contiguous()) if len(bias) > 0 else None
+        b1 = self._copy(bias[1], bias[1].contiguous()) if len(bias) > 1 else None
         self._notify(C, stream, False, is_token_in_rank, None, N, 0, None, 0)
         self.kernels.combine(C, stream, x.data_ptr(), _ptr(weights), _ptr(b0), _ptr(b1), is_token_in_rank.data_ptr(),
                              rank_prefix.data_ptr(), channel_prefix.data_ptr(), recv_channel_prefix.data_ptr(),
