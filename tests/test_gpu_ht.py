@@ -1,7 +1,9 @@
-"""The CUDA backend's normal (HT) mode on two GPUs of one node: the host backend's whole HT suite
-(deepep_workers.ht_body) on GPU tensors; every output and handle entry against the host backend's bit for bit;
-num_worst_tokens dispatch + combine captured in a CUDA graph and replayed; the multi-node refusal. Skipped without
-two GPUs and the CUDA kernels (PORTEP_TEST_SHARE_GPU=1 lets both ranks share one GPU: correctness only)."""
+"""The CUDA backend's normal (HT) mode on two GPUs: the host backend's whole HT suite (deepep_workers.ht_body) on
+GPU tensors, through direct NVLink stores (one node) and through the forced proxy path (one GPU per node: FIFOs,
+proxy threads, copy engines) over both shm transport modes; every output and handle entry against the host
+backend's bit for bit; num_worst_tokens dispatch + combine captured in a CUDA graph and replayed; the refusal of
+multi-GPU nodes across nodes. Skipped without two GPUs and the CUDA kernels (PORTEP_TEST_SHARE_GPU=1 lets the ranks
+share one GPU: correctness only)."""
 
 import os
 
@@ -19,37 +21,46 @@ two_gpus = pytest.mark.skipif(not native.build_info()["cuda_built"] or not torch
                               or torch.cuda.device_count() < GPUS_NEEDED,
                               reason="needs the CUDA kernels and two CUDA GPUs (or PORTEP_TEST_SHARE_GPU=1)")
 
+# (name, num_ranks_per_node, transport)
+PATHS = [("direct-nvlink", 2, "shm"), ("proxy-shm", 1, "shm"), ("proxy-shm-unordered", 1, "shm-unordered")]
 # hidden, num_topk, experts, tokens per rank, seed, starve_last
 SUITE = [(512, 8, 16, [300, 211], 1, False), (2048, 6, 32, [97, 256], 2, True), (7168, 8, 64, [64, 130], 3, False)]
 
 
 @pytest.mark.gpu
 @two_gpus
+@pytest.mark.parametrize("path", PATHS, ids=[p[0] for p in PATHS])
 @pytest.mark.parametrize("case", SUITE, ids=[f"H{c[0]}-K{c[1]}-E{c[2]}" for c in SUITE])
-def test_ht_suite_on_gpus(case):
+def test_ht_suite_on_gpus(path, case):
+    _, rpn, transport = path
     hidden, topk, experts, n_tokens, seed, starve = case
-    out = run_ranks(w.ht_body, 2, args=(2, "shm", seed, n_tokens, hidden, topk, experts, 2, starve, "cuda"),
+    out = run_ranks(w.ht_body, 2, args=(rpn, transport, seed, n_tokens, hidden, topk, experts, 2, starve, "cuda"),
                     timeout=400)
     assert_clean(out, 60)
 
 
 @pytest.mark.gpu
 @two_gpus
+@pytest.mark.parametrize("path", PATHS, ids=[p[0] for p in PATHS])
 @pytest.mark.parametrize("num_sms", [24, 2, 128])
-def test_ht_cuda_matches_host_backend_bitwise(num_sms):
-    out = run_ranks(g.cross_backend_body, 2, args=(11 + num_sms, [333, 150], 1024, 8, 32, num_sms), timeout=400)
+def test_ht_cuda_matches_host_backend_bitwise(path, num_sms):
+    _, rpn, transport = path
+    out = run_ranks(g.cross_backend_body, 2, args=(rpn, transport, 11 + num_sms, [333, 150], 1024, 8, 32, num_sms),
+                    timeout=400)
     assert_clean(out, 30)
 
 
 @pytest.mark.gpu
 @two_gpus
-def test_ht_num_worst_tokens_cuda_graph_replay():
-    out = run_ranks(g.graph_body, 2, args=(21, 200, 1024, 8, 32, 3), timeout=300)
+@pytest.mark.parametrize("path", PATHS[:2], ids=[p[0] for p in PATHS[:2]])
+def test_ht_num_worst_tokens_cuda_graph_replay(path):
+    _, rpn, transport = path
+    out = run_ranks(g.graph_body, 2, args=(rpn, transport, 21, 200, 1024, 8, 32, 3), timeout=300)
     assert_clean(out, 15)
 
 
 @pytest.mark.gpu
 @two_gpus
-def test_ht_across_nodes_is_refused_clearly():
-    out = run_ranks(g.internode_refused_body, 2, args=(), timeout=200)
+def test_ht_multi_gpu_nodes_across_nodes_are_refused_clearly():
+    out = run_ranks(g.internode_refused_body, 4, args=(), timeout=200)
     assert_clean(out, 2)

@@ -9,41 +9,50 @@ namespace {
 
 PORTEP_DEVICE int contribution_bytes(const HTCombineArgs& a) { return (2 * a.hidden + 4 * a.num_topk + 15) / 16 * 16; }
 
-// Row (in the combine area of source s) where rank d's contributions to s begin.
-PORTEP_DEVICE int64_t contributions_begin(const HTCombineArgs& a, int s, int d) {
-  int64_t row = 0;
-  for (int j = 0; j < d; ++j) row += rows_from(a.rank_prefix, a.c.num_ranks, s, j);
-  return row;
+// Warp-wide: x's row `row` (and its weights) as one contribution at dst.
+PORTEP_DEVICE void write_contribution(const HTCombineArgs& a, uint8_t* dst, int64_t row) {
+  warp_copy16(reinterpret_cast<uint4*>(dst), reinterpret_cast<const uint4*>(a.x + row * a.hidden), a.hidden * 2 / 16);
+  if (a.topk_weights) {
+    float* w = reinterpret_cast<float*>(dst + 2 * a.hidden);
+    for (int k = lane_id(); k < a.num_topk; k += kWarpSize) w[k] = a.topk_weights[row * a.num_topk + k];
+  }
 }
 
-// The rows of source s's tokens in channel ch back to s, batch by batch, each batch announced by s's tail.
+// The rows of source s's tokens in channel ch back to s, batch by batch, each batch announced.
 PORTEP_DEVICE void send_to(const HTCombineArgs& a, int ch, int s, uint64_t epoch) {
   const HTCommon& c = a.c;
-  const int R = c.num_ranks, C = c.num_channels, me = c.rank, warp = threadIdx.x / kWarpSize, lane = lane_id();
-  const int bytes = contribution_bytes(a);
-  const int begin = a.recv_channel_prefix[s * C + ch];
-  const int end = ch + 1 < C ? a.recv_channel_prefix[s * C + ch + 1] : rows_from(a.rank_prefix, R, s, me);
-  const int64_t x_first = rows_before(a.rank_prefix, R, s, me) + begin;
-  const int64_t dst_first = contributions_begin(a, s, me) + begin;
-  if (uint64_t(contributions_begin(a, s, R)) * bytes > c.data_bytes) {
-    if (threadIdx.x == 0) report_error(c.error, kErrBufferTooSmall, uint32_t(me), uint32_t(s), 0);
+  const int R = c.num_ranks, C = c.num_channels, warp = threadIdx.x / kWarpSize, stride = a.recv_prefix_stride;
+  const uint32_t bytes = contribution_bytes(a);
+  const int64_t begin = a.recv_channel_prefix[s * C + ch];
+  const int64_t end = ch + 1 < C ? a.recv_channel_prefix[s * C + ch + 1] : rows_from(a.recv_prefix, stride, s);
+  const uint32_t n = uint32_t(end - begin);
+  const int64_t local_row0 = rows_before(a.recv_prefix, stride, s) + begin;  // in x, and in the staging area
+  const uint64_t remote_row0 = uint64_t(c.dest_first[s] + begin);
+  const bool fits = uint64_t(c.dest_rows[s]) * bytes <= c.recv_bytes &&
+                    (c.peers[s] || uint64_t(a.recv_prefix[(R - 1) * stride]) * bytes <= c.stage_bytes);
+  if (!fits) {
+    if (threadIdx.x == 0) report_error(c.error, kErrBufferTooSmall, uint32_t(c.rank), uint32_t(s), 0);
     return;
   }
-  uint8_t* area = c.peers[s] + c.data_off;
-  for (int b = 0; b < end - begin; b += kHTWarps) {
-    const int r = b + warp;
-    if (r < end - begin) {
-      uint8_t* dst = area + uint64_t(dst_first + r) * bytes;
-      warp_copy16(reinterpret_cast<uint4*>(dst), reinterpret_cast<const uint4*>(a.x + (x_first + r) * a.hidden),
-                  a.hidden * 2 / 16);
-      if (a.topk_weights) {
-        float* w = reinterpret_cast<float*>(dst + 2 * a.hidden);
-        for (int k = lane; k < a.num_topk; k += kWarpSize) w[k] = a.topk_weights[(x_first + r) * a.num_topk + k];
-      }
+  uint32_t flushed = 0;  // thread 0's
+  for (uint32_t b = 0; b < n; b += kHTWarps) {
+    const uint32_t r = b + warp;
+    if (r < n) {
+      uint8_t* dst = c.peers[s] ? c.peers[s] + c.recv_off + (remote_row0 + r) * bytes
+                                : c.local + c.stage_off + uint64_t(local_row0 + r) * bytes;
+      write_contribution(a, dst, local_row0 + r);
     }
     __syncthreads();
-    if (threadIdx.x == 0)
-      publish_tail(tail_word(c, c.peers[s], true, me, ch), epoch, uint32_t(min(b + kHTWarps, end - begin)));
+    if (threadIdx.x == 0) {
+      const uint32_t done = min(b + kHTWarps, n);
+      if (c.peers[s]) {
+        publish_tail(tail_word(c, c.peers[s], true, c.rank, ch), epoch, done);
+      } else {
+        fence_sys();  // the staged rows before the WRITEs that copy them
+        flush_rows(c, s, data_stream(c, true, ch), uint64_t(local_row0), remote_row0, bytes, &flushed, done,
+                   done == n);
+      }
+    }
   }
 }
 
@@ -53,31 +62,53 @@ PORTEP_DEVICE void send_channel(const HTCombineArgs& a, int ch) {
     if (s != a.c.rank) send_to(a, ch, s, epoch);
 }
 
-// Warp-wide: token t's sum. Lane d < R first waits until rank d's row for t has arrived.
-PORTEP_DEVICE bool reduce_token(const HTCombineArgs& a, int ch, int t, uint64_t epoch) {
+struct ReduceState {
+  uint32_t need[kHTMaxRanks];  // rows of this channel from each rank the batch needs in place
+  uint32_t have[kHTMaxRanks];  // rows known to be in place
+  int failed;
+};
+
+// Lane d of warp 0 waits until rank d's rows the batch needs are in place; false (block-wide) after a timeout.
+PORTEP_DEVICE bool await_batch(const HTCombineArgs& a, ReduceState& st, int ch, uint64_t epoch) {
+  const HTCommon& c = a.c;
+  const int d = threadIdx.x;
+  if (d < c.num_ranks && d != c.rank && st.need[d] > st.have[d]) {
+    if (c.peers[d]) {
+      const uint64_t* word = tail_word(c, c.local, true, d, ch);
+      if (await_tail(c, word, epoch, st.need[d], d, ch))
+        st.have[d] = uint32_t(ld_acquire_sys_u64(word));
+      else
+        st.failed = 1;
+    } else {
+      const int64_t units = await_units(c, d, data_stream(c, true, ch), chunks(st.need[d]));
+      if (units >= 0)
+        st.have[d] = uint32_t(units * kHTChunkRows);
+      else
+        st.failed = 1;
+    }
+  }
+  __syncthreads();
+  return !st.failed;
+}
+
+// Warp-wide: token t's sum of bias and every rank's row, ranks ascending.
+PORTEP_DEVICE void reduce_token(const HTCombineArgs& a, int t, uint32_t mask) {
   const HTCommon& c = a.c;
   const int R = c.num_ranks, C = c.num_channels, me = c.rank, lane = lane_id();
-  const int bytes = contribution_bytes(a);
+  const uint32_t bytes = contribution_bytes(a);
   const int32_t* head = a.send_head + int64_t(t) * R;
-  const bool in = lane < R && a.is_token_in_rank[int64_t(t) * R + lane];
-  bool ok = true;
-  if (in && lane != me) {
-    const int in_channel = head[lane] - (ch > 0 ? a.channel_prefix[lane * C + ch - 1] : 0);
-    ok = await_tail(c, tail_word(c, c.local, true, lane, ch), epoch, uint32_t(in_channel + 1), lane, ch);
-  }
-  const uint32_t mask = __ballot_sync(0xffffffffu, in);
-  if (!warp_all(ok)) return false;
   const uint8_t* rows[kHTMaxRanks];
   const float* weights[kHTMaxRanks];
   int n = 0;
   for (int d = 0; d < R; ++d) {
     if (!(mask >> d & 1)) continue;
     if (d == me) {
-      const int64_t row = rows_before(a.rank_prefix, R, me, me) + head[me];
+      const int64_t row = rows_before(a.recv_prefix, a.recv_prefix_stride, me) + head[me];
       rows[n] = reinterpret_cast<const uint8_t*>(a.x + row * a.hidden);
       weights[n] = a.topk_weights ? a.topk_weights + row * a.num_topk : nullptr;
     } else {
-      rows[n] = c.local + c.data_off + uint64_t(contributions_begin(a, me, d) + head[d]) * bytes;
+      const int64_t row = sent_to_ranks_before(a.channel_prefix, C, d) + head[d];
+      rows[n] = c.local + c.recv_off + uint64_t(row) * bytes;
       weights[n] = reinterpret_cast<const float*>(rows[n] + 2 * a.hidden);
     }
     ++n;
@@ -113,15 +144,34 @@ PORTEP_DEVICE bool reduce_token(const HTCombineArgs& a, int ch, int t, uint64_t 
       a.out_weights[int64_t(t) * a.num_topk + k] = acc;
     }
   }
-  return true;
 }
 
 PORTEP_DEVICE void reduce_channel(const HTCombineArgs& a, int ch) {
-  const uint64_t epoch = *a.c.epoch;
-  const int t0 = channel_begin(a.num_tokens, a.c.num_channels, ch);
-  const int t1 = channel_begin(a.num_tokens, a.c.num_channels, ch + 1);
-  for (int t = t0 + int(threadIdx.x) / kWarpSize; t < t1; t += kHTWarps)
-    if (!reduce_token(a, ch, t, epoch)) return;
+  __shared__ ReduceState st;
+  const HTCommon& c = a.c;
+  const int R = c.num_ranks, C = c.num_channels, warp = threadIdx.x / kWarpSize, lane = lane_id();
+  const uint64_t epoch = *c.epoch;
+  if (int(threadIdx.x) < R) st.have[threadIdx.x] = 0;
+  if (threadIdx.x == 0) st.failed = 0;
+  const int t0 = channel_begin(a.num_tokens, C, ch), t1 = channel_begin(a.num_tokens, C, ch + 1);
+  for (int b = t0; b < t1; b += kHTWarps) {
+    const int t = b + warp;
+    __syncthreads();  // the previous batch's waits are done
+    if (int(threadIdx.x) < R) st.need[threadIdx.x] = 0;
+    __syncthreads();
+    const bool in = lane < R && t < t1 && a.is_token_in_rank[int64_t(t) * R + lane];
+    if (in && lane != c.rank)
+      atomicMax(&st.need[lane], uint32_t(a.send_head[int64_t(t) * R + lane] -
+                                         sent_before_channel(a.channel_prefix, C, lane, ch) + 1));
+    const uint32_t mask = __ballot_sync(0xffffffffu, in);
+    __syncthreads();
+    if (!await_batch(a, st, ch, epoch)) return;
+    if (t < t1) reduce_token(a, t, mask);
+  }
+  const int d = threadIdx.x;
+  if (d < R && d != c.rank && !c.peers[d])
+    consume_units(c, d, data_stream(c, true, ch),
+                  chunks(a.channel_prefix[d * C + ch] - sent_before_channel(a.channel_prefix, C, d, ch)));
 }
 
 __global__ void __launch_bounds__(kHTThreads, 1) ht_combine_kernel(HTCombineArgs a) {

@@ -10,7 +10,9 @@ namespace portep::cuda {
 
 constexpr int kHTWarps = 32;  // warps per data block: one token (or row) per warp per batch
 constexpr int kHTThreads = kHTWarps * kWarpSize;
-constexpr uint32_t kErrBufferTooSmall = 6;  // LLError code: rows past the data area (src = destination rank)
+static_assert(kHTChunkRows == kHTWarps, "a batch adds at most one full proxy chunk per destination");
+constexpr uint32_t kErrBufferTooSmall = 6;  // LLError code: rows past the receive or staging area (src = rank)
+constexpr uint32_t kProxyPollNs = 200;
 
 // DeepEP's split of tokens into channels: contiguous ranges of ceil(N / C) tokens.
 PORTEP_DEVICE int channel_tokens(int num_tokens, int num_channels) {
@@ -20,10 +22,17 @@ PORTEP_DEVICE int channel_begin(int num_tokens, int num_channels, int ch) {
   return min(num_tokens, ch * channel_tokens(num_tokens, num_channels));
 }
 
+// ---- control area ----
 PORTEP_DEVICE uint8_t* notify_slot(const HTCommon& c, uint8_t* region, int src) {
   return region + c.ctrl_off + uint64_t(src) * kHTSlotBytes;
 }
-PORTEP_DEVICE int32_t* slot_counts(uint8_t* slot) { return reinterpret_cast<int32_t*>(slot + 8); }
+PORTEP_DEVICE uint8_t* outgoing_slot(const HTCommon& c, int dst) {
+  return c.local + c.ctrl_off + (kHTMaxRanks + dst) * kHTSlotBytes + 2 * kHTTailBytes;
+}
+PORTEP_DEVICE uint64_t* slot_flag(uint8_t* slot) { return reinterpret_cast<uint64_t*>(slot); }
+PORTEP_DEVICE int64_t* slot_offset(uint8_t* slot) { return reinterpret_cast<int64_t*>(slot + 8); }
+PORTEP_DEVICE int64_t* slot_area_rows(uint8_t* slot) { return reinterpret_cast<int64_t*>(slot + 16); }
+PORTEP_DEVICE int32_t* slot_counts(uint8_t* slot) { return reinterpret_cast<int32_t*>(slot + 24); }
 PORTEP_DEVICE int32_t* slot_channels(uint8_t* slot) { return slot_counts(slot) + kHTMaxRanks; }
 PORTEP_DEVICE int32_t* slot_experts(uint8_t* slot) { return slot_channels(slot) + kHTMaxChannels; }
 
@@ -34,13 +43,27 @@ PORTEP_DEVICE uint64_t* tail_word(const HTCommon& c, uint8_t* region, bool combi
 }
 PORTEP_DEVICE uint64_t tail_value(uint64_t epoch, uint32_t rows) { return epoch << 32 | rows; }
 
-// rank_prefix_matrix (inclusive over sources): rows from sources before s to d, and from s to d.
-PORTEP_DEVICE int rows_before(const int32_t* rpm, int R, int s, int d) { return s > 0 ? rpm[(s - 1) * R + d] : 0; }
-PORTEP_DEVICE int rows_from(const int32_t* rpm, int R, int s, int d) {
-  return rpm[s * R + d] - rows_before(rpm, R, s, d);
+// ---- prefix sums of a handle ----
+// recv_prefix[s * stride]: rows from sources 0..s to this rank (inclusive).
+PORTEP_DEVICE int64_t rows_before(const int32_t* recv_prefix, int stride, int s) {
+  return s > 0 ? recv_prefix[(s - 1) * stride] : 0;
+}
+PORTEP_DEVICE int64_t rows_from(const int32_t* recv_prefix, int stride, int s) {
+  return recv_prefix[s * stride] - rows_before(recv_prefix, stride, s);
+}
+// channel_prefix [R][C] inclusive over channels: this rank's tokens to d (in all channels / before channel ch).
+PORTEP_DEVICE int64_t sent_to(const int32_t* channel_prefix, int C, int d) { return channel_prefix[d * C + C - 1]; }
+PORTEP_DEVICE int64_t sent_before_channel(const int32_t* channel_prefix, int C, int d, int ch) {
+  return ch > 0 ? channel_prefix[d * C + ch - 1] : 0;
+}
+PORTEP_DEVICE int64_t sent_to_ranks_before(const int32_t* channel_prefix, int C, int d) {
+  int64_t n = 0;
+  for (int j = 0; j < d; ++j) n += sent_to(channel_prefix, C, j);
+  return n;
 }
 
-// Lane 0 waits until the tail word reaches (epoch, rows); false after the timeout (reported as a wait on src).
+// ---- waits ----
+// Waits until the tail word reaches (epoch, rows); false after the timeout (reported as a wait on src).
 PORTEP_DEVICE bool await_tail(const HTCommon& c, const uint64_t* word, uint64_t epoch, uint32_t rows, int src,
                               int ch) {
   uint64_t v = 0, waited = 0;
@@ -59,6 +82,58 @@ PORTEP_DEVICE void publish_tail(uint64_t* word, uint64_t epoch, uint32_t rows) {
   st_relaxed_sys_u64(word, tail_value(epoch, rows));
 }
 
-PORTEP_DEVICE bool any_error(const HTCommon& c) { return *reinterpret_cast<volatile uint32_t*>(&c.error->code) != 0; }
+// ---- the proxy path ----
+PORTEP_DEVICE uint32_t notify_stream(const HTCommon& c) { return c.stream_base; }
+PORTEP_DEVICE uint32_t data_stream(const HTCommon& c, bool combine, int ch) {
+  return c.stream_base + 1 + (combine ? kHTMaxChannels : 0) + uint32_t(ch);
+}
+
+// The FIFO side of LLCommon, so the HT kernels push commands as the LL kernels do.
+PORTEP_DEVICE LLCommon fifo_side(const HTCommon& c) {
+  LLCommon f{};
+  f.rank = c.rank;
+  f.fifos = c.fifos;
+  f.fifo_tails = c.fifo_tails;
+  f.num_fifos = c.num_fifos;
+  f.error = c.error;
+  f.timeout_ns = c.timeout_ns;
+  return f;
+}
+
+// Units (WRITEs) of src's stream in place since this rank last consumed them, waiting until there are at least
+// `need`; -1 after the timeout (reported). One thread.
+PORTEP_DEVICE int64_t await_units(const HTCommon& c, int src, uint32_t stream, uint32_t need) {
+  const uint64_t i = uint64_t(src) * c.num_streams + stream;
+  const uint32_t seen = uint32_t(c.signal_seen[i]);
+  uint64_t v = 0, waited = 0;
+  if (wait_until([&] { return ld_acquire_sys_u64(c.host_signals + i); },
+                 [&](uint64_t x) { return uint32_t(x) - seen >= need; }, c.timeout_ns, &v, &waited, kProxyPollNs))
+    return uint32_t(v) - seen;
+  report_error(c.error, kErrWaitTimeout, uint32_t(c.rank), uint32_t(src), stream);
+  return -1;
+}
+// This op consumed n units of src's stream. One thread, after the last await_units of the op on that stream.
+PORTEP_DEVICE void consume_units(const HTCommon& c, int src, uint32_t stream, uint32_t n) {
+  c.signal_seen[uint64_t(src) * c.num_streams + stream] += n;
+}
+PORTEP_DEVICE uint32_t chunks(int64_t rows) { return uint32_t((rows + kHTChunkRows - 1) / kHTChunkRows); }
+
+// Rows [*flushed, ready) staged for proxy peer d go out as WRITEs of kHTChunkRows rows (with last: the short rest
+// too), then one SIGNAL if any WRITE went. The caller fenced at system scope after the rows were staged. One
+// thread. false: a push failed (reported).
+PORTEP_DEVICE bool flush_rows(const HTCommon& c, int d, uint32_t stream, uint64_t stage_row0, uint64_t remote_row0,
+                              uint32_t row_bytes, uint32_t* flushed, uint32_t ready, bool last) {
+  const LLCommon f = fifo_side(c);
+  bool pushed = false;
+  while (*flushed < ready && (ready - *flushed >= uint32_t(kHTChunkRows) || last)) {
+    const uint32_t n = min(ready - *flushed, uint32_t(kHTChunkRows));
+    const CmdFields w{kOpWrite, 0, uint32_t(d), n * row_bytes, stream,
+                      c.recv_off + (remote_row0 + *flushed) * row_bytes, c.stage_off + (stage_row0 + *flushed) * row_bytes};
+    if (!push_cmd(f, w)) return false;
+    *flushed += n;
+    pushed = true;
+  }
+  return !pushed || push_cmd(f, CmdFields{kOpSignal, 0, uint32_t(d), 0, stream, 0, 0});
+}
 
 }  // namespace portep::cuda

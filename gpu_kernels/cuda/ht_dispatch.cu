@@ -17,7 +17,7 @@ struct Record {  // byte offsets inside one record (layout in ht_api.h)
 };
 
 // Warp-wide: one token's row, scales, top-k (as this rank's local ids) and source index into output row `row`.
-// src_* point at the token's parts (the input itself, or a record in the data area).
+// src_* point at the token's parts (the input itself, or a record in the receive area).
 PORTEP_DEVICE void write_output_row(const HTDispatchArgs& a, int64_t row, int src_token, const uint8_t* src_x,
                                     const float* src_scales, const int64_t* src_idx, const float* src_w) {
   if (row >= a.max_recv) return;  // num_worst_tokens too small: the notify kernel reported it
@@ -37,7 +37,7 @@ PORTEP_DEVICE void write_output_row(const HTDispatchArgs& a, int64_t row, int sr
   if (a.recv_src_idx && lane == 0) a.recv_src_idx[row] = src_token;
 }
 
-// Warp-wide: token t's record at `dst` (a peer's data area).
+// Warp-wide: token t's record at `dst` (a direct peer's receive area or this rank's staging area).
 PORTEP_DEVICE void write_record(const HTDispatchArgs& a, const Record& rec, uint8_t* dst, int t) {
   const int lane = lane_id();
   if (lane < 4) reinterpret_cast<int32_t*>(dst)[lane] = lane == 0 ? t : 0;
@@ -56,12 +56,30 @@ PORTEP_DEVICE void write_record(const HTDispatchArgs& a, const Record& rec, uint
 }
 
 struct SendState {
-  uint32_t masks[kHTWarps];        // batch: each warp's token's destination ranks
-  uint32_t sent[kHTMaxRanks];      // rows of this channel stored per destination so far
-  int64_t first_row[kHTMaxRanks];  // destination's row of this channel's first token to it (its whole block)
+  uint32_t masks[kHTWarps];         // batch: each warp's token's destination ranks
+  uint32_t sent[kHTMaxRanks];       // rows of this channel stored per destination so far
+  uint32_t flushed[kHTMaxRanks];    // proxy destinations: rows of this channel handed to WRITEs
+  uint32_t chan_start[kHTMaxRanks];  // position of this channel's first row in this rank's block at d
+  uint64_t remote_row0[kHTMaxRanks];  // its row in d's receive area
+  uint64_t stage_row0[kHTMaxRanks];   // its row in this rank's staging area (proxy destinations)
   bool fits[kHTMaxRanks];
   uint64_t epoch;
 };
+
+PORTEP_DEVICE void init_send_state(const HTDispatchArgs& a, const Record& rec, SendState& st, int ch) {
+  const HTCommon& c = a.c;
+  const int R = c.num_ranks, C = c.num_channels, d = threadIdx.x;
+  if (d >= R) return;
+  st.sent[d] = st.flushed[d] = 0;
+  st.chan_start[d] = uint32_t(sent_before_channel(a.channel_prefix, C, d, ch));
+  st.remote_row0[d] = uint64_t(c.dest_first[d]) + st.chan_start[d];
+  st.stage_row0[d] = uint64_t(sent_to_ranks_before(a.channel_prefix, C, d)) + st.chan_start[d];
+  const bool recv_fits = uint64_t(c.dest_rows[d]) * rec.bytes <= c.recv_bytes;
+  const bool stage_fits = c.peers[d] || uint64_t(sent_to_ranks_before(a.channel_prefix, C, R)) * rec.bytes <= c.stage_bytes;
+  st.fits[d] = d == c.rank || (recv_fits && stage_fits);
+  if (!st.fits[d]) report_error(c.error, kErrBufferTooSmall, uint32_t(c.rank), uint32_t(d), 0);
+  if (d == 0) st.epoch = *c.epoch;
+}
 
 PORTEP_DEVICE void send_token(const HTDispatchArgs& a, const Record& rec, SendState& st, int t, int warp) {
   const HTCommon& c = a.c;
@@ -70,24 +88,41 @@ PORTEP_DEVICE void send_token(const HTDispatchArgs& a, const Record& rec, SendSt
   if (a.send_head && lane < R) {
     int pos = -1;
     if (mask >> lane & 1) {
-      pos = int(st.sent[lane]);
+      pos = int(st.chan_start[lane] + st.sent[lane]);
       for (int j = 0; j < warp; ++j) pos += int(st.masks[j] >> lane & 1);
-      pos += int(st.first_row[lane] - rows_before(a.rank_prefix, R, c.rank, lane));
     }
     a.send_head[int64_t(t) * R + lane] = pos;
   }
   for (int d = 0; d < R; ++d) {
-    if (!(mask >> d & 1)) continue;
-    int64_t row = st.first_row[d] + st.sent[d];
-    for (int j = 0; j < warp; ++j) row += st.masks[j] >> d & 1;
+    if (!(mask >> d & 1) || !st.fits[d]) continue;
+    uint64_t i = st.sent[d];  // the row's index among this channel's rows to d
+    for (int j = 0; j < warp; ++j) i += st.masks[j] >> d & 1;
     if (d == c.rank) {
       const int64_t* idx = a.topk_idx ? a.topk_idx + int64_t(t) * a.num_topk : nullptr;
       const float* w = a.topk_weights ? a.topk_weights + int64_t(t) * a.num_topk : nullptr;
-      write_output_row(a, row, t, a.x + int64_t(t) * a.row_bytes, a.scales + int64_t(t) * a.num_scales, idx, w);
-    } else if (st.fits[d]) {
-      write_record(a, rec, c.peers[d] + c.data_off + uint64_t(row) * rec.bytes, t);
+      write_output_row(a, int64_t(st.remote_row0[d] + i), t, a.x + int64_t(t) * a.row_bytes,
+                       a.scales + int64_t(t) * a.num_scales, idx, w);
+    } else if (c.peers[d]) {
+      write_record(a, rec, c.peers[d] + c.recv_off + (st.remote_row0[d] + i) * rec.bytes, t);
+    } else {
+      write_record(a, rec, c.local + c.stage_off + (st.stage_row0[d] + i) * rec.bytes, t);
     }
   }
+}
+
+// Thread d < R, after a batch: announce destination d's rows of this channel so far (last: the channel is done).
+PORTEP_DEVICE void announce(const HTDispatchArgs& a, const Record& rec, SendState& st, int ch, uint32_t added,
+                            bool last) {
+  const HTCommon& c = a.c;
+  const int d = threadIdx.x;
+  if (d >= c.num_ranks || d == c.rank || !st.fits[d]) return;
+  if (c.peers[d]) {
+    if (added) publish_tail(tail_word(c, c.peers[d], false, c.rank, ch), st.epoch, st.sent[d]);
+    return;
+  }
+  if (added) fence_sys();  // the staged rows before the WRITEs that copy them
+  flush_rows(c, d, data_stream(c, false, ch), st.stage_row0[d], st.remote_row0[d], uint32_t(rec.bytes),
+             &st.flushed[d], st.sent[d], last);
 }
 
 PORTEP_DEVICE void send_channel(const HTDispatchArgs& a, int ch) {
@@ -95,14 +130,7 @@ PORTEP_DEVICE void send_channel(const HTDispatchArgs& a, int ch) {
   const HTCommon& c = a.c;
   const int R = c.num_ranks, C = c.num_channels, warp = threadIdx.x / kWarpSize, lane = lane_id();
   const Record rec(a);
-  if (int(threadIdx.x) < R) {
-    const int d = threadIdx.x;
-    st.sent[d] = 0;
-    st.first_row[d] = rows_before(a.rank_prefix, R, c.rank, d) + (ch > 0 ? a.channel_prefix[d * C + ch - 1] : 0);
-    st.fits[d] = uint64_t(a.rank_prefix[(R - 1) * R + d]) * rec.bytes <= c.data_bytes;
-    if (!st.fits[d] && d != c.rank) report_error(c.error, kErrBufferTooSmall, uint32_t(c.rank), uint32_t(d), 0);
-    if (d == 0) st.epoch = *c.epoch;
-  }
+  init_send_state(a, rec, st, ch);
   const int t0 = channel_begin(a.num_tokens, C, ch), t1 = channel_begin(a.num_tokens, C, ch + 1);
   for (int b = t0; b < t1; b += kHTWarps) {
     const int t = b + warp;
@@ -114,53 +142,52 @@ PORTEP_DEVICE void send_channel(const HTDispatchArgs& a, int ch) {
     if (t < t1) send_token(a, rec, st, t, warp);
     __syncthreads();
     if (int(threadIdx.x) < R) {
-      const int d = threadIdx.x;
       uint32_t n = 0;
-      for (int j = 0; j < kHTWarps; ++j) n += st.masks[j] >> d & 1;
-      st.sent[d] += n;
-      if (n && d != c.rank && st.fits[d])
-        publish_tail(tail_word(c, c.peers[d], false, c.rank, ch), st.epoch, st.sent[d]);
+      for (int j = 0; j < kHTWarps; ++j) n += st.masks[j] >> threadIdx.x & 1;
+      st.sent[threadIdx.x] += n;
+      announce(a, rec, st, ch, n, b + kHTWarps >= t1);
     }
   }
 }
 
-// Rows from source s in channel ch: copy them out of the data area as their tail announces them.
+// Rows from source s in channel ch: copy them out of the receive area as they are announced.
 PORTEP_DEVICE bool receive_from(const HTDispatchArgs& a, const Record& rec, int ch, int s, uint64_t epoch,
                                 uint32_t* avail) {
   const HTCommon& c = a.c;
-  const int R = c.num_ranks, C = c.num_channels, me = c.rank, warp = threadIdx.x / kWarpSize;
-  const int from_s = rows_from(a.rank_prefix, R, s, me);
-  const int begin = a.recv_channel_prefix[s * C + ch];
-  const int end = ch + 1 < C ? a.recv_channel_prefix[s * C + ch + 1] : from_s;
-  const int64_t first = rows_before(a.rank_prefix, R, s, me) + begin;
-  if (uint64_t(a.rank_prefix[(R - 1) * R + me]) * rec.bytes > c.data_bytes) {  // senders stored nothing
-    if (threadIdx.x == 0) report_error(c.error, kErrBufferTooSmall, uint32_t(me), uint32_t(me), 0);
+  const int R = c.num_ranks, C = c.num_channels, warp = threadIdx.x / kWarpSize, stride = a.recv_prefix_stride;
+  const int64_t from_s = rows_from(a.recv_prefix, stride, s);
+  const int64_t begin = a.recv_channel_prefix[s * C + ch];
+  const uint32_t n = uint32_t((ch + 1 < C ? a.recv_channel_prefix[s * C + ch + 1] : from_s) - begin);
+  const int64_t first = rows_before(a.recv_prefix, stride, s) + begin;
+  if (uint64_t(a.recv_prefix[(R - 1) * stride]) * rec.bytes > c.recv_bytes) {  // senders stored nothing
+    if (threadIdx.x == 0) report_error(c.error, kErrBufferTooSmall, uint32_t(c.rank), uint32_t(c.rank), 0);
     return false;
   }
-  const uint64_t* word = tail_word(c, c.local, false, s, ch);
-  for (uint32_t done = 0; done < uint32_t(end - begin);) {
+  const uint32_t stream = data_stream(c, false, ch);
+  for (uint32_t done = 0; done < n;) {
     if (threadIdx.x == 0) {
-      uint64_t v = 0, waited = 0;
-      const uint64_t want = tail_value(epoch, done + 1);
-      *avail = wait_until([&] { return ld_acquire_sys_u64(word); }, [&](uint64_t x) { return x >= want; },
-                          c.timeout_ns, &v, &waited)
-                   ? min(uint32_t(v), uint32_t(end - begin))
-                   : 0;
-      if (!*avail) report_error(c.error, kErrWaitTimeout, uint32_t(me), uint32_t(s), uint32_t(ch));
+      if (c.peers[s]) {
+        const uint64_t* word = tail_word(c, c.local, false, s, ch);
+        *avail = await_tail(c, word, epoch, done + 1, s, ch) ? min(uint32_t(ld_acquire_sys_u64(word)), n) : 0;
+      } else {
+        const int64_t units = await_units(c, s, stream, done / kHTChunkRows + 1);
+        *avail = units < 0 ? 0 : uint32_t(min(int64_t(n), units * kHTChunkRows));
+      }
     }
     __syncthreads();
-    const uint32_t n = *avail;
-    if (!n) return false;
-    for (uint32_t r = done + warp; r < n; r += kHTWarps) {
-      const uint8_t* src = c.local + c.data_off + uint64_t(first + r) * rec.bytes;
+    const uint32_t ready = *avail;
+    if (!ready) return false;
+    for (uint32_t r = done + warp; r < ready; r += kHTWarps) {
+      const uint8_t* src = c.local + c.recv_off + uint64_t(first + r) * rec.bytes;
       write_output_row(a, first + r, *reinterpret_cast<const int32_t*>(src), src + 16,
                        reinterpret_cast<const float*>(src + rec.scales),
                        reinterpret_cast<const int64_t*>(src + rec.topk),
                        reinterpret_cast<const float*>(src + rec.weights));
     }
-    done = n;
+    done = ready;
     __syncthreads();
   }
+  if (threadIdx.x == 0 && !c.peers[s]) consume_units(c, s, stream, chunks(n));
   return true;
 }
 

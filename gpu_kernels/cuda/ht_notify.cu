@@ -1,4 +1,5 @@
-// The HT notify kernel (ht_api.h): epoch, count exchange / barrier, the handle's prefix matrices.
+// The HT notify kernel (ht_api.h): epoch, count or offset exchange, the handle's prefix matrices, where this
+// rank's rows begin at each destination.
 #include <cuda_runtime.h>
 
 #include "ht_common.cuh"
@@ -20,14 +21,19 @@ PORTEP_DEVICE void count_channels(const HTNotifyArgs& a, int32_t* counts) {
   __syncthreads();
 }
 
-// Every destination's slot for this rank: token counts per rank, per channel for it, its experts' selections.
-PORTEP_DEVICE void write_slots(const HTNotifyArgs& a, const int32_t* counts) {
+// The slot this rank writes for destination d: where it is stored (d's control area, or the outgoing slot a
+// proxy WRITE carries there).
+PORTEP_DEVICE uint8_t* slot_for(const HTCommon& c, int d) {
+  return c.peers[d] ? notify_slot(c, c.peers[d], c.rank) : outgoing_slot(c, d);
+}
+
+PORTEP_DEVICE void write_count_slots(const HTNotifyArgs& a, const int32_t* counts) {
   const HTCommon& c = a.c;
   const int R = c.num_ranks, C = c.num_channels, E_l = a.num_experts / R;
   const int per_dst = R + C + E_l;
   for (int i = threadIdx.x; i < R * per_dst; i += blockDim.x) {
     const int d = i / per_dst, j = i % per_dst;
-    uint8_t* slot = notify_slot(c, c.peers[d], c.rank);
+    uint8_t* slot = slot_for(c, d);
     if (j < R) {
       int32_t sum = 0;
       for (int ch = 0; ch < C; ++ch) sum += counts[j * C + ch];
@@ -40,23 +46,64 @@ PORTEP_DEVICE void write_slots(const HTNotifyArgs& a, const int32_t* counts) {
   }
 }
 
-// Thread s < R waits for source s's flag of this epoch; returns (block-wide) whether all arrived.
+// Offset mode: the reader d's rows begin in this rank's receive area at offset, which holds area_rows rows.
+PORTEP_DEVICE void write_offset_slots(const HTNotifyArgs& a) {
+  const HTCommon& c = a.c;
+  const int R = c.num_ranks, C = c.num_channels, d = threadIdx.x;
+  if (d >= R) return;
+  int64_t offset, area;
+  if (a.combine) {  // contributions come back per destination of this rank's tokens
+    offset = sent_to_ranks_before(a.channel_prefix, C, d);
+    area = sent_to_ranks_before(a.channel_prefix, C, R);
+  } else {  // records arrive per source, in the receive order of the handle
+    offset = rows_before(a.recv_prefix, a.recv_prefix_stride, d);
+    area = a.recv_prefix[(R - 1) * a.recv_prefix_stride];
+  }
+  *slot_offset(slot_for(c, d)) = offset;
+  *slot_area_rows(slot_for(c, d)) = area;
+}
+
+// Thread d < R publishes this rank's slot to d: a flag after the stores (direct), or a WRITE + SIGNAL.
+PORTEP_DEVICE void publish_slot(const HTCommon& c, uint64_t epoch) {
+  const int d = threadIdx.x;
+  if (d >= c.num_ranks) return;
+  if (c.peers[d]) {
+    fence_sys();  // every thread's stores into the slot (before the barrier) before the flag
+    st_relaxed_sys_u64(slot_flag(slot_for(c, d)), epoch);
+    return;
+  }
+  *slot_flag(outgoing_slot(c, d)) = epoch;
+  fence_sys();  // the whole outgoing slot before the WRITE that copies it
+  const LLCommon f = fifo_side(c);
+  const uint64_t off = c.ctrl_off + uint64_t(c.rank) * kHTSlotBytes;
+  push_cmd(f, CmdFields{kOpWrite, 0, uint32_t(d), uint32_t(kHTSlotBytes), notify_stream(c), off,
+                        uint64_t(outgoing_slot(c, d) - c.local)});
+  push_cmd(f, CmdFields{kOpSignal, 0, uint32_t(d), 0, notify_stream(c), 0, 0});
+}
+
+// Thread s < R waits for source s's slot of this epoch; returns (block-wide) whether all arrived.
 PORTEP_DEVICE bool await_slots(const HTCommon& c, uint64_t epoch, int* ok) {
-  if (int(threadIdx.x) < c.num_ranks) {
-    const uint64_t* flag = reinterpret_cast<const uint64_t*>(notify_slot(c, c.local, threadIdx.x));
-    uint64_t v = 0, waited = 0;
-    if (!wait_until([&] { return ld_acquire_sys_u64(flag); }, [&](uint64_t x) { return x >= epoch; }, c.timeout_ns,
-                    &v, &waited)) {
-      report_error(c.error, kErrWaitTimeout, uint32_t(c.rank), threadIdx.x, 0xFFFFFFFFu);
-      *ok = 0;
+  const int s = threadIdx.x;
+  if (s < c.num_ranks) {
+    bool arrived;
+    if (c.peers[s]) {
+      const uint64_t* flag = slot_flag(notify_slot(c, c.local, s));
+      uint64_t v = 0, waited = 0;
+      arrived = wait_until([&] { return ld_acquire_sys_u64(flag); }, [&](uint64_t x) { return x >= epoch; },
+                           c.timeout_ns, &v, &waited);
+      if (!arrived) report_error(c.error, kErrWaitTimeout, uint32_t(c.rank), uint32_t(s), 0xFFFFFFFFu);
+    } else {
+      arrived = await_units(c, s, notify_stream(c), 1) >= 1;
+      if (arrived) consume_units(c, s, notify_stream(c), 1);
     }
+    if (!arrived) *ok = 0;
   }
   __syncthreads();
   return *ok != 0;
 }
 
-// The handle's matrices and the receive counts from every source's slot (and this rank's own counts).
-PORTEP_DEVICE void derive(const HTNotifyArgs& a, const int32_t* counts) {
+// Count mode: the handle's matrices, dest_first / dest_rows and the receive counts from every source's slot.
+PORTEP_DEVICE void derive_counts(const HTNotifyArgs& a, const int32_t* counts) {
   const HTCommon& c = a.c;
   const int R = c.num_ranks, C = c.num_channels, E_l = a.num_experts / R, me = c.rank;
   for (int i = threadIdx.x; i < R * R; i += blockDim.x) {
@@ -79,16 +126,35 @@ PORTEP_DEVICE void derive(const HTNotifyArgs& a, const int32_t* counts) {
     for (int s = 0; s < R; ++s) sum += slot_experts(notify_slot(c, c.local, s))[i];
     c.host->expert[i] = sum;
   }
+  if (int(threadIdx.x) < R) {
+    const int d = threadIdx.x;
+    int64_t before = 0, all = 0;
+    for (int s = 0; s < R; ++s) {
+      const int32_t n = slot_counts(notify_slot(c, c.local, s))[d];
+      before += s < me ? n : 0;
+      all += n;
+    }
+    c.dest_first[d] = before;
+    c.dest_rows[d] = all;
+  }
   __syncthreads();
   if (threadIdx.x != 0) return;
-  int64_t num_recv = 0, most = 0;
-  for (int s = 0; s < R; ++s) num_recv += slot_counts(notify_slot(c, c.local, s))[me];
-  for (int d = 0; d < R; ++d) most = max(most, int64_t(a.rank_prefix[(R - 1) * R + d]));
+  int64_t num_recv = 0, most_recv = 0, most_send = 0;
+  for (int s = 0; s < R; ++s) {
+    num_recv += slot_counts(notify_slot(c, c.local, s))[me];
+    int64_t sent = 0;
+    for (int d = 0; d < R; ++d) sent += slot_counts(notify_slot(c, c.local, s))[d];
+    most_send = max(most_send, sent);
+    most_recv = max(most_recv, int64_t(a.rank_prefix[(R - 1) * R + s]));
+  }
   if (a.max_recv > 0 && num_recv > a.max_recv)
     report_error(c.error, kErrTooManyRecv, uint32_t(me), uint32_t(num_recv), uint32_t(a.max_recv));
   if (!a.ticket) return;
   c.host->num_recv = num_recv;
-  c.host->max_recv_any = most;
+  c.host->max_recv_any = most_recv;
+  c.host->max_send_any = most_send;
+  c.host->self_begin = c.dest_first[me];
+  c.host->self_rows = slot_counts(notify_slot(c, c.local, me))[me];
   fence_sys();  // the counts before the ticket that says they are this op's
   st_relaxed_sys_u64(&c.host->ticket, a.ticket);
 }
@@ -103,17 +169,21 @@ __global__ void __launch_bounds__(kNotifyThreads, 1) ht_notify_kernel(HTNotifyAr
     ok = 1;
   }
   __syncthreads();
-  if (a.exchange) {
+  if (a.count_mode) {
     count_channels(a, counts);
-    write_slots(a, counts);
+    write_count_slots(a, counts);
+  } else {
+    write_offset_slots(a);
   }
   __syncthreads();
-  if (int(threadIdx.x) < c.num_ranks) {  // the slot's contents (all threads' stores above) before its flag
-    fence_sys();
-    st_relaxed_sys_u64(reinterpret_cast<uint64_t*>(notify_slot(c, c.peers[threadIdx.x], c.rank)), epoch);
-  }
+  publish_slot(c, epoch);
   const bool arrived = await_slots(c, epoch, &ok);
-  if (arrived && a.exchange) derive(a, counts);
+  if (arrived && a.count_mode) {
+    derive_counts(a, counts);
+  } else if (arrived && int(threadIdx.x) < c.num_ranks) {
+    c.dest_first[threadIdx.x] = *slot_offset(notify_slot(c, c.local, threadIdx.x));
+    c.dest_rows[threadIdx.x] = *slot_area_rows(notify_slot(c, c.local, threadIdx.x));
+  }
   if (threadIdx.x == 0) *c.epoch = epoch;  // the op's data kernel, next on the stream, reads it
 }
 

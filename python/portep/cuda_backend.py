@@ -101,9 +101,10 @@ class CudaEngine(Topology):
         self.meta_base = self.num_bytes + 4 * 4 * self.flag_slots
         self.meta_bytes = 2 * self.num_ranks * self.native.LL_META_STRIDE
         self.ht_ctrl_off = self.meta_base + self.meta_bytes  # normal mode's control area (cuda_ht.py)
+        self.ht_stream_base = hb.STREAM_LL_BASE + 4 * max_local_experts  # and its signal streams
         self.fifos = self.native.DeviceFifoSet(NUM_DEVICE_FIFOS, DEVICE_FIFO_CAPACITY)
         self.channel = Channel(group, self.ht_ctrl_off + self.native.HT_CTRL_BYTES, transport=transport,
-                               num_streams=hb.STREAM_LL_BASE + 4 * max_local_experts,
+                               num_streams=self.ht_stream_base + self.native.HT_NUM_STREAMS,
                                num_proxy_threads=num_proxy_threads, timeout_s=timeout_s,
                                device=self.device.index, device_fifos=self.fifos)
         self.timeout_s = self.channel.timeout_s
@@ -231,7 +232,7 @@ class CudaEngine(Topology):
         if self._ht is None:
             from .cuda_ht import CudaHT
 
-            self._ht = CudaHT(self, self.ht_ctrl_off)
+            self._ht = CudaHT(self, self.ht_ctrl_off, self.ht_stream_base)
         return self._ht
 
     def dispatch(self, x, x_scales, topk_idx, topk_weights, num_tokens_per_rank, num_tokens_per_rdma_rank,
@@ -330,7 +331,7 @@ class CudaEngine(Topology):
         _as_tensor(self.channel._native.device_data_ptr() + flags, self.meta_base + self.meta_bytes - flags,
                    self.device).zero_()  # flags, meta blocks
         self._finish.zero_()
-        self._signal_seen.zero_()
+        self._signal_seen.view(self.num_ranks, -1)[:, :self.ht_stream_base].zero_()  # normal mode's stay
         signals = self.channel.signals
         for half in (0, 1):
             for phase in (0, 1):
@@ -363,7 +364,6 @@ class CudaEngine(Topology):
             if self._ht is not None:
                 self._ht.destroy()
                 self._ht = None
-        self.launch_stream = None  # set by the Buffer around normal-mode calls (comm_stream.py)
             self.channel.destroy()
             self.channel = None
             self.fifos = None

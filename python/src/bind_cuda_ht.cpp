@@ -21,13 +21,16 @@ namespace {
 
 using portep::bind::check;
 using portep::bind::ptr;
+using portep::bind::PyFifoSet;
 
 // The per-Buffer constants of HTCommon; each call adds its channels and stream.
 class HTKernels {
  public:
-  HTKernels(int rank, int num_ranks, uintptr_t local, uintptr_t peers, uint64_t ctrl_off, uint64_t data_off,
-            uint64_t data_bytes, uintptr_t epoch, uintptr_t host_counts, uintptr_t host_counts_device,
-            uintptr_t error, uintptr_t error_host, double timeout_s)
+  HTKernels(int rank, int num_ranks, uintptr_t local, uintptr_t peers, uint64_t ctrl_off, uint64_t recv_off,
+            uint64_t recv_bytes, uint64_t stage_off, uint64_t stage_bytes, uintptr_t epoch, uintptr_t dest,
+            uintptr_t host_counts, uintptr_t host_counts_device, uintptr_t error, uintptr_t error_host,
+            double timeout_s, const PyFifoSet& fifos, uintptr_t host_signals, uintptr_t signal_seen,
+            uint32_t num_streams, uint32_t stream_base)
       : host_(ptr<HTHostCounts>(host_counts)), error_host_(ptr<LLError>(error_host)), timeout_s_(timeout_s) {
     if (num_ranks > kHTMaxRanks)
       throw std::invalid_argument("num_ranks=" + std::to_string(num_ranks) +
@@ -38,9 +41,20 @@ class HTKernels {
     c_.local = ptr<uint8_t>(local);
     c_.peers = ptr<uint8_t* const>(peers);
     c_.ctrl_off = ctrl_off;
-    c_.data_off = data_off;
-    c_.data_bytes = data_bytes;
+    c_.recv_off = recv_off;
+    c_.recv_bytes = recv_bytes;
+    c_.stage_off = stage_off;
+    c_.stage_bytes = stage_bytes;
     c_.epoch = ptr<uint64_t>(epoch);
+    c_.dest_first = ptr<int64_t>(dest);
+    c_.dest_rows = ptr<int64_t>(dest) + kHTMaxRanks;
+    c_.fifos = fifos.set_.device_views;
+    c_.fifo_tails = fifos.set_.device_tails;
+    c_.num_fifos = fifos.set_.count;
+    c_.host_signals = ptr<uint64_t>(host_signals);
+    c_.signal_seen = ptr<uint64_t>(signal_seen);
+    c_.num_streams = num_streams;
+    c_.stream_base = stream_base;
     c_.host = ptr<HTHostCounts>(host_counts_device);
     c_.error = ptr<LLError>(error);
     c_.timeout_ns = uint64_t(timeout_s * 1e9);
@@ -57,7 +71,8 @@ class HTKernels {
   }
 
   // Spins (without the GIL) until the notify kernel of `ticket` published its counts, or a kernel failed, or the
-  // timeout passed. Returns (num_recv, max_recv_any, [selections per local expert]) or None.
+  // timeout passed. Returns (num_recv, max_recv_any, max_send_any, self_begin, self_rows, [selections per local
+  // expert]) or None.
   py::object wait_counts(uint64_t ticket, int num_local_experts) const {
     const auto deadline = std::chrono::steady_clock::now() + std::chrono::duration<double>(timeout_s_);
     bool ok = false;
@@ -78,7 +93,8 @@ class HTKernels {
     }
     if (!ok) return py::none();
     std::vector<int64_t> experts(host_->expert, host_->expert + num_local_experts);
-    return py::make_tuple(host_->num_recv, host_->max_recv_any, experts);
+    return py::make_tuple(host_->num_recv, host_->max_recv_any, host_->max_send_any, host_->self_begin,
+                          host_->self_rows, experts);
   }
 
   HTCommon c_;
@@ -95,20 +111,29 @@ void bind_cuda_ht(py::module_& m) {
   m.attr("HT_MAX_RANKS") = kHTMaxRanks;
   m.attr("HT_MAX_CHANNELS") = kHTMaxChannels;
   m.attr("HT_MAX_LOCAL_EXPERTS") = kHTMaxLocalExperts;
+  m.attr("HT_NUM_STREAMS") = kHTNumStreams;
+  m.attr("HT_CHUNK_ROWS") = kHTChunkRows;
   py::class_<HTKernels>(m, "HTKernels")
-      .def(py::init<int, int, uintptr_t, uintptr_t, uint64_t, uint64_t, uint64_t, uintptr_t, uintptr_t, uintptr_t,
-                    uintptr_t, uintptr_t, double>(),
+      .def(py::init<int, int, uintptr_t, uintptr_t, uint64_t, uint64_t, uint64_t, uint64_t, uint64_t, uintptr_t,
+                    uintptr_t, uintptr_t, uintptr_t, uintptr_t, uintptr_t, double, const PyFifoSet&, uintptr_t, uintptr_t,
+                    uint32_t, uint32_t>(),
            py::arg("rank"), py::arg("num_ranks"), py::arg("local"), py::arg("peers"), py::arg("ctrl_off"),
-           py::arg("data_off"), py::arg("data_bytes"), py::arg("epoch"), py::arg("host_counts"),
-           py::arg("host_counts_device"), py::arg("error"), py::arg("error_host"), py::arg("timeout_s"))
+           py::arg("recv_off"), py::arg("recv_bytes"), py::arg("stage_off"), py::arg("stage_bytes"), py::arg("epoch"),
+           py::arg("dest"), py::arg("host_counts"), py::arg("host_counts_device"), py::arg("error"),
+           py::arg("error_host"), py::arg("timeout_s"), py::arg("fifos"), py::arg("host_signals"),
+           py::arg("signal_seen"), py::arg("num_streams"), py::arg("stream_base"), py::keep_alive<1, 18>())
       .def("wait_counts", &HTKernels::wait_counts, py::arg("ticket"), py::arg("num_local_experts"))
       .def("notify",
-           [](const HTKernels& k, int num_channels, uintptr_t stream, bool exchange, uintptr_t is_token_in_rank,
-              uintptr_t tokens_per_expert, int num_tokens, int num_experts, uintptr_t rank_prefix,
-              uintptr_t channel_prefix, uintptr_t recv_channel_prefix, int64_t max_recv, uint64_t ticket) {
+           [](const HTKernels& k, int num_channels, uintptr_t stream, bool count_mode, bool combine,
+              uintptr_t is_token_in_rank, uintptr_t tokens_per_expert, int num_tokens, int num_experts,
+              uintptr_t rank_prefix, uintptr_t channel_prefix, uintptr_t recv_channel_prefix, uintptr_t recv_prefix,
+              int recv_prefix_stride, int64_t max_recv, uint64_t ticket) {
              HTNotifyArgs a{};
              a.c = k.common(num_channels, stream);
-             a.exchange = exchange;
+             a.count_mode = count_mode;
+             a.combine = combine;
+             a.recv_prefix = ptr<const int32_t>(recv_prefix);
+             a.recv_prefix_stride = recv_prefix_stride;
              a.is_token_in_rank = ptr<const bool>(is_token_in_rank);
              a.tokens_per_expert = ptr<const int32_t>(tokens_per_expert);
              a.num_tokens = num_tokens;
@@ -122,8 +147,8 @@ void bind_cuda_ht(py::module_& m) {
            })
       .def("dispatch",
            [](const HTKernels& k, int num_channels, uintptr_t stream, uintptr_t x, uintptr_t scales, uintptr_t topk_idx,
-              uintptr_t topk_weights, uintptr_t is_token_in_rank, uintptr_t rank_prefix, uintptr_t channel_prefix,
-              uintptr_t recv_channel_prefix, int num_tokens, int row_bytes, int num_scales, int num_topk,
+              uintptr_t topk_weights, uintptr_t is_token_in_rank, uintptr_t recv_prefix, int recv_prefix_stride,
+              uintptr_t channel_prefix, uintptr_t recv_channel_prefix, int num_tokens, int row_bytes, int num_scales, int num_topk,
               int num_local_experts, int64_t max_recv, uintptr_t recv_x, uintptr_t recv_scales, uintptr_t recv_topk_idx,
               uintptr_t recv_topk_weights, uintptr_t recv_src_idx, uintptr_t send_head) {
              HTDispatchArgs a{};
@@ -133,7 +158,8 @@ void bind_cuda_ht(py::module_& m) {
              a.topk_idx = ptr<const int64_t>(topk_idx);
              a.topk_weights = ptr<const float>(topk_weights);
              a.is_token_in_rank = ptr<const bool>(is_token_in_rank);
-             a.rank_prefix = ptr<const int32_t>(rank_prefix);
+             a.recv_prefix = ptr<const int32_t>(recv_prefix);
+             a.recv_prefix_stride = recv_prefix_stride;
              a.channel_prefix = ptr<const int32_t>(channel_prefix);
              a.recv_channel_prefix = ptr<const int32_t>(recv_channel_prefix);
              a.num_tokens = num_tokens;
@@ -152,8 +178,8 @@ void bind_cuda_ht(py::module_& m) {
            })
       .def("combine",
            [](const HTKernels& k, int num_channels, uintptr_t stream, uintptr_t x, uintptr_t topk_weights,
-              uintptr_t bias0, uintptr_t bias1, uintptr_t is_token_in_rank, uintptr_t rank_prefix,
-              uintptr_t channel_prefix, uintptr_t recv_channel_prefix, uintptr_t send_head, int num_tokens, int hidden,
+              uintptr_t bias0, uintptr_t bias1, uintptr_t is_token_in_rank, uintptr_t recv_prefix,
+              int recv_prefix_stride, uintptr_t channel_prefix, uintptr_t recv_channel_prefix, uintptr_t send_head, int num_tokens, int hidden,
               int num_topk, uintptr_t out, uintptr_t out_weights) {
              HTCombineArgs a{};
              a.c = k.common(num_channels, stream);
@@ -162,7 +188,8 @@ void bind_cuda_ht(py::module_& m) {
              a.bias0 = ptr<const uint16_t>(bias0);
              a.bias1 = ptr<const uint16_t>(bias1);
              a.is_token_in_rank = ptr<const bool>(is_token_in_rank);
-             a.rank_prefix = ptr<const int32_t>(rank_prefix);
+             a.recv_prefix = ptr<const int32_t>(recv_prefix);
+             a.recv_prefix_stride = recv_prefix_stride;
              a.channel_prefix = ptr<const int32_t>(channel_prefix);
              a.recv_channel_prefix = ptr<const int32_t>(recv_channel_prefix);
              a.send_head = ptr<const int32_t>(send_head);

@@ -16,13 +16,8 @@ namespace {
 
 using portep::bind::check;
 using portep::bind::ptr;
+using portep::bind::PyFifoSet;
 
-class PyFifoSet {
- public:
-  PyFifoSet(int count, uint32_t capacity) { check(alloc_device_fifo_set(count, capacity, &set_), "device FIFOs"); }
-  ~PyFifoSet() { free_device_fifo_set(&set_); }
-  DeviceFifoSet set_;
-};
 
 // The per-Buffer constants of LLCommon; every call adds its half's offsets and its tensors.
 class LLKernels {

@@ -7,6 +7,7 @@
 #include <string>
 
 #include "../../gpu_kernels/cuda/api.h"
+#include "../../gpu_kernels/cuda/ll_api.h"
 
 namespace portep::bind {
 
@@ -18,5 +19,17 @@ template <class T>
 T* ptr(uintptr_t p) {
   return reinterpret_cast<T*>(p);
 }
+
+// Device FIFOs for kernels (the LL and HT kernels of one Buffer share one set).
+class PyFifoSet {
+ public:
+  PyFifoSet(int count, uint32_t capacity) {
+    check(portep::cuda::alloc_device_fifo_set(count, capacity, &set_), "device FIFOs");
+  }
+  ~PyFifoSet() { portep::cuda::free_device_fifo_set(&set_); }
+  PyFifoSet(const PyFifoSet&) = delete;
+  PyFifoSet& operator=(const PyFifoSet&) = delete;
+  portep::cuda::DeviceFifoSet set_;
+};
 
 }  // namespace portep::bind
