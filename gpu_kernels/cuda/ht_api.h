@@ -22,11 +22,12 @@
 //      Rows a rank sends itself never leave its GPU.
 //
 // Control area, in every rank's data region at ctrl_off (offsets from there, same on all ranks):
-//   slots [R source] x kHTSlotBytes: uint64 flag (epoch), int64 offset, int64 area_rows, int32 count[kHTMaxRanks]
+//   slots [2 epoch parities][R source] x kHTSlotBytes: uint64 flag (epoch), int64 offset, int64 area_rows, int32 count[kHTMaxRanks]
 //     (the source's tokens per destination rank), int32 channel[kHTMaxChannels] (its tokens per channel for
 //     this rank), int32 expert[kHTMaxLocalExperts] (its selections of this rank's local experts)
 //   dispatch tails [R source][kHTMaxChannels] uint64, combine tails [R source][kHTMaxChannels] uint64
-//   outgoing slots [R destination] x kHTSlotBytes (what a proxy WRITE carries to that destination's slot)
+//   outgoing slots [2 epoch parities][R destination] x kHTSlotBytes (what a proxy WRITE carries to that
+//     destination's slot)
 // Receive area at recv_off: dispatch: records from source s from row rows_before(s) (the receiver's prefix over
 //   sources); a record is [int32 source token, 0, 0, 0][x bytes][scales S x 4][top-k ids K x int64][top-k
 //   weights K x f32], padded to 16 bytes. Combine: contributions from rank d from row sum_{d' < d} sent[d'] (the
@@ -49,7 +50,7 @@ constexpr int kHTMaxLocalExperts = 1024;
 constexpr int kHTChunkRows = 32;  // rows per proxy WRITE
 constexpr uint64_t kHTSlotBytes = 24 + 4 * (kHTMaxRanks + kHTMaxChannels + kHTMaxLocalExperts) + 8;
 constexpr uint64_t kHTTailBytes = 8ull * kHTMaxRanks * kHTMaxChannels;
-constexpr uint64_t kHTCtrlBytes = 2 * kHTMaxRanks * kHTSlotBytes + 2 * kHTTailBytes;
+constexpr uint64_t kHTCtrlBytes = 4 * kHTMaxRanks * kHTSlotBytes + 2 * kHTTailBytes;
 constexpr uint32_t kHTNumStreams = 1 + 2 * kHTMaxChannels;
 constexpr uint32_t kErrTooManyRecv = 5;  // LLError code: more rows than num_worst_tokens (src = rows received)
 

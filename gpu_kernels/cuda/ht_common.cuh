@@ -23,11 +23,13 @@ PORTEP_DEVICE int channel_begin(int num_tokens, int num_channels, int ch) {
 }
 
 // ---- control area ----
-PORTEP_DEVICE uint8_t* notify_slot(const HTCommon& c, uint8_t* region, int src) {
-  return region + c.ctrl_off + uint64_t(src) * kHTSlotBytes;
+// Slots alternate by the parity of the op's epoch: a rank may start op e + 1 while a peer that sends it nothing
+// still reads its slot of op e, but it starts op e + 2 only after that peer finished op e's notify.
+PORTEP_DEVICE uint8_t* notify_slot(const HTCommon& c, uint8_t* region, int src, uint64_t epoch) {
+  return region + c.ctrl_off + ((epoch & 1) * kHTMaxRanks + src) * kHTSlotBytes;
 }
-PORTEP_DEVICE uint8_t* outgoing_slot(const HTCommon& c, int dst) {
-  return c.local + c.ctrl_off + (kHTMaxRanks + dst) * kHTSlotBytes + 2 * kHTTailBytes;
+PORTEP_DEVICE uint8_t* outgoing_slot(const HTCommon& c, int dst, uint64_t epoch) {
+  return c.local + c.ctrl_off + 2 * kHTTailBytes + ((2 + (epoch & 1)) * kHTMaxRanks + dst) * kHTSlotBytes;
 }
 PORTEP_DEVICE uint64_t* slot_flag(uint8_t* slot) { return reinterpret_cast<uint64_t*>(slot); }
 PORTEP_DEVICE int64_t* slot_offset(uint8_t* slot) { return reinterpret_cast<int64_t*>(slot + 8); }
@@ -38,7 +40,7 @@ PORTEP_DEVICE int32_t* slot_experts(uint8_t* slot) { return slot_channels(slot) 
 
 // combine = false: dispatch tails; true: combine tails. In `region`'s control area, (source, channel).
 PORTEP_DEVICE uint64_t* tail_word(const HTCommon& c, uint8_t* region, bool combine, int src, int ch) {
-  uint8_t* tails = region + c.ctrl_off + kHTMaxRanks * kHTSlotBytes + (combine ? kHTTailBytes : 0);
+  uint8_t* tails = region + c.ctrl_off + 2 * kHTMaxRanks * kHTSlotBytes + (combine ? kHTTailBytes : 0);
   return reinterpret_cast<uint64_t*>(tails) + src * kHTMaxChannels + ch;
 }
 PORTEP_DEVICE uint64_t tail_value(uint64_t epoch, uint32_t rows) { return epoch << 32 | rows; }

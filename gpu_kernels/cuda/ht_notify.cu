@@ -23,17 +23,17 @@ PORTEP_DEVICE void count_channels(const HTNotifyArgs& a, int32_t* counts) {
 
 // The slot this rank writes for destination d: where it is stored (d's control area, or the outgoing slot a
 // proxy WRITE carries there).
-PORTEP_DEVICE uint8_t* slot_for(const HTCommon& c, int d) {
-  return c.peers[d] ? notify_slot(c, c.peers[d], c.rank) : outgoing_slot(c, d);
+PORTEP_DEVICE uint8_t* slot_for(const HTCommon& c, int d, uint64_t epoch) {
+  return c.peers[d] ? notify_slot(c, c.peers[d], c.rank, epoch) : outgoing_slot(c, d, epoch);
 }
 
-PORTEP_DEVICE void write_count_slots(const HTNotifyArgs& a, const int32_t* counts) {
+PORTEP_DEVICE void write_count_slots(const HTNotifyArgs& a, const int32_t* counts, uint64_t epoch) {
   const HTCommon& c = a.c;
   const int R = c.num_ranks, C = c.num_channels, E_l = a.num_experts / R;
   const int per_dst = R + C + E_l;
   for (int i = threadIdx.x; i < R * per_dst; i += blockDim.x) {
     const int d = i / per_dst, j = i % per_dst;
-    uint8_t* slot = slot_for(c, d);
+    uint8_t* slot = slot_for(c, d, epoch);
     if (j < R) {
       int32_t sum = 0;
       for (int ch = 0; ch < C; ++ch) sum += counts[j * C + ch];
@@ -47,7 +47,7 @@ PORTEP_DEVICE void write_count_slots(const HTNotifyArgs& a, const int32_t* count
 }
 
 // Offset mode: the reader d's rows begin in this rank's receive area at offset, which holds area_rows rows.
-PORTEP_DEVICE void write_offset_slots(const HTNotifyArgs& a) {
+PORTEP_DEVICE void write_offset_slots(const HTNotifyArgs& a, uint64_t epoch) {
   const HTCommon& c = a.c;
   const int R = c.num_ranks, C = c.num_channels, d = threadIdx.x;
   if (d >= R) return;
@@ -59,8 +59,8 @@ PORTEP_DEVICE void write_offset_slots(const HTNotifyArgs& a) {
     offset = rows_before(a.recv_prefix, a.recv_prefix_stride, d);
     area = a.recv_prefix[(R - 1) * a.recv_prefix_stride];
   }
-  *slot_offset(slot_for(c, d)) = offset;
-  *slot_area_rows(slot_for(c, d)) = area;
+  *slot_offset(slot_for(c, d, epoch)) = offset;
+  *slot_area_rows(slot_for(c, d, epoch)) = area;
 }
 
 // Thread d < R publishes this rank's slot to d: a flag after the stores (direct), or a WRITE + SIGNAL.
@@ -69,15 +69,15 @@ PORTEP_DEVICE void publish_slot(const HTCommon& c, uint64_t epoch) {
   if (d >= c.num_ranks) return;
   if (c.peers[d]) {
     fence_sys();  // every thread's stores into the slot (before the barrier) before the flag
-    st_relaxed_sys_u64(slot_flag(slot_for(c, d)), epoch);
+    st_relaxed_sys_u64(slot_flag(slot_for(c, d, epoch)), epoch);
     return;
   }
-  *slot_flag(outgoing_slot(c, d)) = epoch;
+  *slot_flag(outgoing_slot(c, d, epoch)) = epoch;
   fence_sys();  // the whole outgoing slot before the WRITE that copies it
   const LLCommon f = fifo_side(c);
-  const uint64_t off = c.ctrl_off + uint64_t(c.rank) * kHTSlotBytes;
+  const uint64_t off = uint64_t(notify_slot(c, c.local, c.rank, epoch) - c.local);  // the same offset at d
   push_cmd(f, CmdFields{kOpWrite, 0, uint32_t(d), uint32_t(kHTSlotBytes), notify_stream(c), off,
-                        uint64_t(outgoing_slot(c, d) - c.local)});
+                        uint64_t(outgoing_slot(c, d, epoch) - c.local)});
   push_cmd(f, CmdFields{kOpSignal, 0, uint32_t(d), 0, notify_stream(c), 0, 0});
 }
 
@@ -87,7 +87,7 @@ PORTEP_DEVICE bool await_slots(const HTCommon& c, uint64_t epoch, int* ok) {
   if (s < c.num_ranks) {
     bool arrived;
     if (c.peers[s]) {
-      const uint64_t* flag = slot_flag(notify_slot(c, c.local, s));
+      const uint64_t* flag = slot_flag(notify_slot(c, c.local, s, epoch));
       uint64_t v = 0, waited = 0;
       arrived = wait_until([&] { return ld_acquire_sys_u64(flag); }, [&](uint64_t x) { return x >= epoch; },
                            c.timeout_ns, &v, &waited);
@@ -103,19 +103,19 @@ PORTEP_DEVICE bool await_slots(const HTCommon& c, uint64_t epoch, int* ok) {
 }
 
 // Count mode: the handle's matrices, dest_first / dest_rows and the receive counts from every source's slot.
-PORTEP_DEVICE void derive_counts(const HTNotifyArgs& a, const int32_t* counts) {
+PORTEP_DEVICE void derive_counts(const HTNotifyArgs& a, const int32_t* counts, uint64_t epoch) {
   const HTCommon& c = a.c;
   const int R = c.num_ranks, C = c.num_channels, E_l = a.num_experts / R, me = c.rank;
   for (int i = threadIdx.x; i < R * R; i += blockDim.x) {
     const int s = i / R, d = i % R;
     int32_t sum = 0;
-    for (int j = 0; j <= s; ++j) sum += slot_counts(notify_slot(c, c.local, j))[d];
+    for (int j = 0; j <= s; ++j) sum += slot_counts(notify_slot(c, c.local, j, epoch))[d];
     a.rank_prefix[i] = sum;
   }
   for (int i = threadIdx.x; i < R * C; i += blockDim.x) {
     const int r = i / C, ch = i % C;
     int32_t sent = 0, recv = 0;
-    const int32_t* from_r = slot_channels(notify_slot(c, c.local, r));
+    const int32_t* from_r = slot_channels(notify_slot(c, c.local, r, epoch));
     for (int j = 0; j <= ch; ++j) sent += counts[r * C + j];
     for (int j = 0; j < ch; ++j) recv += from_r[j];
     a.channel_prefix[i] = sent;
@@ -123,14 +123,14 @@ PORTEP_DEVICE void derive_counts(const HTNotifyArgs& a, const int32_t* counts) {
   }
   for (int i = threadIdx.x; i < E_l && a.ticket; i += blockDim.x) {
     int32_t sum = 0;
-    for (int s = 0; s < R; ++s) sum += slot_experts(notify_slot(c, c.local, s))[i];
+    for (int s = 0; s < R; ++s) sum += slot_experts(notify_slot(c, c.local, s, epoch))[i];
     c.host->expert[i] = sum;
   }
   if (int(threadIdx.x) < R) {
     const int d = threadIdx.x;
     int64_t before = 0, all = 0;
     for (int s = 0; s < R; ++s) {
-      const int32_t n = slot_counts(notify_slot(c, c.local, s))[d];
+      const int32_t n = slot_counts(notify_slot(c, c.local, s, epoch))[d];
       before += s < me ? n : 0;
       all += n;
     }
@@ -141,9 +141,9 @@ PORTEP_DEVICE void derive_counts(const HTNotifyArgs& a, const int32_t* counts) {
   if (threadIdx.x != 0) return;
   int64_t num_recv = 0, most_recv = 0, most_send = 0;
   for (int s = 0; s < R; ++s) {
-    num_recv += slot_counts(notify_slot(c, c.local, s))[me];
+    num_recv += slot_counts(notify_slot(c, c.local, s, epoch))[me];
     int64_t sent = 0;
-    for (int d = 0; d < R; ++d) sent += slot_counts(notify_slot(c, c.local, s))[d];
+    for (int d = 0; d < R; ++d) sent += slot_counts(notify_slot(c, c.local, s, epoch))[d];
     most_send = max(most_send, sent);
     most_recv = max(most_recv, int64_t(a.rank_prefix[(R - 1) * R + s]));
   }
@@ -154,7 +154,7 @@ PORTEP_DEVICE void derive_counts(const HTNotifyArgs& a, const int32_t* counts) {
   c.host->max_recv_any = most_recv;
   c.host->max_send_any = most_send;
   c.host->self_begin = c.dest_first[me];
-  c.host->self_rows = slot_counts(notify_slot(c, c.local, me))[me];
+  c.host->self_rows = slot_counts(notify_slot(c, c.local, me, epoch))[me];
   fence_sys();  // the counts before the ticket that says they are this op's
   st_relaxed_sys_u64(&c.host->ticket, a.ticket);
 }
@@ -171,18 +171,18 @@ __global__ void __launch_bounds__(kNotifyThreads, 1) ht_notify_kernel(HTNotifyAr
   __syncthreads();
   if (a.count_mode) {
     count_channels(a, counts);
-    write_count_slots(a, counts);
+    write_count_slots(a, counts, epoch);
   } else {
-    write_offset_slots(a);
+    write_offset_slots(a, epoch);
   }
   __syncthreads();
   publish_slot(c, epoch);
   const bool arrived = await_slots(c, epoch, &ok);
   if (arrived && a.count_mode) {
-    derive_counts(a, counts);
+    derive_counts(a, counts, epoch);
   } else if (arrived && int(threadIdx.x) < c.num_ranks) {
-    c.dest_first[threadIdx.x] = *slot_offset(notify_slot(c, c.local, threadIdx.x));
-    c.dest_rows[threadIdx.x] = *slot_area_rows(notify_slot(c, c.local, threadIdx.x));
+    c.dest_first[threadIdx.x] = *slot_offset(notify_slot(c, c.local, threadIdx.x, epoch));
+    c.dest_rows[threadIdx.x] = *slot_area_rows(notify_slot(c, c.local, threadIdx.x, epoch));
   }
   if (threadIdx.x == 0) *c.epoch = epoch;  // the op's data kernel, next on the stream, reads it
 }

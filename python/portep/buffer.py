@@ -89,7 +89,7 @@ class Buffer:
         if self.backend == "cuda":
             from .comm_stream import CommStream
 
-            self._comm = CommStream(self.runtime.device)
+            self._comm = CommStream(self.runtime.comm_stream)
 
     # ---- lifetime ----
     def destroy(self):

@@ -19,8 +19,8 @@ def _tensors(value):
 
 
 class CommStream:
-    def __init__(self, device):
-        self.stream = torch.cuda.Stream(device=device)
+    def __init__(self, stream):
+        self.stream = stream
 
     def run(self, engine, fn, previous_event, async_finish, allocate_on_comm_stream, inputs=()):
         """fn() with engine's kernels launched on the communication stream; returns (fn's result, EventOverlap)."""

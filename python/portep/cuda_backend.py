@@ -107,6 +107,11 @@ class CudaEngine(Topology):
                                num_streams=self.ht_stream_base + self.native.HT_NUM_STREAMS,
                                num_proxy_threads=num_proxy_threads, timeout_s=timeout_s,
                                device=self.device.index, device_fifos=self.fifos)
+        # The normal-mode kernels' stream, created right after the proxies' copy streams so that CUDA gives it a
+        # hardware queue of its own: a copy queued behind a kernel that waits for it would stall until the timeout
+        # (seen with a torch pool stream on one shared H200).
+        self.comm_stream_handle = self.native.cuda_stream_create()
+        self.comm_stream = torch.cuda.ExternalStream(self.comm_stream_handle, device=self.device)
         self.timeout_s = self.channel.timeout_s
         ch = self.channel._native
         self.region = _as_tensor(ch.device_data_ptr(), self.num_bytes, self.device)
@@ -352,6 +357,7 @@ class CudaEngine(Topology):
 
     def barrier(self):
         torch.cuda.current_stream(self.device).synchronize()
+        self.comm_stream.synchronize()
         self.channel.barrier()
 
     def destroy(self):
@@ -359,6 +365,7 @@ class CudaEngine(Topology):
             return
         try:
             torch.cuda.current_stream(self.device).synchronize()
+            self.comm_stream.synchronize()
         finally:
             self.region = None
             if self._ht is not None:
@@ -366,6 +373,8 @@ class CudaEngine(Topology):
                 self._ht = None
             self.channel.destroy()
             self.channel = None
+            self.comm_stream = None
+            self.native.cuda_stream_destroy(self.comm_stream_handle)
             self.fifos = None
             self.kernels = None
             if self._error_host:
