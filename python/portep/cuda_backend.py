@@ -107,11 +107,8 @@ class CudaEngine(Topology):
                                num_streams=self.ht_stream_base + self.native.HT_NUM_STREAMS,
                                num_proxy_threads=num_proxy_threads, timeout_s=timeout_s,
                                device=self.device.index, device_fifos=self.fifos)
-        # The normal-mode kernels' stream, created right after the proxies' copy streams so that CUDA gives it a
-        # hardware queue of its own: a copy queued behind a kernel that waits for it would stall until the timeout
-        # (seen with a torch pool stream on one shared H200).
-        self.comm_stream_handle = self.native.cuda_stream_create()
-        self.comm_stream = torch.cuda.ExternalStream(self.comm_stream_handle, device=self.device)
+        # The normal-mode kernels' stream: one of torch's, which outlives every tensor record_stream'd on it.
+        self.comm_stream = torch.cuda.Stream(device=self.device)
         self.timeout_s = self.channel.timeout_s
         ch = self.channel._native
         self.region = _as_tensor(ch.device_data_ptr(), self.num_bytes, self.device)
@@ -373,8 +370,6 @@ class CudaEngine(Topology):
                 self._ht = None
             self.channel.destroy()
             self.channel = None
-            self.comm_stream = None
-            self.native.cuda_stream_destroy(self.comm_stream_handle)
             self.fifos = None
             self.kernels = None
             if self._error_host:
