@@ -18,7 +18,6 @@ using portep::bind::check;
 using portep::bind::ptr;
 using portep::bind::PyFifoSet;
 
-
 // The per-Buffer constants of LLCommon; every call adds its half's offsets and its tensors.
 class LLKernels {
  public:
