@@ -21,9 +21,10 @@ two_gpus = pytest.mark.skipif(not native.build_info()["cuda_built"] or not torch
                               or torch.cuda.device_count() < GPUS_NEEDED,
                               reason="needs the CUDA kernels and two CUDA GPUs (or PORTEP_TEST_SHARE_GPU=1)")
 
-# On one shared GPU the proxy path stalled: a notify's WRITE stayed unhandled or uncopied while the kernels of
-# both ranks waited for it, until the kernel timeout (as the LL CUDA-graph test over the proxy path does there).
-# It runs on two GPUs.
+# On one shared GPU the proxy path stalled: a notify's WRITE reached the peer only after the peer's kernel timed
+# out (its copy queued behind this rank's data kernel in a hardware queue shared with a torch pool stream, the
+# communication stream then). The dedicated communication stream made since has not run there yet; until it has,
+# these run on two GPUs only.
 proxy_needs_two_gpus = pytest.mark.skipif(os.environ.get("PORTEP_TEST_SHARE_GPU") == "1",
                                           reason="the proxy path stalls when both ranks share one GPU")
 

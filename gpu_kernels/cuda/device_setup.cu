@@ -60,6 +60,13 @@ int device_alloc_zeroed(void** p, uint64_t bytes) {
 
 int device_free(void* p) { return int(cudaFree(p)); }
 
+int stream_create(void** stream) {
+  cudaStream_t s = nullptr;
+  const cudaError_t e = cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking);
+  *stream = s;
+  return int(e);
+}
+
 int host_alloc_mapped(void** host, void** device, uint64_t bytes) {
   cudaError_t e = cudaHostAlloc(host, bytes, cudaHostAllocMapped | cudaHostAllocPortable);
   if (e != cudaSuccess) return int(e);

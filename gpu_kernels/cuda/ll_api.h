@@ -133,6 +133,9 @@ int free_device_fifo_set(DeviceFifoSet* set);
 int copy_to_device(void* dst, const void* src, uint64_t bytes);
 int device_alloc_zeroed(void** p, uint64_t bytes);
 int device_free(void* p);
+// A non-blocking stream of the current device. CUDA puts each new stream on the next of its hardware queues
+// (CUDA_DEVICE_MAX_CONNECTIONS), so one created right after the proxies' copy streams shares no queue with them.
+int stream_create(void** stream);
 int host_alloc_mapped(void** host, void** device, uint64_t bytes);
 int host_free_mapped(void* host);
 

@@ -107,8 +107,12 @@ class CudaEngine(Topology):
                                num_streams=self.ht_stream_base + self.native.HT_NUM_STREAMS,
                                num_proxy_threads=num_proxy_threads, timeout_s=timeout_s,
                                device=self.device.index, device_fifos=self.fifos)
-        # The normal-mode kernels' stream: one of torch's, which outlives every tensor record_stream'd on it.
-        self.comm_stream = torch.cuda.Stream(device=self.device)
+        # The normal-mode kernels' stream, made right after the proxies' copy streams so that it gets a hardware queue
+        # of its own: in a shared queue, a proxy copy issued after the data kernel was queued waits behind that
+        # kernel, which waits for the copy (on one shared H200 a notify's WRITE reached the peer only after the
+        # peer's kernel timed out, with a torch pool stream). It is never destroyed: tensors record_stream'd on it
+        # may be freed after the Buffer, and the caching allocator then records an event on it.
+        self.comm_stream = torch.cuda.ExternalStream(self.native.cuda_stream_create(), device=self.device)
         self.timeout_s = self.channel.timeout_s
         ch = self.channel._native
         self.region = _as_tensor(ch.device_data_ptr(), self.num_bytes, self.device)

@@ -154,6 +154,11 @@ void bind_cuda_ll(py::module_& m) {
     return reinterpret_cast<uintptr_t>(p);
   });
   m.def("cuda_device_free", [](uintptr_t p) { check(device_free(ptr<void>(p)), "cudaFree"); });
+  m.def("cuda_stream_create", [] {
+    void* s = nullptr;
+    check(stream_create(&s), "cudaStreamCreateWithFlags");
+    return reinterpret_cast<uintptr_t>(s);
+  });
   m.def("cuda_copy", [](uintptr_t dst, uintptr_t src, uint64_t bytes) {
     check(copy_to_device(ptr<void>(dst), ptr<const void>(src), bytes), "cudaMemcpy");
   });
