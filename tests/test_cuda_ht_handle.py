@@ -41,7 +41,7 @@ def test_internode_handle_matches_deepep_definitions(world, n_tokens, C, seed):
     for me in range(world):
         counts, rank_prefix, channel_prefix, rcp, send_head = _kernel_outputs(in_rank, me, C)
         ht = CudaHT.__new__(CudaHT)
-        ht.eng = types.SimpleNamespace(rank=me, device=torch.device("cpu"))
+        ht.eng = types.SimpleNamespace(rank=me, device=torch.device("cpu"), launch_stream=None)
         num_recv = int(counts[:, me].sum())
         self_begin = int(counts[:me, me].sum())
         h = ht._internode_handle(in_rank[me], rank_prefix, channel_prefix, rcp, send_head, num_recv,
@@ -68,7 +68,7 @@ def test_internode_handle_with_num_worst_tokens_pads_rows():
     in_rank = _routing(7, 2, [20, 11])
     counts, rank_prefix, channel_prefix, rcp, send_head = _kernel_outputs(in_rank, 1, 2)
     ht = CudaHT.__new__(CudaHT)
-    ht.eng = types.SimpleNamespace(rank=1, device=torch.device("cpu"))
+    ht.eng = types.SimpleNamespace(rank=1, device=torch.device("cpu"), launch_stream=None)
     worst = 40
     h = ht._internode_handle(in_rank[1], rank_prefix, channel_prefix, rcp, send_head, worst, None)
     num_recv = int(counts[:, 1].sum())

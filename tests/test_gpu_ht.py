@@ -62,6 +62,14 @@ def test_ht_cuda_matches_host_backend_bitwise(path, num_sms):
 
 @pytest.mark.gpu
 @two_gpus
+def test_ht_odd_scale_count_bitwise():
+    # hidden 1152: 9 FP8 scales per row, so a record's top-k ids follow an odd number of 4-byte scales
+    out = run_ranks(g.cross_backend_body, 2, args=(2, "shm", 5, [97, 64], 1152, 8, 32, 24), timeout=400)
+    assert_clean(out, 30)
+
+
+@pytest.mark.gpu
+@two_gpus
 @pytest.mark.parametrize("path", PATHS[:2])
 def test_ht_num_worst_tokens_cuda_graph_replay(path):
     _, rpn, transport = path

@@ -29,8 +29,8 @@
 //   outgoing slots [2 epoch parities][R destination] x kHTSlotBytes (what a proxy WRITE carries to that
 //     destination's slot)
 // Receive area at recv_off: dispatch: records from source s from row rows_before(s) (the receiver's prefix over
-//   sources); a record is [int32 source token, 0, 0, 0][x bytes][scales S x 4][top-k ids K x int64][top-k
-//   weights K x f32], padded to 16 bytes. Combine: contributions from rank d from row sum_{d' < d} sent[d'] (the
+//   sources); a record is [int32 source token, 0, 0, 0][x bytes][scales S x 4][pad to 8 bytes][top-k ids K x
+//   int64][top-k weights K x f32], padded to 16 bytes. Combine: contributions from rank d from row sum_{d' < d} sent[d'] (the
 //   receiver's own tokens per destination), each [BF16 row][K x f32] padded to 16 bytes.
 // Staging area at stage_off (proxy peers only): dispatch: records for d from row sum_{d' < d} sent[d']; combine:
 //   contributions in the receive order of dispatch (source blocks ascending).

@@ -175,6 +175,7 @@ PORTEP_DEVICE void reduce_channel(const HTCombineArgs& a, int ch) {
 }
 
 __global__ void __launch_bounds__(kHTThreads, 1) ht_combine_kernel(HTCombineArgs a) {
+  if (failed_before(a.c)) return;
   if (blockIdx.x % 2 == 0)
     send_channel(a, blockIdx.x / 2);
   else

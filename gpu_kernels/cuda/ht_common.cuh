@@ -84,6 +84,12 @@ PORTEP_DEVICE void publish_tail(uint64_t* word, uint64_t epoch, uint32_t rows) {
   st_relaxed_sys_u64(word, tail_value(epoch, rows));
 }
 
+// A kernel failed earlier (this op's notify included): the Buffer's results are invalid and the offsets this op
+// would store at may be garbage, so data kernels do nothing; the host raises the failure at the next call.
+PORTEP_DEVICE bool failed_before(const HTCommon& c) {
+  return *reinterpret_cast<volatile uint32_t*>(&c.error->code) != 0;
+}
+
 // ---- the proxy path ----
 PORTEP_DEVICE uint32_t notify_stream(const HTCommon& c) { return c.stream_base; }
 PORTEP_DEVICE uint32_t data_stream(const HTCommon& c, bool combine, int ch) {

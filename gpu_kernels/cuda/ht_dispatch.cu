@@ -10,7 +10,7 @@ struct Record {  // byte offsets inside one record (layout in ht_api.h)
   int scales, topk, weights, bytes;
   PORTEP_DEVICE explicit Record(const HTDispatchArgs& a) {
     scales = 16 + a.row_bytes;
-    topk = scales + 4 * a.num_scales;
+    topk = (scales + 4 * a.num_scales + 7) / 8 * 8;  // int64 ids: 8-byte aligned whatever the scale count
     weights = topk + 8 * a.num_topk;
     bytes = (weights + 4 * a.num_topk + 15) / 16 * 16;
   }
@@ -200,6 +200,7 @@ PORTEP_DEVICE void receive_channel(const HTDispatchArgs& a, int ch) {
 }
 
 __global__ void __launch_bounds__(kHTThreads, 1) ht_dispatch_kernel(HTDispatchArgs a) {
+  if (failed_before(a.c)) return;
   if (blockIdx.x % 2 == 0)
     send_channel(a, blockIdx.x / 2);
   else

@@ -226,13 +226,6 @@ class CudaEngine(Topology):
         stream."""
         return self.launch_stream or _current_raw_stream(self.device.index)
 
-    def keep_for_launch(self, *tensors):
-        """Temporaries made on the current stream for a kernel on another stream stay allocated until it ran."""
-        if self.launch_stream:
-            stream = torch.cuda.ExternalStream(self.launch_stream, device=self.device)
-            for t in tensors:
-                if t is not None:
-                    t.record_stream(stream)
 
     def _normal_mode(self):
         if self._ht is None:
@@ -330,8 +323,10 @@ class CudaEngine(Topology):
         return (out if out is not None else result), None
 
     def clean_low_latency_buffer(self, num_max_dispatch_tokens_per_rank, hidden, num_experts):
-        """Zero every LL flag and signal slot of this rank, between two barriers (DeepEP's clean)."""
+        """Zero every LL flag and signal slot of this rank, between two barriers (DeepEP's clean); normal-mode
+        kernels on the communication stream finish first."""
         torch.cuda.current_stream(self.device).synchronize()
+        self.comm_stream.synchronize()
         self.channel.barrier()
         flags = self.num_bytes
         _as_tensor(self.channel._native.device_data_ptr() + flags, self.meta_base + self.meta_bytes - flags,

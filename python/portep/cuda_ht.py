@@ -10,6 +10,7 @@ to its NVLink peers runs on the host backend only. Results match the host backen
 order, the same FP32 reduction order: bias, then ranks ascending).
 """
 
+import contextlib
 import ctypes
 
 import torch
@@ -56,17 +57,33 @@ class CudaHT:
             self.stage_bytes, self.epoch.data_ptr(), self.dest.data_ptr(), self.host_counts, host_counts_device,
             eng.error_device, eng._error_host, eng.timeout_s, eng.fifos, ch.device_signals_ptr(),
             eng._signal_seen.data_ptr(), eng.channel.num_streams, stream_base)
+        torch.cuda.current_stream(eng.device).synchronize()  # epoch, peers, dest in place before any kernel reads them
 
     def destroy(self):
         if self.host_counts:
             self.eng.native.cuda_host_free_mapped(self.host_counts)
             self.host_counts = 0
 
-    def _copy(self, original, converted):
-        """converted (original made contiguous or cast): a temporary, kept until the kernels that read it ran."""
-        if converted is not original:
-            self.eng.keep_for_launch(converted)
-        return converted
+    def _on_comm(self):
+        """Where this op's own preparation runs (input copies, fills, the internode handle): the stream its kernels
+        run on, so they are ordered, and temporaries go back to that stream's pool (no record_stream)."""
+        stream = self.eng.comm_stream if self.eng.launch_stream else None
+        return torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext()
+
+    def _for_caller(self, tensors):
+        """Tensors made on the communication stream and handed to the caller, kept for the current stream too."""
+        if self.eng.launch_stream and not torch.cuda.is_current_stream_capturing():
+            compute = torch.cuda.current_stream(self.eng.device)
+            for t in tensors:
+                t.record_stream(compute)
+        return tensors
+
+    def _check_handle(self, handle):
+        for i, t in enumerate(handle):
+            if t.device != self.eng.device or not t.is_contiguous():
+                raise ValueError(f"handle[{i}] is a {'contiguous' if t.is_contiguous() else 'non-contiguous'} tensor "
+                                 f"on {t.device}; a dispatch handle of this Buffer holds contiguous tensors on "
+                                 f"{self.eng.device} (pass the handle dispatch returned)")
 
     def _recv_prefix(self, handle):
         """(pointer, stride) of the rows from sources 0..s to this rank (inclusive), from a handle."""
@@ -86,24 +103,34 @@ class CudaHT:
         eng = self.eng
         stream = eng.raw_stream()
         R, N, dev, me = eng.num_ranks, x.size(0), eng.device, eng.rank
-        x = self._copy(x, x.contiguous())
-        scales = None if x_scales is None else self._copy(x_scales, x_scales.contiguous())
+        with self._on_comm():
+            x = x.contiguous()
+            scales = None if x_scales is None else x_scales.contiguous()
+            if topk_idx is not None:
+                topk_idx = topk_idx.to(torch.int64).contiguous()
+                topk_weights = topk_weights.to(torch.float32).contiguous()
+            if handle is None:
+                is_token_in_rank = is_token_in_rank.contiguous()
+                per_expert = num_tokens_per_expert.to(torch.int32).contiguous()
         K = 0 if topk_idx is None else topk_idx.size(1)
         rec = _record_bytes(x, scales, K)
         self._check_row(rec, "dispatch")
         counts_list, self_rows = [], None
         cached = handle is not None
         if cached:
+            self._check_handle(handle)
             internode = eng.num_nodes > 1
             is_token_in_rank, channel_prefix, rcp = ((handle[0], handle[2], handle[5]) if internode else
                                                      (handle[4], handle[1], handle[2]))
             num_recv = (handle[7] if internode else handle[3]).size(0)
+            if 0 < num_worst_tokens < num_recv:
+                raise RuntimeError(f"rank {me} receives {num_recv} tokens with this handle but "
+                                   f"num_worst_tokens={num_worst_tokens}")
             recv_prefix = self._recv_prefix(handle)
             self._notify(num_channels, stream, False, False, is_token_in_rank, recv_prefix=recv_prefix)
+            num_recv = max(num_recv, num_worst_tokens)
         else:
-            is_token_in_rank = self._copy(is_token_in_rank, is_token_in_rank.contiguous())
             E = num_tokens_per_expert.numel()
-            per_expert = self._copy(num_tokens_per_expert, num_tokens_per_expert.to(torch.int32).contiguous())
             rank_prefix = torch.empty(R, R, dtype=torch.int32, device=dev)
             channel_prefix = torch.empty(R, num_channels, dtype=torch.int32, device=dev)
             rcp = torch.empty(R, num_channels, dtype=torch.int32, device=dev)
@@ -124,10 +151,11 @@ class CudaHT:
         recv_idx = recv_w = src_idx = send_head = None
         if not cached:
             if K:
-                recv_idx = torch.full((rows, K), -1, dtype=torch.int64, device=dev)
-                recv_w = torch.zeros(rows, K, dtype=torch.float32, device=dev)
-                topk_idx = self._copy(topk_idx, topk_idx.to(torch.int64).contiguous())
-                topk_weights = self._copy(topk_weights, topk_weights.to(torch.float32).contiguous())
+                recv_idx = torch.empty(rows, K, dtype=torch.int64, device=dev)
+                recv_w = torch.empty(rows, K, dtype=torch.float32, device=dev)
+                with self._on_comm():  # before the kernel, which writes the real rows
+                    recv_idx.fill_(-1)
+                    recv_w.zero_()
             src_idx = torch.empty(rows, dtype=torch.int32, device=dev)
             send_head = torch.empty(N, R, dtype=torch.int32, device=dev)
         E_l = 0 if cached else num_tokens_per_expert.numel() // R
@@ -168,7 +196,16 @@ class CudaHT:
         return num_recv, (self_begin, self_rows), [(int(c) + a - 1) // a * a for c in experts]
 
     def _internode_handle(self, is_token_in_rank, rank_prefix, channel_prefix, rcp, send_head, rows, self_rows):
-        """DeepEP's 10-tuple for one rank per node (node = rank): the forwarder is the destination itself."""
+        """DeepEP's 10-tuple for one rank per node (node = rank): the forwarder is the destination itself. With
+        num_worst_tokens (self_rows None) recv_src_meta and send_nvl_head keep a row per output row: this rank's own
+        rows and the padding have -1 in send_nvl_head."""
+        with self._on_comm():  # reads what the notify kernel wrote
+            h = self._internode_tensors(is_token_in_rank, rank_prefix, channel_prefix, rcp, send_head, rows,
+                                        self_rows)
+        self._for_caller([h[4], h[7], h[9]])
+        return h
+
+    def _internode_tensors(self, is_token_in_rank, rank_prefix, channel_prefix, rcp, send_head, rows, self_rows):
         me, dev = self.eng.rank, self.eng.device
         recv_prefix = rank_prefix[:, me].contiguous()
         row = torch.arange(rows, dtype=torch.int32, device=dev)
@@ -188,6 +225,7 @@ class CudaHT:
     def combine(self, x, handle, topk_weights, bias):
         eng = self.eng
         stream = eng.raw_stream()
+        self._check_handle(handle)
         if eng.num_nodes > 1:
             is_token_in_rank, channel_prefix, rcp, send_head = handle[0], handle[2], handle[5], handle[8]
         else:
@@ -196,13 +234,13 @@ class CudaHT:
         C = channel_prefix.size(1)
         K = 0 if topk_weights is None else topk_weights.size(1)
         self._check_row(hb.align(2 * H + 4 * K, 16), "combine")
-        x = self._copy(x, x.contiguous())
-        weights = None if topk_weights is None else self._copy(topk_weights,
-                                                               topk_weights.to(torch.float32).contiguous())
+        with self._on_comm():
+            x = x.contiguous()
+            weights = None if topk_weights is None else topk_weights.to(torch.float32).contiguous()
+            b0 = bias[0].contiguous() if len(bias) > 0 else None
+            b1 = bias[1].contiguous() if len(bias) > 1 else None
         out = torch.empty(N, H, dtype=torch.bfloat16, device=eng.device)
         out_w = torch.empty(N, K, dtype=torch.float32, device=eng.device) if weights is not None else None
-        b0 = self._copy(bias[0], bias[0].contiguous()) if len(bias) > 0 else None
-        b1 = self._copy(bias[1], bias[1].contiguous()) if len(bias) > 1 else None
         recv_prefix = self._recv_prefix(handle)
         self._notify(C, stream, False, True, is_token_in_rank, prefixes=(None, channel_prefix, None),
                      recv_prefix=recv_prefix)
@@ -213,5 +251,6 @@ class CudaHT:
 
 
 def _record_bytes(x, scales, K):
+    """A dispatch record's bytes (ht_api.h): header, row, scales, top-k ids from an 8-byte boundary, weights."""
     S = 0 if scales is None else scales.size(1)
-    return hb.align(16 + x.size(1) * x.element_size() + 4 * S + 12 * K, 16)
+    return hb.align(hb.align(16 + x.size(1) * x.element_size() + 4 * S, 8) + 12 * K, 16)
