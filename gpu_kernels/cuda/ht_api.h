@@ -22,16 +22,16 @@
 //      Rows a rank sends itself never leave its GPU.
 //
 // Control area, in every rank's data region at ctrl_off (offsets from there, same on all ranks):
-//   slots [2 epoch parities][R source] x kHTSlotBytes: uint64 flag (epoch), int64 offset, int64 area_rows, int32 count[kHTMaxRanks]
-//     (the source's tokens per destination rank), int32 channel[kHTMaxChannels] (its tokens per channel for
-//     this rank), int32 expert[kHTMaxLocalExperts] (its selections of this rank's local experts)
+//   slots [2 epoch parities][R source] x kHTSlotBytes: uint64 flag (epoch), int64 offset, int64 area_rows,
+//     int32 count[kHTMaxRanks] (the source's tokens per destination rank), int32 channel[kHTMaxChannels] (its
+//     tokens per channel for this rank), int32 expert[kHTMaxLocalExperts] (its selections of this rank's experts)
 //   dispatch tails [R source][kHTMaxChannels] uint64, combine tails [R source][kHTMaxChannels] uint64
 //   outgoing slots [2 epoch parities][R destination] x kHTSlotBytes (what a proxy WRITE carries to that
 //     destination's slot)
 // Receive area at recv_off: dispatch: records from source s from row rows_before(s) (the receiver's prefix over
 //   sources); a record is [int32 source token, 0, 0, 0][x bytes][scales S x 4][pad to 8 bytes][top-k ids K x
-//   int64][top-k weights K x f32], padded to 16 bytes. Combine: contributions from rank d from row sum_{d' < d} sent[d'] (the
-//   receiver's own tokens per destination), each [BF16 row][K x f32] padded to 16 bytes.
+//   int64][top-k weights K x f32], padded to 16 bytes. Combine: contributions from rank d from row
+//   sum_{d' < d} sent[d'] (the receiver's own tokens per destination), each [BF16 row][K x f32] padded to 16 bytes.
 // Staging area at stage_off (proxy peers only): dispatch: records for d from row sum_{d' < d} sent[d']; combine:
 //   contributions in the receive order of dispatch (source blocks ascending).
 // Signal streams (proxy path), from stream_base: notify, dispatch channel c at 1 + c, combine channel c at

@@ -121,21 +121,8 @@ PORTEP_DEVICE void reduce_token(const HTCombineArgs& a, int t, uint32_t mask) {
       acc[i] = a.bias0 ? bf16_to_f32(a.bias0[base + j * 8 + i]) : 0.0f;
       if (a.bias1) acc[i] = acc[i] + bf16_to_f32(a.bias1[base + j * 8 + i]);
     }
-    for (int q = 0; q < n; ++q) {
-      const uint4 v = reinterpret_cast<const uint4*>(rows[q])[j];
-      const uint32_t w[4] = {v.x, v.y, v.z, v.w};
-#pragma unroll
-      for (int i = 0; i < 4; ++i) {
-        acc[2 * i] += bf16_to_f32(uint16_t(w[i] & 0xFFFFu));
-        acc[2 * i + 1] += bf16_to_f32(uint16_t(w[i] >> 16));
-      }
-    }
-    uint4 o;
-    o.x = uint32_t(f32_to_bf16(acc[0])) | uint32_t(f32_to_bf16(acc[1])) << 16;
-    o.y = uint32_t(f32_to_bf16(acc[2])) | uint32_t(f32_to_bf16(acc[3])) << 16;
-    o.z = uint32_t(f32_to_bf16(acc[4])) | uint32_t(f32_to_bf16(acc[5])) << 16;
-    o.w = uint32_t(f32_to_bf16(acc[6])) | uint32_t(f32_to_bf16(acc[7])) << 16;
-    reinterpret_cast<uint4*>(a.out + base)[j] = o;
+    for (int q = 0; q < n; ++q) accumulate_row(acc, reinterpret_cast<const uint4*>(rows[q])[j], 1.0f);
+    reinterpret_cast<uint4*>(a.out + base)[j] = pack_bf16x8(acc);
   }
   if (a.out_weights) {
     for (int k = lane; k < a.num_topk; k += kWarpSize) {

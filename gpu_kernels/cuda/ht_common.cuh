@@ -65,16 +65,20 @@ PORTEP_DEVICE int64_t sent_to_ranks_before(const int32_t* channel_prefix, int C,
 }
 
 // ---- waits ----
-// Waits until the tail word reaches (epoch, rows); false after the timeout (reported as a wait on src).
-PORTEP_DEVICE bool await_tail(const HTCommon& c, const uint64_t* word, uint64_t epoch, uint32_t rows, int src,
-                              int ch) {
+// Waits until a word a direct peer stores (a notify flag, a tail) reaches `want`; false after the timeout
+// (reported as a wait on src, with index).
+PORTEP_DEVICE bool await_word(const HTCommon& c, const uint64_t* word, uint64_t want, int src, uint32_t index) {
   uint64_t v = 0, waited = 0;
-  const uint64_t want = tail_value(epoch, rows);
   if (wait_until([&] { return ld_acquire_sys_u64(word); }, [&](uint64_t x) { return x >= want; }, c.timeout_ns, &v,
                  &waited))
     return true;
-  report_error(c.error, kErrWaitTimeout, uint32_t(c.rank), uint32_t(src), uint32_t(ch));
+  report_error(c.error, kErrWaitTimeout, uint32_t(c.rank), uint32_t(src), index);
   return false;
+}
+// The tail word reaches (epoch, rows).
+PORTEP_DEVICE bool await_tail(const HTCommon& c, const uint64_t* word, uint64_t epoch, uint32_t rows, int src,
+                              int ch) {
+  return await_word(c, word, tail_value(epoch, rows), src, uint32_t(ch));
 }
 
 // Publishes `rows` stores of this block to dst's tail word: the block's stores before the barrier are visible
@@ -135,9 +139,9 @@ PORTEP_DEVICE bool flush_rows(const HTCommon& c, int d, uint32_t stream, uint64_
   bool pushed = false;
   while (*flushed < ready && (ready - *flushed >= uint32_t(kHTChunkRows) || last)) {
     const uint32_t n = min(ready - *flushed, uint32_t(kHTChunkRows));
-    const CmdFields w{kOpWrite, 0, uint32_t(d), n * row_bytes, stream,
-                      c.recv_off + (remote_row0 + *flushed) * row_bytes, c.stage_off + (stage_row0 + *flushed) * row_bytes};
-    if (!push_cmd(f, w)) return false;
+    const uint64_t remote = c.recv_off + (remote_row0 + *flushed) * row_bytes;
+    const uint64_t local = c.stage_off + (stage_row0 + *flushed) * row_bytes;
+    if (!push_cmd(f, CmdFields{kOpWrite, 0, uint32_t(d), n * row_bytes, stream, remote, local})) return false;
     *flushed += n;
     pushed = true;
   }

@@ -75,7 +75,8 @@ PORTEP_DEVICE void init_send_state(const HTDispatchArgs& a, const Record& rec, S
   st.remote_row0[d] = uint64_t(c.dest_first[d]) + st.chan_start[d];
   st.stage_row0[d] = uint64_t(sent_to_ranks_before(a.channel_prefix, C, d)) + st.chan_start[d];
   const bool recv_fits = uint64_t(c.dest_rows[d]) * rec.bytes <= c.recv_bytes;
-  const bool stage_fits = c.peers[d] || uint64_t(sent_to_ranks_before(a.channel_prefix, C, R)) * rec.bytes <= c.stage_bytes;
+  const uint64_t staged = uint64_t(sent_to_ranks_before(a.channel_prefix, C, R)) * rec.bytes;
+  const bool stage_fits = c.peers[d] || staged <= c.stage_bytes;
   st.fits[d] = d == c.rank || (recv_fits && stage_fits);
   if (!st.fits[d]) report_error(c.error, kErrBufferTooSmall, uint32_t(c.rank), uint32_t(d), 0);
   if (d == 0) st.epoch = *c.epoch;

@@ -87,11 +87,7 @@ PORTEP_DEVICE bool await_slots(const HTCommon& c, uint64_t epoch, int* ok) {
   if (s < c.num_ranks) {
     bool arrived;
     if (c.peers[s]) {
-      const uint64_t* flag = slot_flag(notify_slot(c, c.local, s, epoch));
-      uint64_t v = 0, waited = 0;
-      arrived = wait_until([&] { return ld_acquire_sys_u64(flag); }, [&](uint64_t x) { return x >= epoch; },
-                           c.timeout_ns, &v, &waited);
-      if (!arrived) report_error(c.error, kErrWaitTimeout, uint32_t(c.rank), uint32_t(s), 0xFFFFFFFFu);
+      arrived = await_word(c, slot_flag(notify_slot(c, c.local, s, epoch)), epoch, s, 0xFFFFFFFFu);
     } else {
       arrived = await_units(c, s, notify_stream(c), 1) >= 1;
       if (arrived) consume_units(c, s, notify_stream(c), 1);

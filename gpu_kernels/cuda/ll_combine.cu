@@ -345,11 +345,7 @@ PORTEP_DEVICE void combine_reduce(const LLCombineArgs& a, bool waited) {
     for (int j = threadIdx.x; j < H / 8; j += blockDim.x) {
       float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
       reduce_channels(slots, j, H, acc);
-      uint32_t packed[4];
-#pragma unroll
-      for (int q = 0; q < 4; ++q)
-        packed[q] = uint32_t(f32_to_bf16(acc[2 * q])) | uint32_t(f32_to_bf16(acc[2 * q + 1])) << 16;
-      out[j] = make_uint4(packed[0], packed[1], packed[2], packed[3]);
+      out[j] = pack_bf16x8(acc);
     }
     __syncthreads();  // rows/weights/slots are rewritten for the next token
   }

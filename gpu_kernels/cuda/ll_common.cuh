@@ -42,6 +42,22 @@ PORTEP_DEVICE uint16_t f32_to_bf16(float f) {  // round to nearest even, NaN kep
   return uint16_t(bits >> 16);
 }
 
+// acc[q] += w * x[q] for the 8 BF16 values of v, rounded twice and never fused (the host's arithmetic).
+PORTEP_DEVICE void accumulate_row(float* acc, const uint4& v, float w) {
+  const uint32_t words[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+  for (int q = 0; q < 8; ++q)
+    acc[q] = __fadd_rn(acc[q], __fmul_rn(w, bf16_to_f32(uint16_t(words[q / 2] >> (16 * (q % 2))))));
+}
+
+// 8 floats as 8 BF16 values in one 16-byte word (round to nearest even).
+PORTEP_DEVICE uint4 pack_bf16x8(const float* acc) {
+  uint32_t w[4];
+#pragma unroll
+  for (int q = 0; q < 4; ++q) w[q] = uint32_t(f32_to_bf16(acc[2 * q])) | uint32_t(f32_to_bf16(acc[2 * q + 1])) << 16;
+  return make_uint4(w[0], w[1], w[2], w[3]);
+}
+
 PORTEP_DEVICE int lane_id() { return int(threadIdx.x) % kWarpSize; }
 
 // Token t's selections, for the whole block: experts[k] is the expert of selection (t, k) (-1 for none and for

@@ -29,14 +29,6 @@ PORTEP_DEVICE uint8_t* meta_block(const LLCommon& c, uint8_t* region, int src) {
   return region + c.meta_off + uint64_t(src) * c.meta_stride;
 }
 
-// acc[q] += w * x[q] for the 8 BF16 values of v, rounded twice and never fused (the host's arithmetic).
-PORTEP_DEVICE void accumulate_row(float* acc, const uint4& v, float w) {
-  const uint32_t words[4] = {v.x, v.y, v.z, v.w};
-#pragma unroll
-  for (int q = 0; q < 8; ++q)
-    acc[q] = __fadd_rn(acc[q], __fmul_rn(w, bf16_to_f32(uint16_t(words[q / 2] >> (16 * (q % 2))))));
-}
-
 // Block-wide: this rank's combine expert indices and weights into its meta block at every partial peer, then
 // the blocks' ready flags (one release each, after a system fence covering every thread's stores).
 PORTEP_DEVICE void write_combine_meta(const LLCombineArgs& a) {

@@ -90,7 +90,7 @@ class Buffer:
         if self.backend == "cuda":
             from .comm_stream import CommStream
 
-            self._comm = CommStream(self.runtime.comm_stream)
+            self._comm = CommStream(self.runtime)
 
     # ---- lifetime ----
     def destroy(self):
@@ -130,7 +130,7 @@ class Buffer:
         """fn()'s result and its EventOverlap; on the CUDA backend with DeepEP's stream rules (comm_stream.py)."""
         if self._device != "cuda":
             return fn(), self._event(async_finish)
-        return self._comm.run(self.runtime, fn, previous_event, async_finish, allocate_on_comm_stream, inputs)
+        return self._comm.run(fn, previous_event, async_finish, allocate_on_comm_stream, inputs)
 
     def _event(self, async_finish, extra_tensors=None):
         if not async_finish:

@@ -19,18 +19,20 @@ def _tensors(value):
 
 
 class CommStream:
-    def __init__(self, stream):
-        self.stream = stream
+    def __init__(self, engine):
+        self.engine = engine
+        self.stream = engine.comm_stream
 
-    def run(self, engine, fn, previous_event, async_finish, allocate_on_comm_stream, inputs=()):
-        """fn() with engine's kernels launched on the communication stream; returns (fn's result, EventOverlap)."""
+    def run(self, fn, previous_event, async_finish, allocate_on_comm_stream, inputs=()):
+        """fn() with the engine's kernels launched on the communication stream; returns (fn's result, EventOverlap)."""
+        engine = self.engine
         compute = torch.cuda.current_stream(self.stream.device)
         prev = getattr(previous_event, "event", None)
         if isinstance(prev, CudaEvent):
             self.stream.wait_event(prev.event)
         else:
             self.stream.wait_stream(compute)
-        engine.launch_stream = self.stream.cuda_stream
+        engine.launch_stream = self.stream
         try:
             if allocate_on_comm_stream:
                 with torch.cuda.stream(self.stream):

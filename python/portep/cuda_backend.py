@@ -137,7 +137,7 @@ class CudaEngine(Topology):
         self._error_host, self.error_device = self.native.cuda_host_alloc_mapped(16)
         self._error = (ctypes.c_uint32 * 4).from_address(self._error_host)
         self._ht = None
-        self.launch_stream = None  # set by the Buffer around normal-mode calls (comm_stream.py)
+        self.launch_stream = None  # comm_stream while the Buffer runs a normal-mode call (comm_stream.py)
         num_sms = torch.cuda.get_device_properties(self.device).multi_processor_count
         self.kernels = self.native.LLKernels(self.rank, self.num_ranks, ch.device_data_ptr(), self._peers.data_ptr(),
                                              ch.device_signals_ptr(), self._signal_seen.data_ptr(),
@@ -224,8 +224,9 @@ class CudaEngine(Topology):
     def raw_stream(self):
         """Where normal-mode kernels launch: the Buffer's communication stream during its calls, else the current
         stream."""
-        return self.launch_stream or _current_raw_stream(self.device.index)
-
+        if self.launch_stream is not None:
+            return self.launch_stream.cuda_stream
+        return _current_raw_stream(self.device.index)
 
     def _normal_mode(self):
         if self._ht is None:

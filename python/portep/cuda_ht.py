@@ -10,7 +10,6 @@ to its NVLink peers runs on the host backend only. Results match the host backen
 order, the same FP32 reduction order: bias, then ranks ascending).
 """
 
-import contextlib
 import ctypes
 
 import torch
@@ -66,13 +65,13 @@ class CudaHT:
 
     def _on_comm(self):
         """Where this op's own preparation runs (input copies, fills, the internode handle): the stream its kernels
-        run on, so they are ordered, and temporaries go back to that stream's pool (no record_stream)."""
-        stream = self.eng.comm_stream if self.eng.launch_stream else None
-        return torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext()
+        run on, so they are ordered, and temporaries go back to that stream's pool (no record_stream). Outside a
+        Buffer call (launch_stream None) this leaves the current stream as it is."""
+        return torch.cuda.stream(self.eng.launch_stream)
 
     def _for_caller(self, tensors):
         """Tensors made on the communication stream and handed to the caller, kept for the current stream too."""
-        if self.eng.launch_stream and not torch.cuda.is_current_stream_capturing():
+        if self.eng.launch_stream is not None and not torch.cuda.is_current_stream_capturing():
             compute = torch.cuda.current_stream(self.eng.device)
             for t in tensors:
                 t.record_stream(compute)

@@ -10,7 +10,6 @@
 #include <thread>
 #include <vector>
 
-#include "../../gpu_kernels/cuda/api.h"
 #include "bind_util.h"
 #include "../../gpu_kernels/cuda/ht_api.h"
 
@@ -115,8 +114,8 @@ void bind_cuda_ht(py::module_& m) {
   m.attr("HT_CHUNK_ROWS") = kHTChunkRows;
   py::class_<HTKernels>(m, "HTKernels")
       .def(py::init<int, int, uintptr_t, uintptr_t, uint64_t, uint64_t, uint64_t, uint64_t, uint64_t, uintptr_t,
-                    uintptr_t, uintptr_t, uintptr_t, uintptr_t, uintptr_t, double, const PyFifoSet&, uintptr_t, uintptr_t,
-                    uint32_t, uint32_t>(),
+                    uintptr_t, uintptr_t, uintptr_t, uintptr_t, uintptr_t, double, const PyFifoSet&, uintptr_t,
+                    uintptr_t, uint32_t, uint32_t>(),
            py::arg("rank"), py::arg("num_ranks"), py::arg("local"), py::arg("peers"), py::arg("ctrl_off"),
            py::arg("recv_off"), py::arg("recv_bytes"), py::arg("stage_off"), py::arg("stage_bytes"), py::arg("epoch"),
            py::arg("dest"), py::arg("host_counts"), py::arg("host_counts_device"), py::arg("error"),
@@ -148,9 +147,9 @@ void bind_cuda_ht(py::module_& m) {
       .def("dispatch",
            [](const HTKernels& k, int num_channels, uintptr_t stream, uintptr_t x, uintptr_t scales, uintptr_t topk_idx,
               uintptr_t topk_weights, uintptr_t is_token_in_rank, uintptr_t recv_prefix, int recv_prefix_stride,
-              uintptr_t channel_prefix, uintptr_t recv_channel_prefix, int num_tokens, int row_bytes, int num_scales, int num_topk,
-              int num_local_experts, int64_t max_recv, uintptr_t recv_x, uintptr_t recv_scales, uintptr_t recv_topk_idx,
-              uintptr_t recv_topk_weights, uintptr_t recv_src_idx, uintptr_t send_head) {
+              uintptr_t channel_prefix, uintptr_t recv_channel_prefix, int num_tokens, int row_bytes, int num_scales,
+              int num_topk, int num_local_experts, int64_t max_recv, uintptr_t recv_x, uintptr_t recv_scales,
+              uintptr_t recv_topk_idx, uintptr_t recv_topk_weights, uintptr_t recv_src_idx, uintptr_t send_head) {
              HTDispatchArgs a{};
              a.c = k.common(num_channels, stream);
              a.x = ptr<const uint8_t>(x);
@@ -179,8 +178,8 @@ void bind_cuda_ht(py::module_& m) {
       .def("combine",
            [](const HTKernels& k, int num_channels, uintptr_t stream, uintptr_t x, uintptr_t topk_weights,
               uintptr_t bias0, uintptr_t bias1, uintptr_t is_token_in_rank, uintptr_t recv_prefix,
-              int recv_prefix_stride, uintptr_t channel_prefix, uintptr_t recv_channel_prefix, uintptr_t send_head, int num_tokens, int hidden,
-              int num_topk, uintptr_t out, uintptr_t out_weights) {
+              int recv_prefix_stride, uintptr_t channel_prefix, uintptr_t recv_channel_prefix, uintptr_t send_head,
+              int num_tokens, int hidden, int num_topk, uintptr_t out, uintptr_t out_weights) {
              HTCombineArgs a{};
              a.c = k.common(num_channels, stream);
              a.x = ptr<const uint16_t>(x);
