@@ -8,13 +8,14 @@ import torch.distributed as dist
 import deepep_reference as ref
 import deepep_workers as w
 import portep
+from gpu_ht_adapter import settle
 
 BF16 = torch.bfloat16
 
 
-def _buffers(rank, world, rpn, transport, with_host=True):
+def _buffers(rank, world, rpn, transport, with_host=True, gpu_bytes=None):
     torch.cuda.set_device(rank % torch.cuda.device_count())
-    gpu = portep.Buffer(dist.group.WORLD, w.HT_NVL_BYTES, 0, num_ranks_per_node=rpn, transport=transport,
+    gpu = portep.Buffer(dist.group.WORLD, gpu_bytes or w.HT_NVL_BYTES, 0, num_ranks_per_node=rpn, transport=transport,
                         timeout_s=60, explicitly_destroy=True, backend="cuda")
     host = portep.Buffer(dist.group.WORLD, w.HT_NVL_BYTES, 0, num_ranks_per_node=rpn, transport=transport,
                          timeout_s=60, explicitly_destroy=True, backend="host") if with_host else None
@@ -22,7 +23,7 @@ def _buffers(rank, world, rpn, transport, with_host=True):
 
 
 def _cpu(v):
-    torch.cuda.current_stream().synchronize()
+    settle()
     if isinstance(v, (tuple, list)):
         return type(v)(_cpu(t) for t in v)
     return v.cpu() if torch.is_tensor(v) else v
@@ -53,17 +54,36 @@ def _same(ck, name, got, exp):
                 if g.numel() else True, f"{name}: not bitwise equal to the host backend's")
 
 
+def _check_ring_refusal(ck, gpu, num_experts):
+    """Rows too large for 64 per ring are refused on every rank before any kernel, naming the bytes needed; the
+    Buffer stays usable."""
+    ck.step = "a dispatch whose rings do not fit is refused"
+    x = torch.randn(64, 7168, device="cuda").to(BF16)
+    idx = torch.randint(0, num_experts, (64, 8), device="cuda")
+    lay = gpu.get_dispatch_layout(idx, num_experts)
+    try:
+        gpu.dispatch(x, topk_idx=idx, topk_weights=torch.rand(64, 8, device="cuda"), num_tokens_per_rank=lay[0],
+                     is_token_in_rank=lay[3], num_tokens_per_expert=lay[2], config=portep.Config(24, 6, 256, 6, 256))
+        ck.true(False, "a dispatch of 7168-wide rows with 12 channels on a small buffer was not refused")
+    except ValueError as exc:
+        ck.true("bytes" in str(exc) and "num_nvl_bytes" in str(exc), f"the refusal does not name the bytes: {exc}")
+
+
 # Internode handle entries the host backend does not fill as DeepEP does (it returns zeros for
 # recv_rdma_channel_prefix_matrix, which nothing reads; the CUDA backend returns each source's channel starts).
 UNCOMPARED_INTERNODE_HANDLE = (3,)
 
 
-def cross_backend_body(rank, world, rpn, transport, seed, n_tokens, hidden, num_topk, num_experts, num_sms):
+def cross_backend_body(rank, world, rpn, transport, seed, n_tokens, hidden, num_topk, num_experts, num_sms,
+                       gpu_bytes=None):
+    """gpu_bytes: a small GPU Buffer, whose rings wrap many times (the host backend's Buffer holds every row)."""
     ck = w.Checker(rank)
-    gpu, host = _buffers(rank, world, rpn, transport)
+    gpu, host = _buffers(rank, world, rpn, transport, gpu_bytes=gpu_bytes)
     inp = w.make_ht_inputs(rank, seed, n_tokens[rank], hidden, num_topk, num_experts)
     idx, wts = inp["idx"], inp["w"]
     cfg = portep.Config(num_sms, 6, 256, 6, 256)
+    if gpu_bytes:
+        _check_ring_refusal(ck, gpu, num_experts)
     ck.step = "layout"
     lay_h = host.get_dispatch_layout(idx, num_experts)
     lay_g = gpu.get_dispatch_layout(idx.cuda(), num_experts)
@@ -140,7 +160,7 @@ def graph_body(rank, world, rpn, transport, seed, n, hidden, num_topk, num_exper
         return d, c
 
     step()  # warm-up outside the graph
-    torch.cuda.synchronize()
+    settle()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         d, c = step()

@@ -1,7 +1,8 @@
 """The CUDA backend's normal (HT) mode on two GPUs: the host backend's whole HT suite (deepep_workers.ht_body) on
 GPU tensors, through direct NVLink stores (one node) and through the forced proxy path (one GPU per node: FIFOs,
 proxy threads, copy engines; not verified yet, see proxy_needs_two_gpus) over both shm transport modes; every
-output and handle entry against the host backend's bit for bit; num_worst_tokens dispatch + combine captured in a
+output and handle entry against the host backend's bit for bit, with large buffers and with small ones whose
+rings wrap; num_worst_tokens dispatch + combine captured in a
 CUDA graph and replayed; the refusal of multi-GPU nodes across nodes. Skipped without two GPUs and the CUDA kernels
 (PORTEP_TEST_SHARE_GPU=1 lets the ranks share one GPU: correctness only)."""
 
@@ -56,6 +57,18 @@ def test_ht_suite_on_gpus(path, case):
 def test_ht_cuda_matches_host_backend_bitwise(path, num_sms):
     _, rpn, transport = path
     out = run_ranks(g.cross_backend_body, 2, args=(rpn, transport, 11 + num_sms, [333, 150], 1024, 8, 32, num_sms),
+                    timeout=400)
+    assert_clean(out, 30)
+
+
+@pytest.mark.gpu
+@two_gpus
+@pytest.mark.parametrize("path", PATHS)
+def test_ht_small_buffer_rings_wrap_bitwise(path):
+    # 600064 bytes, 2 channels: rings of 64-128 rows; ~700 rows per channel wrap them many times (direct: a sender
+    # waits for the reader's head; proxy: for its credits). Also the refusal of rows too large for any ring.
+    _, rpn, transport = path
+    out = run_ranks(g.cross_backend_body, 2, args=(rpn, transport, 9, [1500, 900], 1024, 8, 32, 4, 600064),
                     timeout=400)
     assert_clean(out, 30)
 

@@ -107,15 +107,17 @@ def run(ranks=2, tokens=4096, hidden=7168, topk=8, experts=256, iterations=20, s
 
     if torch.cuda.device_count() < ranks and os.environ.get("PORTEP_TEST_SHARE_GPU") != "1":
         raise RuntimeError(f"the GPU HT benchmark needs {ranks} GPUs, this machine has {torch.cuda.device_count()}")
-    row_bytes = 16 + 2 * hidden + 4 * (hidden // 128) + 12 * topk
-    nvl_bytes = (ranks * tokens * row_bytes + (1 << 20)) // (1 << 20) * (1 << 20)
+    import portep
+
+    # sized as DeepEP's README asks (its Config's hint, 24 SMs); portep's rings take whatever it holds
+    nvl_bytes = max(portep.Config(24, s, 256, 6, 128).get_nvl_buffer_size_hint(hidden * 2, ranks) for s in (24, 10))
     out = run_ranks(_rank_body, ranks, args=(tokens, hidden, topk, experts, iterations, tuple(sms_list), nvl_bytes),
                     timeout=600)
     r0 = out[0]
     nccl = r0["NCCL"]
     printer(f"HT, EP{ranks}, {tokens} tokens per rank, hidden {hidden}, top-{topk}, {experts} experts; rank 0, medians "
             f"of {iterations} calls with CUDA events around each; GB/s counted as DeepEP does (rows received x row "
-            f"bytes, own rows included)")
+            f"bytes, own rows included); num_nvl_bytes {nvl_bytes} (DeepEP's size hint for 24 SMs)")
     rows = []
     for sms in sms_list:
         r = r0[sms]

@@ -18,53 +18,60 @@ PORTEP_DEVICE void write_contribution(const HTCombineArgs& a, uint8_t* dst, int6
   }
 }
 
-// The rows of source s's tokens in channel ch back to s, batch by batch, each batch announced.
-PORTEP_DEVICE void send_to(const HTCombineArgs& a, int ch, int s, uint64_t epoch) {
+// The rows of source s's tokens in channel ch back to s through ring (s, ch), batch by batch, each batch
+// announced; false after a timeout (reported).
+PORTEP_DEVICE bool send_to(const HTCombineArgs& a, int ch, int s, uint64_t epoch, int* failed) {
   const HTCommon& c = a.c;
-  const int R = c.num_ranks, C = c.num_channels, warp = threadIdx.x / kWarpSize, stride = a.recv_prefix_stride;
-  const uint32_t bytes = contribution_bytes(a);
+  const int C = c.num_channels, warp = threadIdx.x / kWarpSize, stride = a.recv_prefix_stride;
+  const uint32_t bytes = contribution_bytes(a), Q = a.ring_rows;
   const int64_t begin = a.recv_channel_prefix[s * C + ch];
   const int64_t end = ch + 1 < C ? a.recv_channel_prefix[s * C + ch + 1] : rows_from(a.recv_prefix, stride, s);
   const uint32_t n = uint32_t(end - begin);
-  const int64_t local_row0 = rows_before(a.recv_prefix, stride, s) + begin;  // in x, and in the staging area
-  const uint64_t remote_row0 = uint64_t(c.dest_first[s] + begin);
-  const bool fits = uint64_t(c.dest_rows[s]) * bytes <= c.recv_bytes &&
-                    (c.peers[s] || uint64_t(a.recv_prefix[(R - 1) * stride]) * bytes <= c.stage_bytes);
-  if (!fits) {
-    if (threadIdx.x == 0) report_error(c.error, kErrBufferTooSmall, uint32_t(c.rank), uint32_t(s), 0);
-    return;
-  }
+  const int64_t local_row0 = rows_before(a.recv_prefix, stride, s) + begin;  // in x
+  const uint64_t remote_ring = ring_offset(c, s, c.rank, ch, Q, bytes), stage_ring = ring_offset(c, c.rank, s, ch, Q, bytes);
   uint32_t flushed = 0;  // thread 0's
   for (uint32_t b = 0; b < n; b += kHTWarps) {
-    const uint32_t r = b + warp;
+    const uint32_t r = b + warp, done = min(b + kHTWarps, n);
+    if (threadIdx.x == 0 && !await_room(c, true, s, ch, epoch, done, Q)) *failed = 1;
+    __syncthreads();
+    if (*failed) return false;
     if (r < n) {
-      uint8_t* dst = c.peers[s] ? c.peers[s] + c.recv_off + (remote_row0 + r) * bytes
-                                : c.local + c.stage_off + uint64_t(local_row0 + r) * bytes;
+      const uint64_t slot = ring_slot(r, Q, bytes);
+      uint8_t* dst = c.peers[s] ? c.peers[s] + c.recv_off + remote_ring + slot : c.local + c.stage_off + stage_ring + slot;
       write_contribution(a, dst, local_row0 + r);
     }
     __syncthreads();
     if (threadIdx.x == 0) {
-      const uint32_t done = min(b + kHTWarps, n);
       if (c.peers[s]) {
         publish_tail(tail_word(c, c.peers[s], true, c.rank, ch), epoch, done);
       } else {
         fence_sys();  // the staged rows before the WRITEs that copy them
-        flush_rows(c, s, data_stream(c, true, ch), uint64_t(local_row0), remote_row0, bytes, &flushed, done,
-                   done == n);
+        flush_rows(c, s, data_stream(c, true, ch), stage_ring, remote_ring, bytes, Q, &flushed, done, done == n);
       }
     }
   }
+  return true;
 }
 
 PORTEP_DEVICE void send_channel(const HTCombineArgs& a, int ch) {
-  const uint64_t epoch = *a.c.epoch;
-  for (int s = 0; s < a.c.num_ranks; ++s)
-    if (s != a.c.rank) send_to(a, ch, s, epoch);
+  __shared__ int failed;
+  const HTCommon& c = a.c;
+  const uint64_t epoch = *c.epoch;
+  if (threadIdx.x == 0) failed = 0;
+  for (int s = 0; s < c.num_ranks; ++s)
+    if (s != c.rank && !send_to(a, ch, s, epoch, &failed)) return;
+  const int d = threadIdx.x, C = c.num_channels;
+  if (d < c.num_ranks) {
+    const int64_t end = ch + 1 < C ? a.recv_channel_prefix[d * C + ch + 1] : rows_from(a.recv_prefix, a.recv_prefix_stride, d);
+    collect_credits(c, true, d, ch, uint32_t(end - a.recv_channel_prefix[d * C + ch]));
+  }
 }
 
 struct ReduceState {
-  uint32_t need[kHTMaxRanks];  // rows of this channel from each rank the batch needs in place
-  uint32_t have[kHTMaxRanks];  // rows known to be in place
+  uint32_t need[kHTMaxRanks];      // rows of this channel from each rank the batch needs in place
+  uint32_t have[kHTMaxRanks];      // rows known to be in place
+  uint32_t consumed[kHTMaxRanks];  // rows reduced (their ring slots handed back)
+  uint32_t credited[kHTMaxRanks];  // proxy ranks: chunks credited back
   int failed;
 };
 
@@ -92,7 +99,7 @@ PORTEP_DEVICE bool await_batch(const HTCombineArgs& a, ReduceState& st, int ch, 
 }
 
 // Warp-wide: token t's sum of bias and every rank's row, ranks ascending.
-PORTEP_DEVICE void reduce_token(const HTCombineArgs& a, int t, uint32_t mask) {
+PORTEP_DEVICE void reduce_token(const HTCombineArgs& a, int t, int ch, uint32_t mask) {
   const HTCommon& c = a.c;
   const int R = c.num_ranks, C = c.num_channels, me = c.rank, lane = lane_id();
   const uint32_t bytes = contribution_bytes(a);
@@ -107,8 +114,8 @@ PORTEP_DEVICE void reduce_token(const HTCombineArgs& a, int t, uint32_t mask) {
       rows[n] = reinterpret_cast<const uint8_t*>(a.x + row * a.hidden);
       weights[n] = a.topk_weights ? a.topk_weights + row * a.num_topk : nullptr;
     } else {
-      const int64_t row = sent_to_ranks_before(a.channel_prefix, C, d) + head[d];
-      rows[n] = c.local + c.recv_off + uint64_t(row) * bytes;
+      const uint32_t i = uint32_t(head[d] - sent_before_channel(a.channel_prefix, C, d, ch));
+      rows[n] = c.local + c.recv_off + ring_offset(c, me, d, ch, a.ring_rows, bytes) + ring_slot(i, a.ring_rows, bytes);
       weights[n] = reinterpret_cast<const float*>(rows[n] + 2 * a.hidden);
     }
     ++n;
@@ -138,7 +145,7 @@ PORTEP_DEVICE void reduce_channel(const HTCombineArgs& a, int ch) {
   const HTCommon& c = a.c;
   const int R = c.num_ranks, C = c.num_channels, warp = threadIdx.x / kWarpSize, lane = lane_id();
   const uint64_t epoch = *c.epoch;
-  if (int(threadIdx.x) < R) st.have[threadIdx.x] = 0;
+  if (int(threadIdx.x) < R) st.have[threadIdx.x] = st.consumed[threadIdx.x] = st.credited[threadIdx.x] = 0;
   if (threadIdx.x == 0) st.failed = 0;
   const int t0 = channel_begin(a.num_tokens, C, ch), t1 = channel_begin(a.num_tokens, C, ch + 1);
   for (int b = t0; b < t1; b += kHTWarps) {
@@ -153,7 +160,13 @@ PORTEP_DEVICE void reduce_channel(const HTCombineArgs& a, int ch) {
     const uint32_t mask = __ballot_sync(0xffffffffu, in);
     __syncthreads();
     if (!await_batch(a, st, ch, epoch)) return;
-    if (t < t1) reduce_token(a, t, mask);
+    if (t < t1) reduce_token(a, t, ch, mask);
+    __syncthreads();  // every reduce's loads returned before the slots go back
+    const int d = threadIdx.x;
+    if (d < R && d != c.rank && st.need[d] > st.consumed[d]) {
+      st.consumed[d] = st.need[d];
+      return_rows(c, true, d, ch, epoch, st.consumed[d], &st.credited[d]);
+    }
   }
   const int d = threadIdx.x;
   if (d < R && d != c.rank && !c.peers[d])

@@ -11,7 +11,6 @@ namespace portep::cuda {
 constexpr int kHTWarps = 32;  // warps per data block: one token (or row) per warp per batch
 constexpr int kHTThreads = kHTWarps * kWarpSize;
 static_assert(kHTChunkRows == kHTWarps, "a batch adds at most one full proxy chunk per destination");
-constexpr uint32_t kErrBufferTooSmall = 6;  // LLError code: rows past the receive or staging area (src = rank)
 constexpr uint32_t kProxyPollNs = 200;
 
 // DeepEP's split of tokens into channels: contiguous ranges of ceil(N / C) tokens.
@@ -32,9 +31,7 @@ PORTEP_DEVICE uint8_t* outgoing_slot(const HTCommon& c, int dst, uint64_t epoch)
   return c.local + c.ctrl_off + 2 * kHTTailBytes + ((2 + (epoch & 1)) * kHTMaxRanks + dst) * kHTSlotBytes;
 }
 PORTEP_DEVICE uint64_t* slot_flag(uint8_t* slot) { return reinterpret_cast<uint64_t*>(slot); }
-PORTEP_DEVICE int64_t* slot_offset(uint8_t* slot) { return reinterpret_cast<int64_t*>(slot + 8); }
-PORTEP_DEVICE int64_t* slot_area_rows(uint8_t* slot) { return reinterpret_cast<int64_t*>(slot + 16); }
-PORTEP_DEVICE int32_t* slot_counts(uint8_t* slot) { return reinterpret_cast<int32_t*>(slot + 24); }
+PORTEP_DEVICE int32_t* slot_counts(uint8_t* slot) { return reinterpret_cast<int32_t*>(slot + 8); }
 PORTEP_DEVICE int32_t* slot_channels(uint8_t* slot) { return slot_counts(slot) + kHTMaxRanks; }
 PORTEP_DEVICE int32_t* slot_experts(uint8_t* slot) { return slot_channels(slot) + kHTMaxChannels; }
 
@@ -43,7 +40,28 @@ PORTEP_DEVICE uint64_t* tail_word(const HTCommon& c, uint8_t* region, bool combi
   uint8_t* tails = region + c.ctrl_off + 2 * kHTMaxRanks * kHTSlotBytes + (combine ? kHTTailBytes : 0);
   return reinterpret_cast<uint64_t*>(tails) + src * kHTMaxChannels + ch;
 }
+// combine = false: dispatch heads; true: combine heads. In this rank's control area, (reader, channel).
+PORTEP_DEVICE uint64_t* head_word(const HTCommon& c, uint8_t* region, bool combine, int reader, int ch) {
+  uint8_t* heads = region + c.ctrl_off + 4 * kHTMaxRanks * kHTSlotBytes + (combine ? 3 : 2) * kHTTailBytes;
+  return reinterpret_cast<uint64_t*>(heads) + reader * kHTMaxChannels + ch;
+}
 PORTEP_DEVICE uint64_t tail_value(uint64_t epoch, uint32_t rows) { return epoch << 32 | rows; }
+// Rows a tail or head word says for this epoch (0 while it still holds an earlier op's).
+PORTEP_DEVICE uint32_t rows_of(uint64_t word, uint64_t epoch) {
+  return word >= tail_value(epoch, 0) ? uint32_t(word) : 0;
+}
+
+// ---- rings ----
+// The ring `holder` keeps for `other` in channel ch, as a byte offset into its receive (or staging) area: rings
+// [peer: other without the holder][channel] x ring_rows rows of row_bytes.
+PORTEP_DEVICE uint64_t ring_offset(const HTCommon& c, int holder, int other, int ch, uint32_t ring_rows,
+                                   uint32_t row_bytes) {
+  const int peer = other < holder ? other : other - 1;
+  return (uint64_t(peer) * c.num_channels + ch) * ring_rows * row_bytes;
+}
+PORTEP_DEVICE uint64_t ring_slot(uint32_t i, uint32_t ring_rows, uint32_t row_bytes) {
+  return uint64_t(i % ring_rows) * row_bytes;
+}
 
 // ---- prefix sums of a handle ----
 // recv_prefix[s * stride]: rows from sources 0..s to this rank (inclusive).
@@ -99,6 +117,9 @@ PORTEP_DEVICE uint32_t notify_stream(const HTCommon& c) { return c.stream_base; 
 PORTEP_DEVICE uint32_t data_stream(const HTCommon& c, bool combine, int ch) {
   return c.stream_base + 1 + (combine ? kHTMaxChannels : 0) + uint32_t(ch);
 }
+PORTEP_DEVICE uint32_t credit_stream(const HTCommon& c, bool combine, int ch) {
+  return c.stream_base + 1 + (combine ? 3 : 2) * kHTMaxChannels + uint32_t(ch);
+}
 
 // The FIFO side of LLCommon, so the HT kernels push commands as the LL kernels do.
 PORTEP_DEVICE LLCommon fifo_side(const HTCommon& c) {
@@ -131,21 +152,60 @@ PORTEP_DEVICE void consume_units(const HTCommon& c, int src, uint32_t stream, ui
 PORTEP_DEVICE uint32_t chunks(int64_t rows) { return uint32_t((rows + kHTChunkRows - 1) / kHTChunkRows); }
 
 // Rows [*flushed, ready) staged for proxy peer d go out as WRITEs of kHTChunkRows rows (with last: the short rest
-// too), then one SIGNAL if any WRITE went. The caller fenced at system scope after the rows were staged. One
-// thread. false: a push failed (reported).
-PORTEP_DEVICE bool flush_rows(const HTCommon& c, int d, uint32_t stream, uint64_t stage_row0, uint64_t remote_row0,
-                              uint32_t row_bytes, uint32_t* flushed, uint32_t ready, bool last) {
+// too), then one SIGNAL if any WRITE went. stage_ring / remote_ring: the ring's offsets in this rank's staging
+// area and in d's receive area. The caller fenced at system scope after the rows were staged. One thread.
+// false: a push failed (reported).
+PORTEP_DEVICE bool flush_rows(const HTCommon& c, int d, uint32_t stream, uint64_t stage_ring, uint64_t remote_ring,
+                              uint32_t row_bytes, uint32_t ring_rows, uint32_t* flushed, uint32_t ready, bool last) {
   const LLCommon f = fifo_side(c);
   bool pushed = false;
   while (*flushed < ready && (ready - *flushed >= uint32_t(kHTChunkRows) || last)) {
     const uint32_t n = min(ready - *flushed, uint32_t(kHTChunkRows));
-    const uint64_t remote = c.recv_off + (remote_row0 + *flushed) * row_bytes;
-    const uint64_t local = c.stage_off + (stage_row0 + *flushed) * row_bytes;
+    const uint64_t slot = ring_slot(*flushed, ring_rows, row_bytes);  // n rows from here never wrap
+    const uint64_t remote = c.recv_off + remote_ring + slot, local = c.stage_off + stage_ring + slot;
     if (!push_cmd(f, CmdFields{kOpWrite, 0, uint32_t(d), n * row_bytes, stream, remote, local})) return false;
     *flushed += n;
     pushed = true;
   }
   return !pushed || push_cmd(f, CmdFields{kOpSignal, 0, uint32_t(d), 0, stream, 0, 0});
+}
+
+// ---- ring flow control ----
+// Waits until reader d consumed enough of this rank's ring (d, ch) for rows up to `end` (exclusive) to fit;
+// false after the timeout (reported). One thread.
+PORTEP_DEVICE bool await_room(const HTCommon& c, bool combine, int d, int ch, uint64_t epoch, uint32_t end,
+                              uint32_t ring_rows) {
+  if (end <= ring_rows) return true;
+  const uint32_t need = end - ring_rows;
+  if (c.peers[d]) return await_word(c, head_word(c, c.local, combine, d, ch), tail_value(epoch, need), d, ch);
+  return await_units(c, d, credit_stream(c, combine, ch), chunks(need)) >= 0;
+}
+
+// The reader tells source s it consumed `consumed` rows of ring (s, ch): a head word stored into s's control area
+// (direct), or the credits for the whole chunks consumed since *credited (proxy). One thread, after the block's
+// loads of those rows completed (a barrier after the loads' values were used).
+PORTEP_DEVICE void return_rows(const HTCommon& c, bool combine, int s, int ch, uint64_t epoch, uint32_t consumed,
+                               uint32_t* credited) {
+  if (c.peers[s]) {
+    st_relaxed_sys_u64(head_word(c, c.peers[s], combine, c.rank, ch), tail_value(epoch, consumed));
+    return;
+  }
+  const uint32_t due = consumed / kHTChunkRows;
+  if (due == *credited) return;
+  const LLCommon f = fifo_side(c);
+  const uint32_t stream = credit_stream(c, combine, ch);
+  const uint64_t scratch = c.ctrl_off + kHTScratchOff;
+  for (; *credited < due; ++*credited)
+    if (!push_cmd(f, CmdFields{kOpWrite, 0, uint32_t(s), 16, stream, scratch, scratch})) return;
+  push_cmd(f, CmdFields{kOpSignal, 0, uint32_t(s), 0, stream, 0, 0});
+}
+
+// At the end of a sender's op: proxy reader d credits every whole chunk of the `rows` it was sent; they are
+// consumed here, so the next op starts from zero. One thread.
+PORTEP_DEVICE void collect_credits(const HTCommon& c, bool combine, int d, int ch, uint32_t rows) {
+  const uint32_t n = rows / kHTChunkRows;
+  if (c.peers[d] || d == c.rank || n == 0) return;
+  if (await_units(c, d, credit_stream(c, combine, ch), n) >= 0) consume_units(c, d, credit_stream(c, combine, ch), n);
 }
 
 }  // namespace portep::cuda

@@ -56,14 +56,16 @@ PORTEP_DEVICE void write_record(const HTDispatchArgs& a, const Record& rec, uint
 }
 
 struct SendState {
-  uint32_t masks[kHTWarps];         // batch: each warp's token's destination ranks
-  uint32_t sent[kHTMaxRanks];       // rows of this channel stored per destination so far
-  uint32_t flushed[kHTMaxRanks];    // proxy destinations: rows of this channel handed to WRITEs
+  uint32_t masks[kHTWarps];          // batch: each warp's token's destination ranks
+  uint32_t batch[kHTMaxRanks];       // batch: rows per destination
+  uint32_t sent[kHTMaxRanks];        // rows of this channel stored per destination so far
+  uint32_t flushed[kHTMaxRanks];     // proxy destinations: rows of this channel handed to WRITEs
   uint32_t chan_start[kHTMaxRanks];  // position of this channel's first row in this rank's block at d
-  uint64_t remote_row0[kHTMaxRanks];  // its row in d's receive area
-  uint64_t stage_row0[kHTMaxRanks];   // its row in this rank's staging area (proxy destinations)
-  bool fits[kHTMaxRanks];
+  uint64_t remote_ring[kHTMaxRanks];  // this rank's ring at d (receive area offset)
+  uint64_t stage_ring[kHTMaxRanks];   // its staging ring for d (proxy destinations)
+  int64_t self_row0;                 // output row of this channel's first row to this rank
   uint64_t epoch;
+  int failed;
 };
 
 PORTEP_DEVICE void init_send_state(const HTDispatchArgs& a, const Record& rec, SendState& st, int ch) {
@@ -72,14 +74,13 @@ PORTEP_DEVICE void init_send_state(const HTDispatchArgs& a, const Record& rec, S
   if (d >= R) return;
   st.sent[d] = st.flushed[d] = 0;
   st.chan_start[d] = uint32_t(sent_before_channel(a.channel_prefix, C, d, ch));
-  st.remote_row0[d] = uint64_t(c.dest_first[d]) + st.chan_start[d];
-  st.stage_row0[d] = uint64_t(sent_to_ranks_before(a.channel_prefix, C, d)) + st.chan_start[d];
-  const bool recv_fits = uint64_t(c.dest_rows[d]) * rec.bytes <= c.recv_bytes;
-  const uint64_t staged = uint64_t(sent_to_ranks_before(a.channel_prefix, C, R)) * rec.bytes;
-  const bool stage_fits = c.peers[d] || staged <= c.stage_bytes;
-  st.fits[d] = d == c.rank || (recv_fits && stage_fits);
-  if (!st.fits[d]) report_error(c.error, kErrBufferTooSmall, uint32_t(c.rank), uint32_t(d), 0);
-  if (d == 0) st.epoch = *c.epoch;
+  st.remote_ring[d] = ring_offset(c, d, c.rank, ch, a.ring_rows, rec.bytes);
+  st.stage_ring[d] = ring_offset(c, c.rank, d, ch, a.ring_rows, rec.bytes);
+  if (d == 0) {
+    st.self_row0 = rows_before(a.recv_prefix, a.recv_prefix_stride, c.rank) + st.chan_start[c.rank];
+    st.epoch = *c.epoch;
+    st.failed = 0;
+  }
 }
 
 PORTEP_DEVICE void send_token(const HTDispatchArgs& a, const Record& rec, SendState& st, int t, int warp) {
@@ -95,18 +96,19 @@ PORTEP_DEVICE void send_token(const HTDispatchArgs& a, const Record& rec, SendSt
     a.send_head[int64_t(t) * R + lane] = pos;
   }
   for (int d = 0; d < R; ++d) {
-    if (!(mask >> d & 1) || !st.fits[d]) continue;
-    uint64_t i = st.sent[d];  // the row's index among this channel's rows to d
+    if (!(mask >> d & 1)) continue;
+    uint32_t i = st.sent[d];  // the row's index among this channel's rows to d
     for (int j = 0; j < warp; ++j) i += st.masks[j] >> d & 1;
+    const uint64_t slot = ring_slot(i, a.ring_rows, rec.bytes);
     if (d == c.rank) {
       const int64_t* idx = a.topk_idx ? a.topk_idx + int64_t(t) * a.num_topk : nullptr;
       const float* w = a.topk_weights ? a.topk_weights + int64_t(t) * a.num_topk : nullptr;
-      write_output_row(a, int64_t(st.remote_row0[d] + i), t, a.x + int64_t(t) * a.row_bytes,
-                       a.scales + int64_t(t) * a.num_scales, idx, w);
+      write_output_row(a, st.self_row0 + i, t, a.x + int64_t(t) * a.row_bytes, a.scales + int64_t(t) * a.num_scales,
+                       idx, w);
     } else if (c.peers[d]) {
-      write_record(a, rec, c.peers[d] + c.recv_off + (st.remote_row0[d] + i) * rec.bytes, t);
+      write_record(a, rec, c.peers[d] + c.recv_off + st.remote_ring[d] + slot, t);
     } else {
-      write_record(a, rec, c.local + c.stage_off + (st.stage_row0[d] + i) * rec.bytes, t);
+      write_record(a, rec, c.local + c.stage_off + st.stage_ring[d] + slot, t);
     }
   }
 }
@@ -116,13 +118,13 @@ PORTEP_DEVICE void announce(const HTDispatchArgs& a, const Record& rec, SendStat
                             bool last) {
   const HTCommon& c = a.c;
   const int d = threadIdx.x;
-  if (d >= c.num_ranks || d == c.rank || !st.fits[d]) return;
+  if (d >= c.num_ranks || d == c.rank) return;
   if (c.peers[d]) {
     if (added) publish_tail(tail_word(c, c.peers[d], false, c.rank, ch), st.epoch, st.sent[d]);
     return;
   }
   if (added) fence_sys();  // the staged rows before the WRITEs that copy them
-  flush_rows(c, d, data_stream(c, false, ch), st.stage_row0[d], st.remote_row0[d], uint32_t(rec.bytes),
+  flush_rows(c, d, data_stream(c, false, ch), st.stage_ring[d], st.remote_ring[d], uint32_t(rec.bytes), a.ring_rows,
              &st.flushed[d], st.sent[d], last);
 }
 
@@ -130,6 +132,7 @@ PORTEP_DEVICE void send_channel(const HTDispatchArgs& a, int ch) {
   __shared__ SendState st;
   const HTCommon& c = a.c;
   const int R = c.num_ranks, C = c.num_channels, warp = threadIdx.x / kWarpSize, lane = lane_id();
+  const int d = threadIdx.x;  // the destination threads d < R keep
   const Record rec(a);
   init_send_state(a, rec, st, ch);
   const int t0 = channel_begin(a.num_tokens, C, ch), t1 = channel_begin(a.num_tokens, C, ch + 1);
@@ -140,64 +143,107 @@ PORTEP_DEVICE void send_channel(const HTDispatchArgs& a, int ch) {
     __syncthreads();  // the previous batch's bookkeeping is done
     if (lane == 0) st.masks[warp] = mask;
     __syncthreads();
+    if (d < R) {  // room in d's ring for this batch
+      uint32_t n = 0;
+      for (int j = 0; j < kHTWarps; ++j) n += st.masks[j] >> d & 1;
+      st.batch[d] = n;
+      if (n && d != c.rank && !await_room(c, false, d, ch, st.epoch, st.sent[d] + n, a.ring_rows)) st.failed = 1;
+    }
+    __syncthreads();
+    if (st.failed) return;
     if (t < t1) send_token(a, rec, st, t, warp);
     __syncthreads();
-    if (int(threadIdx.x) < R) {
-      uint32_t n = 0;
-      for (int j = 0; j < kHTWarps; ++j) n += st.masks[j] >> threadIdx.x & 1;
-      st.sent[threadIdx.x] += n;
-      announce(a, rec, st, ch, n, b + kHTWarps >= t1);
+    if (d < R) {
+      st.sent[d] += st.batch[d];
+      announce(a, rec, st, ch, st.batch[d], b + kHTWarps >= t1);
     }
   }
+  if (d < R) collect_credits(c, false, d, ch, st.sent[d]);
 }
 
-// Rows from source s in channel ch: copy them out of the receive area as they are announced.
-PORTEP_DEVICE bool receive_from(const HTDispatchArgs& a, const Record& rec, int ch, int s, uint64_t epoch,
-                                uint32_t* avail) {
+struct RecvState {
+  uint32_t rows[kHTMaxRanks];      // rows of this channel from each source
+  uint32_t done[kHTMaxRanks];      // copied out so far
+  uint32_t avail[kHTMaxRanks];     // known to be in the ring
+  uint32_t credited[kHTMaxRanks];  // proxy sources: chunks credited back
+  int64_t first[kHTMaxRanks];      // output row of the channel's first row from each source
+  int all_done, failed;
+};
+
+// Thread s: rows from source s in this channel known to be in place (non-blocking).
+PORTEP_DEVICE uint32_t rows_arrived(const HTDispatchArgs& a, const RecvState& st, int ch, int s, uint64_t epoch) {
   const HTCommon& c = a.c;
-  const int R = c.num_ranks, C = c.num_channels, warp = threadIdx.x / kWarpSize, stride = a.recv_prefix_stride;
-  const int64_t from_s = rows_from(a.recv_prefix, stride, s);
-  const int64_t begin = a.recv_channel_prefix[s * C + ch];
-  const uint32_t n = uint32_t((ch + 1 < C ? a.recv_channel_prefix[s * C + ch + 1] : from_s) - begin);
-  const int64_t first = rows_before(a.recv_prefix, stride, s) + begin;
-  if (uint64_t(a.recv_prefix[(R - 1) * stride]) * rec.bytes > c.recv_bytes) {  // senders stored nothing
-    if (threadIdx.x == 0) report_error(c.error, kErrBufferTooSmall, uint32_t(c.rank), uint32_t(c.rank), 0);
-    return false;
+  if (c.peers[s]) return min(st.rows[s], rows_of(ld_acquire_sys_u64(tail_word(c, c.local, false, s, ch)), epoch));
+  const uint64_t i = uint64_t(s) * c.num_streams + data_stream(c, false, ch);
+  const uint32_t units = uint32_t(ld_acquire_sys_u64(c.host_signals + i)) - uint32_t(c.signal_seen[i]);
+  return uint32_t(min(uint64_t(st.rows[s]), uint64_t(units) * kHTChunkRows));
+}
+
+PORTEP_DEVICE void init_recv_state(const HTDispatchArgs& a, RecvState& st, int ch) {
+  const HTCommon& c = a.c;
+  const int C = c.num_channels, s = threadIdx.x, stride = a.recv_prefix_stride;
+  if (s < c.num_ranks) {
+    const int64_t begin = a.recv_channel_prefix[s * C + ch];
+    const int64_t end = ch + 1 < C ? a.recv_channel_prefix[s * C + ch + 1] : rows_from(a.recv_prefix, stride, s);
+    st.rows[s] = s == c.rank ? 0 : uint32_t(end - begin);
+    st.done[s] = st.avail[s] = st.credited[s] = 0;
+    st.first[s] = rows_before(a.recv_prefix, stride, s) + begin;
   }
-  const uint32_t stream = data_stream(c, false, ch);
-  for (uint32_t done = 0; done < n;) {
+  if (s == 0) st.failed = 0;
+}
+
+// Serves every source at once (a sender blocked on a full ring to one rank must not stall the others): each
+// round copies whatever arrived, then hands the ring slots back.
+PORTEP_DEVICE void receive_channel(const HTDispatchArgs& a, int ch) {
+  __shared__ RecvState st;
+  const HTCommon& c = a.c;
+  const int R = c.num_ranks, warp = threadIdx.x / kWarpSize, s = threadIdx.x;
+  const Record rec(a);
+  const uint64_t epoch = *c.epoch;
+  init_recv_state(a, st, ch);
+  uint64_t idle_since = globaltimer_ns();  // thread 0's
+  for (;;) {
+    __syncthreads();  // the previous round's copies and bookkeeping are done
+    if (s < R && st.done[s] < st.rows[s]) st.avail[s] = rows_arrived(a, st, ch, s, epoch);
+    __syncthreads();
     if (threadIdx.x == 0) {
-      if (c.peers[s]) {
-        const uint64_t* word = tail_word(c, c.local, false, s, ch);
-        *avail = await_tail(c, word, epoch, done + 1, s, ch) ? min(uint32_t(ld_acquire_sys_u64(word)), n) : 0;
-      } else {
-        const int64_t units = await_units(c, s, stream, done / kHTChunkRows + 1);
-        *avail = units < 0 ? 0 : uint32_t(min(int64_t(n), units * kHTChunkRows));
+      bool progress = false, all = true;
+      int waiting = -1;
+      for (int j = 0; j < R; ++j) {
+        progress |= st.avail[j] > st.done[j];
+        all &= st.done[j] == st.rows[j];
+        if (st.done[j] < st.rows[j] && waiting < 0) waiting = j;
+      }
+      st.all_done = all;
+      const uint64_t now = globaltimer_ns();
+      if (progress || all) {
+        idle_since = now;
+      } else if (now - idle_since > c.timeout_ns) {
+        report_error(c.error, kErrWaitTimeout, uint32_t(c.rank), uint32_t(waiting), uint32_t(ch));
+        st.failed = 1;
+      } else if (!c.peers[waiting]) {
+        sleep_ns(kProxyPollNs);  // host-memory polls cross PCIe
       }
     }
     __syncthreads();
-    const uint32_t ready = *avail;
-    if (!ready) return false;
-    for (uint32_t r = done + warp; r < ready; r += kHTWarps) {
-      const uint8_t* src = c.local + c.recv_off + uint64_t(first + r) * rec.bytes;
-      write_output_row(a, first + r, *reinterpret_cast<const int32_t*>(src), src + 16,
-                       reinterpret_cast<const float*>(src + rec.scales),
-                       reinterpret_cast<const int64_t*>(src + rec.topk),
-                       reinterpret_cast<const float*>(src + rec.weights));
+    if (st.all_done || st.failed) break;
+    for (int j = 0; j < R; ++j) {
+      const uint8_t* ring = c.local + c.recv_off + ring_offset(c, c.rank, j, ch, a.ring_rows, rec.bytes);
+      for (uint32_t r = st.done[j] + warp; r < st.avail[j]; r += kHTWarps) {
+        const uint8_t* src = ring + ring_slot(r, a.ring_rows, rec.bytes);
+        write_output_row(a, st.first[j] + r, *reinterpret_cast<const int32_t*>(src), src + 16,
+                         reinterpret_cast<const float*>(src + rec.scales),
+                         reinterpret_cast<const int64_t*>(src + rec.topk),
+                         reinterpret_cast<const float*>(src + rec.weights));
+      }
     }
-    done = ready;
-    __syncthreads();
+    __syncthreads();  // every copy's loads returned before the slots go back
+    if (s < R && st.avail[s] > st.done[s]) {
+      st.done[s] = st.avail[s];
+      return_rows(c, false, s, ch, epoch, st.done[s], &st.credited[s]);
+    }
   }
-  if (threadIdx.x == 0 && !c.peers[s]) consume_units(c, s, stream, chunks(n));
-  return true;
-}
-
-PORTEP_DEVICE void receive_channel(const HTDispatchArgs& a, int ch) {
-  __shared__ uint32_t avail;
-  const Record rec(a);
-  const uint64_t epoch = *a.c.epoch;
-  for (int s = 0; s < a.c.num_ranks; ++s)
-    if (s != a.c.rank && !receive_from(a, rec, ch, s, epoch, &avail)) return;
+  if (s < R && s != c.rank && !c.peers[s]) consume_units(c, s, data_stream(c, false, ch), chunks(st.rows[s]));
 }
 
 __global__ void __launch_bounds__(kHTThreads, 1) ht_dispatch_kernel(HTDispatchArgs a) {

@@ -1,5 +1,5 @@
-// The HT notify kernel (ht_api.h): epoch, count or offset exchange, the handle's prefix matrices, where this
-// rank's rows begin at each destination.
+// The HT notify kernel (ht_api.h): epoch, count exchange (or flags only, with a handle), the handle's prefix
+// matrices.
 #include <cuda_runtime.h>
 
 #include "ht_common.cuh"
@@ -46,23 +46,6 @@ PORTEP_DEVICE void write_count_slots(const HTNotifyArgs& a, const int32_t* count
   }
 }
 
-// Offset mode: the reader d's rows begin in this rank's receive area at offset, which holds area_rows rows.
-PORTEP_DEVICE void write_offset_slots(const HTNotifyArgs& a, uint64_t epoch) {
-  const HTCommon& c = a.c;
-  const int R = c.num_ranks, C = c.num_channels, d = threadIdx.x;
-  if (d >= R) return;
-  int64_t offset, area;
-  if (a.combine) {  // contributions come back per destination of this rank's tokens
-    offset = sent_to_ranks_before(a.channel_prefix, C, d);
-    area = sent_to_ranks_before(a.channel_prefix, C, R);
-  } else {  // records arrive per source, in the receive order of the handle
-    offset = rows_before(a.recv_prefix, a.recv_prefix_stride, d);
-    area = a.recv_prefix[(R - 1) * a.recv_prefix_stride];
-  }
-  *slot_offset(slot_for(c, d, epoch)) = offset;
-  *slot_area_rows(slot_for(c, d, epoch)) = area;
-}
-
 // Thread d < R publishes this rank's slot to d: a flag after the stores (direct), or a WRITE + SIGNAL.
 PORTEP_DEVICE void publish_slot(const HTCommon& c, uint64_t epoch) {
   const int d = threadIdx.x;
@@ -98,7 +81,7 @@ PORTEP_DEVICE bool await_slots(const HTCommon& c, uint64_t epoch, int* ok) {
   return *ok != 0;
 }
 
-// Count mode: the handle's matrices, dest_first / dest_rows and the receive counts from every source's slot.
+// Count mode: the handle's matrices and the receive counts from every source's slot.
 PORTEP_DEVICE void derive_counts(const HTNotifyArgs& a, const int32_t* counts, uint64_t epoch) {
   const HTCommon& c = a.c;
   const int R = c.num_ranks, C = c.num_channels, E_l = a.num_experts / R, me = c.rank;
@@ -122,34 +105,19 @@ PORTEP_DEVICE void derive_counts(const HTNotifyArgs& a, const int32_t* counts, u
     for (int s = 0; s < R; ++s) sum += slot_experts(notify_slot(c, c.local, s, epoch))[i];
     c.host->expert[i] = sum;
   }
-  if (int(threadIdx.x) < R) {
-    const int d = threadIdx.x;
-    int64_t before = 0, all = 0;
-    for (int s = 0; s < R; ++s) {
-      const int32_t n = slot_counts(notify_slot(c, c.local, s, epoch))[d];
-      before += s < me ? n : 0;
-      all += n;
-    }
-    c.dest_first[d] = before;
-    c.dest_rows[d] = all;
-  }
   __syncthreads();
   if (threadIdx.x != 0) return;
-  int64_t num_recv = 0, most_recv = 0, most_send = 0;
+  int64_t num_recv = 0, self_begin = 0;
   for (int s = 0; s < R; ++s) {
-    num_recv += slot_counts(notify_slot(c, c.local, s, epoch))[me];
-    int64_t sent = 0;
-    for (int d = 0; d < R; ++d) sent += slot_counts(notify_slot(c, c.local, s, epoch))[d];
-    most_send = max(most_send, sent);
-    most_recv = max(most_recv, int64_t(a.rank_prefix[(R - 1) * R + s]));
+    const int32_t n = slot_counts(notify_slot(c, c.local, s, epoch))[me];
+    num_recv += n;
+    self_begin += s < me ? n : 0;
   }
   if (a.max_recv > 0 && num_recv > a.max_recv)
     report_error(c.error, kErrTooManyRecv, uint32_t(me), uint32_t(num_recv), uint32_t(a.max_recv));
   if (!a.ticket) return;
   c.host->num_recv = num_recv;
-  c.host->max_recv_any = most_recv;
-  c.host->max_send_any = most_send;
-  c.host->self_begin = c.dest_first[me];
+  c.host->self_begin = self_begin;
   c.host->self_rows = slot_counts(notify_slot(c, c.local, me, epoch))[me];
   fence_sys();  // the counts before the ticket that says they are this op's
   st_relaxed_sys_u64(&c.host->ticket, a.ticket);
@@ -168,18 +136,11 @@ __global__ void __launch_bounds__(kNotifyThreads, 1) ht_notify_kernel(HTNotifyAr
   if (a.count_mode) {
     count_channels(a, counts);
     write_count_slots(a, counts, epoch);
-  } else {
-    write_offset_slots(a, epoch);
   }
   __syncthreads();
   publish_slot(c, epoch);
   const bool arrived = await_slots(c, epoch, &ok);
-  if (arrived && a.count_mode) {
-    derive_counts(a, counts, epoch);
-  } else if (arrived && int(threadIdx.x) < c.num_ranks) {
-    c.dest_first[threadIdx.x] = *slot_offset(notify_slot(c, c.local, threadIdx.x, epoch));
-    c.dest_rows[threadIdx.x] = *slot_area_rows(notify_slot(c, c.local, threadIdx.x, epoch));
-  }
+  if (arrived && a.count_mode) derive_counts(a, counts, epoch);
   if (threadIdx.x == 0) *c.epoch = epoch;  // the op's data kernel, next on the stream, reads it
 }
 

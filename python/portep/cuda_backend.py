@@ -42,9 +42,7 @@ DEVICE_FIFO_CAPACITY = 4096
 ERROR_NAMES = {1: "a signal did not arrive", 2: "a FIFO had no room", 3: "an expert got more selections than "
                "num_max_dispatch_tokens_per_rank (duplicate experts in a token's topk_idx?)",
                4: "topk_idx holds an expert index outside [-1, num_experts) (the selection was dropped)",
-               5: "a dispatch received more tokens than num_worst_tokens (the rows past it were dropped)",
-               6: "the communication buffer is too small for a normal-mode dispatch or combine (create the Buffer "
-                  "with a larger num_nvl_bytes)"}
+               5: "a dispatch received more tokens than num_worst_tokens (the rows past it were dropped)"}
 
 
 class CudaEvent:
@@ -170,8 +168,7 @@ class CudaEngine(Topology):
                             "hardware queue with the LL kernels' stream they wait behind those kernels (see "
                             "CUDA_DEVICE_MAX_CONNECTIONS in portep/config.py)")
             where = {4: f"token {src}, value {ctypes.c_int32(index).value}",
-                     5: f"{src} rows received, num_worst_tokens={index}",
-                     6: f"destination rank {src}"}.get(code,
+                     5: f"{src} rows received, num_worst_tokens={index}"}.get(code,
                                                        f"peer rank {src}, index {index}, within {self.timeout_s} s")
             slots = ""
             if code == 1 and 0 <= src < self.num_ranks:  # what that peer's proxies delivered into the LL slots

@@ -3,8 +3,9 @@ kernel (count or offset exchange) and a data kernel; a non-cached dispatch witho
 CPU for the notify's counts in mapped host memory to size its outputs (as DeepEP does), everything else can be
 captured in a CUDA graph.
 
-Same-node peers get stores through CUDA IPC; peers on other nodes get rows staged in this rank's buffer and
-copied by the proxies (WRITE + SIGNAL through the device FIFOs). Across nodes only one rank per node is supported
+Rows travel through a ring per (channel, sender, receiver), so any buffer that holds 2 * HT_CHUNK_ROWS rows per
+ring works, DeepEP's size hints included. Same-node peers get stores through CUDA IPC; peers on other nodes get
+rows staged in this rank's buffer and copied by the proxies (WRITE + SIGNAL through the device FIFOs). Across nodes only one rank per node is supported
 so far (num_ranks_per_node=1, e.g. the forced proxy path on one machine): DeepEP's forwarding of a node's tokens
 to its NVLink peers runs on the host backend only. Results match the host backend bit for bit (the same receive
 order, the same FP32 reduction order: bias, then ranks ascending).
@@ -44,19 +45,17 @@ class CudaHT:
         self.eng = eng
         self.proxy = not all(peers)
         self.recv_bytes = eng.num_bytes // 2 // 16 * 16 if self.proxy else eng.num_bytes
-        self.stage_bytes = eng.num_bytes - self.recv_bytes if self.proxy else 0
         self.peers = torch.tensor(peers, dtype=torch.int64, device=eng.device)
         self.epoch = torch.zeros(1, dtype=torch.int64, device=eng.device)
-        self.dest = torch.zeros(2 * native.HT_MAX_RANKS, dtype=torch.int64, device=eng.device)
         self.host_counts, host_counts_device = native.cuda_host_alloc_mapped(native.HT_HOST_COUNTS_BYTES)
         ctypes.memset(self.host_counts, 0, native.HT_HOST_COUNTS_BYTES)
         self.ticket = 0
         self.kernels = native.HTKernels(
-            eng.rank, R, ch.device_data_ptr(), self.peers.data_ptr(), ctrl_off, 0, self.recv_bytes, self.recv_bytes,
-            self.stage_bytes, self.epoch.data_ptr(), self.dest.data_ptr(), self.host_counts, host_counts_device,
+            eng.rank, R, ch.device_data_ptr(), self.peers.data_ptr(), ctrl_off, 0, self.recv_bytes,
+            self.epoch.data_ptr(), self.host_counts, host_counts_device,
             eng.error_device, eng._error_host, eng.timeout_s, eng.fifos, ch.device_signals_ptr(),
             eng._signal_seen.data_ptr(), eng.channel.num_streams, stream_base)
-        torch.cuda.current_stream(eng.device).synchronize()  # epoch, peers, dest in place before any kernel reads them
+        torch.cuda.current_stream(eng.device).synchronize()  # epoch, peers in place before any kernel reads them
 
     def destroy(self):
         if self.host_counts:
@@ -90,11 +89,28 @@ class CudaHT:
             return handle[6].data_ptr(), 1
         return handle[0].data_ptr() + 4 * self.eng.rank, self.eng.num_ranks
 
-    def _notify(self, num_channels, stream, count_mode, combine, is_token_in_rank, per_expert=None, N=0, E=0,
-                prefixes=(None, None, None), recv_prefix=(0, 0), max_recv=0, ticket=0):
+    def _notify(self, num_channels, stream, count_mode, is_token_in_rank, per_expert=None, N=0, E=0,
+                prefixes=(None, None, None), max_recv=0, ticket=0):
         rp, cp, rcp = prefixes
-        self.kernels.notify(num_channels, stream, count_mode, combine, is_token_in_rank.data_ptr(), _ptr(per_expert),
-                            N, E, _ptr(rp), _ptr(cp), _ptr(rcp), recv_prefix[0], recv_prefix[1], max_recv, ticket)
+        self.kernels.notify(num_channels, stream, count_mode, is_token_in_rank.data_ptr(), _ptr(per_expert), N, E,
+                            _ptr(rp), _ptr(cp), _ptr(rcp), max_recv, ticket)
+
+    def _ring_rows(self, row_bytes, num_channels, what):
+        """Rows per (channel, peer) ring for rows of row_bytes (ht_api.h): as many as the receive area (and the
+        staging area, which is as large) holds, in whole chunks. The same on every rank (same buffer size, same
+        rows), so every rank raises here alike, before any kernel."""
+        native, R = self.eng.native, self.eng.num_ranks
+        chunk, least = native.HT_CHUNK_ROWS, native.HT_MIN_RING_ROWS
+        if R == 1:
+            return least
+        rows = min(self.recv_bytes // ((R - 1) * num_channels * row_bytes) // chunk * chunk, 1 << 30)
+        if rows < least:
+            need = least * (R - 1) * num_channels * row_bytes * (2 if self.proxy else 1)
+            raise ValueError(f"{what}: the communication buffer ({self.eng.num_bytes} bytes) holds {rows} rows of "
+                             f"{row_bytes} bytes per (channel, peer) ring with {num_channels} channels; at least "
+                             f"{least} rows are needed: create the Buffer with num_nvl_bytes + num_rdma_bytes >= "
+                             f"{need} bytes, or use fewer channels (config.num_sms)")
+        return rows
 
     # ---- dispatch ----
     def dispatch(self, x, x_scales, topk_idx, topk_weights, is_token_in_rank, num_tokens_per_expert, expert_alignment,
@@ -114,6 +130,7 @@ class CudaHT:
         K = 0 if topk_idx is None else topk_idx.size(1)
         rec = _record_bytes(x, scales, K)
         self._check_row(rec, "dispatch")
+        ring_rows = self._ring_rows(rec, num_channels, "dispatch")
         counts_list, self_rows = [], None
         cached = handle is not None
         if cached:
@@ -126,7 +143,7 @@ class CudaHT:
                 raise RuntimeError(f"rank {me} receives {num_recv} tokens with this handle but "
                                    f"num_worst_tokens={num_worst_tokens}")
             recv_prefix = self._recv_prefix(handle)
-            self._notify(num_channels, stream, False, False, is_token_in_rank, recv_prefix=recv_prefix)
+            self._notify(num_channels, stream, False, is_token_in_rank)
             num_recv = max(num_recv, num_worst_tokens)
         else:
             E = num_tokens_per_expert.numel()
@@ -136,14 +153,14 @@ class CudaHT:
             prefixes = (rank_prefix, channel_prefix, rcp)
             recv_prefix = (rank_prefix.data_ptr() + 4 * me, R)
             if num_worst_tokens > 0:
-                self._notify(num_channels, stream, True, False, is_token_in_rank, per_expert, N, E, prefixes,
+                self._notify(num_channels, stream, True, is_token_in_rank, per_expert, N, E, prefixes,
                              max_recv=num_worst_tokens)
                 num_recv = num_worst_tokens
             else:
                 self.ticket += 1
-                self._notify(num_channels, stream, True, False, is_token_in_rank, per_expert, N, E, prefixes,
+                self._notify(num_channels, stream, True, is_token_in_rank, per_expert, N, E, prefixes,
                              ticket=self.ticket)
-                num_recv, self_rows, counts_list = self._wait_counts(E // R, rec, expert_alignment)
+                num_recv, self_rows, counts_list = self._wait_counts(E // R, expert_alignment)
         rows = num_recv
         recv_x = torch.empty(rows, x.size(1), dtype=x.dtype, device=dev)
         recv_scales = None if scales is None else torch.empty(rows, scales.size(1), dtype=scales.dtype, device=dev)
@@ -161,7 +178,7 @@ class CudaHT:
         self.kernels.dispatch(num_channels, stream, x.data_ptr(), _ptr(scales), _ptr(topk_idx), _ptr(topk_weights),
                               is_token_in_rank.data_ptr(), recv_prefix[0], recv_prefix[1], channel_prefix.data_ptr(),
                               rcp.data_ptr(), N, x.size(1) * x.element_size(),
-                              0 if scales is None else scales.size(1), K, E_l, rows, recv_x.data_ptr(),
+                              0 if scales is None else scales.size(1), K, E_l, ring_rows, rows, recv_x.data_ptr(),
                               _ptr(recv_scales), _ptr(recv_idx), _ptr(recv_w), _ptr(src_idx), _ptr(send_head))
         if cached:
             return recv_x, recv_scales, None, None, None, None
@@ -178,19 +195,14 @@ class CudaHT:
             raise ValueError(f"{what}: rows of {row_bytes} bytes travel through the proxies in WRITEs of "
                              f"{self.eng.native.HT_CHUNK_ROWS} rows, {chunk} bytes, above the 16 MiB a command moves")
 
-    def _wait_counts(self, E_l, rec, expert_alignment):
+    def _wait_counts(self, E_l, expert_alignment):
         eng = self.eng
         got = self.kernels.wait_counts(self.ticket, E_l)
         if got is None:
             eng.check_error()
             raise RuntimeError(f"rank {eng.rank}: dispatch: the count exchange did not finish within "
                                f"{eng.timeout_s} s (a peer rank did not call dispatch?)")
-        num_recv, most_recv, most_send, self_begin, self_rows, experts = got
-        for rows, room, where in ((most_recv, self.recv_bytes, "receive"), (most_send, self.stage_bytes, "staging")):
-            if (where == "receive" or self.proxy) and rows * rec > room:
-                raise ValueError(f"the communication buffer's {where} area has {room} bytes but this dispatch needs "
-                                 f"{rows * rec} bytes ({rows} rows of {rec} bytes on the busiest rank); create the "
-                                 "Buffer with a larger num_nvl_bytes + num_rdma_bytes")
+        num_recv, self_begin, self_rows, experts = got
         a = expert_alignment
         return num_recv, (self_begin, self_rows), [(int(c) + a - 1) // a * a for c in experts]
 
@@ -232,7 +244,9 @@ class CudaHT:
         N, H = is_token_in_rank.size(0), x.size(1)
         C = channel_prefix.size(1)
         K = 0 if topk_weights is None else topk_weights.size(1)
-        self._check_row(hb.align(2 * H + 4 * K, 16), "combine")
+        row_bytes = hb.align(2 * H + 4 * K, 16)
+        self._check_row(row_bytes, "combine")
+        ring_rows = self._ring_rows(row_bytes, C, "combine")
         with self._on_comm():
             x = x.contiguous()
             weights = None if topk_weights is None else topk_weights.to(torch.float32).contiguous()
@@ -241,11 +255,10 @@ class CudaHT:
         out = torch.empty(N, H, dtype=torch.bfloat16, device=eng.device)
         out_w = torch.empty(N, K, dtype=torch.float32, device=eng.device) if weights is not None else None
         recv_prefix = self._recv_prefix(handle)
-        self._notify(C, stream, False, True, is_token_in_rank, prefixes=(None, channel_prefix, None),
-                     recv_prefix=recv_prefix)
+        self._notify(C, stream, False, is_token_in_rank)
         self.kernels.combine(C, stream, x.data_ptr(), _ptr(weights), _ptr(b0), _ptr(b1), is_token_in_rank.data_ptr(),
                              recv_prefix[0], recv_prefix[1], channel_prefix.data_ptr(), rcp.data_ptr(),
-                             send_head.data_ptr(), N, H, K, out.data_ptr(), _ptr(out_w))
+                             send_head.data_ptr(), N, H, K, ring_rows, out.data_ptr(), _ptr(out_w))
         return out, out_w
 
 

@@ -26,8 +26,7 @@ using portep::bind::PyFifoSet;
 class HTKernels {
  public:
   HTKernels(int rank, int num_ranks, uintptr_t local, uintptr_t peers, uint64_t ctrl_off, uint64_t recv_off,
-            uint64_t recv_bytes, uint64_t stage_off, uint64_t stage_bytes, uintptr_t epoch, uintptr_t dest,
-            uintptr_t host_counts, uintptr_t host_counts_device, uintptr_t error, uintptr_t error_host,
+            uint64_t stage_off, uintptr_t epoch, uintptr_t host_counts, uintptr_t host_counts_device, uintptr_t error, uintptr_t error_host,
             double timeout_s, const PyFifoSet& fifos, uintptr_t host_signals, uintptr_t signal_seen,
             uint32_t num_streams, uint32_t stream_base)
       : host_(ptr<HTHostCounts>(host_counts)), error_host_(ptr<LLError>(error_host)), timeout_s_(timeout_s) {
@@ -41,12 +40,8 @@ class HTKernels {
     c_.peers = ptr<uint8_t* const>(peers);
     c_.ctrl_off = ctrl_off;
     c_.recv_off = recv_off;
-    c_.recv_bytes = recv_bytes;
     c_.stage_off = stage_off;
-    c_.stage_bytes = stage_bytes;
     c_.epoch = ptr<uint64_t>(epoch);
-    c_.dest_first = ptr<int64_t>(dest);
-    c_.dest_rows = ptr<int64_t>(dest) + kHTMaxRanks;
     c_.fifos = fifos.set_.device_views;
     c_.fifo_tails = fifos.set_.device_tails;
     c_.num_fifos = fifos.set_.count;
@@ -70,8 +65,7 @@ class HTKernels {
   }
 
   // Spins (without the GIL) until the notify kernel of `ticket` published its counts, or a kernel failed, or the
-  // timeout passed. Returns (num_recv, max_recv_any, max_send_any, self_begin, self_rows, [selections per local
-  // expert]) or None.
+  // timeout passed. Returns (num_recv, self_begin, self_rows, [selections per local expert]) or None.
   py::object wait_counts(uint64_t ticket, int num_local_experts) const {
     const auto deadline = std::chrono::steady_clock::now() + std::chrono::duration<double>(timeout_s_);
     bool ok = false;
@@ -92,8 +86,7 @@ class HTKernels {
     }
     if (!ok) return py::none();
     std::vector<int64_t> experts(host_->expert, host_->expert + num_local_experts);
-    return py::make_tuple(host_->num_recv, host_->max_recv_any, host_->max_send_any, host_->self_begin,
-                          host_->self_rows, experts);
+    return py::make_tuple(host_->num_recv, host_->self_begin, host_->self_rows, experts);
   }
 
   HTCommon c_;
@@ -101,6 +94,14 @@ class HTKernels {
   LLError* error_host_;
   double timeout_s_;
 };
+
+// The kernels' ring rule (ht_api.h); the Python side sizes rings from the buffer and raises first.
+uint32_t check_ring(uint32_t ring_rows) {
+  if (ring_rows < uint32_t(kHTMinRingRows) || ring_rows % kHTChunkRows)
+    throw std::invalid_argument("ring_rows=" + std::to_string(ring_rows) + " must be a multiple of " +
+                                std::to_string(kHTChunkRows) + " and at least " + std::to_string(kHTMinRingRows));
+  return ring_rows;
+}
 
 }  // namespace
 
@@ -112,27 +113,23 @@ void bind_cuda_ht(py::module_& m) {
   m.attr("HT_MAX_LOCAL_EXPERTS") = kHTMaxLocalExperts;
   m.attr("HT_NUM_STREAMS") = kHTNumStreams;
   m.attr("HT_CHUNK_ROWS") = kHTChunkRows;
+  m.attr("HT_MIN_RING_ROWS") = kHTMinRingRows;
   py::class_<HTKernels>(m, "HTKernels")
-      .def(py::init<int, int, uintptr_t, uintptr_t, uint64_t, uint64_t, uint64_t, uint64_t, uint64_t, uintptr_t,
-                    uintptr_t, uintptr_t, uintptr_t, uintptr_t, uintptr_t, double, const PyFifoSet&, uintptr_t,
-                    uintptr_t, uint32_t, uint32_t>(),
+      .def(py::init<int, int, uintptr_t, uintptr_t, uint64_t, uint64_t, uint64_t, uintptr_t, uintptr_t, uintptr_t,
+                    uintptr_t, uintptr_t, double, const PyFifoSet&, uintptr_t, uintptr_t, uint32_t, uint32_t>(),
            py::arg("rank"), py::arg("num_ranks"), py::arg("local"), py::arg("peers"), py::arg("ctrl_off"),
-           py::arg("recv_off"), py::arg("recv_bytes"), py::arg("stage_off"), py::arg("stage_bytes"), py::arg("epoch"),
-           py::arg("dest"), py::arg("host_counts"), py::arg("host_counts_device"), py::arg("error"),
-           py::arg("error_host"), py::arg("timeout_s"), py::arg("fifos"), py::arg("host_signals"),
-           py::arg("signal_seen"), py::arg("num_streams"), py::arg("stream_base"), py::keep_alive<1, 18>())
+           py::arg("recv_off"), py::arg("stage_off"), py::arg("epoch"), py::arg("host_counts"),
+           py::arg("host_counts_device"), py::arg("error"), py::arg("error_host"), py::arg("timeout_s"),
+           py::arg("fifos"), py::arg("host_signals"), py::arg("signal_seen"), py::arg("num_streams"),
+           py::arg("stream_base"), py::keep_alive<1, 15>())
       .def("wait_counts", &HTKernels::wait_counts, py::arg("ticket"), py::arg("num_local_experts"))
       .def("notify",
-           [](const HTKernels& k, int num_channels, uintptr_t stream, bool count_mode, bool combine,
-              uintptr_t is_token_in_rank, uintptr_t tokens_per_expert, int num_tokens, int num_experts,
-              uintptr_t rank_prefix, uintptr_t channel_prefix, uintptr_t recv_channel_prefix, uintptr_t recv_prefix,
-              int recv_prefix_stride, int64_t max_recv, uint64_t ticket) {
+           [](const HTKernels& k, int num_channels, uintptr_t stream, bool count_mode, uintptr_t is_token_in_rank,
+              uintptr_t tokens_per_expert, int num_tokens, int num_experts, uintptr_t rank_prefix,
+              uintptr_t channel_prefix, uintptr_t recv_channel_prefix, int64_t max_recv, uint64_t ticket) {
              HTNotifyArgs a{};
              a.c = k.common(num_channels, stream);
              a.count_mode = count_mode;
-             a.combine = combine;
-             a.recv_prefix = ptr<const int32_t>(recv_prefix);
-             a.recv_prefix_stride = recv_prefix_stride;
              a.is_token_in_rank = ptr<const bool>(is_token_in_rank);
              a.tokens_per_expert = ptr<const int32_t>(tokens_per_expert);
              a.num_tokens = num_tokens;
@@ -148,7 +145,7 @@ void bind_cuda_ht(py::module_& m) {
            [](const HTKernels& k, int num_channels, uintptr_t stream, uintptr_t x, uintptr_t scales, uintptr_t topk_idx,
               uintptr_t topk_weights, uintptr_t is_token_in_rank, uintptr_t recv_prefix, int recv_prefix_stride,
               uintptr_t channel_prefix, uintptr_t recv_channel_prefix, int num_tokens, int row_bytes, int num_scales,
-              int num_topk, int num_local_experts, int64_t max_recv, uintptr_t recv_x, uintptr_t recv_scales,
+              int num_topk, int num_local_experts, uint32_t ring_rows, int64_t max_recv, uintptr_t recv_x, uintptr_t recv_scales,
               uintptr_t recv_topk_idx, uintptr_t recv_topk_weights, uintptr_t recv_src_idx, uintptr_t send_head) {
              HTDispatchArgs a{};
              a.c = k.common(num_channels, stream);
@@ -166,6 +163,7 @@ void bind_cuda_ht(py::module_& m) {
              a.num_scales = num_scales;
              a.num_topk = num_topk;
              a.num_local_experts = num_local_experts;
+             a.ring_rows = check_ring(ring_rows);
              a.max_recv = max_recv;
              a.recv_x = ptr<uint8_t>(recv_x);
              a.recv_scales = ptr<float>(recv_scales);
@@ -179,7 +177,7 @@ void bind_cuda_ht(py::module_& m) {
            [](const HTKernels& k, int num_channels, uintptr_t stream, uintptr_t x, uintptr_t topk_weights,
               uintptr_t bias0, uintptr_t bias1, uintptr_t is_token_in_rank, uintptr_t recv_prefix,
               int recv_prefix_stride, uintptr_t channel_prefix, uintptr_t recv_channel_prefix, uintptr_t send_head,
-              int num_tokens, int hidden, int num_topk, uintptr_t out, uintptr_t out_weights) {
+              int num_tokens, int hidden, int num_topk, uint32_t ring_rows, uintptr_t out, uintptr_t out_weights) {
              HTCombineArgs a{};
              a.c = k.common(num_channels, stream);
              a.x = ptr<const uint16_t>(x);
@@ -195,6 +193,7 @@ void bind_cuda_ht(py::module_& m) {
              a.num_tokens = num_tokens;
              a.hidden = hidden;
              a.num_topk = num_topk;
+             a.ring_rows = check_ring(ring_rows);
              a.out = ptr<uint16_t>(out);
              a.out_weights = ptr<float>(out_weights);
              check(ht_combine(a), "HT combine");
