@@ -3,21 +3,7 @@ CPU tensors: arguments go to the GPU, results come back to the CPU after the dev
 run on the Buffer's communication stream, which async_finish=True leaves running), and handles map back to their
 GPU originals."""
 
-import time
-
 import torch
-
-
-def settle():
-    """Waits until the current stream's work (which waits for the communication stream's) is done by polling an
-    event. On the proxy path over the shm transport the proxies' copy-engine copies are CUDA calls; while this
-    thread sits in a blocking synchronize (or a synchronous copy) waiting for a kernel that waits for the peer, a
-    proxy's copy call was seen to stall until that kernel timed out (one shared H200), so tests never block in CUDA
-    while a peer may still need this rank's proxies."""
-    done = torch.cuda.Event()
-    done.record()
-    while not done.query():
-        time.sleep(50e-6)
 
 
 def _gpu(v):
@@ -49,19 +35,19 @@ class CudaHTAdapter:
 
     def get_dispatch_layout(self, topk_idx, num_experts, **kw):
         res = self.buf.get_dispatch_layout(topk_idx.cuda(), num_experts, **kw)
-        settle()
+        torch.cuda.synchronize()
         return _cpu(tuple(res[:4])) + (res[4],)
 
     def dispatch(self, x, handle=None, **kw):
         kw = {k: _gpu(v) for k, v in kw.items()}
         recv_x, idx, w, lst, h, event = self.buf.dispatch(_gpu(x), handle=self._gpu_handle(handle), **kw)
-        settle()
+        torch.cuda.synchronize()
         return _cpu(recv_x), _cpu(idx), _cpu(w), lst, self._keep(h), event
 
     def combine(self, x, handle, topk_weights=None, bias=None, **kw):
         out, weights, event = self.buf.combine(x.cuda(), self._gpu_handle(handle), topk_weights=_gpu(topk_weights),
                                                bias=_gpu(bias), **kw)
-        settle()
+        torch.cuda.synchronize()
         return _cpu(out), _cpu(weights), event
 
     def destroy(self):

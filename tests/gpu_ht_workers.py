@@ -8,7 +8,6 @@ import torch.distributed as dist
 import deepep_reference as ref
 import deepep_workers as w
 import portep
-from gpu_ht_adapter import settle
 
 BF16 = torch.bfloat16
 
@@ -23,7 +22,7 @@ def _buffers(rank, world, rpn, transport, with_host=True, gpu_bytes=None):
 
 
 def _cpu(v):
-    settle()
+    torch.cuda.current_stream().synchronize()
     if isinstance(v, (tuple, list)):
         return type(v)(_cpu(t) for t in v)
     return v.cpu() if torch.is_tensor(v) else v
@@ -63,7 +62,8 @@ def _check_ring_refusal(ck, gpu, num_experts):
     lay = gpu.get_dispatch_layout(idx, num_experts)
     try:
         gpu.dispatch(x, topk_idx=idx, topk_weights=torch.rand(64, 8, device="cuda"), num_tokens_per_rank=lay[0],
-                     is_token_in_rank=lay[3], num_tokens_per_expert=lay[2], config=portep.Config(24, 6, 256, 6, 256))
+                     num_tokens_per_rdma_rank=lay[1], is_token_in_rank=lay[3], num_tokens_per_expert=lay[2],
+                     config=portep.Config(24, 6, 256, 6, 256))
         ck.true(False, "a dispatch of 7168-wide rows with 12 channels on a small buffer was not refused")
     except ValueError as exc:
         ck.true("bytes" in str(exc) and "num_nvl_bytes" in str(exc), f"the refusal does not name the bytes: {exc}")
@@ -160,7 +160,7 @@ def graph_body(rank, world, rpn, transport, seed, n, hidden, num_topk, num_exper
         return d, c
 
     step()  # warm-up outside the graph
-    settle()
+    torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         d, c = step()
@@ -207,4 +207,52 @@ def internode_refused_body(rank, world):
         ck.true("num_ranks_per_node" in str(e), f"the error does not name num_ranks_per_node: {e}")
     ck.equal("num_tokens_per_rank after the refusal", _cpu(buf.get_dispatch_layout(idx, 16)[0]), _cpu(lay[0]))
     buf.destroy()
+    return {"failures": ck.failures, "checks": ck.num_checks}
+
+
+def mixed_modes_body(rank, world, seed, rounds, split=True):
+    """A low_latency_mode Buffer with both num_nvl_bytes and num_rdma_bytes alternates normal and LL ops with no
+    clean_low_latency_buffer, each round started late on one rank (a GPU sleep before it) so that the other runs
+    ahead into the next mode; every result equals the host backend's bit for bit. split=False (one size holding
+    both) is the control that shares the memory."""
+    ck = w.Checker(rank)
+    torch.cuda.set_device(rank % torch.cuda.device_count())
+    T, H, E, K = 32, 512, 16, 4
+    ll_bytes = portep.Buffer.get_low_latency_rdma_size_hint(T, H, world, E)
+    sizes = (w.HT_NVL_BYTES, ll_bytes) if split else (0, w.HT_NVL_BYTES + ll_bytes)
+    opts = dict(num_ranks_per_node=world, transport="shm", timeout_s=60, explicitly_destroy=True)
+    gpu = portep.Buffer(dist.group.WORLD, *sizes, low_latency_mode=True, backend="cuda", **opts)
+    host_ht = portep.Buffer(dist.group.WORLD, w.HT_NVL_BYTES, 0, backend="host", **opts)
+    host_ll = portep.Buffer(dist.group.WORLD, 0, ll_bytes, low_latency_mode=True, backend="host", **opts)
+    hin = w.make_ht_inputs(rank, seed, [300, 211][rank % 2], 1024, 8, 32)
+    lin = w.make_ll_inputs(rank, seed + 1, T, H, K, E)
+    lay = dict(zip(["num_tokens_per_rank", "num_tokens_per_rdma_rank", "num_tokens_per_expert", "is_token_in_rank"],
+                   host_ht.get_dispatch_layout(hin["idx"], 32)[:4]))
+    dh = host_ht.dispatch(hin["x"], topk_idx=hin["idx"], topk_weights=hin["w"], **lay)
+    y = dh[0] * 0.5 + 1
+    ch = host_ht.combine(y, dh[4], topk_weights=dh[2])
+    lh = host_ll.low_latency_dispatch(lin["x_rand"], lin["idx"], T, E, use_fp8=False)
+    sim = w._ll_sim_x(lh[0], lh[1], False, False)
+    lch = host_ll.low_latency_combine(sim, lin["idx"], lin["w"], lh[2])[0]
+    g_lay = {k: None if v is None else v.cuda() for k, v in lay.items()}
+    g_in = {k: hin[k].cuda() for k in ("x", "idx", "w")}
+    l_idx, l_w = lin["idx"].cuda(), lin["w"].cuda()
+    for r in range(rounds):
+        ck.step = f"round {r}"
+        if rank == r % world:
+            torch.cuda._sleep(50_000_000)  # this rank starts the round late; the other runs ahead
+        dg = gpu.dispatch(g_in["x"], topk_idx=g_in["idx"], topk_weights=g_in["w"], **g_lay)
+        lg = gpu.low_latency_dispatch(lin["x_rand"].cuda(), l_idx, T, E, use_fp8=False)
+        cg = gpu.combine(y.cuda(), dg[4], topk_weights=dg[2])
+        lcg = gpu.low_latency_combine(sim.cuda(), l_idx, l_w, lg[2])[0]
+        _same(ck, "HT recv_x", dg[0], dh[0])
+        _same(ck, "HT combined_x", cg[0], ch[0])
+        _same(ck, "LL recv_count", lg[1], lh[1])
+        for e in range(lh[1].numel()):
+            n = int(lh[1][e])
+            _same(ck, f"LL recv_x rows of expert {e}", lg[0][e, :n], lh[0][e, :n])
+        _same(ck, "LL combined_x", lcg, lch)
+    torch.cuda.synchronize()
+    for b in (gpu, host_ht, host_ll):
+        b.destroy()
     return {"failures": ck.failures, "checks": ck.num_checks}

@@ -1,10 +1,10 @@
 """The CUDA backend's normal (HT) mode on two GPUs: the host backend's whole HT suite (deepep_workers.ht_body) on
 GPU tensors, through direct NVLink stores (one node) and through the forced proxy path (one GPU per node: FIFOs,
-proxy threads, copy engines; not verified yet, see proxy_needs_two_gpus) over both shm transport modes; every
-output and handle entry against the host backend's bit for bit, with large buffers and with small ones whose
-rings wrap; num_worst_tokens dispatch + combine captured in a
-CUDA graph and replayed; the refusal of multi-GPU nodes across nodes. Skipped without two GPUs and the CUDA kernels
-(PORTEP_TEST_SHARE_GPU=1 lets the ranks share one GPU: correctness only)."""
+proxy threads, copy engines) over both shm transport modes; every output and handle entry against the host
+backend's bit for bit, with large buffers and with small ones whose rings wrap; num_worst_tokens dispatch + combine
+captured in a CUDA graph and replayed; normal and LL ops alternating on one Buffer; the refusal of multi-GPU nodes
+across nodes. Skipped without two GPUs and the CUDA kernels (PORTEP_TEST_SHARE_GPU=1 lets the ranks share one GPU:
+correctness only)."""
 
 import os
 
@@ -22,18 +22,10 @@ two_gpus = pytest.mark.skipif(not native.build_info()["cuda_built"] or not torch
                               or torch.cuda.device_count() < GPUS_NEEDED,
                               reason="needs the CUDA kernels and two CUDA GPUs (or PORTEP_TEST_SHARE_GPU=1)")
 
-# On one shared GPU the proxy path stalled: a notify's WRITE reached the peer only after the peer's kernel timed
-# out (its copy queued behind this rank's data kernel in a hardware queue shared with a torch pool stream, the
-# communication stream then). The dedicated communication stream made since has not run there yet; until it has,
-# these run on two GPUs only.
-proxy_needs_two_gpus = pytest.mark.skipif(os.environ.get("PORTEP_TEST_SHARE_GPU") == "1",
-                                          reason="the proxy path stalls when both ranks share one GPU")
-
 # (name, num_ranks_per_node, transport)
 PATHS = [pytest.param(("direct-nvlink", 2, "shm"), id="direct-nvlink"),
-         pytest.param(("proxy-shm", 1, "shm"), id="proxy-shm", marks=proxy_needs_two_gpus),
-         pytest.param(("proxy-shm-unordered", 1, "shm-unordered"), id="proxy-shm-unordered",
-                      marks=proxy_needs_two_gpus)]
+         pytest.param(("proxy-shm", 1, "shm"), id="proxy-shm"),
+         pytest.param(("proxy-shm-unordered", 1, "shm-unordered"), id="proxy-shm-unordered")]
 # hidden, num_topk, experts, tokens per rank, seed, starve_last
 SUITE = [(512, 8, 16, [300, 211], 1, False), (2048, 6, 32, [97, 256], 2, True), (7168, 8, 64, [64, 130], 3, False)]
 
@@ -71,6 +63,13 @@ def test_ht_small_buffer_rings_wrap_bitwise(path):
     out = run_ranks(g.cross_backend_body, 2, args=(rpn, transport, 9, [1500, 900], 1024, 8, 32, 4, 600064),
                     timeout=400)
     assert_clean(out, 30)
+
+
+@pytest.mark.gpu
+@two_gpus
+def test_normal_and_ll_modes_alternate_without_clean():
+    out = run_ranks(g.mixed_modes_body, 2, args=(31, 4), timeout=300)
+    assert_clean(out, 20)
 
 
 @pytest.mark.gpu

@@ -65,6 +65,7 @@ struct LayoutArgs {
   void* stream;
 };
 int launch_dispatch_layout(const LayoutArgs& a);
+int load_layout_kernels();
 
 int cuda_device_count(int* count);
 const char* cuda_error_string(int err);

@@ -144,5 +144,8 @@ struct HTCombineArgs {
 int ht_notify(const HTNotifyArgs& a);
 int ht_dispatch(const HTDispatchArgs& a);
 int ht_combine(const HTCombineArgs& a);
+int load_ht_notify_kernels();
+int load_ht_dispatch_kernels();
+int load_ht_combine_kernels();
 
 }  // namespace portep::cuda

@@ -189,4 +189,9 @@ int ht_combine(const HTCombineArgs& a) {
   return int(cudaGetLastError());
 }
 
+int load_ht_combine_kernels() {
+  cudaFuncAttributes attr;
+  return int(cudaFuncGetAttributes(&attr, ht_combine_kernel));
+}
+
 }  // namespace portep::cuda

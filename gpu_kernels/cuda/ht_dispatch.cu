@@ -261,4 +261,9 @@ int ht_dispatch(const HTDispatchArgs& a) {
   return int(cudaGetLastError());
 }
 
+int load_ht_dispatch_kernels() {
+  cudaFuncAttributes attr;
+  return int(cudaFuncGetAttributes(&attr, ht_dispatch_kernel));
+}
+
 }  // namespace portep::cuda

@@ -151,4 +151,9 @@ int ht_notify(const HTNotifyArgs& a) {
   return int(cudaGetLastError());
 }
 
+int load_ht_notify_kernels() {
+  cudaFuncAttributes attr;
+  return int(cudaFuncGetAttributes(&attr, ht_notify_kernel));
+}
+
 }  // namespace portep::cuda

@@ -86,4 +86,9 @@ int launch_dispatch_layout(const LayoutArgs& a) {
   return int(cudaGetLastError());
 }
 
+int load_layout_kernels() {
+  cudaFuncAttributes attr;
+  return int(cudaFuncGetAttributes(&attr, dispatch_layout_kernel));
+}
+
 }  // namespace portep::cuda

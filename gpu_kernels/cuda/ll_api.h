@@ -117,6 +117,8 @@ struct LLCombineArgs {
 constexpr int kPhaseSend = 1, kPhaseRecv = 2;
 int ll_dispatch(const LLDispatchArgs& a, int phases);
 int ll_combine(const LLCombineArgs& a, int phases);
+int load_ll_dispatch_kernels();
+int load_ll_combine_kernels();
 
 // Device FIFOs for kernels: mapped host entries/tail/error flag, device head; host views for the proxies,
 // a device array of device views and a device array of shared cached tails for kernels.

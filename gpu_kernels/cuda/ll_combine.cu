@@ -415,4 +415,11 @@ int ll_combine(const LLCombineArgs& a, int phases) {
   return 0;
 }
 
+int load_ll_combine_kernels() {
+  cudaFuncAttributes attr;
+  for (auto k : {combine_kernel<kPhaseSend>, combine_kernel<kPhaseRecv>, combine_kernel<kPhaseSend | kPhaseRecv>})
+    if (cudaError_t e = cudaFuncGetAttributes(&attr, k); e != cudaSuccess) return int(e);
+  return int(cudaFuncGetAttributes(&attr, combine_wait_kernel));
+}
+
 }  // namespace portep::cuda

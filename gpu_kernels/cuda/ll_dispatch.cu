@@ -318,4 +318,11 @@ int ll_dispatch(const LLDispatchArgs& a, int phases) {
   }
 }
 
+int load_ll_dispatch_kernels() {
+  cudaFuncAttributes attr;
+  for (auto k : {dispatch_kernel<kPhaseSend>, dispatch_kernel<kPhaseRecv>, dispatch_kernel<kPhaseSend | kPhaseRecv>})
+    if (cudaError_t e = cudaFuncGetAttributes(&attr, k); e != cudaSuccess) return int(e);
+  return 0;
+}
+
 }  // namespace portep::cuda

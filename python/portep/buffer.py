@@ -84,8 +84,12 @@ class Buffer:
             from .cuda_backend import CudaEngine as Engine
         else:
             from .host_backend import HostEngine as Engine
+        # CUDA, both modes, both sizes: the normal mode keeps to num_nvl_bytes and LL to num_rdma_bytes, as
+        # DeepEP's NVL and RDMA buffers, so switching modes needs no clean_low_latency_buffer in between
+        split = self.backend == "cuda" and self.low_latency_mode and num_nvl_bytes > 0 and num_rdma_bytes > 0
         self.runtime = Engine(group, num_nvl_bytes + num_rdma_bytes, ranks_per_node, transport=transport,
-                              timeout_s=timeout_s, allow_direct_ll=bool(allow_nvlink_for_low_latency_mode))
+                              timeout_s=timeout_s, allow_direct_ll=bool(allow_nvlink_for_low_latency_mode),
+                              **({"normal_bytes": num_nvl_bytes} if split else {}))
         self._comm = None
         if self.backend == "cuda":
             from .comm_stream import CommStream

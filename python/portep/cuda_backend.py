@@ -1,7 +1,8 @@
 """The CUDA backend: LL dispatch/combine kernels and get_dispatch_layout on GPU tensors.
 
 Memory: one Channel whose data region is GPU memory (shm transport with CUDA IPC). Its first `num_bytes` are the
-DeepEP-sized LL buffer (two halves, laid out as gpu_kernels/cuda/ll_api.h says); after them come the direct-path
+DeepEP-sized LL buffer (two halves, laid out as gpu_kernels/cuda/ll_api.h says) and the normal mode's rings (both
+over all of it, or LL in the first `ll_bytes` and normal mode in the rest); after them come the direct-path
 flags, [half][phase][num_ranks * max_local_experts] int32. Peers reached directly (same node, NVLink) get
 stores through IPC pointers; the others get WRITE/SIGNAL commands (per chunk of 32 local experts) through device
 FIFOs to the proxy threads, which copy with the copy engines and deliver the signal into host signal slots that
@@ -83,7 +84,7 @@ class CudaEngine(Topology):
     """One per Buffer. Construction is collective over `group`."""
 
     def __init__(self, group, num_bytes, ranks_per_node, max_local_experts=1024, transport=None, timeout_s=None,
-                 allow_direct_ll=True, num_proxy_threads=4):
+                 allow_direct_ll=True, num_proxy_threads=4, normal_bytes=0):
         self.native = require_native()
         info = self.native.build_info()
         if not info["cuda_built"]:
@@ -93,7 +94,15 @@ class CudaEngine(Topology):
             raise RuntimeError("backend='cuda' needs a CUDA GPU (torch.cuda.is_available() is False)")
         super().__init__(group, ranks_per_node, max_local_experts)
         self.device = torch.device("cuda", torch.cuda.current_device())
+        self.native.cuda_load_kernels()  # before any of them runs (see the binding)
         self.num_bytes = hb.align(max(num_bytes, hb.ALIGN), 128)
+        # normal_bytes (a multiple of 128): the normal mode keeps to the last normal_bytes and the LL mode to the
+        # rest, so neither overwrites the other's data (DeepEP's NVL and RDMA buffers); 0: both use every byte
+        if normal_bytes % 128 or not 0 <= normal_bytes < self.num_bytes:
+            raise ValueError(f"normal_bytes={normal_bytes} must be a multiple of 128 below num_bytes={self.num_bytes}")
+        self.ll_bytes = self.num_bytes - normal_bytes if normal_bytes else self.num_bytes
+        self.normal_off = self.ll_bytes if normal_bytes else 0
+        self.normal_bytes = self.num_bytes - self.normal_off
         self.flag_slots = self.num_ranks * max_local_experts
         # after the flags: per half, each source's meta block for combine partials (ll_api.h)
         self.meta_base = self.num_bytes + 4 * 4 * self.flag_slots
@@ -105,11 +114,10 @@ class CudaEngine(Topology):
                                num_streams=self.ht_stream_base + self.native.HT_NUM_STREAMS,
                                num_proxy_threads=num_proxy_threads, timeout_s=timeout_s,
                                device=self.device.index, device_fifos=self.fifos)
-        # The normal-mode kernels' stream, made right after the proxies' copy streams so that it gets a hardware queue
-        # of its own: in a shared queue, a proxy copy issued after the data kernel was queued waits behind that
-        # kernel, which waits for the copy (on one shared H200 a notify's WRITE reached the peer only after the
-        # peer's kernel timed out, with a torch pool stream). It is never destroyed: tensors record_stream'd on it
-        # may be freed after the Buffer, and the caching allocator then records an event on it.
+        # The normal-mode kernels' stream, made right after the proxies' copy streams so that, where CUDA assigns
+        # hardware queues in turn, no proxy copy queues behind its kernels (torch's pool streams are made 32 at
+        # once). It is never destroyed: tensors record_stream'd on it may be freed after the Buffer, and the caching
+        # allocator then records an event on it.
         self.comm_stream = torch.cuda.ExternalStream(self.native.cuda_stream_create(), device=self.device)
         self.timeout_s = self.channel.timeout_s
         ch = self.channel._native
@@ -188,8 +196,9 @@ class CudaEngine(Topology):
         return lay
 
     def require_bytes(self, needed, what):
-        if needed > self.num_bytes:
-            raise ValueError(f"the communication buffer has {self.num_bytes} bytes but {what} needs {needed} bytes")
+        if needed > self.ll_bytes:
+            where = "the communication buffer" if self.ll_bytes == self.num_bytes else "its low-latency part (num_rdma_bytes)"
+            raise ValueError(f"{where} has {self.ll_bytes} bytes but {what} needs {needed} bytes")
 
     def _shape(self, lay, half, phase):
         """The kernels' per-call constants (cached per layout, half and phase) and the current stream."""
@@ -341,7 +350,8 @@ class CudaEngine(Topology):
 
     def get_local_buffer_tensor(self, dtype, size=None, offset=0, use_rdma_buffer=False):
         elem = torch.empty((), dtype=dtype).element_size()
-        view = self.region[offset:offset + (self.num_bytes - offset) // elem * elem].view(dtype)
+        begin, end = (0, self.ll_bytes) if use_rdma_buffer else (self.normal_off, self.num_bytes)
+        view = self.region[begin + offset:begin + offset + (end - begin - offset) // elem * elem].view(dtype)
         if size is not None:
             count = 1
             for s in size:

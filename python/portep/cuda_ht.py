@@ -44,18 +44,36 @@ class CudaHT:
                                       f"IPC); transport {eng.channel.transport!r} did not map ranks {unmapped}")
         self.eng = eng
         self.proxy = not all(peers)
-        self.recv_bytes = eng.num_bytes // 2 // 16 * 16 if self.proxy else eng.num_bytes
+        area = eng.normal_bytes  # from eng.normal_off: receive rings, then (proxy peers) as many staging bytes
+        self.recv_bytes = area // 2 // 16 * 16 if self.proxy else area
         self.peers = torch.tensor(peers, dtype=torch.int64, device=eng.device)
         self.epoch = torch.zeros(1, dtype=torch.int64, device=eng.device)
         self.host_counts, host_counts_device = native.cuda_host_alloc_mapped(native.HT_HOST_COUNTS_BYTES)
         ctypes.memset(self.host_counts, 0, native.HT_HOST_COUNTS_BYTES)
         self.ticket = 0
         self.kernels = native.HTKernels(
-            eng.rank, R, ch.device_data_ptr(), self.peers.data_ptr(), ctrl_off, 0, self.recv_bytes,
+            eng.rank, R, ch.device_data_ptr(), self.peers.data_ptr(), ctrl_off, eng.normal_off,
+            eng.normal_off + self.recv_bytes,
             self.epoch.data_ptr(), self.host_counts, host_counts_device,
             eng.error_device, eng._error_host, eng.timeout_s, eng.fifos, ch.device_signals_ptr(),
             eng._signal_seen.data_ptr(), eng.channel.num_streams, stream_base)
+        self._load_torch_kernels()
         torch.cuda.current_stream(eng.device).synchronize()  # epoch, peers in place before any kernel reads them
+
+    def _load_torch_kernels(self):
+        """Launches once, while nothing runs, the torch kernels an op queues behind its own: with CUDA's lazy
+        module loading (the default) a kernel's first launch waits for running kernels and holds up the proxies'
+        copy calls meanwhile, so a notify or data kernel waiting for those copies would time out."""
+        dev, R = self.eng.device, self.eng.num_ranks
+        torch.empty(1, 2, dtype=torch.int64, device=dev).fill_(-1)
+        torch.empty(1, 2, dtype=torch.float32, device=dev).zero_()
+        if self.eng.num_nodes > 1:  # one row from every rank to every rank
+            prefix = torch.arange(1, R + 1, dtype=torch.int32, device=dev).repeat_interleave(R).view(R, R)
+            ones = torch.ones(R, 1, dtype=torch.int32, device=dev)
+            in_rank = torch.ones(1, R, dtype=torch.bool, device=dev)
+            head = torch.zeros(1, R, dtype=torch.int32, device=dev)
+            for self_rows in ((self.eng.rank, 1), None):
+                self._internode_tensors(in_rank, prefix, ones, ones, head, R, self_rows)
 
     def destroy(self):
         if self.host_counts:
@@ -106,10 +124,11 @@ class CudaHT:
         rows = min(self.recv_bytes // ((R - 1) * num_channels * row_bytes) // chunk * chunk, 1 << 30)
         if rows < least:
             need = least * (R - 1) * num_channels * row_bytes * (2 if self.proxy else 1)
-            raise ValueError(f"{what}: the communication buffer ({self.eng.num_bytes} bytes) holds {rows} rows of "
+            raise ValueError(f"{what}: the normal-mode buffer ({self.eng.normal_bytes} bytes) holds {rows} rows of "
                              f"{row_bytes} bytes per (channel, peer) ring with {num_channels} channels; at least "
-                             f"{least} rows are needed: create the Buffer with num_nvl_bytes + num_rdma_bytes >= "
-                             f"{need} bytes, or use fewer channels (config.num_sms)")
+                             f"{least} rows are needed: give the normal mode >= {need} bytes (num_nvl_bytes; "
+                             "num_nvl_bytes + num_rdma_bytes when low_latency_mode=False or one of them is 0), or "
+                             "use fewer channels (config.num_sms)")
         return rows
 
     # ---- dispatch ----

@@ -8,6 +8,7 @@
 #include "../../gpu_kernels/cuda/api.h"
 #include "bind_util.h"
 #include "../../gpu_kernels/cuda/ll_api.h"
+#include "../../gpu_kernels/cuda/ht_api.h"
 
 namespace py = pybind11;
 using namespace portep::cuda;
@@ -154,6 +155,17 @@ void bind_cuda_ll(py::module_& m) {
     return reinterpret_cast<uintptr_t>(p);
   });
   m.def("cuda_device_free", [](uintptr_t p) { check(device_free(ptr<void>(p)), "cudaFree"); });
+  // Every portep kernel loaded now, while none runs. With CUDA's lazy module loading (the default) a kernel's
+  // first launch can wait for running kernels and holds up other threads' CUDA calls meanwhile: a first normal-
+  // mode kernel launched behind one that waits for the proxies' copies would stall them until its timeout.
+  m.def("cuda_load_kernels", [] {
+    check(load_layout_kernels(), "loading the layout kernel");
+    check(load_ll_dispatch_kernels(), "loading the LL dispatch kernels");
+    check(load_ll_combine_kernels(), "loading the LL combine kernels");
+    check(load_ht_notify_kernels(), "loading the HT notify kernel");
+    check(load_ht_dispatch_kernels(), "loading the HT dispatch kernel");
+    check(load_ht_combine_kernels(), "loading the HT combine kernel");
+  });
   m.def("cuda_stream_create", [] {
     void* s = nullptr;
     check(stream_create(&s), "cudaStreamCreateWithFlags");
