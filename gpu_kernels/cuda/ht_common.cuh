@@ -107,9 +107,12 @@ PORTEP_DEVICE void publish_tail(uint64_t* word, uint64_t epoch, uint32_t rows) {
 }
 
 // A kernel failed earlier (this op's notify included): the Buffer's results are invalid and the offsets this op
-// would store at may be garbage, so data kernels do nothing; the host raises the failure at the next call.
+// would store at may be garbage, so data kernels do nothing; the host raises the failure at the next call. More
+// rows than num_worst_tokens is the exception: the counts are sound, the rows past the outputs are dropped, and
+// the data kernel still runs so that its peers' rings drain (else they would wait out their timeouts).
 PORTEP_DEVICE bool failed_before(const HTCommon& c) {
-  return *reinterpret_cast<volatile uint32_t*>(&c.error->code) != 0;
+  const uint32_t code = *reinterpret_cast<volatile uint32_t*>(&c.error->code);
+  return code != 0 && code != kErrTooManyRecv;
 }
 
 // ---- the proxy path ----

@@ -76,8 +76,9 @@ PORTEP_DEVICE void init_send_state(const HTDispatchArgs& a, const Record& rec, S
   st.chan_start[d] = uint32_t(sent_before_channel(a.channel_prefix, C, d, ch));
   st.remote_ring[d] = ring_offset(c, d, c.rank, ch, a.ring_rows, rec.bytes);
   st.stage_ring[d] = ring_offset(c, c.rank, d, ch, a.ring_rows, rec.bytes);
-  if (d == 0) {
-    st.self_row0 = rows_before(a.recv_prefix, a.recv_prefix_stride, c.rank) + st.chan_start[c.rank];
+  if (d == 0) {  // (not st.chan_start[rank]: thread rank writes it, and no barrier lies between)
+    st.self_row0 = rows_before(a.recv_prefix, a.recv_prefix_stride, c.rank) +
+                   sent_before_channel(a.channel_prefix, C, c.rank, ch);
     st.epoch = *c.epoch;
     st.failed = 0;
   }

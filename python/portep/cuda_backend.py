@@ -144,7 +144,7 @@ class CudaEngine(Topology):
         self._error = (ctypes.c_uint32 * 4).from_address(self._error_host)
         self._ht = None
         self.launch_stream = None  # comm_stream while the Buffer runs a normal-mode call (comm_stream.py)
-        num_sms = torch.cuda.get_device_properties(self.device).multi_processor_count
+        num_sms = self.device_sms = torch.cuda.get_device_properties(self.device).multi_processor_count
         self.kernels = self.native.LLKernels(self.rank, self.num_ranks, ch.device_data_ptr(), self._peers.data_ptr(),
                                              ch.device_signals_ptr(), self._signal_seen.data_ptr(),
                                              self.channel.num_streams, self.fifos, self._finish.data_ptr(),

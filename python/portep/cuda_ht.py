@@ -113,6 +113,13 @@ class CudaHT:
         self.kernels.notify(num_channels, stream, count_mode, is_token_in_rank.data_ptr(), _ptr(per_expert), N, E,
                             _ptr(rp), _ptr(cp), _ptr(rcp), max_recv, ticket)
 
+    def _check_channels(self, num_channels, what):
+        """Every block of a data kernel must run at once (senders wait for readers): 2 per channel, one per SM."""
+        sms = self.eng.device_sms
+        if 2 * num_channels > sms:
+            raise ValueError(f"{what}: {num_channels} channels (config.num_sms={2 * num_channels}) need "
+                             f"{2 * num_channels} SMs at once; this GPU has {sms}: use config.num_sms <= {sms}")
+
     def _ring_rows(self, row_bytes, num_channels, what):
         """Rows per (channel, peer) ring for rows of row_bytes (ht_api.h): as many as the receive area (and the
         staging area, which is as large) holds, in whole chunks. The same on every rank (same buffer size, same
@@ -149,6 +156,7 @@ class CudaHT:
         K = 0 if topk_idx is None else topk_idx.size(1)
         rec = _record_bytes(x, scales, K)
         self._check_row(rec, "dispatch")
+        self._check_channels(num_channels, "dispatch")
         ring_rows = self._ring_rows(rec, num_channels, "dispatch")
         counts_list, self_rows = [], None
         cached = handle is not None
@@ -265,6 +273,7 @@ class CudaHT:
         K = 0 if topk_weights is None else topk_weights.size(1)
         row_bytes = hb.align(2 * H + 4 * K, 16)
         self._check_row(row_bytes, "combine")
+        self._check_channels(C, "combine")
         ring_rows = self._ring_rows(row_bytes, C, "combine")
         with self._on_comm():
             x = x.contiguous()
