@@ -25,10 +25,10 @@ PORTEP_DEVICE bool send_to(const HTCombineArgs& a, int ch, int s, uint64_t epoch
   const int C = c.num_channels, warp = threadIdx.x / kWarpSize, stride = a.recv_prefix_stride;
   const uint32_t bytes = contribution_bytes(a), Q = a.ring_rows;
   const int64_t begin = a.recv_channel_prefix[s * C + ch];
-  const int64_t end = ch + 1 < C ? a.recv_channel_prefix[s * C + ch + 1] : rows_from(a.recv_prefix, stride, s);
-  const uint32_t n = uint32_t(end - begin);
+  const uint32_t n = uint32_t(received_end(a.recv_channel_prefix, a.recv_prefix, stride, C, s, ch) - begin);
   const int64_t local_row0 = rows_before(a.recv_prefix, stride, s) + begin;  // in x
-  const uint64_t remote_ring = ring_offset(c, s, c.rank, ch, Q, bytes), stage_ring = ring_offset(c, c.rank, s, ch, Q, bytes);
+  const uint64_t remote_ring = ring_offset(c, s, c.rank, ch, Q, bytes);
+  const uint64_t stage_ring = ring_offset(c, c.rank, s, ch, Q, bytes);
   uint32_t flushed = 0;  // thread 0's
   for (uint32_t b = 0; b < n; b += kHTWarps) {
     const uint32_t r = b + warp, done = min(b + kHTWarps, n);
@@ -37,7 +37,8 @@ PORTEP_DEVICE bool send_to(const HTCombineArgs& a, int ch, int s, uint64_t epoch
     if (*failed) return false;
     if (r < n) {
       const uint64_t slot = ring_slot(r, Q, bytes);
-      uint8_t* dst = c.peers[s] ? c.peers[s] + c.recv_off + remote_ring + slot : c.local + c.stage_off + stage_ring + slot;
+      uint8_t* dst = c.peers[s] ? c.peers[s] + c.recv_off + remote_ring + slot
+                                : c.local + c.stage_off + stage_ring + slot;
       write_contribution(a, dst, local_row0 + r);
     }
     __syncthreads();
@@ -62,7 +63,7 @@ PORTEP_DEVICE void send_channel(const HTCombineArgs& a, int ch) {
     if (s != c.rank && !send_to(a, ch, s, epoch, &failed)) return;
   const int d = threadIdx.x, C = c.num_channels;
   if (d < c.num_ranks) {
-    const int64_t end = ch + 1 < C ? a.recv_channel_prefix[d * C + ch + 1] : rows_from(a.recv_prefix, a.recv_prefix_stride, d);
+    const int64_t end = received_end(a.recv_channel_prefix, a.recv_prefix, a.recv_prefix_stride, C, d, ch);
     collect_credits(c, true, d, ch, uint32_t(end - a.recv_channel_prefix[d * C + ch]));
   }
 }

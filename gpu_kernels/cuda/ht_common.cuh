@@ -71,15 +71,15 @@ PORTEP_DEVICE int64_t rows_before(const int32_t* recv_prefix, int stride, int s)
 PORTEP_DEVICE int64_t rows_from(const int32_t* recv_prefix, int stride, int s) {
   return recv_prefix[s * stride] - rows_before(recv_prefix, stride, s);
 }
-// channel_prefix [R][C] inclusive over channels: this rank's tokens to d (in all channels / before channel ch).
-PORTEP_DEVICE int64_t sent_to(const int32_t* channel_prefix, int C, int d) { return channel_prefix[d * C + C - 1]; }
+// channel_prefix [R][C] inclusive over channels: this rank's tokens to d before channel ch.
 PORTEP_DEVICE int64_t sent_before_channel(const int32_t* channel_prefix, int C, int d, int ch) {
   return ch > 0 ? channel_prefix[d * C + ch - 1] : 0;
 }
-PORTEP_DEVICE int64_t sent_to_ranks_before(const int32_t* channel_prefix, int C, int d) {
-  int64_t n = 0;
-  for (int j = 0; j < d; ++j) n += sent_to(channel_prefix, C, j);
-  return n;
+// recv_channel_prefix [R][C] exclusive over channels: where source s's rows of channel ch end in its block (they
+// begin at recv_channel_prefix[s * C + ch]).
+PORTEP_DEVICE int64_t received_end(const int32_t* recv_channel_prefix, const int32_t* recv_prefix, int stride, int C,
+                                   int s, int ch) {
+  return ch + 1 < C ? recv_channel_prefix[s * C + ch + 1] : rows_from(recv_prefix, stride, s);
 }
 
 // ---- waits ----

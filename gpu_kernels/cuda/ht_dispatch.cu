@@ -185,7 +185,7 @@ PORTEP_DEVICE void init_recv_state(const HTDispatchArgs& a, RecvState& st, int c
   const int C = c.num_channels, s = threadIdx.x, stride = a.recv_prefix_stride;
   if (s < c.num_ranks) {
     const int64_t begin = a.recv_channel_prefix[s * C + ch];
-    const int64_t end = ch + 1 < C ? a.recv_channel_prefix[s * C + ch + 1] : rows_from(a.recv_prefix, stride, s);
+    const int64_t end = received_end(a.recv_channel_prefix, a.recv_prefix, stride, C, s, ch);
     st.rows[s] = s == c.rank ? 0 : uint32_t(end - begin);
     st.done[s] = st.avail[s] = st.credited[s] = 0;
     st.first[s] = rows_before(a.recv_prefix, stride, s) + begin;

@@ -176,8 +176,8 @@ class CudaEngine(Topology):
                             "hardware queue with the LL kernels' stream they wait behind those kernels (see "
                             "CUDA_DEVICE_MAX_CONNECTIONS in portep/config.py)")
             where = {4: f"token {src}, value {ctypes.c_int32(index).value}",
-                     5: f"{src} rows received, num_worst_tokens={index}"}.get(code,
-                                                       f"peer rank {src}, index {index}, within {self.timeout_s} s")
+                     5: f"{src} rows received, num_worst_tokens={index}"}.get(
+                         code, f"peer rank {src}, index {index}, within {self.timeout_s} s")
             slots = ""
             if code == 1 and 0 <= src < self.num_ranks:  # what that peer's proxies delivered into the LL slots
                 # a snapshot: the proxies may still write the live slots, which torch's nonzero must not see change
@@ -197,7 +197,8 @@ class CudaEngine(Topology):
 
     def require_bytes(self, needed, what):
         if needed > self.ll_bytes:
-            where = "the communication buffer" if self.ll_bytes == self.num_bytes else "its low-latency part (num_rdma_bytes)"
+            where = ("the communication buffer" if self.ll_bytes == self.num_bytes
+                     else "its low-latency part (num_rdma_bytes)")
             raise ValueError(f"{where} has {self.ll_bytes} bytes but {what} needs {needed} bytes")
 
     def _shape(self, lay, half, phase):
@@ -332,8 +333,7 @@ class CudaEngine(Topology):
     def clean_low_latency_buffer(self, num_max_dispatch_tokens_per_rank, hidden, num_experts):
         """Zero every LL flag and signal slot of this rank, between two barriers (DeepEP's clean); normal-mode
         kernels on the communication stream finish first."""
-        torch.cuda.current_stream(self.device).synchronize()
-        self.comm_stream.synchronize()
+        self.synchronize()
         self.channel.barrier()
         flags = self.num_bytes
         _as_tensor(self.channel._native.device_data_ptr() + flags, self.meta_base + self.meta_bytes - flags,
@@ -359,17 +359,20 @@ class CudaEngine(Topology):
             view = view[:count].view(size)
         return view
 
-    def barrier(self):
+    def synchronize(self):
+        """Waits for this Buffer's kernels: the LL ones on the current stream, the normal-mode ones on comm_stream."""
         torch.cuda.current_stream(self.device).synchronize()
         self.comm_stream.synchronize()
+
+    def barrier(self):
+        self.synchronize()
         self.channel.barrier()
 
     def destroy(self):
         if self.channel is None:
             return
         try:
-            torch.cuda.current_stream(self.device).synchronize()
-            self.comm_stream.synchronize()
+            self.synchronize()
         finally:
             self.region = None
             if self._ht is not None:

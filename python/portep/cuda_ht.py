@@ -1,14 +1,15 @@
 """Normal (HT) mode on the CUDA backend. Kernels and layouts: gpu_kernels/cuda/ht_api.h. Each op is a notify
-kernel (count or offset exchange) and a data kernel; a non-cached dispatch without num_worst_tokens waits on the
-CPU for the notify's counts in mapped host memory to size its outputs (as DeepEP does), everything else can be
-captured in a CUDA graph.
+kernel (a count exchange, or with a handle only a flag each rank waits for) and a data kernel; a non-cached
+dispatch without num_worst_tokens waits on the CPU for the notify's counts in mapped host memory to size its
+outputs (as DeepEP does), everything else can be captured in a CUDA graph.
 
-Rows travel through a ring per (channel, sender, receiver), so any buffer that holds 2 * HT_CHUNK_ROWS rows per
+Rows travel through a ring per (channel, sender, receiver), so any buffer that holds HT_MIN_RING_ROWS rows per
 ring works, DeepEP's size hints included. Same-node peers get stores through CUDA IPC; peers on other nodes get
-rows staged in this rank's buffer and copied by the proxies (WRITE + SIGNAL through the device FIFOs). Across nodes only one rank per node is supported
-so far (num_ranks_per_node=1, e.g. the forced proxy path on one machine): DeepEP's forwarding of a node's tokens
-to its NVLink peers runs on the host backend only. Results match the host backend bit for bit (the same receive
-order, the same FP32 reduction order: bias, then ranks ascending).
+rows staged in this rank's buffer and copied by the proxies (WRITE + SIGNAL through the device FIFOs). Across
+nodes only one rank per node is supported so far (num_ranks_per_node=1, e.g. the forced proxy path on one
+machine): DeepEP's forwarding of a node's tokens to its NVLink peers runs on the host backend only. Results
+match the host backend bit for bit (the same receive order, the same FP32 reduction order: bias, then ranks
+ascending).
 """
 
 import ctypes
@@ -53,17 +54,16 @@ class CudaHT:
         self.ticket = 0
         self.kernels = native.HTKernels(
             eng.rank, R, ch.device_data_ptr(), self.peers.data_ptr(), ctrl_off, eng.normal_off,
-            eng.normal_off + self.recv_bytes,
-            self.epoch.data_ptr(), self.host_counts, host_counts_device,
+            eng.normal_off + self.recv_bytes, self.epoch.data_ptr(), self.host_counts, host_counts_device,
             eng.error_device, eng._error_host, eng.timeout_s, eng.fifos, ch.device_signals_ptr(),
             eng._signal_seen.data_ptr(), eng.channel.num_streams, stream_base)
+        eng.synchronize()  # epoch, peers in place before any kernel reads them; earlier ops done
         self._load_torch_kernels()
-        torch.cuda.current_stream(eng.device).synchronize()  # epoch, peers in place before any kernel reads them
 
     def _load_torch_kernels(self):
-        """Launches once, while nothing runs, the torch kernels an op queues behind its own: with CUDA's lazy
-        module loading (the default) a kernel's first launch waits for running kernels and holds up the proxies'
-        copy calls meanwhile, so a notify or data kernel waiting for those copies would time out."""
+        """Launches once, while this Buffer runs nothing, the torch kernels an op queues behind its own: with
+        CUDA's lazy module loading (the default) a kernel's first launch waits for running kernels and holds up the
+        proxies' copy calls meanwhile, so a notify or data kernel waiting for those copies would time out."""
         dev, R = self.eng.device, self.eng.num_ranks
         torch.empty(1, 2, dtype=torch.int64, device=dev).fill_(-1)
         torch.empty(1, 2, dtype=torch.float32, device=dev).zero_()

@@ -26,9 +26,9 @@ using portep::bind::PyFifoSet;
 class HTKernels {
  public:
   HTKernels(int rank, int num_ranks, uintptr_t local, uintptr_t peers, uint64_t ctrl_off, uint64_t recv_off,
-            uint64_t stage_off, uintptr_t epoch, uintptr_t host_counts, uintptr_t host_counts_device, uintptr_t error, uintptr_t error_host,
-            double timeout_s, const PyFifoSet& fifos, uintptr_t host_signals, uintptr_t signal_seen,
-            uint32_t num_streams, uint32_t stream_base)
+            uint64_t stage_off, uintptr_t epoch, uintptr_t host_counts, uintptr_t host_counts_device, uintptr_t error,
+            uintptr_t error_host, double timeout_s, const PyFifoSet& fifos, uintptr_t host_signals,
+            uintptr_t signal_seen, uint32_t num_streams, uint32_t stream_base)
       : host_(ptr<HTHostCounts>(host_counts)), error_host_(ptr<LLError>(error_host)), timeout_s_(timeout_s) {
     if (num_ranks > kHTMaxRanks)
       throw std::invalid_argument("num_ranks=" + std::to_string(num_ranks) +
@@ -145,8 +145,9 @@ void bind_cuda_ht(py::module_& m) {
            [](const HTKernels& k, int num_channels, uintptr_t stream, uintptr_t x, uintptr_t scales, uintptr_t topk_idx,
               uintptr_t topk_weights, uintptr_t is_token_in_rank, uintptr_t recv_prefix, int recv_prefix_stride,
               uintptr_t channel_prefix, uintptr_t recv_channel_prefix, int num_tokens, int row_bytes, int num_scales,
-              int num_topk, int num_local_experts, uint32_t ring_rows, int64_t max_recv, uintptr_t recv_x, uintptr_t recv_scales,
-              uintptr_t recv_topk_idx, uintptr_t recv_topk_weights, uintptr_t recv_src_idx, uintptr_t send_head) {
+              int num_topk, int num_local_experts, uint32_t ring_rows, int64_t max_recv, uintptr_t recv_x,
+              uintptr_t recv_scales, uintptr_t recv_topk_idx, uintptr_t recv_topk_weights, uintptr_t recv_src_idx,
+              uintptr_t send_head) {
              HTDispatchArgs a{};
              a.c = k.common(num_channels, stream);
              a.x = ptr<const uint8_t>(x);
