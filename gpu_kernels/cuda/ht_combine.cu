@@ -158,7 +158,7 @@ PORTEP_DEVICE void reduce_channel(const HTCombineArgs& a, int ch) {
     if (in && lane != c.rank)
       atomicMax(&st.need[lane], uint32_t(a.send_head[int64_t(t) * R + lane] -
                                          sent_before_channel(a.channel_prefix, C, lane, ch) + 1));
-    const uint32_t mask = __ballot_sync(0xffffffffu, in);
+    const uint32_t mask = uint32_t(warp_ballot(in));  // lanes < R <= kHTMaxRanks
     __syncthreads();
     if (!await_batch(a, st, ch, epoch)) return;
     if (t < t1) reduce_token(a, t, ch, mask);

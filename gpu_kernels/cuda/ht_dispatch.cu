@@ -140,7 +140,7 @@ PORTEP_DEVICE void send_channel(const HTDispatchArgs& a, int ch) {
   for (int b = t0; b < t1; b += kHTWarps) {
     const int t = b + warp;
     const bool in = lane < R && t < t1 && a.is_token_in_rank[int64_t(t) * R + lane];
-    const uint32_t mask = __ballot_sync(0xffffffffu, in);
+    const uint32_t mask = uint32_t(warp_ballot(in));  // lanes < R <= kHTMaxRanks
     __syncthreads();  // the previous batch's bookkeeping is done
     if (lane == 0) st.masks[warp] = mask;
     __syncthreads();

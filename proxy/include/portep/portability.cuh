@@ -69,6 +69,8 @@ PORTEP_DEVICE float warp_max_f32(float v) {
   for (int o = kWarpSize / 2; o > 0; o /= 2) v = fmaxf(v, __shfl_xor(v, o));
   return v;
 }
+// Bit i: lane i's pred (every lane of the wavefront takes part).
+PORTEP_DEVICE uint64_t warp_ballot(bool pred) { return __ballot(pred); }
 PORTEP_DEVICE int warp_sum_i32(int v) {
   for (int o = kWarpSize / 2; o > 0; o /= 2) v += __shfl_xor(v, o);
   return v;
@@ -156,6 +158,8 @@ PORTEP_DEVICE float warp_max_f32(float v) {
   for (int o = kWarpSize / 2; o > 0; o /= 2) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
   return v;
 }
+// Bit i: lane i's pred (every lane of the warp takes part).
+PORTEP_DEVICE uint64_t warp_ballot(bool pred) { return __ballot_sync(0xffffffffu, pred); }
 PORTEP_DEVICE int warp_sum_i32(int v) {
   for (int o = kWarpSize / 2; o > 0; o /= 2) v += __shfl_xor_sync(0xffffffffu, v, o);
   return v;
