@@ -1,5 +1,5 @@
 // Host-side setup for the LL kernels: sets of device FIFOs and small device / mapped host allocations.
-#include <cuda_runtime.h>
+#include "portep/gpu_runtime.h"
 
 #include <string.h>
 
@@ -42,8 +42,10 @@ int free_device_fifo_set(DeviceFifoSet* set) {
     if (!first) first = e;
   }
   delete[] set->host_views;
-  if (set->device_views) cudaFree(set->device_views);
-  if (set->device_tails) cudaFree(set->device_tails);
+  for (void* p : {static_cast<void*>(set->device_views), static_cast<void*>(set->device_tails)}) {
+    const int e = p ? int(cudaFree(p)) : 0;
+    if (!first) first = e;
+  }
   *set = DeviceFifoSet{};
   return first;
 }
@@ -72,7 +74,7 @@ int host_alloc_mapped(void** host, void** device, uint64_t bytes) {
   if (e != cudaSuccess) return int(e);
   memset(*host, 0, bytes);
   e = cudaHostGetDevicePointer(device, *host, 0);
-  if (e != cudaSuccess) cudaFreeHost(*host);
+  if (e != cudaSuccess) (void)cudaFreeHost(*host);  // e is the error reported
   return int(e);
 }
 

@@ -1,4 +1,4 @@
-#include <cuda_runtime.h>
+#include "portep/gpu_runtime.h"
 #include <stdint.h>
 #include <string.h>
 

@@ -1,6 +1,6 @@
 // The GPU -> host command channel measured on its own: probe kernels push commands into mapped FIFOs while
 // host consumer threads (the proxies' drain loop without a transport) pop and check them.
-#include <cuda_runtime.h>
+#include "portep/gpu_runtime.h"
 #include <time.h>
 
 #include <atomic>
@@ -51,13 +51,13 @@ __global__ void fifo_rtt_kernel(FifoView f, int iterations, uint64_t* out_ns, ui
   }
 }
 
-#if !defined(__CUDA_ARCH__)  // host code below; FifoConsumer exists in the host compilation pass only
+#if !defined(PORTEP_DEVICE_PASS)  // host code below; FifoConsumer exists in the host compilation pass only
 struct Fifos {
   std::vector<FifoView> host, device;
   FifoView* device_array = nullptr;
   ~Fifos() {
     for (size_t i = 0; i < host.size(); ++i) free_mapped_fifo(&host[i], &device[i]);
-    if (device_array) cudaFree(device_array);
+    if (device_array) (void)cudaFree(device_array);  // a destructor cannot report it
   }
   int alloc(int n, uint32_t capacity) {
     host.resize(n);
@@ -102,7 +102,7 @@ void consume(Fifos& fifos, int t, int threads, uint64_t expected_total, std::ato
 #endif
 }  // namespace
 
-#if !defined(__CUDA_ARCH__)
+#if !defined(PORTEP_DEVICE_PASS)
 int run_fifo_probe(const FifoProbeConfig& cfg, FifoProbeResult* out) {
   Fifos fifos;
   if (int err = fifos.alloc(cfg.num_fifos, cfg.capacity)) return err;
@@ -146,8 +146,8 @@ int run_fifo_rtt(int iterations, double timeout_s, FifoRttTimes* out) {
   if (!setup) setup = cudaHostAlloc(reinterpret_cast<void**>(&clock_host), 64, cudaHostAllocMapped);
   if (!setup) setup = cudaHostGetDevicePointer(reinterpret_cast<void**>(&clock_dev), clock_host, 0);
   if (setup) {
-    cudaFree(dev);
-    if (clock_host) cudaFreeHost(clock_host);
+    (void)cudaFree(dev);  // setup is the error reported
+    if (clock_host) (void)cudaFreeHost(clock_host);
     return int(setup);
   }
   out->pop_ns.assign(size_t(iterations), 0);
@@ -173,10 +173,11 @@ int run_fifo_rtt(int iterations, double timeout_s, FifoRttTimes* out) {
   stop.store(true);
   consumer.join();
   clock.join();
-  cudaFreeHost(clock_host);
+  const int freed_clock = int(cudaFreeHost(clock_host));
   std::vector<uint64_t> gpu(words, 0);
   if (!err) err = int(cudaMemcpy(gpu.data(), dev, sizeof(uint64_t) * words, cudaMemcpyDeviceToHost));
-  cudaFree(dev);
+  const int freed_dev = int(cudaFree(dev));
+  if (!err) err = freed_clock ? freed_clock : freed_dev;
   out->publish_ns.resize(size_t(iterations));
   out->seen_ns.resize(size_t(iterations));
   for (size_t i = 0; i < size_t(iterations); ++i) {

@@ -1,6 +1,6 @@
 // The HT combine data kernel (ht_api.h): per channel one block sends this rank's rows back to their sources and
 // one block reduces this rank's own tokens (bias, then every rank's row in rank order, FP32, as the host backend).
-#include <cuda_runtime.h>
+#include "portep/gpu_runtime.h"
 
 #include "ht_common.cuh"
 
@@ -191,8 +191,7 @@ int ht_combine(const HTCombineArgs& a) {
 }
 
 int load_ht_combine_kernels() {
-  cudaFuncAttributes attr;
-  return int(cudaFuncGetAttributes(&attr, ht_combine_kernel));
+  return int(load_kernel(ht_combine_kernel));
 }
 
 }  // namespace portep::cuda

@@ -8,9 +8,11 @@
 
 namespace portep::cuda {
 
-constexpr int kHTWarps = 32;  // warps per data block: one token (or row) per warp per batch
-constexpr int kHTThreads = kHTWarps * kWarpSize;
-static_assert(kHTChunkRows == kHTWarps, "a batch adds at most one full proxy chunk per destination");
+constexpr int kHTThreads = 1024;  // per data block
+constexpr int kHTWarps = kHTThreads / kWarpSize;  // one token (or row) per warp per batch: 32 on CUDA, 16 on CDNA
+// A proxy reader credits whole chunks only, so a sender always regains room for kHTChunkRows more rows than it
+// flushed whole chunks of, in a ring of kHTMinRingRows = 2 chunks: a batch must not need more.
+static_assert(kHTWarps <= kHTChunkRows, "a batch of rows fits the room a ring of two chunks always regains");
 constexpr uint32_t kProxyPollNs = 200;
 
 // DeepEP's split of tokens into channels: contiguous ranges of ceil(N / C) tokens.

@@ -1,5 +1,5 @@
 // The HT dispatch data kernel (ht_api.h): per channel one sending and one receiving block.
-#include <cuda_runtime.h>
+#include "portep/gpu_runtime.h"
 
 #include "ht_common.cuh"
 
@@ -263,8 +263,7 @@ int ht_dispatch(const HTDispatchArgs& a) {
 }
 
 int load_ht_dispatch_kernels() {
-  cudaFuncAttributes attr;
-  return int(cudaFuncGetAttributes(&attr, ht_dispatch_kernel));
+  return int(load_kernel(ht_dispatch_kernel));
 }
 
 }  // namespace portep::cuda

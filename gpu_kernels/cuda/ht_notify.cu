@@ -1,6 +1,6 @@
 // The HT notify kernel (ht_api.h): epoch, count exchange (or flags only, with a handle), the handle's prefix
 // matrices.
-#include <cuda_runtime.h>
+#include "portep/gpu_runtime.h"
 
 #include "ht_common.cuh"
 
@@ -152,8 +152,7 @@ int ht_notify(const HTNotifyArgs& a) {
 }
 
 int load_ht_notify_kernels() {
-  cudaFuncAttributes attr;
-  return int(cudaFuncGetAttributes(&attr, ht_notify_kernel));
+  return int(load_kernel(ht_notify_kernel));
 }
 
 }  // namespace portep::cuda

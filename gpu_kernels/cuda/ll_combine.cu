@@ -5,7 +5,7 @@
 // each token per owner rank (top-k order, FP32), then over owner ranks in rank order: the host backend's order
 // and roundings, so both give the same bits. In one launch (no hook) this rank's rows for itself are not
 // copied: the reduce reads them from the input, which cannot change before it runs.
-#include <cuda_runtime.h>
+#include "portep/gpu_runtime.h"
 
 #include <climits>
 
@@ -416,10 +416,9 @@ int ll_combine(const LLCombineArgs& a, int phases) {
 }
 
 int load_ll_combine_kernels() {
-  cudaFuncAttributes attr;
   for (auto k : {combine_kernel<kPhaseSend>, combine_kernel<kPhaseRecv>, combine_kernel<kPhaseSend | kPhaseRecv>})
-    if (cudaError_t e = cudaFuncGetAttributes(&attr, k); e != cudaSuccess) return int(e);
-  return int(cudaFuncGetAttributes(&attr, combine_wait_kernel));
+    if (cudaError_t e = load_kernel(k); e != cudaSuccess) return int(e);
+  return int(load_kernel(combine_wait_kernel));
 }
 
 }  // namespace portep::cuda

@@ -2,7 +2,7 @@
 // slot (direct peers, through IPC pointers) or into the local staging area (proxy peers), and publishes each
 // expert once all its messages are written; the receive kernel waits per (local expert, source), packs the
 // messages expert-major and writes recv_count, src_info and layout_range. Layouts: ll_api.h.
-#include <cuda_runtime.h>
+#include "portep/gpu_runtime.h"
 
 #include "ll_common.cuh"
 
@@ -291,9 +291,7 @@ __global__ void __launch_bounds__(kLLThreads, kPhases == (kPhaseSend | kPhaseRec
 template <int kPhases>
 int launch_dispatch(const LLDispatchArgs& a, int blocks, size_t smem) {
   if (smem > 48 * 1024) {
-    if (cudaError_t e = cudaFuncSetAttribute(dispatch_kernel<kPhases>, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                             int(smem));
-        e != cudaSuccess)
+    if (cudaError_t e = allow_dynamic_smem(dispatch_kernel<kPhases>, int(smem)); e != cudaSuccess)
       return int(e);
   }
   dispatch_kernel<kPhases><<<blocks, kLLThreads, smem, static_cast<cudaStream_t>(a.c.stream)>>>(a);
@@ -319,9 +317,8 @@ int ll_dispatch(const LLDispatchArgs& a, int phases) {
 }
 
 int load_ll_dispatch_kernels() {
-  cudaFuncAttributes attr;
   for (auto k : {dispatch_kernel<kPhaseSend>, dispatch_kernel<kPhaseRecv>, dispatch_kernel<kPhaseSend | kPhaseRecv>})
-    if (cudaError_t e = cudaFuncGetAttributes(&attr, k); e != cudaSuccess) return int(e);
+    if (cudaError_t e = load_kernel(k); e != cudaSuccess) return int(e);
   return 0;
 }
 

@@ -3,6 +3,7 @@
 #include <pybind11/stl.h>
 
 #include "portep/fifo_selftest.h"
+#include "portep/fp8_e4m3.h"
 #include "portep/imm.h"
 #include "portep/inflight.h"
 #include "portep/pending_signals.h"
@@ -57,6 +58,18 @@ py::dict decode_imm(uint32_t v) {
   return d;
 }
 
+// FP8 E4M3 bytes of a contiguous 1-D float32 buffer, as the AMD kernels convert (fp8_e4m3.h).
+py::bytes e4m3_from_float32(py::buffer values) {
+  py::buffer_info info = values.request();
+  if (info.format != py::format_descriptor<float>::format() || info.ndim != 1 || info.strides[0] != 4)
+    throw py::value_error("values: a contiguous 1-D float32 buffer is needed, got format '" + info.format +
+                          "' with ndim " + std::to_string(info.ndim));
+  std::string out(size_t(info.shape[0]), '\0');
+  const float* in = static_cast<const float*>(info.ptr);
+  for (size_t i = 0; i < out.size(); ++i) out[i] = char(e4m3_from_float(in[i]));
+  return py::bytes(out);
+}
+
 py::list to_list(const std::vector<SignalRelease>& v) {
   py::list out;
   for (auto& r : v) out.append(py::make_tuple(r.src, r.stream, r.units, r.final_signal));
@@ -91,6 +104,7 @@ void bind_wire(py::module_& m) {
   w.def("imm_seq_add", &imm::encode_seq_add, py::arg("slot"), py::arg("seq"), py::arg("value"));
   w.def("imm_control", &imm::encode_control, py::arg("op"), py::arg("arg"));
   w.def("decode_imm", &decode_imm, py::arg("imm"));
+  w.def("e4m3_from_float32", &e4m3_from_float32, py::arg("values"));
 
   py::module_ o = m.def_submodule("ordering", "pure ordering logic (DESIGN §5)");
   py::class_<PendingSignalTable>(o, "PendingSignalTable")

@@ -4,6 +4,7 @@
 
 #include <stdint.h>
 
+#include "portep/fp8_e4m3.h"
 #include "portep/transfer_cmd.h"
 
 #if defined(__HIPCC__)
@@ -44,9 +45,9 @@ PORTEP_DEVICE void sleep_ns(uint32_t ns) {
   for (uint32_t t = 0; t < ns; t += 32) __builtin_amdgcn_s_sleep(1);
 }
 
-// wall_clock64 runs at a constant 100 MHz on CDNA2/CDNA3 (hipDeviceAttributeWallClockRate reports
-// 100000 kHz there); a part with another rate needs this scale changed.
-PORTEP_DEVICE uint64_t globaltimer_ns() { return wall_clock64() * 10; }
+// s_memrealtime reads the real-time counter (what HIP's wall_clock64 reads), a constant 100 MHz on CDNA2/CDNA3
+// (hipDeviceAttributeWallClockRate reports 100000 kHz there); a part with another rate needs this scale changed.
+PORTEP_DEVICE uint64_t globaltimer_ns() { return __builtin_amdgcn_s_memrealtime() * 10; }
 
 PORTEP_DEVICE void st_release_sys_u32(uint32_t* p, uint32_t v) {
   __hip_atomic_store(p, v, __ATOMIC_RELEASE, __HIP_MEMORY_SCOPE_SYSTEM);
@@ -78,10 +79,9 @@ PORTEP_DEVICE int warp_sum_i32(int v) {
 PORTEP_DEVICE int warp_broadcast_i32(int v, int lane) { return __shfl(v, lane); }
 PORTEP_DEVICE bool warp_all(bool p) { return __all(p); }
 PORTEP_DEVICE void warp_sync() {}
-// Round to nearest even, saturating to +-448 (e4m3fn has no infinity).
-PORTEP_DEVICE uint8_t float_to_e4m3(float v) {
-  return static_cast<uint8_t>(__builtin_amdgcn_cvt_pk_fp8_f32(v, v, 0, false) & 0xFF);
-}
+// Round to nearest even, saturating to +-448 (e4m3fn has no infinity). In integer arithmetic: MI300's conversion
+// instructions produce FP8 FNUZ, not e4m3fn (fp8_e4m3.h).
+PORTEP_DEVICE uint8_t float_to_e4m3(float v) { return e4m3_from_float(v); }
 
 }  // namespace portep
 
