@@ -1,0 +1,227 @@
+"""The normal-mode (HT) kernels' own throughput on one GPU: both ranks of an EP2 exchange in one process, each with
+its own buffer in the same GPU's memory and the other's buffer as its direct peer, their kernels on two streams at
+once (2 x config.num_sms blocks, so up to 66 SMs per rank on an H200). The peer's stores go to local HBM instead of
+across NVLink, so this is not the two-GPU figure: it tells how fast the kernels move rows when the link is not the
+limit, per SM count, next to a plain device copy of the same bytes from the same run. DeepEP's shape (4096 tokens
+per rank, hidden 7168, top-8, 256 experts), DeepEP's byte counting (rows received, own rows included, x row bytes),
+medians of CUDA events around both ranks' launches. Every output is checked against a torch reference first.
+Run from the repository root: python bench/probes/ht_loopback.py [--sms 8 16 24 32 48 64]"""
+import argparse
+import ctypes
+import statistics
+import sys
+
+import torch
+
+sys.path.insert(0, "bench")
+from portep_bench.ht_gpu import ht_inputs  # noqa: E402
+from portep_bench.stats import table  # noqa: E402
+
+from portep import native  # noqa: E402
+from portep.cuda_ht import _record_bytes  # noqa: E402
+
+R = 2
+
+
+class LoopbackRank:
+    """One rank's buffer and kernels; peers are both ranks' buffers (direct stores, no proxies)."""
+
+    def __init__(self, rank, area_bytes, regions, peers):
+        self.rank = rank
+        self.ctrl = (native.HT_CTRL_BYTES + 127) // 128 * 128
+        self.area = area_bytes
+        self.region = regions[rank]
+        self.epoch = torch.zeros(1, dtype=torch.int64, device="cuda")
+        self.counts_host, counts_dev = native.cuda_host_alloc_mapped(native.HT_HOST_COUNTS_BYTES)
+        self.error_host, error_dev = native.cuda_host_alloc_mapped(16)
+        ctypes.memset(self.counts_host, 0, native.HT_HOST_COUNTS_BYTES)
+        ctypes.memset(self.error_host, 0, 16)
+        self.signals = torch.zeros(R * native.HT_NUM_STREAMS, dtype=torch.int64, device="cuda")
+        self.seen = torch.zeros_like(self.signals)
+        self.fifos = native.DeviceFifoSet(1, 64)
+        self.kernels = native.HTKernels(rank, R, self.region.data_ptr(), peers.data_ptr(), 0, self.ctrl,
+                                        self.ctrl + area_bytes, self.epoch.data_ptr(), self.counts_host, counts_dev,
+                                        error_dev, self.error_host, 10.0, self.fifos, self.signals.data_ptr(),
+                                        self.seen.data_ptr(), native.HT_NUM_STREAMS, 0)
+        self.ticket = 0
+
+    def ring_rows(self, row_bytes, C):
+        rows = self.area // ((R - 1) * C * row_bytes) // native.HT_CHUNK_ROWS * native.HT_CHUNK_ROWS
+        assert rows >= native.HT_MIN_RING_ROWS, (rows, row_bytes, C)
+        return rows
+
+
+def layout(idx, E):
+    N = idx.size(0)
+    in_rank = torch.zeros(N, R, dtype=torch.bool, device="cuda")
+    in_rank.scatter_(1, idx // (E // R), True)
+    per_expert = torch.bincount(idx.flatten(), minlength=E).to(torch.int32)
+    return in_rank, per_expert
+
+
+def first_dispatch(ranks, inputs, E, C, streams):
+    """Count mode (the CPU waits for the counts), then the data kernels: the handles the timed calls reuse."""
+    handles = []
+    for r, rk in enumerate(ranks):
+        x, idx, w, in_rank, per_expert = inputs[r]
+        N = x.size(0)
+        h = {"rank_prefix": torch.empty(R, R, dtype=torch.int32, device="cuda"),
+             "channel_prefix": torch.empty(R, C, dtype=torch.int32, device="cuda"),
+             "rcp": torch.empty(R, C, dtype=torch.int32, device="cuda")}
+        rk.ticket += 1
+        rk.kernels.notify(C, streams[r].cuda_stream, True, in_rank.data_ptr(), per_expert.data_ptr(), N, E,
+                          h["rank_prefix"].data_ptr(), h["channel_prefix"].data_ptr(), h["rcp"].data_ptr(), 0,
+                          rk.ticket)
+        handles.append(h)
+    for r, rk in enumerate(ranks):
+        got = rk.kernels.wait_counts(rk.ticket, E // R)
+        assert got is not None, f"rank {r}: count exchange timed out"
+        handles[r]["rows"] = got[0]
+    for r, rk in enumerate(ranks):
+        x, idx, w, in_rank, _ = inputs[r]
+        h, N, K = handles[r], x.size(0), idx.size(1)
+        rows = h["rows"]
+        h["recv_x"] = torch.empty(rows, x.size(1), dtype=x.dtype, device="cuda")
+        h["recv_idx"] = torch.full((rows, K), -1, dtype=torch.int64, device="cuda")
+        h["recv_w"] = torch.zeros(rows, K, dtype=torch.float32, device="cuda")
+        h["src_idx"] = torch.empty(rows, dtype=torch.int32, device="cuda")
+        h["send_head"] = torch.empty(N, R, dtype=torch.int32, device="cuda")
+    torch.cuda.synchronize()  # the fills above (current stream) before the kernels (their own streams)
+    for r, rk in enumerate(ranks):
+        x, idx, w, in_rank, _ = inputs[r]
+        h, N, K = handles[r], x.size(0), idx.size(1)
+        rows = h["rows"]
+        rec = _record_bytes(x, None, K)
+        rk.kernels.dispatch(C, streams[r].cuda_stream, x.data_ptr(), 0, idx.data_ptr(), w.data_ptr(),
+                            in_rank.data_ptr(), h["rank_prefix"].data_ptr() + 4 * r, R,
+                            h["channel_prefix"].data_ptr(), h["rcp"].data_ptr(), N, x.size(1) * 2, 0, K, E // R,
+                            rk.ring_rows(rec, C), rows, h["recv_x"].data_ptr(), 0, h["recv_idx"].data_ptr(),
+                            h["recv_w"].data_ptr(), h["src_idx"].data_ptr(), h["send_head"].data_ptr())
+    torch.cuda.synchronize()
+    return handles
+
+
+def ctypes_u32(addr):
+    return ctypes.c_uint32.from_address(addr).value
+
+
+def cached_dispatch(rk, r, inputs_r, h, C, stream, fp8):
+    x, idx, _, in_rank, _ = inputs_r
+    N = x.size(0)
+    if fp8:
+        data, scales = fp8
+        row_bytes, S, out = data.size(1), scales.size(1), h["recv_fp8"]
+        scales_ptr, out_scales = scales.data_ptr(), h["recv_scales"].data_ptr()
+    else:
+        data, row_bytes, S, out, scales_ptr, out_scales = x, x.size(1) * 2, 0, h["recv_x"], 0, 0
+    rec = _record_bytes(data, fp8[1] if fp8 else None, 0)
+    rk.kernels.notify(C, stream.cuda_stream, False, in_rank.data_ptr(), 0, 0, 0, 0, 0, 0, 0, 0)
+    rk.kernels.dispatch(C, stream.cuda_stream, data.data_ptr(), scales_ptr, 0, 0, in_rank.data_ptr(),
+                        h["rank_prefix"].data_ptr() + 4 * r, R, h["channel_prefix"].data_ptr(), h["rcp"].data_ptr(),
+                        N, row_bytes, S, 0, 0, rk.ring_rows(rec, C), h["rows"], out.data_ptr(), out_scales, 0, 0, 0,
+                        0)
+
+
+def combine(rk, r, inputs_r, h, C, stream):
+    x, idx, _, in_rank, _ = inputs_r
+    N, H = x.shape
+    row_bytes = (2 * H + 15) // 16 * 16
+    rk.kernels.notify(C, stream.cuda_stream, False, in_rank.data_ptr(), 0, 0, 0, 0, 0, 0, 0, 0)
+    rk.kernels.combine(C, stream.cuda_stream, h["recv_x"].data_ptr(), 0, 0, 0, in_rank.data_ptr(),
+                       h["rank_prefix"].data_ptr() + 4 * r, R, h["channel_prefix"].data_ptr(), h["rcp"].data_ptr(),
+                       h["send_head"].data_ptr(), N, H, 0, rk.ring_rows(row_bytes, C), h["out"].data_ptr(), 0)
+
+
+def timed_pair(launch, streams, iterations):
+    """Median ms of both ranks' launches, from a common start to the later end."""
+    times = []
+    for _ in range(iterations + 3):
+        start, mid, end = (torch.cuda.Event(enable_timing=True) for _ in range(3))
+        start.record(streams[0])
+        streams[1].wait_event(start)
+        for r in range(R):
+            launch(r, streams[r])
+        mid.record(streams[1])
+        streams[0].wait_event(mid)
+        end.record(streams[0])
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times[3:])
+
+
+def check_outputs(ranks, inputs, handles, what):
+    for r in range(R):
+        code = ctypes_u32(ranks[r].error_host)
+        assert code == 0, f"{what}: rank {r}: kernel error code {code}"
+    for d in range(R):
+        want = torch.cat([inputs[s][0][inputs[s][3][:, d]] for s in range(R)])
+        assert torch.equal(handles[d]["recv_x"], want), f"{what}: rank {d}: received rows differ"
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--sms", type=int, nargs="+", default=[8, 16, 24, 32, 48, 64])
+    ap.add_argument("--iterations", type=int, default=20)
+    args = ap.parse_args()
+    N, H, K, E = 4096, 7168, 8, 256
+    area = 100712960  # DeepEP's NVL hint for this shape, as python -m portep.bench gpu-ht sizes its Buffer
+    ctrl = (native.HT_CTRL_BYTES + 127) // 128 * 128
+    regions = [torch.zeros(ctrl + area, dtype=torch.uint8, device="cuda") for _ in range(R)]
+    peers = torch.tensor([t.data_ptr() for t in regions], dtype=torch.int64, device="cuda")
+    ranks = [LoopbackRank(r, area, regions, peers) for r in range(R)]
+    native.cuda_load_kernels()
+    inputs = []
+    for r in range(R):
+        x, idx, w, fp8 = ht_inputs(r, N, H, K, E)
+        in_rank, per_expert = layout(idx, E)
+        inputs.append((x, idx, w.float(), in_rank, per_expert, (fp8[0].contiguous(), fp8[1].contiguous())))
+    streams = [torch.cuda.Stream() for _ in range(R)]
+    torch.cuda.synchronize()
+    rows_out = []
+    for sms in args.sms:
+        C = sms // 2
+        handles = first_dispatch(ranks, [i[:5] for i in inputs], E, C, streams)
+        check_outputs(ranks, inputs, handles, f"first dispatch, {sms} SMs")
+        for r in range(R):
+            h = handles[r]
+            h["recv_fp8"] = torch.empty(h["rows"], H, dtype=torch.float8_e4m3fn, device="cuda")
+            h["recv_scales"] = torch.empty(h["rows"], H // 128, dtype=torch.float32, device="cuda")
+            h["out"] = torch.empty(N, H, dtype=torch.bfloat16, device="cuda")
+        t_bf16 = timed_pair(lambda r, s: cached_dispatch(ranks[r], r, inputs[r][:5], handles[r], C, s, None),
+                            streams, args.iterations)
+        check_outputs(ranks, inputs, handles, f"cached dispatch, {sms} SMs")
+        t_fp8 = timed_pair(lambda r, s: cached_dispatch(ranks[r], r, inputs[r][:5], handles[r], C, s, inputs[r][5]),
+                           streams, args.iterations)
+        for d in range(R):
+            want = torch.cat([inputs[s][5][0][inputs[s][3][:, d]] for s in range(R)])
+            assert torch.equal(handles[d]["recv_fp8"].view(torch.uint8), want.view(torch.uint8)), "FP8 rows differ"
+        t_comb = timed_pair(lambda r, s: combine(ranks[r], r, inputs[r][:5], handles[r], C, s), streams,
+                            args.iterations)
+        for r in range(R):  # each token comes back from every rank it went to, summed in FP32 (exact here)
+            x, in_rank = inputs[r][0], inputs[r][3]
+            want = (x.float() * in_rank.sum(1, keepdim=True).float()).to(torch.bfloat16)
+            assert torch.equal(handles[r]["out"], want), f"combine, {sms} SMs: rank {r} differs"
+        rows = handles[0]["rows"]
+        for name, t, row_bytes in (("dispatch BF16", t_bf16, 2 * H), ("dispatch FP8", t_fp8, H + H // 128 * 4),
+                                   ("combine", t_comb, 2 * H)):
+            rows_out.append([name, sms, f"{t * 1e3:.1f}", f"{rows * row_bytes / t / 1e6:.1f}"])
+    # the same bytes as one rank's BF16 dispatch, copied device to device by both ranks at once
+    nbytes = handles[0]["rows"] * 2 * H
+    src = [torch.empty(nbytes, dtype=torch.uint8, device="cuda") for _ in range(R)]
+    dst = [torch.empty_like(s) for s in src]
+    t_copy = timed_pair(lambda r, s: _copy_on(dst[r], src[r], s), streams, args.iterations)
+    rows_out.append(["device copy, same bytes (both ranks at once)", "all", f"{t_copy * 1e3:.1f}",
+                     f"{nbytes / t_copy / 1e6:.1f}"])
+    print(f"HT loopback on one GPU: EP2 as two ranks in one process, {N} tokens per rank, hidden {H}, top-{K}, "
+          f"{E} experts; rank 0 receives {handles[0]['rows']} rows; medians of {args.iterations}; GB/s per rank "
+          "as DeepEP counts (rows received x row bytes); peer stores go to this GPU's HBM, not NVLink")
+    print(table(["op", "SMs per rank", "us", "GB/s per rank"], rows_out))
+
+
+def _copy_on(dst, src, stream):
+    with torch.cuda.stream(stream):
+        dst.copy_(src)
+
+
+if __name__ == "__main__":
+    main()
