@@ -114,7 +114,7 @@ def ctypes_u32(addr):
     return ctypes.c_uint32.from_address(addr).value
 
 
-def cached_dispatch(rk, r, inputs_r, h, C, stream, fp8):
+def cached_dispatch(rk, r, inputs_r, h, C, stream, fp8, mid=None):
     x, idx, _, in_rank, _ = inputs_r
     N = x.size(0)
     if fp8:
@@ -125,6 +125,8 @@ def cached_dispatch(rk, r, inputs_r, h, C, stream, fp8):
         data, row_bytes, S, out, scales_ptr, out_scales = x, x.size(1) * 2, 0, h["recv_x"], 0, 0
     rec = _record_bytes(data, fp8[1] if fp8 else None, 0)
     rk.kernels.notify(C, stream.cuda_stream, False, in_rank.data_ptr(), 0, 0, 0, 0, 0, 0, 0, 0)
+    if mid is not None:
+        mid.record(stream)
     rk.kernels.dispatch(C, stream.cuda_stream, data.data_ptr(), scales_ptr, 0, 0, in_rank.data_ptr(),
                         h["rank_prefix"].data_ptr() + 4 * r, R, h["channel_prefix"].data_ptr(), h["rcp"].data_ptr(),
                         N, row_bytes, S, 0, 0, rk.ring_rows(rec, C), h["rows"], out.data_ptr(), out_scales, 0, 0, 0,
@@ -158,6 +160,40 @@ def timed_pair(launch, streams, iterations):
     return statistics.median(times[3:])
 
 
+def split_times(ranks, inputs, handles, C, streams, iterations):
+    """Per rank, median us from the common start to its notify's end and from there to its data kernel's end."""
+    notify, data = [[] for _ in range(R)], [[] for _ in range(R)]
+    for _ in range(iterations + 3):
+        start = torch.cuda.Event(enable_timing=True)
+        mids = [torch.cuda.Event(enable_timing=True) for _ in range(R)]
+        ends = [torch.cuda.Event(enable_timing=True) for _ in range(R)]
+        start.record(streams[0])
+        streams[1].wait_event(start)
+        for r in range(R):
+            cached_dispatch(ranks[r], r, inputs[r][:5], handles[r], C, streams[r], None, mids[r])
+            ends[r].record(streams[r])
+        torch.cuda.synchronize()
+        for r in range(R):
+            notify[r].append(start.elapsed_time(mids[r]) * 1e3)
+            data[r].append(mids[r].elapsed_time(ends[r]) * 1e3)
+    med = lambda v: statistics.median(v[3:])  # noqa: E731
+    return ", ".join(f"rank {r}: notify {med(notify[r]):.1f}, data kernel {med(data[r]):.1f}" for r in range(R))
+
+
+def masked_inputs(inputs, mask):
+    """The inputs with is_token_in_rank replaced: 'self' (each token to its own rank only), 'peer' (to the other
+    rank only), 'none' (nowhere)."""
+    out = []
+    for r, (x, idx, w, in_rank, per_expert, fp8) in enumerate(inputs):
+        m = torch.zeros_like(in_rank)
+        if mask == "self":
+            m[:, r] = True
+        elif mask == "peer":
+            m[:, 1 - r] = True
+        out.append((x, idx, w, m, per_expert, fp8))
+    return out
+
+
 def check_outputs(ranks, inputs, handles, what):
     for r in range(R):
         code = ctypes_u32(ranks[r].error_host)
@@ -172,6 +208,8 @@ def main():
     ap.add_argument("--sms", type=int, nargs="+", default=[8, 16, 24, 32, 48, 64])
     ap.add_argument("--iterations", type=int, default=20)
     ap.add_argument("--no-check", action="store_true", help="report differing outputs instead of stopping")
+    ap.add_argument("--masks", nargs="*", default=[], choices=["self", "peer", "none"],
+                    help="also time BF16 dispatch with every token sent to its own rank only, the peer only, nowhere")
     args = ap.parse_args()
     global STRICT
     STRICT = not args.no_check
@@ -216,6 +254,18 @@ def main():
             x, in_rank = inputs[r][0], inputs[r][3]
             want = (x.float() * in_rank.sum(1, keepdim=True).float()).to(torch.bfloat16)
             expect(torch.equal(handles[r]["out"], want), f"combine, {sms} SMs: rank {r} differs")
+        rows_out.append(["  split: " + split_times(ranks, inputs, handles, C, streams, args.iterations), sms, "-",
+                         "-"])
+        for mask in args.masks:
+            mi = masked_inputs(inputs, mask)
+            mh = first_dispatch(ranks, [i[:5] for i in mi], E, C, streams)
+            check_outputs(ranks, mi, mh, f"first dispatch, mask {mask}, {sms} SMs")
+            t = timed_pair(lambda r, s: cached_dispatch(ranks[r], r, mi[r][:5], mh[r], C, s, None), streams,
+                           args.iterations)
+            check_outputs(ranks, mi, mh, f"cached dispatch, mask {mask}, {sms} SMs")
+            gbs = f"{mh[0]['rows'] * 2 * H / t / 1e6:.1f}" if mh[0]["rows"] else "-"
+            rows_out.append([f"dispatch BF16, tokens to {mask} only ({mh[0]['rows']} rows)", sms, f"{t * 1e3:.1f}",
+                             gbs])
         rows = handles[0]["rows"]
         for name, t, row_bytes in (("dispatch BF16", t_bf16, 2 * H), ("dispatch FP8", t_fp8, H + H // 128 * 4),
                                    ("combine", t_comb, 2 * H)):
