@@ -256,3 +256,38 @@ def mixed_modes_body(rank, world, seed, rounds, split=True):
     for b in (gpu, host_ht, host_ll):
         b.destroy()
     return {"failures": ck.failures, "checks": ck.num_checks}
+
+
+def missing_peer_body(rank, world, rpn, transport, timeout_s):
+    """Rank 1 never dispatches. Rank 0's num_worst_tokens dispatch (no CPU wait) queues a notify that gives up
+    after the timeout and a data kernel that must then do nothing (else each of its receiving blocks would wait out
+    the timeout again); the next call raises, naming the wait. Returns (message, seconds the queued op took)."""
+    import time
+
+    torch.cuda.set_device(rank % torch.cuda.device_count())
+    buf = portep.Buffer(dist.group.WORLD, w.HT_NVL_BYTES, 0, num_ranks_per_node=rpn, transport=transport,
+                        timeout_s=timeout_s, explicitly_destroy=True, backend="cuda")
+    message, took = "", 0.0
+    if rank == 0:
+        N, H, E, K = 64, 512, 8, 2
+        g = torch.Generator().manual_seed(7)
+        x = torch.randn(N, H, generator=g).to(BF16).cuda()
+        idx = torch.randperm(E, generator=g)[:K].repeat(N, 1).cuda()
+        weights = torch.rand(N, K, generator=g).cuda()
+        lay = buf.get_dispatch_layout(idx, E)
+        cfg = portep.Config(8, 6, 256, 6, 128)
+        torch.cuda.synchronize()
+        start = time.monotonic()
+        buf.dispatch(x, num_tokens_per_rank=lay[0], num_tokens_per_rdma_rank=lay[1], num_tokens_per_expert=lay[2],
+                     is_token_in_rank=lay[3], topk_idx=idx, topk_weights=weights, num_worst_tokens=2 * N, config=cfg)
+        torch.cuda.synchronize()
+        took = time.monotonic() - start
+        try:
+            buf.dispatch(x, num_tokens_per_rank=lay[0], num_tokens_per_rdma_rank=lay[1],
+                         num_tokens_per_expert=lay[2], is_token_in_rank=lay[3], topk_idx=idx, topk_weights=weights,
+                         num_worst_tokens=2 * N, config=cfg)
+        except RuntimeError as e:
+            message = str(e)
+    dist.barrier()
+    buf.destroy()
+    return message, took

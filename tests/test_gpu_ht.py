@@ -94,3 +94,16 @@ def test_ht_num_worst_tokens_cuda_graph_replay(path):
 def test_ht_multi_gpu_nodes_across_nodes_are_refused_clearly():
     out = run_ranks(g.internode_refused_body, 4, args=(), timeout=200)
     assert_clean(out, 2)
+
+
+@pytest.mark.gpu
+@two_gpus
+@pytest.mark.parametrize("path", PATHS[:2])
+def test_ht_missing_peer_times_out_once_and_raises(path):
+    _, rpn, transport = path
+    timeout_s = 3.0
+    out = run_ranks(g.missing_peer_body, 2, args=(rpn, transport, timeout_s), timeout=120)
+    message, took = out[0]
+    assert "a kernel failed" in message and "peer rank 1" in message, message
+    # the notify's one timeout, not another one per receiving block of the data kernel
+    assert timeout_s * 0.9 <= took < 2 * timeout_s, took

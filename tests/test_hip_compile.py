@@ -18,9 +18,9 @@ pytestmark = pytest.mark.skipif(shutil.which("hipcc") is None, reason="hipcc is 
 
 
 def _hipcc(source, out, extra=()):
+    includes = [f"-I{ROOT / d}" for d in ("proxy/include", "gpu_kernels/cuda", "ordering/include")]
     cmd = ["hipcc", "-x", "hip", *[f"--offload-arch={a}" for a in ARCHS], "-std=c++17", "-O2", "-c", str(source),
-           f"-I{ROOT / 'proxy' / 'include'}", f"-I{ROOT / 'gpu_kernels' / 'cuda'}", f"-I{ROOT / 'ordering' / 'include'}",
-           "-Werror=unused-result", *extra, "-o", str(out)]
+           *includes, "-Werror=unused-result", *extra, "-o", str(out)]
     env = dict(os.environ, HIP_PLATFORM="amd")  # else hipcc takes the NVIDIA path when nvcc is on PATH
     return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
 

@@ -40,18 +40,19 @@ class LoopbackRank:
         self.ctrl = (native.HT_CTRL_BYTES + 127) // 128 * 128
         self.area = area_bytes
         self.region = regions[rank]
-        self.epoch = torch.zeros(1, dtype=torch.int64, device="cuda")
+        self.epoch = torch.zeros(2, dtype=torch.int64, device="cuda")
         self.counts_host, counts_dev = native.cuda_host_alloc_mapped(native.HT_HOST_COUNTS_BYTES)
         self.error_host, error_dev = native.cuda_host_alloc_mapped(16)
         ctypes.memset(self.counts_host, 0, native.HT_HOST_COUNTS_BYTES)
         ctypes.memset(self.error_host, 0, 16)
         self.signals = torch.zeros(R * native.HT_NUM_STREAMS, dtype=torch.int64, device="cuda")
         self.seen = torch.zeros_like(self.signals)
+        self.failed = torch.zeros(1, dtype=torch.int32, device="cuda")
         self.fifos = native.DeviceFifoSet(1, 64)
         self.kernels = native.HTKernels(rank, R, self.region.data_ptr(), peers.data_ptr(), 0, self.ctrl,
                                         self.ctrl + area_bytes, self.epoch.data_ptr(), self.counts_host, counts_dev,
                                         error_dev, self.error_host, 10.0, self.fifos, self.signals.data_ptr(),
-                                        self.seen.data_ptr(), native.HT_NUM_STREAMS, 0)
+                                        self.seen.data_ptr(), native.HT_NUM_STREAMS, 0, self.failed.data_ptr())
         self.ticket = 0
 
     def ring_rows(self, row_bytes, C):

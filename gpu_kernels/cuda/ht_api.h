@@ -76,9 +76,10 @@ struct HTCommon {
   uint8_t* const* peers;  // device array [R]: data regions stored into directly (this rank's own included), or
                           // null for a peer reached through the proxies
   uint64_t ctrl_off, recv_off, stage_off;
-  uint64_t* epoch;        // device: ops so far
+  uint64_t* epoch;        // device [2]: ops so far; whether this op's data kernel does nothing (set by notify)
   HTHostCounts* host;     // device address of the mapped host counts
   LLError* error;
+  uint32_t* failed;       // device: the first reported error's code (as LLCommon's)
   uint64_t timeout_ns;
   // the proxy path
   const FifoView* fifos;  // device array of device-side views

@@ -7,6 +7,8 @@
 namespace portep::cuda {
 namespace {
 
+constexpr int kReduceUnroll = 2;  // 16-byte words per lane a reducing warp loads at once from each row
+
 PORTEP_DEVICE int contribution_bytes(const HTCombineArgs& a) { return (2 * a.hidden + 4 * a.num_topk + 15) / 16 * 16; }
 
 // Warp-wide: x's row `row` (and its weights) as one contribution at dst.
@@ -122,15 +124,39 @@ PORTEP_DEVICE void reduce_token(const HTCombineArgs& a, int t, int ch, uint32_t 
     ++n;
   }
   const int64_t base = int64_t(t) * a.hidden;
-  for (int j = lane; j < a.hidden / 8; j += kWarpSize) {
-    float acc[8];
+  const int words = a.hidden / 8;
+  // kReduceUnroll words per lane of two rows at once: their loads are in flight together (one round trip per two
+  // rows and round, not per row and word); the sums still run bias first, then the rows in rank order.
+  for (int j0 = lane; j0 < words; j0 += kReduceUnroll * kWarpSize) {
+    float acc[kReduceUnroll][8];
 #pragma unroll
-    for (int i = 0; i < 8; ++i) {
-      acc[i] = a.bias0 ? bf16_to_f32(a.bias0[base + j * 8 + i]) : 0.0f;
-      if (a.bias1) acc[i] = acc[i] + bf16_to_f32(a.bias1[base + j * 8 + i]);
+    for (int u = 0; u < kReduceUnroll; ++u) {
+      const int j = j0 + u * kWarpSize;
+#pragma unroll
+      for (int i = 0; i < 8; ++i) {
+        acc[u][i] = a.bias0 && j < words ? bf16_to_f32(a.bias0[base + j * 8 + i]) : 0.0f;
+        if (a.bias1 && j < words) acc[u][i] = acc[u][i] + bf16_to_f32(a.bias1[base + j * 8 + i]);
+      }
     }
-    for (int q = 0; q < n; ++q) accumulate_row(acc, reinterpret_cast<const uint4*>(rows[q])[j], 1.0f);
-    reinterpret_cast<uint4*>(a.out + base)[j] = pack_bf16x8(acc);
+    for (int q = 0; q < n; q += 2) {  // two rows' loads in flight together, added in rank order
+      const bool two = q + 1 < n;
+      uint4 v0[kReduceUnroll], v1[kReduceUnroll];
+#pragma unroll
+      for (int u = 0; u < kReduceUnroll; ++u) {
+        const int j = j0 + u * kWarpSize;
+        if (j < words) v0[u] = reinterpret_cast<const uint4*>(rows[q])[j];
+        if (two && j < words) v1[u] = reinterpret_cast<const uint4*>(rows[q + 1])[j];
+      }
+#pragma unroll
+      for (int u = 0; u < kReduceUnroll; ++u) {
+        if (j0 + u * kWarpSize >= words) continue;
+        accumulate_row(acc[u], v0[u], 1.0f);
+        if (two) accumulate_row(acc[u], v1[u], 1.0f);
+      }
+    }
+#pragma unroll
+    for (int u = 0; u < kReduceUnroll; ++u)
+      if (j0 + u * kWarpSize < words) reinterpret_cast<uint4*>(a.out + base)[j0 + u * kWarpSize] = pack_bf16x8(acc[u]);
   }
   if (a.out_weights) {
     for (int k = lane; k < a.num_topk; k += kWarpSize) {

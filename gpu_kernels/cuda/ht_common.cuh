@@ -92,7 +92,7 @@ PORTEP_DEVICE bool await_word(const HTCommon& c, const uint64_t* word, uint64_t 
   if (wait_until([&] { return ld_acquire_sys_u64(word); }, [&](uint64_t x) { return x >= want; }, c.timeout_ns, &v,
                  &waited))
     return true;
-  report_error(c.error, kErrWaitTimeout, uint32_t(c.rank), uint32_t(src), index);
+  report_error(c, kErrWaitTimeout, uint32_t(c.rank), uint32_t(src), index);
   return false;
 }
 // The tail word reaches (epoch, rows).
@@ -112,10 +112,14 @@ PORTEP_DEVICE void publish_tail(uint64_t* word, uint64_t epoch, uint32_t rows) {
 // would store at may be garbage, so data kernels do nothing; the host raises the failure at the next call. More
 // rows than num_worst_tokens is the exception: the counts are sound, the rows past the outputs are dropped, and
 // the data kernel still runs so that its peers' rings drain (else they would wait out their timeouts).
-PORTEP_DEVICE bool failed_before(const HTCommon& c) {
-  const uint32_t code = *reinterpret_cast<volatile uint32_t*>(&c.error->code);
+// The notify kernel, first in every op, decides once at its end and leaves the verdict in c.epoch[1] for the data
+// kernel, whose every thread reads it (device memory: each warp reading the host-mapped error code instead cost
+// about 0.6 us per warp, served one at a time across PCIe: 2 ms per op at 64 SMs, bench/probes/ht_loopback.py).
+PORTEP_DEVICE bool error_stops_data(const HTCommon& c) {
+  const uint32_t code = reported_error(c);
   return code != 0 && code != kErrTooManyRecv;
 }
+PORTEP_DEVICE bool failed_before(const HTCommon& c) { return c.epoch[1] != 0; }
 
 // ---- the proxy path ----
 PORTEP_DEVICE uint32_t notify_stream(const HTCommon& c) { return c.stream_base; }
@@ -134,6 +138,7 @@ PORTEP_DEVICE LLCommon fifo_side(const HTCommon& c) {
   f.fifo_tails = c.fifo_tails;
   f.num_fifos = c.num_fifos;
   f.error = c.error;
+  f.failed = c.failed;
   f.timeout_ns = c.timeout_ns;
   return f;
 }
@@ -147,7 +152,7 @@ PORTEP_DEVICE int64_t await_units(const HTCommon& c, int src, uint32_t stream, u
   if (wait_until([&] { return ld_acquire_sys_u64(c.host_signals + i); },
                  [&](uint64_t x) { return uint32_t(x) - seen >= need; }, c.timeout_ns, &v, &waited, kProxyPollNs))
     return uint32_t(v) - seen;
-  report_error(c.error, kErrWaitTimeout, uint32_t(c.rank), uint32_t(src), stream);
+  report_error(c, kErrWaitTimeout, uint32_t(c.rank), uint32_t(src), stream);
   return -1;
 }
 // This op consumed n units of src's stream. One thread, after the last await_units of the op on that stream.

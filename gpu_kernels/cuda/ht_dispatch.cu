@@ -220,7 +220,7 @@ PORTEP_DEVICE void receive_channel(const HTDispatchArgs& a, int ch) {
       if (progress || all) {
         idle_since = now;
       } else if (now - idle_since > c.timeout_ns) {
-        report_error(c.error, kErrWaitTimeout, uint32_t(c.rank), uint32_t(waiting), uint32_t(ch));
+        report_error(c, kErrWaitTimeout, uint32_t(c.rank), uint32_t(waiting), uint32_t(ch));
         st.failed = 1;
       } else if (!c.peers[waiting]) {
         sleep_ns(kProxyPollNs);  // host-memory polls cross PCIe

@@ -114,7 +114,7 @@ PORTEP_DEVICE void derive_counts(const HTNotifyArgs& a, const int32_t* counts, u
     self_begin += s < me ? n : 0;
   }
   if (a.max_recv > 0 && num_recv > a.max_recv)
-    report_error(c.error, kErrTooManyRecv, uint32_t(me), uint32_t(num_recv), uint32_t(a.max_recv));
+    report_error(c, kErrTooManyRecv, uint32_t(me), uint32_t(num_recv), uint32_t(a.max_recv));
   if (!a.ticket) return;
   c.host->num_recv = num_recv;
   c.host->self_begin = self_begin;
@@ -141,7 +141,11 @@ __global__ void __launch_bounds__(kNotifyThreads, 1) ht_notify_kernel(HTNotifyAr
   publish_slot(c, epoch);
   const bool arrived = await_slots(c, epoch, &ok);
   if (arrived && a.count_mode) derive_counts(a, counts, epoch);
-  if (threadIdx.x == 0) *c.epoch = epoch;  // the op's data kernel, next on the stream, reads it
+  __syncthreads();  // every thread's error reports of this notify before the verdict
+  if (threadIdx.x == 0) {  // the op's data kernel, next on the stream, reads both
+    c.epoch[0] = epoch;
+    c.epoch[1] = !arrived || error_stops_data(c);
+  }
 }
 
 }  // namespace

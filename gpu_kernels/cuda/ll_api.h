@@ -74,7 +74,8 @@ struct LLCommon {
   int max_chunks;               // chunks of kChunkExperts local experts the scratch has room for, per rank
   uint32_t* dest_done;          // device scratch, zero between calls: [R] combine blocks done with a partial peer
   uint64_t meta_off, meta_stride;  // combine partials (see above); meta_off 0: every peer gets rows
-  LLError* error;
+  LLError* error;               // mapped host memory: the host raises what the kernels report
+  uint32_t* failed;             // device: the first reported error's code (kernels test this, not the host copy)
   uint64_t timeout_ns;
   int num_sms;
   void* stream;                 // cudaStream_t

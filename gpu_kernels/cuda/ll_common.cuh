@@ -23,14 +23,22 @@ inline int send_recv_grid(int tokens, int local_experts, int num_sms) {
 
 constexpr uint32_t kErrWaitTimeout = 1, kErrFifoTimeout = 2, kErrSlotOverflow = 3, kErrBadExpert = 4;
 
-// The first failure wins most of the time; a racing second one may overwrite it, which is harmless: any
-// non-zero code makes the host raise.
-PORTEP_DEVICE void report_error(LLError* e, uint32_t code, uint32_t rank, uint32_t src, uint32_t index) {
-  if (*reinterpret_cast<volatile uint32_t*>(&e->code) != 0) return;
+// The first failure wins: its code goes to c.failed (device memory, which kernels test: reads of the host-mapped
+// copy are served one at a time across PCIe, about 0.6 us each GPU-wide), then to the host's copy. c: an LLCommon
+// or HTCommon.
+template <class Common>
+PORTEP_DEVICE void report_error(const Common& c, uint32_t code, uint32_t rank, uint32_t src, uint32_t index) {
+  if (atomic_cas_relaxed_gpu_u32(c.failed, 0, code) != 0) return;
+  LLError* e = c.error;
   e->rank = rank;
   e->src = src;
   e->index = index;
   st_release_sys_u32(&e->code, code);
+}
+// The code of the first failure reported so far (0: none).
+template <class Common>
+PORTEP_DEVICE uint32_t reported_error(const Common& c) {
+  return *reinterpret_cast<volatile uint32_t*>(c.failed);
 }
 
 PORTEP_DEVICE float bf16_to_f32(uint16_t v) { return __uint_as_float(uint32_t(v) << 16); }
@@ -81,19 +89,27 @@ PORTEP_DEVICE void token_selections(const int64_t* idx, int t, int K, int E, int
   __syncthreads();
 }
 
-// Warp-cooperative copy of n16 16-byte words. Each lane issues up to kCopyUnroll loads before their stores:
-// a load-store pair per iteration would wait out a memory round trip each time.
-constexpr int kCopyUnroll = 8;
-PORTEP_DEVICE void warp_copy16(uint4* __restrict__ dst, const uint4* __restrict__ src, int n16) {
-  int j = lane_id();
-  for (; j + (kCopyUnroll - 1) * kWarpSize < n16; j += kCopyUnroll * kWarpSize) {
-    uint4 v[kCopyUnroll];
+// Rounds of kUnroll words per lane, each lane's loads of a round before its stores, while whole rounds remain.
+template <int kUnroll>
+PORTEP_DEVICE int warp_copy16_rounds(uint4* __restrict__ dst, const uint4* __restrict__ src, int n16, int j) {
+  for (; j + (kUnroll - 1) * kWarpSize < n16; j += kUnroll * kWarpSize) {
+    uint4 v[kUnroll];
 #pragma unroll
-    for (int u = 0; u < kCopyUnroll; ++u) v[u] = src[j + u * kWarpSize];
+    for (int u = 0; u < kUnroll; ++u) v[u] = src[j + u * kWarpSize];
 #pragma unroll
-    for (int u = 0; u < kCopyUnroll; ++u) dst[j + u * kWarpSize] = v[u];
+    for (int u = 0; u < kUnroll; ++u) dst[j + u * kWarpSize] = v[u];
   }
-  for (; j < n16; j += kWarpSize) dst[j] = src[j];
+  return j;
+}
+
+// Warp-cooperative copy of n16 16-byte words. A load-store pair per word would wait out a memory round trip each
+// time, so lanes copy in rounds of 8 words, then at most one round each of 4, 2 and 1 (a 14 KB row: 4 round
+// trips; a word at a time after the rounds of 8 took 7).
+PORTEP_DEVICE void warp_copy16(uint4* __restrict__ dst, const uint4* __restrict__ src, int n16) {
+  int j = warp_copy16_rounds<8>(dst, src, n16, lane_id());
+  j = warp_copy16_rounds<4>(dst, src, n16, j);
+  j = warp_copy16_rounds<2>(dst, src, n16, j);
+  warp_copy16_rounds<1>(dst, src, n16, j);
 }
 
 // Waits until pred(load()) with a timeout; returns the last value loaded and whether it timed out. backoff_ns
@@ -146,12 +162,12 @@ PORTEP_DEVICE int fifo_of(const LLCommon& c, uint32_t dst, uint32_t stream) {
 PORTEP_DEVICE bool push_cmd(const LLCommon& c, const CmdFields& f) {
   TransferCmd cmd;
   if (cmd_encode(f, &cmd) != kEncodeOk) {
-    report_error(c.error, kErrFifoTimeout, uint32_t(c.rank), f.dst_rank, f.stream);
+    report_error(c, kErrFifoTimeout, uint32_t(c.rank), f.dst_rank, f.stream);
     return false;
   }
   const int q = fifo_of(c, f.dst_rank, f.stream);
   if (!fifo_device_push_shared_tail(c.fifos[q], cmd, c.fifo_tails + q, c.timeout_ns)) {
-    report_error(c.error, kErrFifoTimeout, uint32_t(c.rank), f.dst_rank, f.stream);
+    report_error(c, kErrFifoTimeout, uint32_t(c.rank), f.dst_rank, f.stream);
     return false;
   }
   return true;
@@ -195,7 +211,7 @@ PORTEP_DEVICE bool await_flag(const LLCommon& c, int src, int flag_index, uint64
   const uint32_t* flag = signal_flag(c, flag_index);
   const bool ok = wait_until([&] { return uint64_t(ld_acquire_sys_u32(flag)); }, [](uint64_t x) { return x != 0; },
                              c.timeout_ns, value, waited);
-  if (!ok) report_error(c.error, kErrWaitTimeout, uint32_t(c.rank), uint32_t(src), uint32_t(flag_index));
+  if (!ok) report_error(c, kErrWaitTimeout, uint32_t(c.rank), uint32_t(src), uint32_t(flag_index));
   return ok;
 }
 
@@ -243,7 +259,7 @@ PORTEP_DEVICE int64_t await_chunk_signal(const LLCommon& c, int src, int chunk) 
     sleep_ns(kRelayBackoffNs);
     if ((iter & 255) == 0 && globaltimer_ns() - start > c.timeout_ns) {
       if (lane_id() == 0)
-        report_error(c.error, kErrWaitTimeout, uint32_t(c.rank), uint32_t(src), uint32_t(chunk * kChunkExperts));
+        report_error(c, kErrWaitTimeout, uint32_t(c.rank), uint32_t(src), uint32_t(chunk * kChunkExperts));
       return -1;
     }
   }

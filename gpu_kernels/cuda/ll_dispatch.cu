@@ -127,7 +127,7 @@ PORTEP_DEVICE void dispatch_send(const LLDispatchArgs& a, uint32_t* hist) {
   for (int i = threadIdx.x; i < N * K; i += blockDim.x) {
     const int64_t e = a.topk_idx[i];
     if (e >= E || e < -1) {  // never checked on the host (that would synchronize): dropped and reported
-      if (blockIdx.x == 0) report_error(c.error, kErrBadExpert, uint32_t(c.rank), uint32_t(i / K), uint32_t(e));
+      if (blockIdx.x == 0) report_error(c, kErrBadExpert, uint32_t(c.rank), uint32_t(i / K), uint32_t(e));
     } else if (e >= 0) {
       atomicAdd(&hist[e], 1u);
     }
@@ -147,7 +147,7 @@ PORTEP_DEVICE void dispatch_send(const LLDispatchArgs& a, uint32_t* hist) {
       my_expert = lane < K ? tok_experts[lane] : -1;
       const uint32_t slot = lane < K ? tok_slots[lane] : 0;
       if (my_expert >= 0 && slot >= uint32_t(c.T))
-        report_error(c.error, kErrSlotOverflow, uint32_t(c.rank), uint32_t(t), uint32_t(my_expert));
+        report_error(c, kErrSlotOverflow, uint32_t(c.rank), uint32_t(t), uint32_t(my_expert));
       valid = my_expert >= 0 && slot < uint32_t(c.T);
       uint8_t* m = valid ? message_address(c, hist, my_expert, int(slot)) : nullptr;
       // A direct destination gets the payload once per token, in the message of the token's first selection

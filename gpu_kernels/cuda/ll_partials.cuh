@@ -87,10 +87,10 @@ PORTEP_DEVICE void combine_partial_token(const LLCombineArgs& a, int dst, int t)
   if (threadIdx.x == 0) {
     uint64_t v = 0, waited = 0;
     // After any failure (this call's results are void) the items stop waiting: each would wait out the timeout.
-    ready = *reinterpret_cast<volatile uint32_t*>(&c.error->code) == 0 &&
+    ready = reported_error(c) == 0 &&
             wait_until([&] { return uint64_t(ld_acquire_sys_u32(&meta->ready)); }, [](uint64_t x) { return x != 0; },
                        c.timeout_ns, &v, &waited);
-    if (!ready) report_error(c.error, kErrWaitTimeout, uint32_t(c.rank), uint32_t(dst), uint32_t(t));
+    if (!ready) report_error(c, kErrWaitTimeout, uint32_t(c.rank), uint32_t(dst), uint32_t(t));
   }
   __syncthreads();  // thread 0's acquire, then the barrier: the meta block is visible to the block
   const int K = meta->topk, N = meta->tokens, E_l = c.num_local_experts;

@@ -141,6 +141,8 @@ class CudaEngine(Topology):
         self._signal_seen = torch.zeros(self.num_ranks * self.channel.num_streams, dtype=torch.int64,
                                         device=self.device)
         self._error_host, self.error_device = self.native.cuda_host_alloc_mapped(16)
+        # the first reported failure's code in device memory, which kernels test (ll_common.cuh: report_error)
+        self.failed_flag = torch.zeros(1, dtype=torch.int32, device=self.device)
         self._error = (ctypes.c_uint32 * 4).from_address(self._error_host)
         self._ht = None
         self.launch_stream = None  # comm_stream while the Buffer runs a normal-mode call (comm_stream.py)
@@ -149,7 +151,7 @@ class CudaEngine(Topology):
                                              ch.device_signals_ptr(), self._signal_seen.data_ptr(),
                                              self.channel.num_streams, self.fifos, self._finish.data_ptr(),
                                              chunk_done, proxy_begin, max_chunks, dest_done, self.error_device,
-                                             self.timeout_s, num_sms)
+                                             self.timeout_s, num_sms, self.failed_flag.data_ptr())
         self.ll_half = 0
         self._layouts = {}
         self._shapes = {}

@@ -48,7 +48,7 @@ class CudaHT:
         area = eng.normal_bytes  # from eng.normal_off: receive rings, then (proxy peers) as many staging bytes
         self.recv_bytes = area // 2 // 16 * 16 if self.proxy else area
         self.peers = torch.tensor(peers, dtype=torch.int64, device=eng.device)
-        self.epoch = torch.zeros(1, dtype=torch.int64, device=eng.device)
+        self.epoch = torch.zeros(2, dtype=torch.int64, device=eng.device)  # ops so far; data kernels stop (ht_api.h)
         self.host_counts, host_counts_device = native.cuda_host_alloc_mapped(native.HT_HOST_COUNTS_BYTES)
         ctypes.memset(self.host_counts, 0, native.HT_HOST_COUNTS_BYTES)
         self.ticket = 0
@@ -56,7 +56,7 @@ class CudaHT:
             eng.rank, R, ch.device_data_ptr(), self.peers.data_ptr(), ctrl_off, eng.normal_off,
             eng.normal_off + self.recv_bytes, self.epoch.data_ptr(), self.host_counts, host_counts_device,
             eng.error_device, eng._error_host, eng.timeout_s, eng.fifos, ch.device_signals_ptr(),
-            eng._signal_seen.data_ptr(), eng.channel.num_streams, stream_base)
+            eng._signal_seen.data_ptr(), eng.channel.num_streams, stream_base, eng.failed_flag.data_ptr())
         eng.synchronize()  # epoch, peers in place before any kernel reads them; earlier ops done
         self._load_torch_kernels()
 

@@ -28,7 +28,7 @@ class HTKernels {
   HTKernels(int rank, int num_ranks, uintptr_t local, uintptr_t peers, uint64_t ctrl_off, uint64_t recv_off,
             uint64_t stage_off, uintptr_t epoch, uintptr_t host_counts, uintptr_t host_counts_device, uintptr_t error,
             uintptr_t error_host, double timeout_s, const PyFifoSet& fifos, uintptr_t host_signals,
-            uintptr_t signal_seen, uint32_t num_streams, uint32_t stream_base)
+            uintptr_t signal_seen, uint32_t num_streams, uint32_t stream_base, uintptr_t failed)
       : host_(ptr<HTHostCounts>(host_counts)), error_host_(ptr<LLError>(error_host)), timeout_s_(timeout_s) {
     if (num_ranks > kHTMaxRanks)
       throw std::invalid_argument("num_ranks=" + std::to_string(num_ranks) +
@@ -51,6 +51,7 @@ class HTKernels {
     c_.stream_base = stream_base;
     c_.host = ptr<HTHostCounts>(host_counts_device);
     c_.error = ptr<LLError>(error);
+    c_.failed = ptr<uint32_t>(failed);
     c_.timeout_ns = uint64_t(timeout_s * 1e9);
   }
 
@@ -116,12 +117,13 @@ void bind_cuda_ht(py::module_& m) {
   m.attr("HT_MIN_RING_ROWS") = kHTMinRingRows;
   py::class_<HTKernels>(m, "HTKernels")
       .def(py::init<int, int, uintptr_t, uintptr_t, uint64_t, uint64_t, uint64_t, uintptr_t, uintptr_t, uintptr_t,
-                    uintptr_t, uintptr_t, double, const PyFifoSet&, uintptr_t, uintptr_t, uint32_t, uint32_t>(),
+                    uintptr_t, uintptr_t, double, const PyFifoSet&, uintptr_t, uintptr_t, uint32_t, uint32_t,
+                    uintptr_t>(),
            py::arg("rank"), py::arg("num_ranks"), py::arg("local"), py::arg("peers"), py::arg("ctrl_off"),
            py::arg("recv_off"), py::arg("stage_off"), py::arg("epoch"), py::arg("host_counts"),
            py::arg("host_counts_device"), py::arg("error"), py::arg("error_host"), py::arg("timeout_s"),
            py::arg("fifos"), py::arg("host_signals"), py::arg("signal_seen"), py::arg("num_streams"),
-           py::arg("stream_base"), py::keep_alive<1, 15>())
+           py::arg("stream_base"), py::arg("failed"), py::keep_alive<1, 15>())
       .def("wait_counts", &HTKernels::wait_counts, py::arg("ticket"), py::arg("num_local_experts"))
       .def("notify",
            [](const HTKernels& k, int num_channels, uintptr_t stream, bool count_mode, uintptr_t is_token_in_rank,

@@ -24,7 +24,7 @@ class LLKernels {
  public:
   LLKernels(int rank, int num_ranks, uintptr_t local, uintptr_t peers, uintptr_t host_signals, uintptr_t signal_seen,
             uint32_t num_streams, const PyFifoSet& fifos, uintptr_t finish, uintptr_t chunk_done, uintptr_t proxy_begin,
-            int max_chunks, uintptr_t dest_done, uintptr_t error, double timeout_s, int num_sms) {
+            int max_chunks, uintptr_t dest_done, uintptr_t error, double timeout_s, int num_sms, uintptr_t failed) {
     c_ = LLCommon{};
     c_.rank = rank;
     c_.num_ranks = num_ranks;
@@ -43,6 +43,7 @@ class LLKernels {
     c_.dest_done = ptr<uint32_t>(dest_done);
     c_.meta_stride = kMetaStride;
     c_.error = ptr<LLError>(error);
+    c_.failed = ptr<uint32_t>(failed);
     c_.timeout_ns = uint64_t(timeout_s * 1e9);
     c_.num_sms = num_sms;
   }
@@ -91,11 +92,11 @@ void bind_cuda_ll(py::module_& m) {
   m.attr("LL_META_STRIDE") = kMetaStride;
   py::class_<LLKernels>(m, "LLKernels")
       .def(py::init<int, int, uintptr_t, uintptr_t, uintptr_t, uintptr_t, uint32_t, const PyFifoSet&, uintptr_t,
-                    uintptr_t, uintptr_t, int, uintptr_t, uintptr_t, double, int>(),
+                    uintptr_t, uintptr_t, int, uintptr_t, uintptr_t, double, int, uintptr_t>(),
            py::arg("rank"), py::arg("num_ranks"), py::arg("local"), py::arg("peers"), py::arg("host_signals"),
            py::arg("signal_seen"), py::arg("num_streams"), py::arg("fifos"), py::arg("finish"), py::arg("chunk_done"),
            py::arg("proxy_begin"), py::arg("max_chunks"), py::arg("dest_done"), py::arg("error"), py::arg("timeout_s"),
-           py::arg("num_sms"),
+           py::arg("num_sms"), py::arg("failed"),
            py::keep_alive<1, 9>())
       .def("dispatch",
            [](const LLKernels& k, int phases, py::tuple shape, uintptr_t x, uintptr_t topk_idx, int num_tokens,

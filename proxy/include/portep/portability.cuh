@@ -63,6 +63,11 @@ PORTEP_DEVICE void fence_gpu() { __threadfence(); }
 PORTEP_DEVICE uint32_t atomic_add_relaxed_gpu_u32(uint32_t* p, uint32_t v) {
   return __hip_atomic_fetch_add(p, v, __ATOMIC_RELAXED, __HIP_MEMORY_SCOPE_AGENT);
 }
+// Stores v if *p == expected; returns the old value.
+PORTEP_DEVICE uint32_t atomic_cas_relaxed_gpu_u32(uint32_t* p, uint32_t expected, uint32_t v) {
+  __hip_atomic_compare_exchange_strong(p, &expected, v, __ATOMIC_RELAXED, __ATOMIC_RELAXED, __HIP_MEMORY_SCOPE_AGENT);
+  return expected;
+}
 PORTEP_DEVICE void atomic_max_relaxed_gpu_u64(uint64_t* p, uint64_t v) {
   __hip_atomic_fetch_max(p, v, __ATOMIC_RELAXED, __HIP_MEMORY_SCOPE_AGENT);
 }
@@ -151,6 +156,10 @@ PORTEP_DEVICE uint32_t ld_acquire_sys_u32(const uint32_t* p) {
 PORTEP_DEVICE void fence_sys() { __threadfence_system(); }
 PORTEP_DEVICE void fence_gpu() { __threadfence(); }
 PORTEP_DEVICE uint32_t atomic_add_relaxed_gpu_u32(uint32_t* p, uint32_t v) { return atomicAdd(p, v); }
+// Stores v if *p == expected; returns the old value.
+PORTEP_DEVICE uint32_t atomic_cas_relaxed_gpu_u32(uint32_t* p, uint32_t expected, uint32_t v) {
+  return atomicCAS(p, expected, v);
+}
 PORTEP_DEVICE void atomic_max_relaxed_gpu_u64(uint64_t* p, uint64_t v) {
   atomicMax(reinterpret_cast<unsigned long long*>(p), static_cast<unsigned long long>(v));
 }
