@@ -81,7 +81,7 @@ def test_saturation_and_nan_as_cuda_satfinite():
     assert _native(values).tolist() == [0x7E] * 7 + [0xFE] * 3
     nan = _native(torch.tensor([math.nan, -math.nan], dtype=torch.float32))
     assert torch.isnan(nan.view(torch.float8_e4m3fn).to(torch.float32)).all()
-    assert (nan & 0x7F).tolist() == [0x7F, 0x7F]
+    assert nan.tolist() == [0x7F, 0x7F]  # CUDA's NaN, whatever the input's sign
 
 
 def test_non_float32_input_is_refused_naming_the_format():

@@ -61,7 +61,6 @@ constexpr uint64_t kHTScratchOff = 4 * kHTMaxRanks * kHTSlotBytes + 4 * kHTTailB
 constexpr uint64_t kHTCtrlBytes = kHTScratchOff + 16;
 constexpr uint32_t kHTNumStreams = 1 + 4 * kHTMaxChannels;
 constexpr int kHTMinRingRows = 2 * kHTChunkRows;  // a proxy reader credits whole chunks only
-constexpr uint32_t kErrTooManyRecv = 5;  // LLError code: more rows than num_worst_tokens (src = rows received)
 
 struct HTHostCounts {  // mapped host memory, written by a notify kernel that has a ticket
   uint64_t ticket;     // written last: the fields below belong to the notify of this ticket

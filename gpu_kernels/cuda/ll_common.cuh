@@ -22,13 +22,17 @@ inline int send_recv_grid(int tokens, int local_experts, int num_sms) {
 }
 
 constexpr uint32_t kErrWaitTimeout = 1, kErrFifoTimeout = 2, kErrSlotOverflow = 3, kErrBadExpert = 4;
+constexpr uint32_t kErrTooManyRecv = 5;  // HT: more rows than num_worst_tokens (src = rows received)
 
 // The first failure wins: its code goes to c.failed (device memory, which kernels test: reads of the host-mapped
 // copy are served one at a time across PCIe, about 0.6 us each GPU-wide), then to the host's copy. c: an LLCommon
-// or HTCommon.
+// or HTCommon. kErrTooManyRecv does not stop later data kernels (the op's counts are sound and its rings must
+// drain), so a fatal failure after it takes the device word over; the host keeps the first.
 template <class Common>
 PORTEP_DEVICE void report_error(const Common& c, uint32_t code, uint32_t rank, uint32_t src, uint32_t index) {
-  if (atomic_cas_relaxed_gpu_u32(c.failed, 0, code) != 0) return;
+  const uint32_t first = atomic_cas_relaxed_gpu_u32(c.failed, 0, code);
+  if (first == kErrTooManyRecv && code != kErrTooManyRecv) atomic_cas_relaxed_gpu_u32(c.failed, first, code);
+  if (first != 0) return;
   LLError* e = c.error;
   e->rank = rank;
   e->src = src;

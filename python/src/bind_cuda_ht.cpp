@@ -33,6 +33,7 @@ class HTKernels {
     if (num_ranks > kHTMaxRanks)
       throw std::invalid_argument("num_ranks=" + std::to_string(num_ranks) +
                                   ": the CUDA HT kernels store into at most " + std::to_string(kHTMaxRanks) + " ranks");
+    if (!failed) throw std::invalid_argument("failed: the device word for reported errors must not be null");
     c_ = HTCommon{};
     c_.rank = rank;
     c_.num_ranks = num_ranks;

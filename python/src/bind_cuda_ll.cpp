@@ -25,6 +25,7 @@ class LLKernels {
   LLKernels(int rank, int num_ranks, uintptr_t local, uintptr_t peers, uintptr_t host_signals, uintptr_t signal_seen,
             uint32_t num_streams, const PyFifoSet& fifos, uintptr_t finish, uintptr_t chunk_done, uintptr_t proxy_begin,
             int max_chunks, uintptr_t dest_done, uintptr_t error, double timeout_s, int num_sms, uintptr_t failed) {
+    if (!failed) throw std::invalid_argument("failed: the device word for reported errors must not be null");
     c_ = LLCommon{};
     c_.rank = rank;
     c_.num_ranks = num_ranks;
