@@ -4,6 +4,8 @@ import json
 import subprocess
 import sys
 
+import pytest
+
 
 def run_module(*args, timeout=300):
     return subprocess.run([sys.executable, "-m", *args], capture_output=True, text=True, timeout=timeout, check=False)
@@ -77,3 +79,27 @@ def test_command_latency_upper_bound_uses_the_host_clock_alone():
     tail = sorted(truth[100:])  # the first `skip` commands are left out; an even count: the mean of two
     true_median = (tail[len(tail) // 2 - 1] + tail[len(tail) // 2]) / 2
     assert f"median at most {(true_median + 400) / 1e3:.2f} us" in bound[0], bound[0]
+
+
+@pytest.mark.parametrize("cuda_built,available,count,mode", [
+    (True, True, 2, "gpu"), (True, True, 8, "gpu"), (True, True, 1, "gpu-ht-loopback"), (True, False, 0, "ep"),
+    (False, True, 2, "ep")])
+def test_main_benchmark_picks_the_best_backend_here(monkeypatch, cuda_built, available, count, mode):
+    import torch
+
+    from portep import bench, native
+
+    monkeypatch.setattr(native, "build_info", lambda: {"cuda_built": cuda_built})
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: available)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: count)
+    assert bench._best_mode() == mode
+
+
+def test_loopback_benchmark_without_a_gpu_says_what_it_needs():
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("a GPU is visible: the benchmark would run")
+    r = run_module("portep.bench", "gpu-ht-loopback", "--sms", "8")
+    assert r.returncode != 0
+    assert "gpu-ht-loopback needs a CUDA GPU and portep's CUDA kernels" in r.stderr, r.stderr[-2000:]

@@ -114,7 +114,8 @@ PORTEP_DEVICE void publish_tail(uint64_t* word, uint64_t epoch, uint32_t rows) {
 // the data kernel still runs so that its peers' rings drain (else they would wait out their timeouts).
 // The notify kernel, first in every op, decides once at its end and leaves the verdict in c.epoch[1] for the data
 // kernel, whose every thread reads it (device memory: each warp reading the host-mapped error code instead cost
-// about 0.6 us per warp, served one at a time across PCIe: 2 ms per op at 64 SMs, bench/probes/ht_loopback.py).
+// about 0.6 us per warp, served one at a time across PCIe: 2 ms per op at 64 SMs, seen with
+// python -m portep.bench gpu-ht-loopback).
 // A failure that a kernel on another stream reports after that verdict does not stop this op's data kernel; the
 // next op's notify sees it.
 PORTEP_DEVICE bool error_stops_data(const HTCommon& c) {

@@ -5,14 +5,15 @@ import sys
 
 
 def _best_mode():
-    """The dispatch/combine benchmark on the best backend here: GPUs when two are visible, else the host."""
+    """The dispatch/combine benchmark on the best backend here: with two GPUs both modes across them, with one the
+    normal-mode kernels with both ranks on it (loopback), else the host backend."""
     try:
         import torch
 
         from portep import native
 
-        if native.build_info()["cuda_built"] and torch.cuda.is_available() and torch.cuda.device_count() >= 2:
-            return "gpu"
+        if native.build_info()["cuda_built"] and torch.cuda.is_available():
+            return "gpu" if torch.cuda.device_count() >= 2 else "gpu-ht-loopback"
     except Exception:  # noqa: BLE001 - no torch CUDA, no native module: the host benchmark still runs
         pass
     return "ep"
@@ -65,6 +66,13 @@ def main(argv=None):
     gh.add_argument("--iterations", type=int, default=20)
     gh.add_argument("--sms", type=int, nargs="+", default=[24, 8, 16, 32], help="config.num_sms values to run")
     sub.add_parser("gpu", help="gpu-ll, then gpu-ht (the default with two GPUs)")
+    lb = sub.add_parser("gpu-ht-loopback", help="HT kernels' own throughput, both EP2 ranks on one GPU (the default "
+                        "with one GPU; peer stores go to that GPU's memory, not NVLink)")
+    lb.add_argument("--sms", type=int, nargs="+", default=[8, 16, 24, 32, 48, 64], help="config.num_sms per rank")
+    lb.add_argument("--iterations", type=int, default=20)
+    lb.add_argument("--masks", nargs="*", default=[], choices=["self", "peer", "none"],
+                    help="also time BF16 dispatch with every token sent to its own rank only, the peer only, nowhere")
+    lb.add_argument("--no-check", action="store_true", help="report outputs that differ instead of stopping")
     args = parser.parse_args(argv)
     if args.mode in ("gpu-ll", "gpu"):
         from portep_bench import ll_gpu
@@ -83,6 +91,11 @@ def main(argv=None):
         else:
             ht_gpu.run(tokens=args.tokens, hidden=args.hidden, topk=args.topk, experts=args.experts,
                        iterations=args.iterations, sms_list=tuple(args.sms))
+    if args.mode == "gpu-ht-loopback":
+        from portep_bench import ht_loopback
+
+        ht_loopback.run(sms_list=tuple(args.sms), iterations=args.iterations, masks=tuple(args.masks),
+                        check=not args.no_check)
     if args.mode == "gpu-fifo":
         from portep_bench import gpu_fifo
 

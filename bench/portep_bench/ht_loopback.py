@@ -5,22 +5,22 @@ across NVLink, so this is not the two-GPU figure: it tells how fast the kernels 
 limit, per SM count, next to a plain device copy of the same bytes from the same run. DeepEP's shape (4096 tokens
 per rank, hidden 7168, top-8, 256 experts), DeepEP's byte counting (rows received, own rows included, x row bytes),
 medians of CUDA events around both ranks' launches. Every output is checked against a torch reference first.
-Run from the repository root: python bench/probes/ht_loopback.py [--sms 8 16 24 32 48 64]"""
-import argparse
+`python -m portep.bench gpu-ht-loopback [--sms 8 16 24 32 48 64] [--masks self peer none]` (the default of
+`python -m portep.bench` with one GPU). SM counts whose 2 x 2 x num_sms blocks do not fit on the GPU at once are
+left out (the kernels need every block resident)."""
 import ctypes
 import statistics
-import sys
 
 import torch
 
-sys.path.insert(0, "bench")
-from portep_bench.ht_gpu import ht_inputs  # noqa: E402
-from portep_bench.stats import table  # noqa: E402
+from portep import native
+from portep.cuda_ht import _record_bytes
 
-from portep import native  # noqa: E402
-from portep.cuda_ht import _record_bytes  # noqa: E402
+from .ht_gpu import ht_inputs
+from .stats import table
 
 R = 2
+N, H, K, E = 4096, 7168, 8, 256
 STRICT = True  # --no-check: report differing outputs instead of stopping (diagnostic builds)
 
 
@@ -204,17 +204,19 @@ def check_outputs(ranks, inputs, handles, what):
         expect(torch.equal(handles[d]["recv_x"], want), f"{what}: rank {d}: received rows differ")
 
 
-def main():
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--sms", type=int, nargs="+", default=[8, 16, 24, 32, 48, 64])
-    ap.add_argument("--iterations", type=int, default=20)
-    ap.add_argument("--no-check", action="store_true", help="report differing outputs instead of stopping")
-    ap.add_argument("--masks", nargs="*", default=[], choices=["self", "peer", "none"],
-                    help="also time BF16 dispatch with every token sent to its own rank only, the peer only, nowhere")
-    args = ap.parse_args()
+def run(sms_list=(8, 16, 24, 32, 48, 64), iterations=20, masks=(), check=True, printer=print):
+    """Measures and prints the table; masks: also time BF16 dispatch with every token sent to its own rank only
+    ('self'), the peer only ('peer'), nowhere ('none'); check=False reports differing outputs instead of stopping."""
     global STRICT
-    STRICT = not args.no_check
-    N, H, K, E = 4096, 7168, 8, 256
+    STRICT = check
+    if not torch.cuda.is_available() or not native.build_info()["cuda_built"]:
+        raise RuntimeError("gpu-ht-loopback needs a CUDA GPU and portep's CUDA kernels (built with nvcc); "
+                           f"here: GPU visible {torch.cuda.is_available()}, kernels built "
+                           f"{native.build_info()['cuda_built']}")
+    gpu_sms = torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count
+    fitting = [s for s in sms_list if 2 * 2 * (s // 2) + 2 <= gpu_sms]  # both ranks' blocks and notifies at once
+    if not fitting:
+        raise ValueError(f"sms_list={list(sms_list)}: none fits this GPU's {gpu_sms} SMs twice (two ranks)")
     area = 100712960  # DeepEP's NVL hint for this shape, as python -m portep.bench gpu-ht sizes its Buffer
     ctrl = (native.HT_CTRL_BYTES + 127) // 128 * 128
     regions = [torch.zeros(ctrl + area, dtype=torch.uint8, device="cuda") for _ in range(R)]
@@ -229,7 +231,7 @@ def main():
     streams = [torch.cuda.Stream() for _ in range(R)]
     torch.cuda.synchronize()
     rows_out = []
-    for sms in args.sms:
+    for sms in fitting:
         C = sms // 2
         handles = first_dispatch(ranks, [i[:5] for i in inputs], E, C, streams)
         check_outputs(ranks, inputs, handles, f"first dispatch, {sms} SMs")
@@ -239,30 +241,30 @@ def main():
             h["recv_scales"] = torch.empty(h["rows"], H // 128, dtype=torch.float32, device="cuda")
             h["out"] = torch.empty(N, H, dtype=torch.bfloat16, device="cuda")
         t_notify = timed_pair(lambda r, s: ranks[r].kernels.notify(C, s.cuda_stream, False, inputs[r][3].data_ptr(),
-                                                                   0, 0, 0, 0, 0, 0, 0, 0), streams, args.iterations)
+                                                                   0, 0, 0, 0, 0, 0, 0, 0), streams, iterations)
         rows_out.append(["notify alone (flags)", sms, f"{t_notify * 1e3:.1f}", "-"])
         t_bf16 = timed_pair(lambda r, s: cached_dispatch(ranks[r], r, inputs[r][:5], handles[r], C, s, None),
-                            streams, args.iterations)
+                            streams, iterations)
         check_outputs(ranks, inputs, handles, f"cached dispatch, {sms} SMs")
         t_fp8 = timed_pair(lambda r, s: cached_dispatch(ranks[r], r, inputs[r][:5], handles[r], C, s, inputs[r][5]),
-                           streams, args.iterations)
+                           streams, iterations)
         for d in range(R):
             want = torch.cat([inputs[s][5][0][inputs[s][3][:, d]] for s in range(R)])
             expect(torch.equal(handles[d]["recv_fp8"].view(torch.uint8), want.view(torch.uint8)), "FP8 rows differ")
         t_comb = timed_pair(lambda r, s: combine(ranks[r], r, inputs[r][:5], handles[r], C, s), streams,
-                            args.iterations)
+                            iterations)
         for r in range(R):  # each token comes back from every rank it went to, summed in FP32 (exact here)
             x, in_rank = inputs[r][0], inputs[r][3]
             want = (x.float() * in_rank.sum(1, keepdim=True).float()).to(torch.bfloat16)
             expect(torch.equal(handles[r]["out"], want), f"combine, {sms} SMs: rank {r} differs")
-        rows_out.append(["  split: " + split_times(ranks, inputs, handles, C, streams, args.iterations), sms, "-",
+        rows_out.append(["  split: " + split_times(ranks, inputs, handles, C, streams, iterations), sms, "-",
                          "-"])
-        for mask in args.masks:
+        for mask in masks:
             mi = masked_inputs(inputs, mask)
             mh = first_dispatch(ranks, [i[:5] for i in mi], E, C, streams)
             check_outputs(ranks, mi, mh, f"first dispatch, mask {mask}, {sms} SMs")
             t = timed_pair(lambda r, s: cached_dispatch(ranks[r], r, mi[r][:5], mh[r], C, s, None), streams,
-                           args.iterations)
+                           iterations)
             check_outputs(ranks, mi, mh, f"cached dispatch, mask {mask}, {sms} SMs")
             gbs = f"{mh[0]['rows'] * 2 * H / t / 1e6:.1f}" if mh[0]["rows"] else "-"
             rows_out.append([f"dispatch BF16, tokens to {mask} only ({mh[0]['rows']} rows)", sms, f"{t * 1e3:.1f}",
@@ -275,19 +277,19 @@ def main():
     nbytes = handles[0]["rows"] * 2 * H
     src = [torch.empty(nbytes, dtype=torch.uint8, device="cuda") for _ in range(R)]
     dst = [torch.empty_like(s) for s in src]
-    t_copy = timed_pair(lambda r, s: _copy_on(dst[r], src[r], s), streams, args.iterations)
+    t_copy = timed_pair(lambda r, s: _copy_on(dst[r], src[r], s), streams, iterations)
     rows_out.append(["device copy, same bytes (both ranks at once)", "all", f"{t_copy * 1e3:.1f}",
                      f"{nbytes / t_copy / 1e6:.1f}"])
-    print(f"HT loopback on one GPU: EP2 as two ranks in one process, {N} tokens per rank, hidden {H}, top-{K}, "
-          f"{E} experts; rank 0 receives {handles[0]['rows']} rows; medians of {args.iterations}; GB/s per rank "
+    left_out = sorted(set(sms_list) - set(fitting))
+    if left_out:
+        printer(f"left out (more blocks than this GPU runs at once): {left_out} SMs per rank")
+    printer(f"HT loopback on one GPU: EP2 as two ranks in one process, {N} tokens per rank, hidden {H}, top-{K}, "
+          f"{E} experts; rank 0 receives {handles[0]['rows']} rows; medians of {iterations}; GB/s per rank "
           "as DeepEP counts (rows received x row bytes); peer stores go to this GPU's HBM, not NVLink")
-    print(table(["op", "SMs per rank", "us", "GB/s per rank"], rows_out))
+    printer(table(["op", "SMs per rank", "us", "GB/s per rank"], rows_out))
 
 
 def _copy_on(dst, src, stream):
     with torch.cuda.stream(stream):
         dst.copy_(src)
 
-
-if __name__ == "__main__":
-    main()
