@@ -1,5 +1,5 @@
 """The GPU kernel sources compile for AMD GPUs with hipcc, unchanged: everything vendor-specific goes through
-portep/portability.cuh (device code) and portep/gpu_runtime.h (runtime calls). Compile only (no AMD GPU here), for
+portep/portability.cuh (device code) and gpu_kernels/cuda/gpu_runtime.h (runtime calls). Compile only (no AMD GPU), for
 CDNA2 (gfx90a, MI200) and CDNA3 (gfx940 stands in for MI300X's gfx942 where hipcc's clang is too old to know it),
 with unchecked runtime calls as errors. Skips where hipcc is not installed (.ci/run installs it with apt)."""
 
@@ -47,6 +47,6 @@ def test_kernel_source_compiles_with_hipcc(source, tmp_path):
 def test_an_unchecked_runtime_call_is_refused(tmp_path):
     """The check above would catch an unchecked call: HIP's runtime functions are [[nodiscard]]."""
     src = tmp_path / "unchecked.cu"
-    src.write_text('#include "portep/gpu_runtime.h"\nvoid leak(void* p) { cudaFree(p); }\n')
+    src.write_text('#include "gpu_runtime.h"\nvoid leak(void* p) { cudaFree(p); }\n')
     r = _hipcc(src, tmp_path / "unchecked.o")
     assert r.returncode != 0 and "unused-result" in r.stderr

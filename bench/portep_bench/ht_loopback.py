@@ -14,7 +14,8 @@ import statistics
 import torch
 
 from portep import native
-from portep.cuda_ht import _record_bytes
+from portep import host_backend as hb
+from portep.cuda_ht import _record_bytes, rows_per_ring
 
 from .ht_gpu import ht_inputs
 from .stats import table
@@ -56,7 +57,7 @@ class LoopbackRank:
         self.ticket = 0
 
     def ring_rows(self, row_bytes, C):
-        rows = self.area // ((R - 1) * C * row_bytes) // native.HT_CHUNK_ROWS * native.HT_CHUNK_ROWS
+        rows = rows_per_ring(self.area, R, C, row_bytes, native.HT_CHUNK_ROWS)
         assert rows >= native.HT_MIN_RING_ROWS, (rows, row_bytes, C)
         return rows
 
@@ -137,7 +138,7 @@ def cached_dispatch(rk, r, inputs_r, h, C, stream, fp8, mid=None):
 def combine(rk, r, inputs_r, h, C, stream):
     x, idx, _, in_rank, _ = inputs_r
     N, H = x.shape
-    row_bytes = (2 * H + 15) // 16 * 16
+    row_bytes = hb.align(2 * H, 16)  # a combine row without top-k weights, as CudaHT.combine sizes it
     rk.kernels.notify(C, stream.cuda_stream, False, in_rank.data_ptr(), 0, 0, 0, 0, 0, 0, 0, 0)
     rk.kernels.combine(C, stream.cuda_stream, h["recv_x"].data_ptr(), 0, 0, 0, in_rank.data_ptr(),
                        h["rank_prefix"].data_ptr() + 4 * r, R, h["channel_prefix"].data_ptr(), h["rcp"].data_ptr(),

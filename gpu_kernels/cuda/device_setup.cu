@@ -1,5 +1,5 @@
 // Host-side setup for the LL kernels: sets of device FIFOs and small device / mapped host allocations.
-#include "portep/gpu_runtime.h"
+#include "gpu_runtime.h"
 
 #include <string.h>
 

@@ -1,4 +1,4 @@
-#include "portep/gpu_runtime.h"
+#include "gpu_runtime.h"
 #include <stdint.h>
 #include <string.h>
 

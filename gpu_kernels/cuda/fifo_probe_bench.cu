@@ -1,6 +1,6 @@
 // The GPU -> host command channel measured on its own: probe kernels push commands into mapped FIFOs while
 // host consumer threads (the proxies' drain loop without a transport) pop and check them.
-#include "portep/gpu_runtime.h"
+#include "gpu_runtime.h"
 #include <time.h>
 
 #include <atomic>

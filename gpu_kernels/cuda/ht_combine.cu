@@ -1,6 +1,6 @@
 // The HT combine data kernel (ht_api.h): per channel one block sends this rank's rows back to their sources and
 // one block reduces this rank's own tokens (bias, then every rank's row in rank order, FP32, as the host backend).
-#include "portep/gpu_runtime.h"
+#include "gpu_runtime.h"
 
 #include "ht_common.cuh"
 

@@ -1,5 +1,5 @@
 // The HT dispatch data kernel (ht_api.h): per channel one sending and one receiving block.
-#include "portep/gpu_runtime.h"
+#include "gpu_runtime.h"
 
 #include "ht_common.cuh"
 

@@ -1,6 +1,6 @@
 // The HT notify kernel (ht_api.h): epoch, count exchange (or flags only, with a handle), the handle's prefix
 // matrices.
-#include "portep/gpu_runtime.h"
+#include "gpu_runtime.h"
 
 #include "ht_common.cuh"
 

@@ -1,7 +1,7 @@
 // get_dispatch_layout on the GPU: per token, the ranks (and nodes) that hold any of its experts; counts per
 // rank, per node and per expert. One thread per token; counts go to shared-memory histograms when they fit,
 // then to global memory with one atomic per non-zero bin and block.
-#include "portep/gpu_runtime.h"
+#include "gpu_runtime.h"
 #include <stdint.h>
 
 #include "api.h"

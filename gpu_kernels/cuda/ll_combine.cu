@@ -5,7 +5,7 @@
 // each token per owner rank (top-k order, FP32), then over owner ranks in rank order: the host backend's order
 // and roundings, so both give the same bits. In one launch (no hook) this rank's rows for itself are not
 // copied: the reduce reads them from the input, which cannot change before it runs.
-#include "portep/gpu_runtime.h"
+#include "gpu_runtime.h"
 
 #include <climits>
 

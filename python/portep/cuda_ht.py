@@ -128,7 +128,7 @@ class CudaHT:
         chunk, least = native.HT_CHUNK_ROWS, native.HT_MIN_RING_ROWS
         if R == 1:
             return least
-        rows = min(self.recv_bytes // ((R - 1) * num_channels * row_bytes) // chunk * chunk, 1 << 30)
+        rows = rows_per_ring(self.recv_bytes, R, num_channels, row_bytes, chunk)
         if rows < least:
             need = least * (R - 1) * num_channels * row_bytes * (2 if self.proxy else 1)
             raise ValueError(f"{what}: the normal-mode buffer ({self.eng.normal_bytes} bytes) holds {rows} rows of "
@@ -288,6 +288,12 @@ class CudaHT:
                              recv_prefix[0], recv_prefix[1], channel_prefix.data_ptr(), rcp.data_ptr(),
                              send_head.data_ptr(), N, H, K, ring_rows, out.data_ptr(), _ptr(out_w))
         return out, out_w
+
+
+def rows_per_ring(recv_bytes, num_ranks, num_channels, row_bytes, chunk_rows):
+    """Whole chunks of rows of row_bytes that fit each of the (num_ranks - 1) x num_channels rings of a receive area
+    of recv_bytes (ht_api.h), capped where the kernels' 32-bit row counts need it."""
+    return min(recv_bytes // ((num_ranks - 1) * num_channels * row_bytes) // chunk_rows * chunk_rows, 1 << 30)
 
 
 def _record_bytes(x, scales, K):
