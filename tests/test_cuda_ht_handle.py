@@ -79,3 +79,38 @@ def test_internode_handle_with_num_worst_tokens_pads_rows():
     from0 = int(counts[0, 1])
     assert torch.equal(head[:from0], torch.arange(from0, dtype=torch.int32))
     assert bool((head[from0:num_recv] == -1).all())  # rank 1's own rows are not forwarded
+
+
+@pytest.mark.parametrize("world,rpn,n_tokens,seed", [(4, 2, [37, 21, 0, 15], 4),
+                                                     (8, 4, [9, 30, 12, 5, 22, 0, 17, 8], 5)])
+def test_forwarding_handle_matches_deepep_definitions(world, rpn, n_tokens, seed):
+    """With forwarders (CudaHT._forwarding_handle): the kernels' matrices pass through in DeepEP's slots, the receive
+    prefix is this rank's column of the rank prefix, recv_src_meta is the kernels' (node, mask) pairs as bytes, and
+    send_rdma_head is each token's position among this rank's tokens to each node (-1 where none goes)."""
+    in_rank = _routing(seed, world, n_tokens)
+    nodes = world // rpn
+    g = torch.Generator().manual_seed(seed + 100)
+    for me in range(world):
+        counts, rank_prefix, channel_prefix, rcp, _ = _kernel_outputs(in_rank, me, 3)
+        fwd = tuple(torch.randint(0, 50, shape, generator=g, dtype=torch.int32) for shape in ((nodes, 3),) * 2 +
+                    ((nodes,),))
+        meta = torch.randint(-1, 9, (int(counts[:, me].sum()), 2), generator=g, dtype=torch.int32)
+        nvl_head = torch.randint(-1, 20, (11, 8), generator=g, dtype=torch.int32)
+        ht = CudaHT.__new__(CudaHT)
+        ht.eng = types.SimpleNamespace(rank=me, device=torch.device("cpu"), launch_stream=None, num_nodes=nodes,
+                                       ranks_per_node=rpn)
+        h = ht._forwarding_handle(in_rank[me], rank_prefix, channel_prefix, rcp, fwd, meta, nvl_head)
+        assert len(h) == 10
+        assert h[0] is in_rank[me] and h[1] is fwd[0] and h[2] is channel_prefix and h[3] is fwd[1]
+        assert h[4] is fwd[2] and h[5] is rcp and h[9] is nvl_head
+        assert torch.equal(h[6], torch.cumsum(counts[:, me], 0).to(torch.int32))
+        assert h[7].dtype == torch.uint8 and h[7].shape == (meta.size(0), 8)
+        assert torch.equal(h[7].view(torch.int32), meta)
+        expected = torch.full((n_tokens[me], nodes), -1, dtype=torch.int32)
+        for n in range(nodes):
+            k = 0
+            for t in range(n_tokens[me]):
+                if bool(in_rank[me][t, n * rpn:(n + 1) * rpn].any()):
+                    expected[t, n] = k
+                    k += 1
+        assert torch.equal(h[8], expected)

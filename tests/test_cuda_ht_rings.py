@@ -13,9 +13,12 @@ from portep.cuda_ht import CudaHT, _record_bytes
 pytestmark = pytest.mark.skipif(not native.build_info()["cuda_built"], reason="needs the CUDA kernels built")
 
 
-def _ht(num_ranks, normal_bytes, proxy, sms=132):
+def _ht(num_ranks, normal_bytes, proxy, sms=132, ranks_per_node=None):
     ht = CudaHT.__new__(CudaHT)
-    ht.eng = types.SimpleNamespace(native=native, num_ranks=num_ranks, normal_bytes=normal_bytes, device_sms=sms)
+    rpn = ranks_per_node or (1 if proxy else num_ranks)
+    ht.eng = types.SimpleNamespace(native=native, num_ranks=num_ranks, normal_bytes=normal_bytes, device_sms=sms,
+                                   ranks_per_node=rpn)
+    ht.forward = 1 < rpn < num_ranks
     ht.proxy = proxy
     ht.recv_bytes = normal_bytes // 2 // 16 * 16 if proxy else normal_bytes
     return ht
@@ -58,6 +61,30 @@ def test_deepep_hint_buffer_holds_its_test_shape_without_wrapping():
     rec = _record_bytes(torch.empty(1, 7168, dtype=torch.bfloat16), None, 8)
     rows = _ht(2, hint, False)._ring_rows(rec, 12, "dispatch")
     assert rows >= -(-4096 // 12)  # a channel's rows from the peer fit in its ring: no sender ever waits
+
+
+@pytest.mark.parametrize("R,L,C,row_bytes,nbytes", [(4, 2, 10, 2336, 1 << 28), (8, 4, 6, 28704, 1 << 30),
+                                                    (8, 2, 3, 1040, 8 << 20)])
+def test_forwarding_adds_a_forward_ring_per_local_rank_and_channel(R, L, C, row_bytes, nbytes):
+    # ht_api.h: with forwarding the receive area holds the peer rings [R - 1][C] and the forward rings [L][C]
+    ht = _ht(R, nbytes, True, ranks_per_node=L)
+    rows = ht._ring_rows(row_bytes, C, "dispatch")
+    rings = (R - 1 + L) * C
+    assert rows % native.HT_CHUNK_ROWS == 0 and rows >= native.HT_MIN_RING_ROWS
+    assert rings * rows * row_bytes <= ht.recv_bytes < rings * (rows + native.HT_CHUNK_ROWS) * row_bytes
+    need = native.HT_MIN_RING_ROWS * rings * row_bytes * 2
+    assert _ht(R, need, True, ranks_per_node=L)._ring_rows(row_bytes, C, "dispatch") == native.HT_MIN_RING_ROWS
+    with pytest.raises(ValueError, match=f">= {need} bytes"):
+        _ht(R, need - 32, True, ranks_per_node=L)._ring_rows(row_bytes, C, "dispatch")
+
+
+def test_forwarding_runs_three_blocks_per_channel():
+    assert native.ht_blocks_per_channel(4, 2) == 3 and native.ht_blocks_per_channel(8, 8) == 2
+    assert native.ht_blocks_per_channel(2, 1) == 2
+    ht = _ht(4, 1 << 26, True, sms=132, ranks_per_node=2)
+    ht._check_channels(44, "combine")  # 132 blocks
+    with pytest.raises(ValueError, match=r"config.num_sms=90.*need 135 SMs.*3 blocks per channel.*num_sms <= 88"):
+        ht._check_channels(45, "combine")
 
 
 def test_more_channels_than_the_gpu_runs_at_once_are_refused():

@@ -2,9 +2,9 @@
 GPU tensors, through direct NVLink stores (one node) and through the forced proxy path (one GPU per node: FIFOs,
 proxy threads, copy engines) over both shm transport modes; every output and handle entry against the host
 backend's bit for bit, with large buffers and with small ones whose rings wrap; num_worst_tokens dispatch + combine
-captured in a CUDA graph and replayed; normal and LL ops alternating on one Buffer; the refusal of multi-GPU nodes
-across nodes. Skipped without two GPUs and the CUDA kernels (PORTEP_TEST_SHARE_GPU=1 lets the ranks share one GPU:
-correctness only)."""
+captured in a CUDA graph and replayed; normal and LL ops alternating on one Buffer; forwarding inside nodes of two
+GPUs across two nodes (4 ranks: proxies between the nodes, forwarders storing to their node peer). Skipped without
+the GPUs and the CUDA kernels (PORTEP_TEST_SHARE_GPU=1 lets the ranks share one GPU: correctness only)."""
 
 import os
 
@@ -17,15 +17,29 @@ from deepep_workers import assert_clean
 from dist_util import run_ranks
 from portep import native
 
-GPUS_NEEDED = 1 if os.environ.get("PORTEP_TEST_SHARE_GPU") == "1" else 2
-two_gpus = pytest.mark.skipif(not native.build_info()["cuda_built"] or not torch.cuda.is_available()
-                              or torch.cuda.device_count() < GPUS_NEEDED,
-                              reason="needs the CUDA kernels and two CUDA GPUs (or PORTEP_TEST_SHARE_GPU=1)")
+SHARE = os.environ.get("PORTEP_TEST_SHARE_GPU") == "1"
+
+
+def _gpus(n):
+    return pytest.mark.skipif(not native.build_info()["cuda_built"] or not torch.cuda.is_available()
+                              or torch.cuda.device_count() < (1 if SHARE else n),
+                              reason=f"needs the CUDA kernels and {n} CUDA GPUs (or PORTEP_TEST_SHARE_GPU=1)")
+
+
+two_gpus = _gpus(2)
+four_gpus = _gpus(4)
 
 # (name, num_ranks_per_node, transport)
 PATHS = [pytest.param(("direct-nvlink", 2, "shm"), id="direct-nvlink"),
          pytest.param(("proxy-shm", 1, "shm"), id="proxy-shm"),
          pytest.param(("proxy-shm-unordered", 1, "shm-unordered"), id="proxy-shm-unordered")]
+# 2 nodes of 2 ranks: (name, num_ranks_per_node, transport) between the nodes
+FORWARD_PATHS = [pytest.param(("forward-shm", 2, "shm"), id="forward-shm"),
+                 pytest.param(("forward-shm-unordered", 2, "shm-unordered"), id="forward-shm-unordered")]
+# graph_body launches torch kernels of its own (d[0] * 2) while a num_worst_tokens dispatch still runs: with CUDA's
+# lazy module loading such a first launch waits for the running kernels and holds up the shm proxies' copies they
+# wait for (the README's rule for applications on the shm-GPU proxy path)
+EAGER = {"CUDA_MODULE_LOADING": "EAGER"}
 # hidden, num_topk, experts, tokens per rank, seed, starve_last
 SUITE = [(512, 8, 16, [300, 211], 1, False), (2048, 6, 32, [97, 256], 2, True), (7168, 8, 64, [64, 130], 3, False)]
 
@@ -85,15 +99,50 @@ def test_ht_odd_scale_count_bitwise():
 @pytest.mark.parametrize("path", PATHS[:2])
 def test_ht_num_worst_tokens_cuda_graph_replay(path):
     _, rpn, transport = path
-    out = run_ranks(g.graph_body, 2, args=(rpn, transport, 21, 200, 1024, 8, 32, 3), timeout=300)
+    out = run_ranks(g.graph_body, 2, args=(rpn, transport, 21, 200, 1024, 8, 32, 3), timeout=300, env=EAGER)
     assert_clean(out, 15)
 
 
+FORWARD_SUITE = [(512, 8, 16, [300, 211, 97, 256], 41, False), (2048, 6, 32, [64, 130, 200, 77], 42, True)]
+
+
 @pytest.mark.gpu
-@two_gpus
-def test_ht_multi_gpu_nodes_across_nodes_are_refused_clearly():
-    out = run_ranks(g.internode_refused_body, 4, args=(), timeout=200)
-    assert_clean(out, 2)
+@four_gpus
+@pytest.mark.parametrize("path", FORWARD_PATHS)
+@pytest.mark.parametrize("case", FORWARD_SUITE, ids=[f"H{c[0]}-K{c[1]}-E{c[2]}" for c in FORWARD_SUITE])
+def test_ht_forwarding_suite(path, case):
+    _, rpn, transport = path
+    hidden, topk, experts, n_tokens, seed, starve = case
+    out = run_ranks(w.ht_body, 4, args=(rpn, transport, seed, n_tokens, hidden, topk, experts, 2, starve, "cuda"),
+                    timeout=500)
+    assert_clean(out, 60)
+
+
+@pytest.mark.gpu
+@four_gpus
+@pytest.mark.parametrize("path", FORWARD_PATHS)
+@pytest.mark.parametrize("num_sms", [24, 2])
+def test_ht_forwarding_matches_host_backend_bitwise(path, num_sms):
+    _, rpn, transport = path
+    out = run_ranks(g.cross_backend_body, 4, args=(rpn, transport, 51 + num_sms, [333, 150, 5, 271], 1024, 8, 32,
+                                                   num_sms), timeout=500)
+    assert_clean(out, 30)
+
+
+@pytest.mark.gpu
+@four_gpus
+def test_ht_forwarding_small_buffer_rings_wrap_bitwise():
+    # 6 MiB, 2 channels: forward and proxy rings of 64-128 rows, wrapped many times by blocks of 700-1500 rows
+    out = run_ranks(g.cross_backend_body, 4, args=(2, "shm-unordered", 19, [1500, 900, 1200, 700], 1024, 8, 32, 4,
+                                                   6 << 20), timeout=500)
+    assert_clean(out, 30)
+
+
+@pytest.mark.gpu
+@four_gpus
+def test_ht_forwarding_num_worst_tokens_cuda_graph_replay():
+    out = run_ranks(g.graph_body, 4, args=(2, "shm", 23, 120, 1024, 8, 32, 2), timeout=500, env=EAGER)
+    assert_clean(out, 15)
 
 
 @pytest.mark.gpu

@@ -50,14 +50,14 @@ class LoopbackRank:
         self.seen = torch.zeros_like(self.signals)
         self.failed = torch.zeros(1, dtype=torch.int32, device="cuda")
         self.fifos = native.DeviceFifoSet(1, 64)
-        self.kernels = native.HTKernels(rank, R, self.region.data_ptr(), peers.data_ptr(), 0, self.ctrl,
+        self.kernels = native.HTKernels(rank, R, R, self.region.data_ptr(), peers.data_ptr(), 0, self.ctrl,
                                         self.ctrl + area_bytes, self.epoch.data_ptr(), self.counts_host, counts_dev,
                                         error_dev, self.error_host, 10.0, self.fifos, self.signals.data_ptr(),
                                         self.seen.data_ptr(), native.HT_NUM_STREAMS, 0, self.failed.data_ptr())
         self.ticket = 0
 
     def ring_rows(self, row_bytes, C):
-        rows = rows_per_ring(self.area, R, C, row_bytes, native.HT_CHUNK_ROWS)
+        rows = rows_per_ring(self.area, (R - 1) * C, row_bytes, native.HT_CHUNK_ROWS)
         assert rows >= native.HT_MIN_RING_ROWS, (rows, row_bytes, C)
         return rows
 
@@ -81,8 +81,8 @@ def first_dispatch(ranks, inputs, E, C, streams):
              "rcp": torch.empty(R, C, dtype=torch.int32, device="cuda")}
         rk.ticket += 1
         rk.kernels.notify(C, streams[r].cuda_stream, True, in_rank.data_ptr(), per_expert.data_ptr(), N, E,
-                          h["rank_prefix"].data_ptr(), h["channel_prefix"].data_ptr(), h["rcp"].data_ptr(), 0,
-                          rk.ticket)
+                          h["rank_prefix"].data_ptr(), h["channel_prefix"].data_ptr(), h["rcp"].data_ptr(), 0, 0, 0,
+                          0, rk.ticket)
         handles.append(h)
     for r, rk in enumerate(ranks):
         got = rk.kernels.wait_counts(rk.ticket, E // R)
@@ -107,7 +107,8 @@ def first_dispatch(ranks, inputs, E, C, streams):
                             in_rank.data_ptr(), h["rank_prefix"].data_ptr() + 4 * r, R,
                             h["channel_prefix"].data_ptr(), h["rcp"].data_ptr(), N, x.size(1) * 2, 0, K, E // R,
                             rk.ring_rows(rec, C), rows, h["recv_x"].data_ptr(), 0, h["recv_idx"].data_ptr(),
-                            h["recv_w"].data_ptr(), h["src_idx"].data_ptr(), h["send_head"].data_ptr())
+                            h["recv_w"].data_ptr(), h["src_idx"].data_ptr(), h["send_head"].data_ptr(), 0, 0, 0, 0,
+                            0)
     torch.cuda.synchronize()
     return handles
 
@@ -126,23 +127,23 @@ def cached_dispatch(rk, r, inputs_r, h, C, stream, fp8, mid=None):
     else:
         data, row_bytes, S, out, scales_ptr, out_scales = x, x.size(1) * 2, 0, h["recv_x"], 0, 0
     rec = _record_bytes(data, fp8[1] if fp8 else None, 0)
-    rk.kernels.notify(C, stream.cuda_stream, False, in_rank.data_ptr(), 0, 0, 0, 0, 0, 0, 0, 0)
+    rk.kernels.notify(C, stream.cuda_stream, False, in_rank.data_ptr(), 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0)
     if mid is not None:
         mid.record(stream)
     rk.kernels.dispatch(C, stream.cuda_stream, data.data_ptr(), scales_ptr, 0, 0, in_rank.data_ptr(),
                         h["rank_prefix"].data_ptr() + 4 * r, R, h["channel_prefix"].data_ptr(), h["rcp"].data_ptr(),
                         N, row_bytes, S, 0, 0, rk.ring_rows(rec, C), h["rows"], out.data_ptr(), out_scales, 0, 0, 0,
-                        0)
+                        0, 0, 0, 0, 0, 0)
 
 
 def combine(rk, r, inputs_r, h, C, stream):
     x, idx, _, in_rank, _ = inputs_r
     N, H = x.shape
     row_bytes = hb.align(2 * H, 16)  # a combine row without top-k weights, as CudaHT.combine sizes it
-    rk.kernels.notify(C, stream.cuda_stream, False, in_rank.data_ptr(), 0, 0, 0, 0, 0, 0, 0, 0)
+    rk.kernels.notify(C, stream.cuda_stream, False, in_rank.data_ptr(), 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0)
     rk.kernels.combine(C, stream.cuda_stream, h["recv_x"].data_ptr(), 0, 0, 0, in_rank.data_ptr(),
-                       h["rank_prefix"].data_ptr() + 4 * r, R, h["channel_prefix"].data_ptr(), h["rcp"].data_ptr(),
-                       h["send_head"].data_ptr(), N, H, 0, rk.ring_rows(row_bytes, C), h["out"].data_ptr(), 0)
+                       h["rank_prefix"].data_ptr() + 4 * r, R, h["rcp"].data_ptr(), 0, 0, 0, N, H, 0,
+                       rk.ring_rows(row_bytes, C), h["out"].data_ptr(), 0)
 
 
 def timed_pair(launch, streams, iterations):
@@ -242,7 +243,8 @@ def run(sms_list=(8, 16, 24, 32, 48, 64), iterations=20, masks=(), check=True, p
             h["recv_scales"] = torch.empty(h["rows"], H // 128, dtype=torch.float32, device="cuda")
             h["out"] = torch.empty(N, H, dtype=torch.bfloat16, device="cuda")
         t_notify = timed_pair(lambda r, s: ranks[r].kernels.notify(C, s.cuda_stream, False, inputs[r][3].data_ptr(),
-                                                                   0, 0, 0, 0, 0, 0, 0, 0), streams, iterations)
+                                                                   0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0), streams,
+                              iterations)
         rows_out.append(["notify alone (flags)", sms, f"{t_notify * 1e3:.1f}", "-"])
         t_bf16 = timed_pair(lambda r, s: cached_dispatch(ranks[r], r, inputs[r][:5], handles[r], C, s, None),
                             streams, iterations)

@@ -14,7 +14,7 @@
 //      op). Since each rank starts an op only after its previous op's kernels finished, passing notify also
 //      means no rank still reads a ring this op's stores will overwrite.
 //   2. data: per channel c (a contiguous token range) block 2c sends and block 2c + 1 receives (dispatch) or
-//      reduces (combine). Rows travel through a ring per (channel, sender, receiver) of ring_rows rows (the
+//      reduces (combine) (with forwarding, three blocks per channel: see below). Rows travel through a ring per (channel, sender, receiver) of ring_rows rows (the
 //      op's ring_rows, a multiple of kHTChunkRows, at least 2 * kHTChunkRows): the i-th row of a channel from s
 //      to d sits in slot i % ring_rows. The receiver learns how far rows arrived (tail) and the sender how far
 //      they were consumed (head):
@@ -28,18 +28,38 @@
 //      A sender writes row i only when the reader consumed row i - ring_rows. Rows a rank sends itself never
 //      leave its GPU (they go straight to the outputs).
 //
+// Forwarding (several nodes of several GPUs each, L = ranks_per_node): a token goes once to each same-node
+// destination (direct) and once to each other node that has any destination, to that node's forwarder for this
+// rank: the rank there with this rank's local index (through the proxies). The data kernels then run a third
+// block per channel, the forwarder (block 3c + 2; the sender is 3c, the receiver or reducer 3c + 1):
+//   - dispatch: it serves the sources of other nodes with its local index, one after another, ascending: it reads
+//     their rows from its proxy rings as they arrive and stores each into a forward ring [forwarder l][channel] at
+//     each local destination the row's node mask names, with header (source token, node mask, source rank, index
+//     among that source's rows of the channel to that destination); the receivers place rows by that header;
+//   - combine: each rank sends its rows of other nodes' tokens to the forwarder of their source (same node), in its
+//     receive order, through the same forward rings; the forwarder sums each token's rows in FP32 (local ranks
+//     ascending) and returns one partial row [f32 H][f32 K] per token through the proxies; the source's reducer
+//     adds bias, same-node rows (ranks ascending), then partials (nodes ascending), as the host backend does.
+//   Forward rings use tail and head words as direct rings do. Every wait is for arrivals or for room, and each kind
+//   of block serves its sources in an order every rank shares (ascending), so no wait is circular.
+//
 // Control area, in every rank's data region at ctrl_off (offsets from there, same on all ranks):
 //   slots [2 epoch parities][R source] x kHTSlotBytes: uint64 flag (epoch), int32 count[kHTMaxRanks] (the
 //     source's tokens per destination rank), int32 channel[kHTMaxChannels] (its tokens per channel for this
-//     rank), int32 expert[kHTMaxLocalExperts] (its selections of this rank's experts)
+//     rank), int32 node_channel[kHTMaxChannels] (its tokens per channel for this rank's node),
+//     int32 expert[kHTMaxLocalExperts] (its selections of this rank's experts)
 //   tails [2: dispatch, combine][R source][kHTMaxChannels] uint64 (rows arrived from the source)
 //   outgoing slots [2 epoch parities][R destination] x kHTSlotBytes (what a proxy WRITE carries to that
 //     destination's slot)
 //   heads [2: dispatch, combine][R reader][kHTMaxChannels] uint64 (rows of this rank's ring at the reader consumed)
+//   forward tails [2][R writer][kHTMaxChannels], forward heads [2][R reader][kHTMaxChannels]: the same for the
+//     forward rings
 //   16 bytes of scratch: source and target of the credit WRITEs
-// Receive area at recv_off: rings [R - 1 peers, the holder left out][C channels] x ring_rows rows. Dispatch row:
-//   [int32 source token, 0, 0, 0][x bytes][scales S x 4][pad to 8 bytes][top-k ids K x int64][top-k weights K x
-//   f32], padded to 16 bytes. Combine row: [BF16 row][K x f32] padded to 16 bytes.
+// Receive area at recv_off: rings [R - 1 peers, the holder left out][C channels] x ring_rows rows, then (forwarding)
+//   forward rings [L: the other party's local index][C]. Dispatch row: [int32 source token, node mask, source
+//   rank, index][x bytes][scales S x 4][pad to 8 bytes][top-k ids K x int64][top-k weights K x f32], padded to 16
+//   bytes. Combine row: [BF16 row][K x f32] padded to 16 bytes; with forwarding every combine ring row has the
+//   size of a partial row ([f32 H][f32 K] padded to 16 bytes) and the BF16 rows use its start.
 // Staging area at stage_off (proxy peers only): the same rings, per destination.
 // Signal streams (proxy path), from stream_base: notify; dispatch data channel c at 1 + c; combine data at
 //   1 + kHTMaxChannels + c; dispatch credits at 1 + 2 * kHTMaxChannels + c; combine credits at 1 + 3 * ... + c.
@@ -55,22 +75,25 @@ constexpr int kHTMaxRanks = 8;  // ranks one rank exchanges with (one NVLink dom
 constexpr int kHTMaxChannels = 64;
 constexpr int kHTMaxLocalExperts = 1024;
 constexpr int kHTChunkRows = 32;  // rows per proxy WRITE
-constexpr uint64_t kHTSlotBytes = 8 + 4 * (kHTMaxRanks + kHTMaxChannels + kHTMaxLocalExperts) + 8;
+constexpr uint64_t kHTSlotBytes = 8 + 4 * (kHTMaxRanks + 2 * kHTMaxChannels + kHTMaxLocalExperts) + 8;
 constexpr uint64_t kHTTailBytes = 8ull * kHTMaxRanks * kHTMaxChannels;
-constexpr uint64_t kHTScratchOff = 4 * kHTMaxRanks * kHTSlotBytes + 4 * kHTTailBytes;
+constexpr uint64_t kHTScratchOff = 4 * kHTMaxRanks * kHTSlotBytes + 8 * kHTTailBytes;
 constexpr uint64_t kHTCtrlBytes = kHTScratchOff + 16;
 constexpr uint32_t kHTNumStreams = 1 + 4 * kHTMaxChannels;
 constexpr int kHTMinRingRows = 2 * kHTChunkRows;  // a proxy reader credits whole chunks only
+constexpr int kHTNvlHeadColumns = 8;  // of HTDispatchArgs::nvl_head (DeepEP's send_nvl_head width)
 
 struct HTHostCounts {  // mapped host memory, written by a notify kernel that has a ticket
   uint64_t ticket;     // written last: the fields below belong to the notify of this ticket
   int64_t num_recv;
   int64_t self_begin, self_rows;  // where this rank's rows to itself begin among its received rows, how many
+  int64_t forward_rows;           // forwarding: rows this rank receives from other nodes to forward
   int32_t expert[kHTMaxLocalExperts];  // this rank's local experts: selections received, not aligned
 };
 
 struct HTCommon {
   int rank, num_ranks, num_channels;
+  int ranks_per_node;     // L; forwarding when 1 < L < num_ranks
   uint8_t* local;         // this rank's data region
   uint8_t* const* peers;  // device array [R]: data regions stored into directly (this rank's own included), or
                           // null for a peer reached through the proxies
@@ -100,6 +123,10 @@ struct HTNotifyArgs {
   int32_t* rank_prefix;            // [R][R] inclusive over sources
   int32_t* channel_prefix;         // [R][C] inclusive over channels, this rank's sends
   int32_t* recv_channel_prefix;    // [R][C] exclusive over channels, rows from each source
+  // count mode with forwarding (else null), Nn = R / L nodes; "served source" of node n: rank n * L + this local
+  int32_t* node_channel_prefix;    // [Nn][C] inclusive over channels: this rank's tokens to each node
+  int32_t* fwd_channel_prefix;     // [Nn][C] exclusive over channels: rows from node n's served source
+  int32_t* fwd_rank_prefix;        // [Nn] inclusive over nodes: rows from each node's served source
   int64_t max_recv;                // rows the outputs can hold (num_worst_tokens), 0: no limit
   uint64_t ticket;                 // != 0: publish the counts in host memory under this number (the CPU waits)
 };
@@ -121,8 +148,13 @@ struct HTDispatchArgs {
   float* recv_scales;         // [max_recv][S] or null
   int64_t* recv_topk_idx;     // [max_recv][K] local ids or -1; may be null
   float* recv_topk_weights;   // [max_recv][K]; may be null
-  int32_t* recv_src_idx;      // [max_recv] or null (cached dispatch)
-  int32_t* send_head;         // [N][R] or null (cached dispatch)
+  int32_t* recv_src_idx;      // [max_recv] or null (cached dispatch, forwarding)
+  int32_t* send_head;         // [N][R] or null (cached dispatch, forwarding)
+  // forwarding
+  const int32_t* fwd_channel_prefix, * fwd_rank_prefix;  // as in HTNotifyArgs
+  int32_t* recv_src_meta;     // [max_recv][2]: source node, its node mask for this node; null: cached
+  int32_t* nvl_head;          // [nvl_rows][8]: per row from another node, its index among the source's rows of
+  int64_t nvl_rows;           //   the channel to each local rank, or -1; null: cached
 };
 
 struct HTCombineArgs {
@@ -133,12 +165,18 @@ struct HTCombineArgs {
   const bool* is_token_in_rank;   // [N][R]
   const int32_t* recv_prefix;     // as in HTDispatchArgs
   int recv_prefix_stride;
-  const int32_t* channel_prefix, * recv_channel_prefix, * send_head;
+  const int32_t* recv_channel_prefix;
+  const int32_t* fwd_channel_prefix, * fwd_rank_prefix, * nvl_head;  // forwarding: as dispatch made them
   int num_tokens, hidden, num_topk;
   uint32_t ring_rows;             // rows per ring (see above)
   uint16_t* out;                  // [N][H] bf16
   float* out_weights;             // [N][K] or null
 };
+
+// Blocks per channel of the data kernels: sender and receiver (or reducer), and a forwarder with forwarding.
+inline int ht_blocks_per_channel(int num_ranks, int ranks_per_node) {
+  return ranks_per_node > 1 && ranks_per_node < num_ranks ? 3 : 2;
+}
 
 // Each returns the launch's cudaError_t (0 = success).
 int ht_notify(const HTNotifyArgs& a);

@@ -1,5 +1,7 @@
 // The HT combine data kernel (ht_api.h): per channel one block sends this rank's rows back to their sources and
-// one block reduces this rank's own tokens (bias, then every rank's row in rank order, FP32, as the host backend).
+// one block reduces this rank's own tokens (bias, then the rows of its node's ranks ascending, then those of other
+// ranks or nodes ascending, FP32, as the host backend); with forwarding a third block sums, for the sources of other
+// nodes it serves, its node's rows of each token into one partial row for the source.
 #include "gpu_runtime.h"
 
 #include "ht_common.cuh"
@@ -10,6 +12,11 @@ namespace {
 constexpr int kReduceUnroll = 2;  // 16-byte words per lane a reducing warp loads at once from each row
 
 PORTEP_DEVICE int contribution_bytes(const HTCombineArgs& a) { return (2 * a.hidden + 4 * a.num_topk + 15) / 16 * 16; }
+PORTEP_DEVICE int partial_bytes(const HTCombineArgs& a) { return (4 * a.hidden + 4 * a.num_topk + 15) / 16 * 16; }
+// Row stride of every combine ring (ht_api.h): with forwarding, partial rows travel in them too.
+PORTEP_DEVICE uint32_t slot_bytes(const HTCombineArgs& a) {
+  return uint32_t(forwarding(a.c) ? partial_bytes(a) : contribution_bytes(a));
+}
 
 // Warp-wide: x's row `row` (and its weights) as one contribution at dst.
 PORTEP_DEVICE void write_contribution(const HTCombineArgs& a, uint8_t* dst, int64_t row) {
@@ -20,32 +27,47 @@ PORTEP_DEVICE void write_contribution(const HTCombineArgs& a, uint8_t* dst, int6
   }
 }
 
-// The rows of source s's tokens in channel ch back to s through ring (s, ch), batch by batch, each batch
-// announced; false after a timeout (reported).
-PORTEP_DEVICE bool send_to(const HTCombineArgs& a, int ch, int s, uint64_t epoch, int* failed) {
+struct SendState {
+  uint32_t fwd_sent[kHTMaxRanks];  // forwarding: rows stored into local rank l's forward ring (l the forwarder)
+  int failed;
+};
+
+// The rows of source s's tokens in channel ch back to s: through ring (s, ch), or with forwarding for a source of
+// another node through the forward ring of its forwarder here; batch by batch, each batch announced. false after a
+// timeout (reported).
+PORTEP_DEVICE bool send_to(const HTCombineArgs& a, int ch, int s, uint64_t epoch, SendState& st) {
   const HTCommon& c = a.c;
   const int C = c.num_channels, warp = threadIdx.x / kWarpSize, stride = a.recv_prefix_stride;
-  const uint32_t bytes = contribution_bytes(a), Q = a.ring_rows;
+  const bool via_forwarder = forwarding(c) && node_of(c, s) != node_of(c, c.rank);
+  const int dst = via_forwarder ? node_of(c, c.rank) * c.ranks_per_node + local_of(c, s) : s;
+  const uint32_t bytes = slot_bytes(a), Q = a.ring_rows;
   const int64_t begin = a.recv_channel_prefix[s * C + ch];
   const uint32_t n = uint32_t(received_end(a.recv_channel_prefix, a.recv_prefix, stride, C, s, ch) - begin);
   const int64_t local_row0 = rows_before(a.recv_prefix, stride, s) + begin;  // in x
-  const uint64_t remote_ring = ring_offset(c, s, c.rank, ch, Q, bytes);
+  __syncthreads();  // the previous source's bookkeeping is done
+  const uint32_t first = via_forwarder ? st.fwd_sent[local_of(c, s)] : 0;  // ring index of the first row
+  const uint64_t remote_ring = via_forwarder ? fwd_ring_offset(c, local_of(c, c.rank), ch, Q, bytes)
+                                             : ring_offset(c, s, c.rank, ch, Q, bytes);
   const uint64_t stage_ring = ring_offset(c, c.rank, s, ch, Q, bytes);
   uint32_t flushed = 0;  // thread 0's
   for (uint32_t b = 0; b < n; b += kHTWarps) {
     const uint32_t r = b + warp, done = min(b + kHTWarps, n);
-    if (threadIdx.x == 0 && !await_room(c, true, s, ch, epoch, done, Q)) *failed = 1;
+    if (threadIdx.x == 0 && !(via_forwarder ? await_fwd_room(c, true, dst, ch, epoch, first + done, Q)
+                                            : await_room(c, true, s, ch, epoch, done, Q)))
+      st.failed = 1;
     __syncthreads();
-    if (*failed) return false;
+    if (st.failed) return false;
     if (r < n) {
-      const uint64_t slot = ring_slot(r, Q, bytes);
-      uint8_t* dst = c.peers[s] ? c.peers[s] + c.recv_off + remote_ring + slot
-                                : c.local + c.stage_off + stage_ring + slot;
-      write_contribution(a, dst, local_row0 + r);
+      const uint64_t slot = ring_slot(first + r, Q, bytes);
+      uint8_t* to = c.peers[dst] ? c.peers[dst] + c.recv_off + remote_ring + slot
+                                 : c.local + c.stage_off + stage_ring + slot;
+      write_contribution(a, to, local_row0 + r);
     }
     __syncthreads();
     if (threadIdx.x == 0) {
-      if (c.peers[s]) {
+      if (via_forwarder) {
+        publish_tail(fwd_tail_word(c, c.peers[dst], true, c.rank, ch), epoch, first + done);
+      } else if (c.peers[s]) {
         publish_tail(tail_word(c, c.peers[s], true, c.rank, ch), epoch, done);
       } else {
         fence_sys();  // the staged rows before the WRITEs that copy them
@@ -53,46 +75,137 @@ PORTEP_DEVICE bool send_to(const HTCombineArgs& a, int ch, int s, uint64_t epoch
       }
     }
   }
+  if (threadIdx.x == 0 && via_forwarder) st.fwd_sent[local_of(c, s)] = first + n;
   return true;
 }
 
+// Sources ascending (every rank sends in this order, and forwarders serve in it: no circular wait).
 PORTEP_DEVICE void send_channel(const HTCombineArgs& a, int ch) {
-  __shared__ int failed;
+  __shared__ SendState st;
   const HTCommon& c = a.c;
   const uint64_t epoch = *c.epoch;
-  if (threadIdx.x == 0) failed = 0;
+  if (int(threadIdx.x) < c.ranks_per_node) st.fwd_sent[threadIdx.x] = 0;
+  if (threadIdx.x == 0) st.failed = 0;
   for (int s = 0; s < c.num_ranks; ++s)
-    if (s != c.rank && !send_to(a, ch, s, epoch, &failed)) return;
+    if (s != c.rank && !send_to(a, ch, s, epoch, st)) return;
   const int d = threadIdx.x, C = c.num_channels;
-  if (d < c.num_ranks) {
+  if (d < c.num_ranks && !(forwarding(c) && node_of(c, d) != node_of(c, c.rank))) {
     const int64_t end = received_end(a.recv_channel_prefix, a.recv_prefix, a.recv_prefix_stride, C, d, ch);
     collect_credits(c, true, d, ch, uint32_t(end - a.recv_channel_prefix[d * C + ch]));
   }
 }
 
+// FP32 sums of rows, as the host backend orders them: rows [0, nb) are BF16 (x, contributions), then rows up to n
+// FP32 (partials).
+struct RowSet {
+  const uint8_t* rows[kHTMaxRanks];
+  const float* weights[kHTMaxRanks];
+  int nb, n;
+};
+
+PORTEP_DEVICE void accumulate_f32x8(float* acc, const float4& lo, const float4& hi) {
+  acc[0] += lo.x, acc[1] += lo.y, acc[2] += lo.z, acc[3] += lo.w;
+  acc[4] += hi.x, acc[5] += hi.y, acc[6] += hi.z, acc[7] += hi.w;
+}
+
+// Warp-wide: acc (per lane kReduceUnroll x 8 values of words j0 + u * kWarpSize) += every row of the set, in order.
+// Two BF16 rows load together (one round trip per two rows and round, not per row and word).
+PORTEP_DEVICE void accumulate_rows(const RowSet& set, int j0, int words, float (*acc)[8]) {
+  int q = 0;
+  while (q < set.nb) {
+    const bool two = q + 1 < set.nb;
+    uint4 v0[kReduceUnroll], v1[kReduceUnroll];
+#pragma unroll
+    for (int u = 0; u < kReduceUnroll; ++u) {
+      const int j = j0 + u * kWarpSize;
+      if (j < words) v0[u] = reinterpret_cast<const uint4*>(set.rows[q])[j];
+      if (two && j < words) v1[u] = reinterpret_cast<const uint4*>(set.rows[q + 1])[j];
+    }
+#pragma unroll
+    for (int u = 0; u < kReduceUnroll; ++u) {
+      if (j0 + u * kWarpSize >= words) continue;
+      accumulate_row(acc[u], v0[u], 1.0f);
+      if (two) accumulate_row(acc[u], v1[u], 1.0f);
+    }
+    q += two ? 2 : 1;  // an odd BF16 count ends at nb exactly: the FP32 rows start there
+  }
+  for (; q < set.n; ++q) {
+#pragma unroll
+    for (int u = 0; u < kReduceUnroll; ++u) {
+      const int j = j0 + u * kWarpSize;
+      if (j >= words) continue;
+      const float4* p = reinterpret_cast<const float4*>(set.rows[q]) + 2 * j;
+      accumulate_f32x8(acc[u], p[0], p[1]);
+    }
+  }
+}
+
+// Warp-wide: out_row (BF16, or FP32 for a partial) = bias0 + bias1 + the set's rows; out_w = the set's weights.
+// (Inlined, ptxas reports more spill bytes than with a call, but the call measured slower: combine in
+// python -m portep.bench gpu-ht-loopback at 24 SMs took 528 us with it and 435 us without, same machine and run.)
+PORTEP_DEVICE void reduce_rows(const RowSet& set, int hidden, int num_topk, const uint16_t* bias0,
+                                        const uint16_t* bias1, uint8_t* out_row, bool out_f32, float* out_w) {
+  const int lane = lane_id(), words = hidden / 8;
+  for (int j0 = lane; j0 < words; j0 += kReduceUnroll * kWarpSize) {
+    float acc[kReduceUnroll][8];
+#pragma unroll
+    for (int u = 0; u < kReduceUnroll; ++u) {
+      const int j = j0 + u * kWarpSize;
+#pragma unroll
+      for (int i = 0; i < 8; ++i) {
+        acc[u][i] = bias0 && j < words ? bf16_to_f32(bias0[j * 8 + i]) : 0.0f;
+        if (bias1 && j < words) acc[u][i] = acc[u][i] + bf16_to_f32(bias1[j * 8 + i]);
+      }
+    }
+    accumulate_rows(set, j0, words, acc);
+#pragma unroll
+    for (int u = 0; u < kReduceUnroll; ++u) {
+      const int j = j0 + u * kWarpSize;
+      if (j >= words) continue;
+      if (out_f32) {
+        float4* o = reinterpret_cast<float4*>(out_row) + 2 * j;
+        o[0] = make_float4(acc[u][0], acc[u][1], acc[u][2], acc[u][3]);
+        o[1] = make_float4(acc[u][4], acc[u][5], acc[u][6], acc[u][7]);
+      } else {
+        reinterpret_cast<uint4*>(out_row)[j] = pack_bf16x8(acc[u]);
+      }
+    }
+  }
+  if (out_w) {
+    for (int k = lane; k < num_topk; k += kWarpSize) {
+      float acc = 0.0f;
+      for (int q = 0; q < set.n; ++q) acc += set.weights[q] ? set.weights[q][k] : 0.0f;
+      out_w[k] = acc;
+    }
+  }
+}
+
+// ---- the reducer (the source's tokens) ----
 struct ReduceState {
-  uint32_t need[kHTMaxRanks];      // rows of this channel from each rank the batch needs in place
+  uint32_t masks[kHTWarps];        // batch: the ranks each warp's token has rows from (effective_mask)
+  uint32_t base[kHTMaxRanks];      // rows of this channel from each rank reduced before this batch
+  uint32_t batch[kHTMaxRanks];     // the batch's rows from each rank
   uint32_t have[kHTMaxRanks];      // rows known to be in place
-  uint32_t consumed[kHTMaxRanks];  // rows reduced (their ring slots handed back)
   uint32_t credited[kHTMaxRanks];  // proxy ranks: chunks credited back
   int failed;
 };
 
-// Lane d of warp 0 waits until rank d's rows the batch needs are in place; false (block-wide) after a timeout.
+// Thread j < R waits until rank j's rows the batch needs are in place; false (block-wide) after a timeout.
 PORTEP_DEVICE bool await_batch(const HTCombineArgs& a, ReduceState& st, int ch, uint64_t epoch) {
   const HTCommon& c = a.c;
-  const int d = threadIdx.x;
-  if (d < c.num_ranks && d != c.rank && st.need[d] > st.have[d]) {
-    if (c.peers[d]) {
-      const uint64_t* word = tail_word(c, c.local, true, d, ch);
-      if (await_tail(c, word, epoch, st.need[d], d, ch))
-        st.have[d] = uint32_t(ld_acquire_sys_u64(word));
+  const int j = threadIdx.x;
+  const uint32_t need = j < c.num_ranks ? st.base[j] + st.batch[j] : 0;
+  if (j < c.num_ranks && j != c.rank && need > st.have[j]) {
+    if (c.peers[j]) {
+      const uint64_t* word = tail_word(c, c.local, true, j, ch);
+      if (await_tail(c, word, epoch, need, j, ch))
+        st.have[j] = uint32_t(ld_acquire_sys_u64(word));
       else
         st.failed = 1;
     } else {
-      const int64_t units = await_units(c, d, data_stream(c, true, ch), chunks(st.need[d]));
+      const int64_t units = await_units(c, j, data_stream(c, true, ch), chunks(need));
       if (units >= 0)
-        st.have[d] = uint32_t(units * kHTChunkRows);
+        st.have[j] = uint32_t(units * kHTChunkRows);
       else
         st.failed = 1;
     }
@@ -101,118 +214,176 @@ PORTEP_DEVICE bool await_batch(const HTCombineArgs& a, ReduceState& st, int ch, 
   return !st.failed;
 }
 
-// Warp-wide: token t's sum of bias and every rank's row, ranks ascending.
-PORTEP_DEVICE void reduce_token(const HTCombineArgs& a, int t, int ch, uint32_t mask) {
+// Warp-wide: token t's sum of bias, its node's rows (ranks ascending), then the other rows (ranks, i.e. with
+// forwarding the partials of nodes, ascending).
+PORTEP_DEVICE void reduce_token(const HTCombineArgs& a, const ReduceState& st, int t, int ch, int warp) {
   const HTCommon& c = a.c;
-  const int R = c.num_ranks, C = c.num_channels, me = c.rank, lane = lane_id();
-  const uint32_t bytes = contribution_bytes(a);
-  const int32_t* head = a.send_head + int64_t(t) * R;
-  const uint8_t* rows[kHTMaxRanks];
-  const float* weights[kHTMaxRanks];
-  int n = 0;
-  for (int d = 0; d < R; ++d) {
-    if (!(mask >> d & 1)) continue;
-    if (d == me) {
-      const int64_t row = rows_before(a.recv_prefix, a.recv_prefix_stride, me) + head[me];
-      rows[n] = reinterpret_cast<const uint8_t*>(a.x + row * a.hidden);
-      weights[n] = a.topk_weights ? a.topk_weights + row * a.num_topk : nullptr;
-    } else {
-      const uint32_t i = uint32_t(head[d] - sent_before_channel(a.channel_prefix, C, d, ch));
-      rows[n] = c.local + c.recv_off + ring_offset(c, me, d, ch, a.ring_rows, bytes) + ring_slot(i, a.ring_rows, bytes);
-      weights[n] = reinterpret_cast<const float*>(rows[n] + 2 * a.hidden);
+  const int R = c.num_ranks, me = c.rank, C = c.num_channels;
+  const uint32_t bytes = slot_bytes(a), mask = st.masks[warp];
+  const bool partials = forwarding(c);  // the rows of other nodes (pass 1) are FP32 partials
+  RowSet set;
+  set.n = set.nb = 0;
+  for (int pass = 0; pass < 2; ++pass) {
+    for (int j = 0; j < R; ++j) {
+      if (!(mask >> j & 1) || (node_of(c, j) == node_of(c, me)) != (pass == 0)) continue;
+      uint32_t index = st.base[j];  // among this channel's rows from j
+      for (int w = 0; w < warp; ++w) index += st.masks[w] >> j & 1;
+      const int i = set.n++;
+      if (j == me) {
+        const int64_t row = rows_before(a.recv_prefix, a.recv_prefix_stride, me) + a.recv_channel_prefix[me * C + ch] +
+                            index;
+        set.rows[i] = reinterpret_cast<const uint8_t*>(a.x + row * a.hidden);
+        set.weights[i] = a.topk_weights ? a.topk_weights + row * a.num_topk : nullptr;
+      } else {
+        set.rows[i] = c.local + c.recv_off + ring_offset(c, me, j, ch, a.ring_rows, bytes) +
+                      ring_slot(index, a.ring_rows, bytes);
+        set.weights[i] = reinterpret_cast<const float*>(set.rows[i] + (partials && pass == 1 ? 4 : 2) * a.hidden);
+      }
     }
-    ++n;
+    if (pass == 0 || !partials) set.nb = set.n;
   }
   const int64_t base = int64_t(t) * a.hidden;
-  const int words = a.hidden / 8;
-  // kReduceUnroll words per lane of two rows at once: their loads are in flight together (one round trip per two
-  // rows and round, not per row and word); the sums still run bias first, then the rows in rank order.
-  for (int j0 = lane; j0 < words; j0 += kReduceUnroll * kWarpSize) {
-    float acc[kReduceUnroll][8];
-#pragma unroll
-    for (int u = 0; u < kReduceUnroll; ++u) {
-      const int j = j0 + u * kWarpSize;
-#pragma unroll
-      for (int i = 0; i < 8; ++i) {
-        acc[u][i] = a.bias0 && j < words ? bf16_to_f32(a.bias0[base + j * 8 + i]) : 0.0f;
-        if (a.bias1 && j < words) acc[u][i] = acc[u][i] + bf16_to_f32(a.bias1[base + j * 8 + i]);
-      }
-    }
-    for (int q = 0; q < n; q += 2) {  // two rows' loads in flight together, added in rank order
-      const bool two = q + 1 < n;
-      uint4 v0[kReduceUnroll], v1[kReduceUnroll];
-#pragma unroll
-      for (int u = 0; u < kReduceUnroll; ++u) {
-        const int j = j0 + u * kWarpSize;
-        if (j < words) v0[u] = reinterpret_cast<const uint4*>(rows[q])[j];
-        if (two && j < words) v1[u] = reinterpret_cast<const uint4*>(rows[q + 1])[j];
-      }
-#pragma unroll
-      for (int u = 0; u < kReduceUnroll; ++u) {
-        if (j0 + u * kWarpSize >= words) continue;
-        accumulate_row(acc[u], v0[u], 1.0f);
-        if (two) accumulate_row(acc[u], v1[u], 1.0f);
-      }
-    }
-#pragma unroll
-    for (int u = 0; u < kReduceUnroll; ++u)
-      if (j0 + u * kWarpSize < words) reinterpret_cast<uint4*>(a.out + base)[j0 + u * kWarpSize] = pack_bf16x8(acc[u]);
-  }
-  if (a.out_weights) {
-    for (int k = lane; k < a.num_topk; k += kWarpSize) {
-      float acc = 0.0f;
-      for (int q = 0; q < n; ++q) acc += weights[q] ? weights[q][k] : 0.0f;
-      a.out_weights[int64_t(t) * a.num_topk + k] = acc;
-    }
-  }
+  reduce_rows(set, a.hidden, a.num_topk, a.bias0 ? a.bias0 + base : nullptr, a.bias1 ? a.bias1 + base : nullptr,
+              reinterpret_cast<uint8_t*>(a.out + base), false,
+              a.out_weights ? a.out_weights + int64_t(t) * a.num_topk : nullptr);
 }
 
 PORTEP_DEVICE void reduce_channel(const HTCombineArgs& a, int ch) {
   __shared__ ReduceState st;
   const HTCommon& c = a.c;
-  const int R = c.num_ranks, C = c.num_channels, warp = threadIdx.x / kWarpSize, lane = lane_id();
+  const int R = c.num_ranks, C = c.num_channels, warp = threadIdx.x / kWarpSize, lane = lane_id(), j = threadIdx.x;
   const uint64_t epoch = *c.epoch;
-  if (int(threadIdx.x) < R) st.have[threadIdx.x] = st.consumed[threadIdx.x] = st.credited[threadIdx.x] = 0;
-  if (threadIdx.x == 0) st.failed = 0;
+  if (j < R) st.base[j] = st.have[j] = st.credited[j] = 0;
+  if (j == 0) st.failed = 0;
   const int t0 = channel_begin(a.num_tokens, C, ch), t1 = channel_begin(a.num_tokens, C, ch + 1);
   for (int b = t0; b < t1; b += kHTWarps) {
     const int t = b + warp;
-    __syncthreads();  // the previous batch's waits are done
-    if (int(threadIdx.x) < R) st.need[threadIdx.x] = 0;
-    __syncthreads();
     const bool in = lane < R && t < t1 && a.is_token_in_rank[int64_t(t) * R + lane];
-    if (in && lane != c.rank)
-      atomicMax(&st.need[lane], uint32_t(a.send_head[int64_t(t) * R + lane] -
-                                         sent_before_channel(a.channel_prefix, C, lane, ch) + 1));
-    const uint32_t mask = uint32_t(warp_ballot(in));  // lanes < R <= kHTMaxRanks
+    const uint32_t ranks = uint32_t(warp_ballot(in));  // lanes < R <= kHTMaxRanks
+    __syncthreads();  // the previous batch's bookkeeping is done
+    if (lane == 0) st.masks[warp] = effective_mask(c, ranks);
+    __syncthreads();
+    if (j < R) {
+      uint32_t k = 0;
+      for (int w = 0; w < kHTWarps; ++w) k += st.masks[w] >> j & 1;
+      st.batch[j] = k;
+    }
     __syncthreads();
     if (!await_batch(a, st, ch, epoch)) return;
-    if (t < t1) reduce_token(a, t, ch, mask);
+    if (t < t1) reduce_token(a, st, t, ch, warp);
     __syncthreads();  // every reduce's loads returned before the slots go back
-    const int d = threadIdx.x;
-    if (d < R && d != c.rank && st.need[d] > st.consumed[d]) {
-      st.consumed[d] = st.need[d];
-      return_rows(c, true, d, ch, epoch, st.consumed[d], &st.credited[d]);
+    if (j < R && st.batch[j]) {
+      st.base[j] += st.batch[j];
+      if (j != c.rank) return_rows(c, true, j, ch, epoch, st.base[j], &st.credited[j]);
     }
   }
-  const int d = threadIdx.x;
-  if (d < R && d != c.rank && !c.peers[d])
-    consume_units(c, d, data_stream(c, true, ch),
-                  chunks(a.channel_prefix[d * C + ch] - sent_before_channel(a.channel_prefix, C, d, ch)));
+  if (j < R && j != c.rank && !c.peers[j]) consume_units(c, j, data_stream(c, true, ch), chunks(st.base[j]));
+}
+
+// ---- the forwarder (forwarding only) ----
+struct PartialState {
+  uint32_t masks[kHTWarps];     // batch: each warp's token's local ranks (from nvl_head)
+  uint32_t used[kHTMaxRanks];   // rows of local rank l's forward ring of this channel consumed so far
+  uint32_t batch[kHTMaxRanks];  // the batch's rows per local rank
+  int failed;
+};
+
+// Warp-wide: one partial row at dst: the token's rows of this node's ranks summed, local ranks ascending.
+PORTEP_DEVICE void reduce_partial(const HTCommon& c, const HTCombineArgs& a, const PartialState& st, int warp,
+                                  uint8_t* dst, int ch) {
+  const uint32_t bytes = slot_bytes(a), mask = st.masks[warp];
+  RowSet set;
+  set.n = 0;
+  for (int l = 0; l < c.ranks_per_node; ++l) {
+    if (!(mask >> l & 1)) continue;
+    uint32_t index = st.used[l];
+    for (int w = 0; w < warp; ++w) index += st.masks[w] >> l & 1;
+    const int i = set.n++;
+    set.rows[i] = c.local + c.recv_off + fwd_ring_offset(c, l, ch, a.ring_rows, bytes) +
+                  ring_slot(index, a.ring_rows, bytes);
+    set.weights[i] = reinterpret_cast<const float*>(set.rows[i] + 2 * a.hidden);
+  }
+  set.nb = set.n;
+  reduce_rows(set, a.hidden, a.num_topk, nullptr, nullptr, dst, true,
+              a.num_topk ? reinterpret_cast<float*>(dst + 4 * a.hidden) : nullptr);
+}
+
+// The partial rows of node n's served source in this channel, batch by batch, through the proxies.
+PORTEP_DEVICE bool partials_for(const HTCombineArgs& a, PartialState& st, int n, int ch, uint64_t epoch) {
+  const HTCommon& c = a.c;
+  const int L = c.ranks_per_node, l = threadIdx.x, warp = threadIdx.x / kWarpSize, lane = lane_id();
+  const int s = n * L + local_of(c, c.rank), base = node_of(c, c.rank) * L;
+  const uint32_t rows = served_rows(c, a.fwd_channel_prefix, a.fwd_rank_prefix, n, ch), bytes = slot_bytes(a);
+  const int64_t row0 = served_row0(c, a.fwd_channel_prefix, a.fwd_rank_prefix, n, ch);
+  const uint64_t stage_ring = ring_offset(c, c.rank, s, ch, a.ring_rows, bytes);
+  const uint64_t remote_ring = ring_offset(c, s, c.rank, ch, a.ring_rows, bytes);
+  uint32_t flushed = 0;  // thread 0's
+  for (uint32_t b = 0; b < rows; b += kHTWarps) {
+    const uint32_t end = min(b + kHTWarps, rows), r = b + warp;
+    uint32_t mask = 0;
+    if (r < end && lane < L) mask = a.nvl_head[(row0 + r) * kHTNvlHeadColumns + lane] >= 0;
+    mask = uint32_t(warp_ballot(mask != 0));
+    __syncthreads();  // the previous batch's bookkeeping is done
+    if (lane == 0) st.masks[warp] = mask;
+    __syncthreads();
+    if (l < L) {
+      uint32_t k = 0;
+      for (int w = 0; w < kHTWarps; ++w) k += st.masks[w] >> l & 1;
+      st.batch[l] = k;
+      if (k && !await_tail(c, fwd_tail_word(c, c.local, true, base + l, ch), epoch, st.used[l] + k, base + l, ch))
+        st.failed = 1;
+    }
+    if (threadIdx.x == 0 && !await_room(c, true, s, ch, epoch, end, a.ring_rows)) st.failed = 1;
+    __syncthreads();
+    if (st.failed) return false;
+    if (r < end) reduce_partial(c, a, st, warp, c.local + c.stage_off + stage_ring + ring_slot(r, a.ring_rows, bytes), ch);
+    __syncthreads();  // every load returned (slots go back) and the partials are staged
+    if (l < L && st.batch[l]) {
+      st.used[l] += st.batch[l];
+      st_relaxed_sys_u64(fwd_head_word(c, c.peers[base + l], true, c.rank, ch), tail_value(epoch, st.used[l]));
+    }
+    if (threadIdx.x == 0) {
+      fence_sys();  // the staged rows before the WRITEs that copy them
+      flush_rows(c, s, data_stream(c, true, ch), stage_ring, remote_ring, bytes, a.ring_rows, &flushed, end,
+                 end == rows);
+    }
+  }
+  return true;
+}
+
+// Serves the sources of other nodes with this rank's local index one after another, nodes ascending, then collects
+// their credits.
+PORTEP_DEVICE void forward_channel(const HTCombineArgs& a, int ch) {
+  __shared__ PartialState st;
+  const HTCommon& c = a.c;
+  const int L = c.ranks_per_node, Nn = c.num_ranks / L, me = node_of(c, c.rank);
+  const uint64_t epoch = *c.epoch;
+  if (int(threadIdx.x) < L) st.used[threadIdx.x] = 0;
+  if (threadIdx.x == 0) st.failed = 0;
+  for (int n = 0; n < Nn; ++n)
+    if (n != me && !partials_for(a, st, n, ch, epoch)) return;
+  const int n = threadIdx.x;
+  if (n < Nn && n != me)
+    collect_credits(c, true, n * L + local_of(c, c.rank), ch,
+                    served_rows(c, a.fwd_channel_prefix, a.fwd_rank_prefix, n, ch));
 }
 
 __global__ void __launch_bounds__(kHTThreads, 1) ht_combine_kernel(HTCombineArgs a) {
   if (failed_before(a.c)) return;
-  if (blockIdx.x % 2 == 0)
-    send_channel(a, blockIdx.x / 2);
+  const int per = forwarding(a.c) ? 3 : 2, role = blockIdx.x % per, ch = blockIdx.x / per;
+  if (role == 0)
+    send_channel(a, ch);
+  else if (role == 1)
+    reduce_channel(a, ch);
   else
-    reduce_channel(a, blockIdx.x / 2);
+    forward_channel(a, ch);
 }
 
 }  // namespace
 
 int ht_combine(const HTCombineArgs& a) {
-  ht_combine_kernel<<<2 * a.c.num_channels, kHTThreads, 0, static_cast<cudaStream_t>(a.c.stream)>>>(a);
+  const int blocks = ht_blocks_per_channel(a.c.num_ranks, a.c.ranks_per_node) * a.c.num_channels;
+  ht_combine_kernel<<<blocks, kHTThreads, 0, static_cast<cudaStream_t>(a.c.stream)>>>(a);
   return int(cudaGetLastError());
 }
 

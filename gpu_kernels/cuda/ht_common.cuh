@@ -35,7 +35,8 @@ PORTEP_DEVICE uint8_t* outgoing_slot(const HTCommon& c, int dst, uint64_t epoch)
 PORTEP_DEVICE uint64_t* slot_flag(uint8_t* slot) { return reinterpret_cast<uint64_t*>(slot); }
 PORTEP_DEVICE int32_t* slot_counts(uint8_t* slot) { return reinterpret_cast<int32_t*>(slot + 8); }
 PORTEP_DEVICE int32_t* slot_channels(uint8_t* slot) { return slot_counts(slot) + kHTMaxRanks; }
-PORTEP_DEVICE int32_t* slot_experts(uint8_t* slot) { return slot_channels(slot) + kHTMaxChannels; }
+PORTEP_DEVICE int32_t* slot_node_channels(uint8_t* slot) { return slot_channels(slot) + kHTMaxChannels; }
+PORTEP_DEVICE int32_t* slot_experts(uint8_t* slot) { return slot_node_channels(slot) + kHTMaxChannels; }
 
 // combine = false: dispatch tails; true: combine tails. In `region`'s control area, (source, channel).
 PORTEP_DEVICE uint64_t* tail_word(const HTCommon& c, uint8_t* region, bool combine, int src, int ch) {
@@ -51,6 +52,55 @@ PORTEP_DEVICE uint64_t tail_value(uint64_t epoch, uint32_t rows) { return epoch 
 // Rows a tail or head word says for this epoch (0 while it still holds an earlier op's).
 PORTEP_DEVICE uint32_t rows_of(uint64_t word, uint64_t epoch) {
   return word >= tail_value(epoch, 0) ? uint32_t(word) : 0;
+}
+
+// ---- forwarding (ht_api.h) ----
+PORTEP_DEVICE bool forwarding(const HTCommon& c) { return c.ranks_per_node > 1 && c.ranks_per_node < c.num_ranks; }
+PORTEP_DEVICE int node_of(const HTCommon& c, int r) { return r / c.ranks_per_node; }
+PORTEP_DEVICE int local_of(const HTCommon& c, int r) { return r % c.ranks_per_node; }
+// Bit l: local rank l of `node` is among `ranks` (a bit per global rank).
+PORTEP_DEVICE uint32_t node_mask(const HTCommon& c, uint32_t ranks, int node) {
+  return ranks >> (node * c.ranks_per_node) & ((1u << c.ranks_per_node) - 1);
+}
+// The ranks a token's rows go to from this rank: its same-node destinations, and for every other node with any
+// destination that node's forwarder for this rank (its rank with this rank's local index). Without forwarding,
+// the destinations themselves.
+PORTEP_DEVICE uint32_t effective_mask(const HTCommon& c, uint32_t ranks) {
+  if (!forwarding(c)) return ranks;
+  const int me = node_of(c, c.rank), L = c.ranks_per_node;
+  uint32_t m = node_mask(c, ranks, me) << (me * L);
+  for (int n = 0; n < c.num_ranks / L; ++n)
+    if (n != me && node_mask(c, ranks, n)) m |= 1u << (n * L + local_of(c, c.rank));
+  return m;
+}
+// Forward tail (writer) and head (reader) words, as tail_word / head_word.
+PORTEP_DEVICE uint64_t* fwd_tail_word(const HTCommon& c, uint8_t* region, bool combine, int writer, int ch) {
+  uint8_t* tails = region + c.ctrl_off + 4 * kHTMaxRanks * kHTSlotBytes + (combine ? 5 : 4) * kHTTailBytes;
+  return reinterpret_cast<uint64_t*>(tails) + writer * kHTMaxChannels + ch;
+}
+PORTEP_DEVICE uint64_t* fwd_head_word(const HTCommon& c, uint8_t* region, bool combine, int reader, int ch) {
+  uint8_t* heads = region + c.ctrl_off + 4 * kHTMaxRanks * kHTSlotBytes + (combine ? 7 : 6) * kHTTailBytes;
+  return reinterpret_cast<uint64_t*>(heads) + reader * kHTMaxChannels + ch;
+}
+// The forward ring a holder keeps for the other party of local index `other_local` in channel ch (receive area).
+PORTEP_DEVICE uint64_t fwd_ring_offset(const HTCommon& c, int other_local, int ch, uint32_t ring_rows,
+                                       uint32_t row_bytes) {
+  return (uint64_t(c.num_ranks - 1 + other_local) * c.num_channels + ch) * ring_rows * row_bytes;
+}
+// Rows from node n's served source (fwd prefixes of a handle) in channel ch, and where the first sits among the
+// rows this rank forwards (those of other nodes, nodes ascending, channels ascending).
+PORTEP_DEVICE uint32_t served_rows(const HTCommon& c, const int32_t* fwd_channel_prefix,
+                                   const int32_t* fwd_rank_prefix, int n, int ch) {
+  const int C = c.num_channels;
+  const int32_t total = fwd_rank_prefix[n] - (n > 0 ? fwd_rank_prefix[n - 1] : 0);
+  const int32_t end = ch + 1 < C ? fwd_channel_prefix[n * C + ch + 1] : total;
+  return uint32_t(end - fwd_channel_prefix[n * C + ch]);
+}
+PORTEP_DEVICE int64_t served_row0(const HTCommon& c, const int32_t* fwd_channel_prefix,
+                                  const int32_t* fwd_rank_prefix, int n, int ch) {
+  const int me = node_of(c, c.rank);
+  const int64_t own = fwd_rank_prefix[me] - (me > 0 ? fwd_rank_prefix[me - 1] : 0);
+  return (n > 0 ? fwd_rank_prefix[n - 1] : 0) - (me < n ? own : 0) + fwd_channel_prefix[n * c.num_channels + ch];
 }
 
 // ---- rings ----
@@ -192,6 +242,13 @@ PORTEP_DEVICE bool await_room(const HTCommon& c, bool combine, int d, int ch, ui
   const uint32_t need = end - ring_rows;
   if (c.peers[d]) return await_word(c, head_word(c, c.local, combine, d, ch), tail_value(epoch, need), d, ch);
   return await_units(c, d, credit_stream(c, combine, ch), chunks(need)) >= 0;
+}
+
+// The same for forward ring (d, ch) of this rank (a writer into d's forward rings).
+PORTEP_DEVICE bool await_fwd_room(const HTCommon& c, bool combine, int d, int ch, uint64_t epoch, uint32_t end,
+                                  uint32_t ring_rows) {
+  if (end <= ring_rows) return true;
+  return await_word(c, fwd_head_word(c, c.local, combine, d, ch), tail_value(epoch, end - ring_rows), d, ch);
 }
 
 // The reader tells source s it consumed `consumed` rows of ring (s, ch): a head word stored into s's control area

@@ -1,4 +1,5 @@
-// The HT dispatch data kernel (ht_api.h): per channel one sending and one receiving block.
+// The HT dispatch data kernel (ht_api.h): per channel one sending and one receiving block, and with forwarding
+// a forwarding block.
 #include "gpu_runtime.h"
 
 #include "ht_common.cuh"
@@ -16,10 +17,12 @@ struct Record {  // byte offsets inside one record (layout in ht_api.h)
   }
 };
 
-// Warp-wide: one token's row, scales, top-k (as this rank's local ids) and source index into output row `row`.
-// src_* point at the token's parts (the input itself, or a record in the receive area).
+// Warp-wide: one token's row, scales, top-k (as this rank's local ids) and provenance (source index; with
+// forwarding the source node and node mask) into output row `row`. src_* point at the token's parts (the input
+// itself, or a record in the receive area).
 PORTEP_DEVICE void write_output_row(const HTDispatchArgs& a, int64_t row, int src_token, const uint8_t* src_x,
-                                    const float* src_scales, const int64_t* src_idx, const float* src_w) {
+                                    const float* src_scales, const int64_t* src_idx, const float* src_w,
+                                    int src_node, uint32_t node_bits) {
   if (row >= a.max_recv) return;  // num_worst_tokens too small: the notify kernel reported it
   warp_copy16(reinterpret_cast<uint4*>(a.recv_x + row * a.row_bytes), reinterpret_cast<const uint4*>(src_x),
               a.row_bytes / 16);
@@ -35,12 +38,17 @@ PORTEP_DEVICE void write_output_row(const HTDispatchArgs& a, int64_t row, int sr
     }
   }
   if (a.recv_src_idx && lane == 0) a.recv_src_idx[row] = src_token;
+  if (a.recv_src_meta && lane == 0) {
+    a.recv_src_meta[2 * row] = src_node;
+    a.recv_src_meta[2 * row + 1] = int32_t(node_bits);
+  }
 }
 
-// Warp-wide: token t's record at `dst` (a direct peer's receive area or this rank's staging area).
-PORTEP_DEVICE void write_record(const HTDispatchArgs& a, const Record& rec, uint8_t* dst, int t) {
+// Warp-wide: token t's record at `dst` (a direct peer's receive area or this rank's staging area); node_bits: the
+// token's destinations on the receiver's node.
+PORTEP_DEVICE void write_record(const HTDispatchArgs& a, const Record& rec, uint8_t* dst, int t, uint32_t node_bits) {
   const int lane = lane_id();
-  if (lane < 4) reinterpret_cast<int32_t*>(dst)[lane] = lane == 0 ? t : 0;
+  if (lane < 4) reinterpret_cast<int32_t*>(dst)[lane] = lane == 0 ? t : lane == 1 ? int32_t(node_bits) : lane == 2 ? a.c.rank : 0;
   warp_copy16(reinterpret_cast<uint4*>(dst + 16), reinterpret_cast<const uint4*>(a.x + int64_t(t) * a.row_bytes),
               a.row_bytes / 16);
   float* scales = reinterpret_cast<float*>(dst + rec.scales);
@@ -56,7 +64,8 @@ PORTEP_DEVICE void write_record(const HTDispatchArgs& a, const Record& rec, uint
 }
 
 struct SendState {
-  uint32_t masks[kHTWarps];          // batch: each warp's token's destination ranks
+  uint32_t masks[kHTWarps];          // batch: the ranks each warp's token goes to from here (effective_mask)
+  uint32_t ranks[kHTWarps];          // batch: each warp's token's destination ranks
   uint32_t batch[kHTMaxRanks];       // batch: rows per destination
   uint32_t sent[kHTMaxRanks];        // rows of this channel stored per destination so far
   uint32_t flushed[kHTMaxRanks];     // proxy destinations: rows of this channel handed to WRITEs
@@ -87,7 +96,7 @@ PORTEP_DEVICE void init_send_state(const HTDispatchArgs& a, const Record& rec, S
 PORTEP_DEVICE void send_token(const HTDispatchArgs& a, const Record& rec, SendState& st, int t, int warp) {
   const HTCommon& c = a.c;
   const int R = c.num_ranks, lane = lane_id();
-  const uint32_t mask = st.masks[warp];
+  const uint32_t mask = st.masks[warp], ranks = st.ranks[warp];
   if (a.send_head && lane < R) {
     int pos = -1;
     if (mask >> lane & 1) {
@@ -104,12 +113,12 @@ PORTEP_DEVICE void send_token(const HTDispatchArgs& a, const Record& rec, SendSt
     if (d == c.rank) {
       const int64_t* idx = a.topk_idx ? a.topk_idx + int64_t(t) * a.num_topk : nullptr;
       const float* w = a.topk_weights ? a.topk_weights + int64_t(t) * a.num_topk : nullptr;
+      const int node = node_of(c, d);
       write_output_row(a, st.self_row0 + i, t, a.x + int64_t(t) * a.row_bytes, a.scales + int64_t(t) * a.num_scales,
-                       idx, w);
-    } else if (c.peers[d]) {
-      write_record(a, rec, c.peers[d] + c.recv_off + st.remote_ring[d] + slot, t);
+                       idx, w, node, node_mask(c, ranks, node));
     } else {
-      write_record(a, rec, c.local + c.stage_off + st.stage_ring[d] + slot, t);
+      uint8_t* dst = c.peers[d] ? c.peers[d] + c.recv_off + st.remote_ring[d] : c.local + c.stage_off + st.stage_ring[d];
+      write_record(a, rec, dst + slot, t, node_mask(c, ranks, node_of(c, d)));
     }
   }
 }
@@ -140,9 +149,12 @@ PORTEP_DEVICE void send_channel(const HTDispatchArgs& a, int ch) {
   for (int b = t0; b < t1; b += kHTWarps) {
     const int t = b + warp;
     const bool in = lane < R && t < t1 && a.is_token_in_rank[int64_t(t) * R + lane];
-    const uint32_t mask = uint32_t(warp_ballot(in));  // lanes < R <= kHTMaxRanks
+    const uint32_t ranks = uint32_t(warp_ballot(in));  // lanes < R <= kHTMaxRanks
     __syncthreads();  // the previous batch's bookkeeping is done
-    if (lane == 0) st.masks[warp] = mask;
+    if (lane == 0) {
+      st.masks[warp] = effective_mask(c, ranks);
+      st.ranks[warp] = ranks;
+    }
     __syncthreads();
     if (d < R) {  // room in d's ring for this batch
       uint32_t n = 0;
@@ -162,103 +174,243 @@ PORTEP_DEVICE void send_channel(const HTDispatchArgs& a, int ch) {
   if (d < R) collect_credits(c, false, d, ch, st.sent[d]);
 }
 
+// The receiver's inputs: j < R the ring from rank j (same-node senders; every sender without forwarding), then
+// R + l the forward ring from this node's local rank l (forwarding).
+constexpr int kHTMaxInputs = 2 * kHTMaxRanks;
+
 struct RecvState {
-  uint32_t rows[kHTMaxRanks];      // rows of this channel from each source
-  uint32_t done[kHTMaxRanks];      // copied out so far
-  uint32_t avail[kHTMaxRanks];     // known to be in the ring
-  uint32_t credited[kHTMaxRanks];  // proxy sources: chunks credited back
-  int64_t first[kHTMaxRanks];      // output row of the channel's first row from each source
+  uint32_t rows[kHTMaxInputs];      // rows of this channel from each input
+  uint32_t done[kHTMaxInputs];      // copied out so far
+  uint32_t avail[kHTMaxInputs];     // known to be in the ring
+  uint32_t credited[kHTMaxInputs];  // proxy sources: chunks credited back
+  int64_t first[kHTMaxRanks];       // output row of the channel's first row from each rank j (not forwarded)
   int all_done, failed;
 };
 
-// Thread s: rows from source s in this channel known to be in place (non-blocking).
-PORTEP_DEVICE uint32_t rows_arrived(const HTDispatchArgs& a, const RecvState& st, int ch, int s, uint64_t epoch) {
+PORTEP_DEVICE int num_inputs(const HTCommon& c) { return c.num_ranks + (forwarding(c) ? c.ranks_per_node : 0); }
+// The rank that writes input j.
+PORTEP_DEVICE int input_rank(const HTCommon& c, int j) {
+  return j < c.num_ranks ? j : node_of(c, c.rank) * c.ranks_per_node + j - c.num_ranks;
+}
+
+// Thread j: rows of input j in this channel known to be in place (non-blocking).
+PORTEP_DEVICE uint32_t rows_arrived(const HTDispatchArgs& a, const RecvState& st, int ch, int j, uint64_t epoch) {
   const HTCommon& c = a.c;
-  if (c.peers[s]) return min(st.rows[s], rows_of(ld_acquire_sys_u64(tail_word(c, c.local, false, s, ch)), epoch));
-  const uint64_t i = uint64_t(s) * c.num_streams + data_stream(c, false, ch);
+  if (j >= c.num_ranks)
+    return min(st.rows[j], rows_of(ld_acquire_sys_u64(fwd_tail_word(c, c.local, false, input_rank(c, j), ch)), epoch));
+  if (c.peers[j]) return min(st.rows[j], rows_of(ld_acquire_sys_u64(tail_word(c, c.local, false, j, ch)), epoch));
+  const uint64_t i = uint64_t(j) * c.num_streams + data_stream(c, false, ch);
   const uint32_t units = uint32_t(ld_acquire_sys_u64(c.host_signals + i)) - uint32_t(c.signal_seen[i]);
-  return uint32_t(min(uint64_t(st.rows[s]), uint64_t(units) * kHTChunkRows));
+  return uint32_t(min(uint64_t(st.rows[j]), uint64_t(units) * kHTChunkRows));
+}
+
+// Rows of source s in channel ch to this rank.
+PORTEP_DEVICE uint32_t rows_from_source(const HTDispatchArgs& a, int s, int ch) {
+  const int C = a.c.num_channels;
+  const int64_t end = received_end(a.recv_channel_prefix, a.recv_prefix, a.recv_prefix_stride, C, s, ch);
+  return uint32_t(end - a.recv_channel_prefix[s * C + ch]);
 }
 
 PORTEP_DEVICE void init_recv_state(const HTDispatchArgs& a, RecvState& st, int ch) {
   const HTCommon& c = a.c;
-  const int C = c.num_channels, s = threadIdx.x, stride = a.recv_prefix_stride;
-  if (s < c.num_ranks) {
-    const int64_t begin = a.recv_channel_prefix[s * C + ch];
-    const int64_t end = received_end(a.recv_channel_prefix, a.recv_prefix, stride, C, s, ch);
-    st.rows[s] = s == c.rank ? 0 : uint32_t(end - begin);
-    st.done[s] = st.avail[s] = st.credited[s] = 0;
-    st.first[s] = rows_before(a.recv_prefix, stride, s) + begin;
+  const int R = c.num_ranks, L = c.ranks_per_node, C = c.num_channels, j = threadIdx.x;
+  const int me = node_of(c, c.rank);
+  if (j < R) {
+    const bool forwarded = forwarding(c) && node_of(c, j) != me;  // its rows come through input R + local_of(j)
+    st.rows[j] = j == c.rank || forwarded ? 0 : rows_from_source(a, j, ch);
+    st.first[j] = rows_before(a.recv_prefix, a.recv_prefix_stride, j) + a.recv_channel_prefix[j * C + ch];
+  } else if (j < num_inputs(c)) {
+    uint32_t rows = 0;  // the sources of other nodes with local index j - R
+    for (int n = 0; n < R / L; ++n)
+      if (n != me) rows += rows_from_source(a, n * L + j - R, ch);
+    st.rows[j] = rows;
   }
-  if (s == 0) st.failed = 0;
+  if (j < num_inputs(c)) st.done[j] = st.avail[j] = st.credited[j] = 0;
+  if (j == 0) st.failed = 0;
 }
 
-// Serves every source at once (a sender blocked on a full ring to one rank must not stall the others): each
+// Warp-wide: row r of input j (at src) to its output row.
+PORTEP_DEVICE void place_row(const HTDispatchArgs& a, const Record& rec, const RecvState& st, int j, uint32_t r,
+                             const uint8_t* src, int ch) {
+  const HTCommon& c = a.c;
+  const int32_t* h = reinterpret_cast<const int32_t*>(src);  // [token, node mask, source rank, index]
+  const int64_t row = j < c.num_ranks ? st.first[j] + r
+                                      : rows_before(a.recv_prefix, a.recv_prefix_stride, h[2]) +
+                                            a.recv_channel_prefix[h[2] * c.num_channels + ch] + h[3];
+  write_output_row(a, row, h[0], src + 16, reinterpret_cast<const float*>(src + rec.scales),
+                   reinterpret_cast<const int64_t*>(src + rec.topk), reinterpret_cast<const float*>(src + rec.weights),
+                   node_of(c, h[2]), uint32_t(h[1]));
+}
+
+// Thread j: input j's rows up to st.done[j] were copied out; their slots go back to the writer.
+PORTEP_DEVICE void release_rows(const HTDispatchArgs& a, RecvState& st, int j, int ch, uint64_t epoch) {
+  const HTCommon& c = a.c;
+  if (j < c.num_ranks) {
+    return_rows(c, false, j, ch, epoch, st.done[j], &st.credited[j]);
+    return;
+  }
+  const int f = input_rank(c, j);
+  st_relaxed_sys_u64(fwd_head_word(c, c.peers[f], false, c.rank, ch), tail_value(epoch, st.done[j]));
+}
+
+// Serves every input at once (a sender blocked on a full ring to one rank must not stall the others): each
 // round copies whatever arrived, then hands the ring slots back.
 PORTEP_DEVICE void receive_channel(const HTDispatchArgs& a, int ch) {
   __shared__ RecvState st;
   const HTCommon& c = a.c;
-  const int R = c.num_ranks, warp = threadIdx.x / kWarpSize, s = threadIdx.x;
+  const int R = c.num_ranks, J = num_inputs(c), warp = threadIdx.x / kWarpSize, j = threadIdx.x;
   const Record rec(a);
   const uint64_t epoch = *c.epoch;
   init_recv_state(a, st, ch);
   uint64_t idle_since = globaltimer_ns();  // thread 0's
   for (;;) {
     __syncthreads();  // the previous round's copies and bookkeeping are done
-    if (s < R && st.done[s] < st.rows[s]) st.avail[s] = rows_arrived(a, st, ch, s, epoch);
+    if (j < J && st.done[j] < st.rows[j]) st.avail[j] = rows_arrived(a, st, ch, j, epoch);
     __syncthreads();
     if (threadIdx.x == 0) {
       bool progress = false, all = true;
       int waiting = -1;
-      for (int j = 0; j < R; ++j) {
-        progress |= st.avail[j] > st.done[j];
-        all &= st.done[j] == st.rows[j];
-        if (st.done[j] < st.rows[j] && waiting < 0) waiting = j;
+      for (int i = 0; i < J; ++i) {
+        progress |= st.avail[i] > st.done[i];
+        all &= st.done[i] == st.rows[i];
+        if (st.done[i] < st.rows[i] && waiting < 0) waiting = i;
       }
       st.all_done = all;
       const uint64_t now = globaltimer_ns();
       if (progress || all) {
         idle_since = now;
       } else if (now - idle_since > c.timeout_ns) {
-        report_error(c, kErrWaitTimeout, uint32_t(c.rank), uint32_t(waiting), uint32_t(ch));
+        report_error(c, kErrWaitTimeout, uint32_t(c.rank), uint32_t(input_rank(c, waiting)), uint32_t(ch));
         st.failed = 1;
-      } else if (!c.peers[waiting]) {
+      } else if (waiting < R && !c.peers[waiting]) {
         sleep_ns(kProxyPollNs);  // host-memory polls cross PCIe
       }
     }
     __syncthreads();
     if (st.all_done || st.failed) break;
-    for (int j = 0; j < R; ++j) {
-      const uint8_t* ring = c.local + c.recv_off + ring_offset(c, c.rank, j, ch, a.ring_rows, rec.bytes);
-      for (uint32_t r = st.done[j] + warp; r < st.avail[j]; r += kHTWarps) {
-        const uint8_t* src = ring + ring_slot(r, a.ring_rows, rec.bytes);
-        write_output_row(a, st.first[j] + r, *reinterpret_cast<const int32_t*>(src), src + 16,
-                         reinterpret_cast<const float*>(src + rec.scales),
-                         reinterpret_cast<const int64_t*>(src + rec.topk),
-                         reinterpret_cast<const float*>(src + rec.weights));
-      }
+    for (int i = 0; i < J; ++i) {
+      const uint64_t ring = i < R ? ring_offset(c, c.rank, i, ch, a.ring_rows, rec.bytes)
+                                  : fwd_ring_offset(c, i - R, ch, a.ring_rows, rec.bytes);
+      for (uint32_t r = st.done[i] + warp; r < st.avail[i]; r += kHTWarps)
+        place_row(a, rec, st, i, r, c.local + c.recv_off + ring + ring_slot(r, a.ring_rows, rec.bytes), ch);
     }
     __syncthreads();  // every copy's loads returned before the slots go back
-    if (s < R && st.avail[s] > st.done[s]) {
-      st.done[s] = st.avail[s];
-      return_rows(c, false, s, ch, epoch, st.done[s], &st.credited[s]);
+    if (j < J && st.avail[j] > st.done[j]) {
+      st.done[j] = st.avail[j];
+      release_rows(a, st, j, ch, epoch);
     }
   }
-  if (s < R && s != c.rank && !c.peers[s]) consume_units(c, s, data_stream(c, false, ch), chunks(st.rows[s]));
+  if (j < R && j != c.rank && !c.peers[j]) consume_units(c, j, data_stream(c, false, ch), chunks(st.rows[j]));
+}
+
+struct ForwardState {
+  uint32_t masks[kHTWarps];         // batch: each warp's row's local destinations
+  uint32_t sent[kHTMaxRanks];       // rows stored into local rank l's forward ring of this channel so far
+  uint32_t of_source[kHTMaxRanks];  // of those, the current source's
+  uint32_t batch[kHTMaxRanks];      // batch: rows per local rank
+  uint32_t avail, credited;         // the current source's rows in place; chunks credited back
+  int failed;
+};
+
+// Warp-wide: the row at src (from a source of another node), as nvl_head row `row`, into each local destination's
+// forward ring, its header's index set to the row's index among the source's rows of this channel to that rank.
+PORTEP_DEVICE void forward_row(const HTDispatchArgs& a, const Record& rec, const ForwardState& st, const uint8_t* src,
+                               int warp, int64_t row, int ch) {
+  const HTCommon& c = a.c;
+  const int L = c.ranks_per_node, lane = lane_id(), base = node_of(c, c.rank) * L;
+  const uint32_t mask = st.masks[warp];
+  const uint64_t ring = fwd_ring_offset(c, local_of(c, c.rank), ch, a.ring_rows, rec.bytes);
+  const int32_t* h = reinterpret_cast<const int32_t*>(src);
+  int32_t my_index = -1;  // lane l's
+  for (int l = 0; l < L; ++l) {
+    if (!(mask >> l & 1)) continue;
+    uint32_t pos = 0;
+    for (int w = 0; w < warp; ++w) pos += st.masks[w] >> l & 1;
+    const int32_t index = int32_t(st.of_source[l] + pos);
+    if (lane == l) my_index = index;
+    uint8_t* dst = c.peers[base + l] + c.recv_off + ring + ring_slot(st.sent[l] + pos, a.ring_rows, rec.bytes);
+    if (lane < 4) reinterpret_cast<int32_t*>(dst)[lane] = lane == 3 ? index : h[lane];
+    warp_copy16(reinterpret_cast<uint4*>(dst + 16), reinterpret_cast<const uint4*>(src + 16), (rec.bytes - 16) / 16);
+  }
+  if (a.nvl_head && row < a.nvl_rows && lane < L) a.nvl_head[row * kHTNvlHeadColumns + lane] = my_index;
+}
+
+// The forwarder: the rows of node n's served source in this channel, batch by batch as they arrive.
+PORTEP_DEVICE bool forward_source(const HTDispatchArgs& a, const Record& rec, ForwardState& st, int n, int ch,
+                                  uint64_t epoch) {
+  const HTCommon& c = a.c;
+  const int L = c.ranks_per_node, l = threadIdx.x, warp = threadIdx.x / kWarpSize, base = node_of(c, c.rank) * L;
+  const int s = n * L + local_of(c, c.rank);
+  const uint32_t rows = served_rows(c, a.fwd_channel_prefix, a.fwd_rank_prefix, n, ch);
+  const int64_t row0 = served_row0(c, a.fwd_channel_prefix, a.fwd_rank_prefix, n, ch);
+  const uint8_t* ring = c.local + c.recv_off + ring_offset(c, c.rank, s, ch, a.ring_rows, rec.bytes);
+  __syncthreads();  // the previous source's bookkeeping is done
+  if (l < L) st.of_source[l] = 0;
+  if (threadIdx.x == 0) st.avail = st.credited = 0;
+  for (uint32_t b = 0; b < rows; b += kHTWarps) {
+    const uint32_t end = min(b + kHTWarps, rows), r = b + warp;
+    __syncthreads();
+    if (threadIdx.x == 0 && st.avail < end) {
+      const int64_t units = await_units(c, s, data_stream(c, false, ch), chunks(end));
+      if (units < 0)
+        st.failed = 1;
+      else
+        st.avail = uint32_t(min(uint64_t(rows), uint64_t(units) * kHTChunkRows));
+    }
+    __syncthreads();
+    if (st.failed) return false;
+    const uint8_t* src = ring + ring_slot(r, a.ring_rows, rec.bytes);
+    if (lane_id() == 0) st.masks[warp] = r < end ? reinterpret_cast<const uint32_t*>(src)[1] : 0;
+    __syncthreads();
+    if (l < L) {
+      uint32_t k = 0;
+      for (int w = 0; w < kHTWarps; ++w) k += st.masks[w] >> l & 1;
+      st.batch[l] = k;
+      if (k && !await_fwd_room(c, false, base + l, ch, epoch, st.sent[l] + k, a.ring_rows)) st.failed = 1;
+    }
+    __syncthreads();
+    if (st.failed) return false;
+    if (r < end) forward_row(a, rec, st, src, warp, row0 + r, ch);
+    __syncthreads();  // every copy's loads returned (the ring slots go back) and stores were made (tails)
+    if (l < L && st.batch[l]) {
+      st.sent[l] += st.batch[l];
+      st.of_source[l] += st.batch[l];
+      publish_tail(fwd_tail_word(c, c.peers[base + l], false, c.rank, ch), epoch, st.sent[l]);
+    }
+    if (threadIdx.x == 0) return_rows(c, false, s, ch, epoch, end, &st.credited);
+  }
+  if (threadIdx.x == 0) consume_units(c, s, data_stream(c, false, ch), chunks(rows));
+  return true;
+}
+
+// Serves the sources of other nodes with this rank's local index one after another, nodes ascending.
+PORTEP_DEVICE void forward_channel(const HTDispatchArgs& a, int ch) {
+  __shared__ ForwardState st;
+  const HTCommon& c = a.c;
+  const Record rec(a);
+  const uint64_t epoch = *c.epoch;
+  if (int(threadIdx.x) < c.ranks_per_node) st.sent[threadIdx.x] = 0;
+  if (threadIdx.x == 0) st.failed = 0;
+  for (int n = 0; n < c.num_ranks / c.ranks_per_node; ++n)
+    if (n != node_of(c, c.rank) && !forward_source(a, rec, st, n, ch, epoch)) return;
 }
 
 __global__ void __launch_bounds__(kHTThreads, 1) ht_dispatch_kernel(HTDispatchArgs a) {
   if (failed_before(a.c)) return;
-  if (blockIdx.x % 2 == 0)
-    send_channel(a, blockIdx.x / 2);
+  const int per = forwarding(a.c) ? 3 : 2, role = blockIdx.x % per, ch = blockIdx.x / per;
+  if (role == 0)
+    send_channel(a, ch);
+  else if (role == 1)
+    receive_channel(a, ch);
   else
-    receive_channel(a, blockIdx.x / 2);
+    forward_channel(a, ch);
 }
 
 }  // namespace
 
 int ht_dispatch(const HTDispatchArgs& a) {
-  ht_dispatch_kernel<<<2 * a.c.num_channels, kHTThreads, 0, static_cast<cudaStream_t>(a.c.stream)>>>(a);
+  const int blocks = ht_blocks_per_channel(a.c.num_ranks, a.c.ranks_per_node) * a.c.num_channels;
+  ht_dispatch_kernel<<<blocks, kHTThreads, 0, static_cast<cudaStream_t>(a.c.stream)>>>(a);
   return int(cudaGetLastError());
 }
 

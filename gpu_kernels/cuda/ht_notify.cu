@@ -9,15 +9,24 @@ namespace {
 
 constexpr int kNotifyThreads = 1024;
 
-// This rank's tokens per (destination, channel), from is_token_in_rank, into shared counts [R][C].
-PORTEP_DEVICE void count_channels(const HTNotifyArgs& a, int32_t* counts) {
-  const int R = a.c.num_ranks, C = a.c.num_channels;
-  for (int i = threadIdx.x; i < R * C; i += blockDim.x) counts[i] = 0;
+// This rank's tokens per (destination, channel) and per (node, channel), from is_token_in_rank, into shared
+// counts [R][C] and node_counts [Nn][C].
+PORTEP_DEVICE void count_channels(const HTNotifyArgs& a, int32_t* counts, int32_t* node_counts) {
+  const HTCommon& c = a.c;
+  const int R = c.num_ranks, C = c.num_channels, L = c.ranks_per_node;
+  for (int i = threadIdx.x; i < R * C; i += blockDim.x) counts[i] = node_counts[i] = 0;
   __syncthreads();
   const int per = channel_tokens(a.num_tokens, C);
-  for (int t = threadIdx.x; t < a.num_tokens; t += blockDim.x)
+  for (int t = threadIdx.x; t < a.num_tokens; t += blockDim.x) {
+    uint32_t ranks = 0;
     for (int d = 0; d < R; ++d)
-      if (a.is_token_in_rank[int64_t(t) * R + d]) atomicAdd(&counts[d * C + t / per], 1);
+      if (a.is_token_in_rank[int64_t(t) * R + d]) {
+        atomicAdd(&counts[d * C + t / per], 1);
+        ranks |= 1u << d;
+      }
+    for (int n = 0; n < R / L; ++n)
+      if (node_mask(c, ranks, n)) atomicAdd(&node_counts[n * C + t / per], 1);
+  }
   __syncthreads();
 }
 
@@ -27,10 +36,11 @@ PORTEP_DEVICE uint8_t* slot_for(const HTCommon& c, int d, uint64_t epoch) {
   return c.peers[d] ? notify_slot(c, c.peers[d], c.rank, epoch) : outgoing_slot(c, d, epoch);
 }
 
-PORTEP_DEVICE void write_count_slots(const HTNotifyArgs& a, const int32_t* counts, uint64_t epoch) {
+PORTEP_DEVICE void write_count_slots(const HTNotifyArgs& a, const int32_t* counts, const int32_t* node_counts,
+                                     uint64_t epoch) {
   const HTCommon& c = a.c;
   const int R = c.num_ranks, C = c.num_channels, E_l = a.num_experts / R;
-  const int per_dst = R + C + E_l;
+  const int per_dst = R + 2 * C + E_l;
   for (int i = threadIdx.x; i < R * per_dst; i += blockDim.x) {
     const int d = i / per_dst, j = i % per_dst;
     uint8_t* slot = slot_for(c, d, epoch);
@@ -40,8 +50,10 @@ PORTEP_DEVICE void write_count_slots(const HTNotifyArgs& a, const int32_t* count
       slot_counts(slot)[j] = sum;
     } else if (j < R + C) {
       slot_channels(slot)[j - R] = counts[d * C + j - R];
+    } else if (j < R + 2 * C) {
+      slot_node_channels(slot)[j - R - C] = node_counts[node_of(c, d) * C + j - R - C];
     } else {
-      slot_experts(slot)[j - R - C] = a.tokens_per_expert[d * E_l + j - R - C];
+      slot_experts(slot)[j - R - 2 * C] = a.tokens_per_expert[d * E_l + j - R - 2 * C];
     }
   }
 }
@@ -81,9 +93,37 @@ PORTEP_DEVICE bool await_slots(const HTCommon& c, uint64_t epoch, int* ok) {
   return *ok != 0;
 }
 
-// Count mode: the handle's matrices and the receive counts from every source's slot.
-PORTEP_DEVICE void derive_counts(const HTNotifyArgs& a, const int32_t* counts, uint64_t epoch) {
+// Count mode with forwarding: the handle's node matrices (ht_api.h) from this rank's node counts and the slots of
+// the sources it serves; returns (thread 0) the rows it receives from other nodes.
+PORTEP_DEVICE int64_t derive_forward_counts(const HTNotifyArgs& a, const int32_t* node_counts, uint64_t epoch) {
   const HTCommon& c = a.c;
+  const int C = c.num_channels, L = c.ranks_per_node, Nn = c.num_ranks / L, me = node_of(c, c.rank);
+  auto served = [&](int n) { return slot_node_channels(notify_slot(c, c.local, n * L + local_of(c, c.rank), epoch)); };
+  for (int i = threadIdx.x; i < Nn * C; i += blockDim.x) {
+    const int n = i / C, ch = i % C;
+    int32_t sent = 0, recv = 0;
+    for (int j = 0; j <= ch; ++j) sent += node_counts[n * C + j];
+    for (int j = 0; j < ch; ++j) recv += served(n)[j];
+    a.node_channel_prefix[i] = sent;
+    a.fwd_channel_prefix[i] = recv;
+  }
+  if (threadIdx.x != 0) return 0;
+  int64_t total = 0, others = 0;
+  for (int n = 0; n < Nn; ++n) {
+    int64_t rows = 0;
+    for (int j = 0; j < C; ++j) rows += served(n)[j];
+    total += rows;
+    others += n == me ? 0 : rows;
+    a.fwd_rank_prefix[n] = int32_t(total);
+  }
+  return others;
+}
+
+// Count mode: the handle's matrices and the receive counts from every source's slot.
+PORTEP_DEVICE void derive_counts(const HTNotifyArgs& a, const int32_t* counts, const int32_t* node_counts,
+                                 uint64_t epoch) {
+  const HTCommon& c = a.c;
+  const int64_t forward_rows = a.fwd_channel_prefix ? derive_forward_counts(a, node_counts, epoch) : 0;
   const int R = c.num_ranks, C = c.num_channels, E_l = a.num_experts / R, me = c.rank;
   for (int i = threadIdx.x; i < R * R; i += blockDim.x) {
     const int s = i / R, d = i % R;
@@ -119,12 +159,13 @@ PORTEP_DEVICE void derive_counts(const HTNotifyArgs& a, const int32_t* counts, u
   c.host->num_recv = num_recv;
   c.host->self_begin = self_begin;
   c.host->self_rows = slot_counts(notify_slot(c, c.local, me, epoch))[me];
+  c.host->forward_rows = forward_rows;
   fence_sys();  // the counts before the ticket that says they are this op's
   st_relaxed_sys_u64(&c.host->ticket, a.ticket);
 }
 
 __global__ void __launch_bounds__(kNotifyThreads, 1) ht_notify_kernel(HTNotifyArgs a) {
-  __shared__ int32_t counts[kHTMaxRanks * kHTMaxChannels];
+  __shared__ int32_t counts[kHTMaxRanks * kHTMaxChannels], node_counts[kHTMaxRanks * kHTMaxChannels];
   __shared__ uint64_t epoch;
   __shared__ int ok;
   const HTCommon& c = a.c;
@@ -134,13 +175,13 @@ __global__ void __launch_bounds__(kNotifyThreads, 1) ht_notify_kernel(HTNotifyAr
   }
   __syncthreads();
   if (a.count_mode) {
-    count_channels(a, counts);
-    write_count_slots(a, counts, epoch);
+    count_channels(a, counts, node_counts);
+    write_count_slots(a, counts, node_counts, epoch);
   }
   __syncthreads();
   publish_slot(c, epoch);
   const bool arrived = await_slots(c, epoch, &ok);
-  if (arrived && a.count_mode) derive_counts(a, counts, epoch);
+  if (arrived && a.count_mode) derive_counts(a, counts, node_counts, epoch);
   __syncthreads();  // every thread's error reports of this notify before the verdict
   if (threadIdx.x == 0) {  // the op's data kernel, next on the stream, reads both
     c.epoch[0] = epoch;

@@ -6,10 +6,10 @@ outputs (as DeepEP does), everything else can be captured in a CUDA graph.
 Rows travel through a ring per (channel, sender, receiver), so any buffer that holds HT_MIN_RING_ROWS rows per
 ring works, DeepEP's size hints included. Same-node peers get stores through CUDA IPC; peers on other nodes get
 rows staged in this rank's buffer and copied by the proxies (WRITE + SIGNAL through the device FIFOs). Across
-nodes only one rank per node is supported so far (num_ranks_per_node=1, e.g. the forced proxy path on one
-machine): DeepEP's forwarding of a node's tokens to its NVLink peers runs on the host backend only. Results
-match the host backend bit for bit (the same receive order, the same FP32 reduction order: bias, then ranks
-ascending).
+nodes of several GPUs each a token crosses to another node once, to the rank there with the sender's local index,
+which forwards it to its node peers (and in combine sums their rows into one partial per token). Results match the
+host backend bit for bit (the same receive order, the same FP32 reduction order: bias, then the node's ranks
+ascending, then other ranks or nodes ascending).
 """
 
 import ctypes
@@ -30,11 +30,6 @@ class CudaHT:
     def __init__(self, eng, ctrl_off, stream_base):
         native = eng.native
         R = eng.num_ranks
-        if eng.num_nodes > 1 and eng.ranks_per_node > 1:
-            raise NotImplementedError(
-                f"normal-mode dispatch/combine on GPU tensors across nodes of num_ranks_per_node={eng.ranks_per_node} "
-                "ranks is not implemented yet (forwarding to a node's NVLink peers runs on the host backend only); "
-                "use num_ranks_per_node=1 (one GPU per node), one node, or a backend='host' Buffer")
         if R > native.HT_MAX_RANKS:
             raise NotImplementedError(f"the CUDA HT kernels support at most {native.HT_MAX_RANKS} ranks, got {R}")
         ch = eng.channel._native
@@ -44,6 +39,7 @@ class CudaHT:
             raise NotImplementedError(f"normal mode on GPU tensors needs the buffers of same-node ranks mapped (CUDA "
                                       f"IPC); transport {eng.channel.transport!r} did not map ranks {unmapped}")
         self.eng = eng
+        self.forward = eng.num_nodes > 1 and eng.ranks_per_node > 1  # forwarders on each node (ht_api.h)
         self.proxy = not all(peers)
         area = eng.normal_bytes  # from eng.normal_off: receive rings, then (proxy peers) as many staging bytes
         self.recv_bytes = area // 2 // 16 * 16 if self.proxy else area
@@ -53,7 +49,7 @@ class CudaHT:
         ctypes.memset(self.host_counts, 0, native.HT_HOST_COUNTS_BYTES)
         self.ticket = 0
         self.kernels = native.HTKernels(
-            eng.rank, R, ch.device_data_ptr(), self.peers.data_ptr(), ctrl_off, eng.normal_off,
+            eng.rank, R, eng.ranks_per_node, ch.device_data_ptr(), self.peers.data_ptr(), ctrl_off, eng.normal_off,
             eng.normal_off + self.recv_bytes, self.epoch.data_ptr(), self.host_counts, host_counts_device,
             eng.error_device, eng._error_host, eng.timeout_s, eng.fifos, ch.device_signals_ptr(),
             eng._signal_seen.data_ptr(), eng.channel.num_streams, stream_base, eng.failed_flag.data_ptr())
@@ -67,10 +63,15 @@ class CudaHT:
         dev, R = self.eng.device, self.eng.num_ranks
         torch.empty(1, 2, dtype=torch.int64, device=dev).fill_(-1)
         torch.empty(1, 2, dtype=torch.float32, device=dev).zero_()
-        if self.eng.num_nodes > 1:  # one row from every rank to every rank
+        in_rank = torch.ones(1, R, dtype=torch.bool, device=dev)
+        if self.forward:
+            torch.full((1, self.eng.native.HT_NVL_HEAD_COLUMNS), -1, dtype=torch.int32, device=dev)
+            meta = torch.empty(1, 2, dtype=torch.int32, device=dev).fill_(-1)
+            self._forwarding_tensors(in_rank, torch.zeros(R, R, dtype=torch.int32, device=dev), None, None,
+                                     (None, None, None), meta, None)
+        elif self.eng.num_nodes > 1:  # one row from every rank to every rank
             prefix = torch.arange(1, R + 1, dtype=torch.int32, device=dev).repeat_interleave(R).view(R, R)
             ones = torch.ones(R, 1, dtype=torch.int32, device=dev)
-            in_rank = torch.ones(1, R, dtype=torch.bool, device=dev)
             head = torch.zeros(1, R, dtype=torch.int32, device=dev)
             for self_rows in ((self.eng.rank, 1), None):
                 self._internode_tensors(in_rank, prefix, ones, ones, head, R, self_rows)
@@ -107,18 +108,24 @@ class CudaHT:
             return handle[6].data_ptr(), 1
         return handle[0].data_ptr() + 4 * self.eng.rank, self.eng.num_ranks
 
+    def _forward_prefixes(self, handle):
+        """(fwd_channel_prefix, fwd_rank_prefix) pointers of an internode handle with forwarding, else (0, 0)."""
+        return (handle[3].data_ptr(), handle[4].data_ptr()) if self.forward else (0, 0)
+
     def _notify(self, num_channels, stream, count_mode, is_token_in_rank, per_expert=None, N=0, E=0,
-                prefixes=(None, None, None), max_recv=0, ticket=0):
-        rp, cp, rcp = prefixes
+                prefixes=(None,) * 6, max_recv=0, ticket=0):
         self.kernels.notify(num_channels, stream, count_mode, is_token_in_rank.data_ptr(), _ptr(per_expert), N, E,
-                            _ptr(rp), _ptr(cp), _ptr(rcp), max_recv, ticket)
+                            *(_ptr(p) for p in prefixes), max_recv, ticket)
 
     def _check_channels(self, num_channels, what):
-        """Every block of a data kernel must run at once (senders wait for readers): 2 per channel, one per SM."""
-        sms = self.eng.device_sms
-        if 2 * num_channels > sms:
+        """Every block of a data kernel must run at once (senders wait for readers): 2 per channel (3 with
+        forwarding), one per SM."""
+        sms, eng = self.eng.device_sms, self.eng
+        per = eng.native.ht_blocks_per_channel(eng.num_ranks, eng.ranks_per_node)
+        if per * num_channels > sms:
             raise ValueError(f"{what}: {num_channels} channels (config.num_sms={2 * num_channels}) need "
-                             f"{2 * num_channels} SMs at once; this GPU has {sms}: use config.num_sms <= {sms}")
+                             f"{per * num_channels} SMs at once ({per} blocks per channel); this GPU has {sms}: use "
+                             f"config.num_sms <= {2 * (sms // per)}")
 
     def _ring_rows(self, row_bytes, num_channels, what):
         """Rows per (channel, peer) ring for rows of row_bytes (ht_api.h): as many as the receive area (and the
@@ -128,9 +135,10 @@ class CudaHT:
         chunk, least = native.HT_CHUNK_ROWS, native.HT_MIN_RING_ROWS
         if R == 1:
             return least
-        rows = rows_per_ring(self.recv_bytes, R, num_channels, row_bytes, chunk)
+        rings = (R - 1 + (self.eng.ranks_per_node if self.forward else 0)) * num_channels
+        rows = rows_per_ring(self.recv_bytes, rings, row_bytes, chunk)
         if rows < least:
-            need = least * (R - 1) * num_channels * row_bytes * (2 if self.proxy else 1)
+            need = least * rings * row_bytes * (2 if self.proxy else 1)
             raise ValueError(f"{what}: the normal-mode buffer ({self.eng.normal_bytes} bytes) holds {rows} rows of "
                              f"{row_bytes} bytes per (channel, peer) ring with {num_channels} channels; at least "
                              f"{least} rows are needed: give the normal mode >= {need} bytes (num_nvl_bytes; "
@@ -158,13 +166,16 @@ class CudaHT:
         self._check_row(rec, "dispatch")
         self._check_channels(num_channels, "dispatch")
         ring_rows = self._ring_rows(rec, num_channels, "dispatch")
-        counts_list, self_rows = [], None
+        counts_list, self_rows, forward_rows = [], None, 0
         cached = handle is not None
+        fwd = (None, None, None)  # forwarding: node_channel_prefix, fwd_channel_prefix, fwd_rank_prefix
         if cached:
             self._check_handle(handle)
             internode = eng.num_nodes > 1
             is_token_in_rank, channel_prefix, rcp = ((handle[0], handle[2], handle[5]) if internode else
                                                      (handle[4], handle[1], handle[2]))
+            if self.forward:
+                fwd = (None, handle[3], handle[4])
             num_recv = (handle[7] if internode else handle[3]).size(0)
             if 0 < num_worst_tokens < num_recv:
                 raise RuntimeError(f"rank {me} receives {num_recv} tokens with this handle but "
@@ -177,21 +188,27 @@ class CudaHT:
             rank_prefix = torch.empty(R, R, dtype=torch.int32, device=dev)
             channel_prefix = torch.empty(R, num_channels, dtype=torch.int32, device=dev)
             rcp = torch.empty(R, num_channels, dtype=torch.int32, device=dev)
-            prefixes = (rank_prefix, channel_prefix, rcp)
+            if self.forward:
+                Nn = eng.num_nodes
+                fwd = (torch.empty(Nn, num_channels, dtype=torch.int32, device=dev),
+                       torch.empty(Nn, num_channels, dtype=torch.int32, device=dev),
+                       torch.empty(Nn, dtype=torch.int32, device=dev))
+            prefixes = (rank_prefix, channel_prefix, rcp) + fwd
             recv_prefix = (rank_prefix.data_ptr() + 4 * me, R)
             if num_worst_tokens > 0:
                 self._notify(num_channels, stream, True, is_token_in_rank, per_expert, N, E, prefixes,
                              max_recv=num_worst_tokens)
                 num_recv = num_worst_tokens
+                forward_rows = num_worst_tokens * eng.ranks_per_node  # each row reaches a local rank
             else:
                 self.ticket += 1
                 self._notify(num_channels, stream, True, is_token_in_rank, per_expert, N, E, prefixes,
                              ticket=self.ticket)
-                num_recv, self_rows, counts_list = self._wait_counts(E // R, expert_alignment)
+                num_recv, self_rows, forward_rows, counts_list = self._wait_counts(E // R, expert_alignment)
         rows = num_recv
         recv_x = torch.empty(rows, x.size(1), dtype=x.dtype, device=dev)
         recv_scales = None if scales is None else torch.empty(rows, scales.size(1), dtype=scales.dtype, device=dev)
-        recv_idx = recv_w = src_idx = send_head = None
+        recv_idx = recv_w = src_idx = send_head = meta = nvl_head = None
         if not cached:
             if K:
                 recv_idx = torch.empty(rows, K, dtype=torch.int64, device=dev)
@@ -199,22 +216,50 @@ class CudaHT:
                 with self._on_comm():  # before the kernel, which writes the real rows
                     recv_idx.fill_(-1)
                     recv_w.zero_()
-            src_idx = torch.empty(rows, dtype=torch.int32, device=dev)
-            send_head = torch.empty(N, R, dtype=torch.int32, device=dev)
+            if self.forward:
+                meta = torch.empty(rows, 2, dtype=torch.int32, device=dev)
+                with self._on_comm():  # the kernel writes the real rows, and the local ranks' columns of nvl_head
+                    if num_worst_tokens > 0:
+                        meta.fill_(-1)
+                    nvl_head = torch.full((forward_rows, self.eng.native.HT_NVL_HEAD_COLUMNS), -1, dtype=torch.int32,
+                                          device=dev)
+            else:
+                src_idx = torch.empty(rows, dtype=torch.int32, device=dev)
+                send_head = torch.empty(N, R, dtype=torch.int32, device=dev)
         E_l = 0 if cached else num_tokens_per_expert.numel() // R
         self.kernels.dispatch(num_channels, stream, x.data_ptr(), _ptr(scales), _ptr(topk_idx), _ptr(topk_weights),
                               is_token_in_rank.data_ptr(), recv_prefix[0], recv_prefix[1], channel_prefix.data_ptr(),
                               rcp.data_ptr(), N, x.size(1) * x.element_size(),
                               0 if scales is None else scales.size(1), K, E_l, ring_rows, rows, recv_x.data_ptr(),
-                              _ptr(recv_scales), _ptr(recv_idx), _ptr(recv_w), _ptr(src_idx), _ptr(send_head))
+                              _ptr(recv_scales), _ptr(recv_idx), _ptr(recv_w), _ptr(src_idx), _ptr(send_head),
+                              _ptr(fwd[1]), _ptr(fwd[2]), _ptr(meta), _ptr(nvl_head),
+                              0 if nvl_head is None else nvl_head.size(0))
         if cached:
             return recv_x, recv_scales, None, None, None, None
-        if eng.num_nodes > 1:
+        if self.forward:
+            new_handle = self._forwarding_handle(is_token_in_rank, rank_prefix, channel_prefix, rcp, fwd, meta,
+                                                 nvl_head)
+        elif eng.num_nodes > 1:
             new_handle = self._internode_handle(is_token_in_rank, rank_prefix, channel_prefix, rcp, send_head, rows,
                                                 self_rows)
         else:
             new_handle = (rank_prefix, channel_prefix, rcp, src_idx, is_token_in_rank, send_head)
         return recv_x, recv_scales, recv_idx, recv_w, counts_list, new_handle
+
+    def _forwarding_handle(self, is_token_in_rank, rank_prefix, channel_prefix, rcp, fwd, meta, nvl_head):
+        """DeepEP's 10-tuple with forwarders (ht_api.h). send_nvl_head holds, per row this rank forwards, the row's
+        index among its source's rows of its channel to each local rank (-1: not sent there)."""
+        with self._on_comm():  # reads what the kernels wrote
+            h = self._forwarding_tensors(is_token_in_rank, rank_prefix, channel_prefix, rcp, fwd, meta, nvl_head)
+        self._for_caller([h[6], h[8], h[9]])
+        return h
+
+    def _forwarding_tensors(self, is_token_in_rank, rank_prefix, channel_prefix, rcp, fwd, meta, nvl_head):
+        eng = self.eng
+        N = is_token_in_rank.size(0)
+        to_node = is_token_in_rank.view(N, eng.num_nodes, eng.ranks_per_node).any(2)
+        return (is_token_in_rank, fwd[0], channel_prefix, fwd[1], fwd[2], rcp, rank_prefix[:, eng.rank].contiguous(),
+                meta.view(torch.uint8), _positions(to_node), nvl_head)
 
     def _check_row(self, row_bytes, what):
         chunk = self.eng.native.HT_CHUNK_ROWS * row_bytes
@@ -229,9 +274,9 @@ class CudaHT:
             eng.check_error()
             raise RuntimeError(f"rank {eng.rank}: dispatch: the count exchange did not finish within "
                                f"{eng.timeout_s} s (a peer rank did not call dispatch?)")
-        num_recv, self_begin, self_rows, experts = got
+        num_recv, self_begin, self_rows, forward_rows, experts = got
         a = expert_alignment
-        return num_recv, (self_begin, self_rows), [(int(c) + a - 1) // a * a for c in experts]
+        return num_recv, (self_begin, self_rows), forward_rows, [(int(c) + a - 1) // a * a for c in experts]
 
     def _internode_handle(self, is_token_in_rank, rank_prefix, channel_prefix, rcp, send_head, rows, self_rows):
         """DeepEP's 10-tuple for one rank per node (node = rank): the forwarder is the destination itself. With
@@ -265,13 +310,13 @@ class CudaHT:
         stream = eng.raw_stream()
         self._check_handle(handle)
         if eng.num_nodes > 1:
-            is_token_in_rank, channel_prefix, rcp, send_head = handle[0], handle[2], handle[5], handle[8]
+            is_token_in_rank, channel_prefix, rcp = handle[0], handle[2], handle[5]
         else:
-            _, channel_prefix, rcp, _, is_token_in_rank, send_head = handle
+            _, channel_prefix, rcp, _, is_token_in_rank, _ = handle
         N, H = is_token_in_rank.size(0), x.size(1)
         C = channel_prefix.size(1)
         K = 0 if topk_weights is None else topk_weights.size(1)
-        row_bytes = hb.align(2 * H + 4 * K, 16)
+        row_bytes = hb.align((4 if self.forward else 2) * H + 4 * K, 16)  # with forwarding, partial rows (FP32)
         self._check_row(row_bytes, "combine")
         self._check_channels(C, "combine")
         ring_rows = self._ring_rows(row_bytes, C, "combine")
@@ -283,17 +328,26 @@ class CudaHT:
         out = torch.empty(N, H, dtype=torch.bfloat16, device=eng.device)
         out_w = torch.empty(N, K, dtype=torch.float32, device=eng.device) if weights is not None else None
         recv_prefix = self._recv_prefix(handle)
+        fwd_channel_prefix, fwd_rank_prefix = self._forward_prefixes(handle)
+        nvl_head = handle[9].data_ptr() if self.forward else 0
         self._notify(C, stream, False, is_token_in_rank)
         self.kernels.combine(C, stream, x.data_ptr(), _ptr(weights), _ptr(b0), _ptr(b1), is_token_in_rank.data_ptr(),
-                             recv_prefix[0], recv_prefix[1], channel_prefix.data_ptr(), rcp.data_ptr(),
-                             send_head.data_ptr(), N, H, K, ring_rows, out.data_ptr(), _ptr(out_w))
+                             recv_prefix[0], recv_prefix[1], rcp.data_ptr(), fwd_channel_prefix, fwd_rank_prefix,
+                             nvl_head, N, H, K, ring_rows, out.data_ptr(), _ptr(out_w))
         return out, out_w
 
 
-def rows_per_ring(recv_bytes, num_ranks, num_channels, row_bytes, chunk_rows):
-    """Whole chunks of rows of row_bytes that fit each of the (num_ranks - 1) x num_channels rings of a receive area
-    of recv_bytes (ht_api.h), capped where the kernels' 32-bit row counts need it."""
-    return min(recv_bytes // ((num_ranks - 1) * num_channels * row_bytes) // chunk_rows * chunk_rows, 1 << 30)
+def rows_per_ring(recv_bytes, num_rings, row_bytes, chunk_rows):
+    """Whole chunks of rows of row_bytes that fit each of the num_rings rings of a receive area of recv_bytes
+    (ht_api.h: (num_ranks - 1) x num_channels, with forwarding (num_ranks - 1 + ranks_per_node) x num_channels),
+    capped where the kernels' 32-bit row counts need it."""
+    return min(recv_bytes // (num_rings * row_bytes) // chunk_rows * chunk_rows, 1 << 30)
+
+
+def _positions(mask):
+    """For a bool [N, M] matrix: each True's index among the Trues of its column, -1 elsewhere (int32)."""
+    pos = torch.cumsum(mask.to(torch.int32), 0, dtype=torch.int32) - 1
+    return torch.where(mask, pos, torch.full_like(pos, -1))
 
 
 def _record_bytes(x, scales, K):

@@ -25,7 +25,7 @@ using portep::bind::PyFifoSet;
 // The per-Buffer constants of HTCommon; each call adds its channels and stream.
 class HTKernels {
  public:
-  HTKernels(int rank, int num_ranks, uintptr_t local, uintptr_t peers, uint64_t ctrl_off, uint64_t recv_off,
+  HTKernels(int rank, int num_ranks, int ranks_per_node, uintptr_t local, uintptr_t peers, uint64_t ctrl_off, uint64_t recv_off,
             uint64_t stage_off, uintptr_t epoch, uintptr_t host_counts, uintptr_t host_counts_device, uintptr_t error,
             uintptr_t error_host, double timeout_s, const PyFifoSet& fifos, uintptr_t host_signals,
             uintptr_t signal_seen, uint32_t num_streams, uint32_t stream_base, uintptr_t failed)
@@ -34,9 +34,13 @@ class HTKernels {
       throw std::invalid_argument("num_ranks=" + std::to_string(num_ranks) +
                                   ": the CUDA HT kernels store into at most " + std::to_string(kHTMaxRanks) + " ranks");
     if (!failed) throw std::invalid_argument("failed: the device word for reported errors must not be null");
+    if (ranks_per_node < 1 || num_ranks % ranks_per_node)
+      throw std::invalid_argument("ranks_per_node=" + std::to_string(ranks_per_node) + " must divide num_ranks=" +
+                                  std::to_string(num_ranks));
     c_ = HTCommon{};
     c_.rank = rank;
     c_.num_ranks = num_ranks;
+    c_.ranks_per_node = ranks_per_node;
     c_.local = ptr<uint8_t>(local);
     c_.peers = ptr<uint8_t* const>(peers);
     c_.ctrl_off = ctrl_off;
@@ -67,7 +71,7 @@ class HTKernels {
   }
 
   // Spins (without the GIL) until the notify kernel of `ticket` published its counts, or a kernel failed, or the
-  // timeout passed. Returns (num_recv, self_begin, self_rows, [selections per local expert]) or None.
+  // timeout passed. Returns (num_recv, self_begin, self_rows, forward_rows, [selections per local expert]) or None.
   py::object wait_counts(uint64_t ticket, int num_local_experts) const {
     const auto deadline = std::chrono::steady_clock::now() + std::chrono::duration<double>(timeout_s_);
     bool ok = false;
@@ -88,7 +92,7 @@ class HTKernels {
     }
     if (!ok) return py::none();
     std::vector<int64_t> experts(host_->expert, host_->expert + num_local_experts);
-    return py::make_tuple(host_->num_recv, host_->self_begin, host_->self_rows, experts);
+    return py::make_tuple(host_->num_recv, host_->self_begin, host_->self_rows, host_->forward_rows, experts);
   }
 
   HTCommon c_;
@@ -105,6 +109,16 @@ uint32_t check_ring(uint32_t ring_rows) {
   return ring_rows;
 }
 
+// With forwarding the data kernels read the handle's node matrices; without, they must not be given.
+void check_forwarding(const HTCommon& c, bool given, const char* what) {
+  const bool forwarding = ht_blocks_per_channel(c.num_ranks, c.ranks_per_node) == 3;
+  if (forwarding != given)
+    throw std::invalid_argument(std::string(what) + ": the forwarding arguments (fwd_channel_prefix, fwd_rank_prefix" +
+                                (forwarding ? ") are required with " : ") must be null without ") +
+                                "forwarding (num_ranks=" + std::to_string(c.num_ranks) +
+                                ", ranks_per_node=" + std::to_string(c.ranks_per_node) + ")");
+}
+
 }  // namespace
 
 void bind_cuda_ht(py::module_& m) {
@@ -116,20 +130,23 @@ void bind_cuda_ht(py::module_& m) {
   m.attr("HT_NUM_STREAMS") = kHTNumStreams;
   m.attr("HT_CHUNK_ROWS") = kHTChunkRows;
   m.attr("HT_MIN_RING_ROWS") = kHTMinRingRows;
+  m.attr("HT_NVL_HEAD_COLUMNS") = kHTNvlHeadColumns;
+  m.def("ht_blocks_per_channel", &ht_blocks_per_channel, py::arg("num_ranks"), py::arg("ranks_per_node"));
   py::class_<HTKernels>(m, "HTKernels")
-      .def(py::init<int, int, uintptr_t, uintptr_t, uint64_t, uint64_t, uint64_t, uintptr_t, uintptr_t, uintptr_t,
+      .def(py::init<int, int, int, uintptr_t, uintptr_t, uint64_t, uint64_t, uint64_t, uintptr_t, uintptr_t, uintptr_t,
                     uintptr_t, uintptr_t, double, const PyFifoSet&, uintptr_t, uintptr_t, uint32_t, uint32_t,
                     uintptr_t>(),
-           py::arg("rank"), py::arg("num_ranks"), py::arg("local"), py::arg("peers"), py::arg("ctrl_off"),
+           py::arg("rank"), py::arg("num_ranks"), py::arg("ranks_per_node"), py::arg("local"), py::arg("peers"), py::arg("ctrl_off"),
            py::arg("recv_off"), py::arg("stage_off"), py::arg("epoch"), py::arg("host_counts"),
            py::arg("host_counts_device"), py::arg("error"), py::arg("error_host"), py::arg("timeout_s"),
            py::arg("fifos"), py::arg("host_signals"), py::arg("signal_seen"), py::arg("num_streams"),
-           py::arg("stream_base"), py::arg("failed"), py::keep_alive<1, 15>())
+           py::arg("stream_base"), py::arg("failed"), py::keep_alive<1, 16>())
       .def("wait_counts", &HTKernels::wait_counts, py::arg("ticket"), py::arg("num_local_experts"))
       .def("notify",
            [](const HTKernels& k, int num_channels, uintptr_t stream, bool count_mode, uintptr_t is_token_in_rank,
               uintptr_t tokens_per_expert, int num_tokens, int num_experts, uintptr_t rank_prefix,
-              uintptr_t channel_prefix, uintptr_t recv_channel_prefix, int64_t max_recv, uint64_t ticket) {
+              uintptr_t channel_prefix, uintptr_t recv_channel_prefix, uintptr_t node_channel_prefix,
+              uintptr_t fwd_channel_prefix, uintptr_t fwd_rank_prefix, int64_t max_recv, uint64_t ticket) {
              HTNotifyArgs a{};
              a.c = k.common(num_channels, stream);
              a.count_mode = count_mode;
@@ -140,6 +157,12 @@ void bind_cuda_ht(py::module_& m) {
              a.rank_prefix = ptr<int32_t>(rank_prefix);
              a.channel_prefix = ptr<int32_t>(channel_prefix);
              a.recv_channel_prefix = ptr<int32_t>(recv_channel_prefix);
+             a.node_channel_prefix = ptr<int32_t>(node_channel_prefix);
+             a.fwd_channel_prefix = ptr<int32_t>(fwd_channel_prefix);
+             a.fwd_rank_prefix = ptr<int32_t>(fwd_rank_prefix);
+             if (count_mode && (a.node_channel_prefix || a.fwd_channel_prefix || a.fwd_rank_prefix) &&
+                 !(a.node_channel_prefix && a.fwd_channel_prefix && a.fwd_rank_prefix))
+               throw std::invalid_argument("node_channel_prefix, fwd_channel_prefix, fwd_rank_prefix: all or none");
              a.max_recv = max_recv;
              a.ticket = ticket;
              check(ht_notify(a), "HT notify");
@@ -150,7 +173,8 @@ void bind_cuda_ht(py::module_& m) {
               uintptr_t channel_prefix, uintptr_t recv_channel_prefix, int num_tokens, int row_bytes, int num_scales,
               int num_topk, int num_local_experts, uint32_t ring_rows, int64_t max_recv, uintptr_t recv_x,
               uintptr_t recv_scales, uintptr_t recv_topk_idx, uintptr_t recv_topk_weights, uintptr_t recv_src_idx,
-              uintptr_t send_head) {
+              uintptr_t send_head, uintptr_t fwd_channel_prefix, uintptr_t fwd_rank_prefix, uintptr_t recv_src_meta,
+              uintptr_t nvl_head, int64_t nvl_rows) {
              HTDispatchArgs a{};
              a.c = k.common(num_channels, stream);
              a.x = ptr<const uint8_t>(x);
@@ -175,13 +199,20 @@ void bind_cuda_ht(py::module_& m) {
              a.recv_topk_weights = ptr<float>(recv_topk_weights);
              a.recv_src_idx = ptr<int32_t>(recv_src_idx);
              a.send_head = ptr<int32_t>(send_head);
+             a.fwd_channel_prefix = ptr<const int32_t>(fwd_channel_prefix);
+             a.fwd_rank_prefix = ptr<const int32_t>(fwd_rank_prefix);
+             a.recv_src_meta = ptr<int32_t>(recv_src_meta);
+             a.nvl_head = ptr<int32_t>(nvl_head);
+             a.nvl_rows = nvl_rows;
+             check_forwarding(a.c, a.fwd_channel_prefix && a.fwd_rank_prefix, "dispatch");
              check(ht_dispatch(a), "HT dispatch");
            })
       .def("combine",
            [](const HTKernels& k, int num_channels, uintptr_t stream, uintptr_t x, uintptr_t topk_weights,
               uintptr_t bias0, uintptr_t bias1, uintptr_t is_token_in_rank, uintptr_t recv_prefix,
-              int recv_prefix_stride, uintptr_t channel_prefix, uintptr_t recv_channel_prefix, uintptr_t send_head,
-              int num_tokens, int hidden, int num_topk, uint32_t ring_rows, uintptr_t out, uintptr_t out_weights) {
+              int recv_prefix_stride, uintptr_t recv_channel_prefix, uintptr_t fwd_channel_prefix,
+              uintptr_t fwd_rank_prefix, uintptr_t nvl_head, int num_tokens, int hidden, int num_topk,
+              uint32_t ring_rows, uintptr_t out, uintptr_t out_weights) {
              HTCombineArgs a{};
              a.c = k.common(num_channels, stream);
              a.x = ptr<const uint16_t>(x);
@@ -191,9 +222,11 @@ void bind_cuda_ht(py::module_& m) {
              a.is_token_in_rank = ptr<const bool>(is_token_in_rank);
              a.recv_prefix = ptr<const int32_t>(recv_prefix);
              a.recv_prefix_stride = recv_prefix_stride;
-             a.channel_prefix = ptr<const int32_t>(channel_prefix);
              a.recv_channel_prefix = ptr<const int32_t>(recv_channel_prefix);
-             a.send_head = ptr<const int32_t>(send_head);
+             a.fwd_channel_prefix = ptr<const int32_t>(fwd_channel_prefix);
+             a.fwd_rank_prefix = ptr<const int32_t>(fwd_rank_prefix);
+             a.nvl_head = ptr<const int32_t>(nvl_head);
+             check_forwarding(a.c, a.fwd_channel_prefix && a.fwd_rank_prefix && a.nvl_head, "combine");
              a.num_tokens = num_tokens;
              a.hidden = hidden;
              a.num_topk = num_topk;
