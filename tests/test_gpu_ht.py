@@ -49,10 +49,15 @@ SUITE = [(512, 8, 16, [300, 211], 1, False), (2048, 6, 32, [97, 256], 2, True), 
 @pytest.mark.parametrize("path", PATHS)
 @pytest.mark.parametrize("case", SUITE, ids=[f"H{c[0]}-K{c[1]}-E{c[2]}" for c in SUITE])
 def test_ht_suite_on_gpus(path, case):
+    _run_suite(2, path, case, timeout=400)
+
+
+def _run_suite(world, path, case, timeout):
+    """The host backend's HT suite (deepep_workers.ht_body) on `world` GPU ranks."""
     _, rpn, transport = path
     hidden, topk, experts, n_tokens, seed, starve = case
-    out = run_ranks(w.ht_body, 2, args=(rpn, transport, seed, n_tokens, hidden, topk, experts, 2, starve, "cuda"),
-                    timeout=400)
+    out = run_ranks(w.ht_body, world, args=(rpn, transport, seed, n_tokens, hidden, topk, experts, 2, starve, "cuda"),
+                    timeout=timeout)
     assert_clean(out, 60)
 
 
@@ -111,11 +116,7 @@ FORWARD_SUITE = [(512, 8, 16, [300, 211, 97, 256], 41, False), (2048, 6, 32, [64
 @pytest.mark.parametrize("path", FORWARD_PATHS)
 @pytest.mark.parametrize("case", FORWARD_SUITE, ids=[f"H{c[0]}-K{c[1]}-E{c[2]}" for c in FORWARD_SUITE])
 def test_ht_forwarding_suite(path, case):
-    _, rpn, transport = path
-    hidden, topk, experts, n_tokens, seed, starve = case
-    out = run_ranks(w.ht_body, 4, args=(rpn, transport, seed, n_tokens, hidden, topk, experts, 2, starve, "cuda"),
-                    timeout=500)
-    assert_clean(out, 60)
+    _run_suite(4, path, case, timeout=500)
 
 
 @pytest.mark.gpu
