@@ -14,8 +14,9 @@
 //      op). Since each rank starts an op only after its previous op's kernels finished, passing notify also
 //      means no rank still reads a ring this op's stores will overwrite.
 //   2. data: per channel c (a contiguous token range) block 2c sends and block 2c + 1 receives (dispatch) or
-//      reduces (combine) (with forwarding, three blocks per channel: see below). Rows travel through a ring per (channel, sender, receiver) of ring_rows rows (the
-//      op's ring_rows, a multiple of kHTChunkRows, at least 2 * kHTChunkRows): the i-th row of a channel from s
+//      reduces (combine); with forwarding, three blocks per channel (see below). Rows travel through a ring per
+//      (channel, sender, receiver) of ring_rows rows (the op's ring_rows, a multiple of kHTChunkRows, at least
+//      2 * kHTChunkRows): the i-th row of a channel from s
 //      to d sits in slot i % ring_rows. The receiver learns how far rows arrived (tail) and the sender how far
 //      they were consumed (head):
 //      - direct peer: the sender stores rows into the receiver's ring, then a tail word epoch << 32 | rows so far;
@@ -71,7 +72,7 @@
 
 namespace portep::cuda {
 
-constexpr int kHTMaxRanks = 8;  // ranks one rank exchanges with (one NVLink domain, or one GPU per node)
+constexpr int kHTMaxRanks = 8;  // ranks in all: one NVLink domain, or nodes x ranks per node across nodes
 constexpr int kHTMaxChannels = 64;
 constexpr int kHTMaxLocalExperts = 1024;
 constexpr int kHTChunkRows = 32;  // rows per proxy WRITE

@@ -336,7 +336,8 @@ PORTEP_DEVICE bool partials_for(const HTCombineArgs& a, PartialState& st, int n,
     if (threadIdx.x == 0 && !await_room(c, true, s, ch, epoch, end, a.ring_rows)) st.failed = 1;
     __syncthreads();
     if (st.failed) return false;
-    if (r < end) reduce_partial(c, a, st, warp, c.local + c.stage_off + stage_ring + ring_slot(r, a.ring_rows, bytes), ch);
+    uint8_t* staged = c.local + c.stage_off + stage_ring + ring_slot(r, a.ring_rows, bytes);
+    if (r < end) reduce_partial(c, a, st, warp, staged, ch);
     __syncthreads();  // every load returned (slots go back) and the partials are staged
     if (l < L && st.batch[l]) {
       st.used[l] += st.batch[l];

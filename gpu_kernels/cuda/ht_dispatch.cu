@@ -48,7 +48,8 @@ PORTEP_DEVICE void write_output_row(const HTDispatchArgs& a, int64_t row, int sr
 // token's destinations on the receiver's node.
 PORTEP_DEVICE void write_record(const HTDispatchArgs& a, const Record& rec, uint8_t* dst, int t, uint32_t node_bits) {
   const int lane = lane_id();
-  if (lane < 4) reinterpret_cast<int32_t*>(dst)[lane] = lane == 0 ? t : lane == 1 ? int32_t(node_bits) : lane == 2 ? a.c.rank : 0;
+  if (lane < 4)
+    reinterpret_cast<int32_t*>(dst)[lane] = lane == 0 ? t : lane == 1 ? int32_t(node_bits) : lane == 2 ? a.c.rank : 0;
   warp_copy16(reinterpret_cast<uint4*>(dst + 16), reinterpret_cast<const uint4*>(a.x + int64_t(t) * a.row_bytes),
               a.row_bytes / 16);
   float* scales = reinterpret_cast<float*>(dst + rec.scales);
@@ -117,7 +118,8 @@ PORTEP_DEVICE void send_token(const HTDispatchArgs& a, const Record& rec, SendSt
       write_output_row(a, st.self_row0 + i, t, a.x + int64_t(t) * a.row_bytes, a.scales + int64_t(t) * a.num_scales,
                        idx, w, node, node_mask(c, ranks, node));
     } else {
-      uint8_t* dst = c.peers[d] ? c.peers[d] + c.recv_off + st.remote_ring[d] : c.local + c.stage_off + st.stage_ring[d];
+      uint8_t* dst = c.peers[d] ? c.peers[d] + c.recv_off + st.remote_ring[d]
+                                : c.local + c.stage_off + st.stage_ring[d];
       write_record(a, rec, dst + slot, t, node_mask(c, ranks, node_of(c, d)));
     }
   }

@@ -25,10 +25,11 @@ using portep::bind::PyFifoSet;
 // The per-Buffer constants of HTCommon; each call adds its channels and stream.
 class HTKernels {
  public:
-  HTKernels(int rank, int num_ranks, int ranks_per_node, uintptr_t local, uintptr_t peers, uint64_t ctrl_off, uint64_t recv_off,
-            uint64_t stage_off, uintptr_t epoch, uintptr_t host_counts, uintptr_t host_counts_device, uintptr_t error,
-            uintptr_t error_host, double timeout_s, const PyFifoSet& fifos, uintptr_t host_signals,
-            uintptr_t signal_seen, uint32_t num_streams, uint32_t stream_base, uintptr_t failed)
+  HTKernels(int rank, int num_ranks, int ranks_per_node, uintptr_t local, uintptr_t peers, uint64_t ctrl_off,
+            uint64_t recv_off, uint64_t stage_off, uintptr_t epoch, uintptr_t host_counts,
+            uintptr_t host_counts_device, uintptr_t error, uintptr_t error_host, double timeout_s,
+            const PyFifoSet& fifos, uintptr_t host_signals, uintptr_t signal_seen, uint32_t num_streams,
+            uint32_t stream_base, uintptr_t failed)
       : host_(ptr<HTHostCounts>(host_counts)), error_host_(ptr<LLError>(error_host)), timeout_s_(timeout_s) {
     if (num_ranks > kHTMaxRanks)
       throw std::invalid_argument("num_ranks=" + std::to_string(num_ranks) +
@@ -136,7 +137,8 @@ void bind_cuda_ht(py::module_& m) {
       .def(py::init<int, int, int, uintptr_t, uintptr_t, uint64_t, uint64_t, uint64_t, uintptr_t, uintptr_t, uintptr_t,
                     uintptr_t, uintptr_t, double, const PyFifoSet&, uintptr_t, uintptr_t, uint32_t, uint32_t,
                     uintptr_t>(),
-           py::arg("rank"), py::arg("num_ranks"), py::arg("ranks_per_node"), py::arg("local"), py::arg("peers"), py::arg("ctrl_off"),
+           py::arg("rank"), py::arg("num_ranks"), py::arg("ranks_per_node"), py::arg("local"), py::arg("peers"),
+           py::arg("ctrl_off"),
            py::arg("recv_off"), py::arg("stage_off"), py::arg("epoch"), py::arg("host_counts"),
            py::arg("host_counts_device"), py::arg("error"), py::arg("error_host"), py::arg("timeout_s"),
            py::arg("fifos"), py::arg("host_signals"), py::arg("signal_seen"), py::arg("num_streams"),
