@@ -1,7 +1,7 @@
 #!/bin/bash
 # One device call's worth of GPU work, logs under $OUT (the device tool brings that folder back): build, the GPU
 # tests, the benchmarks. With two GPUs: every GPU test, then `python -m portep.bench` (gpu-ll, then gpu-ht, each
-# next to NCCL). With one GPU: the GPU tests with both ranks sharing it (correctness only), then the HT loopback.
+# next to NCCL), then the four-rank forwarding tests on the two GPUs if time is left. With one GPU: the GPU tests with both ranks sharing it (correctness only), then the HT loopback.
 # Each step gets what is left of the budget (first argument, seconds; default 570), so a slow step cannot eat the
 # logs of the others. Usage, from the repository root: bash bench/device_session.sh [seconds]
 set -u
@@ -39,6 +39,8 @@ PYTEST="python3 -m pytest -q -p no:cacheprovider -rs --durations=15"
 if [ "$GPUS" -ge 2 ]; then
   step tests 330 $PYTEST tests/test_gpu_ht.py tests/test_gpu_ll.py tests/test_gpu_fifo.py tests/test_gpu_layout.py
   step bench 230 python3 -m portep.bench
+  # the forwarding tests want four GPUs: their four ranks share the two (correctness only), if time is left
+  step forwarding 150 env PORTEP_TEST_SHARE_GPU=1 $PYTEST tests/test_gpu_ht.py -k forwarding
 else
   export PORTEP_TEST_SHARE_GPU=1
   step tests 440 $PYTEST tests/test_gpu_ht.py tests/test_gpu_ll.py tests/test_gpu_fifo.py tests/test_gpu_layout.py
