@@ -38,15 +38,25 @@ PORTEP_DEVICE int32_t* slot_channels(uint8_t* slot) { return slot_counts(slot) +
 PORTEP_DEVICE int32_t* slot_node_channels(uint8_t* slot) { return slot_channels(slot) + kHTMaxChannels; }
 PORTEP_DEVICE int32_t* slot_experts(uint8_t* slot) { return slot_node_channels(slot) + kHTMaxChannels; }
 
-// combine = false: dispatch tails; true: combine tails. In `region`'s control area, (source, channel).
-PORTEP_DEVICE uint64_t* tail_word(const HTCommon& c, uint8_t* region, bool combine, int src, int ch) {
-  uint8_t* tails = region + c.ctrl_off + 2 * kHTMaxRanks * kHTSlotBytes + (combine ? kHTTailBytes : 0);
-  return reinterpret_cast<uint64_t*>(tails) + src * kHTMaxChannels + ch;
+// The control area's tables of words [2: dispatch, combine][kHTMaxRanks][kHTMaxChannels] (ht_api.h), as offsets
+// of their dispatch halves: tails (source) after the slots; heads (reader), forward tails (writer) and forward heads
+// (reader) after the outgoing slots.
+constexpr uint64_t kHTTails = 2 * kHTMaxRanks * kHTSlotBytes;
+constexpr uint64_t kHTHeads = 4 * kHTMaxRanks * kHTSlotBytes + 2 * kHTTailBytes;
+constexpr uint64_t kHTFwdTails = kHTHeads + 2 * kHTTailBytes;
+constexpr uint64_t kHTFwdHeads = kHTFwdTails + 2 * kHTTailBytes;
+static_assert(kHTFwdHeads + 2 * kHTTailBytes == kHTScratchOff, "the word tables end where the scratch begins");
+PORTEP_DEVICE uint64_t* control_word(const HTCommon& c, uint8_t* region, uint64_t table, bool combine, int rank,
+                                     int ch) {
+  uint8_t* words = region + c.ctrl_off + table + (combine ? kHTTailBytes : 0);
+  return reinterpret_cast<uint64_t*>(words) + rank * kHTMaxChannels + ch;
 }
-// combine = false: dispatch heads; true: combine heads. In this rank's control area, (reader, channel).
+// In `region`'s control area: rows arrived from src (tail), and rows of this rank's ring the reader consumed (head).
+PORTEP_DEVICE uint64_t* tail_word(const HTCommon& c, uint8_t* region, bool combine, int src, int ch) {
+  return control_word(c, region, kHTTails, combine, src, ch);
+}
 PORTEP_DEVICE uint64_t* head_word(const HTCommon& c, uint8_t* region, bool combine, int reader, int ch) {
-  uint8_t* heads = region + c.ctrl_off + 4 * kHTMaxRanks * kHTSlotBytes + (combine ? 3 : 2) * kHTTailBytes;
-  return reinterpret_cast<uint64_t*>(heads) + reader * kHTMaxChannels + ch;
+  return control_word(c, region, kHTHeads, combine, reader, ch);
 }
 PORTEP_DEVICE uint64_t tail_value(uint64_t epoch, uint32_t rows) { return epoch << 32 | rows; }
 // Rows a tail or head word says for this epoch (0 while it still holds an earlier op's).
@@ -75,12 +85,10 @@ PORTEP_DEVICE uint32_t effective_mask(const HTCommon& c, uint32_t ranks) {
 }
 // Forward tail (writer) and head (reader) words, as tail_word / head_word.
 PORTEP_DEVICE uint64_t* fwd_tail_word(const HTCommon& c, uint8_t* region, bool combine, int writer, int ch) {
-  uint8_t* tails = region + c.ctrl_off + 4 * kHTMaxRanks * kHTSlotBytes + (combine ? 5 : 4) * kHTTailBytes;
-  return reinterpret_cast<uint64_t*>(tails) + writer * kHTMaxChannels + ch;
+  return control_word(c, region, kHTFwdTails, combine, writer, ch);
 }
 PORTEP_DEVICE uint64_t* fwd_head_word(const HTCommon& c, uint8_t* region, bool combine, int reader, int ch) {
-  uint8_t* heads = region + c.ctrl_off + 4 * kHTMaxRanks * kHTSlotBytes + (combine ? 7 : 6) * kHTTailBytes;
-  return reinterpret_cast<uint64_t*>(heads) + reader * kHTMaxChannels + ch;
+  return control_word(c, region, kHTFwdHeads, combine, reader, ch);
 }
 // The forward ring a holder keeps for the other party of local index `other_local` in channel ch (receive area).
 PORTEP_DEVICE uint64_t fwd_ring_offset(const HTCommon& c, int other_local, int ch, uint32_t ring_rows,
