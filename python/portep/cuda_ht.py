@@ -17,6 +17,7 @@ import ctypes
 import torch
 
 from . import host_backend as hb
+from . import host_ht
 
 
 def _ptr(t):
@@ -259,7 +260,7 @@ class CudaHT:
         N = is_token_in_rank.size(0)
         to_node = is_token_in_rank.view(N, eng.num_nodes, eng.ranks_per_node).any(2)
         return (is_token_in_rank, fwd[0], channel_prefix, fwd[1], fwd[2], rcp, rank_prefix[:, eng.rank].contiguous(),
-                meta.view(torch.uint8), _positions(to_node), nvl_head)
+                meta.view(torch.uint8), host_ht.positions(to_node), nvl_head)
 
     def _check_row(self, row_bytes, what):
         chunk = self.eng.native.HT_CHUNK_ROWS * row_bytes
@@ -342,12 +343,6 @@ def rows_per_ring(recv_bytes, num_rings, row_bytes, chunk_rows):
     (ht_api.h: (num_ranks - 1) x num_channels, with forwarding (num_ranks - 1 + ranks_per_node) x num_channels),
     capped where the kernels' 32-bit row counts need it."""
     return min(recv_bytes // (num_rings * row_bytes) // chunk_rows * chunk_rows, 1 << 30)
-
-
-def _positions(mask):
-    """For a bool [N, M] matrix: each True's index among the Trues of its column, -1 elsewhere (int32)."""
-    pos = torch.cumsum(mask.to(torch.int32), 0, dtype=torch.int32) - 1
-    return torch.where(mask, pos, torch.full_like(pos, -1))
 
 
 def _record_bytes(x, scales, K):

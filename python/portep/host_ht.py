@@ -254,7 +254,7 @@ def _unpack(eng, x, rec, recv, counts, all_channel, C, cached, num_worst_tokens,
     return recv_x, recv_scales, recv_topk_idx, recv_topk_weights, recv_list, new_handle
 
 
-def _positions(mask_matrix):
+def positions(mask_matrix):
     """For a bool [N, M] matrix: each True's index among the Trues of its column, -1 elsewhere (int32)."""
     pos = torch.cumsum(mask_matrix.to(torch.int32), 0, dtype=torch.int32) - 1
     return torch.where(mask_matrix, pos, torch.full_like(pos, -1))
@@ -268,7 +268,7 @@ def _make_handle(eng, counts, all_channel, C, is_token_in_rank, chan, recv, src_
     recv_channel_prefix = (torch.cumsum(all_channel[:, me, :], 1) - all_channel[:, me, :]).to(torch.int32)
     if eng.num_nodes == 1:
         rank_prefix = torch.cumsum(cnt, 0).to(torch.int32)
-        send_head = _positions(is_token_in_rank)
+        send_head = positions(is_token_in_rank)
         return (rank_prefix, channel_prefix, recv_channel_prefix, src_idx.clone(), is_token_in_rank, send_head)
     N = is_token_in_rank.size(0)
     Nn, rpn = eng.num_nodes, eng.ranks_per_node
@@ -287,7 +287,7 @@ def _make_handle(eng, counts, all_channel, C, is_token_in_rank, chan, recv, src_
     meta[:, 0] = header[:, 2] // rpn
     meta[:, 1] = header[:, 1]
     recv_src_meta = meta.view(torch.uint8).view(-1, 8)
-    send_rdma_head = _positions(to_node)
+    send_rdma_head = positions(to_node)
     return (is_token_in_rank, rdma_channel_prefix, channel_prefix, recv_rdma_channel_prefix,
             recv_rdma_rank_prefix_sum, recv_channel_prefix, recv_gbl_rank_prefix_sum, recv_src_meta,
             send_rdma_head, nvl_head)
@@ -403,7 +403,7 @@ def _reduce_at_source(eng, plan, is_token_in_rank, handle, H, K, crec, prec, bia
     for n in range(eng.num_nodes):
         if n != eng.node:
             eng.consume(eng.forwarder(n), hb.STREAM_HT_COMBINE_PARTIAL)
-    pos = _positions(is_token_in_rank).to(torch.int64)
+    pos = positions(is_token_in_rank).to(torch.int64)
     rows = [(eng.region[plan["direct"][me][d]:], crec, 2 * H, hb.BF16, pos[:, d]) for d in eng.node_ranks()]
     if eng.num_nodes > 1:
         rdma_head = handle[8].to(torch.int64)
