@@ -9,7 +9,6 @@
 namespace portep::cuda {
 namespace {
 
-constexpr int kReduceUnroll = 2;  // 16-byte words per lane a reducing warp loads at once from each row
 
 PORTEP_DEVICE int contribution_bytes(const HTCombineArgs& a) { return (2 * a.hidden + 4 * a.num_topk + 15) / 16 * 16; }
 PORTEP_DEVICE int partial_bytes(const HTCombineArgs& a) { return (4 * a.hidden + 4 * a.num_topk + 15) / 16 * 16; }
@@ -95,86 +94,127 @@ PORTEP_DEVICE void send_channel(const HTCombineArgs& a, int ch) {
   }
 }
 
-// FP32 sums of rows, as the host backend orders them: rows [0, nb) are BF16 (x, contributions), then rows up to n
-// FP32 (partials).
+// FP32 sums of rows, as the host backend orders them: rows [0, nbias) are bias (BF16; the first is assigned, not
+// added, when bias_assign, as bias0 is), then [nbias, nb) BF16 rows (x, contributions), then up to n FP32 rows
+// (partials). weights[i] belongs to row nbias + i.
 struct RowSet {
-  const uint8_t* rows[kHTMaxRanks];
+  const uint8_t* rows[kHTMaxRanks + 2];
   const float* weights[kHTMaxRanks];
-  int nb, n;
+  int nbias, nb, n;
+  bool bias_assign;
 };
 
-PORTEP_DEVICE void accumulate_f32x8(float* acc, const float4& lo, const float4& hi) {
-  acc[0] += lo.x, acc[1] += lo.y, acc[2] += lo.z, acc[3] += lo.w;
-  acc[4] += hi.x, acc[5] += hi.y, acc[6] += hi.z, acc[7] += hi.w;
+PORTEP_DEVICE void add_row(RowSet& set, const uint8_t* row, const float* weights) {
+  set.weights[set.n - set.nbias] = weights;
+  set.rows[set.n++] = row;
 }
 
-// Warp-wide: acc (per lane kReduceUnroll x 8 values of words j0 + u * kWarpSize) += every row of the set, in order.
-// Two BF16 rows load together (one round trip per two rows and round, not per row and word).
-PORTEP_DEVICE void accumulate_rows(const RowSet& set, int j0, int words, float (*acc)[8]) {
-  int q = 0;
-  while (q < set.nb) {
-    const bool two = q + 1 < set.nb;
-    uint4 v0[kReduceUnroll], v1[kReduceUnroll];
-#pragma unroll
-    for (int u = 0; u < kReduceUnroll; ++u) {
-      const int j = j0 + u * kWarpSize;
-      if (j < words) v0[u] = reinterpret_cast<const uint4*>(set.rows[q])[j];
-      if (two && j < words) v1[u] = reinterpret_cast<const uint4*>(set.rows[q + 1])[j];
-    }
-#pragma unroll
-    for (int u = 0; u < kReduceUnroll; ++u) {
-      if (j0 + u * kWarpSize >= words) continue;
-      accumulate_row(acc[u], v0[u], 1.0f);
-      if (two) accumulate_row(acc[u], v1[u], 1.0f);
-    }
-    q += two ? 2 : 1;  // an odd BF16 count ends at nb exactly: the FP32 rows start there
+PORTEP_DEVICE void store_word(uint8_t* out_row, bool out_f32, int j, const float* acc) {
+  if (out_f32) {
+    float4* o = reinterpret_cast<float4*>(out_row) + 2 * j;
+    o[0] = make_float4(acc[0], acc[1], acc[2], acc[3]);
+    o[1] = make_float4(acc[4], acc[5], acc[6], acc[7]);
+  } else {
+    reinterpret_cast<uint4*>(out_row)[j] = pack_bf16x8(acc);
   }
-  for (; q < set.n; ++q) {
+}
+
+// Warp-wide, the common case: out_row = the sum of kRows BF16 rows. Each lane loads kWords words of every row
+// (about kReduceLoads 16-byte loads in flight) before it sums the first. The reduction is bound by
+// issued instructions (python -m portep.bench gpu-ht-loopback, a build timing its phases: 286 of 362 us in the sums,
+// 25 us waiting for rows), so the row pointers stay in registers and BF16 output uses the conversion instruction.
+constexpr int kReduceLoads = 8;  // 16-byte loads a reducing lane has in flight (more spill: 64 registers a thread)
+
+template <int kRows, bool kOutF32>
+PORTEP_DEVICE void sum_bf16_rows(const RowSet& set, int words, uint8_t* out_row) {
+  constexpr int kWords = kRows >= kReduceLoads ? 1 : kReduceLoads / kRows;
+  const uint4* rows[kRows];
 #pragma unroll
-    for (int u = 0; u < kReduceUnroll; ++u) {
-      const int j = j0 + u * kWarpSize;
-      if (j >= words) continue;
+  for (int q = 0; q < kRows; ++q) rows[q] = reinterpret_cast<const uint4*>(set.rows[q]);
+  auto sum_and_store = [&](const uint4* v, int j) {  // v[kRows]: word j of every row
+    float acc[8];
+#pragma unroll
+    for (int q = 0; q < kRows; ++q) {
+      const uint32_t w[4] = {v[q].x, v[q].y, v[q].z, v[q].w};
+#pragma unroll
+      for (int i = 0; i < 8; ++i)  // (0 + the first row: a -0 sums to +0, as the host's)
+        acc[i] = __fadd_rn(q ? acc[i] : 0.0f, bf16_to_f32(uint16_t(w[i / 2] >> (16 * (i % 2)))));
+    }
+    store_word(out_row, kOutF32, j, acc);
+  };
+  int j = lane_id();
+  for (; j + (kWords - 1) * kWarpSize < words; j += kWords * kWarpSize) {
+    uint4 v[kWords][kRows];
+#pragma unroll
+    for (int u = 0; u < kWords; ++u)
+#pragma unroll
+      for (int q = 0; q < kRows; ++q) v[u][q] = rows[q][j + u * kWarpSize];
+#pragma unroll
+    for (int u = 0; u < kWords; ++u) sum_and_store(v[u], j + u * kWarpSize);
+  }
+  for (; j < words; j += kWarpSize) {
+    uint4 v[kRows];
+#pragma unroll
+    for (int q = 0; q < kRows; ++q) v[q] = rows[q][j];
+    sum_and_store(v, j);
+  }
+}
+
+// Warp-wide, any set: word by word, part by part.
+PORTEP_DEVICE void sum_rows(const RowSet& set, int words, uint8_t* out_row, bool out_f32) {
+  for (int j = lane_id(); j < words; j += kWarpSize) {
+    float acc[8];
+    int q = 0;
+    if (set.bias_assign) {  // acc = bias0 exactly (0 + -0 would lose the sign)
+      const uint4 v = reinterpret_cast<const uint4*>(set.rows[q++])[j];
+      const uint32_t w[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+      for (int i = 0; i < 8; ++i) acc[i] = bf16_to_f32(uint16_t(w[i / 2] >> (16 * (i % 2))));
+    } else {
+#pragma unroll
+      for (int i = 0; i < 8; ++i) acc[i] = 0.0f;
+    }
+    for (; q < set.nb; ++q) {
+      const uint4 v = reinterpret_cast<const uint4*>(set.rows[q])[j];
+      const uint32_t w[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+      for (int i = 0; i < 8; ++i) acc[i] = __fadd_rn(acc[i], bf16_to_f32(uint16_t(w[i / 2] >> (16 * (i % 2)))));
+    }
+    for (; q < set.n; ++q) {
       const float4* p = reinterpret_cast<const float4*>(set.rows[q]) + 2 * j;
-      accumulate_f32x8(acc[u], p[0], p[1]);
+      const float4 lo = p[0], hi = p[1];
+      acc[0] += lo.x, acc[1] += lo.y, acc[2] += lo.z, acc[3] += lo.w;
+      acc[4] += hi.x, acc[5] += hi.y, acc[6] += hi.z, acc[7] += hi.w;
     }
+    store_word(out_row, out_f32, j, acc);
   }
 }
 
-// Warp-wide: out_row (BF16, or FP32 for a partial) = bias0 + bias1 + the set's rows; out_w = the set's weights.
-// (Inlined, ptxas reports more spill bytes than with a call, but the call measured slower: combine in
-// python -m portep.bench gpu-ht-loopback at 24 SMs took 528 us with it and 435 us without, same machine and run.)
-PORTEP_DEVICE void reduce_rows(const RowSet& set, int hidden, int num_topk, const uint16_t* bias0,
-                                        const uint16_t* bias1, uint8_t* out_row, bool out_f32, float* out_w) {
-  const int lane = lane_id(), words = hidden / 8;
-  for (int j0 = lane; j0 < words; j0 += kReduceUnroll * kWarpSize) {
-    float acc[kReduceUnroll][8];
-#pragma unroll
-    for (int u = 0; u < kReduceUnroll; ++u) {
-      const int j = j0 + u * kWarpSize;
-#pragma unroll
-      for (int i = 0; i < 8; ++i) {
-        acc[u][i] = bias0 && j < words ? bf16_to_f32(bias0[j * 8 + i]) : 0.0f;
-        if (bias1 && j < words) acc[u][i] = acc[u][i] + bf16_to_f32(bias1[j * 8 + i]);
-      }
-    }
-    accumulate_rows(set, j0, words, acc);
-#pragma unroll
-    for (int u = 0; u < kReduceUnroll; ++u) {
-      const int j = j0 + u * kWarpSize;
-      if (j >= words) continue;
-      if (out_f32) {
-        float4* o = reinterpret_cast<float4*>(out_row) + 2 * j;
-        o[0] = make_float4(acc[u][0], acc[u][1], acc[u][2], acc[u][3]);
-        o[1] = make_float4(acc[u][4], acc[u][5], acc[u][6], acc[u][7]);
-      } else {
-        reinterpret_cast<uint4*>(out_row)[j] = pack_bf16x8(acc[u]);
-      }
-    }
+template <bool kOutF32>
+PORTEP_DEVICE bool sum_bf16_rows_fast(const RowSet& set, int words, uint8_t* out_row) {
+  switch (set.n) {
+#define PORTEP_SUM_CASE(k) \
+  case k: sum_bf16_rows<k, kOutF32>(set, words, out_row); return true;
+    PORTEP_SUM_CASE(1) PORTEP_SUM_CASE(2) PORTEP_SUM_CASE(3) PORTEP_SUM_CASE(4)
+    PORTEP_SUM_CASE(5) PORTEP_SUM_CASE(6) PORTEP_SUM_CASE(7) PORTEP_SUM_CASE(8)
+#undef PORTEP_SUM_CASE
+    default: return false;
   }
+}
+static_assert(kHTMaxRanks <= 8, "sum_bf16_rows_fast has a case for each row count up to kHTMaxRanks");
+
+// Warp-wide: out_row (BF16, or FP32 for a partial) = the set's rows summed; out_w = their weights summed.
+PORTEP_DEVICE void reduce_rows(const RowSet& set, int hidden, int num_topk, uint8_t* out_row, bool out_f32,
+                               float* out_w) {
+  const int lane = lane_id(), words = hidden / 8;
+  const bool plain = set.nbias == 0 && set.nb == set.n;  // BF16 rows only
+  if (!(plain && (out_f32 ? sum_bf16_rows_fast<true>(set, words, out_row)
+                          : sum_bf16_rows_fast<false>(set, words, out_row))))
+    sum_rows(set, words, out_row, out_f32);
   if (out_w) {
     for (int k = lane; k < num_topk; k += kWarpSize) {
       float acc = 0.0f;
-      for (int q = 0; q < set.n; ++q) acc += set.weights[q] ? set.weights[q][k] : 0.0f;
+      for (int q = 0; q < set.n - set.nbias; ++q) acc += set.weights[q] ? set.weights[q][k] : 0.0f;
       out_w[k] = acc;
     }
   }
@@ -221,30 +261,32 @@ PORTEP_DEVICE void reduce_token(const HTCombineArgs& a, const ReduceState& st, i
   const int R = c.num_ranks, me = c.rank, C = c.num_channels;
   const uint32_t bytes = slot_bytes(a), mask = st.masks[warp];
   const bool partials = forwarding(c);  // the rows of other nodes (pass 1) are FP32 partials
+  const int64_t base = int64_t(t) * a.hidden;
   RowSet set;
-  set.n = set.nb = 0;
+  set.n = set.nbias = 0;
+  set.bias_assign = a.bias0 != nullptr;
+  if (a.bias0) set.rows[set.n++] = reinterpret_cast<const uint8_t*>(a.bias0 + base);
+  if (a.bias1) set.rows[set.n++] = reinterpret_cast<const uint8_t*>(a.bias1 + base);
+  set.nbias = set.nb = set.n;
   for (int pass = 0; pass < 2; ++pass) {
     for (int j = 0; j < R; ++j) {
       if (!(mask >> j & 1) || (node_of(c, j) == node_of(c, me)) != (pass == 0)) continue;
       uint32_t index = st.base[j];  // among this channel's rows from j
       for (int w = 0; w < warp; ++w) index += st.masks[w] >> j & 1;
-      const int i = set.n++;
       if (j == me) {
         const int64_t row = rows_before(a.recv_prefix, a.recv_prefix_stride, me) + a.recv_channel_prefix[me * C + ch] +
                             index;
-        set.rows[i] = reinterpret_cast<const uint8_t*>(a.x + row * a.hidden);
-        set.weights[i] = a.topk_weights ? a.topk_weights + row * a.num_topk : nullptr;
+        add_row(set, reinterpret_cast<const uint8_t*>(a.x + row * a.hidden),
+                a.topk_weights ? a.topk_weights + row * a.num_topk : nullptr);
       } else {
-        set.rows[i] = c.local + c.recv_off + ring_offset(c, me, j, ch, a.ring_rows, bytes) +
-                      ring_slot(index, a.ring_rows, bytes);
-        set.weights[i] = reinterpret_cast<const float*>(set.rows[i] + (partials && pass == 1 ? 4 : 2) * a.hidden);
+        const uint8_t* row = c.local + c.recv_off + ring_offset(c, me, j, ch, a.ring_rows, bytes) +
+                             ring_slot(index, a.ring_rows, bytes);
+        add_row(set, row, reinterpret_cast<const float*>(row + (partials && pass == 1 ? 4 : 2) * a.hidden));
       }
     }
     if (pass == 0 || !partials) set.nb = set.n;
   }
-  const int64_t base = int64_t(t) * a.hidden;
-  reduce_rows(set, a.hidden, a.num_topk, a.bias0 ? a.bias0 + base : nullptr, a.bias1 ? a.bias1 + base : nullptr,
-              reinterpret_cast<uint8_t*>(a.out + base), false,
+  reduce_rows(set, a.hidden, a.num_topk, reinterpret_cast<uint8_t*>(a.out + base), false,
               a.out_weights ? a.out_weights + int64_t(t) * a.num_topk : nullptr);
 }
 
@@ -293,19 +335,19 @@ PORTEP_DEVICE void reduce_partial(const HTCommon& c, const HTCombineArgs& a, con
                                   uint8_t* dst, int ch) {
   const uint32_t bytes = slot_bytes(a), mask = st.masks[warp];
   RowSet set;
-  set.n = 0;
+  set.n = set.nbias = 0;
+  set.bias_assign = false;
   for (int l = 0; l < c.ranks_per_node; ++l) {
     if (!(mask >> l & 1)) continue;
     uint32_t index = st.used[l];
     for (int w = 0; w < warp; ++w) index += st.masks[w] >> l & 1;
-    const int i = set.n++;
-    set.rows[i] = c.local + c.recv_off + fwd_ring_offset(c, l, ch, a.ring_rows, bytes) +
-                  ring_slot(index, a.ring_rows, bytes);
-    set.weights[i] = reinterpret_cast<const float*>(set.rows[i] + 2 * a.hidden);
+    const uint8_t* row = c.local + c.recv_off + fwd_ring_offset(c, l, ch, a.ring_rows, bytes) +
+                         ring_slot(index, a.ring_rows, bytes);
+    add_row(set, row, reinterpret_cast<const float*>(row + 2 * a.hidden));
   }
   set.nb = set.n;
-  reduce_rows(set, a.hidden, a.num_topk, nullptr, nullptr, dst, true,
-              a.num_topk ? reinterpret_cast<float*>(dst + 4 * a.hidden) : nullptr);
+  float* weights = a.num_topk ? reinterpret_cast<float*>(dst + 4 * a.hidden) : nullptr;
+  reduce_rows(set, a.hidden, a.num_topk, dst, true, weights);
 }
 
 // The partial rows of node n's served source in this channel, batch by batch, through the proxies.

@@ -17,24 +17,53 @@ struct Record {  // byte offsets inside one record (layout in ht_api.h)
   }
 };
 
-// Warp-wide: one token's row, scales, top-k (as this rank's local ids) and provenance (source index; with
-// forwarding the source node and node mask) into output row `row`. src_* point at the token's parts (the input
-// itself, or a record in the receive area).
-PORTEP_DEVICE void write_output_row(const HTDispatchArgs& a, int64_t row, int src_token, const uint8_t* src_x,
-                                    const float* src_scales, const int64_t* src_idx, const float* src_w,
-                                    int src_node, uint32_t node_bits) {
-  if (row >= a.max_recv) return;  // num_worst_tokens too small: the notify kernel reported it
-  warp_copy16(reinterpret_cast<uint4*>(a.recv_x + row * a.row_bytes), reinterpret_cast<const uint4*>(src_x),
-              a.row_bytes / 16);
+// A token's scales and top-k as a warp's lanes hold them: lane l has scales l and l + kWarpSize and top-k entry l.
+// Loaded before the token's row is copied and stored after it, so that these small loads add no round trip of their
+// own (FP8 dispatch spent three per destination on them). Entries past those (more than 2 x kWarpSize scales or
+// kWarpSize top-k) are read from the source when stored.
+struct TokenMeta {
+  const float* scales;
+  const int64_t* idx;  // null: no top-k
+  const float* w;
+  float scale[2];
+  int64_t id;
+  float weight;
+};
+
+PORTEP_DEVICE TokenMeta load_meta(const HTDispatchArgs& a, const float* scales, const int64_t* idx, const float* w) {
   const int lane = lane_id();
-  for (int j = lane; j < a.num_scales; j += kWarpSize) a.recv_scales[row * a.num_scales + j] = src_scales[j];
+  TokenMeta m{scales, idx, w, {0.0f, 0.0f}, 0, 0.0f};
+  if (lane < a.num_scales) m.scale[0] = scales[lane];
+  if (lane + kWarpSize < a.num_scales) m.scale[1] = scales[lane + kWarpSize];
+  if (idx && lane < a.num_topk) m.id = idx[lane], m.weight = w[lane];
+  return m;
+}
+
+// Warp-wide: the token's scales at dst.
+PORTEP_DEVICE void store_scales(const HTDispatchArgs& a, const TokenMeta& m, float* dst) {
+  const int lane = lane_id();
+  if (lane < a.num_scales) dst[lane] = m.scale[0];
+  if (lane + kWarpSize < a.num_scales) dst[lane + kWarpSize] = m.scale[1];
+  for (int j = lane + 2 * kWarpSize; j < a.num_scales; j += kWarpSize) dst[j] = m.scales[j];
+}
+
+// Top-k entry k, for the lane k % kWarpSize.
+PORTEP_DEVICE int64_t meta_id(const TokenMeta& m, int k) { return k < kWarpSize ? m.id : m.idx[k]; }
+PORTEP_DEVICE float meta_weight(const TokenMeta& m, int k) { return k < kWarpSize ? m.weight : m.w[k]; }
+
+// Warp-wide: one token's scales, top-k (as this rank's local ids) and provenance (source index; with forwarding the
+// source node and node mask) into output row `row` (< a.max_recv), all but the row itself.
+PORTEP_DEVICE void write_output_meta(const HTDispatchArgs& a, int64_t row, int src_token, const TokenMeta& m,
+                                     int src_node, uint32_t node_bits) {
+  const int lane = lane_id();
+  store_scales(a, m, a.recv_scales + row * a.num_scales);
   if (a.recv_topk_idx) {
     const int64_t first = int64_t(a.c.rank) * a.num_local_experts;
     for (int k = lane; k < a.num_topk; k += kWarpSize) {
-      const int64_t e = src_idx[k];
+      const int64_t e = meta_id(m, k);
       const bool mine = e >= first && e < first + a.num_local_experts;
       a.recv_topk_idx[row * a.num_topk + k] = mine ? e - first : -1;
-      a.recv_topk_weights[row * a.num_topk + k] = mine ? src_w[k] : 0.0f;
+      a.recv_topk_weights[row * a.num_topk + k] = mine ? meta_weight(m, k) : 0.0f;
     }
   }
   if (a.recv_src_idx && lane == 0) a.recv_src_idx[row] = src_token;
@@ -44,23 +73,29 @@ PORTEP_DEVICE void write_output_row(const HTDispatchArgs& a, int64_t row, int sr
   }
 }
 
-// Warp-wide: token t's record at `dst` (a direct peer's receive area or this rank's staging area); node_bits: the
-// token's destinations on the receiver's node.
-PORTEP_DEVICE void write_record(const HTDispatchArgs& a, const Record& rec, uint8_t* dst, int t, uint32_t node_bits) {
+// Warp-wide: the row (src_x) and write_output_meta. src_* point at the token's parts in a record.
+PORTEP_DEVICE void write_output_row(const HTDispatchArgs& a, int64_t row, int src_token, const uint8_t* src_x,
+                                    const float* src_scales, const int64_t* src_idx, const float* src_w,
+                                    int src_node, uint32_t node_bits) {
+  if (row >= a.max_recv) return;  // num_worst_tokens too small: the notify kernel reported it
+  const TokenMeta m = load_meta(a, src_scales, src_idx, src_w);
+  warp_copy16(reinterpret_cast<uint4*>(a.recv_x + row * a.row_bytes), reinterpret_cast<const uint4*>(src_x),
+              a.row_bytes / 16);
+  write_output_meta(a, row, src_token, m, src_node, node_bits);
+}
+
+// Warp-wide: token t's record at `dst` (a direct peer's receive area or this rank's staging area) but for its row
+// (at dst + 16); node_bits: the token's destinations on the receiver's node.
+PORTEP_DEVICE void write_record_meta(const HTDispatchArgs& a, const Record& rec, uint8_t* dst, int t,
+                                     uint32_t node_bits, const TokenMeta& m) {
   const int lane = lane_id();
   if (lane < 4)
     reinterpret_cast<int32_t*>(dst)[lane] = lane == 0 ? t : lane == 1 ? int32_t(node_bits) : lane == 2 ? a.c.rank : 0;
-  warp_copy16(reinterpret_cast<uint4*>(dst + 16), reinterpret_cast<const uint4*>(a.x + int64_t(t) * a.row_bytes),
-              a.row_bytes / 16);
-  float* scales = reinterpret_cast<float*>(dst + rec.scales);
-  for (int j = lane; j < a.num_scales; j += kWarpSize) scales[j] = a.scales[int64_t(t) * a.num_scales + j];
-  if (a.topk_idx) {
+  store_scales(a, m, reinterpret_cast<float*>(dst + rec.scales));
+  if (m.idx) {
     int64_t* idx = reinterpret_cast<int64_t*>(dst + rec.topk);
     float* w = reinterpret_cast<float*>(dst + rec.weights);
-    for (int k = lane; k < a.num_topk; k += kWarpSize) {
-      idx[k] = a.topk_idx[int64_t(t) * a.num_topk + k];
-      w[k] = a.topk_weights[int64_t(t) * a.num_topk + k];
-    }
+    for (int k = lane; k < a.num_topk; k += kWarpSize) idx[k] = meta_id(m, k), w[k] = meta_weight(m, k);
   }
 }
 
@@ -106,22 +141,34 @@ PORTEP_DEVICE void send_token(const HTDispatchArgs& a, const Record& rec, SendSt
     }
     a.send_head[int64_t(t) * R + lane] = pos;
   }
+  const TokenMeta m = load_meta(a, a.scales + int64_t(t) * a.num_scales,
+                                 a.topk_idx ? a.topk_idx + int64_t(t) * a.num_topk : nullptr,
+                                 a.topk_weights ? a.topk_weights + int64_t(t) * a.num_topk : nullptr);
+  uint4* rows[kHTMaxRanks];  // where the token's row goes (loaded once, stored to each), to rank to[i]
+  int to[kHTMaxRanks], num_rows = 0;
+  int64_t self_row = 0;
   for (int d = 0; d < R; ++d) {
     if (!(mask >> d & 1)) continue;
     uint32_t i = st.sent[d];  // the row's index among this channel's rows to d
     for (int j = 0; j < warp; ++j) i += st.masks[j] >> d & 1;
-    const uint64_t slot = ring_slot(i, a.ring_rows, rec.bytes);
     if (d == c.rank) {
-      const int64_t* idx = a.topk_idx ? a.topk_idx + int64_t(t) * a.num_topk : nullptr;
-      const float* w = a.topk_weights ? a.topk_weights + int64_t(t) * a.num_topk : nullptr;
-      const int node = node_of(c, d);
-      write_output_row(a, st.self_row0 + i, t, a.x + int64_t(t) * a.row_bytes, a.scales + int64_t(t) * a.num_scales,
-                       idx, w, node, node_mask(c, ranks, node));
+      self_row = st.self_row0 + i;
+      if (self_row >= a.max_recv) continue;  // num_worst_tokens too small: the notify kernel reported it
+      rows[num_rows] = reinterpret_cast<uint4*>(a.recv_x + self_row * a.row_bytes);
     } else {
-      uint8_t* dst = c.peers[d] ? c.peers[d] + c.recv_off + st.remote_ring[d]
-                                : c.local + c.stage_off + st.stage_ring[d];
-      write_record(a, rec, dst + slot, t, node_mask(c, ranks, node_of(c, d)));
+      uint8_t* ring = c.peers[d] ? c.peers[d] + c.recv_off + st.remote_ring[d]
+                                 : c.local + c.stage_off + st.stage_ring[d];
+      rows[num_rows] = reinterpret_cast<uint4*>(ring + ring_slot(i, a.ring_rows, rec.bytes) + 16);
     }
+    to[num_rows++] = d;
+  }
+  warp_copy16_to(rows, num_rows, reinterpret_cast<const uint4*>(a.x + int64_t(t) * a.row_bytes), a.row_bytes / 16);
+  for (int q = 0; q < num_rows; ++q) {
+    const int d = to[q], node = node_of(c, d);
+    if (d == c.rank)
+      write_output_meta(a, self_row, t, m, node, node_mask(c, ranks, node));
+    else
+      write_record_meta(a, rec, reinterpret_cast<uint8_t*>(rows[q]) - 16, t, node_mask(c, ranks, node), m);
   }
 }
 
@@ -324,6 +371,8 @@ PORTEP_DEVICE void forward_row(const HTDispatchArgs& a, const Record& rec, const
   const uint64_t ring = fwd_ring_offset(c, local_of(c, c.rank), ch, a.ring_rows, rec.bytes);
   const int32_t* h = reinterpret_cast<const int32_t*>(src);
   int32_t my_index = -1;  // lane l's
+  uint4* dsts[kHTMaxRanks];  // the record after its header, at each destination
+  int n = 0;
   for (int l = 0; l < L; ++l) {
     if (!(mask >> l & 1)) continue;
     uint32_t pos = 0;
@@ -332,8 +381,9 @@ PORTEP_DEVICE void forward_row(const HTDispatchArgs& a, const Record& rec, const
     if (lane == l) my_index = index;
     uint8_t* dst = c.peers[base + l] + c.recv_off + ring + ring_slot(st.sent[l] + pos, a.ring_rows, rec.bytes);
     if (lane < 4) reinterpret_cast<int32_t*>(dst)[lane] = lane == 3 ? index : h[lane];
-    warp_copy16(reinterpret_cast<uint4*>(dst + 16), reinterpret_cast<const uint4*>(src + 16), (rec.bytes - 16) / 16);
+    dsts[n++] = reinterpret_cast<uint4*>(dst + 16);
   }
+  warp_copy16_to(dsts, n, reinterpret_cast<const uint4*>(src + 16), (rec.bytes - 16) / 16);
   if (a.nvl_head && row < a.nvl_rows && lane < L) a.nvl_head[row * kHTNvlHeadColumns + lane] = my_index;
 }
 

@@ -62,12 +62,17 @@ PORTEP_DEVICE void accumulate_row(float* acc, const uint4& v, float w) {
     acc[q] = __fadd_rn(acc[q], __fmul_rn(w, bf16_to_f32(uint16_t(words[q / 2] >> (16 * (q % 2))))));
 }
 
+// Two floats as BF16 (lo in bits 0-15) as f32_to_bf16 rounds them, with the conversion instruction where no NaN is
+// involved (a ninth of the instructions).
+PORTEP_DEVICE uint32_t pack_bf16x2(float lo, float hi) {
+  if (lo != lo || hi != hi) return uint32_t(f32_to_bf16(lo)) | uint32_t(f32_to_bf16(hi)) << 16;
+  return bf16x2_rne(lo, hi);
+}
+
 // 8 floats as 8 BF16 values in one 16-byte word (round to nearest even).
 PORTEP_DEVICE uint4 pack_bf16x8(const float* acc) {
-  uint32_t w[4];
-#pragma unroll
-  for (int q = 0; q < 4; ++q) w[q] = uint32_t(f32_to_bf16(acc[2 * q])) | uint32_t(f32_to_bf16(acc[2 * q + 1])) << 16;
-  return make_uint4(w[0], w[1], w[2], w[3]);
+  return make_uint4(pack_bf16x2(acc[0], acc[1]), pack_bf16x2(acc[2], acc[3]), pack_bf16x2(acc[4], acc[5]),
+                    pack_bf16x2(acc[6], acc[7]));
 }
 
 PORTEP_DEVICE int lane_id() { return int(threadIdx.x) % kWarpSize; }
@@ -93,27 +98,35 @@ PORTEP_DEVICE void token_selections(const int64_t* idx, int t, int K, int E, int
   __syncthreads();
 }
 
-// Rounds of kUnroll words per lane, each lane's loads of a round before its stores, while whole rounds remain.
+// Rounds of kUnroll words per lane, each lane's loads of a round before its stores (to each of dsts[0, n): a word is
+// loaded once however many copies it gets), while whole rounds remain.
 template <int kUnroll>
-PORTEP_DEVICE int warp_copy16_rounds(uint4* __restrict__ dst, const uint4* __restrict__ src, int n16, int j) {
+PORTEP_DEVICE int warp_copy16_rounds(uint4* const* dsts, int n, const uint4* __restrict__ src, int n16, int j) {
   for (; j + (kUnroll - 1) * kWarpSize < n16; j += kUnroll * kWarpSize) {
     uint4 v[kUnroll];
 #pragma unroll
     for (int u = 0; u < kUnroll; ++u) v[u] = src[j + u * kWarpSize];
+    for (int d = 0; d < n; ++d) {
 #pragma unroll
-    for (int u = 0; u < kUnroll; ++u) dst[j + u * kWarpSize] = v[u];
+      for (int u = 0; u < kUnroll; ++u) dsts[d][j + u * kWarpSize] = v[u];
+    }
   }
   return j;
 }
 
-// Warp-cooperative copy of n16 16-byte words. A load-store pair per word would wait out a memory round trip each
-// time, so lanes copy in rounds of 8 words, then at most one round each of 4, 2 and 1 (a 14 KB row: 4 round
-// trips; a word at a time after the rounds of 8 took 7).
-PORTEP_DEVICE void warp_copy16(uint4* __restrict__ dst, const uint4* __restrict__ src, int n16) {
-  int j = warp_copy16_rounds<8>(dst, src, n16, lane_id());
-  j = warp_copy16_rounds<4>(dst, src, n16, j);
-  j = warp_copy16_rounds<2>(dst, src, n16, j);
-  warp_copy16_rounds<1>(dst, src, n16, j);
+// Warp-cooperative copy of n16 16-byte words to each of dsts[0, n). A load-store pair per word would wait out a
+// memory round trip each time, so lanes copy in rounds of 8 words, then at most one round each of 4, 2 and 1 (a 14 KB
+// row: 4 round trips; a word at a time after the rounds of 8 took 7).
+PORTEP_DEVICE void warp_copy16_to(uint4* const* dsts, int n, const uint4* src, int n16) {
+  int j = warp_copy16_rounds<8>(dsts, n, src, n16, lane_id());
+  j = warp_copy16_rounds<4>(dsts, n, src, n16, j);
+  j = warp_copy16_rounds<2>(dsts, n, src, n16, j);
+  warp_copy16_rounds<1>(dsts, n, src, n16, j);
+}
+
+PORTEP_DEVICE void warp_copy16(uint4* dst, const uint4* src, int n16) {
+  uint4* const dsts[1] = {dst};
+  warp_copy16_to(dsts, 1, src, n16);
 }
 
 // Waits until pred(load()) with a timeout; returns the last value loaded and whether it timed out. backoff_ns
