@@ -9,7 +9,6 @@
 namespace portep::cuda {
 namespace {
 
-
 PORTEP_DEVICE int contribution_bytes(const HTCombineArgs& a) { return (2 * a.hidden + 4 * a.num_topk + 15) / 16 * 16; }
 PORTEP_DEVICE int partial_bytes(const HTCombineArgs& a) { return (4 * a.hidden + 4 * a.num_topk + 15) / 16 * 16; }
 // Row stride of every combine ring (ht_api.h): with forwarding, partial rows travel in them too.
@@ -120,9 +119,10 @@ PORTEP_DEVICE void store_word(uint8_t* out_row, bool out_f32, int j, const float
 }
 
 // Warp-wide, the common case: out_row = the sum of kRows BF16 rows. Each lane loads kWords words of every row
-// (about kReduceLoads 16-byte loads in flight) before it sums the first. The reduction is bound by
-// issued instructions (python -m portep.bench gpu-ht-loopback, a build timing its phases: 286 of 362 us in the sums,
-// 25 us waiting for rows), so the row pointers stay in registers and BF16 output uses the conversion instruction.
+// (about kReduceLoads 16-byte loads in flight) before it sums the first. The reduction is bound by issued
+// instructions (bench/probes/ht_combine_phases.py: 286 of a reducer's 362 us went to summing, 25 us to waiting for
+// rows; more loads in flight through shared memory made it slower), so the row pointers stay in registers and BF16
+// output uses the conversion instruction.
 constexpr int kReduceLoads = 8;  // 16-byte loads a reducing lane has in flight (more spill: 64 registers a thread)
 
 template <int kRows, bool kOutF32>
@@ -160,7 +160,7 @@ PORTEP_DEVICE void sum_bf16_rows(const RowSet& set, int words, uint8_t* out_row)
   }
 }
 
-// Warp-wide, any set: word by word, part by part.
+// Warp-wide, any set (bias rows, FP32 partials): word by word, row by row.
 PORTEP_DEVICE void sum_rows(const RowSet& set, int words, uint8_t* out_row, bool out_f32) {
   for (int j = lane_id(); j < words; j += kWarpSize) {
     float acc[8];
