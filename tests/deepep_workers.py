@@ -60,6 +60,17 @@ class Checker:
             self.fail(msg)
         return bool(cond)
 
+    def no_kernel_failure(self, gpu_buffer):
+        """After a CUDA Buffer's last op: a kernel that failed (a wait that timed out) leaves garbage outputs, and the
+        Buffer raises it only at its next call; report it here as what it is (with the proxies' state)."""
+        torch.cuda.synchronize()
+        failure = None
+        try:
+            gpu_buffer.runtime.check_error()
+        except RuntimeError as e:
+            failure = str(e)
+        return self.true(failure is None, f"after the last op: {failure}")
+
     def tensor(self, name, got, dtype=None, shape=None):
         """got is a tensor of this dtype and shape."""
         self.num_checks += 1

@@ -148,6 +148,7 @@ def cross_backend_body(rank, world, rpn, transport, seed, n_tokens, hidden, num_
     y_late = y.cuda() + 0
     cg = gpu.combine(y_late, dg[4], config=cfg)  # no event: the comm stream waits for the current stream
     _same(ck, "combined_x after the current stream", cg[0], ch[0])
+    ck.no_kernel_failure(gpu)
     gpu.destroy()
     host.destroy()
     return {"failures": ck.failures, "checks": ck.num_checks}
@@ -196,6 +197,7 @@ def graph_body(rank, world, rpn, transport, seed, n, hidden, num_topk, num_exper
         ck.true(bool((_cpu(d[1][m:]) == -1).all()), "recv_topk_idx rows past the real count are not all -1")
         _same(ck, "combined_x", c[0], ch[0])
         _same(ck, "combined_topk_weights", c[1], ch[1])
+    ck.no_kernel_failure(gpu)
     gpu.destroy()
     host.destroy()
     return {"failures": ck.failures, "checks": ck.num_checks}
@@ -243,7 +245,7 @@ def mixed_modes_body(rank, world, seed, rounds, split=True):
             n = int(lh[1][e])
             _same(ck, f"LL recv_x rows of expert {e}", lg[0][e, :n], lh[0][e, :n])
         _same(ck, "LL combined_x", lcg, lch)
-    torch.cuda.synchronize()
+    ck.no_kernel_failure(gpu)
     for b in (gpu, host_ht, host_ll):
         b.destroy()
     return {"failures": ck.failures, "checks": ck.num_checks}

@@ -60,6 +60,7 @@ def cross_backend_body(rank, world, rpn, transport, allow_nvlink, seed, T, H, E,
         comb_h = host.low_latency_combine(sim, idx, wts, res_h[2])[0]
         comb_g = gpu.low_latency_combine(sim.cuda(), idx.cuda(), wts.cuda(), res_g[2])[0]
         ck.equal("combined_x", _cpu(comb_g), comb_h)
+    ck.no_kernel_failure(gpu)
     gpu.destroy()
     host.destroy()
     return {"failures": ck.failures, "checks": ck.num_checks}
@@ -95,6 +96,7 @@ def graph_body(rank, world, rpn, transport, allow_nvlink, seed, T, H, E, K):
         got = _cpu(out_graph)
         ck.diff_below("replayed combine vs x * sum(w)", got, ref.ll_combine_ref(fresh, inp["idx"], inp["w"]), 1e-5)
         ck.equal("replay vs eager", got, _cpu(step()))
+    ck.no_kernel_failure(gpu)
     gpu.destroy()
     return {"failures": ck.failures, "checks": ck.num_checks}
 
