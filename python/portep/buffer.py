@@ -41,8 +41,8 @@ class Buffer:
         num_ranks_per_node: ranks that form one "node" (default: $PORTEP_RANKS_PER_NODE, else min(8, group size)).
         transport: "shm" or "shm-unordered" (default: $PORTEP_TRANSPORT or "shm").
         timeout_s: every wait raises after this long (default: $PORTEP_TIMEOUT_S or 100 s).
-        backend: "cuda" (GPU tensors; normal and low-latency modes) or "host" (CPU tensors). Default: $PORTEP_BACKEND, else "cuda" when the CUDA kernels are built and a GPU
-            is visible, else "host".
+        backend: "cuda" (GPU tensors; normal and low-latency modes) or "host" (CPU tensors). Default:
+            $PORTEP_BACKEND, else "cuda" when the CUDA kernels are built and a GPU is visible, else "host".
     """
 
     num_sms = 20
