@@ -86,11 +86,9 @@ PORTEP_DEVICE void send_channel(const HTCombineArgs& a, int ch) {
   if (threadIdx.x == 0) st.failed = 0;
   for (int s = 0; s < c.num_ranks; ++s)
     if (s != c.rank && !send_to(a, ch, s, epoch, st)) return;
-  const int d = threadIdx.x, C = c.num_channels;
-  if (d < c.num_ranks && !(forwarding(c) && node_of(c, d) != node_of(c, c.rank))) {
-    const int64_t end = received_end(a.recv_channel_prefix, a.recv_prefix, a.recv_prefix_stride, C, d, ch);
-    collect_credits(c, true, d, ch, uint32_t(end - a.recv_channel_prefix[d * C + ch]));
-  }
+  const int d = threadIdx.x;
+  if (d < c.num_ranks && !(forwarding(c) && node_of(c, d) != node_of(c, c.rank)))
+    collect_credits(c, true, d, ch, rows_from_source(a, d, ch));
 }
 
 // FP32 sums of rows, as the host backend orders them: rows [0, nbias) are bias (BF16; the first is assigned, not
@@ -134,12 +132,9 @@ PORTEP_DEVICE void sum_bf16_rows(const RowSet& set, int words, uint8_t* out_row)
   auto sum_and_store = [&](const uint4* v, int j) {  // v[kRows]: word j of every row
     float acc[8];
 #pragma unroll
-    for (int q = 0; q < kRows; ++q) {
-      const uint32_t w[4] = {v[q].x, v[q].y, v[q].z, v[q].w};
+    for (int i = 0; i < 8; ++i) acc[i] = 0.0f;  // (0 + the first row: a -0 sums to +0, as the host's)
 #pragma unroll
-      for (int i = 0; i < 8; ++i)  // (0 + the first row: a -0 sums to +0, as the host's)
-        acc[i] = __fadd_rn(q ? acc[i] : 0.0f, bf16_to_f32(uint16_t(w[i / 2] >> (16 * (i % 2)))));
-    }
+    for (int q = 0; q < kRows; ++q) add_bf16x8(acc, v[q]);
     store_word(out_row, kOutF32, j, acc);
   };
   int j = lane_id();
@@ -163,23 +158,10 @@ PORTEP_DEVICE void sum_bf16_rows(const RowSet& set, int words, uint8_t* out_row)
 // Warp-wide, any set (bias rows, FP32 partials): word by word, row by row.
 PORTEP_DEVICE void sum_rows(const RowSet& set, int words, uint8_t* out_row, bool out_f32) {
   for (int j = lane_id(); j < words; j += kWarpSize) {
-    float acc[8];
+    float acc[8] = {};
     int q = 0;
-    if (set.bias_assign) {  // acc = bias0 exactly (0 + -0 would lose the sign)
-      const uint4 v = reinterpret_cast<const uint4*>(set.rows[q++])[j];
-      const uint32_t w[4] = {v.x, v.y, v.z, v.w};
-#pragma unroll
-      for (int i = 0; i < 8; ++i) acc[i] = bf16_to_f32(uint16_t(w[i / 2] >> (16 * (i % 2))));
-    } else {
-#pragma unroll
-      for (int i = 0; i < 8; ++i) acc[i] = 0.0f;
-    }
-    for (; q < set.nb; ++q) {
-      const uint4 v = reinterpret_cast<const uint4*>(set.rows[q])[j];
-      const uint32_t w[4] = {v.x, v.y, v.z, v.w};
-#pragma unroll
-      for (int i = 0; i < 8; ++i) acc[i] = __fadd_rn(acc[i], bf16_to_f32(uint16_t(w[i / 2] >> (16 * (i % 2)))));
-    }
+    if (set.bias_assign) set_bf16x8(acc, reinterpret_cast<const uint4*>(set.rows[q++])[j]);  // exactly bias0
+    for (; q < set.nb; ++q) add_bf16x8(acc, reinterpret_cast<const uint4*>(set.rows[q])[j]);
     for (; q < set.n; ++q) {
       const float4* p = reinterpret_cast<const float4*>(set.rows[q]) + 2 * j;
       const float4 lo = p[0], hi = p[1];
@@ -271,8 +253,7 @@ PORTEP_DEVICE void reduce_token(const HTCombineArgs& a, const ReduceState& st, i
   for (int pass = 0; pass < 2; ++pass) {
     for (int j = 0; j < R; ++j) {
       if (!(mask >> j & 1) || (node_of(c, j) == node_of(c, me)) != (pass == 0)) continue;
-      uint32_t index = st.base[j];  // among this channel's rows from j
-      for (int w = 0; w < warp; ++w) index += st.masks[w] >> j & 1;
+      const uint32_t index = st.base[j] + rows_with_bit(st.masks, warp, j);  // among this channel's rows from j
       if (j == me) {
         const int64_t row = rows_before(a.recv_prefix, a.recv_prefix_stride, me) + a.recv_channel_prefix[me * C + ch] +
                             index;
@@ -305,11 +286,7 @@ PORTEP_DEVICE void reduce_channel(const HTCombineArgs& a, int ch) {
     __syncthreads();  // the previous batch's bookkeeping is done
     if (lane == 0) st.masks[warp] = effective_mask(c, ranks);
     __syncthreads();
-    if (j < R) {
-      uint32_t k = 0;
-      for (int w = 0; w < kHTWarps; ++w) k += st.masks[w] >> j & 1;
-      st.batch[j] = k;
-    }
+    if (j < R) st.batch[j] = rows_with_bit(st.masks, kHTWarps, j);
     __syncthreads();
     if (!await_batch(a, st, ch, epoch)) return;
     if (t < t1) reduce_token(a, st, t, ch, warp);
@@ -339,8 +316,7 @@ PORTEP_DEVICE void reduce_partial(const HTCommon& c, const HTCombineArgs& a, con
   set.bias_assign = false;
   for (int l = 0; l < c.ranks_per_node; ++l) {
     if (!(mask >> l & 1)) continue;
-    uint32_t index = st.used[l];
-    for (int w = 0; w < warp; ++w) index += st.masks[w] >> l & 1;
+    const uint32_t index = st.used[l] + rows_with_bit(st.masks, warp, l);
     const uint8_t* row = c.local + c.recv_off + fwd_ring_offset(c, l, ch, a.ring_rows, bytes) +
                          ring_slot(index, a.ring_rows, bytes);
     add_row(set, row, reinterpret_cast<const float*>(row + 2 * a.hidden));
@@ -369,8 +345,7 @@ PORTEP_DEVICE bool partials_for(const HTCombineArgs& a, PartialState& st, int n,
     if (lane == 0) st.masks[warp] = mask;
     __syncthreads();
     if (l < L) {
-      uint32_t k = 0;
-      for (int w = 0; w < kHTWarps; ++w) k += st.masks[w] >> l & 1;
+      const uint32_t k = rows_with_bit(st.masks, kHTWarps, l);
       st.batch[l] = k;
       if (k && !await_tail(c, fwd_tail_word(c, c.local, true, base + l, ch), epoch, st.used[l] + k, base + l, ch))
         st.failed = 1;

@@ -64,6 +64,14 @@ PORTEP_DEVICE uint32_t rows_of(uint64_t word, uint64_t epoch) {
   return word >= tail_value(epoch, 0) ? uint32_t(word) : 0;
 }
 
+// A batch gives each warp one row (token): of the batch's masks (a bit per rank), how many of the first n have bit
+// `bit` set: n = warp, the rows to (or from) that rank ahead of this warp's; n = kHTWarps, the batch's.
+PORTEP_DEVICE uint32_t rows_with_bit(const uint32_t* masks, int n, int bit) {
+  uint32_t k = 0;
+  for (int w = 0; w < n; ++w) k += masks[w] >> bit & 1;
+  return k;
+}
+
 // ---- forwarding (ht_api.h) ----
 PORTEP_DEVICE bool forwarding(const HTCommon& c) { return c.ranks_per_node > 1 && c.ranks_per_node < c.num_ranks; }
 PORTEP_DEVICE int node_of(const HTCommon& c, int r) { return r / c.ranks_per_node; }
@@ -140,6 +148,13 @@ PORTEP_DEVICE int64_t sent_before_channel(const int32_t* channel_prefix, int C, 
 PORTEP_DEVICE int64_t received_end(const int32_t* recv_channel_prefix, const int32_t* recv_prefix, int stride, int C,
                                    int s, int ch) {
   return ch + 1 < C ? recv_channel_prefix[s * C + ch + 1] : rows_from(recv_prefix, stride, s);
+}
+// Rows of source s in channel ch to this rank (a: the op's HTDispatchArgs or HTCombineArgs).
+template <class Args>
+PORTEP_DEVICE uint32_t rows_from_source(const Args& a, int s, int ch) {
+  const int C = a.c.num_channels;
+  const int64_t end = received_end(a.recv_channel_prefix, a.recv_prefix, a.recv_prefix_stride, C, s, ch);
+  return uint32_t(end - a.recv_channel_prefix[s * C + ch]);
 }
 
 // ---- waits ----

@@ -136,8 +136,7 @@ PORTEP_DEVICE void send_token(const HTDispatchArgs& a, const Record& rec, SendSt
   if (a.send_head && lane < R) {
     int pos = -1;
     if (mask >> lane & 1) {
-      pos = int(st.chan_start[lane] + st.sent[lane]);
-      for (int j = 0; j < warp; ++j) pos += int(st.masks[j] >> lane & 1);
+      pos = int(st.chan_start[lane] + st.sent[lane] + rows_with_bit(st.masks, warp, lane));
     }
     a.send_head[int64_t(t) * R + lane] = pos;
   }
@@ -149,8 +148,7 @@ PORTEP_DEVICE void send_token(const HTDispatchArgs& a, const Record& rec, SendSt
   int64_t self_row = 0;
   for (int d = 0; d < R; ++d) {
     if (!(mask >> d & 1)) continue;
-    uint32_t i = st.sent[d];  // the row's index among this channel's rows to d
-    for (int j = 0; j < warp; ++j) i += st.masks[j] >> d & 1;
+    const uint32_t i = st.sent[d] + rows_with_bit(st.masks, warp, d);  // its index among this channel's rows to d
     if (d == c.rank) {
       self_row = st.self_row0 + i;
       if (self_row >= a.max_recv) continue;  // num_worst_tokens too small: the notify kernel reported it
@@ -206,8 +204,7 @@ PORTEP_DEVICE void send_channel(const HTDispatchArgs& a, int ch) {
     }
     __syncthreads();
     if (d < R) {  // room in d's ring for this batch
-      uint32_t n = 0;
-      for (int j = 0; j < kHTWarps; ++j) n += st.masks[j] >> d & 1;
+      const uint32_t n = rows_with_bit(st.masks, kHTWarps, d);
       st.batch[d] = n;
       if (n && d != c.rank && !await_room(c, false, d, ch, st.epoch, st.sent[d] + n, a.ring_rows)) st.failed = 1;
     }
@@ -251,13 +248,6 @@ PORTEP_DEVICE uint32_t rows_arrived(const HTDispatchArgs& a, const RecvState& st
   const uint64_t i = uint64_t(j) * c.num_streams + data_stream(c, false, ch);
   const uint32_t units = uint32_t(ld_acquire_sys_u64(c.host_signals + i)) - uint32_t(c.signal_seen[i]);
   return uint32_t(min(uint64_t(st.rows[j]), uint64_t(units) * kHTChunkRows));
-}
-
-// Rows of source s in channel ch to this rank.
-PORTEP_DEVICE uint32_t rows_from_source(const HTDispatchArgs& a, int s, int ch) {
-  const int C = a.c.num_channels;
-  const int64_t end = received_end(a.recv_channel_prefix, a.recv_prefix, a.recv_prefix_stride, C, s, ch);
-  return uint32_t(end - a.recv_channel_prefix[s * C + ch]);
 }
 
 PORTEP_DEVICE void init_recv_state(const HTDispatchArgs& a, RecvState& st, int ch) {
@@ -375,8 +365,7 @@ PORTEP_DEVICE void forward_row(const HTDispatchArgs& a, const Record& rec, const
   int n = 0;
   for (int l = 0; l < L; ++l) {
     if (!(mask >> l & 1)) continue;
-    uint32_t pos = 0;
-    for (int w = 0; w < warp; ++w) pos += st.masks[w] >> l & 1;
+    const uint32_t pos = rows_with_bit(st.masks, warp, l);
     const int32_t index = int32_t(st.of_source[l] + pos);
     if (lane == l) my_index = index;
     uint8_t* dst = c.peers[base + l] + c.recv_off + ring + ring_slot(st.sent[l] + pos, a.ring_rows, rec.bytes);
@@ -415,8 +404,7 @@ PORTEP_DEVICE bool forward_source(const HTDispatchArgs& a, const Record& rec, Fo
     if (lane_id() == 0) st.masks[warp] = r < end ? reinterpret_cast<const uint32_t*>(src)[1] : 0;
     __syncthreads();
     if (l < L) {
-      uint32_t k = 0;
-      for (int w = 0; w < kHTWarps; ++w) k += st.masks[w] >> l & 1;
+      const uint32_t k = rows_with_bit(st.masks, kHTWarps, l);
       st.batch[l] = k;
       if (k && !await_fwd_room(c, false, base + l, ch, epoch, st.sent[l] + k, a.ring_rows)) st.failed = 1;
     }

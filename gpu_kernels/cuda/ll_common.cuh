@@ -62,11 +62,26 @@ PORTEP_DEVICE void accumulate_row(float* acc, const uint4& v, float w) {
     acc[q] = __fadd_rn(acc[q], __fmul_rn(w, bf16_to_f32(uint16_t(words[q / 2] >> (16 * (q % 2))))));
 }
 
-// Two floats as BF16 (lo in bits 0-15) as f32_to_bf16 rounds them, with the conversion instruction where no NaN is
-// involved (a ninth of the instructions).
+// acc[q] = x[q], and acc[q] += x[q] (what accumulate_row does with w = 1, without the multiply), for the 8 BF16
+// values of v.
+PORTEP_DEVICE void set_bf16x8(float* acc, const uint4& v) {
+  const uint32_t words[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+  for (int q = 0; q < 8; ++q) acc[q] = bf16_to_f32(uint16_t(words[q / 2] >> (16 * (q % 2))));
+}
+PORTEP_DEVICE void add_bf16x8(float* acc, const uint4& v) {
+  const uint32_t words[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+  for (int q = 0; q < 8; ++q) acc[q] = __fadd_rn(acc[q], bf16_to_f32(uint16_t(words[q / 2] >> (16 * (q % 2)))));
+}
+
+// Two floats as BF16 (lo in bits 0-15) as f32_to_bf16 rounds them, with the conversion instruction where there is
+// one and no NaN is involved (a ninth of the instructions).
 PORTEP_DEVICE uint32_t pack_bf16x2(float lo, float hi) {
-  if (lo != lo || hi != hi) return uint32_t(f32_to_bf16(lo)) | uint32_t(f32_to_bf16(hi)) << 16;
-  return bf16x2_rne(lo, hi);
+  uint32_t v;
+  if (lo != lo || hi != hi || !bf16x2_rne(lo, hi, &v))
+    v = uint32_t(f32_to_bf16(lo)) | uint32_t(f32_to_bf16(hi)) << 16;
+  return v;
 }
 
 // 8 floats as 8 BF16 values in one 16-byte word (round to nearest even).

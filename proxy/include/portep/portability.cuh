@@ -187,16 +187,16 @@ PORTEP_DEVICE uint8_t float_to_e4m3(float v) {
 
 namespace portep {
 
-// Two floats as two BF16 values (lo in bits 0-15), rounded to nearest even, for values that are not NaN (a
-// conversion instruction's NaN is canonical; callers that keep NaN payloads test for NaN first).
-PORTEP_DEVICE uint32_t bf16x2_rne(float lo, float hi) {
+// Two floats as two BF16 values (lo in bits 0-15), rounded to nearest even by the conversion instruction, into *v;
+// false where there is none (callers then round in integer arithmetic). Its NaN is canonical: callers that keep a
+// NaN's payload test for NaN first.
+PORTEP_DEVICE bool bf16x2_rne(float lo, float hi, uint32_t* v) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
-  uint32_t v;
-  asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(v) : "f"(hi), "f"(lo));
-  return v;
+  asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(*v) : "f"(hi), "f"(lo));
+  return true;
 #else
-  const uint32_t a = __float_as_uint(lo), b = __float_as_uint(hi);
-  return (a + 0x7fffu + ((a >> 16) & 1u)) >> 16 | ((b + 0x7fffu + ((b >> 16) & 1u)) & 0xffff0000u);
+  (void)lo, (void)hi, (void)v;
+  return false;
 #endif
 }
 
