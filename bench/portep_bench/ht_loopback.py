@@ -4,7 +4,9 @@ once (2 x config.num_sms blocks, so up to 66 SMs per rank on an H200). The peer'
 across NVLink, so this is not the two-GPU figure: it tells how fast the kernels move rows when the link is not the
 limit, per SM count, next to a plain device copy of the same bytes from the same run. DeepEP's shape (4096 tokens
 per rank, hidden 7168, top-8, 256 experts), DeepEP's byte counting (rows received, own rows included, x row bytes),
-medians of CUDA events around both ranks' launches. Every output is checked against a torch reference first.
+medians of CUDA events around both ranks' kernels, which a sleep on the GPU holds until the CPU has queued them all
+(the CPU's launch time left out; on two GPUs each rank launches from its own process), next to the same timing with
+the launches inside it (the tenth to twelfth sessions' figures). Every output is checked against a torch reference first.
 `python -m portep.bench gpu-ht-loopback [--sms 8 16 24 32 48 64] [--masks self peer none]` (the default of
 `python -m portep.bench` with one GPU). SM counts whose 2 x 2 x num_sms blocks do not fit on the GPU at once are
 left out (the kernels need every block resident)."""
@@ -146,15 +148,36 @@ def combine(rk, r, inputs_r, h, C, stream):
                        rk.ring_rows(row_bytes, C), h["out"].data_ptr(), 0)
 
 
-def timed_pair(launch, streams, iterations):
-    """Median ms of both ranks' launches, from a common start to the later end."""
+HOLD_CYCLES = 2_000_000  # about 1 ms at H200 clocks: longer than launching both ranks' kernels from Python
+SLEEP_TOO_SHORT = []  # queued timings whose start event had passed before the last launch was queued
+
+
+def common_start(streams, queued):
+    """The event both ranks' streams start from. queued: stream 0 first sleeps, so that every launch that follows is
+    queued before either rank runs and the CPU's launch time drops out of the timings."""
+    start = torch.cuda.Event(enable_timing=True)
+    if queued:
+        with torch.cuda.stream(streams[0]):
+            torch.cuda._sleep(HOLD_CYCLES)
+    start.record(streams[0])
+    streams[1].wait_event(start)
+    return start
+
+
+def check_held(start, queued):
+    if queued and start.query():
+        SLEEP_TOO_SHORT.append(1)
+
+
+def timed_pair(launch, streams, iterations, queued=True):
+    """Median ms of both ranks' launches, from a common start to the later end; queued: launch time left out."""
     times = []
     for _ in range(iterations + 3):
-        start, mid, end = (torch.cuda.Event(enable_timing=True) for _ in range(3))
-        start.record(streams[0])
-        streams[1].wait_event(start)
+        end, mid = (torch.cuda.Event(enable_timing=True) for _ in range(2))
+        start = common_start(streams, queued)
         for r in range(R):
             launch(r, streams[r])
+        check_held(start, queued)
         mid.record(streams[1])
         streams[0].wait_event(mid)
         end.record(streams[0])
@@ -163,18 +186,17 @@ def timed_pair(launch, streams, iterations):
     return statistics.median(times[3:])
 
 
-def split_times(ranks, inputs, handles, C, streams, iterations):
+def split_times(ranks, inputs, handles, C, streams, iterations, queued=True):
     """Per rank, median us from the common start to its notify's end and from there to its data kernel's end."""
     notify, data = [[] for _ in range(R)], [[] for _ in range(R)]
     for _ in range(iterations + 3):
-        start = torch.cuda.Event(enable_timing=True)
         mids = [torch.cuda.Event(enable_timing=True) for _ in range(R)]
         ends = [torch.cuda.Event(enable_timing=True) for _ in range(R)]
-        start.record(streams[0])
-        streams[1].wait_event(start)
+        start = common_start(streams, queued)
         for r in range(R):
             cached_dispatch(ranks[r], r, inputs[r][:5], handles[r], C, streams[r], None, mids[r])
             ends[r].record(streams[r])
+        check_held(start, queued)
         torch.cuda.synchronize()
         for r in range(R):
             notify[r].append(start.elapsed_time(mids[r]) * 1e3)
@@ -245,7 +267,7 @@ def run(sms_list=(8, 16, 24, 32, 48, 64), iterations=20, masks=(), check=True, p
         t_notify = timed_pair(lambda r, s: ranks[r].kernels.notify(C, s.cuda_stream, False, inputs[r][3].data_ptr(),
                                                                    0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0), streams,
                               iterations)
-        rows_out.append(["notify alone (flags)", sms, f"{t_notify * 1e3:.1f}", "-"])
+        rows_out.append(["notify alone (flags)", sms, f"{t_notify * 1e3:.1f}", "-", "-", "-"])
         t_bf16 = timed_pair(lambda r, s: cached_dispatch(ranks[r], r, inputs[r][:5], handles[r], C, s, None),
                             streams, iterations)
         check_outputs(ranks, inputs, handles, f"cached dispatch, {sms} SMs")
@@ -261,7 +283,16 @@ def run(sms_list=(8, 16, 24, 32, 48, 64), iterations=20, masks=(), check=True, p
             want = (x.float() * in_rank.sum(1, keepdim=True).float()).to(torch.bfloat16)
             expect(torch.equal(handles[r]["out"], want), f"combine, {sms} SMs: rank {r} differs")
         rows_out.append(["  split: " + split_times(ranks, inputs, handles, C, streams, iterations), sms, "-",
-                         "-"])
+                         "-", "-", "-"])
+        rows_out.append(["  split, launch included: " + split_times(ranks, inputs, handles, C, streams, iterations,
+                                                                    False), sms, "-", "-", "-", "-"])
+        launched = {  # the eleventh and twelfth sessions' method: the CPU's launches inside the timing
+            "dispatch BF16": timed_pair(lambda r, s: cached_dispatch(ranks[r], r, inputs[r][:5], handles[r], C, s,
+                                                                     None), streams, iterations, False),
+            "dispatch FP8": timed_pair(lambda r, s: cached_dispatch(ranks[r], r, inputs[r][:5], handles[r], C, s,
+                                                                    inputs[r][5]), streams, iterations, False),
+            "combine": timed_pair(lambda r, s: combine(ranks[r], r, inputs[r][:5], handles[r], C, s), streams,
+                                  iterations, False)}
         for mask in masks:
             mi = masked_inputs(inputs, mask)
             mh = first_dispatch(ranks, [i[:5] for i in mi], E, C, streams)
@@ -271,25 +302,32 @@ def run(sms_list=(8, 16, 24, 32, 48, 64), iterations=20, masks=(), check=True, p
             check_outputs(ranks, mi, mh, f"cached dispatch, mask {mask}, {sms} SMs")
             gbs = f"{mh[0]['rows'] * 2 * H / t / 1e6:.1f}" if mh[0]["rows"] else "-"
             rows_out.append([f"dispatch BF16, tokens to {mask} only ({mh[0]['rows']} rows)", sms, f"{t * 1e3:.1f}",
-                             gbs])
+                             gbs, "-", "-"])
         rows = handles[0]["rows"]
         for name, t, row_bytes in (("dispatch BF16", t_bf16, 2 * H), ("dispatch FP8", t_fp8, H + H // 128 * 4),
                                    ("combine", t_comb, 2 * H)):
-            rows_out.append([name, sms, f"{t * 1e3:.1f}", f"{rows * row_bytes / t / 1e6:.1f}"])
+            t_l = launched[name]
+            rows_out.append([name, sms, f"{t * 1e3:.1f}", f"{rows * row_bytes / t / 1e6:.1f}", f"{t_l * 1e3:.1f}",
+                             f"{rows * row_bytes / t_l / 1e6:.1f}"])
     # the same bytes as one rank's BF16 dispatch, copied device to device by both ranks at once
     nbytes = handles[0]["rows"] * 2 * H
     src = [torch.empty(nbytes, dtype=torch.uint8, device="cuda") for _ in range(R)]
     dst = [torch.empty_like(s) for s in src]
     t_copy = timed_pair(lambda r, s: _copy_on(dst[r], src[r], s), streams, iterations)
     rows_out.append(["device copy, same bytes (both ranks at once)", "all", f"{t_copy * 1e3:.1f}",
-                     f"{nbytes / t_copy / 1e6:.1f}"])
+                     f"{nbytes / t_copy / 1e6:.1f}", "-", "-"])
     left_out = sorted(set(sms_list) - set(fitting))
     if left_out:
         printer(f"left out (more blocks than this GPU runs at once): {left_out} SMs per rank")
     printer(f"HT loopback on one GPU: EP2 as two ranks in one process, {N} tokens per rank, hidden {H}, top-{K}, "
           f"{E} experts; rank 0 receives {handles[0]['rows']} rows; medians of {iterations}; GB/s per rank "
-          "as DeepEP counts (rows received x row bytes); peer stores go to this GPU's HBM, not NVLink")
-    printer(table(["op", "SMs per rank", "us", "GB/s per rank"], rows_out))
+          "as DeepEP counts (rows received x row bytes); peer stores go to this GPU's HBM, not NVLink. Main columns: "
+          "both ranks' kernels queued behind a sleep on the GPU before they start (the CPU's launch time left out); "
+          "'launch incl.': timed from before the CPU launches rank 0's kernels, then rank 1's")
+    if SLEEP_TOO_SHORT:
+        printer(f"WARNING: in {len(SLEEP_TOO_SHORT)} queued timings the GPU's sleep ended before the last launch was "
+                "queued: those include launch time")
+    printer(table(["op", "SMs per rank", "us", "GB/s per rank", "us, launch incl.", "GB/s, launch incl."], rows_out))
 
 
 def _copy_on(dst, src, stream):
