@@ -6,7 +6,8 @@ limit, per SM count, next to a plain device copy of the same bytes from the same
 per rank, hidden 7168, top-8, 256 experts), DeepEP's byte counting (rows received, own rows included, x row bytes),
 medians of CUDA events around both ranks' kernels, which a sleep on the GPU holds until the CPU has queued them all
 (the CPU's launch time left out; on two GPUs each rank launches from its own process), next to the same timing with
-the launches inside it (the tenth to twelfth sessions' figures). Every output is checked against a torch reference first.
+the launches inside it (the tenth to twelfth sessions' figures); combine also with DeepEP's two bias tensors. Every
+output is checked against a torch reference first.
 `python -m portep.bench gpu-ht-loopback [--sms 8 16 24 32 48 64] [--masks self peer none]` (the default of
 `python -m portep.bench` with one GPU). SM counts whose 2 x 2 x num_sms blocks do not fit on the GPU at once are
 left out (the kernels need every block resident)."""
@@ -138,12 +139,14 @@ def cached_dispatch(rk, r, inputs_r, h, C, stream, fp8, mid=None):
                         0, 0, 0, 0, 0, 0)
 
 
-def combine(rk, r, inputs_r, h, C, stream):
+def combine(rk, r, inputs_r, h, C, stream, bias=None):
+    """bias: DeepEP's (bias0, bias1) pair of BF16 [N, H] tensors, or None."""
     x, idx, _, in_rank, _ = inputs_r
+    b0, b1 = (bias[0].data_ptr(), bias[1].data_ptr()) if bias else (0, 0)
     N, H = x.shape
     row_bytes = hb.align(2 * H, 16)  # a combine row without top-k weights, as CudaHT.combine sizes it
     rk.kernels.notify(C, stream.cuda_stream, False, in_rank.data_ptr(), 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0)
-    rk.kernels.combine(C, stream.cuda_stream, h["recv_x"].data_ptr(), 0, 0, 0, in_rank.data_ptr(),
+    rk.kernels.combine(C, stream.cuda_stream, h["recv_x"].data_ptr(), 0, b0, b1, in_rank.data_ptr(),
                        h["rank_prefix"].data_ptr() + 4 * r, R, h["rcp"].data_ptr(), 0, 0, 0, N, H, 0,
                        rk.ring_rows(row_bytes, C), h["out"].data_ptr(), 0)
 
@@ -252,6 +255,9 @@ def run(sms_list=(8, 16, 24, 32, 48, 64), iterations=20, masks=(), check=True, p
         x, idx, w, fp8 = ht_inputs(r, N, H, K, E)
         in_rank, per_expert = layout(idx, E)
         inputs.append((x, idx, w.float(), in_rank, per_expert, (fp8[0].contiguous(), fp8[1].contiguous())))
+    gen = torch.Generator(device="cuda").manual_seed(7)
+    biases = [tuple(torch.randn(N, H, generator=gen, device="cuda").to(torch.bfloat16) for _ in range(2))
+              for _ in range(R)]
     streams = [torch.cuda.Stream() for _ in range(R)]
     torch.cuda.synchronize()
     rows_out = []
@@ -282,6 +288,14 @@ def run(sms_list=(8, 16, 24, 32, 48, 64), iterations=20, masks=(), check=True, p
             x, in_rank = inputs[r][0], inputs[r][3]
             want = (x.float() * in_rank.sum(1, keepdim=True).float()).to(torch.bfloat16)
             expect(torch.equal(handles[r]["out"], want), f"combine, {sms} SMs: rank {r} differs")
+        t_bias = timed_pair(lambda r, s: combine(ranks[r], r, inputs[r][:5], handles[r], C, s, biases[r]), streams,
+                            iterations)
+        for r in range(R):  # the kernels' FP32 order: bias0, + bias1, then + each rank's row (all equal to x here)
+            x, in_rank = inputs[r][0].float(), inputs[r][3]
+            acc, count = biases[r][0].float() + biases[r][1].float(), in_rank.sum(1, keepdim=True)
+            want = torch.where(count >= 1, acc + x, acc)
+            want = torch.where(count == 2, want + x, want).to(torch.bfloat16)
+            expect(torch.equal(handles[r]["out"], want), f"combine with bias, {sms} SMs: rank {r} differs")
         rows_out.append(["  split: " + split_times(ranks, inputs, handles, C, streams, iterations), sms, "-",
                          "-", "-", "-"])
         rows_out.append(["  split, launch included: " + split_times(ranks, inputs, handles, C, streams, iterations,
@@ -305,8 +319,11 @@ def run(sms_list=(8, 16, 24, 32, 48, 64), iterations=20, masks=(), check=True, p
                              gbs, "-", "-"])
         rows = handles[0]["rows"]
         for name, t, row_bytes in (("dispatch BF16", t_bf16, 2 * H), ("dispatch FP8", t_fp8, H + H // 128 * 4),
-                                   ("combine", t_comb, 2 * H)):
-            t_l = launched[name]
+                                   ("combine", t_comb, 2 * H), ("combine + bias (two BF16 [N, H])", t_bias, 2 * H)):
+            t_l = launched.get(name)
+            if t_l is None:
+                rows_out.append([name, sms, f"{t * 1e3:.1f}", f"{rows * row_bytes / t / 1e6:.1f}", "-", "-"])
+                continue
             rows_out.append([name, sms, f"{t * 1e3:.1f}", f"{rows * row_bytes / t / 1e6:.1f}", f"{t_l * 1e3:.1f}",
                              f"{rows * row_bytes / t_l / 1e6:.1f}"])
     # the same bytes as one rank's BF16 dispatch, copied device to device by both ranks at once

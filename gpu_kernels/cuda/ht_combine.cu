@@ -116,14 +116,15 @@ PORTEP_DEVICE void store_word(uint8_t* out_row, bool out_f32, int j, const float
   }
 }
 
-// Warp-wide, the common case: out_row = the sum of kRows BF16 rows. Each lane loads kWords words of every row
+// Warp-wide, the common case: out_row = the sum of kRows BF16 rows (kAssignFirst: the first, bias0, is assigned,
+// not added to 0, as the host backend's sum starts). Each lane loads kWords words of every row
 // (about kReduceLoads 16-byte loads in flight) before it sums the first. The reduction is bound by issued
 // instructions (bench/probes/ht_combine_phases.py: 286 of a reducer's 362 us went to summing, 25 us to waiting for
 // rows; more loads in flight through shared memory made it slower), so the row pointers stay in registers and BF16
 // output uses the conversion instruction.
 constexpr int kReduceLoads = 8;  // 16-byte loads a reducing lane has in flight (more spill: 64 registers a thread)
 
-template <int kRows, bool kOutF32>
+template <int kRows, bool kOutF32, bool kAssignFirst>
 PORTEP_DEVICE void sum_bf16_rows(const RowSet& set, int words, uint8_t* out_row) {
   constexpr int kWords = kRows >= kReduceLoads ? 1 : kReduceLoads / kRows;
   const uint4* rows[kRows];
@@ -131,10 +132,15 @@ PORTEP_DEVICE void sum_bf16_rows(const RowSet& set, int words, uint8_t* out_row)
   for (int q = 0; q < kRows; ++q) rows[q] = reinterpret_cast<const uint4*>(set.rows[q]);
   auto sum_and_store = [&](const uint4* v, int j) {  // v[kRows]: word j of every row
     float acc[8];
+    if (kAssignFirst) {
+      set_bf16x8(acc, v[0]);
+    } else {
 #pragma unroll
-    for (int i = 0; i < 8; ++i) acc[i] = 0.0f;  // (0 + the first row: a -0 sums to +0, as the host's)
+      for (int i = 0; i < 8; ++i) acc[i] = 0.0f;  // (0 + the first row: a -0 sums to +0, as the host's)
+      add_bf16x8(acc, v[0]);
+    }
 #pragma unroll
-    for (int q = 0; q < kRows; ++q) add_bf16x8(acc, v[q]);
+    for (int q = 1; q < kRows; ++q) add_bf16x8(acc, v[q]);
     store_word(out_row, kOutF32, j, acc);
   };
   int j = lane_id();
@@ -155,7 +161,7 @@ PORTEP_DEVICE void sum_bf16_rows(const RowSet& set, int words, uint8_t* out_row)
   }
 }
 
-// Warp-wide, any set (bias rows, FP32 partials): word by word, row by row.
+// Warp-wide, any set (FP32 partials, more rows than the templates take): word by word, row by row.
 PORTEP_DEVICE void sum_rows(const RowSet& set, int words, uint8_t* out_row, bool out_f32) {
   for (int j = lane_id(); j < words; j += kWarpSize) {
     float acc[8] = {};
@@ -172,11 +178,11 @@ PORTEP_DEVICE void sum_rows(const RowSet& set, int words, uint8_t* out_row, bool
   }
 }
 
-template <bool kOutF32>
+template <bool kOutF32, bool kAssignFirst>
 PORTEP_DEVICE bool sum_bf16_rows_fast(const RowSet& set, int words, uint8_t* out_row) {
   switch (set.n) {
 #define PORTEP_SUM_CASE(k) \
-  case k: sum_bf16_rows<k, kOutF32>(set, words, out_row); return true;
+  case k: sum_bf16_rows<k, kOutF32, kAssignFirst>(set, words, out_row); return true;
     PORTEP_SUM_CASE(1) PORTEP_SUM_CASE(2) PORTEP_SUM_CASE(3) PORTEP_SUM_CASE(4)
     PORTEP_SUM_CASE(5) PORTEP_SUM_CASE(6) PORTEP_SUM_CASE(7) PORTEP_SUM_CASE(8)
 #undef PORTEP_SUM_CASE
@@ -189,10 +195,15 @@ static_assert(kHTMaxRanks <= 8, "sum_bf16_rows_fast has a case for each row coun
 PORTEP_DEVICE void reduce_rows(const RowSet& set, int hidden, int num_topk, uint8_t* out_row, bool out_f32,
                                float* out_w) {
   const int lane = lane_id(), words = hidden / 8;
-  const bool plain = set.nbias == 0 && set.nb == set.n;  // BF16 rows only
-  if (!(plain && (out_f32 ? sum_bf16_rows_fast<true>(set, words, out_row)
-                          : sum_bf16_rows_fast<false>(set, words, out_row))))
-    sum_rows(set, words, out_row, out_f32);
+  bool done = false;
+  if (set.nb == set.n) {  // BF16 rows only (bias rows, if any, come with BF16 output: no partial has them)
+    if (set.bias_assign)
+      done = !out_f32 && sum_bf16_rows_fast<false, true>(set, words, out_row);
+    else
+      done = out_f32 ? sum_bf16_rows_fast<true, false>(set, words, out_row)
+                     : sum_bf16_rows_fast<false, false>(set, words, out_row);
+  }
+  if (!done) sum_rows(set, words, out_row, out_f32);
   if (out_w) {
     for (int k = lane; k < num_topk; k += kWarpSize) {
       float acc = 0.0f;
