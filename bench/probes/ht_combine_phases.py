@@ -63,21 +63,24 @@ def summarize(lines, keep=8):
         print(f"{'reducer' if role == 'RED' else 'sender '} rank {rank} channel {ch:>2}: {what} ({len(runs)} combines)")
 
 
-def main():
+def run_probe(source, patch, summary, op):
+    """Patches source (patch: text -> text), rebuilds, runs the loopback at sys.argv[1] SMs (default 24; build
+    directory sys.argv[2], default build/gpu), prints the table rows of `op` and summary(stdout lines), then restores
+    the source and rebuilds."""
     sms = sys.argv[1] if len(sys.argv) > 1 else "24"
     build_dir = sys.argv[2] if len(sys.argv) > 2 else "build/gpu"
-    original = open(SOURCE).read()
+    original = open(source).read()
     try:
-        open(SOURCE, "w").write(patched(original))
+        open(source, "w").write(patch(original))
         build(build_dir)
         run = subprocess.run([sys.executable, "-m", "portep.bench", "gpu-ht-loopback", "--sms", sms, "--iterations",
                               "8"], capture_output=True, text=True, check=True)
-        print("\n".join(line for line in run.stdout.splitlines() if "combine" in line and "|" in line))
-        summarize(run.stdout.splitlines())
+        print("\n".join(line for line in run.stdout.splitlines() if op in line and "|" in line))
+        summary(run.stdout.splitlines())
     finally:
-        open(SOURCE, "w").write(original)
+        open(source, "w").write(original)
         build(build_dir)
 
 
 if __name__ == "__main__":
-    main()
+    run_probe(SOURCE, patched, summarize, "combine")

@@ -8,10 +8,8 @@ its dispatches per (rank, channel, row bytes: BF16 or FP8) in microseconds, then
 Run from the repository root on a GPU machine: python bench/probes/ht_dispatch_phases.py [sms] [build-dir]"""
 import re
 import statistics
-import subprocess
-import sys
 
-from ht_combine_phases import build
+from ht_combine_phases import run_probe
 
 SOURCE = "gpu_kernels/cuda/ht_dispatch.cu"
 PHASES = ["book", "copy", "wait", "announce"]
@@ -55,21 +53,5 @@ def summarize(lines):
         print(f"sender rank {rank} channel {ch:>2} row bytes {row}: {what} ({len(runs)} dispatches)")
 
 
-def main():
-    sms = sys.argv[1] if len(sys.argv) > 1 else "24"
-    build_dir = sys.argv[2] if len(sys.argv) > 2 else "build/gpu"
-    original = open(SOURCE).read()
-    try:
-        open(SOURCE, "w").write(patched(original))
-        build(build_dir)
-        run = subprocess.run([sys.executable, "-m", "portep.bench", "gpu-ht-loopback", "--sms", sms, "--iterations",
-                              "8"], capture_output=True, text=True, check=True)
-        print("\n".join(line for line in run.stdout.splitlines() if "dispatch" in line and "|" in line))
-        summarize(run.stdout.splitlines())
-    finally:
-        open(SOURCE, "w").write(original)
-        build(build_dir)
-
-
 if __name__ == "__main__":
-    main()
+    run_probe(SOURCE, patched, summarize, "dispatch")
