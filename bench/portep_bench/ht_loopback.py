@@ -236,6 +236,7 @@ def run(sms_list=(8, 16, 24, 32, 48, 64), iterations=20, masks=(), check=True, p
     ('self'), the peer only ('peer'), nowhere ('none'); check=False reports differing outputs instead of stopping."""
     global STRICT
     STRICT = check
+    SLEEP_TOO_SHORT.clear()  # a count per run
     if not torch.cuda.is_available() or not native.build_info()["cuda_built"]:
         raise RuntimeError("gpu-ht-loopback needs a CUDA GPU and portep's CUDA kernels (built with nvcc); "
                            f"here: GPU visible {torch.cuda.is_available()}, kernels built "
@@ -274,16 +275,17 @@ def run(sms_list=(8, 16, 24, 32, 48, 64), iterations=20, masks=(), check=True, p
                                                                    0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0), streams,
                               iterations)
         rows_out.append(["notify alone (flags)", sms, f"{t_notify * 1e3:.1f}", "-", "-", "-"])
-        t_bf16 = timed_pair(lambda r, s: cached_dispatch(ranks[r], r, inputs[r][:5], handles[r], C, s, None),
-                            streams, iterations)
+        launches = {
+            "dispatch BF16": lambda r, s: cached_dispatch(ranks[r], r, inputs[r][:5], handles[r], C, s, None),
+            "dispatch FP8": lambda r, s: cached_dispatch(ranks[r], r, inputs[r][:5], handles[r], C, s, inputs[r][5]),
+            "combine": lambda r, s: combine(ranks[r], r, inputs[r][:5], handles[r], C, s)}
+        t_bf16 = timed_pair(launches["dispatch BF16"], streams, iterations)
         check_outputs(ranks, inputs, handles, f"cached dispatch, {sms} SMs")
-        t_fp8 = timed_pair(lambda r, s: cached_dispatch(ranks[r], r, inputs[r][:5], handles[r], C, s, inputs[r][5]),
-                           streams, iterations)
+        t_fp8 = timed_pair(launches["dispatch FP8"], streams, iterations)
         for d in range(R):
             want = torch.cat([inputs[s][5][0][inputs[s][3][:, d]] for s in range(R)])
             expect(torch.equal(handles[d]["recv_fp8"].view(torch.uint8), want.view(torch.uint8)), "FP8 rows differ")
-        t_comb = timed_pair(lambda r, s: combine(ranks[r], r, inputs[r][:5], handles[r], C, s), streams,
-                            iterations)
+        t_comb = timed_pair(launches["combine"], streams, iterations)
         for r in range(R):  # each token comes back from every rank it went to, summed in FP32 (exact here)
             x, in_rank = inputs[r][0], inputs[r][3]
             want = (x.float() * in_rank.sum(1, keepdim=True).float()).to(torch.bfloat16)
@@ -300,13 +302,8 @@ def run(sms_list=(8, 16, 24, 32, 48, 64), iterations=20, masks=(), check=True, p
                          "-", "-", "-"])
         rows_out.append(["  split, launch included: " + split_times(ranks, inputs, handles, C, streams, iterations,
                                                                     False), sms, "-", "-", "-", "-"])
-        launched = {  # the eleventh and twelfth sessions' method: the CPU's launches inside the timing
-            "dispatch BF16": timed_pair(lambda r, s: cached_dispatch(ranks[r], r, inputs[r][:5], handles[r], C, s,
-                                                                     None), streams, iterations, False),
-            "dispatch FP8": timed_pair(lambda r, s: cached_dispatch(ranks[r], r, inputs[r][:5], handles[r], C, s,
-                                                                    inputs[r][5]), streams, iterations, False),
-            "combine": timed_pair(lambda r, s: combine(ranks[r], r, inputs[r][:5], handles[r], C, s), streams,
-                                  iterations, False)}
+        # the tenth to twelfth sessions' method: the CPU's launches inside the timing
+        launched = {name: timed_pair(launch, streams, iterations, False) for name, launch in launches.items()}
         for mask in masks:
             mi = masked_inputs(inputs, mask)
             mh = first_dispatch(ranks, [i[:5] for i in mi], E, C, streams)
@@ -320,12 +317,9 @@ def run(sms_list=(8, 16, 24, 32, 48, 64), iterations=20, masks=(), check=True, p
         rows = handles[0]["rows"]
         for name, t, row_bytes in (("dispatch BF16", t_bf16, 2 * H), ("dispatch FP8", t_fp8, H + H // 128 * 4),
                                    ("combine", t_comb, 2 * H), ("combine + bias (two BF16 [N, H])", t_bias, 2 * H)):
-            t_l = launched.get(name)
-            if t_l is None:
-                rows_out.append([name, sms, f"{t * 1e3:.1f}", f"{rows * row_bytes / t / 1e6:.1f}", "-", "-"])
-                continue
-            rows_out.append([name, sms, f"{t * 1e3:.1f}", f"{rows * row_bytes / t / 1e6:.1f}", f"{t_l * 1e3:.1f}",
-                             f"{rows * row_bytes / t_l / 1e6:.1f}"])
+            cells = [[f"{v * 1e3:.1f}", f"{rows * row_bytes / v / 1e6:.1f}"] if v else ["-", "-"]
+                     for v in (t, launched.get(name))]  # queued, then launch included (where timed)
+            rows_out.append([name, sms] + cells[0] + cells[1])
     # the same bytes as one rank's BF16 dispatch, copied device to device by both ranks at once
     nbytes = handles[0]["rows"] * 2 * H
     src = [torch.empty(nbytes, dtype=torch.uint8, device="cuda") for _ in range(R)]
