@@ -242,12 +242,12 @@ def _check_ht_combine(ck, out, x_ref, is_in, bias, with_topk, w_ref, x_orig=None
         ck.true(cw is None, "combined_topk_weights must be None when no topk_weights are combined")
 
 
-def make_ht_buffer(rank, rpn, transport, backend="host"):
+def make_ht_buffer(rank, rpn, transport, backend="host", nvl_bytes=HT_NVL_BYTES):
     """A normal-mode Buffer; backend='cuda' gives one on this rank's GPU, wrapped so that CPU-tensor checks run
     unchanged (gpu_ht_adapter)."""
     if backend == "cuda":
         torch.cuda.set_device(rank % torch.cuda.device_count())
-    buf = portep.Buffer(dist.group.WORLD, HT_NVL_BYTES, 0, low_latency_mode=False, num_ranks_per_node=rpn,
+    buf = portep.Buffer(dist.group.WORLD, nvl_bytes, 0, low_latency_mode=False, num_ranks_per_node=rpn,
                         transport=transport, timeout_s=60, explicitly_destroy=True, backend=backend)
     if backend == "cuda":
         from gpu_ht_adapter import CudaHTAdapter
@@ -257,15 +257,15 @@ def make_ht_buffer(rank, rpn, transport, backend="host"):
 
 
 def ht_body(rank, world, rpn, transport, seed, n_tokens, hidden, num_topk, num_experts, pressure_runs=3,
-            starve_last=False, backend="host"):
+            starve_last=False, backend="host", nvl_bytes=HT_NVL_BYTES):
     """starve_last: no rank routes anything to the last rank (empty receive side); otherwise rank 0 alone avoids
-    the last rank (one empty source block)."""
+    the last rank (one empty source block). nvl_bytes: the Buffer's num_nvl_bytes (DeepEP's tests take 2e9)."""
     ck = Checker(rank)
     e_l = num_experts // world
     num_nodes = world // rpn
     n = n_tokens[rank]
     n_max = max(n_tokens)
-    buf = make_ht_buffer(rank, rpn, transport, backend)
+    buf = make_ht_buffer(rank, rpn, transport, backend, nvl_bytes)
     avoid = world - 1 if (starve_last or rank == 0) else None
     inp = make_ht_inputs(rank, seed, n, hidden, num_topk, num_experts, avoid_rank=avoid)
     idx = inp["idx"]

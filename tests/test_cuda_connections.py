@@ -1,6 +1,8 @@
-"""portep asks CUDA for its most hardware queues at import (the GPU proxy path's copies must not share one with
-the LL kernels' stream; see portep/config.py), keeps an application's own choice, and refuses or warns where the
-choice makes the proxy copies wait behind the kernels."""
+"""With PORTEP_GPU_PROXY_COPIES=1 (the GPU proxy path's bytes copied by the proxies on the copy engines) portep asks
+CUDA for its most hardware queues at import (those copies must not share one with the LL kernels' stream; see
+portep/config.py), keeps an application's own choice, and refuses or warns where the choice makes the copies wait
+behind the kernels. Without it (the kernels store the bytes, the proxies make no CUDA call) portep leaves CUDA's
+queues alone."""
 
 import os
 import subprocess
@@ -22,8 +24,10 @@ except ValueError as e:
 """
 
 
-def _probe(value):
-    env = {k: v for k, v in os.environ.items() if k != "CUDA_DEVICE_MAX_CONNECTIONS"}
+def _probe(value, copies=True):
+    env = {k: v for k, v in os.environ.items() if k not in ("CUDA_DEVICE_MAX_CONNECTIONS", "PORTEP_GPU_PROXY_COPIES")}
+    if copies:
+        env["PORTEP_GPU_PROXY_COPIES"] = "1"
     if value is not None:
         env["CUDA_DEVICE_MAX_CONNECTIONS"] = value
     out = subprocess.run([sys.executable, "-c", PROBE], env=env, capture_output=True, text=True, timeout=120)
@@ -39,3 +43,8 @@ def _probe(value):
 ])
 def test_import_widens_cuda_connections_unless_chosen(value, expected):
     assert _probe(value) == expected
+
+
+@pytest.mark.parametrize("value", [None, "8", "1"])
+def test_import_leaves_cuda_connections_alone_without_proxy_copies(value):
+    assert _probe(value, copies=False)[:2] == [str(value), "False"]

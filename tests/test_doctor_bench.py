@@ -35,6 +35,34 @@ def test_doctor_text_mentions_every_transport():
         assert name in proc.stdout
 
 
+NUMPY_BLOCKED = """
+import sys
+sys.modules["numpy"] = None  # as in a fresh venv where only torch was installed
+import runpy
+sys.argv = ["portep.doctor"]
+runpy.run_module("portep.doctor", run_name="__main__")
+"""
+
+
+def test_doctor_reports_a_missing_numpy_and_fails():
+    proc = subprocess.run([sys.executable, "-c", NUMPY_BLOCKED], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    assert "PROBLEM:" in proc.stdout and "numpy cannot be imported" in proc.stdout and "pip install numpy" in proc.stdout
+
+
+def test_doctor_says_the_run_time_dependencies_are_usable():
+    proc = run_module("portep.doctor")
+    assert "run time:   torch, torch.distributed (gloo) and numpy usable" in proc.stdout, proc.stdout
+
+
+def test_bootstrap_names_the_missing_numpy():
+    code = ("import sys; sys.modules['numpy'] = None\n"
+            "from portep.bootstrap import all_gather_objects\n"
+            "try:\n    all_gather_objects(1, None)\nexcept RuntimeError as e:\n    print(e)\n")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert "needs numpy" in proc.stdout and "pip install numpy" in proc.stdout, proc.stdout + proc.stderr
+
+
 def test_channel_benchmark_prints_rates_latencies_and_baselines():
     proc = run_module("portep.bench", "channel", "--ranks", "2", "--messages", "2000", "--iterations", "200",
                       "--proxy-threads", "2", "--producers", "2")

@@ -52,12 +52,20 @@ def test_ht_suite_on_gpus(path, case):
     _run_suite(2, path, case, timeout=400)
 
 
-def _run_suite(world, path, case, timeout):
+@pytest.mark.gpu
+@two_gpus
+@pytest.mark.parametrize("path", PATHS)
+def test_ht_suite_at_deepep_shape(path):
+    # DeepEP's normal-mode test shape: 4096 tokens of hidden 7168, 256 experts, top-8 (the host backend: CI)
+    _run_suite(2, path, (7168, 8, 256, [4096, 4096], 4, False), timeout=600, pressure_runs=1)
+
+
+def _run_suite(world, path, case, timeout, pressure_runs=2):
     """The host backend's HT suite (deepep_workers.ht_body) on `world` GPU ranks."""
     _, rpn, transport = path
     hidden, topk, experts, n_tokens, seed, starve = case
-    out = run_ranks(w.ht_body, world, args=(rpn, transport, seed, n_tokens, hidden, topk, experts, 2, starve, "cuda"),
-                    timeout=timeout)
+    out = run_ranks(w.ht_body, world, args=(rpn, transport, seed, n_tokens, hidden, topk, experts, pressure_runs,
+                                            starve, "cuda"), timeout=timeout)
     assert_clean(out, 60)
 
 

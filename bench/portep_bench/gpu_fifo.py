@@ -9,6 +9,7 @@ from .stats import median, percentile, table
 def run(configs=((1, 1, 64, 20000), (8, 1, 256, 5000), (32, 4, 1024, 2000), (128, 16, 4096, 500)),
         rtt_iterations=20000, repeats=5, printer=print):
     from portep import native
+    from portep.kernel_errors import KernelErrors
 
     if not native.build_info()["cuda_built"] or native.cuda_devices()[0] == 0:
         raise RuntimeError(f"no CUDA GPU: {native.cuda_devices()[1]}")
@@ -82,9 +83,12 @@ def _layout_kernel_us(tokens=4096, topk=8, experts=256, ranks=2, iterations=200)
     in_rank = torch.empty(tokens, ranks, dtype=torch.bool, device="cuda")
     stream = torch.cuda.current_stream().cuda_stream
 
+    errors = KernelErrors(native, torch.device("cuda"))
+
     def launch():
         native.cuda_dispatch_layout(idx.data_ptr(), tokens, topk, experts, ranks, ranks, per_rank.data_ptr(), 0,
-                                    per_expert.data_ptr(), in_rank.data_ptr(), stream)
+                                    per_expert.data_ptr(), in_rank.data_ptr(), stream, 0, errors.words.data_ptr(),
+                                    errors.records)
 
     for _ in range(20):
         launch()

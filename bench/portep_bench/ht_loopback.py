@@ -46,14 +46,17 @@ class LoopbackRank:
         self.region = regions[rank]
         self.epoch = torch.zeros(2, dtype=torch.int64, device="cuda")
         self.counts_host, counts_dev = native.cuda_host_alloc_mapped(native.HT_HOST_COUNTS_BYTES)
-        self.error_host, error_dev = native.cuda_host_alloc_mapped(16)
+        error_bytes = native.KERNEL_ERROR_WORDS * native.KERNEL_ERROR_BYTES
+        self.error_host, error_dev = native.cuda_host_alloc_mapped(error_bytes)
         ctypes.memset(self.counts_host, 0, native.HT_HOST_COUNTS_BYTES)
-        ctypes.memset(self.error_host, 0, 16)
+        ctypes.memset(self.error_host, 0, error_bytes)
         self.signals = torch.zeros(R * native.HT_NUM_STREAMS, dtype=torch.int64, device="cuda")
         self.seen = torch.zeros_like(self.signals)
-        self.failed = torch.zeros(1, dtype=torch.int32, device="cuda")
+        self.failed = torch.zeros(native.KERNEL_ERROR_WORDS, dtype=torch.int32, device="cuda")
         self.fifos = native.DeviceFifoSet(1, 64)
-        self.kernels = native.HTKernels(rank, R, R, self.region.data_ptr(), peers.data_ptr(), 0, self.ctrl,
+        self.no_place = torch.zeros(R, dtype=torch.int64, device="cuda")  # every peer is direct
+        self.kernels = native.HTKernels(rank, R, R, self.region.data_ptr(), peers.data_ptr(),
+                                        self.no_place.data_ptr(), 0, self.ctrl,
                                         self.ctrl + area_bytes, self.epoch.data_ptr(), self.counts_host, counts_dev,
                                         error_dev, self.error_host, 10.0, self.fifos, self.signals.data_ptr(),
                                         self.seen.data_ptr(), native.HT_NUM_STREAMS, 0, self.failed.data_ptr())

@@ -20,7 +20,7 @@ def free_port():
 
 def _entry(fn, rank, world, port, args, results, env):
     os.environ.update(env)
-    import portep  # noqa: F401  (before torch sets CUDA up: portep asks for CUDA's most hardware queues)
+    import portep  # noqa: F401  (before torch sets CUDA up, as applications should: see portep/config.py)
     import torch.distributed as dist
 
     try:

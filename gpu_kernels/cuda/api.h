@@ -6,6 +6,7 @@
 
 #include <vector>
 
+#include "kernel_errors.h"
 #include "portep/fifo.h"
 
 namespace portep::cuda {
@@ -63,6 +64,10 @@ struct LayoutArgs {
   int32_t* per_expert;      // [num_experts]
   bool* is_token_in_rank;   // [num_tokens, num_ranks]
   void* stream;
+  // an entry outside [-1, num_experts) is left out and reported as a notice (kErrBadExpert, kernel_errors.h)
+  int rank;
+  uint32_t* failed;         // device [kNumErrorWords]
+  KernelError* error;       // mapped host [kNumErrorWords]
 };
 int launch_dispatch_layout(const LayoutArgs& a);
 int load_layout_kernels();

@@ -61,7 +61,8 @@
 //   rank, index][x bytes][scales S x 4][pad to 8 bytes][top-k ids K x int64][top-k weights K x f32], padded to 16
 //   bytes. Combine row: [BF16 row][K x f32] padded to 16 bytes; with forwarding every combine ring row has the
 //   size of a partial row ([f32 H][f32 K] padded to 16 bytes) and the BF16 rows use its start.
-// Staging area at stage_off (proxy peers only): the same rings, per destination.
+// Staging area at stage_off (proxy peers only): the same rings, per destination. A proxy peer whose region is mapped
+//   here (place[d]) gets its rows stored straight into its receive area instead, and the WRITEs are placed.
 // Signal streams (proxy path), from stream_base: notify; dispatch data channel c at 1 + c; combine data at
 //   1 + kHTMaxChannels + c; dispatch credits at 1 + 2 * kHTMaxChannels + c; combine credits at 1 + 3 * ... + c.
 #pragma once
@@ -98,11 +99,13 @@ struct HTCommon {
   uint8_t* local;         // this rank's data region
   uint8_t* const* peers;  // device array [R]: data regions stored into directly (this rank's own included), or
                           // null for a peer reached through the proxies
+  uint8_t* const* place;  // device array [R]: a proxy peer's region where the kernels store their WRITEs' bytes
+                          // themselves (placed WRITEs), else null
   uint64_t ctrl_off, recv_off, stage_off;
   uint64_t* epoch;        // device [2]: ops so far; whether this op's data kernel does nothing (set by notify)
   HTHostCounts* host;     // device address of the mapped host counts
-  LLError* error;
-  uint32_t* failed;       // device: the first reported error's code (as LLCommon's)
+  KernelError* error;     // as LLCommon's
+  uint32_t* failed;
   uint64_t timeout_ns;
   // the proxy path
   const FifoView* fifos;  // device array of device-side views

@@ -58,7 +58,7 @@ PORTEP_DEVICE bool send_to(const HTCombineArgs& a, int ch, int s, uint64_t epoch
     if (r < n) {
       const uint64_t slot = ring_slot(first + r, Q, bytes);
       uint8_t* to = c.peers[dst] ? c.peers[dst] + c.recv_off + remote_ring + slot
-                                 : c.local + c.stage_off + stage_ring + slot;
+                                 : proxy_ring_slot(c, dst, stage_ring, remote_ring, slot);
       write_contribution(a, to, local_row0 + r);
     }
     __syncthreads();
@@ -68,7 +68,7 @@ PORTEP_DEVICE bool send_to(const HTCombineArgs& a, int ch, int s, uint64_t epoch
       } else if (c.peers[s]) {
         publish_tail(tail_word(c, c.peers[s], true, c.rank, ch), epoch, done);
       } else {
-        fence_sys();  // the staged rows before the WRITEs that copy them
+        fence_sys();  // the rows (staged or placed) before the WRITEs that move or announce them
         flush_rows(c, s, data_stream(c, true, ch), stage_ring, remote_ring, bytes, Q, &flushed, done, done == n);
       }
     }
@@ -364,7 +364,7 @@ PORTEP_DEVICE bool partials_for(const HTCombineArgs& a, PartialState& st, int n,
     if (threadIdx.x == 0 && !await_room(c, true, s, ch, epoch, end, a.ring_rows)) st.failed = 1;
     __syncthreads();
     if (st.failed) return false;
-    uint8_t* staged = c.local + c.stage_off + stage_ring + ring_slot(r, a.ring_rows, bytes);
+    uint8_t* staged = proxy_ring_slot(c, s, stage_ring, remote_ring, ring_slot(r, a.ring_rows, bytes));
     if (r < end) reduce_partial(c, a, st, warp, staged, ch);
     __syncthreads();  // every load returned (slots go back) and the partials are staged
     if (l < L && st.batch[l]) {
@@ -372,7 +372,7 @@ PORTEP_DEVICE bool partials_for(const HTCombineArgs& a, PartialState& st, int n,
       st_relaxed_sys_u64(fwd_head_word(c, c.peers[base + l], true, c.rank, ch), tail_value(epoch, st.used[l]));
     }
     if (threadIdx.x == 0) {
-      fence_sys();  // the staged rows before the WRITEs that copy them
+      fence_sys();  // the rows (staged or placed) before the WRITEs that move or announce them
       flush_rows(c, s, data_stream(c, true, ch), stage_ring, remote_ring, bytes, a.ring_rows, &flushed, end,
                  end == rows);
     }

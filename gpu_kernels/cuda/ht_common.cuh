@@ -162,8 +162,8 @@ PORTEP_DEVICE uint32_t rows_from_source(const Args& a, int s, int ch) {
 // (reported as a wait on src, with index).
 PORTEP_DEVICE bool await_word(const HTCommon& c, const uint64_t* word, uint64_t want, int src, uint32_t index) {
   uint64_t v = 0, waited = 0;
-  if (wait_until([&] { return ld_acquire_sys_u64(word); }, [&](uint64_t x) { return x >= want; }, c.timeout_ns, &v,
-                 &waited))
+  if (wait_until([&] { return ld_acquire_sys_u64(word); }, [&](uint64_t x) { return x >= want; }, c.failed,
+                 c.timeout_ns, &v, &waited))
     return true;
   report_error(c, kErrWaitTimeout, uint32_t(c.rank), uint32_t(src), index);
   return false;
@@ -182,19 +182,16 @@ PORTEP_DEVICE void publish_tail(uint64_t* word, uint64_t epoch, uint32_t rows) {
 }
 
 // A kernel failed earlier (this op's notify included): the Buffer's results are invalid and the offsets this op
-// would store at may be garbage, so data kernels do nothing; the host raises the failure at the next call. More
-// rows than num_worst_tokens is the exception: the counts are sound, the rows past the outputs are dropped, and
-// the data kernel still runs so that its peers' rings drain (else they would wait out their timeouts).
+// would store at may be garbage, so data kernels do nothing; the host raises the failure at the next call. Notices
+// (more rows than num_worst_tokens) do not stop them: the counts are sound, the rows past the outputs are dropped,
+// and the data kernel still runs so that its peers' rings drain (else they would wait out their timeouts).
 // The notify kernel, first in every op, decides once at its end and leaves the verdict in c.epoch[1] for the data
 // kernel, whose every thread reads it (device memory: each warp reading the host-mapped error code instead cost
 // about 0.6 us per warp, served one at a time across PCIe: 2 ms per op at 64 SMs, seen with
 // python -m portep.bench gpu-ht-loopback).
 // A failure that a kernel on another stream reports after that verdict does not stop this op's data kernel; the
 // next op's notify sees it.
-PORTEP_DEVICE bool error_stops_data(const HTCommon& c) {
-  const uint32_t code = reported_error(c);
-  return code != 0 && code != kErrTooManyRecv;
-}
+PORTEP_DEVICE bool error_stops_data(const HTCommon& c) { return reported_error(c) != 0; }
 PORTEP_DEVICE bool failed_before(const HTCommon& c) { return c.epoch[1] != 0; }
 
 // ---- the proxy path ----
@@ -210,6 +207,7 @@ PORTEP_DEVICE uint32_t credit_stream(const HTCommon& c, bool combine, int ch) {
 PORTEP_DEVICE LLCommon fifo_side(const HTCommon& c) {
   LLCommon f{};
   f.rank = c.rank;
+  f.place = c.place;
   f.fifos = c.fifos;
   f.fifo_tails = c.fifo_tails;
   f.num_fifos = c.num_fifos;
@@ -226,7 +224,8 @@ PORTEP_DEVICE int64_t await_units(const HTCommon& c, int src, uint32_t stream, u
   const uint32_t seen = uint32_t(c.signal_seen[i]);
   uint64_t v = 0, waited = 0;
   if (wait_until([&] { return ld_acquire_sys_u64(c.host_signals + i); },
-                 [&](uint64_t x) { return uint32_t(x) - seen >= need; }, c.timeout_ns, &v, &waited, kProxyPollNs))
+                 [&](uint64_t x) { return uint32_t(x) - seen >= need; }, c.failed, c.timeout_ns, &v, &waited,
+                 kProxyPollNs))
     return uint32_t(v) - seen;
   report_error(c, kErrWaitTimeout, uint32_t(c.rank), uint32_t(src), stream);
   return -1;
@@ -236,6 +235,14 @@ PORTEP_DEVICE void consume_units(const HTCommon& c, int src, uint32_t stream, ui
   c.signal_seen[uint64_t(src) * c.num_streams + stream] += n;
 }
 PORTEP_DEVICE uint32_t chunks(int64_t rows) { return uint32_t((rows + kHTChunkRows - 1) / kHTChunkRows); }
+
+// Where row slot `slot` of this rank's ring at proxy peer d is stored: in d's receive area when placed (c.place[d]),
+// else in this rank's staging ring for d. stage_ring / remote_ring: the ring's offsets in the staging and receive
+// areas.
+PORTEP_DEVICE uint8_t* proxy_ring_slot(const HTCommon& c, int d, uint64_t stage_ring, uint64_t remote_ring,
+                                       uint64_t slot) {
+  return c.place[d] ? c.place[d] + c.recv_off + remote_ring + slot : c.local + c.stage_off + stage_ring + slot;
+}
 
 // Rows [*flushed, ready) staged for proxy peer d go out as WRITEs of kHTChunkRows rows (with last: the short rest
 // too), then one SIGNAL if any WRITE went. stage_ring / remote_ring: the ring's offsets in this rank's staging
@@ -249,7 +256,8 @@ PORTEP_DEVICE bool flush_rows(const HTCommon& c, int d, uint32_t stream, uint64_
     const uint32_t n = min(ready - *flushed, uint32_t(kHTChunkRows));
     const uint64_t slot = ring_slot(*flushed, ring_rows, row_bytes);  // n rows from here never wrap
     const uint64_t remote = c.recv_off + remote_ring + slot, local = c.stage_off + stage_ring + slot;
-    if (!push_cmd(f, CmdFields{kOpWrite, 0, uint32_t(d), n * row_bytes, stream, remote, local})) return false;
+    if (!push_cmd(f, CmdFields{kOpWrite, write_flags(f, d), uint32_t(d), n * row_bytes, stream, remote, local}))
+      return false;
     *flushed += n;
     pushed = true;
   }
@@ -289,7 +297,7 @@ PORTEP_DEVICE void return_rows(const HTCommon& c, bool combine, int s, int ch, u
   const uint32_t stream = credit_stream(c, combine, ch);
   const uint64_t scratch = c.ctrl_off + kHTScratchOff;
   for (; *credited < due; ++*credited)
-    if (!push_cmd(f, CmdFields{kOpWrite, 0, uint32_t(s), 16, stream, scratch, scratch})) return;
+    if (!push_cmd(f, CmdFields{kOpWrite, write_flags(f, s), uint32_t(s), 16, stream, scratch, scratch})) return;
   push_cmd(f, CmdFields{kOpSignal, 0, uint32_t(s), 0, stream, 0, 0});
 }
 

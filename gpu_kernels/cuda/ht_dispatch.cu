@@ -154,9 +154,10 @@ PORTEP_DEVICE void send_token(const HTDispatchArgs& a, const Record& rec, SendSt
       if (self_row >= a.max_recv) continue;  // num_worst_tokens too small: the notify kernel reported it
       rows[num_rows] = reinterpret_cast<uint4*>(a.recv_x + self_row * a.row_bytes);
     } else {
-      uint8_t* ring = c.peers[d] ? c.peers[d] + c.recv_off + st.remote_ring[d]
-                                 : c.local + c.stage_off + st.stage_ring[d];
-      rows[num_rows] = reinterpret_cast<uint4*>(ring + ring_slot(i, a.ring_rows, rec.bytes) + 16);
+      const uint64_t slot = ring_slot(i, a.ring_rows, rec.bytes);
+      uint8_t* at = c.peers[d] ? c.peers[d] + c.recv_off + st.remote_ring[d] + slot
+                               : proxy_ring_slot(c, d, st.stage_ring[d], st.remote_ring[d], slot);
+      rows[num_rows] = reinterpret_cast<uint4*>(at + 16);
     }
     to[num_rows++] = d;
   }
@@ -180,7 +181,7 @@ PORTEP_DEVICE void announce(const HTDispatchArgs& a, const Record& rec, SendStat
     if (added) publish_tail(tail_word(c, c.peers[d], false, c.rank, ch), st.epoch, st.sent[d]);
     return;
   }
-  if (added) fence_sys();  // the staged rows before the WRITEs that copy them
+  if (added) fence_sys();  // the rows (staged or placed) before the WRITEs that move or announce them
   flush_rows(c, d, data_stream(c, false, ch), st.stage_ring[d], st.remote_ring[d], uint32_t(rec.bytes), a.ring_rows,
              &st.flushed[d], st.sent[d], last);
 }
@@ -318,7 +319,7 @@ PORTEP_DEVICE void receive_channel(const HTDispatchArgs& a, int ch) {
       const uint64_t now = globaltimer_ns();
       if (progress || all) {
         idle_since = now;
-      } else if (now - idle_since > c.timeout_ns) {
+      } else if (now - idle_since > c.timeout_ns || reported_error(c)) {  // a failure elsewhere voids the op too
         report_error(c, kErrWaitTimeout, uint32_t(c.rank), uint32_t(input_rank(c, waiting)), uint32_t(ch));
         st.failed = 1;
       } else if (waiting < R && !c.peers[waiting]) {

@@ -30,10 +30,11 @@ PORTEP_DEVICE void count_channels(const HTNotifyArgs& a, int32_t* counts, int32_
   __syncthreads();
 }
 
-// The slot this rank writes for destination d: where it is stored (d's control area, or the outgoing slot a
-// proxy WRITE carries there).
+// The slot this rank writes for destination d: where it is stored (d's control area, directly or placed, or the
+// outgoing slot a proxy WRITE carries there).
 PORTEP_DEVICE uint8_t* slot_for(const HTCommon& c, int d, uint64_t epoch) {
-  return c.peers[d] ? notify_slot(c, c.peers[d], c.rank, epoch) : outgoing_slot(c, d, epoch);
+  if (c.peers[d]) return notify_slot(c, c.peers[d], c.rank, epoch);
+  return c.place[d] ? notify_slot(c, c.place[d], c.rank, epoch) : outgoing_slot(c, d, epoch);
 }
 
 PORTEP_DEVICE void write_count_slots(const HTNotifyArgs& a, const int32_t* counts, const int32_t* node_counts,
@@ -67,11 +68,11 @@ PORTEP_DEVICE void publish_slot(const HTCommon& c, uint64_t epoch) {
     st_relaxed_sys_u64(slot_flag(slot_for(c, d, epoch)), epoch);
     return;
   }
-  *slot_flag(outgoing_slot(c, d, epoch)) = epoch;
-  fence_sys();  // the whole outgoing slot before the WRITE that copies it
+  *slot_flag(slot_for(c, d, epoch)) = epoch;
+  fence_sys();  // the whole slot (outgoing or placed) before the WRITE that moves or announces it
   const LLCommon f = fifo_side(c);
   const uint64_t off = uint64_t(notify_slot(c, c.local, c.rank, epoch) - c.local);  // the same offset at d
-  push_cmd(f, CmdFields{kOpWrite, 0, uint32_t(d), uint32_t(kHTSlotBytes), notify_stream(c), off,
+  push_cmd(f, CmdFields{kOpWrite, write_flags(f, d), uint32_t(d), uint32_t(kHTSlotBytes), notify_stream(c), off,
                         uint64_t(outgoing_slot(c, d, epoch) - c.local)});
   push_cmd(f, CmdFields{kOpSignal, 0, uint32_t(d), 0, notify_stream(c), 0, 0});
 }

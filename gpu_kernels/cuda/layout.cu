@@ -5,6 +5,7 @@
 #include <stdint.h>
 
 #include "api.h"
+#include "kernel_errors.cuh"
 #include "portep/portability.cuh"
 
 namespace portep::cuda {
@@ -39,6 +40,10 @@ __global__ void dispatch_layout_kernel(LayoutArgs a) {
     for (int r = 0; r < a.num_ranks; ++r) in_rank[r] = false;
     for (int k = 0; k < a.num_topk; ++k) {
       const int64_t e = row[k];
+      if (e < -1 || e >= a.num_experts) {  // never checked on the host (that would synchronize)
+        report_to(a.failed, a.error, kErrBadExpert, uint32_t(a.rank), uint32_t(t), uint32_t(k), e);
+        continue;
+      }
       if (e < 0) continue;
       count(expert_bins, a.per_expert, shared, int(e));
       const int r = int(e / experts_per_rank);
@@ -49,7 +54,7 @@ __global__ void dispatch_layout_kernel(LayoutArgs a) {
       const int node = r / a.ranks_per_node;
       bool seen = false;  // another of this token's ranks on the same node was counted already
       for (int k2 = 0; k2 < k && !seen; ++k2)
-        seen = row[k2] >= 0 && int(row[k2] / experts_per_rank) / a.ranks_per_node == node;
+        seen = row[k2] >= 0 && row[k2] < a.num_experts && int(row[k2] / experts_per_rank) / a.ranks_per_node == node;
       if (!seen) count(node_bins, a.per_node, shared, node);
     }
   }
@@ -70,7 +75,7 @@ __global__ void dispatch_layout_kernel(LayoutArgs a) {
 
 int launch_dispatch_layout(const LayoutArgs& a) {
   if (a.num_tokens < 0 || a.num_topk < 1 || a.num_ranks < 1 || a.ranks_per_node < 1 ||
-      a.num_ranks % a.ranks_per_node || a.num_experts % a.num_ranks)
+      a.num_ranks % a.ranks_per_node || a.num_experts % a.num_ranks || !a.failed || !a.error)
     return int(cudaErrorInvalidValue);
   cudaStream_t s = static_cast<cudaStream_t>(a.stream);
   cudaError_t err;

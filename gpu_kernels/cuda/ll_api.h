@@ -16,8 +16,9 @@
 // other messages to that rank carry no payload and share = 1 + the index of that message in [R][E_l][T].
 //
 // Proxy peers get data per chunk of kChunkExperts consecutive local experts: WRITE commands (<= 16 MiB each) and
-// one final SIGNAL on signal stream stream_base + chunk, so a copy engine or NIC moves a few large blocks, not one
-// per expert. A chunk's data is packed, expert after expert, into the region its experts have in the receiver's
+// one final SIGNAL on signal stream stream_base + chunk, so a NIC moves a few large blocks, not one per expert.
+// Where the peer's region is mapped (place[dst]: shm on one host), the kernels store the chunk's bytes at their
+// place in it instead of in the staging area, and the WRITEs are placed: the proxies carry only their units. A chunk's data is packed, expert after expert, into the region its experts have in the receiver's
 // layout (dispatch: [src][first .. first + n)[T]; combine: [first expert .. + n)[T]):
 //   dispatch: message 0 is a table (header int32 -1, int32 total messages, 0, 0; payload int32 count per expert)
 //             and the messages follow; when every slot of the chunk is taken (each count = T) there is no room
@@ -39,6 +40,7 @@
 
 #include <stdint.h>
 
+#include "kernel_errors.h"
 #include "portep/fifo.h"
 
 namespace portep::cuda {
@@ -49,11 +51,6 @@ constexpr int kMetaMaxTopk = 32;   // the kernels' limit on num_topk
 constexpr uint64_t kMetaHeaderBytes = 16;
 constexpr uint64_t kMetaStride = kMetaHeaderBytes + uint64_t(kMetaTokens) * kMetaMaxTopk * 8;  // per source
 
-struct LLError {  // mapped host memory: the first kernel failure (0 = none)
-  uint32_t code;  // 1: a wait timed out, 2: FIFO push timed out, 3: slot overflow (more selections than T),
-                  // 4: topk_idx entry outside [-1, num_experts) (src = token, index = the entry)
-  uint32_t rank, src, index;
-};
 
 struct LLCommon {
   int rank, num_ranks, num_experts, num_local_experts, T, hidden;
@@ -61,6 +58,8 @@ struct LLCommon {
   uint32_t disp_bytes, comb_pitch;
   uint8_t* local;               // this rank's data region (device)
   uint8_t* const* peers;        // device array [R]: peer data region when stored into directly, else null
+  uint8_t* const* place;        // device array [R]: a proxy peer's data region where the kernels store the bytes of
+                                //   their WRITEs themselves (placed WRITEs, the transport's placed_writes), else null
   uint64_t* host_signals;       // device address of this rank's signal slots [R][num_streams] (host-written)
   uint64_t* signal_seen;        // device [R][num_streams]: each slot's value when a kernel last consumed it
   uint32_t num_streams, stream_base;
@@ -74,8 +73,8 @@ struct LLCommon {
   int max_chunks;               // chunks of kChunkExperts local experts the scratch has room for, per rank
   uint32_t* dest_done;          // device scratch, zero between calls: [R] combine blocks done with a partial peer
   uint64_t meta_off, meta_stride;  // combine partials (see above); meta_off 0: every peer gets rows
-  LLError* error;               // mapped host memory: the host raises what the kernels report
-  uint32_t* failed;             // device: the first reported error's code (kernels test this, not the host copy)
+  KernelError* error;           // mapped host memory [kNumErrorWords]: what the host raises (kernel_errors.h)
+  uint32_t* failed;             // device [kNumErrorWords]: the reported codes (kernels test these, not the host's)
   uint64_t timeout_ns;
   int num_sms;
   void* stream;                 // cudaStream_t

@@ -22,32 +22,40 @@ PORTEP_DEVICE void copy_row(uint8_t* dst, const uint8_t* src, int bytes) {
 }
 
 // Without zero-copy, proxy destination dst's rows of a chunk are staged packed from this row of the send area
-// (ll_api.h); with zero-copy the proxies read them where the caller wrote them.
+// (ll_api.h); with zero-copy the proxies read them where the caller wrote them. Placed (c.place[dst]) they are
+// stored packed straight into dst's receive area, from the chunk's first row there on.
 PORTEP_DEVICE uint64_t combine_staging_row(const LLCommon& c, int dst, int chunk) {
   return uint64_t(chunk) * kChunkExperts * c.num_ranks * c.T + uint64_t(dst) * chunk_experts(c, chunk) * c.T;
 }
+PORTEP_DEVICE uint64_t combine_remote_chunk(const LLCommon& c, int chunk) {
+  return c.recv_off + (uint64_t(c.rank) * c.num_local_experts + chunk * kChunkExperts) * c.T * c.comb_pitch;
+}
+// Whether proxy destination dst's rows are copied packed by the kernel (into staging or placed), not read by the
+// proxies from the caller's zero-copy rows.
+PORTEP_DEVICE bool rows_packed_here(const LLCombineArgs& a, int dst) { return !a.zero_copy || a.c.place[dst]; }
 
 // Every local expert of `chunk` has its rows for proxy destination dst in place: one WRITE of the packed rows
-// (zero-copy: one per expert, from the caller's rows), into the chunk's rows of dst's receive area, then the
-// chunk's final SIGNAL.
+// (zero-copy without placing: one per expert, from the caller's rows), into the chunk's rows of dst's receive area,
+// then the chunk's final SIGNAL.
 PORTEP_DEVICE void publish_combine_chunk(const LLCombineArgs& a, int dst, int chunk) {
   const LLCommon& c = a.c;
   const int R = c.num_ranks, first = chunk * kChunkExperts, n = chunk_experts(c, chunk);
   const uint64_t M = uint64_t(R) * c.T, pitch = c.comb_pitch;
   const uint32_t stream = c.stream_base + uint32_t(chunk);
-  const uint64_t remote = c.recv_off + (uint64_t(c.rank) * c.num_local_experts + first) * c.T * pitch;
-  fence_sys();  // the copy engine (or NIC) reads the rows after the proxy sees the command
+  const uint64_t remote = combine_remote_chunk(c, chunk);
+  fence_sys();  // the NIC reads the rows after the proxy sees the command (placed: dst reads them after the signal)
+  const bool packed_here = rows_packed_here(a, dst);
   uint32_t packed = 0;
   for (int le = first; le < first + n; ++le) {
     const uint64_t lr = uint64_t(a.layout_range[le * R + dst]);
     const uint32_t begin = uint32_t(lr >> 32), count = uint32_t(lr);
-    if (a.zero_copy && count &&
+    if (!packed_here && count &&
         !push_write(c, dst, stream, c.send_off + (uint64_t(le) * M + begin) * pitch, remote + uint64_t(packed) * pitch,
                     uint64_t(count) * pitch))
       return;
     packed += count;
   }
-  if (!a.zero_copy && packed &&
+  if (packed_here && packed &&
       !push_write(c, dst, stream, c.send_off + combine_staging_row(c, dst, chunk) * pitch, remote,
                   uint64_t(packed) * pitch))
     return;
@@ -82,7 +90,7 @@ PORTEP_DEVICE void combine_send_part(const LLCombineArgs& a, int le, int part, i
     begins[src] = uint32_t(lr >> 32);
     counts[src] = uint32_t(lr);
     uint32_t before = 0;
-    if (!c.peers[src] && !a.zero_copy)
+    if (!c.peers[src] && rows_packed_here(a, src))
       for (int e = chunk * kChunkExperts; e < le; ++e) before += uint32_t(uint64_t(a.layout_range[e * R + src]));
     packed_before[src] = before;
   }
@@ -102,10 +110,12 @@ PORTEP_DEVICE void combine_send_part(const LLCombineArgs& a, int le, int part, i
     if (c.peers[src])
       copy_row(c.peers[src] + c.recv_off + (uint64_t(expert) * c.T + (i - begins[src])) * c.comb_pitch, row,
                2 * c.hidden);
-    else if (!a.zero_copy)  // proxy peers' rows are staged packed per chunk in the registered send area
-      copy_row(c.local + c.send_off +
-                   (combine_staging_row(c, src, chunk) + packed_before[src] + (i - begins[src])) * c.comb_pitch,
+    else if (rows_packed_here(a, src)) {  // proxy peers' rows packed per chunk: staged, or placed at src
+      const uint64_t p = packed_before[src] + (i - begins[src]);
+      copy_row(proxy_bytes_at(c, src, c.send_off + (combine_staging_row(c, src, chunk) + p) * c.comb_pitch,
+                              combine_remote_chunk(c, chunk) + p * c.comb_pitch),
                row, 2 * c.hidden);
+    }
   }
   __syncthreads();
   if (threadIdx.x == 0) {
@@ -140,18 +150,16 @@ PORTEP_DEVICE void relay_combine_chunk(const LLCombineArgs& a, int src, int chun
   st_release_sys_u32(signal_flag(c, first + j), 1u);  // cumulative: the slot's acquire saw the rows
 }
 
-__global__ void __launch_bounds__(kLLThreads) combine_wait_kernel(LLCombineArgs a) {
-  const LLCommon& c = a.c;
-  for_my_relay_chunks(c, [&](int src, int chunk) { relay_combine_chunk(a, src, chunk); });
-  for (int e = threadIdx.x; e < c.num_experts; e += blockDim.x)
-    take_flag(c, e / c.num_local_experts, e, a.wait_stats);
-}
-
 // Waits (without consuming it) until expert e's rows have arrived (proxy sources: relayed into its flag); false
-// after the timeout (reported).
-PORTEP_DEVICE bool wait_expert_rows(const LLCommon& c, int e) {
+// after the timeout (reported). With wait statistics the nanoseconds waited add to the owner's entry (a sum over
+// the waiting threads, as DeepEP's per-rank receive cost).
+PORTEP_DEVICE bool wait_expert_rows(const LLCombineArgs& a, int e) {
+  const int src = e / a.c.num_local_experts;
   uint64_t v = 0, waited = 0;
-  return await_flag(c, e / c.num_local_experts, e, &v, &waited);
+  const bool ok = await_flag(a.c, src, e, &v, &waited);
+  if (a.wait_stats && waited)
+    atomicAdd(reinterpret_cast<unsigned long long*>(a.wait_stats + src), (unsigned long long)waited);
+  return ok;
 }
 
 // Every expert's flag of this call was read: back to zero for the next call on this half.
@@ -291,7 +299,7 @@ PORTEP_DEVICE void await_block_experts(const LLCombineArgs& a) {
   for (int t = int(blockIdx.x); t < a.num_tokens; t += int(gridDim.x)) {
     if (int(threadIdx.x) >= K) break;
     const int64_t e = a.topk_idx[uint64_t(t) * K + threadIdx.x];
-    if (e >= 0 && e < c.num_experts) wait_expert_rows(c, int(e));  // a timeout is reported; the results are void
+    if (e >= 0 && e < c.num_experts) wait_expert_rows(a, int(e));  // a timeout is reported; the results are void
   }
   __syncthreads();
   __shared__ bool last;
@@ -306,16 +314,16 @@ PORTEP_DEVICE void await_block_experts(const LLCombineArgs& a) {
   // Blocks waited only for their own tokens' experts, but every (expert, source) pair is signalled on every call:
   // wait for the rest too, or a late signal would survive the reset and satisfy a later call's wait before its rows
   // arrive.
-  for (int e = threadIdx.x; e < c.num_experts; e += blockDim.x) wait_expert_rows(c, e);
+  for (int e = threadIdx.x; e < c.num_experts; e += blockDim.x) wait_expert_rows(a, e);
   __syncthreads();
   fence_gpu();
   reset_combine_signals(c);
   __syncthreads();
 }
 
-// One block per token: the block waits for its tokens' experts (await_block_experts; not when a wait kernel already
-// consumed every signal), then finds each token's K rows and reduces them (reduce_channels).
-PORTEP_DEVICE void combine_reduce(const LLCombineArgs& a, bool waited) {
+// One block per token: the block waits for its tokens' experts (await_block_experts), then finds each token's K rows
+// and reduces them (reduce_channels).
+PORTEP_DEVICE void combine_reduce(const LLCombineArgs& a) {
   __shared__ const uint4* rows[kWarpSize];
   __shared__ float weights[kWarpSize];
   __shared__ int tok_experts[kWarpSize];
@@ -324,10 +332,8 @@ PORTEP_DEVICE void combine_reduce(const LLCombineArgs& a, bool waited) {
   __shared__ ReduceSlots slots;
   const LLCommon& c = a.c;
   const int K = a.num_topk, H = c.hidden;
-  if (!waited) {
-    for_my_relay_chunks(c, [&](int src, int chunk) { relay_combine_chunk(a, src, chunk); });
-    await_block_experts(a);
-  }
+  for_my_relay_chunks(c, [&](int src, int chunk) { relay_combine_chunk(a, src, chunk); });
+  await_block_experts(a);
   for (int t = int(blockIdx.x); t < a.num_tokens; t += int(gridDim.x)) {
     token_selections(a.topk_idx, t, K, c.num_experts, tok_experts, tok_slots);
     if (int(threadIdx.x) < K) {
@@ -351,16 +357,13 @@ PORTEP_DEVICE void combine_reduce(const LLCombineArgs& a, bool waited) {
   }
 }
 
-// kPhases: kPhaseSend and/or kPhaseRecv (both: every block sends its parts, then reduces its tokens; grid:
-// send_recv_grid). `waited`: a wait kernel already consumed the signals. A compile-time argument: the receive
-// kernel compiled together with the send code (one kernel, phases at run time) took 15.5 us instead of 11.0 on
-// the hook probe (bench/results/RESULTS.md). The send phase's grid (one block per local expert and part) runs in one
-// wave only with two blocks per SM; the reduce needs more registers than that allows.
-template <int kPhases>
-__global__ void __launch_bounds__(kLLThreads, kPhases == kPhaseSend ? 2 : 1)
-    combine_kernel(LLCombineArgs a, int parts, bool waited) {
+// phases: kPhaseSend and/or kPhaseRecv (both: every block sends its parts, then reduces its tokens). One kernel for
+// every phase, chosen at run time, as in dispatch_kernel (one kernel named "combine" per call; a hook's two phases
+// are two launches of it). At most one block per SM in every grid: the reduce needs more than half an SM's
+// registers, and every block of a receiving grid must be resident (for_my_relay_chunks).
+__global__ void __launch_bounds__(kLLThreads, 1) combine_kernel(LLCombineArgs a, int parts, int phases) {
   extern __shared__ uint32_t shared[];  // begins [R], counts [R]
-  if constexpr ((kPhases & kPhaseSend) != 0) {
+  if (phases & kPhaseSend) {
     const LLCommon& c = a.c;
     int partial_peers = 0;
     for (int r = 0; r < c.num_ranks; ++r) partial_peers += partial_peer(c, r);
@@ -377,48 +380,35 @@ __global__ void __launch_bounds__(kLLThreads, kPhases == kPhaseSend ? 2 : 1)
       }
     }
   }
-  if constexpr ((kPhases & kPhaseRecv) != 0) combine_reduce(a, waited);
+  if (phases & kPhaseRecv) combine_reduce(a);
 }
 
 }  // namespace
 
 int ll_combine(const LLCombineArgs& a, int phases) {
-  if (a.num_topk > kWarpSize) return int(cudaErrorInvalidValue);
+  if (a.num_topk > kWarpSize || phases < kPhaseSend || phases > (kPhaseSend | kPhaseRecv))
+    return int(cudaErrorInvalidValue);
   const LLCommon& c = a.c;
   cudaStream_t stream = static_cast<cudaStream_t>(c.stream);
   const size_t smem = size_t(c.num_ranks) * 12;
-  const int N = std::max(a.num_tokens, 1), E_l = std::max(c.num_local_experts, 1);
+  const int N = std::max(a.num_tokens, 1), E_l = std::max(c.num_local_experts, 1), sms = c.num_sms;
   auto parts_for = [E_l](int blocks) { return std::clamp(blocks / E_l, 1, kMaxPartsPerExpert); };
-  // With wait statistics a single-block kernel waits for (and consumes) every signal and times each source;
-  // without, each reducing block waits for its own token's experts only.
-  const bool wait_first = a.wait_stats != nullptr;
-  if (phases == (kPhaseSend | kPhaseRecv) && !wait_first) {
-    const int blocks = send_recv_grid(N, E_l, c.num_sms);
-    LLCombineArgs fused = a;
-    fused.own_rows_in_input = true;
-    combine_kernel<kPhaseSend | kPhaseRecv><<<blocks, kLLThreads, smem, stream>>>(fused, parts_for(blocks), false);
-    return int(cudaGetLastError());
+  LLCombineArgs args = a;
+  int blocks = 0, parts = 1;
+  if (phases == (kPhaseSend | kPhaseRecv)) {
+    blocks = send_recv_grid(N, E_l, sms);
+    parts = parts_for(blocks);
+    args.own_rows_in_input = true;  // one launch: the reduce reads this rank's rows from x, which cannot change
+  } else if (phases == kPhaseSend) {
+    parts = parts_for(sms);
+    blocks = std::min(E_l * parts, sms);
+  } else {
+    blocks = std::min(N, sms);
   }
-  if (phases & kPhaseSend) {
-    const int parts = parts_for(c.num_sms);
-    combine_kernel<kPhaseSend><<<E_l * parts, kLLThreads, smem, stream>>>(a, parts, false);
-    if (cudaError_t e = cudaGetLastError(); e != cudaSuccess) return int(e);
-  }
-  if (phases & kPhaseRecv) {
-    if (wait_first) {
-      combine_wait_kernel<<<1, kLLThreads, 0, stream>>>(a);
-      if (cudaError_t e = cudaGetLastError(); e != cudaSuccess) return int(e);
-    }
-    combine_kernel<kPhaseRecv><<<std::min(N, 4 * c.num_sms), kLLThreads, smem, stream>>>(a, 1, wait_first);
-    return int(cudaGetLastError());
-  }
-  return 0;
+  combine_kernel<<<blocks, kLLThreads, smem, stream>>>(args, parts, phases);
+  return int(cudaGetLastError());
 }
 
-int load_ll_combine_kernels() {
-  for (auto k : {combine_kernel<kPhaseSend>, combine_kernel<kPhaseRecv>, combine_kernel<kPhaseSend | kPhaseRecv>})
-    if (cudaError_t e = load_kernel(k); e != cudaSuccess) return int(e);
-  return int(load_kernel(combine_wait_kernel));
-}
+int load_ll_combine_kernels() { return int(load_kernel(combine_kernel)); }
 
 }  // namespace portep::cuda

@@ -5,6 +5,7 @@
 
 #include <algorithm>
 
+#include "kernel_errors.cuh"
 #include "ll_api.h"
 #include "portep/fifo_device.cuh"
 #include "portep/portability.cuh"
@@ -19,30 +20,6 @@ constexpr int kLLThreads = kLLWarps * kWarpSize;
 // blocks wait for those; a wait past the timeout is reported, not hung.
 inline int send_recv_grid(int tokens, int local_experts, int num_sms) {
   return std::min(std::max(tokens, local_experts), num_sms);
-}
-
-constexpr uint32_t kErrWaitTimeout = 1, kErrFifoTimeout = 2, kErrSlotOverflow = 3, kErrBadExpert = 4;
-constexpr uint32_t kErrTooManyRecv = 5;  // HT: more rows than num_worst_tokens (src = rows received)
-
-// The first failure wins: its code goes to c.failed (device memory, which kernels test: reads of the host-mapped
-// copy are served one at a time across PCIe, about 0.6 us each GPU-wide), then to the host's copy. c: an LLCommon
-// or HTCommon. kErrTooManyRecv does not stop later data kernels (the op's counts are sound and its rings must
-// drain), so a fatal failure after it takes the device word over; the host keeps the first.
-template <class Common>
-PORTEP_DEVICE void report_error(const Common& c, uint32_t code, uint32_t rank, uint32_t src, uint32_t index) {
-  const uint32_t first = atomic_cas_relaxed_gpu_u32(c.failed, 0, code);
-  if (first == kErrTooManyRecv && code != kErrTooManyRecv) atomic_cas_relaxed_gpu_u32(c.failed, first, code);
-  if (first != 0) return;
-  LLError* e = c.error;
-  e->rank = rank;
-  e->src = src;
-  e->index = index;
-  st_release_sys_u32(&e->code, code);
-}
-// The code of the first failure reported so far (0: none).
-template <class Common>
-PORTEP_DEVICE uint32_t reported_error(const Common& c) {
-  return *reinterpret_cast<volatile uint32_t*>(c.failed);
 }
 
 PORTEP_DEVICE float bf16_to_f32(uint16_t v) { return __uint_as_float(uint32_t(v) << 16); }
@@ -144,11 +121,13 @@ PORTEP_DEVICE void warp_copy16(uint4* dst, const uint4* src, int n16) {
   warp_copy16_to(dsts, 1, src, n16);
 }
 
-// Waits until pred(load()) with a timeout; returns the last value loaded and whether it timed out. backoff_ns
-// spaces the loads out (polls of host memory cross PCIe; hundreds of tight pollers slow the proxies' traffic).
+// Waits until pred(load()) with a timeout; returns the last value loaded and whether pred held. It also gives up
+// once a failure is reported (failed: the call's failure word, kernel_errors.h; may be null): the call's results are
+// void then, and every other wait of the call would wait out its own timeout, one after another. backoff_ns spaces
+// the loads out (polls of host memory cross PCIe; hundreds of tight pollers slow the proxies' traffic).
 template <class Load, class Pred>
-PORTEP_DEVICE bool wait_until(Load load, Pred pred, uint64_t timeout_ns, uint64_t* value, uint64_t* waited_ns,
-                              uint32_t backoff_ns = 0) {
+PORTEP_DEVICE bool wait_until(Load load, Pred pred, const uint32_t* failed, uint64_t timeout_ns, uint64_t* value,
+                              uint64_t* waited_ns, uint32_t backoff_ns = 0) {
   uint64_t v = load();
   if (pred(v)) {
     *value = v;
@@ -160,7 +139,8 @@ PORTEP_DEVICE bool wait_until(Load load, Pred pred, uint64_t timeout_ns, uint64_
     if (backoff_ns) sleep_ns(backoff_ns);
     v = load();
     if (pred(v)) break;
-    if ((iter & 1023) == 0 && globaltimer_ns() - start > timeout_ns) {
+    if ((iter & 1023) == 0 && (globaltimer_ns() - start > timeout_ns ||
+                               (failed && *reinterpret_cast<const volatile uint32_t*>(failed)))) {
       *value = v;
       *waited_ns = globaltimer_ns() - start;
       return false;
@@ -205,14 +185,23 @@ PORTEP_DEVICE bool push_cmd(const LLCommon& c, const CmdFields& f) {
   return true;
 }
 
+// Where the bytes of a WRITE to proxy peer dst are stored: at remote_off in dst's region when the kernels store them
+// there themselves (c.place[dst]: the WRITE is then placed), else at local_off in this rank's staging area, from
+// where the WRITE moves them.
+PORTEP_DEVICE uint8_t* proxy_bytes_at(const LLCommon& c, int dst, uint64_t local_off, uint64_t remote_off) {
+  return c.place[dst] ? c.place[dst] + remote_off : c.local + local_off;
+}
+PORTEP_DEVICE uint32_t write_flags(const LLCommon& c, int dst) { return c.place[dst] ? uint32_t(kFlagPlaced) : 0u; }
+
 // Through the proxies: WRITE commands for bytes (in pieces of at most kMaxCmdBytes), on the FIFO of (dst, stream),
 // so the proxy sees them in order; then push_signal ends the stream's part of this call. The caller fenced at
-// system scope. false: a push failed (reported).
+// system scope after storing the bytes (proxy_bytes_at). false: a push failed (reported).
 PORTEP_DEVICE bool push_write(const LLCommon& c, int dst, uint32_t stream, uint64_t local_off, uint64_t remote_off,
                               uint64_t bytes) {
   for (uint64_t done = 0; done < bytes; done += kMaxCmdBytes) {
     const uint64_t n = bytes - done < kMaxCmdBytes ? bytes - done : kMaxCmdBytes;
-    if (!push_cmd(c, CmdFields{kOpWrite, 0, uint32_t(dst), uint32_t(n), stream, remote_off + done, local_off + done}))
+    if (!push_cmd(c, CmdFields{kOpWrite, write_flags(c, dst), uint32_t(dst), uint32_t(n), stream, remote_off + done,
+                               local_off + done}))
       return false;
   }
   return true;
@@ -242,7 +231,7 @@ PORTEP_DEVICE uint32_t units_since(uint64_t slot, uint64_t seen) { return uint32
 PORTEP_DEVICE bool await_flag(const LLCommon& c, int src, int flag_index, uint64_t* value, uint64_t* waited) {
   const uint32_t* flag = signal_flag(c, flag_index);
   const bool ok = wait_until([&] { return uint64_t(ld_acquire_sys_u32(flag)); }, [](uint64_t x) { return x != 0; },
-                             c.timeout_ns, value, waited);
+                             c.failed, c.timeout_ns, value, waited);
   if (!ok) report_error(c, kErrWaitTimeout, uint32_t(c.rank), uint32_t(src), uint32_t(flag_index));
   return ok;
 }
@@ -289,7 +278,7 @@ PORTEP_DEVICE int64_t await_chunk_signal(const LLCommon& c, int src, int chunk) 
     // with the same value.
     if (warp_all(new_final_signal(v, seen))) break;
     sleep_ns(kRelayBackoffNs);
-    if ((iter & 255) == 0 && globaltimer_ns() - start > c.timeout_ns) {
+    if ((iter & 255) == 0 && (globaltimer_ns() - start > c.timeout_ns || reported_error(c))) {
       if (lane_id() == 0)
         report_error(c, kErrWaitTimeout, uint32_t(c.rank), uint32_t(src), uint32_t(chunk * kChunkExperts));
       return -1;

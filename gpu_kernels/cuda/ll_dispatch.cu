@@ -16,14 +16,19 @@ constexpr uint32_t kFp8Max = 448;
 // hist holds this call's selections per expert (all tokens).
 struct DispatchChunk {
   uint64_t staging;  // byte offset of message 0 in this rank's data region
+  uint64_t remote;   // and in dst's
   uint32_t total;    // messages of the chunk's experts
   bool table;        // message 0 is the count table (false only when every slot of the chunk is taken)
+  uint8_t* at;       // where message 0 is stored (proxy_bytes_at)
 };
 PORTEP_DEVICE DispatchChunk dispatch_chunk(const LLCommon& c, const uint32_t* hist, int dst, int chunk) {
   const int first = dst * c.num_local_experts + chunk * kChunkExperts, n = chunk_experts(c, chunk);
   uint32_t total = 0;
   for (int j = 0; j < n; ++j) total += hist[first + j];
-  return {c.send_off + uint64_t(first) * c.T * c.disp_bytes, total, total < uint32_t(n) * c.T};
+  const uint64_t staging = c.send_off + uint64_t(first) * c.T * c.disp_bytes;
+  const uint64_t remote =
+      c.recv_off + (uint64_t(c.rank) * c.num_local_experts + chunk * kChunkExperts) * c.T * c.disp_bytes;
+  return {staging, remote, total, total < uint32_t(n) * c.T, proxy_bytes_at(c, dst, staging, remote)};
 }
 
 // Where the message of (expert, slot) goes: a direct destination's receive slot, or its packed place in the
@@ -35,7 +40,7 @@ PORTEP_DEVICE uint8_t* message_address(const LLCommon& c, const uint32_t* hist, 
   const DispatchChunk ch = dispatch_chunk(c, hist, dst, le / kChunkExperts);
   uint32_t before = 0;
   for (int e = dst * c.num_local_experts + le / kChunkExperts * kChunkExperts; e < expert; ++e) before += hist[e];
-  return c.local + ch.staging + (uint64_t(ch.table) + before + uint32_t(slot)) * c.disp_bytes;
+  return ch.at + (uint64_t(ch.table) + before + uint32_t(slot)) * c.disp_bytes;
 }
 
 // Every message of proxy destination dst's chunk is staged: write the count table (when there is room) and hand
@@ -44,15 +49,14 @@ PORTEP_DEVICE void publish_dispatch_chunk(const LLCommon& c, const uint32_t* his
   const DispatchChunk ch = dispatch_chunk(c, hist, dst, chunk);
   const int first = dst * c.num_local_experts + chunk * kChunkExperts, n = chunk_experts(c, chunk);
   if (ch.table && ch.total) {
-    uint8_t* table = c.local + ch.staging;
-    *reinterpret_cast<int4*>(table) = make_int4(-1, int(ch.total), 0, 0);
-    for (int j = 0; j < n; ++j) reinterpret_cast<uint32_t*>(table + 16)[j] = hist[first + j];
+    *reinterpret_cast<int4*>(ch.at) = make_int4(-1, int(ch.total), 0, 0);
+    for (int j = 0; j < n; ++j) reinterpret_cast<uint32_t*>(ch.at + 16)[j] = hist[first + j];
   }
-  fence_sys();  // the copy engine (or NIC) reads the staged messages after the proxy sees the command
+  // The NIC reads the staged messages after the proxy sees the command; placed ones are in dst's memory, where dst
+  // reads them after the proxies' signal: either way every store of the chunk comes first.
+  fence_sys();
   const uint32_t stream = c.stream_base + uint32_t(chunk);
-  const uint64_t remote =
-      c.recv_off + (uint64_t(c.rank) * c.num_local_experts + chunk * kChunkExperts) * c.T * c.disp_bytes;
-  if (ch.total && !push_write(c, dst, stream, ch.staging, remote, uint64_t(ch.total + ch.table) * c.disp_bytes))
+  if (ch.total && !push_write(c, dst, stream, ch.staging, ch.remote, uint64_t(ch.total + ch.table) * c.disp_bytes))
     return;
   push_signal(c, dst, stream);
 }
@@ -127,7 +131,7 @@ PORTEP_DEVICE void dispatch_send(const LLDispatchArgs& a, uint32_t* hist) {
   for (int i = threadIdx.x; i < N * K; i += blockDim.x) {
     const int64_t e = a.topk_idx[i];
     if (e >= E || e < -1) {  // never checked on the host (that would synchronize): dropped and reported
-      if (blockIdx.x == 0) report_error(c, kErrBadExpert, uint32_t(c.rank), uint32_t(i / K), uint32_t(e));
+      if (blockIdx.x == 0) report_error(c, kErrBadExpert, uint32_t(c.rank), uint32_t(i / K), uint32_t(i % K), e);
     } else if (e >= 0) {
       atomicAdd(&hist[e], 1u);
     }
@@ -272,15 +276,15 @@ PORTEP_DEVICE void dispatch_recv_expert(const LLDispatchArgs& a, int le, uint32_
   }
 }
 
-// kPhases: kPhaseSend and/or kPhaseRecv. With both, every block sends, then receives (grid: send_recv_grid). A
-// compile-time argument, so that each phase's kernel holds only its own code and registers. A single phase's grid
-// (up to 2 blocks per SM, or one per local expert) runs in one wave only with two blocks per SM.
-template <int kPhases>
-__global__ void __launch_bounds__(kLLThreads, kPhases == (kPhaseSend | kPhaseRecv) ? 1 : 2)
-    dispatch_kernel(LLDispatchArgs a) {
+// phases: kPhaseSend and/or kPhaseRecv; with both, every block sends, then receives. One kernel for every phase,
+// chosen at run time, as DeepEP's: profilers then show one kernel named "dispatch" per call, and a hook's send and
+// receive as two launches of it (DeepEP's bench_kineto relies on both). Every grid is at most one block per SM
+// (the kernel needs more than half an SM's registers), so all its blocks are resident and a receiving block never
+// waits for a relay (for_my_relay_chunks) that cannot run.
+__global__ void __launch_bounds__(kLLThreads, 1) dispatch_kernel(LLDispatchArgs a, int phases) {
   extern __shared__ uint32_t shared[];  // send: hist [E]; receive: counts [R], begins [R]
-  if constexpr ((kPhases & kPhaseSend) != 0) dispatch_send(a, shared);
-  if constexpr ((kPhases & kPhaseRecv) == 0) return;
+  if (phases & kPhaseSend) dispatch_send(a, shared);
+  if (!(phases & kPhaseRecv)) return;
   for_my_relay_chunks(a.c, [&](int src, int chunk) { relay_dispatch_chunk(a.c, src, chunk); });
   for (int le = int(blockIdx.x); le < a.c.num_local_experts; le += int(gridDim.x)) {
     __syncthreads();  // shared memory is reused
@@ -288,38 +292,24 @@ __global__ void __launch_bounds__(kLLThreads, kPhases == (kPhaseSend | kPhaseRec
   }
 }
 
-template <int kPhases>
-int launch_dispatch(const LLDispatchArgs& a, int blocks, size_t smem) {
-  if (smem > 48 * 1024) {
-    if (cudaError_t e = allow_dynamic_smem(dispatch_kernel<kPhases>, int(smem)); e != cudaSuccess)
-      return int(e);
-  }
-  dispatch_kernel<kPhases><<<blocks, kLLThreads, smem, static_cast<cudaStream_t>(a.c.stream)>>>(a);
-  return int(cudaGetLastError());
-}
-
 }  // namespace
 
 int ll_dispatch(const LLDispatchArgs& a, int phases) {
-  if (a.num_topk > kWarpSize) return int(cudaErrorInvalidValue);
-  const int N = std::max(a.num_tokens, 1), E_l = a.c.num_local_experts;
-  const int blocks = phases == kPhaseSend   ? std::min(N, 2 * a.c.num_sms)
-                     : phases == kPhaseRecv ? E_l
-                                            : send_recv_grid(N, E_l, a.c.num_sms);
+  if (a.num_topk > kWarpSize || phases < kPhaseSend || phases > (kPhaseSend | kPhaseRecv))
+    return int(cudaErrorInvalidValue);
+  const int N = std::max(a.num_tokens, 1), E_l = a.c.num_local_experts, sms = a.c.num_sms;
+  const int blocks = phases == kPhaseSend   ? std::min(N, sms)
+                     : phases == kPhaseRecv ? std::min(E_l, sms)
+                                            : send_recv_grid(N, E_l, sms);
   size_t smem = size_t(a.c.num_ranks) * 8;
   if (phases & kPhaseSend) smem = std::max(smem, size_t(a.c.num_experts) * 4);
-  switch (phases) {
-    case kPhaseSend: return launch_dispatch<kPhaseSend>(a, blocks, smem);
-    case kPhaseRecv: return launch_dispatch<kPhaseRecv>(a, blocks, smem);
-    case kPhaseSend | kPhaseRecv: return launch_dispatch<kPhaseSend | kPhaseRecv>(a, blocks, smem);
-    default: return int(cudaErrorInvalidValue);
+  if (smem > 48 * 1024) {
+    if (cudaError_t e = allow_dynamic_smem(dispatch_kernel, int(smem)); e != cudaSuccess) return int(e);
   }
+  dispatch_kernel<<<blocks, kLLThreads, smem, static_cast<cudaStream_t>(a.c.stream)>>>(a, phases);
+  return int(cudaGetLastError());
 }
 
-int load_ll_dispatch_kernels() {
-  for (auto k : {dispatch_kernel<kPhaseSend>, dispatch_kernel<kPhaseRecv>, dispatch_kernel<kPhaseSend | kPhaseRecv>})
-    if (cudaError_t e = load_kernel(k); e != cudaSuccess) return int(e);
-  return 0;
-}
+int load_ll_dispatch_kernels() { return int(load_kernel(dispatch_kernel)); }
 
 }  // namespace portep::cuda

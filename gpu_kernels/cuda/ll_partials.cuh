@@ -89,7 +89,7 @@ PORTEP_DEVICE void combine_partial_token(const LLCombineArgs& a, int dst, int t)
     // After any failure (this call's results are void) the items stop waiting: each would wait out the timeout.
     ready = reported_error(c) == 0 &&
             wait_until([&] { return uint64_t(ld_acquire_sys_u32(&meta->ready)); }, [](uint64_t x) { return x != 0; },
-                       c.timeout_ns, &v, &waited);
+                       c.failed, c.timeout_ns, &v, &waited);
     if (!ready) report_error(c, kErrWaitTimeout, uint32_t(c.rank), uint32_t(dst), uint32_t(t));
   }
   __syncthreads();  // thread 0's acquire, then the barrier: the meta block is visible to the block

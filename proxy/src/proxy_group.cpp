@@ -28,6 +28,7 @@ ProxyGroupImpl::ProxyGroupImpl(Transport* t, const ProxyConfig& c, uint64_t* slo
   check_config(c);
   const TransportProps p = t->props();
   native_signals = p.ordered && p.remote_atomics;
+  placed_writes = p.placed_writes;
   if (!native_signals && c.num_streams > imm::kMaxStreams)
     throw std::invalid_argument("num_streams=" + std::to_string(c.num_streams) + " exceeds " +
                                 std::to_string(imm::kMaxStreams) + ", the limit of the immediate encoding that the " +

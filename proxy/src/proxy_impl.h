@@ -78,6 +78,7 @@ class ProxyGroupImpl {
   ProxyConfig cfg;
   uint64_t* signal_slots;
   bool native_signals;
+  bool placed_writes;  // the transport takes placed WRITEs (kFlagPlaced)
   std::vector<std::unique_ptr<HostFifoStorage>> fifos;
   std::vector<FifoView> device_fifos;  // views i >= cfg.num_fifos
   std::vector<std::unique_ptr<ProxyThread>> workers;

@@ -134,11 +134,20 @@ void ProxyThread::handle_write(const CmdFields& f) {
     uint64_t wait_seq;
     if (se.units == 0 && se.must_wait_for(&wait_seq)) wait_retired_past(wait_seq, "WRITE (epoch window)", peer);
   }
-  const uint32_t imm_value = imm::encode_stream_write(f.stream, uint32_t(se.epoch));
-  const uint32_t* imm = g_->native_signals ? nullptr : &imm_value;
-  post_with_retry(f.size, "WRITE", peer, [&](uint64_t wr_id) {
-    return g_->transport->post_write(index_, peer, f.local_off, f.remote_off, f.size, imm, wr_id);
-  });
+  // Placed: the bytes are in dst's memory already. With native signals the stream's signal counts the unit and
+  // nothing is posted; otherwise a zero-byte write carries the unit's immediate.
+  const bool placed = f.flags & kFlagPlaced;
+  if (placed && !g_->placed_writes)
+    throw std::runtime_error("a placed WRITE to rank " + std::to_string(f.dst_rank) + " on transport " +
+                             g_->transport->props().name + ", which takes none (its peers' memory is not mapped here)");
+  if (!placed || !g_->native_signals) {
+    const uint32_t imm_value = imm::encode_stream_write(f.stream, uint32_t(se.epoch));
+    const uint32_t* imm = g_->native_signals ? nullptr : &imm_value;
+    const uint32_t bytes = placed ? 0 : f.size;
+    post_with_retry(bytes, "WRITE", peer, [&](uint64_t wr_id) {
+      return g_->transport->post_write(index_, peer, f.local_off, f.remote_off, bytes, imm, wr_id);
+    });
+  }
   ++se.units;
   ++stats.writes;
   stats.bytes += f.size;

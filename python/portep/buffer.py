@@ -218,6 +218,7 @@ class Buffer:
         v.check_topk_idx("topk_idx", topk_idx, num_experts, device=self._device)
         out, event = self._normal_op(lambda: engine.get_dispatch_layout(topk_idx, num_experts), previous_event,
                                      async_finish, allocate_on_comm_stream, (topk_idx,))
+        engine.raise_notice()
         return tuple(out) + (event,)
 
     def dispatch(self, x, handle=None, num_tokens_per_rank=None, num_tokens_per_rdma_rank=None,
@@ -252,6 +253,7 @@ class Buffer:
         out, event = self._normal_op(lambda: engine.dispatch(*inputs, expert_alignment, num_worst_tokens,
                                                              config.num_sms // 2, None),
                                      previous_event, async_finish, allocate_on_comm_stream, inputs)
+        engine.raise_notice()
         recv_x, recv_scales, recv_topk_idx, recv_topk_weights, counts, handle = out
         recv = (recv_x, recv_scales) if x_scales is not None else recv_x
         return recv, recv_topk_idx, recv_topk_weights, counts, handle, event
@@ -272,6 +274,7 @@ class Buffer:
         out, event = self._normal_op(lambda: engine.dispatch(x, x_scales, None, None, None, None, None, None,
                                                              expert_alignment, num_worst_tokens, channels, handle)[:2],
                                      *stream_args, (x, x_scales) + tuple(handle))
+        engine.raise_notice()
         recv_x, recv_scales = out
         recv = (recv_x, recv_scales) if x_scales is not None else recv_x
         return recv, None, None, None, None, event
@@ -297,6 +300,7 @@ class Buffer:
         biases = v.check_bias(bias, num_tokens, x.size(1), x.dtype, self._device)
         out, event = self._normal_op(lambda: engine.combine(x, handle, topk_weights, biases), previous_event,
                                      async_finish, allocate_on_comm_stream, (x, topk_weights) + biases + tuple(handle))
+        engine.raise_notice()
         return out[0], out[1], event
 
     def internode_dispatch(self, *args, **kwargs):
@@ -349,6 +353,7 @@ class Buffer:
         recv_x, recv_count, handle, hook = engine.low_latency_dispatch(
             x, topk_idx, tokens, num_experts, bool(use_fp8), bool(round_scale), bool(use_ue8m0), recv_stats,
             wait_stats, bool(return_recv_hook))
+        engine.raise_notice()
         extra = None
         if async_finish:
             data, scales = recv_x if isinstance(recv_x, tuple) else (recv_x, None)
@@ -386,6 +391,7 @@ class Buffer:
         handle = tuple(handle)
         combined_x, hook = engine.low_latency_combine(x, topk_idx, topk_weights, handle, bool(zero_copy), out,
                                                       bool(return_recv_hook), wait_stats)
+        engine.raise_notice()
         extra = (x, topk_idx, topk_weights, handle[0], handle[1], combined_x) if async_finish else None
         return combined_x, self._event(async_finish, extra), hook
 

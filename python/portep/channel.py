@@ -168,6 +168,12 @@ class Channel:
         return self._live().stats()
 
     @property
+    def placed_writes(self):
+        """True when a producer may store a WRITE's bytes into a mapped peer region itself and post the WRITE
+        placed (the transport then carries only its notification, and on GPUs the proxies make no CUDA call)."""
+        return self._live().transport_placed_writes
+
+    @property
     def native_signals(self):
         """True when signals are native atomics on an ordered transport; False when emulated with immediates."""
         return self._live().native_signals

@@ -56,13 +56,26 @@ def transport_from_env(explicit=None):
     return name
 
 
-# The shm transport on GPU memory (the proxy path between GPUs of one host) copies with the copy engines from the
-# proxies' own streams. CUDA maps streams onto CUDA_DEVICE_MAX_CONNECTIONS hardware queues (8 by default); a proxy
-# copy that shares the queue of the stream running an LL kernel waits behind that kernel, which waits for the
-# copy, until the kernel's timeout. Seen on the H200 machine: the CUDA-graph test over shm-unordered hung in 2 or 3
-# of 4 attempts with the default and in none of 4 with 32. CUDA reads the variable when it creates a context, so
-# portep asks for the most queues at import unless the application chose a number or torch has already set
-# CUDA up.
+# The proxy path between GPUs of one host (shm on GPU memory): by default the kernels store a proxy peer's bytes
+# into its memory themselves and the proxies carry only the notifications (placed WRITEs), making no CUDA call.
+# PORTEP_GPU_PROXY_COPIES=1 makes the kernels stage the bytes and the proxies copy them with the copy engines from
+# their own streams, as for a NIC: then anything that holds this process's CUDA calls while a receive waits stalls
+# the proxies until the kernels' timeout (a copy to or from pageable memory such as .item(), a kernel's first launch
+# under lazy module loading), and so does a proxy stream that shares a hardware queue with a kernel's stream.
+PROXY_COPIES_VAR = "PORTEP_GPU_PROXY_COPIES"
+
+
+def proxy_copies():
+    """Whether PORTEP_GPU_PROXY_COPIES=1 asks for copy-engine copies on the shm proxy path between GPUs."""
+    return os.environ.get(PROXY_COPIES_VAR, "0") == "1"
+
+
+# With proxy copies: CUDA maps streams onto CUDA_DEVICE_MAX_CONNECTIONS hardware queues (8 by default); a proxy copy
+# that shares the queue of the stream running an LL kernel waits behind that kernel, which waits for the copy, until
+# the kernel's timeout. Seen on the H200 machine: the CUDA-graph test over shm-unordered hung in 2 or 3 of 4 attempts
+# with the default and in none of 4 with 32. CUDA reads the variable when it creates a context, so with proxy copies
+# asked for portep asks for the most queues at import, unless the application chose a number or torch has already
+# set CUDA up. Without them portep leaves the variable alone.
 CUDA_CONNECTIONS_VAR = "CUDA_DEVICE_MAX_CONNECTIONS"
 CUDA_MAX_CONNECTIONS = 32
 
@@ -85,7 +98,7 @@ def widen_cuda_connections():
     return None
 
 
-CUDA_CONNECTIONS_NOTE = widen_cuda_connections()
+CUDA_CONNECTIONS_NOTE = widen_cuda_connections() if proxy_copies() else f"{PROXY_COPIES_VAR} is not set"
 
 
 def check_gpu_copy_connections(what):

@@ -26,25 +26,19 @@ stream first (`torch.cuda.current_stream().synchronize()`, events), then copy. N
 from the proxies.
 """
 
-import ctypes
-
 import torch
 
 from ._native import require_native
 from .channel import Channel
-from .config import check_gpu_copy_connections
+from .config import PROXY_COPIES_VAR, check_gpu_copy_connections, proxy_copies
 from . import host_backend as hb
 from .host_ll import _Layout
+from .kernel_errors import KernelErrors
 from .topology import Topology
 
 NUM_DEVICE_FIFOS = 32
 SEND, RECV = 1, 2  # kernel phases (the native LL_PHASE_SEND / LL_PHASE_RECV)
 DEVICE_FIFO_CAPACITY = 4096
-ERROR_NAMES = {1: "a signal did not arrive", 2: "a FIFO had no room", 3: "an expert got more selections than "
-               "num_max_dispatch_tokens_per_rank (duplicate experts in a token's topk_idx?)",
-               4: "topk_idx holds an expert index outside [-1, num_experts) (the selection was dropped)",
-               5: "a dispatch received more tokens than num_worst_tokens (the rows past it were dropped)"}
-
 
 class CudaEvent:
     """A CUDA event recorded on the current stream (EventOverlap's payload on the CUDA backend)."""
@@ -124,10 +118,17 @@ class CudaEngine(Topology):
         self.region = _as_tensor(ch.device_data_ptr(), self.num_bytes, self.device)
         self.direct_ranks = [d for d in range(self.num_ranks)
                              if d == self.rank or (allow_direct_ll and self.node_of(d) == self.node)]
-        if len(self.direct_ranks) < self.num_ranks and self.channel.transport.startswith("shm"):
-            check_gpu_copy_connections(f"the proxy path over transport={self.channel.transport!r} on GPU memory")
+        # Proxy peers whose memory is mapped here get their bytes stored by the kernels and placed WRITEs (config.py:
+        # PROXY_COPIES_VAR): kernels read this only for peers that are not direct.
+        self.placed = self.channel.placed_writes and not proxy_copies()
+        place = [ch.peer_data_ptr(d) if self.placed and d != self.rank else 0 for d in range(self.num_ranks)]
+        self.placed_ranks = [d for d in range(self.num_ranks) if place[d] and d not in self.direct_ranks]
+        if len(self.direct_ranks) + len(self.placed_ranks) < self.num_ranks and self.channel.transport.startswith("shm"):
+            check_gpu_copy_connections(f"the proxy path over transport={self.channel.transport!r} on GPU memory "
+                                       f"with {PROXY_COPIES_VAR}=1")
         peers = [ch.peer_data_ptr(d) if d in self.direct_ranks else 0 for d in range(self.num_ranks)]
         self._peers = torch.tensor(peers, dtype=torch.int64, device=self.device)
+        self._place = torch.tensor(place, dtype=torch.int64, device=self.device)
         # kernel scratch, int32: finish counts [flag_slots + 1], proxy chunks' ready counts [R][max_chunks], where a
         # proxy source's messages or rows of an expert begin in its chunk [flag_slots], combine blocks done with a
         # partial peer [R]
@@ -140,15 +141,13 @@ class CudaEngine(Topology):
         # the proxy signal slots' values the kernels consumed last (only the host writes the slots themselves)
         self._signal_seen = torch.zeros(self.num_ranks * self.channel.num_streams, dtype=torch.int64,
                                         device=self.device)
-        self._error_host, self.error_device = self.native.cuda_host_alloc_mapped(16)
-        # the first reported failure's code in device memory, which kernels test (ll_common.cuh: report_error)
-        self.failed_flag = torch.zeros(1, dtype=torch.int32, device=self.device)
-        self._error = (ctypes.c_uint32 * 4).from_address(self._error_host)
+        self.errors = KernelErrors(self.native, self.device)
+        self.error_device, self.failed_flag = self.errors.records, self.errors.words
         self._ht = None
         self.launch_stream = None  # comm_stream while the Buffer runs a normal-mode call (comm_stream.py)
         num_sms = self.device_sms = torch.cuda.get_device_properties(self.device).multi_processor_count
         self.kernels = self.native.LLKernels(self.rank, self.num_ranks, ch.device_data_ptr(), self._peers.data_ptr(),
-                                             ch.device_signals_ptr(), self._signal_seen.data_ptr(),
+                                             self._place.data_ptr(), ch.device_signals_ptr(), self._signal_seen.data_ptr(),
                                              self.channel.num_streams, self.fifos, self._finish.data_ptr(),
                                              chunk_done, proxy_begin, max_chunks, dest_done, self.error_device,
                                              self.timeout_s, num_sms, self.failed_flag.data_ptr())
@@ -160,35 +159,46 @@ class CudaEngine(Topology):
 
     # ---- errors ----
     def check_error(self):
-        """Raise what a proxy thread latched (often the cause of a kernel's timeout), else a kernel failure."""
+        """Raise what a proxy thread latched (often the cause of a kernel's timeout), else a kernel failure: the
+        Buffer stays failed, every call raises. Called before a call launches anything."""
         self.channel.check_error()
-        code = self._error[0]
-        if code:
-            rank, src, index = self._error[1], self._error[2], self._error[3]
-            stats = self.channel.stats()
-            moved = {k: sum(s[k] for s in stats)
-                     for k in ("commands", "writes", "signals", "notices", "held_signals", "signals_delayed",
-                               "in_flight")}
-            hint = ""
-            if moved["in_flight"] or moved["held_signals"]:  # per proxy thread: where the operations wait
-                moved["per_thread"] = [{k: s[k] for k in ("in_flight", "queued", "copying", "notify_full",
-                                                          "held_signals")} for s in stats]
-                if any(s["copying"] for s in stats):
-                    hint = ("; copies issued by this rank's proxies have not completed: if their stream shares a "
-                            "hardware queue with the LL kernels' stream they wait behind those kernels (see "
-                            "CUDA_DEVICE_MAX_CONNECTIONS in portep/config.py)")
-            where = {4: f"token {src}, value {ctypes.c_int32(index).value}",
-                     5: f"{src} rows received, num_worst_tokens={index}"}.get(
-                         code, f"peer rank {src}, index {index}, within {self.timeout_s} s")
-            slots = ""
-            if code == 1 and 0 <= src < self.num_ranks:  # what that peer's proxies delivered into the LL slots
-                # a snapshot: the proxies may still write the live slots, which torch's nonzero must not see change
-                row = self.channel.signals[src, hb.STREAM_LL_BASE:hb.STREAM_LL_BASE + 4 * self.max_local_experts].clone()
-                live = [(int(i), int(row[i]) >> 32, int(row[i]) & 0xFFFFFFFF) for i in row.nonzero().flatten()[:8]]
-                slots = (f"; LL signal slots from rank {src} (stream offset, final signals, units delivered since the "
-                         f"Buffer was created or cleaned): {live}")
-            raise RuntimeError(f"rank {rank}: a kernel failed: {ERROR_NAMES.get(code, code)} ({where}); "
-                               f"the Buffer's results are invalid (this rank's proxies so far: {moved}{slots}{hint})")
+        failure = self.errors.record(0)
+        if failure[0]:
+            raise RuntimeError(self.errors.message(*failure, self._failure_context(failure[0], failure[2])))
+
+    def raise_notice(self):
+        """Raise a notice an earlier call's kernels reported (the call dropped part of its input), once. Called
+        after a call launched its kernels, so that its peers, which made the same call, are not left waiting;
+        the Buffer stays in step and usable."""
+        notice = self.errors.take_notice()
+        if notice is not None:
+            code, message = notice
+            raise (ValueError if self.errors.name(code) == "bad_expert" else RuntimeError)(
+                f"{message}; reported by an earlier call on this Buffer (this call ran and its peers are in step; "
+                f"its results are discarded)")
+
+    def _failure_context(self, code, src):
+        """Where this rank's proxies stand, and (a wait that timed out) what src's proxies delivered."""
+        stats = self.channel.stats()
+        moved = {k: sum(s[k] for s in stats)
+                 for k in ("commands", "writes", "signals", "notices", "held_signals", "signals_delayed", "in_flight")}
+        hint = ""
+        if moved["in_flight"] or moved["held_signals"]:  # per proxy thread: where the operations wait
+            moved["per_thread"] = [{k: s[k] for k in ("in_flight", "queued", "copying", "notify_full",
+                                                      "held_signals")} for s in stats]
+            if any(s["copying"] for s in stats):
+                hint = ("; copies issued by this rank's proxies have not completed: if their stream shares a hardware "
+                        f"queue with the kernels' stream they wait behind those kernels ({PROXY_COPIES_VAR}=1 is set; "
+                        "see CUDA_DEVICE_MAX_CONNECTIONS in portep/config.py)")
+        slots = ""
+        if self.errors.name(code) == "wait_timeout" and 0 <= src < self.num_ranks:  # what that peer's proxies delivered into the LL slots
+            # a snapshot: the proxies may still write the live slots, which torch's nonzero must not see change
+            row = self.channel.signals[src, hb.STREAM_LL_BASE:hb.STREAM_LL_BASE + 4 * self.max_local_experts].clone()
+            live = [(int(i), int(row[i]) >> 32, int(row[i]) & 0xFFFFFFFF) for i in row.nonzero().flatten()[:8]]
+            slots = (f"; LL signal slots from rank {src} (stream offset, final signals, units delivered since the "
+                     f"Buffer was created or cleaned): {live}")
+        return (f", within {self.timeout_s} s; the Buffer's results are invalid (this rank's proxies so far: "
+                f"{moved}{slots}{hint})")
 
     # ---- layout ----
     def _layout(self, T, H, E):
@@ -227,7 +237,8 @@ class CudaEngine(Topology):
         in_rank = torch.empty(N, R, dtype=torch.bool, device=self.device)
         self.native.cuda_dispatch_layout(topk_idx.data_ptr(), N, K, num_experts, R, self.ranks_per_node,
                                          per_rank.data_ptr(), 0 if per_node is None else per_node.data_ptr(),
-                                         per_expert.data_ptr(), in_rank.data_ptr(), self.raw_stream())
+                                         per_expert.data_ptr(), in_rank.data_ptr(), self.raw_stream(), self.rank,
+                                         self.failed_flag.data_ptr(), self.error_device)
         return per_rank, per_node, per_expert, in_rank
 
     def raw_stream(self):
@@ -384,6 +395,4 @@ class CudaEngine(Topology):
             self.channel = None
             self.fifos = None
             self.kernels = None
-            if self._error_host:
-                self.native.cuda_host_free_mapped(self._error_host)
-                self._error_host = 0
+            self.errors.free()

@@ -50,9 +50,10 @@ class CudaHT:
         ctypes.memset(self.host_counts, 0, native.HT_HOST_COUNTS_BYTES)
         self.ticket = 0
         self.kernels = native.HTKernels(
-            eng.rank, R, eng.ranks_per_node, ch.device_data_ptr(), self.peers.data_ptr(), ctrl_off, eng.normal_off,
+            eng.rank, R, eng.ranks_per_node, ch.device_data_ptr(), self.peers.data_ptr(), eng._place.data_ptr(),
+            ctrl_off, eng.normal_off,
             eng.normal_off + self.recv_bytes, self.epoch.data_ptr(), self.host_counts, host_counts_device,
-            eng.error_device, eng._error_host, eng.timeout_s, eng.fifos, ch.device_signals_ptr(),
+            eng.error_device, eng.errors.host, eng.timeout_s, eng.fifos, ch.device_signals_ptr(),
             eng._signal_seen.data_ptr(), eng.channel.num_streams, stream_base, eng.failed_flag.data_ptr())
         eng.synchronize()  # epoch, peers in place before any kernel reads them; earlier ops done
         self._load_torch_kernels()

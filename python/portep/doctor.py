@@ -51,6 +51,30 @@ def _torch_facts():
     return facts
 
 
+def _runtime_problems(torch_facts):
+    """What portep needs at run time and cannot use here, one line each (empty: nothing missing)."""
+    problems = []
+    if not torch_facts.get("installed"):
+        problems.append("torch is not installed: install the build for this machine (CPU: pip install torch; CUDA: "
+                        "see pytorch.org), portep uses torch.distributed to bootstrap and torch tensors for data")
+    elif not torch_facts.get("gloo"):
+        problems.append("torch.distributed has no gloo backend: Channel and the host backend bootstrap over gloo")
+    try:
+        import numpy  # noqa: F401
+    except ImportError as exc:
+        problems.append(f"numpy cannot be imported ({exc}): torch.distributed's object collectives, which portep's "
+                        f"bootstrap uses, need it: pip install numpy")
+    else:
+        if torch_facts.get("installed"):
+            try:
+                import torch
+
+                torch.zeros(1).numpy()
+            except Exception as exc:  # noqa: BLE001 - reported, not fatal
+                problems.append(f"torch cannot use numpy ({exc}): reinstall numpy for this torch")
+    return problems
+
+
 def collect():
     report = {
         "version": None,
@@ -93,6 +117,7 @@ def collect():
     if why:
         report["rdma_note"] = why
     report["torch"] = _torch_facts()
+    report["problems"] = _runtime_problems(report["torch"])
     return report
 
 
@@ -125,6 +150,10 @@ def format_text(r):
     else:
         lines.append("  torch:      not installed (needed for Channel bootstrap over torch.distributed)")
     lines.append(f"  compiler:   {r['build']['compiler']}; CUDA kernels built: {r['build']['cuda_built']}")
+    for p in r["problems"]:
+        lines.append(f"  PROBLEM:    {p}")
+    if not r["problems"]:
+        lines.append("  run time:   torch, torch.distributed (gloo) and numpy usable")
     return "\n".join(lines)
 
 
@@ -134,7 +163,7 @@ def main(argv=None):
     args = parser.parse_args(argv)
     report = collect()
     print(json.dumps(report, indent=2) if args.json else format_text(report))
-    return 0 if report["native"] else 1
+    return 0 if report["native"] and not report.get("problems") else 1
 
 
 if __name__ == "__main__":

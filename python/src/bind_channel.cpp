@@ -155,6 +155,7 @@ void bind_channel(py::module_& m) {
       .def_property_readonly("transport_ordered", [](Channel& c) { return c.transport_props().ordered; })
       .def_property_readonly("transport_remote_atomics", [](Channel& c) { return c.transport_props().remote_atomics; })
       .def_property_readonly("transport_name", [](Channel& c) { return c.transport_props().name; })
+      .def_property_readonly("transport_placed_writes", [](Channel& c) { return c.transport_props().placed_writes; })
       .def_property_readonly("native_signals", [](Channel& c) { return c.proxies().ordered_protocol(); })
       .def("describe_peer", &Channel::describe_peer, py::arg("peer"))
       .def("fifo_for", [](Channel& c, uint32_t dst, uint32_t stream) { return c.proxies().fifo_for(dst, stream); })

@@ -25,16 +25,18 @@ using portep::bind::PyFifoSet;
 // The per-Buffer constants of HTCommon; each call adds its channels and stream.
 class HTKernels {
  public:
-  HTKernels(int rank, int num_ranks, int ranks_per_node, uintptr_t local, uintptr_t peers, uint64_t ctrl_off,
+  HTKernels(int rank, int num_ranks, int ranks_per_node, uintptr_t local, uintptr_t peers, uintptr_t place,
+            uint64_t ctrl_off,
             uint64_t recv_off, uint64_t stage_off, uintptr_t epoch, uintptr_t host_counts,
             uintptr_t host_counts_device, uintptr_t error, uintptr_t error_host, double timeout_s,
             const PyFifoSet& fifos, uintptr_t host_signals, uintptr_t signal_seen, uint32_t num_streams,
             uint32_t stream_base, uintptr_t failed)
-      : host_(ptr<HTHostCounts>(host_counts)), error_host_(ptr<LLError>(error_host)), timeout_s_(timeout_s) {
+      : host_(ptr<HTHostCounts>(host_counts)), error_host_(ptr<KernelError>(error_host)), timeout_s_(timeout_s) {
     if (num_ranks > kHTMaxRanks)
       throw std::invalid_argument("num_ranks=" + std::to_string(num_ranks) +
                                   ": the CUDA HT kernels store into at most " + std::to_string(kHTMaxRanks) + " ranks");
-    if (!failed) throw std::invalid_argument("failed: the device word for reported errors must not be null");
+    if (!failed) throw std::invalid_argument("failed: the device words for reported errors must not be null");
+    if (!peers || !place) throw std::invalid_argument("peers and place: device arrays of num_ranks pointers, not null");
     if (ranks_per_node < 1 || num_ranks % ranks_per_node)
       throw std::invalid_argument("ranks_per_node=" + std::to_string(ranks_per_node) + " must divide num_ranks=" +
                                   std::to_string(num_ranks));
@@ -44,6 +46,7 @@ class HTKernels {
     c_.ranks_per_node = ranks_per_node;
     c_.local = ptr<uint8_t>(local);
     c_.peers = ptr<uint8_t* const>(peers);
+    c_.place = ptr<uint8_t* const>(place);
     c_.ctrl_off = ctrl_off;
     c_.recv_off = recv_off;
     c_.stage_off = stage_off;
@@ -56,7 +59,7 @@ class HTKernels {
     c_.num_streams = num_streams;
     c_.stream_base = stream_base;
     c_.host = ptr<HTHostCounts>(host_counts_device);
-    c_.error = ptr<LLError>(error);
+    c_.error = ptr<KernelError>(error);
     c_.failed = ptr<uint32_t>(failed);
     c_.timeout_ns = uint64_t(timeout_s * 1e9);
   }
@@ -98,7 +101,7 @@ class HTKernels {
 
   HTCommon c_;
   HTHostCounts* host_;
-  LLError* error_host_;
+  KernelError* error_host_;
   double timeout_s_;
 };
 
@@ -134,15 +137,15 @@ void bind_cuda_ht(py::module_& m) {
   m.attr("HT_NVL_HEAD_COLUMNS") = kHTNvlHeadColumns;
   m.def("ht_blocks_per_channel", &ht_blocks_per_channel, py::arg("num_ranks"), py::arg("ranks_per_node"));
   py::class_<HTKernels>(m, "HTKernels")
-      .def(py::init<int, int, int, uintptr_t, uintptr_t, uint64_t, uint64_t, uint64_t, uintptr_t, uintptr_t, uintptr_t,
-                    uintptr_t, uintptr_t, double, const PyFifoSet&, uintptr_t, uintptr_t, uint32_t, uint32_t,
-                    uintptr_t>(),
+      .def(py::init<int, int, int, uintptr_t, uintptr_t, uintptr_t, uint64_t, uint64_t, uint64_t, uintptr_t,
+                    uintptr_t, uintptr_t, uintptr_t, uintptr_t, double, const PyFifoSet&, uintptr_t, uintptr_t,
+                    uint32_t, uint32_t, uintptr_t>(),
            py::arg("rank"), py::arg("num_ranks"), py::arg("ranks_per_node"), py::arg("local"), py::arg("peers"),
-           py::arg("ctrl_off"),
+           py::arg("place"), py::arg("ctrl_off"),
            py::arg("recv_off"), py::arg("stage_off"), py::arg("epoch"), py::arg("host_counts"),
            py::arg("host_counts_device"), py::arg("error"), py::arg("error_host"), py::arg("timeout_s"),
            py::arg("fifos"), py::arg("host_signals"), py::arg("signal_seen"), py::arg("num_streams"),
-           py::arg("stream_base"), py::arg("failed"), py::keep_alive<1, 16>())
+           py::arg("stream_base"), py::arg("failed"), py::keep_alive<1, 17>())
       .def("wait_counts", &HTKernels::wait_counts, py::arg("ticket"), py::arg("num_local_experts"))
       .def("notify",
            [](const HTKernels& k, int num_channels, uintptr_t stream, bool count_mode, uintptr_t is_token_in_rank,

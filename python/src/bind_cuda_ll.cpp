@@ -22,15 +22,18 @@ using portep::bind::PyFifoSet;
 // The per-Buffer constants of LLCommon; every call adds its half's offsets and its tensors.
 class LLKernels {
  public:
-  LLKernels(int rank, int num_ranks, uintptr_t local, uintptr_t peers, uintptr_t host_signals, uintptr_t signal_seen,
+  LLKernels(int rank, int num_ranks, uintptr_t local, uintptr_t peers, uintptr_t place, uintptr_t host_signals,
+            uintptr_t signal_seen,
             uint32_t num_streams, const PyFifoSet& fifos, uintptr_t finish, uintptr_t chunk_done, uintptr_t proxy_begin,
             int max_chunks, uintptr_t dest_done, uintptr_t error, double timeout_s, int num_sms, uintptr_t failed) {
-    if (!failed) throw std::invalid_argument("failed: the device word for reported errors must not be null");
+    if (!failed) throw std::invalid_argument("failed: the device words for reported errors must not be null");
+    if (!peers || !place) throw std::invalid_argument("peers and place: device arrays of num_ranks pointers, not null");
     c_ = LLCommon{};
     c_.rank = rank;
     c_.num_ranks = num_ranks;
     c_.local = ptr<uint8_t>(local);
     c_.peers = ptr<uint8_t* const>(peers);
+    c_.place = ptr<uint8_t* const>(place);
     c_.host_signals = ptr<uint64_t>(host_signals);
     c_.signal_seen = ptr<uint64_t>(signal_seen);
     c_.num_streams = num_streams;
@@ -43,7 +46,7 @@ class LLKernels {
     c_.max_chunks = max_chunks;
     c_.dest_done = ptr<uint32_t>(dest_done);
     c_.meta_stride = kMetaStride;
-    c_.error = ptr<LLError>(error);
+    c_.error = ptr<KernelError>(error);
     c_.failed = ptr<uint32_t>(failed);
     c_.timeout_ns = uint64_t(timeout_s * 1e9);
     c_.num_sms = num_sms;
@@ -86,19 +89,33 @@ void bind_cuda_ll(py::module_& m) {
       .def_property_readonly("count", [](const PyFifoSet& f) { return f.set_.count; })
       .def_property_readonly("host_views", [](const PyFifoSet& f) { return reinterpret_cast<uintptr_t>(f.set_.host_views); });
 
+  py::list errors;
+  for (const KernelErrorInfo& e : kKernelErrors) {
+    py::dict d;
+    d["code"] = e.code;
+    d["name"] = e.name;
+    d["notice"] = e.notice;
+    d["what"] = e.what;
+    d["where"] = e.where;
+    errors.append(d);
+  }
+  m.attr("KERNEL_ERRORS") = errors;
+  m.attr("KERNEL_ERROR_WORDS") = kNumErrorWords;
+  m.attr("KERNEL_ERROR_BYTES") = sizeof(KernelError);
   m.attr("LL_PHASE_SEND") = kPhaseSend;
   m.attr("LL_PHASE_RECV") = kPhaseRecv;
   m.attr("LL_CHUNK_EXPERTS") = kChunkExperts;
   m.attr("LL_META_TOKENS") = kMetaTokens;
   m.attr("LL_META_STRIDE") = kMetaStride;
   py::class_<LLKernels>(m, "LLKernels")
-      .def(py::init<int, int, uintptr_t, uintptr_t, uintptr_t, uintptr_t, uint32_t, const PyFifoSet&, uintptr_t,
-                    uintptr_t, uintptr_t, int, uintptr_t, uintptr_t, double, int, uintptr_t>(),
-           py::arg("rank"), py::arg("num_ranks"), py::arg("local"), py::arg("peers"), py::arg("host_signals"),
+      .def(py::init<int, int, uintptr_t, uintptr_t, uintptr_t, uintptr_t, uintptr_t, uint32_t, const PyFifoSet&,
+                    uintptr_t, uintptr_t, uintptr_t, int, uintptr_t, uintptr_t, double, int, uintptr_t>(),
+           py::arg("rank"), py::arg("num_ranks"), py::arg("local"), py::arg("peers"), py::arg("place"),
+           py::arg("host_signals"),
            py::arg("signal_seen"), py::arg("num_streams"), py::arg("fifos"), py::arg("finish"), py::arg("chunk_done"),
            py::arg("proxy_begin"), py::arg("max_chunks"), py::arg("dest_done"), py::arg("error"), py::arg("timeout_s"),
            py::arg("num_sms"), py::arg("failed"),
-           py::keep_alive<1, 9>())
+           py::keep_alive<1, 10>())
       .def("dispatch",
            [](const LLKernels& k, int phases, py::tuple shape, uintptr_t x, uintptr_t topk_idx, int num_tokens,
               int num_topk, bool use_fp8, bool round_scale, bool use_ue8m0, uintptr_t recv_x, uintptr_t recv_scales,

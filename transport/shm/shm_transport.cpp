@@ -53,7 +53,7 @@ ShmTransport::~ShmTransport() {
 }
 
 TransportProps ShmTransport::props() const {
-  return TransportProps{o_.ordered ? "shm" : "shm-unordered", o_.ordered, o_.ordered};
+  return TransportProps{o_.ordered ? "shm" : "shm-unordered", o_.ordered, o_.ordered, true};
 }
 
 void* ShmTransport::alloc_region(RegionId region, size_t bytes) {
@@ -190,7 +190,9 @@ size_t ShmTransport::local_data_bytes() const {
 }
 
 bool ShmTransport::deliver(int channel, int peer, const Op& op) {
-  if (o_.device) {
+  // GPU memory: a copy goes to the copy engine, and so does whatever follows a copy still in flight (in issue
+  // order). An atomic or a notification with nothing before it is delivered at once, without a CUDA call.
+  if (o_.device && ((!op.atomic && op.bytes) || !channels_[channel].device_ops.empty())) {
     issue_device_op(channel, peer, op);
     return true;
   }

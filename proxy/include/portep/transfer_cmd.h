@@ -6,7 +6,7 @@
 //
 //   word  bits     width  field         meaning
 //   lo    [0,4)      4    opcode        CmdOp; 0 is reserved for "empty slot", so a valid record is never zero
-//   lo    [4,8)      4    flags         CmdFlag bits (combine phase, LL buffer half, final signal)
+//   lo    [4,8)      4    flags         CmdFlag bits (combine phase, LL buffer half, final signal, placed)
 //   lo    [8,21)    13    dst_rank      destination rank, < 8192
 //   lo    [21,46)   25    size          bytes for WRITE (<= 16 MiB); unused (0) otherwise
 //   lo    [46,64)   18    stream        stream tag: LL local expert or HT channel, < 262144
@@ -41,7 +41,10 @@ enum CmdFlag : uint32_t {
   kFlagCombine = 1u << 0,   // combine phase (vs dispatch) of an LL/HT exchange
   kFlagHalf = 1u << 1,      // LL buffer half 1 (vs 0)
   kFlagFinal = 1u << 2,     // SIGNAL: also add kSignalFinalMark so the receiver knows the stream ended
-  kFlagReserved = 1u << 3,
+  // WRITE: the producer already stored the bytes at remote_off in dst's region (mapped into it: the transport's
+  // peer_region, where props().placed_writes); the proxy moves nothing and carries only the write's unit, so the
+  // receiver still learns of it through the stream's signal, in order, as of any other write.
+  kFlagPlaced = 1u << 3,
 };
 
 struct TransferCmd {

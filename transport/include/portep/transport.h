@@ -21,6 +21,11 @@ struct TransportProps {
   std::string name;
   bool ordered;         // writes, write-with-imm and atomics on one (channel, peer) land in posting order
   bool remote_atomics;  // post_atomic_add is available
+  // A producer may store a WRITE's bytes into peer_region() itself and post the WRITE placed (kFlagPlaced): the
+  // transport then carries only its notification. Where the transport would copy on this host anyway (shm), that
+  // saves the copy, and on GPUs the proxies then make no CUDA call, so nothing the application does with CUDA
+  // (a pageable copy, a kernel's first launch, a stream sharing a hardware queue) can hold them up.
+  bool placed_writes = false;
 };
 
 enum RegionId : int { kRegionData = 0, kRegionSignal = 1, kNumRegions = 2 };
@@ -73,8 +78,8 @@ class Transport {
   virtual std::string describe_peer(int peer) const = 0;
 
   // The peer's region mapped into this process when it is reachable by plain loads and stores (shm: every
-  // rank of the host), else nullptr. Callers that store into it directly publish with a release atomic on the
-  // peer's signal region, never through this transport's queues.
+  // rank of the host), else nullptr. Callers that store into it directly publish either with a release atomic on
+  // the peer's signal region, or (props().placed_writes) with placed WRITEs and a signal through the proxies.
   virtual void* peer_region(int peer, RegionId region) const { return nullptr; }
   virtual size_t peer_region_bytes(int peer, RegionId region) const { return 0; }
   // Where kernels address this rank's region when the transport keeps it GPU-visible, else nullptr.

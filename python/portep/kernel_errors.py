@@ -1,0 +1,52 @@
+"""What the CUDA kernels report (gpu_kernels/cuda/kernel_errors.h): failures, which leave a Buffer failed, and
+notices, which the host raises once and then re-arms (the Buffer stays usable). One per CudaEngine: the device
+words the kernels test and the mapped host records the host reads."""
+
+import ctypes
+
+import torch
+
+
+class KernelErrors:
+    def __init__(self, native, device):
+        self.native = native
+        self.info = {e["code"]: e for e in native.KERNEL_ERRORS}
+        words, record = native.KERNEL_ERROR_WORDS, native.KERNEL_ERROR_BYTES // 4
+        self.host, self.records = native.cuda_host_alloc_mapped(words * record * 4)
+        self._view = (ctypes.c_uint32 * (words * record)).from_address(self.host)
+        self._record = record
+        self.words = torch.zeros(words, dtype=torch.int32, device=device)  # device: [0] failures, [1] notices
+
+    def name(self, code):
+        return self.info[code]["name"] if code in self.info else None
+
+    def record(self, word):
+        """(code, rank, src, index, value) of record `word` (0: failures, 1: notices); code 0: none."""
+        base = word * self._record
+        value = ctypes.c_int64.from_address(self.host + (base + 4) * 4).value
+        return tuple(self._view[base + i] for i in range(4)) + (value,)
+
+    def message(self, code, rank, src, index, value, suffix=""):
+        """'rank R: a kernel failed: what (where)suffix' (a notice: 'a kernel reported: ...')."""
+        e = self.info.get(code)
+        if e is None:
+            return f"rank {rank}: a kernel reported unknown code {code} (src {src}, index {index}){suffix}"
+        where = e["where"].replace("{src}", str(src)).replace("{index}", str(index)).replace("{value}", str(value))
+        kind = "reported" if e["notice"] else "failed"
+        return f"rank {rank}: a kernel {kind}: {e['what']} ({where}){suffix}"
+
+    def take_notice(self):
+        """The pending notice as (code, message), re-armed for the next one (None when there is none). The host
+        record is cleared before the device word, so a notice reported in between is lost rather than never
+        re-armed."""
+        record = self.record(1)
+        if not record[0]:
+            return None
+        self._view[self._record] = 0
+        self.words[1:].zero_()
+        return record[0], self.message(*record)
+
+    def free(self):
+        if self.host:
+            self.native.cuda_host_free_mapped(self.host)
+            self.host = 0
