@@ -84,9 +84,10 @@ def application_habits_body(rank, world, rpn, transport, allow_nvlink, seed, T, 
 
 def bad_expert_body(rank, world, rpn, transport, allow_nvlink, seed, T, H, E, K):
     """Rank 0's topk_idx holds one entry == num_experts. get_dispatch_layout and the LL dispatch on CUDA tensors
-    take it without a host synchronization, leave that selection out (every other count and row as with -1 there),
-    and the next call on rank 0 raises a ValueError naming the token, column and value, after launching its kernels
-    (its peer is not left waiting). Then both ranks go on with clean inputs: the Buffer is usable."""
+    take it without a host synchronization and leave that selection out (every other count and row as with -1
+    there); the call that reported it, or the next one, raises a DroppedInput (a ValueError) on rank 0 naming the
+    token, column and value, after launching its kernels and with its results attached, so rank 0 goes on in step
+    with its peer. Then both ranks go on with clean inputs, without and with a receive hook: the Buffer is usable."""
     import portep
 
     torch.cuda.set_device(rank % torch.cuda.device_count())
@@ -102,50 +103,110 @@ def bad_expert_body(rank, world, rpn, transport, allow_nvlink, seed, T, H, E, K)
     clean = bad.clone()
     clean[clean >= E] = -1
     all_clean = [t.cpu() for t in _all_idx(clean.cuda())]
+    raised = []
 
-    def expect_notice(call, what):
+    def call(fn, what):
+        """fn()'s results; a DroppedInput is recorded (and checked) and its attached results returned."""
+        try:
+            return fn()
+        except portep.DroppedInput as e:
+            raised.append(what)
+            if f"token 7, top-k column 3, value {E}" not in str(e):
+                failures.append(f"rank {rank}: {what} raised without naming the entry: {e}")
+            if e.results is None:
+                failures.append(f"rank {rank}: {what} raised without its results")
+            return e.results
+
+    def expect_one_notice(what):
         nonlocal checks
         checks += 1
-        try:
-            result = call()
-        except ValueError as e:
-            text = str(e)
-            if rank != 0 or f"token 7, top-k column 3, value {E}" not in text:
-                failures.append(f"rank {rank}: {what} raised without naming the entry: {text}")
-            return None
-        if rank == 0:
-            failures.append(f"rank 0: {what} did not raise the out-of-range entry")
-        return result
+        want = 1 if rank == 0 else 0
+        if len(raised) != want:
+            failures.append(f"rank {rank}: {what}: {len(raised)} notices raised ({raised}), expected {want}")
+        raised.clear()
 
-    layout = buf.get_dispatch_layout(bad.cuda(), E)  # the notice, if any, comes with the next call
+    layout = call(lambda: buf.get_dispatch_layout(bad.cuda(), E), "get_dispatch_layout")
+    call(lambda: buf.low_latency_dispatch(x.cuda(), clean.cuda(), T, E, use_fp8=False), "the dispatch after it")
     torch.cuda.synchronize()
-    want = ref.layout_ref(clean, E, world, rpn if allow_nvlink else world)[2]
+    expect_one_notice("get_dispatch_layout with the entry, then a clean dispatch")
+    want = ref.layout_ref(clean, E, world, world)[2]
     checks += 1
     if not torch.equal(layout[2].cpu(), want):
         failures.append(f"rank {rank}: num_tokens_per_expert counts the out-of-range entry")
-    expect_notice(lambda: buf.low_latency_dispatch(x.cuda(), clean.cuda(), T, E, use_fp8=False), "the call after "
-                  "get_dispatch_layout")
-    torch.cuda.synchronize()
-    recv_x, count, handle, _, _ = buf.low_latency_dispatch(x.cuda(), bad.cuda(), T, E, use_fp8=False)
+    recv_x, count, handle, _, _ = call(lambda: buf.low_latency_dispatch(x.cuda(), bad.cuda(), T, E, use_fp8=False),
+                                       "the dispatch with the entry")
     torch.cuda.synchronize()
     failures += _count_failures(rank, count.cpu().tolist(), all_clean, E_l)
     checks += E_l
-    out = expect_notice(lambda: buf.low_latency_combine(recv_x, bad.cuda(), w.cuda(), handle), "the combine after "
-                        "the dispatch")
+    out = call(lambda: buf.low_latency_combine(recv_x, bad.cuda(), w.cuda(), handle), "the combine after it")
     torch.cuda.synchronize()
-    if out is not None and rank != 0:  # rank 1's combine is complete: its tokens never held the bad entry
-        d = ref.calc_diff(out[0].float().cpu(), ref.ll_combine_ref(x, clean, w))
-        checks += 1
-        if not d < 1e-5:
-            failures.append(f"rank {rank}: combine next to the notice: calc_diff {d:.3g}")
-    for r in range(2):  # usable afterwards, on both ranks
-        recv_x, count, handle, _, _ = buf.low_latency_dispatch(x.cuda(), clean.cuda(), T, E, use_fp8=False)
-        combined = buf.low_latency_combine(recv_x, clean.cuda(), w.cuda(), handle)[0]
+    expect_one_notice("a dispatch with the entry, then its combine")
+    d = ref.calc_diff(out[0].float().cpu(), ref.ll_combine_ref(x, clean, w))
+    checks += 1
+    if not d < 1e-5:
+        failures.append(f"rank {rank}: the combine of the dispatch with the entry: calc_diff {d:.3g}")
+    for hook in (False, True):  # usable afterwards, on both ranks
+        recv_x, count, handle, _, h = buf.low_latency_dispatch(x.cuda(), clean.cuda(), T, E, use_fp8=False,
+                                                               return_recv_hook=hook)
+        if hook:
+            h()
+        combined, _, h = buf.low_latency_combine(recv_x, clean.cuda(), w.cuda(), handle, return_recv_hook=hook)
+        if hook:
+            h()
         torch.cuda.synchronize()
         failures += _count_failures(rank, count.cpu().tolist(), all_clean, E_l)
         d = ref.calc_diff(combined.float().cpu(), ref.ll_combine_ref(x, clean, w))
         checks += E_l + 1
         if not d < 1e-5:
-            failures.append(f"rank {rank} round {r} after the notice: combine calc_diff {d:.3g}")
+            failures.append(f"rank {rank} hook={hook} after the notice: combine calc_diff {d:.3g}")
     buf.destroy()
     return {"failures": failures, "checks": checks}
+
+
+def profile_body(rank, world, rpn, transport, allow_nvlink, seed, T, H, E, K, iterations):
+    """DeepEP's profiling conventions, which tools written for DeepEP rely on (its bench_kineto): over LL
+    dispatch + combine calls, without and with a receive hook, a torch profile holds exactly one kernel name that
+    contains "dispatch" and one that contains "combine", launched once per call, or twice (send and receive phase)
+    with the hook."""
+    import portep
+
+    torch.cuda.set_device(rank % torch.cuda.device_count())
+    g = torch.Generator().manual_seed(seed + rank)
+    buf = _buffer(portep, T, H, E, rpn, transport, allow_nvlink, 30)
+    idx = torch.topk(torch.rand(T, E, generator=g), K, dim=1).indices.cuda()
+    x = torch.randn(T, H, generator=g).to(BF16).cuda()
+    w = torch.rand(T, K, generator=g).cuda()
+    failures = []
+    for hook_mode in (False, True):
+        def step():
+            recv_x, _, handle, _, hook = buf.low_latency_dispatch(x, idx, T, E, use_fp8=True,
+                                                                  return_recv_hook=hook_mode)
+            if hook_mode:
+                hook()
+            sim = recv_x[0].float().mul(recv_x[1].repeat_interleave(128, dim=2)).to(BF16)
+            _, _, hook = buf.low_latency_combine(sim, idx, w, handle, return_recv_hook=hook_mode)
+            if hook_mode:
+                hook()
+
+        step()  # warm-up
+        torch.cuda.synchronize()
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+            for _ in range(iterations):
+                step()
+            torch.cuda.synchronize()
+        launches = {}
+        for ev in prof.events():
+            if ev.device_type == torch.autograd.DeviceType.CUDA:
+                launches.setdefault(ev.name, 0)
+                launches[ev.name] += 1
+        for word in ("dispatch", "combine"):
+            names = [n for n in launches if word in n]
+            per_call = 2 if hook_mode else 1
+            if len(names) != 1:
+                failures.append(f"rank {rank} hook={hook_mode}: {len(names)} kernel names contain {word!r}: {names}")
+            elif launches[names[0]] != per_call * iterations:
+                failures.append(f"rank {rank} hook={hook_mode}: {names[0]} launched {launches[names[0]]} times in "
+                                f"{iterations} calls, expected {per_call * iterations}")
+    torch.cuda.synchronize()
+    buf.destroy()
+    return {"failures": failures, "checks": 4}

@@ -44,3 +44,12 @@ def test_out_of_range_expert_on_cuda_is_raised_by_the_next_call(path):
     _, rpn, transport, nvlink = path
     out = run_ranks(h.bad_expert_body, 2, args=(rpn, transport, nvlink, 62, *SHAPE), timeout=300)
     assert_clean(out, 4)
+
+
+@pytest.mark.gpu
+@two_gpus
+@pytest.mark.parametrize("path", PATHS[:2], ids=[p[0] for p in PATHS[:2]])
+def test_ll_profile_shows_one_kernel_name_per_op(path):
+    _, rpn, transport, nvlink = path
+    out = run_ranks(h.profile_body, 2, args=(rpn, transport, nvlink, 63, *SHAPE, 3), timeout=300)
+    assert_clean(out, 4)

@@ -151,13 +151,12 @@ PORTEP_DEVICE void relay_combine_chunk(const LLCombineArgs& a, int src, int chun
 }
 
 // Waits (without consuming it) until expert e's rows have arrived (proxy sources: relayed into its flag); false
-// after the timeout (reported). With wait statistics the nanoseconds waited add to the owner's entry (a sum over
-// the waiting threads, as DeepEP's per-rank receive cost).
-PORTEP_DEVICE bool wait_expert_rows(const LLCombineArgs& a, int e) {
+// after the timeout (reported). timed: the nanoseconds waited add to the owner's wait statistics.
+PORTEP_DEVICE bool wait_expert_rows(const LLCombineArgs& a, int e, bool timed = false) {
   const int src = e / a.c.num_local_experts;
   uint64_t v = 0, waited = 0;
   const bool ok = await_flag(a.c, src, e, &v, &waited);
-  if (a.wait_stats && waited)
+  if (timed && waited)
     atomicAdd(reinterpret_cast<unsigned long long*>(a.wait_stats + src), (unsigned long long)waited);
   return ok;
 }
@@ -296,6 +295,12 @@ PORTEP_DEVICE void reduce_channels(const ReduceSlots& slots, int j, int H, float
 PORTEP_DEVICE void await_block_experts(const LLCombineArgs& a) {
   const LLCommon& c = a.c;
   const int K = a.num_topk;
+  // With wait statistics every expert is first waited for once, by block e % gridDim (as DeepEP's per-rank receive
+  // cost: a sum over experts), so that no expert's wait is counted by every block holding one of its tokens.
+  if (a.wait_stats)
+    for (int e = int(blockIdx.x) + int(threadIdx.x) * int(gridDim.x); e < c.num_experts;
+         e += int(blockDim.x * gridDim.x))
+      wait_expert_rows(a, e, true);
   for (int t = int(blockIdx.x); t < a.num_tokens; t += int(gridDim.x)) {
     if (int(threadIdx.x) >= K) break;
     const int64_t e = a.topk_idx[uint64_t(t) * K + threadIdx.x];

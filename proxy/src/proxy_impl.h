@@ -35,6 +35,7 @@ class ProxyThread {
   void handle(const TransferCmd& cmd, int fifo);
   void handle_write(const CmdFields& f);
   void handle_signal(const CmdFields& f);
+  void check_placed(const CmdFields& f) const;
   void check_host_fifo(const char* what, int fifo) const;
   void handle_quiet(const CmdFields& f, int fifo);
   void handle_barrier(const CmdFields& f, int fifo);

@@ -137,9 +137,7 @@ void ProxyThread::handle_write(const CmdFields& f) {
   // Placed: the bytes are in dst's memory already. With native signals the stream's signal counts the unit and
   // nothing is posted; otherwise a zero-byte write carries the unit's immediate.
   const bool placed = f.flags & kFlagPlaced;
-  if (placed && !g_->placed_writes)
-    throw std::runtime_error("a placed WRITE to rank " + std::to_string(f.dst_rank) + " on transport " +
-                             g_->transport->props().name + ", which takes none (its peers' memory is not mapped here)");
+  if (placed) check_placed(f);
   if (!placed || !g_->native_signals) {
     const uint32_t imm_value = imm::encode_stream_write(f.stream, uint32_t(se.epoch));
     const uint32_t* imm = g_->native_signals ? nullptr : &imm_value;
@@ -151,6 +149,19 @@ void ProxyThread::handle_write(const CmdFields& f) {
   ++se.units;
   ++stats.writes;
   stats.bytes += f.size;
+}
+
+// A placed WRITE's bytes were stored by its producer, so no transport checked where: its range must lie in the
+// destination's region (a layout that differs between ranks would otherwise go unnoticed).
+void ProxyThread::check_placed(const CmdFields& f) const {
+  const std::string what = "a placed WRITE to rank " + std::to_string(f.dst_rank);
+  if (!g_->placed_writes)
+    throw std::runtime_error(what + " on transport " + g_->transport->props().name +
+                             ", which takes none (its peers' memory is not mapped here)");
+  const uint64_t limit = g_->transport->peer_region_bytes(int(f.dst_rank), kRegionData);
+  if (f.remote_off > limit || f.size > limit - f.remote_off)
+    throw std::runtime_error(what + " covers [" + std::to_string(f.remote_off) + ", +" + std::to_string(f.size) +
+                             "), outside its region of " + std::to_string(limit) + " bytes");
 }
 
 void ProxyThread::handle_signal(const CmdFields& f) {

@@ -9,12 +9,13 @@ from . import config as _config  # noqa: F401  (first: asks CUDA for its most ha
 from ._native import native, native_error
 from .channel import Channel, DEFAULT_TIMEOUT_S
 from .deepep_config import Config
+from .errors import DroppedInput
 from .event import EventOverlap
 
 __version__ = "0.1.0"
 
-__all__ = ["Buffer", "Channel", "Config", "DEFAULT_TIMEOUT_S", "EventOverlap", "native", "native_error",
-           "topk_idx_t", "__version__"]
+__all__ = ["Buffer", "Channel", "Config", "DEFAULT_TIMEOUT_S", "DroppedInput", "EventOverlap", "native",
+           "native_error", "topk_idx_t", "__version__"]
 
 
 def __getattr__(name):

@@ -218,8 +218,7 @@ class Buffer:
         v.check_topk_idx("topk_idx", topk_idx, num_experts, device=self._device)
         out, event = self._normal_op(lambda: engine.get_dispatch_layout(topk_idx, num_experts), previous_event,
                                      async_finish, allocate_on_comm_stream, (topk_idx,))
-        engine.raise_notice()
-        return tuple(out) + (event,)
+        return _returned(engine, tuple(out) + (event,))
 
     def dispatch(self, x, handle=None, num_tokens_per_rank=None, num_tokens_per_rdma_rank=None,
                  is_token_in_rank=None, num_tokens_per_expert=None, topk_idx=None, topk_weights=None,
@@ -253,10 +252,9 @@ class Buffer:
         out, event = self._normal_op(lambda: engine.dispatch(*inputs, expert_alignment, num_worst_tokens,
                                                              config.num_sms // 2, None),
                                      previous_event, async_finish, allocate_on_comm_stream, inputs)
-        engine.raise_notice()
         recv_x, recv_scales, recv_topk_idx, recv_topk_weights, counts, handle = out
         recv = (recv_x, recv_scales) if x_scales is not None else recv_x
-        return recv, recv_topk_idx, recv_topk_weights, counts, handle, event
+        return _returned(engine, (recv, recv_topk_idx, recv_topk_weights, counts, handle, event))
 
     def _check_dispatch_topk(self, topk_idx, topk_weights, num_experts, num_tokens, num_worst_tokens):
         if topk_idx is None:
@@ -274,10 +272,9 @@ class Buffer:
         out, event = self._normal_op(lambda: engine.dispatch(x, x_scales, None, None, None, None, None, None,
                                                              expert_alignment, num_worst_tokens, channels, handle)[:2],
                                      *stream_args, (x, x_scales) + tuple(handle))
-        engine.raise_notice()
         recv_x, recv_scales = out
         recv = (recv_x, recv_scales) if x_scales is not None else recv_x
-        return recv, None, None, None, None, event
+        return _returned(engine, (recv, None, None, None, None, event))
 
     def combine(self, x, handle, topk_weights=None, bias=None, config=None, previous_event=None,
                 async_finish=False, allocate_on_comm_stream=False):
@@ -300,8 +297,7 @@ class Buffer:
         biases = v.check_bias(bias, num_tokens, x.size(1), x.dtype, self._device)
         out, event = self._normal_op(lambda: engine.combine(x, handle, topk_weights, biases), previous_event,
                                      async_finish, allocate_on_comm_stream, (x, topk_weights) + biases + tuple(handle))
-        engine.raise_notice()
-        return out[0], out[1], event
+        return _returned(engine, (out[0], out[1], event))
 
     def internode_dispatch(self, *args, **kwargs):
         raise NotImplementedError("Buffer.internode_dispatch is DeepEP-internal; call Buffer.dispatch, which "
@@ -353,12 +349,11 @@ class Buffer:
         recv_x, recv_count, handle, hook = engine.low_latency_dispatch(
             x, topk_idx, tokens, num_experts, bool(use_fp8), bool(round_scale), bool(use_ue8m0), recv_stats,
             wait_stats, bool(return_recv_hook))
-        engine.raise_notice()
         extra = None
         if async_finish:
             data, scales = recv_x if isinstance(recv_x, tuple) else (recv_x, None)
             extra = (x, topk_idx, data, scales, recv_count, handle[0], handle[1], recv_stats)
-        return recv_x, recv_count, handle, self._event(async_finish, extra), hook
+        return _returned(engine, (recv_x, recv_count, handle, self._event(async_finish, extra)), hook)
 
     def low_latency_combine(self, x, topk_idx, topk_weights, handle, use_logfmt=False, zero_copy=False,
                             async_finish=False, return_recv_hook=False, out=None, combine_wait_recv_cost_stats=None):
@@ -391,9 +386,8 @@ class Buffer:
         handle = tuple(handle)
         combined_x, hook = engine.low_latency_combine(x, topk_idx, topk_weights, handle, bool(zero_copy), out,
                                                       bool(return_recv_hook), wait_stats)
-        engine.raise_notice()
         extra = (x, topk_idx, topk_weights, handle[0], handle[1], combined_x) if async_finish else None
-        return combined_x, self._event(async_finish, extra), hook
+        return _returned(engine, (combined_x, self._event(async_finish, extra)), hook)
 
     def get_next_low_latency_combine_buffer(self, handle):
         """The BF16 view [num_local_experts, num_ranks * T, hidden] that the next zero-copy combine sends from."""
@@ -409,6 +403,24 @@ class Buffer:
 
     def low_latency_clean_mask_buffer(self):
         raise RuntimeError("shrink mode must be enabled (portep does not support enable_shrink=True yet)")
+
+
+def _returned(engine, results, hook=False):
+    """results (+ the hook, for the LL calls), once this call's kernels are launched. A notice reported by its
+    kernels or an earlier call's is raised now (a DroppedInput carrying the results: every rank made the call, so
+    the Buffer is in step), or with a receive hook after the hook launched the receive phase, which must run."""
+    if hook is False:
+        engine.raise_notice(results)
+        return results
+    if hook is None:
+        engine.raise_notice(results + (None,))
+        return results + (None,)
+
+    def hook_then_notice():
+        hook()
+        engine.raise_notice()
+
+    return results + (hook_then_notice,)
 
 
 def _check_buffer_bytes(name, value):

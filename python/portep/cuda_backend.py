@@ -30,6 +30,7 @@ import torch
 
 from ._native import require_native
 from .channel import Channel
+from .errors import DroppedInput
 from .config import PROXY_COPIES_VAR, check_gpu_copy_connections, proxy_copies
 from . import host_backend as hb
 from .host_ll import _Layout
@@ -166,16 +167,15 @@ class CudaEngine(Topology):
         if failure[0]:
             raise RuntimeError(self.errors.message(*failure, self._failure_context(failure[0], failure[2])))
 
-    def raise_notice(self):
-        """Raise a notice an earlier call's kernels reported (the call dropped part of its input), once. Called
-        after a call launched its kernels, so that its peers, which made the same call, are not left waiting;
-        the Buffer stays in step and usable."""
+    def raise_notice(self, results=None):
+        """Raise a notice the kernels of this or an earlier call reported (that call dropped part of its input) as
+        a DroppedInput carrying `results`, once. Called after a call launched its kernels (a hooked call: after its
+        receive phase), so that its peers, which made the same call, are not left waiting and the Buffer stays in
+        step and usable. Only this rank raises: its input held the entry."""
         notice = self.errors.take_notice()
         if notice is not None:
-            code, message = notice
-            raise (ValueError if self.errors.name(code) == "bad_expert" else RuntimeError)(
-                f"{message}; reported by an earlier call on this Buffer (this call ran and its peers are in step; "
-                f"its results are discarded)")
+            raise DroppedInput(f"{notice[1]}; reported by this or an earlier call on this Buffer, whose kernels ran "
+                               f"on every rank (this call's results are in the exception's `results`)", results)
 
     def _failure_context(self, code, src):
         """Where this rank's proxies stand, and (a wait that timed out) what src's proxies delivered."""

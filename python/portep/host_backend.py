@@ -79,7 +79,7 @@ class HostEngine(Topology):
 
     # ---- data movement ----
 
-    def raise_notice(self):
+    def raise_notice(self, results=None):
         """Nothing to raise: the host backend checks its inputs before it moves anything (the CUDA engine's
         kernels report some of theirs afterwards)."""
 

@@ -36,11 +36,12 @@ class KernelErrors:
         return f"rank {rank}: a kernel {kind}: {e['what']} ({where}){suffix}"
 
     def take_notice(self):
-        """The pending notice as (code, message), re-armed for the next one (None when there is none). The host
-        record is cleared before the device word, so a notice reported in between is lost rather than never
-        re-armed."""
+        """The pending notice as (code, message), re-armed for the next one (None when there is none; also while
+        the current stream is being captured into a CUDA graph, which would record the re-arming instead of running
+        it: the notice then waits for the next call outside the capture). The host record is cleared before the
+        device word, so a notice reported in between is lost rather than never re-armed."""
         record = self.record(1)
-        if not record[0]:
+        if not record[0] or torch.cuda.is_current_stream_capturing():
             return None
         self._view[self._record] = 0
         self.words[1:].zero_()

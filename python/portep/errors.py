@@ -1,0 +1,13 @@
+"""Exceptions of portep's own that a caller may want to tell apart (torch-free)."""
+
+
+class DroppedInput(ValueError):
+    """A call's kernels left part of its input out and said so (an expert index outside [-1, num_experts) in a GPU
+    tensor, more received rows than num_worst_tokens). Raised once, on the rank whose input it was, by the call whose
+    kernels reported it or by a later one, after that call's kernels were launched: every rank made the call, the
+    Buffer is in step and stays usable. `results` holds what the raising call would have returned (None for a
+    receive hook), so a caller that handles the error can go on with the matching calls."""
+
+    def __init__(self, message, results=None):
+        super().__init__(message)
+        self.results = results
