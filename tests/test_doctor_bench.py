@@ -47,7 +47,8 @@ runpy.run_module("portep.doctor", run_name="__main__")
 def test_doctor_reports_a_missing_numpy_and_fails():
     proc = subprocess.run([sys.executable, "-c", NUMPY_BLOCKED], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 1, proc.stdout + proc.stderr
-    assert "PROBLEM:" in proc.stdout and "numpy cannot be imported" in proc.stdout and "pip install numpy" in proc.stdout
+    assert "PROBLEM:" in proc.stdout and "numpy cannot be imported" in proc.stdout, proc.stdout
+    assert "pip install numpy" in proc.stdout
 
 
 def test_doctor_says_the_run_time_dependencies_are_usable():

@@ -24,7 +24,8 @@ LL_SHAPES = [
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("case", LL_SHAPES, ids=[f"{c[0]}ranks-{c[1]}pernode-{c[2]}-H{c[4]}-E{c[5]}" for c in LL_SHAPES])
+@pytest.mark.parametrize("case", LL_SHAPES,
+                         ids=[f"{c[0]}ranks-{c[1]}pernode-{c[2]}-H{c[4]}-E{c[5]}" for c in LL_SHAPES])
 def test_ll_at_production_shapes(case):
     world, rpn, transport, T, hidden, experts, topk, seed = case
     out = run_ranks(w.ll_body, world, args=(rpn, transport, seed, T, hidden, experts, topk, False, 1),

@@ -35,14 +35,18 @@ struct KernelErrorInfo {
   const char* where;  // how src and index read ({src}, {index} replaced by the host)
 };
 constexpr KernelErrorInfo kKernelErrors[] = {
-    {kErrWaitTimeout, "wait_timeout", false, "a signal did not arrive within the timeout", "peer rank {src}, index {index}"},
-    {kErrFifoTimeout, "fifo_timeout", false, "a FIFO to the proxies had no room within the timeout", "rank {src}, stream {index}"},
+    {kErrWaitTimeout, "wait_timeout", false, "a signal did not arrive within the timeout",
+     "peer rank {src}, index {index}"},
+    {kErrFifoTimeout, "fifo_timeout", false, "a FIFO to the proxies had no room within the timeout",
+     "rank {src}, stream {index}"},
     {kErrSlotOverflow, "slot_overflow", false,
      "an expert got more selections than num_max_dispatch_tokens_per_rank (duplicate experts in a token's topk_idx?)",
      "token {src}, expert {index}"},
-    {kErrBadExpert, "bad_expert", true, "topk_idx holds an expert index outside [-1, num_experts); that selection was dropped",
+    {kErrBadExpert, "bad_expert", true,
+     "topk_idx holds an expert index outside [-1, num_experts); that selection was dropped",
      "token {src}, top-k column {index}, value {value}"},
-    {kErrTooManyRecv, "too_many_recv", true, "a dispatch received more tokens than num_worst_tokens; the rows past it were dropped",
+    {kErrTooManyRecv, "too_many_recv", true,
+     "a dispatch received more tokens than num_worst_tokens; the rows past it were dropped",
      "{src} rows received, num_worst_tokens={index}"},
 };
 

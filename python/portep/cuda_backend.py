@@ -5,25 +5,20 @@ DeepEP-sized LL buffer (two halves, laid out as gpu_kernels/cuda/ll_api.h says) 
 over all of it, or LL in the first `ll_bytes` and normal mode in the rest); after them come the direct-path
 flags, [half][phase][num_ranks * max_local_experts] int32. Peers reached directly (same node, NVLink) get
 stores through IPC pointers; the others get WRITE/SIGNAL commands (per chunk of 32 local experts) through device
-FIFOs to the proxy threads, which copy with the copy engines and deliver the signal into host signal slots that
-one warp per chunk polls and relays into device flags.
+FIFOs to the proxy threads, which deliver the signals into host signal slots that one warp per chunk polls and
+relays into device flags. The bytes of a proxy peer whose memory is mapped here (shm on one host) are stored by the
+kernels themselves (placed WRITEs: the proxies make no CUDA call); otherwise, or with PORTEP_GPU_PROXY_COPIES=1,
+they are staged in this rank's memory and moved by the transport (a NIC, or the copy engines; config.py says what
+that costs on one host).
 
 Combine between direct peers sends partial sums (gpu_kernels/cuda/ll_api.h): each rank first writes its combine
 expert indices and weights into its direct peers' meta blocks (after the flags), and an owner returns the FP32 sum
 of a token's two or more selections it holds instead of their BF16 rows. So unlike DeepEP's, the send phase of a
 hooked combine waits for the direct peers to start their combine (their send phase, not their hook).
 
-Kernels run on the current stream. A kernel that times out records the failure in mapped host memory; the next
-call (or `check_error()`) raises it.
-
-Proxy path caveat (shm on GPUs only): the proxy threads issue their copies with CUDA runtime calls, and while
-any thread of the process copies between the GPU and pageable host memory (`tensor.cpu()`, `.item()`,
-`.tolist()`, `.cuda()` of an unpinned tensor), every other thread's CUDA calls wait for that copy (measured on the
-H200 machine: a copy queued behind a 1 s kernel held another thread's cudaMemcpyAsync/cudaEventQuery for the
-whole second; stream, event and device synchronization did not). A pageable copy queued behind an LL receive
-kernel therefore stops this rank's proxies, and the peer's kernel, which waits for them, times out. Wait on the
-stream first (`torch.cuda.current_stream().synchronize()`, events), then copy. NIC transports do not call CUDA
-from the proxies.
+Kernels run on the current stream. A kernel failure (a wait that timed out) is recorded in mapped host memory; the
+next call raises it, and so does every later one. A notice (part of a call's input left out: kernel_errors.py) is
+raised once, as a DroppedInput, after the call that finds it launched.
 """
 
 import torch
@@ -124,7 +119,8 @@ class CudaEngine(Topology):
         self.placed = self.channel.placed_writes and not proxy_copies()
         place = [ch.peer_data_ptr(d) if self.placed and d != self.rank else 0 for d in range(self.num_ranks)]
         self.placed_ranks = [d for d in range(self.num_ranks) if place[d] and d not in self.direct_ranks]
-        if len(self.direct_ranks) + len(self.placed_ranks) < self.num_ranks and self.channel.transport.startswith("shm"):
+        copied = len(self.direct_ranks) + len(self.placed_ranks) < self.num_ranks
+        if copied and self.channel.transport.startswith("shm"):
             check_gpu_copy_connections(f"the proxy path over transport={self.channel.transport!r} on GPU memory "
                                        f"with {PROXY_COPIES_VAR}=1")
         peers = [ch.peer_data_ptr(d) if d in self.direct_ranks else 0 for d in range(self.num_ranks)]
@@ -148,7 +144,8 @@ class CudaEngine(Topology):
         self.launch_stream = None  # comm_stream while the Buffer runs a normal-mode call (comm_stream.py)
         num_sms = self.device_sms = torch.cuda.get_device_properties(self.device).multi_processor_count
         self.kernels = self.native.LLKernels(self.rank, self.num_ranks, ch.device_data_ptr(), self._peers.data_ptr(),
-                                             self._place.data_ptr(), ch.device_signals_ptr(), self._signal_seen.data_ptr(),
+                                             self._place.data_ptr(), ch.device_signals_ptr(),
+                                             self._signal_seen.data_ptr(),
                                              self.channel.num_streams, self.fifos, self._finish.data_ptr(),
                                              chunk_done, proxy_begin, max_chunks, dest_done, self.error_device,
                                              self.timeout_s, num_sms, self.failed_flag.data_ptr())
@@ -191,13 +188,14 @@ class CudaEngine(Topology):
                         f"queue with the kernels' stream they wait behind those kernels ({PROXY_COPIES_VAR}=1 is set; "
                         "see CUDA_DEVICE_MAX_CONNECTIONS in portep/config.py)")
         slots = ""
-        if self.errors.name(code) == "wait_timeout" and 0 <= src < self.num_ranks:  # what that peer's proxies delivered into the LL slots
+        # what that peer's proxies delivered into the LL slots
+        if self.errors.name(code) == "wait_timeout" and 0 <= src < self.num_ranks:
             # a snapshot: the proxies may still write the live slots, which torch's nonzero must not see change
             row = self.channel.signals[src, hb.STREAM_LL_BASE:hb.STREAM_LL_BASE + 4 * self.max_local_experts].clone()
             live = [(int(i), int(row[i]) >> 32, int(row[i]) & 0xFFFFFFFF) for i in row.nonzero().flatten()[:8]]
             slots = (f"; LL signal slots from rank {src} (stream offset, final signals, units delivered since the "
                      f"Buffer was created or cleaned): {live}")
-        return (f", within {self.timeout_s} s; the Buffer's results are invalid (this rank's proxies so far: "
+        return (f" with timeout_s={self.timeout_s}; the Buffer's results are invalid (this rank's proxies so far: "
                 f"{moved}{slots}{hint})")
 
     # ---- layout ----
