@@ -236,7 +236,7 @@ def _check_ht_combine(ck, out, x_ref, is_in, bias, with_topk, w_ref, x_orig=None
         if ck.tensor("combined_topk_weights", cw, torch.float32, tuple(w_ref.shape)):
             d = ref.calc_diff(cw, w_ref)
             err = (cw.double() - w_ref).abs().max().item() if cw.numel() else 0.0
-            ck.true(d < 1e-9 and err <= 1e-5 * (1 + w_ref.abs().max().item()),
+            ck.true(d < 1e-9 and err <= 1e-5 * (1 + (w_ref.abs().max().item() if w_ref.numel() else 0)),
                     f"combined_topk_weights: calc_diff {d:.3g}, max abs error {err:.3g}")
     else:
         ck.true(cw is None, "combined_topk_weights must be None when no topk_weights are combined")

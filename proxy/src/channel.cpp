@@ -46,7 +46,7 @@ void Channel::destroy() {
     proxies_->stop();
   }
   proxies_.reset();
-  transport_.reset();  // unmaps and unlinks whatever is still named
+  transport_.reset();  // unmaps and unlinks whatever is still named, unless a memory_owner() holder remains
   data_ = nullptr;
   signals_ = nullptr;
 }
@@ -103,23 +103,55 @@ uint64_t* Channel::slot(int src, uint32_t stream) const {
   return signals_ + uint64_t(src) * opts_.proxy.num_streams + stream;
 }
 
-// Polls slot (src, stream) until ready(value); raises failure(value) after timeout_s or a latched proxy error.
-template <class Ready, class Failure>
-uint64_t Channel::wait_slot(int src, uint32_t stream, double timeout_s, Ready ready, Failure failure) {
+// Polls slot (src, stream) until ready(value). Gives up after timeout_s, or soon after the peer watch says src
+// will not answer (its process is gone, it left, it refused the call): what src sent before is still delivered
+// during kPeerGrace, since its notice may overtake its last data. Returns kPeerOk with *value, else why it gave up
+// (kWaitTimedOut for the timeout). Raises a latched proxy error.
+constexpr uint32_t kWaitTimedOut = 100;
+constexpr auto kPeerGrace = std::chrono::milliseconds(250);
+template <class Ready>
+uint32_t Channel::wait_slot_for(int src, uint32_t stream, double timeout_s, Ready ready, uint64_t* value) {
+  using Clock = std::chrono::steady_clock;
   ProxyGroup& g = proxies();
+  const PeerWatch* watch = g.peer_watch();
   uint64_t* p = slot(src, stream);
-  const auto start = std::chrono::steady_clock::now();
+  const auto start = Clock::now();
+  auto down_since = Clock::time_point::max();
   for (uint64_t iter = 0;; ++iter) {
-    const uint64_t v = __atomic_load_n(p, __ATOMIC_ACQUIRE);
-    if (ready(v)) return v;
+    *value = __atomic_load_n(p, __ATOMIC_ACQUIRE);
+    if (ready(*value)) return kPeerOk;
     if ((iter & 255) == 255) {
       g.check_error();
-      if (std::chrono::steady_clock::now() - start > std::chrono::duration<double>(timeout_s))
-        throw std::runtime_error("rank " + std::to_string(opts_.proxy.rank) + ": " + failure(v) + " within " +
-                                 std::to_string(timeout_s) + " s; " + transport_->describe_peer(src));
+      const auto now = Clock::now();
+      const uint32_t status = watch && src != opts_.proxy.rank ? watch->status(src) : kPeerOk;
+      if (status == kPeerOk) {
+        down_since = Clock::time_point::max();
+      } else if (down_since == Clock::time_point::max()) {
+        down_since = now;
+      } else if (now - down_since > kPeerGrace) {
+        return status;
+      }
+      if (now - start > std::chrono::duration<double>(timeout_s)) return kWaitTimedOut;
     }
     backoff(kHostWait, iter);
   }
+}
+
+// wait_slot_for, raising failure(value) with the reason when it gives up.
+template <class Ready, class Failure>
+uint64_t Channel::wait_slot(int src, uint32_t stream, double timeout_s, Ready ready, Failure failure) {
+  uint64_t v = 0;
+  const uint32_t why = wait_slot_for(src, stream, timeout_s, ready, &v);
+  if (why != kPeerOk) give_up(src, why, timeout_s, failure(v));
+  return v;
+}
+
+void Channel::give_up(int src, uint32_t why, double timeout_s, const std::string& what) const {
+  const std::string head = "rank " + std::to_string(opts_.proxy.rank) + ": " + what;
+  if (why == kWaitTimedOut)
+    throw std::runtime_error(head + " within " + std::to_string(timeout_s) + " s; " + transport_->describe_peer(src));
+  throw std::runtime_error(head + ": rank " + std::to_string(src) + " " + peer_status_text(why) + " (" +
+                           transport_->describe_peer(src) + ")");
 }
 
 uint64_t Channel::wait_signal(int src, uint32_t stream, uint64_t count, double timeout_s) {
@@ -194,9 +226,34 @@ uint64_t Channel::consume_signal(int src, uint32_t stream, uint64_t min_units, b
                " on (src " + std::to_string(src) + ", stream " + std::to_string(stream) + "), have " +
                std::to_string(v & 0xffffffffu) + " units";
       });
-  const uint64_t units = need_final ? (v & 0xffffffffu) : min_units;
+  return take(src, stream, v, min_units, need_final);
+}
+
+uint64_t Channel::take(int src, uint32_t stream, uint64_t value, uint64_t min_units, bool need_final) {
+  const uint64_t units = need_final ? (value & 0xffffffffu) : min_units;
   __atomic_fetch_sub(slot(src, stream), need_final ? units + kSignalFinalMark : min_units, __ATOMIC_ACQ_REL);
   return units;
+}
+
+void Channel::announce(StatusEvent kind) {
+  if (opts_.proxy.status_stream < 0) throw std::logic_error("announce: this Channel has no status streams");
+  const uint32_t stream = uint32_t(opts_.proxy.status_stream) + kind;
+  for (int dst = 0; dst < opts_.proxy.num_ranks; ++dst) {
+    if (dst == opts_.proxy.rank || transport_->peer_region(dst, kRegionSignal))
+      direct_signal(dst, stream, 0, true);
+    else
+      signal(dst, stream, true);
+  }
+}
+
+uint32_t Channel::peer_status(int peer) const {
+  const PeerWatch* w = proxies_ ? proxies_->peer_watch() : nullptr;
+  return w && peer != opts_.proxy.rank ? w->status(peer) : kPeerOk;
+}
+
+uint64_t Channel::status_events(int src, StatusEvent kind) const {
+  const PeerWatch* w = proxies_ ? proxies_->peer_watch() : nullptr;
+  return w ? w->events(src, kind) : 0;
 }
 
 void Channel::write_rows_streams(int dst, const int64_t* local_offs, const int64_t* remote_offs,
@@ -216,10 +273,25 @@ void Channel::signal_many(size_t n, const int64_t* dsts, const int64_t* streams,
 }
 
 void Channel::consume_many(size_t n, const int64_t* srcs, const int64_t* streams, int64_t* units_out,
-                           int64_t* wait_ns_out, double timeout_s) {
+                           int64_t* wait_ns_out, double timeout_s, uint8_t* mask) {
   for (size_t i = 0; i < n; ++i) {
     const auto t0 = std::chrono::steady_clock::now();
-    units_out[i] = int64_t(consume_signal(int(srcs[i]), uint32_t(streams[i]), 0, true, timeout_s));
+    const int src = int(srcs[i]);
+    units_out[i] = 0;
+    if (mask && mask[src]) {
+      if (wait_ns_out) wait_ns_out[i] = 0;
+      continue;
+    }
+    const uint32_t stream = uint32_t(streams[i]);
+    uint64_t v = 0;
+    const uint32_t why = wait_slot_for(src, stream, timeout_s, [](uint64_t v) { return (v >> 32) >= 1; }, &v);
+    if (why == kPeerOk)
+      units_out[i] = int64_t(take(src, stream, v, 0, true));
+    else if (mask && why != kPeerRefused)  // shrink mode: a rank that left, is gone or timed out is masked
+      mask[src] = 1;
+    else  // a refusal is not a failed rank but a call the ranks disagree on, which masking cannot mend
+      give_up(src, why, timeout_s, "no final signal on (src " + std::to_string(src) + ", stream " +
+                                       std::to_string(stream) + ")");
     if (wait_ns_out)
       wait_ns_out[i] = std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now() - t0).count();
   }

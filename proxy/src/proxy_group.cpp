@@ -29,6 +29,8 @@ ProxyGroupImpl::ProxyGroupImpl(Transport* t, const ProxyConfig& c, uint64_t* slo
   const TransportProps p = t->props();
   native_signals = p.ordered && p.remote_atomics;
   placed_writes = p.placed_writes;
+  if (c.status_stream >= 0)
+    watch = std::make_unique<PeerWatch>(t, c.rank, c.num_ranks, slots, c.num_streams, uint32_t(c.status_stream));
   if (!native_signals && c.num_streams > imm::kMaxStreams)
     throw std::invalid_argument("num_streams=" + std::to_string(c.num_streams) + " exceeds " +
                                 std::to_string(imm::kMaxStreams) + ", the limit of the immediate encoding that the " +
@@ -112,6 +114,7 @@ int ProxyGroup::num_device_fifos() const { return int(impl_->device_fifos.size()
 
 void ProxyGroup::start() {
   if (!impl_->threads.empty()) return;
+  if (impl_->watch) impl_->watch->start();
   for (int t = 0; t < impl_->cfg.num_threads; ++t) impl_->workers.push_back(std::make_unique<ProxyThread>(impl_.get(), t));
   for (int t = 0; t < impl_->cfg.num_threads; ++t) {
     ProxyThread* w = impl_->workers[t].get();
@@ -124,6 +127,7 @@ void ProxyGroup::start() {
 }
 
 void ProxyGroup::stop() {
+  if (impl_->watch) impl_->watch->stop();
   impl_->stop_flag.store(true, std::memory_order_release);
   for (auto& t : impl_->threads)
     if (t.joinable()) t.join();
@@ -187,6 +191,9 @@ void ProxyGroup::barrier() {
 void ProxyGroup::check_error() const {
   if (impl_->failed()) throw std::runtime_error(impl_->error());
 }
+
+const PeerWatch* ProxyGroup::peer_watch() const { return impl_->watch.get(); }
+PeerWatch* ProxyGroup::peer_watch() { return impl_->watch.get(); }
 
 std::vector<ProxyThreadStats> ProxyGroup::stats() const {
   std::vector<ProxyThreadStats> out;

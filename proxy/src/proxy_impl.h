@@ -86,6 +86,7 @@ class ProxyGroupImpl {
   std::vector<std::thread> threads;
   std::atomic<bool> stop_flag{false};
   std::atomic<uint64_t> barrier_arrivals[4] = {};
+  std::unique_ptr<PeerWatch> watch;  // cfg.status_stream >= 0
   uint64_t next_ticket = 1;   // host side only
   uint64_t barrier_epoch = 0; // host side only
   std::mutex host_mu;         // serializes host-side quiet/barrier callers

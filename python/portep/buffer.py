@@ -6,6 +6,7 @@ streams; `async_finish=True` returns an EventOverlap whose event is already comp
 `get_comm_stream()` returns None.
 """
 
+import functools
 import os
 import warnings
 
@@ -16,7 +17,9 @@ from . import validation as v
 from .config import timeout_from_env, transport_from_env
 from .deepep_config import (COMBINE_CONFIGS, DISPATCH_CONFIGS, Config, check_int, combine_config, default_config,
                             dispatch_config, low_latency_rdma_size_hint)
+from .errors import DroppedInput
 from .event import EventOverlap, HostEvent
+from .lockstep import AgreedRefusal, OutOfStep
 
 __all__ = ["Buffer", "Config", "EventOverlap", "topk_idx_t"]
 
@@ -26,6 +29,26 @@ BACKENDS = ("host", "cuda")
 PLANNED_BACKENDS = ("hip",)
 DEFAULT_RANKS_PER_NODE = 8
 LL_TOPK_NOTE = f" (portep's limit; DeepEP's low-latency kernels allow at most {v.DEEPEP_LL_MAX_TOPK})"
+
+
+def _collective(what):
+    """A Buffer method that every rank calls together (lockstep.py): its body calls self._call.start() once its
+    inputs passed validation, right before the call's first traffic."""
+
+    def wrap(method):
+        @functools.wraps(method)
+        def run(self, *args, **kwargs):
+            call = _Collective(self._engine(), what)
+            with call:
+                self._call = call
+                try:
+                    return method(self, *args, **kwargs)
+                finally:
+                    self._call = None
+
+        return run
+
+    return wrap
 
 
 class Buffer:
@@ -220,6 +243,7 @@ class Buffer:
                                      async_finish, allocate_on_comm_stream, (topk_idx,))
         return _returned(engine, tuple(out) + (event,))
 
+    @_collective("dispatch")
     def dispatch(self, x, handle=None, num_tokens_per_rank=None, num_tokens_per_rdma_rank=None,
                  is_token_in_rank=None, num_tokens_per_expert=None, topk_idx=None, topk_weights=None,
                  expert_alignment=1, num_worst_tokens=0, config=None, previous_event=None, async_finish=False,
@@ -249,6 +273,7 @@ class Buffer:
         per_rdma_rank = num_tokens_per_rdma_rank if engine.num_nodes > 1 else None
         inputs = (x_data, x_scales, topk_idx, topk_weights, num_tokens_per_rank, per_rdma_rank, is_token_in_rank,
                   num_tokens_per_expert)
+        self._call.start()
         out, event = self._normal_op(lambda: engine.dispatch(*inputs, expert_alignment, num_worst_tokens,
                                                              config.num_sms // 2, None),
                                      previous_event, async_finish, allocate_on_comm_stream, inputs)
@@ -269,6 +294,7 @@ class Buffer:
         if x.size(0) != num_tokens:
             raise ValueError(f"x has {x.size(0)} tokens; the handle was made by a dispatch of {num_tokens}")
         v.check_handle_channels(channels, config, "cached dispatch")
+        self._call.start()
         out, event = self._normal_op(lambda: engine.dispatch(x, x_scales, None, None, None, None, None, None,
                                                              expert_alignment, num_worst_tokens, channels, handle)[:2],
                                      *stream_args, (x, x_scales) + tuple(handle))
@@ -276,6 +302,7 @@ class Buffer:
         recv = (recv_x, recv_scales) if x_scales is not None else recv_x
         return _returned(engine, (recv, None, None, None, None, event))
 
+    @_collective("combine")
     def combine(self, x, handle, topk_weights=None, bias=None, config=None, previous_event=None,
                 async_finish=False, allocate_on_comm_stream=False):
         """Sum (without weights) each token's rows back on its source rank, plus bias. Returns (combined_x,
@@ -295,6 +322,7 @@ class Buffer:
         v.check_optional_tensor("topk_weights", topk_weights, dtypes=(torch.float32,),
                                 shape=(("num_recv_tokens", num_recv), ("num_topk", None)), device=self._device)
         biases = v.check_bias(bias, num_tokens, x.size(1), x.dtype, self._device)
+        self._call.start()
         out, event = self._normal_op(lambda: engine.combine(x, handle, topk_weights, biases), previous_event,
                                      async_finish, allocate_on_comm_stream, (x, topk_weights) + biases + tuple(handle))
         return _returned(engine, (out[0], out[1], event))
@@ -317,6 +345,7 @@ class Buffer:
         v.check_num_experts(num_experts, self.group_size)
         engine.clean_low_latency_buffer(num_max_dispatch_tokens_per_rank, hidden, num_experts)
 
+    @_collective("low_latency_dispatch")
     def low_latency_dispatch(self, x, topk_idx, num_max_dispatch_tokens_per_rank, num_experts,
                              cumulative_local_expert_recv_stats=None, dispatch_wait_recv_cost_stats=None,
                              use_fp8=True, round_scale=False, use_ue8m0=False, async_finish=False,
@@ -346,6 +375,7 @@ class Buffer:
             self._checked.add(key)
         tokens, recv_stats, wait_stats = (num_max_dispatch_tokens_per_rank, cumulative_local_expert_recv_stats,
                                           dispatch_wait_recv_cost_stats)
+        self._call.start()
         recv_x, recv_count, handle, hook = engine.low_latency_dispatch(
             x, topk_idx, tokens, num_experts, bool(use_fp8), bool(round_scale), bool(use_ue8m0), recv_stats,
             wait_stats, bool(return_recv_hook))
@@ -353,8 +383,10 @@ class Buffer:
         if async_finish:
             data, scales = recv_x if isinstance(recv_x, tuple) else (recv_x, None)
             extra = (x, topk_idx, data, scales, recv_count, handle[0], handle[1], recv_stats)
-        return _returned(engine, (recv_x, recv_count, handle, self._event(async_finish, extra)), hook)
+        return _returned(engine, (recv_x, recv_count, handle, self._event(async_finish, extra)),
+                         self._call.hook(hook))
 
+    @_collective("low_latency_combine")
     def low_latency_combine(self, x, topk_idx, topk_weights, handle, use_logfmt=False, zero_copy=False,
                             async_finish=False, return_recv_hook=False, out=None, combine_wait_recv_cost_stats=None):
         """Weighted sum of each token's expert outputs back on its source rank. Returns (combined_x, event,
@@ -384,10 +416,11 @@ class Buffer:
             self._checked.add(key)
         wait_stats = combine_wait_recv_cost_stats
         handle = tuple(handle)
+        self._call.start()
         combined_x, hook = engine.low_latency_combine(x, topk_idx, topk_weights, handle, bool(zero_copy), out,
                                                       bool(return_recv_hook), wait_stats)
         extra = (x, topk_idx, topk_weights, handle[0], handle[1], combined_x) if async_finish else None
-        return _returned(engine, (combined_x, self._event(async_finish, extra)), hook)
+        return _returned(engine, (combined_x, self._event(async_finish, extra)), self._call.hook(hook))
 
     def get_next_low_latency_combine_buffer(self, handle):
         """The BF16 view [num_local_experts, num_ranks * T, hidden] that the next zero-copy combine sends from."""
@@ -403,6 +436,50 @@ class Buffer:
 
     def low_latency_clean_mask_buffer(self):
         raise RuntimeError("shrink mode must be enabled (portep does not support enable_shrink=True yet)")
+
+
+class _Collective:
+    """One collective call's bookkeeping (lockstep.py): validation failures before start() are refusals, which the
+    peers learn of at once; failures after it leave the Buffer out of step; a DroppedInput is neither."""
+
+    def __init__(self, engine, what):
+        self.lockstep, self.what, self.started = engine.lockstep, what, False
+
+    def __enter__(self):
+        self.lockstep.begin()
+        return self
+
+    def start(self):
+        """Validation passed: the call's traffic begins. Returns its sequence number."""
+        seq = self.lockstep.enter(self.what)
+        self.started = True
+        return seq
+
+    def hook(self, hook):
+        """A receive hook whose failure counts as the call's."""
+        if hook is None:
+            return None
+
+        def guarded():
+            try:
+                hook()
+            except DroppedInput:
+                raise
+            except BaseException as e:
+                self.lockstep.fail(self.what, e)
+                raise
+
+        return guarded
+
+    def __exit__(self, kind, error, tb):
+        ls = self.lockstep
+        if error is None or isinstance(error, DroppedInput) or (isinstance(error, AgreedRefusal) and ls.sent):
+            pass
+        elif self.started and ls.sent:
+            ls.fail(self.what, error)
+        elif not (isinstance(error, OutOfStep) and not self.started):  # (enter() raising has told the peers)
+            ls.refuse()
+        return False
 
 
 def _returned(engine, results, hook=False):

@@ -53,6 +53,9 @@ class Channel:
             by the proxies with copy-engine copies); None: host memory; "emulated": host memory behind the same
             GPU path (copies on worker threads, some delayed), to test that path without a GPU.
         device_fifos: a native DeviceFifoSet whose FIFOs kernels push into, served by the proxy threads.
+        status_stream: the first of three streams whose slots carry the ranks' status events (a refused call, a
+            failed call, a Buffer destroyed): a thread watches them and the peers' processes, and every wait on a
+            peer that will not answer gives up at once (proxy/include/portep/peer_watch.h). None: no watch.
         idle_spin_us: how long an idle proxy thread busy-polls before it yields and sleeps (default
             $PORTEP_PROXY_SPIN_US, else 1000 on a CUDA device, where a sleeping proxy adds its wake-up time to
             every hop of a kernel's command, and 0 on the host, where spinning threads take the CPUs the ranks
@@ -62,7 +65,7 @@ class Channel:
     def __init__(self, group=None, nbytes=1 << 20, *, transport=None, num_streams=64, num_proxy_threads=4,
                  num_fifos=32, fifo_capacity=4096, max_inflight_cmds=512, max_inflight_bytes=64 << 20,
                  timeout_s=None, unordered_window=64, seed=0, device=None, device_fifos=None, idle_spin_us=None,
-                 _skip_ordering=False):
+                 status_stream=None, _skip_ordering=False):
         native = require_native()
         self.group = group
         self.rank, self.num_ranks = group_rank_and_size(group)
@@ -90,7 +93,9 @@ class Channel:
             num_streams=num_streams, max_inflight_cmds=max_inflight_cmds, max_inflight_bytes=max_inflight_bytes,
             timeout_s=self.timeout_s, unordered_window=unordered_window, seed=seed, skip_ordering=_skip_ordering,
             device=_device_code(device), idle_spin_us=proxy_spin_us_from_env(
-                idle_spin_us, isinstance(device, int) and not isinstance(device, bool)))
+                idle_spin_us, isinstance(device, int) and not isinstance(device, bool)),
+            status_stream=-1 if status_stream is None else _check_int("status_stream", status_stream, 0,
+                                                                       num_streams - native.NUM_STATUS_EVENTS))
         self.device = device
         try:
             if device_fifos is not None:  # kernels push into these; the proxies serve them with the host FIFOs
@@ -166,6 +171,21 @@ class Channel:
 
     def stats(self):
         return self._live().stats()
+
+    def announce(self, kind):
+        """Tell every rank, this one included, of a status event of this rank's (native.EVENT_REFUSED / FAILED /
+        LEFT); needs status_stream."""
+        self._live().announce(kind)
+
+    def peer_status(self, peer):
+        """native.PEER_OK while `peer` answers, else PEER_REFUSED / PEER_LEFT / PEER_GONE (see status_stream)."""
+        self._check_peer("peer", peer)
+        return self._live().peer_status(peer)
+
+    def status_events(self, src, kind):
+        """How many events of `kind` rank `src` announced so far."""
+        self._check_peer("src", src)
+        return self._live().status_events(src, kind)
 
     @property
     def placed_writes(self):

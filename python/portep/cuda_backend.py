@@ -30,6 +30,7 @@ from .config import PROXY_COPIES_VAR, check_gpu_copy_connections, proxy_copies
 from . import host_backend as hb
 from .host_ll import _Layout
 from .kernel_errors import KernelErrors
+from .lockstep import AgreedRefusal, Lockstep, OutOfStep
 from .topology import Topology
 
 NUM_DEVICE_FIFOS = 32
@@ -60,12 +61,16 @@ def _current_raw_stream(device_index):
     return raw(device_index) if raw is not None else torch.cuda.current_stream(device_index).cuda_stream
 
 
-def _as_tensor(ptr, nbytes, device):
-    """A uint8 CUDA tensor viewing device memory this module allocated (no copy, no ownership)."""
+def _as_tensor(ptr, nbytes, device, owner=None):
+    """A uint8 CUDA tensor viewing device memory this module allocated (no copy). owner (a native RegionLease)
+    keeps the memory mapped for as long as the tensor or any view of it lives."""
 
     class _Mem:
         __cuda_array_interface__ = {"shape": (nbytes,), "typestr": "|u1", "data": (ptr, False), "version": 3,
                                     "strides": None}
+
+        def __init__(self):
+            self.owner = owner
 
     return torch.as_tensor(_Mem(), device=device)
 
@@ -100,18 +105,21 @@ class CudaEngine(Topology):
         self.ht_ctrl_off = self.meta_base + self.meta_bytes  # normal mode's control area (cuda_ht.py)
         self.ht_stream_base = hb.STREAM_LL_BASE + 4 * max_local_experts  # and its signal streams
         self.fifos = self.native.DeviceFifoSet(NUM_DEVICE_FIFOS, DEVICE_FIFO_CAPACITY)
+        self.status_stream = self.ht_stream_base + self.native.HT_NUM_STREAMS  # peer_watch.h
         self.channel = Channel(group, self.ht_ctrl_off + self.native.HT_CTRL_BYTES, transport=transport,
-                               num_streams=self.ht_stream_base + self.native.HT_NUM_STREAMS,
+                               num_streams=self.status_stream + self.native.NUM_STATUS_EVENTS,
                                num_proxy_threads=num_proxy_threads, timeout_s=timeout_s,
-                               device=self.device.index, device_fifos=self.fifos)
+                               device=self.device.index, device_fifos=self.fifos, status_stream=self.status_stream)
         # The normal-mode kernels' stream, made right after the proxies' copy streams so that, where CUDA assigns
         # hardware queues in turn, no proxy copy queues behind its kernels (torch's pool streams are made 32 at
         # once). It is never destroyed: tensors record_stream'd on it may be freed after the Buffer, and the caching
         # allocator then records an event on it.
         self.comm_stream = torch.cuda.ExternalStream(self.native.cuda_stream_create(), device=self.device)
         self.timeout_s = self.channel.timeout_s
+        self.lockstep = Lockstep(self.channel, self.native, self.rank, self.num_ranks, self.timeout_s)
+        self.mask = None  # shrink mode (set_shrink)
         ch = self.channel._native
-        self.region = _as_tensor(ch.device_data_ptr(), self.num_bytes, self.device)
+        self.region = _as_tensor(ch.device_data_ptr(), self.num_bytes, self.device, ch.device_data_lease())
         self.direct_ranks = [d for d in range(self.num_ranks)
                              if d == self.rank or (allow_direct_ll and self.node_of(d) == self.node)]
         # Proxy peers whose memory is mapped here get their bytes stored by the kernels and placed WRITEs (config.py:
@@ -158,11 +166,18 @@ class CudaEngine(Topology):
     # ---- errors ----
     def check_error(self):
         """Raise what a proxy thread latched (often the cause of a kernel's timeout), else a kernel failure: the
-        Buffer stays failed, every call raises. Called before a call launches anything."""
-        self.channel.check_error()
+        Buffer stays failed, every call raises until the ranks resynchronise (clean_low_latency_buffer). Called
+        before a call launches anything."""
+        try:
+            self.channel.check_error()
+        except RuntimeError as e:
+            self.lockstep.fail("an earlier call", e)
+            raise
         failure = self.errors.record(0)
         if failure[0]:
-            raise RuntimeError(self.errors.message(*failure, self._failure_context(failure[0], failure[2])))
+            error = RuntimeError(self.errors.message(*failure, self._failure_context(failure[0], failure[2])))
+            self.lockstep.fail("an earlier call", error)
+            raise error
 
     def raise_notice(self, results=None):
         """Raise a notice the kernels of this or an earlier call reported (that call dropped part of its input) as
@@ -209,7 +224,7 @@ class CudaEngine(Topology):
         if needed > self.ll_bytes:
             where = ("the communication buffer" if self.ll_bytes == self.num_bytes
                      else "its low-latency part (num_rdma_bytes)")
-            raise ValueError(f"{where} has {self.ll_bytes} bytes but {what} needs {needed} bytes")
+            raise AgreedRefusal(f"{where} has {self.ll_bytes} bytes but {what} needs {needed} bytes")
 
     def _shape(self, lay, half, phase):
         """The kernels' per-call constants (cached per layout, half and phase) and the current stream."""
@@ -287,6 +302,7 @@ class CudaEngine(Topology):
         layout_range = torch.empty(E_l, R, dtype=torch.int64, device=dev)
 
         def launch(phases):
+            self.lockstep.sending()
             self.kernels.dispatch(phases, self._shape(lay, half, 0), x.data_ptr(), topk_idx.data_ptr(), x.size(0),
                                   topk_idx.size(1), use_fp8, round_scale, use_ue8m0, recv_x.data_ptr(),
                                   0 if scales is None else scales.data_ptr(), recv_count.data_ptr(),
@@ -328,6 +344,7 @@ class CudaEngine(Topology):
                                                                                   device=self.device)
 
         def launch(phases):
+            self.lockstep.sending()
             self.kernels.combine(phases, self._shape(lay, half, 1), rows.data_ptr(), pitch, zero_copy,
                                  src_info.data_ptr(), layout_range.data_ptr(), topk_idx.data_ptr(),
                                  weights.data_ptr(), N, topk_idx.size(1), result.data_ptr(), H * 2,
@@ -342,22 +359,50 @@ class CudaEngine(Topology):
         return (out if out is not None else result), None
 
     def clean_low_latency_buffer(self, num_max_dispatch_tokens_per_rank, hidden, num_experts):
-        """Zero every LL flag and signal slot of this rank, between two barriers (DeepEP's clean); normal-mode
-        kernels on the communication stream finish first."""
+        """DeepEP's clean, which also resynchronises the ranks' LL state (lockstep.py): once every kernel of this
+        Buffer finished, between two synchronisations, every LL flag, meta block, scratch counter and signal slot
+        of this rank goes back to zero (the normal mode's and the LEFT status slots stay), the kernels' failure and
+        notice words too, and so do the call counters."""
+        if self.lockstep.broken and self.lockstep.broken.startswith(("dispatch", "combine")):
+            raise OutOfStep(f"rank {self.rank}: clean_low_latency_buffer resynchronises the low-latency mode only, "
+                            f"but a normal-mode call failed ({self.lockstep.broken}): destroy this Buffer and create "
+                            f"a new one on every rank")
         self.synchronize()
-        self.channel.barrier()
+        self.sync()
         flags = self.num_bytes
         _as_tensor(self.channel._native.device_data_ptr() + flags, self.meta_base + self.meta_bytes - flags,
                    self.device).zero_()  # flags, meta blocks
         self._finish.zero_()
         self._signal_seen.view(self.num_ranks, -1)[:, :self.ht_stream_base].zero_()  # normal mode's stay
         signals = self.channel.signals
-        for half in (0, 1):
-            for phase in (0, 1):
-                base = hb.STREAM_LL_BASE + (half * 2 + phase) * self.max_local_experts
-                signals[:, base:base + self.max_local_experts].zero_()
+        keep = {hb.STREAM_SYNC, self.status_stream + self.native.EVENT_LEFT}
+        for begin, end in hb.ranges_without(keep, self.ht_stream_base):
+            signals[:, begin:end].zero_()
+        ev = self.status_stream
+        signals[:, ev + self.native.EVENT_REFUSED:ev + self.native.EVENT_FAILED + 1].zero_()
+        self.errors.clear()
+        self.ll_half = 0
+        self.lockstep.resynced()
         torch.cuda.current_stream(self.device).synchronize()
-        self.channel.barrier()
+        self.sync()
+
+    def sync(self):
+        """Every rank that is not masked gets here (shrink mode: one that left, is gone or times out is masked),
+        after everything it posted before was delivered."""
+        self.channel.quiet()
+        live = [r for r in range(self.num_ranks) if self.mask is None or not self.mask[r]]
+        ch = self.channel._native
+        for dst in live:
+            if ch.peer_data_ptr(dst) and dst in self.direct_ranks:
+                ch.direct_signal(dst, hb.STREAM_SYNC, 0, True)
+            else:
+                ch.signal(dst, hb.STREAM_SYNC, True)
+        srcs = torch.tensor(live, dtype=torch.int64)
+        streams = torch.full((len(live),), hb.STREAM_SYNC, dtype=torch.int64)
+        units, waited = torch.empty_like(srcs), torch.empty_like(srcs)
+        mask = 0 if self.mask is None else self.mask_host.data_ptr()
+        ch.consume_many(len(live), srcs.data_ptr(), streams.data_ptr(), units.data_ptr(), waited.data_ptr(),
+                        self.timeout_s, mask)
 
     def get_local_buffer_tensor(self, dtype, size=None, offset=0, use_rdma_buffer=False):
         elem = torch.empty((), dtype=dtype).element_size()
@@ -384,6 +429,10 @@ class CudaEngine(Topology):
             return
         try:
             self.synchronize()
+            self.channel.quiet()  # what this rank sent goes out first; then peers waiting for it give up (or mask it)
+            self.channel.announce(self.native.EVENT_LEFT)
+        except Exception:  # noqa: BLE001 - a failed channel or device: destroy what is left all the same
+            pass
         finally:
             self.region = None
             if self._ht is not None:

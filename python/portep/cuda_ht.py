@@ -116,6 +116,7 @@ class CudaHT:
 
     def _notify(self, num_channels, stream, count_mode, is_token_in_rank, per_expert=None, N=0, E=0,
                 prefixes=(None,) * 6, max_recv=0, ticket=0):
+        self.eng.lockstep.sending()
         self.kernels.notify(num_channels, stream, count_mode, is_token_in_rank.data_ptr(), _ptr(per_expert), N, E,
                             *(_ptr(p) for p in prefixes), max_recv, ticket)
 

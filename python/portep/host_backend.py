@@ -20,6 +20,7 @@ import torch
 from ._native import require_native
 from .channel import Channel
 from . import host_ht, host_ll
+from .lockstep import AgreedRefusal, Lockstep
 from .topology import Topology
 
 # Signal streams of one Buffer (slots are (source rank, stream)).
@@ -29,7 +30,13 @@ STREAM_HT_PLACED = 2
 STREAM_HT_COMBINE_TO_FORWARDER = 3
 STREAM_HT_COMBINE_PARTIAL = 4
 STREAM_HT_COMBINE_DIRECT = 5
+STREAM_SYNC = 6  # the ranks' synchronisation of clean_low_latency_buffer (sync())
 STREAM_LL_BASE = 8
+
+
+def status_stream(max_local_experts):
+    """The first of the three status streams (peer_watch.h), after the LL ones."""
+    return STREAM_LL_BASE + 4 * max_local_experts
 ALIGN = 16
 BF16, F32 = 0, 1  # row dtypes of the native row kernels
 MAX_COMMAND_BYTES = 16 << 20
@@ -41,6 +48,34 @@ def _device_memory():
     device memory: shared host memory whose proxy copies run on worker threads, some delayed), so the DeepEP
     protocols run over the same deferred-notification code as on GPUs, without one."""
     return "emulated" if os.environ.get("PORTEP_EMULATE_DEVICE_MEMORY") == "1" else None
+
+
+def ranges_without(keep, n):
+    """[begin, end) ranges covering 0..n except the indices in keep."""
+    out, begin = [], 0
+    for k in sorted(keep):
+        if k > begin:
+            out.append((begin, k))
+        begin = k + 1
+    if begin < n:
+        out.append((begin, n))
+    return out
+
+
+def dense(t):
+    """t with row-major strides: a copy only where t has others, which contiguous() keeps for an empty tensor or a
+    size-1 dimension, and which the byte views of the row kernels refuse (a [0, 1] tensor of strides (1, 0), made
+    by an expression on a rank without tokens, is contiguous)."""
+    if not torch.is_tensor(t):
+        return t
+    stride, expected = t.stride(), []
+    step = 1
+    for size in reversed(t.shape):
+        expected.append(step)
+        step *= size
+    if t.is_contiguous() and tuple(reversed(expected)) == stride:
+        return t
+    return torch.empty(t.shape, dtype=t.dtype).copy_(t)
 
 
 def align(n, a=ALIGN):
@@ -58,14 +93,16 @@ class HostEngine(Topology):
         if num_proxy_threads is None:
             # Every rank of the host backend runs on this host: share its cores (an idle proxy still wakes up).
             num_proxy_threads = max(1, min(4, (os.cpu_count() or 1) // self.num_ranks))
+        status = status_stream(max_local_experts)
         self.channel = Channel(group, max(ALIGN, align(num_bytes)), transport=transport,
-                               num_streams=STREAM_LL_BASE + 4 * max_local_experts,
-                               num_proxy_threads=num_proxy_threads, timeout_s=timeout_s, device=_device_memory())
+                               num_streams=status + require_native().NUM_STATUS_EVENTS,
+                               num_proxy_threads=num_proxy_threads, timeout_s=timeout_s, device=_device_memory(),
+                               status_stream=status)
         self.num_bytes = self.channel.nbytes
         # The count exchange has a fixed home (two parities of one slot per rank) that no data area overlaps: a
         # peer one call ahead may write it while this rank still reads the previous call's data areas.
         self.max_count_row = self.num_ranks + self.num_nodes + self.num_ranks * MAX_CHANNELS + \
-            self.num_ranks * max_local_experts
+            self.num_ranks * max_local_experts + 1  # + the call's sequence number
         self.count_slot_bytes = align(8 * self.max_count_row)
         self.data_start = 2 * self.num_ranks * self.count_slot_bytes
         self.timeout_s = self.channel.timeout_s
@@ -76,6 +113,8 @@ class HostEngine(Topology):
         self.ht_calls = 0  # parity of the notify area
         self.ll_half = 0
         self._writes_in_flight = False
+        self.lockstep = Lockstep(self.channel, self.native, self.rank, self.num_ranks, self.timeout_s)
+        self.mask = None  # shrink mode: uint8 [R], 1 = masked (set_shrink)
 
     # ---- data movement ----
 
@@ -149,6 +188,7 @@ class HostEngine(Topology):
 
     def signal_many(self, dsts, streams, units):
         """Final signals for (dst, stream) pairs; `units` counts direct stores (proxies count their writes)."""
+        self.lockstep.sending()
         dsts, streams, units = (t.to(torch.int64).contiguous() for t in (dsts, streams, units))
         direct = torch.tensor([self.direct(int(d), low_latency=True) for d in range(self.num_ranks)],
                               dtype=torch.uint8)[dsts].contiguous()
@@ -156,13 +196,17 @@ class HostEngine(Topology):
                                  direct.data_ptr())
 
     def consume_many(self, srcs, streams):
-        """Waits for the final signal of each (src, stream) in order; returns (units, nanoseconds waited)."""
+        """Waits for the final signal of each (src, stream) in order; returns (units, nanoseconds waited). In shrink
+        mode masked sources give 0 units, and one that times out, left or is gone is masked (0 units)."""
         srcs, streams = (t.to(torch.int64).contiguous() for t in (srcs, streams))
         units = torch.empty(srcs.numel(), dtype=torch.int64)
         waited = torch.empty(srcs.numel(), dtype=torch.int64)
         self._native.consume_many(srcs.numel(), srcs.data_ptr(), streams.data_ptr(), units.data_ptr(),
-                                  waited.data_ptr(), self.timeout_s)
+                                  waited.data_ptr(), self.timeout_s, 0 if self.mask is None else self.mask.data_ptr())
         return units, waited
+
+    def masked(self, rank):
+        return self.mask is not None and bool(self.mask[rank])
 
     def put_block(self, dst, local_offset, remote_offset, nbytes, stream):
         """One contiguous range, in commands of at most 16 MiB (the chunks of the HT internode path)."""
@@ -179,6 +223,7 @@ class HostEngine(Topology):
     def signal(self, dst, stream, direct_units=0, final=True):
         """Publish to dst's slot (this rank, stream): direct stores count `direct_units`; through the proxies the
         slot counts the WRITE commands issued on this stream since the last signal."""
+        self.lockstep.sending()
         if self.direct(dst, low_latency=stream >= STREAM_LL_BASE):
             self._native.direct_signal(dst, stream, direct_units, final)
         else:
@@ -189,8 +234,9 @@ class HostEngine(Topology):
 
     # ---- count exchange (the notify step) ----
     def exchange_rows(self, row):
-        """All-to-all of one int64 row per rank through the communication memory; returns [R, len(row)]."""
-        row = row.to(torch.int64).contiguous()
+        """All-to-all of one int64 row per rank through the communication memory; returns [R, len(row)]. Each row
+        carries the call's sequence number, which must be every rank's (lockstep.py)."""
+        row = torch.cat([row.to(torch.int64), torch.tensor([self.lockstep.seq], dtype=torch.int64)])
         if row.numel() > self.max_count_row:
             raise ValueError(f"the count exchange needs {row.numel()} entries per rank, more than the "
                              f"{self.max_count_row} reserved (channels <= {MAX_CHANNELS}, local experts <= "
@@ -203,6 +249,7 @@ class HostEngine(Topology):
         self.require_bytes(self.data_start, "the count exchange")
         mine = base + self.rank * row_bytes
         self.region[mine:mine + row.numel() * 8].view(torch.int64).copy_(row)
+        self.lockstep.sending()
         for dst in range(self.num_ranks):
             if self.direct(dst):
                 self.store(dst, mine, self.region[mine:mine + used])
@@ -213,12 +260,15 @@ class HostEngine(Topology):
         for src in range(self.num_ranks):
             self.consume(src, STREAM_NOTIFY, 1, need_final=False)
         table = self.region[base:base + self.num_ranks * row_bytes].view(self.num_ranks, row_bytes)
-        return table[:, :row.numel() * 8].contiguous().view(torch.int64).clone()
+        table = table[:, :row.numel() * 8].contiguous().view(torch.int64).clone()
+        for src in range(self.num_ranks):
+            self.lockstep.check_seq("the count exchange", int(table[src, -1]), src)
+        return table[:, :-1]
 
 
     def require_bytes(self, needed, what):
         if needed > self.num_bytes:
-            raise ValueError(f"the communication buffer has {self.num_bytes} bytes but {what} needs {needed} bytes "
+            raise AgreedRefusal(f"the communication buffer has {self.num_bytes} bytes but {what} needs {needed} bytes "
                              f"on some rank; create the Buffer with at least that many (num_nvl_bytes + "
                              f"num_rdma_bytes)")
 
@@ -236,29 +286,55 @@ class HostEngine(Topology):
                              f"on the same host only); use num_ranks_per_node=1, or place each node's ranks on one "
                              f"host")
 
-    def dispatch(self, *args, **kwargs):
+    def dispatch(self, *args):
         self._require_node_views()
         self.settle()
-        return host_ht.dispatch(self, *args, **kwargs)
+        return host_ht.dispatch(self, *(dense(a) for a in args))
 
     def combine(self, x, handle, topk_weights, bias):
         self._require_node_views()
         self.settle()
-        return host_ht.combine(self, x, handle, topk_weights, bias)
+        return host_ht.combine(self, dense(x), handle, dense(topk_weights), tuple(dense(b) for b in bias))
 
-    def low_latency_dispatch(self, *args, **kwargs):
+    def low_latency_dispatch(self, x, topk_idx, *args):
         self.settle()
-        return host_ll.dispatch(self, *args, **kwargs)
+        return host_ll.dispatch(self, dense(x), dense(topk_idx), *args)
 
-    def low_latency_combine(self, *args, **kwargs):
+    def low_latency_combine(self, x, topk_idx, topk_weights, *args):
         self.settle()
-        return host_ll.combine(self, *args, **kwargs)
+        return host_ll.combine(self, x, dense(topk_idx), dense(topk_weights), *args)
 
     def get_next_low_latency_combine_buffer(self, handle):
         return host_ll.next_combine_buffer(self, handle)
 
     def clean_low_latency_buffer(self, num_max_dispatch_tokens_per_rank, hidden, num_experts):
-        host_ll.clean(self, num_max_dispatch_tokens_per_rank, hidden, num_experts)
+        """DeepEP's clean, which also resynchronises the ranks (lockstep.py): between two synchronisations, every
+        signal slot of this rank goes back to zero but the LEFT ones and the synchronisation's own (a peer's second
+        synchronisation may have arrived already), and so do the call counters."""
+        self.settle()
+        self.sync()
+        signals = self.channel.signals
+        keep = {STREAM_SYNC, status_stream(self.max_local_experts) + self.native.EVENT_LEFT}
+        for begin, end in ranges_without(keep, signals.size(1)):
+            signals[:, begin:end].zero_()
+        self.ll_half = 0
+        self.ht_calls = 0
+        self.lockstep.resynced()
+        self.sync()
+
+    def sync(self):
+        """Every rank that is not masked gets here (shrink mode: one that left, is gone or times out is masked),
+        after everything it posted before was delivered."""
+        self.channel.quiet()
+        live = [r for r in range(self.num_ranks) if not self.masked(r)]
+        for dst in live:
+            self.signal(dst, STREAM_SYNC)
+        self.consume_many(torch.tensor(live), torch.full((len(live),), STREAM_SYNC))
+
+    def set_shrink(self):
+        """Shrink mode (DeepEP's enable_shrink): ranks that stop answering in LL calls are masked, not waited for."""
+        self.mask = torch.zeros(self.num_ranks, dtype=torch.uint8)
+        self.lockstep.mask = self.mask
 
     def get_local_buffer_tensor(self, dtype, size=None, offset=0, use_rdma_buffer=False):
         """A raw view of this rank's communication memory from byte `offset` (the host backend has one memory
@@ -281,6 +357,11 @@ class HostEngine(Topology):
         self.channel.barrier()
 
     def destroy(self):
+        try:  # what this rank sent goes out first; then peers waiting for it give up (or mask it)
+            self.channel.quiet()
+            self.channel.announce(self.native.EVENT_LEFT)
+        except Exception:  # noqa: BLE001 - a failed channel has nobody to tell
+            pass
         self._peer_views.clear()
         self.region = None
         self.channel.destroy()

@@ -3,9 +3,11 @@
 Layout of one half h of the communication memory (DeepEP's, so get_low_latency_rdma_size_hint sizes it):
   send area  [0, send)          dispatch: one message per token (T slots); combine: [E_l][M] rows of comb_pitch
   recv area  [send, send+recv)  dispatch: [E_l][R][T] message slots; combine: [E][T] rows of comb_pitch
-A dispatch message is a 16-byte header (int32 source token index, 3 reserved) and the payload: H FP8 bytes and
-H/128 float32 scales, or 2H bytes of BF16. Every LL call flips the half. A (half, phase, local expert) stream
-per source carries one final signal per call whose unit count is the number of messages.
+A dispatch message is a 16-byte header (int32 source token index, int32 the call's sequence number, 2 reserved) and
+the payload: H FP8 bytes and H/128 float32 scales, or 2H bytes of BF16. A combine row is the BF16 row and a tail of
+H/128 * 4 bytes whose first int32 is the call's sequence number. Every LL call flips the half. A (half, phase, local
+expert) stream per source carries one final signal per call whose unit count is the number of messages. The
+sequence numbers must be the receiver's own (lockstep.py). Shrink mode: masked ranks get nothing and give nothing.
 """
 
 import time
@@ -66,10 +68,11 @@ def _ue8m0(scale):
     return exp.view(torch.int32)
 
 
-def _pack_messages(x, use_fp8, round_scale, lay):
+def _pack_messages(x, use_fp8, round_scale, lay, seq):
     N, H = x.shape
     msgs = torch.zeros(N, lay.disp, dtype=torch.uint8)
     msgs[:, :4] = torch.arange(N, dtype=torch.int32).view(N, 1).view(torch.uint8)
+    msgs[:, 4:8] = torch.full((N, 1), seq, dtype=torch.int32).view(torch.uint8)
     if use_fp8:
         q, scale = per_token_cast(x, round_scale)
         msgs[:, 16:16 + H] = q.view(torch.uint8)
@@ -99,7 +102,7 @@ def dispatch(eng, x, topk_idx, T, E, use_fp8, round_scale, use_ue8m0, cumulative
     R, me, E_l = eng.num_ranks, eng.rank, lay.E_l
     half = eng.ll_half
     eng.ll_half ^= 1
-    msgs = _pack_messages(x, use_fp8, round_scale, lay)
+    msgs = _pack_messages(x, use_fp8, round_scale, lay, eng.lockstep.seq)
     send, recv = lay.send_off(half), lay.recv_off(half)
     N = x.size(0)
     if not all(eng.direct(d, low_latency=True) for d in range(R)):  # proxies copy from registered memory
@@ -107,6 +110,8 @@ def dispatch(eng, x, topk_idx, T, E, use_fp8, round_scale, use_ue8m0, cumulative
     tokens, experts, slot, counts = _slots(topk_idx, E)
     dst = experts // E_l
     for d in range(R):
+        if eng.masked(d):
+            continue
         sel = dst == d
         le = experts[sel] % E_l
         rows = (le * R + me) * T + slot[sel]
@@ -116,7 +121,8 @@ def dispatch(eng, x, topk_idx, T, E, use_fp8, round_scale, use_ue8m0, cumulative
             eng.put_rows_streams(d, send + tokens[sel] * lay.disp, recv + rows * lay.disp,
                                  _stream(eng, half, 0, le), lay.disp)
     all_experts = torch.arange(E)
-    eng.signal_many(all_experts // E_l, _stream(eng, half, 0, all_experts % E_l), counts)
+    live = _unmasked(eng, all_experts // E_l)
+    eng.signal_many(all_experts[live] // E_l, _stream(eng, half, 0, all_experts[live] % E_l), counts[live])
 
     recv_x, recv_scales = _alloc_recv_x(lay, use_fp8, use_ue8m0)
     recv_count = torch.zeros(E_l, dtype=torch.int32)
@@ -133,6 +139,11 @@ def dispatch(eng, x, topk_idx, T, E, use_fp8, round_scale, use_ue8m0, cumulative
         return out_x, recv_count, handle, receive
     receive()
     return out_x, recv_count, handle, None
+
+
+def _unmasked(eng, ranks):
+    """Which of the ranks are not masked (shrink mode), as a bool tensor."""
+    return torch.ones(ranks.numel(), dtype=torch.bool) if eng.mask is None else eng.mask[ranks] == 0
 
 
 def _alloc_recv_x(lay, use_fp8, use_ue8m0):
@@ -164,6 +175,9 @@ def _dispatch_receive(eng, lay, half, use_fp8, use_ue8m0, recv_x, recv_scales, r
     packed_rows = (pair // R) * M + begins.flatten()[pair] + i
     recv = lay.recv_off(half)
     slots = eng.region[recv:]
+    seqs = torch.empty(n, dtype=torch.int32)
+    eng.copy_rows(seqs.view(torch.uint8), 4, None, slots[4:], lay.disp, slot_rows, 4)
+    _check_seqs(eng, "low_latency_dispatch", seqs, pair % R)
     eng.copy_rows(src_info.view(torch.uint8), 4, packed_rows, slots, lay.disp, slot_rows, 4)
     row_bytes = H if use_fp8 else 2 * H
     eng.copy_rows(recv_x.view(torch.uint8), row_bytes, packed_rows, slots[16:], lay.disp, slot_rows, row_bytes)
@@ -175,6 +189,14 @@ def _dispatch_receive(eng, lay, half, use_fp8, use_ue8m0, recv_x, recv_scales, r
     layout_range.copy_((begins << 32) | counts)
     if cumulative_stats is not None:
         cumulative_stats += recv_count
+
+
+def _check_seqs(eng, what, seqs, srcs):
+    """The sequence numbers that came with each source's messages or rows are this call's."""
+    bad = seqs != eng.lockstep.seq
+    if bool(bad.any()):
+        first = int(torch.nonzero(bad)[0, 0])
+        eng.lockstep.check_seq(what, int(seqs[first]), int(srcs[first]))
 
 
 def next_combine_buffer(eng, handle):
@@ -210,24 +232,29 @@ def combine(eng, x, topk_idx, topk_weights, handle, zero_copy, out, return_recv_
     le, src = pair // R, pair % R
     token = src_info.view(-1)[le * lay.M + j].to(torch.int64)
     rows = (me * E_l + le) * T + token
+    seq = torch.tensor([eng.lockstep.seq], dtype=torch.int32).view(torch.uint8)
     for s_rank in range(R):
         sel = src == s_rank
-        if not bool(sel.any()):
+        if not bool(sel.any()) or eng.masked(s_rank):
             continue
         src_rows = le[sel] * lay.M + j[sel]
+        once = torch.zeros_like(src_rows)  # every row's tail gets the one sequence number
         if eng.direct(s_rank, low_latency=True):
+            dst = eng.peer_view(s_rank)[recv:]
             if x_rows is not None:
-                eng.copy_rows(eng.peer_view(s_rank)[recv:], lay.comb, rows[sel], x_rows, 2 * H, src_rows, 2 * H)
+                eng.copy_rows(dst, lay.comb, rows[sel], x_rows, 2 * H, src_rows, 2 * H)
             else:
-                eng.copy_rows(eng.peer_view(s_rank)[recv:], lay.comb, rows[sel], eng.region[send:], lay.comb,
-                              src_rows, 2 * H)
+                eng.copy_rows(dst, lay.comb, rows[sel], eng.region[send:], lay.comb, src_rows, 2 * H)
+            eng.copy_rows(dst[2 * H:], lay.comb, rows[sel], seq, 0, once, 4)
         else:
             if x_rows is not None:  # stage the rows the proxies will send
                 eng.copy_rows(eng.region[send:], lay.comb, src_rows, x_rows, 2 * H, src_rows, 2 * H)
+            eng.copy_rows(eng.region[send + 2 * H:], lay.comb, src_rows, seq, 0, once, 4)
             eng.put_rows_streams(s_rank, send + (le[sel] * lay.M + j[sel]) * lay.comb, recv + rows[sel] * lay.comb,
-                                 _stream(eng, half, 1, le[sel]), 2 * H)
+                                 _stream(eng, half, 1, le[sel]), 2 * H + 16)
     pairs = torch.arange(E_l * R)
-    eng.signal_many(pairs % R, _stream(eng, half, 1, pairs // R), counts.flatten())
+    live = _unmasked(eng, pairs % R)
+    eng.signal_many(pairs[live] % R, _stream(eng, half, 1, pairs[live] // R), counts.flatten()[live])
 
     N = topk_idx.size(0)
     result = out if out is not None else torch.empty(N, H, dtype=torch.bfloat16)
@@ -251,6 +278,13 @@ def _combine_receive(eng, lay, half, topk_idx, topk_weights, result, wait_stats)
     recv = lay.recv_off(half)
     N, K = topk_idx.shape
     tokens = torch.arange(N)
+    if eng.mask is not None:  # shrink mode: a masked owner's selections are absent
+        topk_idx = torch.where((topk_idx >= 0) & (eng.mask[topk_idx.clamp(min=0) // E_l] != 0), -1, topk_idx)
+    used = torch.nonzero(topk_idx >= 0)
+    seqs = torch.empty(used.size(0), dtype=torch.int32)
+    eng.copy_rows(seqs.view(torch.uint8), 4, None, eng.region[recv + 2 * H:], lay.comb,
+                  topk_idx[used[:, 0], used[:, 1]] * T + used[:, 0], 4)
+    _check_seqs(eng, "low_latency_combine", seqs, topk_idx[used[:, 0], used[:, 1]] // E_l)
     # Per owner rank, its rows in top-k order, then those sums in rank order, FP32 with every product and sum
     # rounded: deterministic, and the order in which the CUDA backend's direct peers send partial sums.
     partials = []
@@ -267,15 +301,3 @@ def _combine_receive(eng, lay, half, topk_idx, topk_weights, result, wait_stats)
     eng.reduce_rows(out.view(torch.uint8), 2 * H, hb.BF16, N, H, partials)
     if out is not result:
         result.copy_(out)
-
-
-def clean(eng, T, H, E):
-    """Forget every LL signal of this rank (both halves) between two barriers, as DeepEP's clean does."""
-    eng.barrier()
-    E_l = E // eng.num_ranks
-    signals = eng.channel.signals
-    for half in (0, 1):
-        for phase in (0, 1):
-            base = _stream(eng, half, phase, 0)
-            signals[:, base:base + E_l].zero_()
-    eng.barrier()

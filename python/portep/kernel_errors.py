@@ -47,6 +47,11 @@ class KernelErrors:
         self.words[1:].zero_()
         return record[0], self.message(*record)
 
+    def clear(self):
+        """Both words and records back to zero (the ranks resynchronise; no kernel of the Buffer runs)."""
+        ctypes.memset(self.host, 0, self.native.KERNEL_ERROR_WORDS * self.native.KERNEL_ERROR_BYTES)
+        self.words.zero_()
+
     def free(self):
         if self.host:
             self.native.cuda_host_free_mapped(self.host)

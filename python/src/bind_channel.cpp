@@ -14,7 +14,7 @@ std::unique_ptr<Channel> make_channel(int rank, int num_ranks, uint64_t nbytes, 
                                       int num_proxy_threads, int num_fifos, uint32_t fifo_capacity, uint32_t num_streams,
                                       uint32_t max_inflight_cmds, uint64_t max_inflight_bytes, double timeout_s,
                                       uint32_t unordered_window, uint64_t seed, bool skip_ordering, int device,
-                                      double idle_spin_us) {
+                                      double idle_spin_us, int status_stream) {
   ChannelOptions o;
   o.transport.device = device;
   o.data_bytes = nbytes;
@@ -32,6 +32,7 @@ std::unique_ptr<Channel> make_channel(int rank, int num_ranks, uint64_t nbytes, 
   o.proxy.timeout_s = timeout_s;
   o.proxy.skip_ordering = skip_ordering;
   o.proxy.idle_spin_us = idle_spin_us;
+  o.proxy.status_stream = status_stream;
   return std::make_unique<Channel>(o);
 }
 
@@ -44,6 +45,20 @@ TrafficPlan make_plan(int producers, int messages_per_producer, uint32_t max_mes
   p.signal_every = signal_every;
   p.seed = seed;
   return p;
+}
+
+// A byte range of a Channel's memory that keeps that memory mapped while Python holds it (torch.frombuffer and
+// __cuda_array_interface__ views keep their source object): a view used after Channel.destroy() reads memory that is
+// still there instead of unmapped pages.
+struct RegionLease {
+  std::shared_ptr<const Transport> owner;
+  uint8_t* data;
+  size_t bytes;
+};
+
+RegionLease lease(const Channel& c, void* data, size_t bytes) {
+  if (!data) throw std::runtime_error("this Channel's region is not mapped here");
+  return RegionLease{c.memory_owner(), static_cast<uint8_t*>(data), bytes};
 }
 
 py::dict stats_dict(const ProxyThreadStats& s) {
@@ -70,12 +85,18 @@ py::dict stats_dict(const ProxyThreadStats& s) {
 }  // namespace
 
 void bind_channel(py::module_& m) {
+  py::class_<RegionLease>(m, "RegionLease", py::buffer_protocol())
+      .def_buffer([](RegionLease& l) {
+        return py::buffer_info(l.data, 1, py::format_descriptor<uint8_t>::format(), 1, {py::ssize_t(l.bytes)}, {1});
+      })
+      .def_property_readonly("address", [](const RegionLease& l) { return reinterpret_cast<uintptr_t>(l.data); })
+      .def_property_readonly("nbytes", [](const RegionLease& l) { return l.bytes; });
   py::class_<Channel>(m, "Channel")
       .def(py::init(&make_channel), py::arg("rank"), py::arg("num_ranks"), py::arg("nbytes"), py::arg("transport"),
            py::arg("num_proxy_threads"), py::arg("num_fifos"), py::arg("fifo_capacity"), py::arg("num_streams"),
            py::arg("max_inflight_cmds"), py::arg("max_inflight_bytes"), py::arg("timeout_s"),
            py::arg("unordered_window"), py::arg("seed"), py::arg("skip_ordering"), py::arg("device") = -1,
-           py::arg("idle_spin_us") = 0.0)
+           py::arg("idle_spin_us") = 0.0, py::arg("status_stream") = -1)
       .def("attach_device_fifos",
            [](Channel& c, uintptr_t host_views, int count) {
              auto* v = reinterpret_cast<const FifoView*>(host_views);
@@ -104,12 +125,9 @@ void bind_channel(py::module_& m) {
       .def("wait_signal", &Channel::wait_signal, py::arg("src"), py::arg("stream"), py::arg("count"),
            py::arg("timeout_s"), py::call_guard<py::gil_scoped_release>())
       .def("check_error", [](Channel& c) { c.proxies().check_error(); })
-      .def("data_view", [](Channel& c) {
-        return py::memoryview::from_memory(static_cast<void*>(c.data()), py::ssize_t(c.data_bytes()), false);
-      })
-      .def("signal_view", [](Channel& c) {
-        return py::memoryview::from_memory(static_cast<void*>(c.signals()), py::ssize_t(c.signal_slots() * 8), false);
-      })
+      .def("data_view", [](Channel& c) { return lease(c, c.data(), c.data_bytes()); })
+      .def("signal_view", [](Channel& c) { return lease(c, c.signals(), c.signal_slots() * 8); })
+      .def("device_data_lease", [](Channel& c) { return lease(c, c.device_address(kRegionData), c.data_bytes()); })
       .def(
           "write_rows",
           [](Channel& c, int dst, uintptr_t local_offs, uintptr_t remote_offs, size_t n, uint64_t row_bytes,
@@ -136,16 +154,32 @@ void bind_channel(py::module_& m) {
       .def(
           "consume_many",
           [](Channel& c, size_t n, uintptr_t srcs, uintptr_t streams, uintptr_t units_out, uintptr_t wait_out,
-             double timeout_s) {
+             double timeout_s, uintptr_t mask) {
             c.consume_many(n, reinterpret_cast<const int64_t*>(srcs), reinterpret_cast<const int64_t*>(streams),
-                           reinterpret_cast<int64_t*>(units_out), reinterpret_cast<int64_t*>(wait_out), timeout_s);
+                           reinterpret_cast<int64_t*>(units_out), reinterpret_cast<int64_t*>(wait_out), timeout_s,
+                           reinterpret_cast<uint8_t*>(mask));
           },
-          py::call_guard<py::gil_scoped_release>())
+          py::arg("n"), py::arg("srcs"), py::arg("streams"), py::arg("units_out"), py::arg("wait_out"),
+          py::arg("timeout_s"), py::arg("mask") = 0, py::call_guard<py::gil_scoped_release>())
+      .def("announce", [](Channel& c, int kind) {
+        if (kind < 0 || kind >= kNumStatusEvents) throw std::invalid_argument("announce: kind " + std::to_string(kind));
+        c.announce(StatusEvent(kind));
+      }, py::arg("kind"))
+      .def("peer_status", &Channel::peer_status, py::arg("peer"))
+      .def("status_events", [](Channel& c, int src, int kind) {
+        if (kind < 0 || kind >= kNumStatusEvents) throw std::invalid_argument("status_events: kind " + std::to_string(kind));
+        return c.status_events(src, StatusEvent(kind));
+      }, py::arg("src"), py::arg("kind"))
+      .def("mirror_peer_status", [](Channel& c, uintptr_t words) {
+        PeerWatch* w = c.proxies().peer_watch();
+        if (!w) throw std::logic_error("mirror_peer_status: this Channel has no status streams");
+        w->mirror_to(reinterpret_cast<uint32_t*>(words));
+      }, py::arg("words"))
       .def("peer_data_view",
            [](Channel& c, int dst) -> py::object {
              uint8_t* p = c.peer_data(dst);
              if (!p) return py::none();
-             return py::memoryview::from_memory(static_cast<void*>(p), py::ssize_t(c.peer_data_bytes(dst)), false);
+             return py::cast(lease(c, p, c.peer_data_bytes(dst)));
            })
       .def("direct_signal", &Channel::direct_signal, py::arg("dst"), py::arg("stream"), py::arg("units"),
            py::arg("final"))
@@ -188,6 +222,16 @@ void bind_channel(py::module_& m) {
                          reinterpret_cast<const float*>(init));
       });
   m.def("live_proxy_threads", &ProxyGroup::live_threads);
+  m.attr("PEER_OK") = int(kPeerOk);
+  m.attr("PEER_REFUSED") = int(kPeerRefused);
+  m.attr("PEER_FAILED") = int(kPeerFailed);
+  m.attr("PEER_LEFT") = int(kPeerLeft);
+  m.attr("PEER_GONE") = int(kPeerGone);
+  m.attr("EVENT_REFUSED") = int(kEventRefused);
+  m.attr("EVENT_FAILED") = int(kEventFailed);
+  m.attr("EVENT_LEFT") = int(kEventLeft);
+  m.attr("NUM_STATUS_EVENTS") = int(kNumStatusEvents);
+  m.def("peer_status_text", [](uint32_t s) { return std::string(peer_status_text(s)); });
   m.def("traffic_region_bytes", [](int producers, int messages, uint32_t max_bytes, int num_ranks) {
     return traffic_region_bytes(make_plan(producers, messages, max_bytes, 1, 0), num_ranks);
   });

@@ -1,13 +1,16 @@
 #include "shm_segment.h"
 
+#include <dirent.h>
 #include <errno.h>
 #include <fcntl.h>
+#include <signal.h>
 #include <string.h>
 #include <sys/mman.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
 #include <atomic>
+#include <cstdlib>
 #include <random>
 
 #include "portep/transport.h"
@@ -58,6 +61,8 @@ ShmSegment& ShmSegment::operator=(ShmSegment&& o) noexcept {
 }
 
 ShmSegment ShmSegment::create(const std::string& tag, size_t bytes) {
+  static const int swept = sweep_dead_segments();
+  (void)swept;
   ShmSegment s;
   s.name_ = unique_name(tag);
   s.bytes_ = bytes;
@@ -103,5 +108,25 @@ void ShmSegment::release() {
 }
 
 void shm_unlink_quiet(const std::string& name) { shm_unlink(name.c_str()); }
+
+int sweep_dead_segments() {
+  DIR* dir = opendir("/dev/shm");
+  if (!dir) return 0;
+  int removed = 0;
+  const std::string prefix = "portep.";
+  while (dirent* e = readdir(dir)) {
+    const std::string name = e->d_name;
+    if (name.compare(0, prefix.size(), prefix) != 0) continue;
+    char* end = nullptr;
+    const long pid = strtol(name.c_str() + prefix.size(), &end, 10);
+    if (pid <= 0 || !end || *end != '.') continue;
+    if (kill(pid_t(pid), 0) == 0 || errno != ESRCH) continue;  // alive, or not ours to judge
+    struct stat st;
+    if (stat(("/dev/shm/" + name).c_str(), &st) != 0 || st.st_uid != getuid()) continue;
+    if (shm_unlink(("/" + name).c_str()) == 0) ++removed;
+  }
+  closedir(dir);
+  return removed;
+}
 
 }  // namespace portep

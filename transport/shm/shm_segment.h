@@ -39,4 +39,9 @@ class ShmSegment {
 // Best-effort removal of a name another process created (used when that process may have died).
 void shm_unlink_quiet(const std::string& name);
 
+// Removes the names of portep segments ("portep.<pid>.*" in /dev/shm, owned by this user) whose creating process
+// no longer exists: a process killed before its peers could map (and so unlink) its segments leaves them. Returns
+// how many went. Called once per process, when it first creates a segment.
+int sweep_dead_segments();
+
 }  // namespace portep

@@ -296,15 +296,18 @@ int ShmTransport::poll_recv(int channel, RecvNotice* out, int max) {
   return n;
 }
 
+bool ShmTransport::peer_alive(int peer) const {
+  if (peer < 0 || peer >= int(peers_.size()) || peers_[peer].pid <= 0) return true;
+  const int pid = peers_[peer].pid;
+  if (kill(pid, 0) != 0 && errno != EPERM) return false;
+  const char state = process_state(pid);  // a killed process stays a zombie until its parent reaps it: gone
+  return state != 'Z' && state != 'X';
+}
+
 std::string ShmTransport::describe_peer(int peer) const {
   if (peer < 0 || peer >= int(peers_.size())) return "rank " + std::to_string(peer) + " (unknown)";
-  const int pid = peers_[peer].pid;
-  bool alive = kill(pid, 0) == 0 || errno == EPERM;
-  if (alive) {  // a killed process stays a zombie until its parent reaps it: that counts as gone
-    const char state = process_state(pid);
-    alive = state != 'Z' && state != 'X';
-  }
-  return "rank " + std::to_string(peer) + " (pid " + std::to_string(pid) + (alive ? ", alive)" : ", process gone)");
+  return "rank " + std::to_string(peer) + " (pid " + std::to_string(peers_[peer].pid) +
+         (peer_alive(peer) ? ", alive)" : ", process gone)");
 }
 
 void* ShmTransport::peer_region(int peer, RegionId region) const {

@@ -51,6 +51,7 @@ class ShmTransport final : public Transport {
   int poll_send(int channel, uint64_t* wr_ids, int max) override;
   int poll_recv(int channel, RecvNotice* out, int max) override;
   std::string describe_peer(int peer) const override;
+  bool peer_alive(int peer) const override;
   void* peer_region(int peer, RegionId region) const override;
   size_t peer_region_bytes(int peer, RegionId region) const override;
   void* region_device_address(RegionId region) const override;

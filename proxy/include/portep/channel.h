@@ -52,8 +52,10 @@ class Channel {
   void write_rows_streams(int dst, const int64_t* local_offs, const int64_t* remote_offs, const int64_t* streams,
                           size_t n, uint64_t row_bytes);
   void signal_many(size_t n, const int64_t* dsts, const int64_t* streams, const int64_t* units, const uint8_t* direct);
+  // mask (uint8 per rank, or null): shrink mode; masked sources are skipped (0 units), and a source that times out,
+  // left or whose process is gone is masked instead of raising.
   void consume_many(size_t n, const int64_t* srcs, const int64_t* streams, int64_t* units_out, int64_t* wait_ns_out,
-                    double timeout_s);
+                    double timeout_s, uint8_t* mask = nullptr);
   // dst's data region when this process can store into it directly (same host), else nullptr.
   uint8_t* peer_data(int dst) const;
   uint64_t peer_data_bytes(int dst) const;
@@ -64,6 +66,11 @@ class Channel {
   // adds meanwhile stay): with need_final, all units and one final mark once a final mark is there; else
   // exactly min_units once that many are there. Returns the units taken.
   uint64_t consume_signal(int src, uint32_t stream, uint64_t min_units, bool need_final, double timeout_s);
+  // The status streams (peer_watch.h; ChannelOptions.proxy.status_stream >= 0): tell every rank, this one included,
+  // of an event of this rank's; a peer's status (kPeerOk while it answers); events src announced so far.
+  void announce(StatusEvent kind);
+  uint32_t peer_status(int peer) const;
+  uint64_t status_events(int src, StatusEvent kind) const;
 
   uint8_t* data() const { return data_; }
   // Where kernels address this rank's region (GPU channels), else nullptr.
@@ -74,6 +81,9 @@ class Channel {
   ProxyGroup& proxies();
   const ChannelOptions& options() const { return opts_; }
   TransportProps transport_props() const { return transport_->props(); }
+  // What keeps this Channel's memory (its regions and its mappings of the peers') mapped: a holder outlives
+  // destroy(), which then stops the proxies but leaves the memory until the last holder lets go.
+  std::shared_ptr<const Transport> memory_owner() const { return transport_; }
   std::string describe_peer(int peer) const {
     if (!transport_) throw std::runtime_error("channel was destroyed");
     return transport_->describe_peer(peer);
@@ -85,11 +95,15 @@ class Channel {
  private:
   void check_peer_stream(const char* peer_name, int peer, uint32_t stream) const;
   uint64_t* slot(int src, uint32_t stream) const;  // checked
+  template <class Ready>
+  uint32_t wait_slot_for(int src, uint32_t stream, double timeout_s, Ready ready, uint64_t* value);
   template <class Ready, class Failure>
   uint64_t wait_slot(int src, uint32_t stream, double timeout_s, Ready ready, Failure failure);
+  uint64_t take(int src, uint32_t stream, uint64_t value, uint64_t min_units, bool need_final);
+  [[noreturn]] void give_up(int src, uint32_t why, double timeout_s, const std::string& what) const;
 
   ChannelOptions opts_;
-  std::unique_ptr<Transport> transport_;
+  std::shared_ptr<Transport> transport_;  // shared with the leases (memory_owner) that keep its memory mapped
   std::unique_ptr<ProxyGroup> proxies_;
   uint8_t* data_ = nullptr;
   uint64_t* signals_ = nullptr;

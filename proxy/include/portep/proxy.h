@@ -21,6 +21,7 @@
 #include <vector>
 
 #include "portep/fifo.h"
+#include "portep/peer_watch.h"
 #include "portep/transport.h"
 
 namespace portep {
@@ -37,6 +38,7 @@ struct ProxyConfig {
   double timeout_s = 100.0;
   double idle_spin_us = 0;     // an idle proxy busy-polls this long before it yields and sleeps
   bool skip_ordering = false;  // debug only: release emulated signals on arrival (proves tests can fail)
+  int status_stream = -1;      // >= 0: the first of the peers' status streams (peer_watch.h); -1: no peer watch
 };
 
 struct ProxyThreadStats {
@@ -82,6 +84,9 @@ class ProxyGroup {
   void barrier();
 
   void check_error() const;        // throws std::runtime_error with the latched message
+  // The peer watch (peer_watch.h), when cfg.status_stream >= 0, else null.
+  const PeerWatch* peer_watch() const;
+  PeerWatch* peer_watch();
   std::vector<ProxyThreadStats> stats() const;
   static int live_threads();       // proxy threads running in this process (all groups)
 

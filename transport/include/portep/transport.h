@@ -76,6 +76,9 @@ class Transport {
 
   // A short description of peer's state for error messages (e.g. "pid 123 exited").
   virtual std::string describe_peer(int peer) const = 0;
+  // False once the transport knows the peer's process is gone (shm: it checks the process); true where it cannot
+  // tell. Any thread may call it.
+  virtual bool peer_alive(int peer) const { return true; }
 
   // The peer's region mapped into this process when it is reachable by plain loads and stores (shm: every
   // rank of the host), else nullptr. Callers that store into it directly publish either with a release atomic on

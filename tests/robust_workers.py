@@ -1,0 +1,285 @@
+"""Per-rank bodies of the tests of what a Buffer does after a failure on one side (test_robustness.py): one rank's
+call refused while its peers make it, a peer late past the timeout, a peer that dies or leaves. Every result a call
+returns is checked against the references (deepep_workers), so a wrong result can never pass as a recovery; every
+call that must fail is timed, so a wait that runs out its timeout instead of failing fast is caught."""
+
+import time
+
+import torch
+import torch.distributed as dist
+
+import deepep_reference as ref
+import deepep_workers as w
+import portep
+
+MiB = 1 << 20
+T, H, K = 32, 512, 4
+
+
+def _buffer(world, rpn, transport, timeout_s, E, shrink=False):
+    ll = portep.Buffer.get_low_latency_rdma_size_hint(T, H, world, E)
+    return portep.Buffer(dist.group.WORLD, 64 * MiB, ll, low_latency_mode=True, num_ranks_per_node=rpn,
+                         transport=transport, timeout_s=timeout_s, explicitly_destroy=True, enable_shrink=shrink)
+
+
+class LLRound:
+    """One LL dispatch + combine with inputs every rank knows (gathered before any Buffer call), checked."""
+
+    def __init__(self, world, seed, E):
+        rank = dist.get_rank()
+        self.E, self.world = E, world
+        self.inp = w.make_ll_inputs(rank, seed, T, H, K, E, holes=3)
+        self.all_idx = w.all_gather(self.inp["idx"])
+        self.lref = w.LLRef(rank, world, T, H, E, self.all_idx)
+        self.xs = [ref.ll_struct_x(j, T, H) for j in range(world)]
+
+    def run(self, ck, buf, bad=False):
+        idx = self.inp["idx"].float() if bad else self.inp["idx"]  # float topk_idx: refused by validation
+        res = buf.low_latency_dispatch(self.inp["x_struct"], idx, T, self.E, use_fp8=False)
+        w._check_ll_dispatch(ck, res, self.lref, self.xs, "struct", False, False, False, False, True)
+        sim = w._ll_sim_x(res[0], res[1], False, False)
+        comb = buf.low_latency_combine(sim, self.inp["idx"], self.inp["w"], res[2])
+        w._check_ll_combine(ck, comb[0], None, self.inp["x_struct"], None, self.inp["idx"], self.inp["w"], False,
+                            False)
+
+
+class HTRound:
+    """One normal-mode dispatch + combine, inputs gathered first, checked (deepep_workers' references)."""
+
+    def __init__(self, world, rpn, seed, E):
+        rank = dist.get_rank()
+        self.E, self.world, self.rpn = E, world, rpn
+        self.inp = w.make_ht_inputs(rank, seed, 64, H, K, E)
+        self.layout = ref.layout_ref(self.inp["idx"], E, world, rpn)
+        self.rd = ref.ht_dispatch_ref(rank, world, E, w.all_gather(self.inp["idx"]), w.all_gather(self.inp["w"]))
+        self.all_x = w.all_gather(self.inp["x"])
+
+    def run(self, ck, buf, bad=False):
+        ntpr, rdma, ntpe, itir = self.layout
+        idx = self.inp["idx"].to(torch.int32) if bad else self.inp["idx"]  # int32 topk_idx: refused
+        out = buf.dispatch(self.inp["x"], num_tokens_per_rank=ntpr, num_tokens_per_rdma_rank=rdma,
+                           is_token_in_rank=itir, num_tokens_per_expert=ntpe, topk_idx=idx,
+                           topk_weights=self.inp["w"])
+        ck.equal("recv_x", out[0], ref.gather_rows(self.all_x, self.rd["src_rank"], self.rd["src_token"]))
+        ck.equal("recv_topk_idx", out[1], self.rd["recv_topk_idx"].to(torch.int64))
+        c = buf.combine(out[0], out[4], topk_weights=out[2])
+        w._check_ht_combine(ck, c, self.inp["x"], itir, None, True,
+                            ref.ht_combine_weights_ref(self.inp["idx"], self.inp["w"], itir, self.E // self.world))
+
+
+def _attempt(ck, what, fn):
+    """fn() -> (exception or None, seconds)."""
+    t0 = time.monotonic()
+    try:
+        fn()
+        error = None
+    except Exception as e:  # noqa: BLE001 - checked by the caller
+        error = e
+    return error, time.monotonic() - t0
+
+
+def _expect_out_of_step(ck, what, fn, fast_s):
+    """Every rank's call must raise (never return data) and fast, naming what to do."""
+    error, took = _attempt(ck, what, fn)
+    if error is None:
+        ck.fail(f"{what}: returned a result while the ranks are out of step")
+        return
+    ck.true("clean_low_latency_buffer" in str(error) or "out of step" in str(error) or "refused" in str(error)
+            or "failed" in str(error), f"{what}: raised without saying the ranks are out of step: {error!r:.300}")
+    ck.true(took < fast_s, f"{what}: raised after {took:.2f} s, not within {fast_s} s")
+
+
+def one_sided_refusal_body(rank, world, rpn, transport, mode, seed):
+    """Rank 0 passes an input its validation refuses while every other rank makes the call: rank 0 raises the
+    ValueError, every peer raises within a second (not after the 20 s timeout) naming rank 0's refusal; the next
+    calls raise on every rank (out of step: never data); clean_low_latency_buffer resynchronises, and the calls
+    after it return correct results."""
+    ck = w.Checker(rank)
+    E, timeout_s = 4 * world, 20.0
+    buf = _buffer(world, rpn, transport, timeout_s, E)
+    rounds = [LLRound(world, seed + i, E) if mode == "ll" else HTRound(world, rpn, seed + i, E) for i in range(6)]
+    ck.step = "in step"
+    rounds[0].run(ck, buf)
+    ck.step = "the call rank 0 refuses"
+    error, took = _attempt(ck, "refused round", lambda: rounds[1].run(ck, buf, bad=rank == 0))
+    if rank == 0:
+        ck.true(isinstance(error, (TypeError, ValueError)), f"rank 0's bad input gave {error!r:.300}")
+    else:
+        ck.true(isinstance(error, RuntimeError) and "rank 0" in str(error) and "refused" in str(error),
+                f"a peer of the refusing rank raised {error!r:.300}")
+        ck.true(took < 2.0, f"a peer of the refusing rank raised after {took:.2f} s (timeout {timeout_s} s)")
+    for i in range(2, 4):
+        ck.step = f"call {i} after the refusal"
+        _expect_out_of_step(ck, ck.step, lambda: rounds[i].run(ck, buf), 2.0)
+    ck.step = "clean_low_latency_buffer"
+    buf.clean_low_latency_buffer(T, H, E)
+    for i in range(4, 6):
+        ck.step = f"call {i} after clean_low_latency_buffer"
+        rounds[i].run(ck, buf)
+    buf.destroy()
+    return {"failures": ck.failures, "checks": ck.num_checks}
+
+
+def refused_everywhere_body(rank, world, rpn, transport, mode, seed):
+    """Every rank refuses the same call: nothing moved, so the next calls go on without a resynchronisation."""
+    ck = w.Checker(rank)
+    E = 4 * world
+    buf = _buffer(world, rpn, transport, 20.0, E)
+    rounds = [LLRound(world, seed + i, E) if mode == "ll" else HTRound(world, rpn, seed + i, E) for i in range(4)]
+    rounds[0].run(ck, buf)
+    for i in (1, 2):
+        ck.step = f"refused everywhere #{i}"
+        error, took = _attempt(ck, ck.step, lambda: rounds[i].run(ck, buf, bad=True))
+        ck.true(isinstance(error, (TypeError, ValueError)), f"the refused call gave {error!r:.300}")
+    ck.step = "after the refusals"
+    rounds[3].run(ck, buf)
+    buf.destroy()
+    return {"failures": ck.failures, "checks": ck.num_checks}
+
+
+def late_peer_body(rank, world, rpn, transport, mode, seed, timeout_s, late_s):
+    """The last rank starts its call late_s > timeout_s after the others: they raise after about timeout_s; the
+    late rank's call raises too or returns correct results; the next calls raise on every rank until
+    clean_low_latency_buffer, after which they are correct again."""
+    ck = w.Checker(rank)
+    E = 4 * world
+    buf = _buffer(world, rpn, transport, timeout_s, E)
+    rounds = [LLRound(world, seed + i, E) if mode == "ll" else HTRound(world, rpn, seed + i, E) for i in range(5)]
+    rounds[0].run(ck, buf)
+    late = rank == world - 1
+    ck.step = "late peer"
+    if late:
+        time.sleep(late_s)
+    error, took = _attempt(ck, ck.step, lambda: rounds[1].run(ck, buf))  # a returned result was checked in run()
+    if not late:
+        ck.true(isinstance(error, RuntimeError), f"waiting for the late rank gave {error!r:.300}")
+        ck.true(timeout_s * 0.8 < took < timeout_s + 5, f"waiting for the late rank raised after {took:.2f} s")
+    dist.barrier()  # every rank is past the late call before the next ones (gloo, outside the Buffer)
+    for i in (2, 3):
+        ck.step = f"call {i} after the late one"
+        _expect_out_of_step(ck, ck.step, lambda: rounds[i].run(ck, buf), 2.0)
+    ck.step = "clean_low_latency_buffer"
+    buf.clean_low_latency_buffer(T, H, E)
+    ck.step = "after clean_low_latency_buffer"
+    rounds[4].run(ck, buf)
+    buf.destroy()
+    return {"failures": ck.failures, "checks": ck.num_checks}
+
+
+def dead_peer_body(rank, world, rpn, transport, how, seed):
+    """The last rank dies (os._exit) or destroys its Buffer instead of making an LL call: every other rank's call
+    raises within a second, naming it, although the timeout is 30 s."""
+    ck = w.Checker(rank)
+    E = 4 * world
+    buf = _buffer(world, rpn, transport, 30.0, E)
+    rounds = [LLRound(world, seed + i, E) for i in range(2)]
+    rounds[0].run(ck, buf)
+    if rank == world - 1:
+        if how == "exit":
+            import os
+
+            os._exit(0)
+        buf.destroy()
+        return {"failures": [], "checks": 1}
+    error, took = _attempt(ck, "call without the last rank", lambda: rounds[1].run(ck, buf))
+    words = "process gone" if how == "exit" else "destroyed its Buffer"
+    ck.true(isinstance(error, RuntimeError) and words in str(error), f"the call without rank {world - 1} raised "
+            f"{error!r:.300}")
+    ck.true(took < 1.5, f"the call without rank {world - 1} raised after {took:.2f} s (timeout 30 s)")
+    buf.destroy()
+    return {"failures": ck.failures, "checks": ck.num_checks}
+
+
+def zero_token_rank_body(rank, world, rpn, transport, seed):
+    """The last rank has no tokens and top-1 routing, its empty inputs made with odd strides (an empty tensor is
+    contiguous whatever its strides, e.g. [0, 1] with strides (1, 0) from an expression on it): normal-mode and LL
+    dispatch + combine run on every rank and give the references' results."""
+    ck = w.Checker(rank)
+    E, k = 4 * world, 1
+    buf = _buffer(world, rpn, transport, 20.0, E)
+    empty = rank == world - 1
+    n = 0 if empty else T
+    g = torch.Generator().manual_seed(seed + rank)
+    x = torch.randn(n, H, generator=g).to(torch.bfloat16)
+    idx = torch.randint(0, E, (n, k), generator=g)
+    wts = torch.rand(n, k, generator=g)
+    if empty:
+        x = torch.empty_strided((0, H), (1, 0), dtype=torch.bfloat16)
+        idx = torch.empty_strided((0, k), (1, 0), dtype=torch.int64)
+        wts = torch.empty_strided((0, k), (1, 0), dtype=torch.float32)
+    all_idx, all_w, all_x = w.all_gather(idx.contiguous()), w.all_gather(wts.contiguous()), w.all_gather(x.contiguous())
+    ck.step = "normal mode"
+    ntpr, rdma, ntpe, itir = ref.layout_ref(idx.contiguous(), E, world, rpn)
+    rd = ref.ht_dispatch_ref(rank, world, E, all_idx, all_w)
+    out = buf.dispatch(x, num_tokens_per_rank=ntpr, num_tokens_per_rdma_rank=rdma, is_token_in_rank=itir,
+                       num_tokens_per_expert=ntpe, topk_idx=idx, topk_weights=wts)
+    ck.equal("recv_x", out[0], ref.gather_rows(all_x, rd["src_rank"], rd["src_token"]))
+    ck.equal("recv_topk_weights", out[2], rd["recv_topk_weights"])
+    c = buf.combine(out[0], out[4], topk_weights=out[2])
+    w._check_ht_combine(ck, c, x.contiguous(), itir, None, True,
+                        ref.ht_combine_weights_ref(idx.contiguous(), wts.contiguous(), itir, E // world))
+    ck.step = "low-latency mode"
+    lref = w.LLRef(rank, world, T, H, E, all_idx)
+    xs = [ref.ll_struct_x(j, int(all_idx[j].size(0)), H) for j in range(world)]
+    xl = ref.ll_struct_x(rank, n, H) if n else torch.empty_strided((0, H), (1, 0), dtype=torch.bfloat16)
+    res = buf.low_latency_dispatch(xl, idx, T, E, use_fp8=False)
+    w._check_ll_dispatch(ck, res, lref, xs, "struct", False, False, False, False, True)
+    sim = w._ll_sim_x(res[0], res[1], False, False)
+    comb = buf.low_latency_combine(sim, idx, wts, res[2])
+    w._check_ll_combine(ck, comb[0], None, xl.contiguous(), None, idx.contiguous(), wts.contiguous(), False, False)
+    buf.destroy()
+    return {"failures": ck.failures, "checks": ck.num_checks}
+
+
+def view_after_destroy_body(rank, world, rpn, transport):
+    """Views from get_local_buffer_tensor (both buffers) and Channel.buffer stay usable after destroy(): they
+    keep the memory mapped (reads give what was written, writes land), never a SIGSEGV."""
+    ck = w.Checker(rank)
+    buf = _buffer(world, rpn, transport, 20.0, 4 * world)
+    views = [buf.get_local_buffer_tensor(torch.int32, (1024,)),
+             buf.get_local_buffer_tensor(torch.float32, (8, 16), offset=4096, use_rdma_buffer=True)]
+    for i, v in enumerate(views):
+        v.fill_(7 + i)
+    raw = buf.runtime.channel.buffer[8192:8256]  # past both views
+    raw.fill_(3)
+    buf.destroy()
+    import gc
+
+    gc.collect()
+    for i, v in enumerate(views):
+        ck.true(bool((v == 7 + i).all()), f"view {i} after destroy() does not hold what was written")
+        v.add_(1)
+        ck.true(bool((v == 8 + i).all()), f"view {i} after destroy() did not take a write")
+    ck.true(bool((raw == 3).all()), "Channel.buffer's view after destroy() does not hold what was written")
+    try:
+        buf.get_local_buffer_tensor(torch.int32, (4,))
+        ck.fail("get_local_buffer_tensor on a destroyed Buffer did not raise")
+    except RuntimeError as e:
+        ck.true("destroyed" in str(e), f"get_local_buffer_tensor after destroy raised {e!r}")
+    return {"failures": ck.failures, "checks": ck.num_checks}
+
+
+def killed_while_building_body(rank, world):
+    """The last rank is killed while it builds its Buffer (its segments exist, their names were never exchanged):
+    returns its pid for the test, which checks the names it left and that the next start removes them."""
+    import os
+    import signal
+
+    pids = w.all_gather(os.getpid())
+    if rank == world - 1:
+        # blocks in the bootstrap's exchange, which the others never join
+        portep.Buffer(dist.group.WORLD, 1 * MiB, 0, num_ranks_per_node=world, timeout_s=60, explicitly_destroy=True)
+        return None
+    victim = pids[world - 1]
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline and not _segments_of(victim):
+        time.sleep(0.05)
+    left = _segments_of(victim)
+    os.kill(victim, signal.SIGKILL)
+    return {"victim": victim, "segments": left}
+
+
+def _segments_of(pid):
+    import os
+
+    return sorted(n for n in os.listdir("/dev/shm") if n.startswith(f"portep.{pid}."))
