@@ -14,6 +14,23 @@ class CudaLLAdapter:
         self.buf = buf
         self._handles = {}  # id(CPU src_info) -> the GPU handle
 
+    def _synchronize(self):
+        """Once the call's kernels finished: a kernel that failed raises here, as the next call would (the host
+        suite reads results right away, which on GPUs a failed call leaves invalid)."""
+        torch.cuda.current_stream().synchronize()
+        self.buf.runtime.check_error()
+
+    def low_latency_update_mask_buffer(self, rank, mask=False):
+        self.buf.low_latency_update_mask_buffer(rank, mask)
+
+    def low_latency_query_mask_buffer(self, mask_status):
+        status = mask_status.cuda()
+        self.buf.low_latency_query_mask_buffer(status)
+        mask_status.copy_(status)
+
+    def low_latency_clean_mask_buffer(self):
+        self.buf.low_latency_clean_mask_buffer()
+
     def _gpu_handle(self, handle):
         return self._handles[id(handle[0])][0]
 
@@ -32,7 +49,7 @@ class CudaLLAdapter:
         self._handles[id(cpu_handle[0])] = (handle, cpu_handle)
 
         def fetch():
-            torch.cuda.current_stream().synchronize()
+            self._synchronize()
             for c, g in zip(cpu_parts, gpu_parts):
                 c.copy_(g)
             cpu_count.copy_(recv_count)
@@ -64,7 +81,7 @@ class CudaLLAdapter:
         result = out if out is not None else torch.empty_like(combined, device="cpu")
 
         def fetch():
-            torch.cuda.current_stream().synchronize()
+            self._synchronize()
             result.copy_(combined)
             if wait_g is not None:
                 combine_wait_recv_cost_stats.copy_(wait_g)

@@ -16,10 +16,20 @@ MiB = 1 << 20
 T, H, K = 32, 512, 4
 
 
-def _buffer(world, rpn, transport, timeout_s, E, shrink=False):
+def _buffer(world, rpn, transport, timeout_s, E, shrink=False, backend="host"):
+    """An LL-mode Buffer (with room for the normal mode); backend='cuda': on this rank's GPU, wrapped so the CPU
+    checks run unchanged (gpu_ll_adapter: a kernel failure raises once the call's results are fetched)."""
     ll = portep.Buffer.get_low_latency_rdma_size_hint(T, H, world, E)
-    return portep.Buffer(dist.group.WORLD, 64 * MiB, ll, low_latency_mode=True, num_ranks_per_node=rpn,
-                         transport=transport, timeout_s=timeout_s, explicitly_destroy=True, enable_shrink=shrink)
+    if backend == "cuda":
+        torch.cuda.set_device(dist.get_rank() % torch.cuda.device_count())
+    buf = portep.Buffer(dist.group.WORLD, 64 * MiB, ll, low_latency_mode=True, num_ranks_per_node=rpn,
+                        transport=transport, timeout_s=timeout_s, explicitly_destroy=True, enable_shrink=shrink,
+                        backend=backend)
+    if backend == "cuda":
+        from gpu_ll_adapter import CudaLLAdapter
+
+        return CudaLLAdapter(buf)
+    return buf
 
 
 class LLRound:
@@ -89,14 +99,14 @@ def _expect_out_of_step(ck, what, fn, fast_s):
     ck.true(took < fast_s, f"{what}: raised after {took:.2f} s, not within {fast_s} s")
 
 
-def one_sided_refusal_body(rank, world, rpn, transport, mode, seed):
+def one_sided_refusal_body(rank, world, rpn, transport, mode, seed, backend="host"):
     """Rank 0 passes an input its validation refuses while every other rank makes the call: rank 0 raises the
     ValueError, every peer raises within a second (not after the 20 s timeout) naming rank 0's refusal; the next
     calls raise on every rank (out of step: never data); clean_low_latency_buffer resynchronises, and the calls
     after it return correct results."""
     ck = w.Checker(rank)
     E, timeout_s = 4 * world, 20.0
-    buf = _buffer(world, rpn, transport, timeout_s, E)
+    buf = _buffer(world, rpn, transport, timeout_s, E, backend=backend)
     rounds = [LLRound(world, seed + i, E) if mode == "ll" else HTRound(world, rpn, seed + i, E) for i in range(6)]
     ck.step = "in step"
     rounds[0].run(ck, buf)
@@ -166,12 +176,12 @@ def late_peer_body(rank, world, rpn, transport, mode, seed, timeout_s, late_s):
     return {"failures": ck.failures, "checks": ck.num_checks}
 
 
-def dead_peer_body(rank, world, rpn, transport, how, seed):
+def dead_peer_body(rank, world, rpn, transport, how, seed, backend="host"):
     """The last rank dies (os._exit) or destroys its Buffer instead of making an LL call: every other rank's call
     raises within a second, naming it, although the timeout is 30 s."""
     ck = w.Checker(rank)
     E = 4 * world
-    buf = _buffer(world, rpn, transport, 30.0, E)
+    buf = _buffer(world, rpn, transport, 30.0, E, backend=backend)
     rounds = [LLRound(world, seed + i, E) for i in range(2)]
     rounds[0].run(ck, buf)
     if rank == world - 1:
@@ -183,8 +193,8 @@ def dead_peer_body(rank, world, rpn, transport, how, seed):
         return {"failures": [], "checks": 1}
     error, took = _attempt(ck, "call without the last rank", lambda: rounds[1].run(ck, buf))
     words = "process gone" if how == "exit" else "destroyed its Buffer"
-    ck.true(isinstance(error, RuntimeError) and words in str(error), f"the call without rank {world - 1} raised "
-            f"{error!r:.300}")
+    ck.true(isinstance(error, RuntimeError) and words in str(error) and f"rank {world - 1}" in str(error),
+            f"the call without rank {world - 1} raised {error!r:.300}")
     ck.true(took < 1.5, f"the call without rank {world - 1} raised after {took:.2f} s (timeout 30 s)")
     buf.destroy()
     return {"failures": ck.failures, "checks": ck.num_checks}
@@ -283,3 +293,99 @@ def _segments_of(pid):
     import os
 
     return sorted(n for n in os.listdir("/dev/shm") if n.startswith(f"portep.{pid}."))
+
+
+def _gathered_inputs(world, seeds, E):
+    """{seed: (this rank's inputs, every rank's topk_idx)}, gathered now, while every rank is there."""
+    rank = dist.get_rank()
+    mine = {s: w.make_ll_inputs(rank, s, T, H, K, E, holes=3) for s in seeds}
+    every = w.all_gather({s: inp["idx"] for s, inp in mine.items()})
+    return {s: (mine[s], [every[j][s] for j in range(world)]) for s in seeds}
+
+
+def _ll_checked_round(ck, buf, world, inputs, E, masked, tag):
+    """An LL dispatch + combine in shrink mode, checked as if the masked ranks held no tokens and no experts:
+    returns nothing; a wrong count, row or sum is a failed check."""
+    rank = dist.get_rank()
+    inp, all_idx = inputs
+    E_l = E // world
+    live_idx = [torch.full_like(t, -1) if j in masked else t for j, t in enumerate(all_idx)]
+    lref = w.LLRef(rank, world, T, H, E, live_idx)
+    xs = [ref.ll_struct_x(j, T, H) for j in range(world)]
+    ck.step = f"{tag}: dispatch"
+    res = buf.low_latency_dispatch(inp["x_struct"], inp["idx"], T, E, use_fp8=False)
+    w._check_ll_dispatch(ck, res, lref, xs, "struct", False, False, False, False, True)
+    ck.step = f"{tag}: combine"
+    sim = w._ll_sim_x(res[0], res[1], False, False)
+    comb = buf.low_latency_combine(sim, inp["idx"], inp["w"], res[2])[0]
+    own = inp["idx"].clone()
+    own[(own >= 0) & torch.isin(own.clamp(min=0) // E_l, torch.tensor(sorted(masked), dtype=torch.int64))] = -1
+    w._check_ll_combine(ck, comb, None, inp["x_struct"], None, own, inp["w"], False, False)
+
+
+def _expect_mask(ck, buf, world, masked, tag):
+    status = torch.zeros(world, dtype=torch.int32)
+    buf.low_latency_query_mask_buffer(status)
+    got = {int(i) for i in torch.nonzero(status).flatten()}
+    ck.true(got == set(masked), f"{tag}: mask {sorted(got)}, expected {sorted(masked)}")
+
+
+def shrink_body(rank, world, rpn, transport, seed, rounds, backend="host"):
+    """DeepEP's shrink mode: rank 1 leaves (destroys its Buffer) when it first dispatches, rank 3 when it first
+    combines, rank 5 when it first cleans (where the group has them). The others' calls complete without them,
+    mask them (query_mask_buffer shows exactly the ranks gone so far), their results count a masked rank's tokens
+    and experts as absent, checked against the references, and each masking takes well under the 30 s timeout;
+    clean_low_latency_buffer keeps the mask. Every rank that leaves waits in a gloo barrier for the end."""
+    ck = w.Checker(rank)
+    E = 4 * world
+    buf = _buffer(world, rpn, transport, 30.0, E, shrink=True, backend=backend)
+    fails = {r: api for r, api in ((1, "dispatch"), (3, "combine"), (5, "clean")) if r < world}
+    inputs = _gathered_inputs(world, [seed + i for i in range(rounds)] + [seed + 99], E)
+    masked = set()
+    for i in range(rounds):
+        for api in ("dispatch", "combine", "clean"):
+            leaving = {r for r, a in fails.items() if a == api and r not in masked}
+            masked |= leaving
+            if rank in masked:
+                if rank in leaving:
+                    buf.destroy()
+                dist.barrier()
+                return {"failures": ck.failures, "checks": max(ck.num_checks, 1)}
+            if api == "dispatch":
+                t0 = time.monotonic()
+                _ll_checked_round(ck, buf, world, inputs[seed + i], E, masked, f"round {i}")
+                ck.true(time.monotonic() - t0 < 10, f"round {i} took {time.monotonic() - t0:.1f} s")
+                _expect_mask(ck, buf, world, masked, f"round {i} after dispatch and combine")
+            elif api == "clean":
+                buf.clean_low_latency_buffer(T, H, E)
+                _expect_mask(ck, buf, world, masked, f"round {i} after clean")
+    buf.low_latency_clean_mask_buffer()
+    _expect_mask(ck, buf, world, set(), "after clean_mask_buffer")
+    for r in sorted(masked):
+        buf.low_latency_update_mask_buffer(r, True)
+    _expect_mask(ck, buf, world, masked, "after update_mask_buffer")
+    _ll_checked_round(ck, buf, world, inputs[seed + 99], E, masked, "after the mask functions")
+    buf.destroy()
+    dist.barrier()
+    return {"failures": ck.failures, "checks": ck.num_checks}
+
+
+def shrink_silent_rank_body(rank, world, rpn, transport, seed, timeout_s):
+    """A rank that stays alive but stops calling (it neither leaves nor answers) is masked once the timeout passes:
+    the others' call completes without it, checked."""
+    ck = w.Checker(rank)
+    E = 4 * world
+    buf = _buffer(world, rpn, transport, timeout_s, E, shrink=True)
+    inputs = _gathered_inputs(world, [seed, seed + 1], E)
+    _ll_checked_round(ck, buf, world, inputs[seed], E, set(), "all answering")
+    silent = world - 1
+    w.all_gather(0)  # every rank is past the first round
+    if rank != silent:
+        t0 = time.monotonic()
+        _ll_checked_round(ck, buf, world, inputs[seed + 1], E, {silent}, "one rank silent")
+        took = time.monotonic() - t0
+        ck.true(timeout_s * 0.8 < took < timeout_s * 3 + 5, f"masking the silent rank took {took:.1f} s")
+        _expect_mask(ck, buf, world, {silent}, "after the silent rank's timeout")
+    dist.barrier()
+    buf.destroy()
+    return {"failures": ck.failures, "checks": max(ck.num_checks, 1)}

@@ -81,3 +81,21 @@ def test_a_rank_killed_while_building_leaves_no_segment_behind():
     subprocess.run([sys.executable, "-c", probe % free_port()], check=True, timeout=120)
     still = sorted(n for n in os.listdir("/dev/shm") if n.startswith(f"portep.{victim}."))
     assert not still, f"the next start left the killed rank's segments {still} (it left {left})"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("path", [(6, 6, "shm"), (6, 1, "shm-unordered"), (4, 2, "shm")],
+                         ids=["6ranks-direct", "6ranks-proxies-unordered", "4ranks-2pernode"])
+def test_shrink_masks_the_ranks_that_leave(path):
+    world, rpn, transport = path
+    out = run_ranks(r.shrink_body, world, args=(rpn, transport, 13, 3), timeout=400)
+    assert_clean(out, 1)
+    assert sum(v["checks"] for v in out.values()) > 100
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("path", PATHS[1:3], ids=IDS[1:3])
+def test_shrink_masks_a_silent_rank_after_the_timeout(path):
+    world, rpn, transport = path
+    out = run_ranks(r.shrink_silent_rank_body, world, args=(rpn, transport, 15, 3.0), timeout=200)
+    assert_clean(out, 1)

@@ -104,6 +104,7 @@ struct HTCommon {
   uint64_t ctrl_off, recv_off, stage_off;
   uint64_t* epoch;        // device [2]: ops so far; whether this op's data kernel does nothing (set by notify)
   HTHostCounts* host;     // device address of the mapped host counts
+  const uint32_t* peer_status;  // as LLCommon's
   KernelError* error;     // as LLCommon's
   uint32_t* failed;
   uint64_t timeout_ns;

@@ -158,15 +158,28 @@ PORTEP_DEVICE uint32_t rows_from_source(const Args& a, int s, int ch) {
 }
 
 // ---- waits ----
-// Waits until a word a direct peer stores (a notify flag, a tail) reaches `want`; false after the timeout
+// The peer watch says src will not answer (peer_status.h).
+PORTEP_DEVICE bool peer_down(const HTCommon& c, int src) {
+  return c.peer_status && *reinterpret_cast<const volatile uint32_t*>(c.peer_status + src) != 0;
+}
+
+// A wait on src ended short (end): the op fails (the normal mode has no shrink mode).
+PORTEP_DEVICE void report_lost(const HTCommon& c, int src, uint32_t end, uint32_t index) {
+  if (end == kWaitPeerDown)
+    report_error(c, kErrPeerDown, uint32_t(c.rank), uint32_t(src), *reinterpret_cast<const volatile uint32_t*>(
+                                                                         c.peer_status + src));
+  else if (end == kWaitTimedOut)
+    report_error(c, kErrWaitTimeout, uint32_t(c.rank), uint32_t(src), index);
+}
+
+// Waits until a word a direct peer stores (a notify flag, a tail) reaches `want`; false when the wait ended short
 // (reported as a wait on src, with index).
 PORTEP_DEVICE bool await_word(const HTCommon& c, const uint64_t* word, uint64_t want, int src, uint32_t index) {
   uint64_t v = 0, waited = 0;
-  if (wait_until([&] { return ld_acquire_sys_u64(word); }, [&](uint64_t x) { return x >= want; }, c.failed,
-                 c.timeout_ns, &v, &waited))
-    return true;
-  report_error(c, kErrWaitTimeout, uint32_t(c.rank), uint32_t(src), index);
-  return false;
+  const uint32_t end = wait_until([&] { return ld_acquire_sys_u64(word); }, [&](uint64_t x) { return x >= want; },
+                                  limits_for(c, src), &v, &waited);
+  if (end != kWaitDone) report_lost(c, src, end, index);
+  return end == kWaitDone;
 }
 // The tail word reaches (epoch, rows).
 PORTEP_DEVICE bool await_tail(const HTCommon& c, const uint64_t* word, uint64_t epoch, uint32_t rows, int src,
@@ -223,11 +236,11 @@ PORTEP_DEVICE int64_t await_units(const HTCommon& c, int src, uint32_t stream, u
   const uint64_t i = uint64_t(src) * c.num_streams + stream;
   const uint32_t seen = uint32_t(c.signal_seen[i]);
   uint64_t v = 0, waited = 0;
-  if (wait_until([&] { return ld_acquire_sys_u64(c.host_signals + i); },
-                 [&](uint64_t x) { return uint32_t(x) - seen >= need; }, c.failed, c.timeout_ns, &v, &waited,
-                 kProxyPollNs))
-    return uint32_t(v) - seen;
-  report_error(c, kErrWaitTimeout, uint32_t(c.rank), uint32_t(src), stream);
+  const uint32_t end = wait_until([&] { return ld_acquire_sys_u64(c.host_signals + i); },
+                                  [&](uint64_t x) { return uint32_t(x) - seen >= need; }, limits_for(c, src), &v,
+                                  &waited, kProxyPollNs);
+  if (end == kWaitDone) return uint32_t(v) - seen;
+  report_lost(c, src, end, stream);
   return -1;
 }
 // This op consumed n units of src's stream. One thread, after the last await_units of the op on that stream.

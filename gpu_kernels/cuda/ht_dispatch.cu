@@ -319,8 +319,11 @@ PORTEP_DEVICE void receive_channel(const HTDispatchArgs& a, int ch) {
       const uint64_t now = globaltimer_ns();
       if (progress || all) {
         idle_since = now;
-      } else if (now - idle_since > c.timeout_ns || reported_error(c)) {  // a failure elsewhere voids the op too
-        report_error(c, kErrWaitTimeout, uint32_t(c.rank), uint32_t(input_rank(c, waiting)), uint32_t(ch));
+      } else if (now - idle_since > c.timeout_ns || reported_error(c) ||
+                 (now - idle_since > kPeerGraceNs && peer_down(c, input_rank(c, waiting)))) {
+        // (a failure elsewhere voids the op too; a peer that will not answer fails it)
+        report_lost(c, input_rank(c, waiting), now - idle_since > c.timeout_ns ? kWaitTimedOut : kWaitPeerDown,
+                    uint32_t(ch));
         st.failed = 1;
       } else if (waiting < R && !c.peers[waiting]) {
         sleep_ns(kProxyPollNs);  // host-memory polls cross PCIe

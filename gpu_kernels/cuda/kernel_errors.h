@@ -24,7 +24,7 @@ struct KernelError {  // one record of mapped host memory; code 0 = none
 static_assert(sizeof(KernelError) == 32, "the host reads the records as 32-byte blocks");
 
 constexpr uint32_t kErrWaitTimeout = 1, kErrFifoTimeout = 2, kErrSlotOverflow = 3, kErrBadExpert = 4,
-                   kErrTooManyRecv = 5;
+                   kErrTooManyRecv = 5, kErrPeerDown = 6, kErrOutOfStep = 7;
 constexpr int kNumErrorWords = 2;  // failed[] entries and error[] records: [0] failures, [1] notices
 
 struct KernelErrorInfo {
@@ -32,7 +32,8 @@ struct KernelErrorInfo {
   const char* name;
   bool notice;
   const char* what;   // what happened
-  const char* where;  // how src and index read ({src}, {index} replaced by the host)
+  const char* where;  // how the fields read ({src}, {index}, {value}, {status}: index as a peer status, replaced by
+                      // the host)
 };
 constexpr KernelErrorInfo kKernelErrors[] = {
     {kErrWaitTimeout, "wait_timeout", false, "a signal did not arrive within the timeout",
@@ -48,6 +49,9 @@ constexpr KernelErrorInfo kKernelErrors[] = {
     {kErrTooManyRecv, "too_many_recv", true,
      "a dispatch received more tokens than num_worst_tokens; the rows past it were dropped",
      "{src} rows received, num_worst_tokens={index}"},
+    {kErrPeerDown, "peer_down", false, "a peer will not answer", "peer rank {src} {status}"},
+    {kErrOutOfStep, "out_of_step", false, "a peer's data belongs to another call: the ranks are out of step",
+     "peer rank {src} sent its call #{index}"},
 };
 
 PORTEP_HD constexpr bool is_notice(uint32_t code) { return code == kErrBadExpert || code == kErrTooManyRecv; }

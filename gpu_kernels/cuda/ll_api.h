@@ -11,7 +11,7 @@
 //                          receive kernel's relay, see ll_common.cuh).
 // The slot of selection (t, k) is its rank among all selections of that expert in row-major (t, k) order, so
 // every layout is deterministic. A dispatch message is a 16-byte header (int32 source token, int32 number of
-// messages for that expert from this source, uint32 share, unused) and the payload: BF16 row, or FP8 row +
+// messages for that expert from this source, uint32 share, uint32 the call's sequence number) and the payload: BF16 row, or FP8 row +
 // float32 scales. Direct peers get a token's payload once: share = 0 in the message that holds it; the token's
 // other messages to that rank carry no payload and share = 1 + the index of that message in [R][E_l][T].
 //
@@ -73,6 +73,10 @@ struct LLCommon {
   int max_chunks;               // chunks of kChunkExperts local experts the scratch has room for, per rank
   uint32_t* dest_done;          // device scratch, zero between calls: [R] combine blocks done with a partial peer
   uint64_t meta_off, meta_stride;  // combine partials (see above); meta_off 0: every peer gets rows
+  const uint32_t* peer_status;  // mapped host memory [R]: the peer watch's word for each peer (peer_status.h), or null
+  uint32_t* mask;               // device [R] (1: masked) in shrink mode, else null: receive sides read (and set) it
+  const uint32_t* send_mask;    // device [R]: the mask as the call began (send sides read it), or null
+  uint32_t seq;                 // the call's sequence number (dispatch messages carry it)
   KernelError* error;           // mapped host memory [kNumErrorWords]: what the host raises (kernel_errors.h)
   uint32_t* failed;             // device [kNumErrorWords]: the reported codes (kernels test these, not the host's)
   uint64_t timeout_ns;

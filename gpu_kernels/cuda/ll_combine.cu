@@ -106,7 +106,7 @@ PORTEP_DEVICE void combine_send_part(const LLCombineArgs& a, int le, int part, i
     int src = 0;
     while (src + 1 < R && !(i >= begins[src] && i < begins[src] + counts[src])) ++src;
     const uint8_t* row = static_cast<const uint8_t*>(a.x) + (uint64_t(le) * M + i) * a.x_pitch;
-    if ((src == c.rank && a.own_rows_in_input) || partial_peer(c, src)) continue;
+    if ((src == c.rank && a.own_rows_in_input) || partial_peer(c, src) || !sending_to(c, src)) continue;
     if (c.peers[src])
       copy_row(c.peers[src] + c.recv_off + (uint64_t(expert) * c.T + (i - begins[src])) * c.comb_pitch, row,
                2 * c.hidden);
@@ -127,7 +127,7 @@ PORTEP_DEVICE void combine_send_part(const LLCombineArgs& a, int le, int part, i
   if (!last) return;
   fence_gpu();
   for (int src = threadIdx.x; src < R; src += blockDim.x)
-    if (!partial_peer(c, src)) publish_rows(a, le, src);
+    if (!partial_peer(c, src) && sending_to(c, src)) publish_rows(a, le, src);
 }
 
 // Warp 0: proxy source src's chunk of rows; this rank's selections of each of the chunk's experts (the numbers the
@@ -154,6 +154,7 @@ PORTEP_DEVICE void relay_combine_chunk(const LLCombineArgs& a, int src, int chun
 // after the timeout (reported). timed: the nanoseconds waited add to the owner's wait statistics.
 PORTEP_DEVICE bool wait_expert_rows(const LLCombineArgs& a, int e, bool timed = false) {
   const int src = e / a.c.num_local_experts;
+  if (masked(a.c, src)) return false;
   uint64_t v = 0, waited = 0;
   const bool ok = await_flag(a.c, src, e, &v, &waited);
   if (timed && waited)
@@ -344,7 +345,8 @@ PORTEP_DEVICE void combine_reduce(const LLCombineArgs& a) {
     if (int(threadIdx.x) < K) {
       const int k = int(threadIdx.x), e = tok_experts[k];
       const uint32_t slot = tok_slots[k];
-      const bool valid = e >= 0 && slot < uint32_t(c.T);
+      // (shrink mode: a masked owner's selection is absent)
+      const bool valid = e >= 0 && slot < uint32_t(c.T) && !masked(c, e / c.num_local_experts);
       rows[k] = valid ? row_address(a, e, slot) : nullptr;
       weights[k] = a.topk_weights[uint64_t(t) * K + k];
       owners[k] = valid ? e / c.num_local_experts : 0;

@@ -7,6 +7,7 @@
 
 #include "kernel_errors.cuh"
 #include "ll_api.h"
+#include "portep/peer_status.h"
 #include "portep/fifo_device.cuh"
 #include "portep/portability.cuh"
 
@@ -121,34 +122,57 @@ PORTEP_DEVICE void warp_copy16(uint4* dst, const uint4* src, int n16) {
   warp_copy16_to(dsts, 1, src, n16);
 }
 
-// Waits until pred(load()) with a timeout; returns the last value loaded and whether pred held. It also gives up
-// once a failure is reported (failed: the call's failure word, kernel_errors.h; may be null): the call's results are
-// void then, and every other wait of the call would wait out its own timeout, one after another. backoff_ns spaces
-// the loads out (polls of host memory cross PCIe; hundreds of tight pollers slow the proxies' traffic).
+// How a wait on a peer ended: done, or short of it: its timeout; a failure reported elsewhere in the call (the
+// call's results are void, and every other wait would wait out its own timeout, one after another); or the peer
+// watch's word for the peer (peer_status.h) says the peer will not answer, once the wait lasted kPeerGraceNs (what
+// the peer sent before its status changed had that long to arrive).
+enum WaitEnd : uint32_t { kWaitDone = 0, kWaitTimedOut = 1, kWaitCallFailed = 2, kWaitPeerDown = 3 };
+struct WaitLimits {
+  const uint32_t* failed;  // the call's failure word (kernel_errors.h), or null
+  const uint32_t* status;  // the peer's status word (mapped host memory), or null
+  uint64_t timeout_ns;
+};
+template <class Common>
+PORTEP_DEVICE WaitLimits limits_for(const Common& c, int peer) {
+  return WaitLimits{c.failed, c.peer_status ? c.peer_status + peer : nullptr, c.timeout_ns};
+}
+// The clock of one wait: check() now and then (it reads device and host memory) says whether to give up.
+struct WaitClock {
+  uint64_t start = globaltimer_ns();
+  PORTEP_DEVICE uint32_t check(const WaitLimits& w) const {
+    const uint64_t waited = globaltimer_ns() - start;
+    if (waited > w.timeout_ns) return kWaitTimedOut;
+    if (w.failed && *reinterpret_cast<const volatile uint32_t*>(w.failed)) return kWaitCallFailed;
+    if (waited > kPeerGraceNs && w.status && *reinterpret_cast<const volatile uint32_t*>(w.status))
+      return kWaitPeerDown;
+    return kWaitDone;
+  }
+  PORTEP_DEVICE uint64_t elapsed() const { return globaltimer_ns() - start; }
+};
+
+// Waits until pred(load()); returns how it ended (WaitEnd), with the last value loaded and the nanoseconds spent.
+// backoff_ns spaces the loads out (polls of host memory cross PCIe; hundreds of tight pollers slow the proxies'
+// traffic).
 template <class Load, class Pred>
-PORTEP_DEVICE bool wait_until(Load load, Pred pred, const uint32_t* failed, uint64_t timeout_ns, uint64_t* value,
-                              uint64_t* waited_ns, uint32_t backoff_ns = 0) {
+PORTEP_DEVICE uint32_t wait_until(Load load, Pred pred, const WaitLimits& limits, uint64_t* value,
+                                  uint64_t* waited_ns, uint32_t backoff_ns = 0) {
   uint64_t v = load();
+  *waited_ns = 0;
   if (pred(v)) {
     *value = v;
-    *waited_ns = 0;
-    return true;
+    return kWaitDone;
   }
-  const uint64_t start = globaltimer_ns();
+  WaitClock clock;
+  uint32_t end = kWaitDone;
   for (uint32_t iter = 1;; ++iter) {
     if (backoff_ns) sleep_ns(backoff_ns);
     v = load();
     if (pred(v)) break;
-    if ((iter & 1023) == 0 && (globaltimer_ns() - start > timeout_ns ||
-                               (failed && *reinterpret_cast<const volatile uint32_t*>(failed)))) {
-      *value = v;
-      *waited_ns = globaltimer_ns() - start;
-      return false;
-    }
+    if ((iter & 1023) == 0 && (end = clock.check(limits)) != kWaitDone) break;
   }
   *value = v;
-  *waited_ns = globaltimer_ns() - start;
-  return true;
+  *waited_ns = clock.elapsed();
+  return end;
 }
 
 // Proxy peers' data travels per chunk of kChunkExperts consecutive local experts (layout in ll_api.h).
@@ -226,21 +250,47 @@ PORTEP_DEVICE uint64_t slot_index(const LLCommon& c, int src, int chunk) {
 PORTEP_DEVICE bool new_final_signal(uint64_t slot, uint64_t seen) { return (slot >> 32) != (seen >> 32); }
 PORTEP_DEVICE uint32_t units_since(uint64_t slot, uint64_t seen) { return uint32_t(slot) - uint32_t(seen); }
 
-// Waits, without consuming it, until src's flag is set; false after the timeout (reported). *value is the flag
-// read last, *waited the nanoseconds spent.
+// Shrink mode (c.mask): a masked rank is neither sent to nor waited for; its part of a call counts as absent. A
+// receive side may mask a rank during the call; send sides decide from the mask as the call began (send_mask), so
+// that every block of a launch sends alike.
+PORTEP_DEVICE bool masked(const LLCommon& c, int r) {
+  return c.mask && *reinterpret_cast<const volatile uint32_t*>(c.mask + r) != 0;
+}
+PORTEP_DEVICE bool sending_to(const LLCommon& c, int r) { return !c.send_mask || c.send_mask[r] == 0; }
+
+// A wait on src ended short of done (end): in shrink mode a peer that stopped answering (it timed out, left, is
+// gone or failed a call) is masked for this and later calls, which then complete without it; a refusal, or any lost
+// peer without shrink mode, fails the call (index: what the wait was for).
+PORTEP_DEVICE void lost_peer(const LLCommon& c, int src, uint32_t end, uint32_t index) {
+  if (end == kWaitCallFailed) return;  // reported already
+  const uint32_t status = c.peer_status ? *reinterpret_cast<const volatile uint32_t*>(c.peer_status + src) : 0;
+  if (c.mask && !(end == kWaitPeerDown && status == kPeerRefused)) {
+    atomicExch(c.mask + src, 1u);
+    return;
+  }
+  if (end == kWaitPeerDown)
+    report_error(c, kErrPeerDown, uint32_t(c.rank), uint32_t(src), status);
+  else
+    report_error(c, kErrWaitTimeout, uint32_t(c.rank), uint32_t(src), index);
+}
+
+// Waits, without consuming it, until src's flag is set; false when the wait ended short (lost_peer: masked or
+// reported). *value is the flag read last, *waited the nanoseconds spent.
 PORTEP_DEVICE bool await_flag(const LLCommon& c, int src, int flag_index, uint64_t* value, uint64_t* waited) {
   const uint32_t* flag = signal_flag(c, flag_index);
-  const bool ok = wait_until([&] { return uint64_t(ld_acquire_sys_u32(flag)); }, [](uint64_t x) { return x != 0; },
-                             c.failed, c.timeout_ns, value, waited);
-  if (!ok) report_error(c, kErrWaitTimeout, uint32_t(c.rank), uint32_t(src), uint32_t(flag_index));
-  return ok;
+  const uint32_t end = wait_until([&] { return uint64_t(ld_acquire_sys_u32(flag)); },
+                                  [](uint64_t x) { return x != 0; }, limits_for(c, src), value, waited);
+  if (end != kWaitDone) lost_peer(c, src, end, uint32_t(flag_index));
+  return end == kWaitDone;
 }
 
 // A flag back to zero for the next call on this half: the next store to it comes from a later call.
 PORTEP_DEVICE void clear_flag(const LLCommon& c, int flag_index) { *signal_flag(c, flag_index) = 0; }
 
-// Waits for src's flag and consumes it; returns the count it carries (its value - 1; 0 after a timeout).
+// Waits for src's flag and consumes it; returns the count it carries (its value - 1; 0 for a masked source or after
+// a wait that ended short).
 PORTEP_DEVICE uint32_t take_flag(const LLCommon& c, int src, int flag_index, int64_t* wait_stats) {
+  if (masked(c, src)) return 0;
   uint64_t v = 0, waited = 0;
   const bool ok = await_flag(c, src, flag_index, &v, &waited);
   clear_flag(c, flag_index);
@@ -266,11 +316,13 @@ PORTEP_DEVICE void for_my_relay_chunks(const LLCommon& c, Relay relay) {
 }
 
 // Warp-wide: waits for a new final signal in (src, chunk)'s slot and consumes it; returns its units (WRITE
-// commands), or -1 after the timeout (reported).
+// commands), or -1 when src is masked or the wait ended short (lost_peer).
 constexpr uint32_t kRelayBackoffNs = 300;
 PORTEP_DEVICE int64_t await_chunk_signal(const LLCommon& c, int src, int chunk) {
+  if (masked(c, src)) return -1;
   const uint64_t i = slot_index(c, src, chunk), seen = c.signal_seen[i];
-  const uint64_t start = globaltimer_ns();
+  WaitClock clock;
+  const WaitLimits limits = limits_for(c, src);
   uint64_t v = 0;
   for (uint32_t iter = 1;; ++iter) {
     v = ld_acquire_sys_u64(c.host_signals + i);
@@ -278,10 +330,12 @@ PORTEP_DEVICE int64_t await_chunk_signal(const LLCommon& c, int src, int chunk) 
     // with the same value.
     if (warp_all(new_final_signal(v, seen))) break;
     sleep_ns(kRelayBackoffNs);
-    if ((iter & 255) == 0 && (globaltimer_ns() - start > c.timeout_ns || reported_error(c))) {
-      if (lane_id() == 0)
-        report_error(c, kErrWaitTimeout, uint32_t(c.rank), uint32_t(src), uint32_t(chunk * kChunkExperts));
-      return -1;
+    if ((iter & 255) == 0) {
+      const uint32_t end = uint32_t(warp_broadcast_i32(int(clock.check(limits)), 0));  // every lane alike
+      if (end != kWaitDone) {
+        if (lane_id() == 0) lost_peer(c, src, end, uint32_t(chunk * kChunkExperts));
+        return -1;
+      }
     }
   }
   warp_sync();

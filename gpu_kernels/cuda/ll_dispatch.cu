@@ -124,7 +124,7 @@ PORTEP_DEVICE void dispatch_send(const LLDispatchArgs& a, uint32_t* hist) {
   __shared__ uint32_t tok_slots[kWarpSize];
   __shared__ int tok_dsts[kWarpSize];
   const LLCommon& c = a.c;
-  const int E = c.num_experts, K = a.num_topk, N = a.num_tokens, lane = lane_id();
+  const int E = c.num_experts, E_l = c.num_local_experts, K = a.num_topk, N = a.num_tokens, lane = lane_id();
   const bool warp0 = threadIdx.x < kWarpSize;
   for (int i = threadIdx.x; i < E; i += blockDim.x) hist[i] = 0;
   __syncthreads();
@@ -132,13 +132,13 @@ PORTEP_DEVICE void dispatch_send(const LLDispatchArgs& a, uint32_t* hist) {
     const int64_t e = a.topk_idx[i];
     if (e >= E || e < -1) {  // never checked on the host (that would synchronize): dropped and reported
       if (blockIdx.x == 0) report_error(c, kErrBadExpert, uint32_t(c.rank), uint32_t(i / K), uint32_t(i % K), e);
-    } else if (e >= 0) {
+    } else if (e >= 0 && sending_to(c, int(e) / E_l)) {
       atomicAdd(&hist[e], 1u);
     }
   }
   __syncthreads();
   for (int e = int(blockIdx.x * blockDim.x + threadIdx.x); e < E; e += int(gridDim.x * blockDim.x))
-    if (hist[e] == 0) {  // nobody selected it: its stream ends empty
+    if (hist[e] == 0 && sending_to(c, e / E_l)) {  // nobody selected it: its stream ends empty
       fence_gpu();
       publish_expert(c, hist, e, 0);
     }
@@ -152,7 +152,7 @@ PORTEP_DEVICE void dispatch_send(const LLDispatchArgs& a, uint32_t* hist) {
       const uint32_t slot = lane < K ? tok_slots[lane] : 0;
       if (my_expert >= 0 && slot >= uint32_t(c.T))
         report_error(c, kErrSlotOverflow, uint32_t(c.rank), uint32_t(t), uint32_t(my_expert));
-      valid = my_expert >= 0 && slot < uint32_t(c.T);
+      valid = my_expert >= 0 && slot < uint32_t(c.T) && sending_to(c, my_expert / E_l);
       uint8_t* m = valid ? message_address(c, hist, my_expert, int(slot)) : nullptr;
       // A direct destination gets the payload once per token, in the message of the token's first selection
       // on that rank; the token's other messages there carry only the header, whose third word is 1 + the
@@ -170,7 +170,7 @@ PORTEP_DEVICE void dispatch_send(const LLDispatchArgs& a, uint32_t* hist) {
           valid ? (uint32_t(c.rank) * c.num_local_experts + my_expert % c.num_local_experts) * c.T + slot : 0;
       const uint32_t primary_index = uint32_t(warp_broadcast_i32(int(index), primary));
       const int share = primary == lane ? 0 : int(primary_index + 1);
-      if (valid) *reinterpret_cast<int4*>(m) = make_int4(t, int(hist[my_expert]), share, 0);
+      if (valid) *reinterpret_cast<int4*>(m) = make_int4(t, int(hist[my_expert]), share, int(c.seq));
       if (lane < K) msgs[lane] = primary == lane ? m : nullptr;
     }
     __syncthreads();
@@ -254,6 +254,10 @@ PORTEP_DEVICE void dispatch_recv_expert(const LLDispatchArgs& a, int le, uint32_
     const uint8_t* msg = message_in(c, le, src, i - begins[src]);
     const int4 head = *reinterpret_cast<const int4*>(msg);
     if (lane == 0) a.src_info[uint64_t(le) * M + i] = head.x;
+    if (uint32_t(head.w) != c.seq) {  // data of another call: the ranks are out of step
+      if (lane == 0) report_error(c, kErrOutOfStep, uint32_t(c.rank), uint32_t(src), uint32_t(head.w));
+      continue;
+    }
     if (head.z) msg = c.local + c.recv_off + uint64_t(uint32_t(head.z) - 1) * c.disp_bytes;  // payload shared
     const uint4* payload = reinterpret_cast<const uint4*>(msg + 16);
     const uint64_t row = uint64_t(le) * M + i;

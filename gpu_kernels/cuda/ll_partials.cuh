@@ -14,9 +14,9 @@ struct MetaHeader {
 };
 static_assert(sizeof(MetaHeader) == kMetaHeaderBytes, "meta header size");
 
-// Owner rank r sends partial sums to direct peer r (and r to us) in this call.
+// Owner rank r sends partial sums to direct peer r (and r to us) in this call (shrink mode: r is not masked).
 PORTEP_DEVICE bool partial_peer(const LLCommon& c, int r) {
-  return c.meta_off != 0 && r != c.rank && c.peers[r] != nullptr;
+  return c.meta_off != 0 && r != c.rank && c.peers[r] != nullptr && sending_to(c, r);
 }
 
 PORTEP_DEVICE int nth_partial_peer(const LLCommon& c, int n) {
@@ -87,10 +87,12 @@ PORTEP_DEVICE void combine_partial_token(const LLCombineArgs& a, int dst, int t)
   if (threadIdx.x == 0) {
     uint64_t v = 0, waited = 0;
     // After any failure (this call's results are void) the items stop waiting: each would wait out the timeout.
-    ready = reported_error(c) == 0 &&
-            wait_until([&] { return uint64_t(ld_acquire_sys_u32(&meta->ready)); }, [](uint64_t x) { return x != 0; },
-                       c.failed, c.timeout_ns, &v, &waited);
-    if (!ready) report_error(c, kErrWaitTimeout, uint32_t(c.rank), uint32_t(dst), uint32_t(t));
+    uint32_t end = reported_error(c) ? uint32_t(kWaitCallFailed) : uint32_t(kWaitDone);
+    if (end == kWaitDone)
+      end = wait_until([&] { return uint64_t(ld_acquire_sys_u32(&meta->ready)); }, [](uint64_t x) { return x != 0; },
+                       limits_for(c, dst), &v, &waited);
+    ready = end == kWaitDone;
+    if (!ready) lost_peer(c, dst, end, uint32_t(t));
   }
   __syncthreads();  // thread 0's acquire, then the barrier: the meta block is visible to the block
   const int K = meta->topk, N = meta->tokens, E_l = c.num_local_experts;

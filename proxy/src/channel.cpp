@@ -108,7 +108,7 @@ uint64_t* Channel::slot(int src, uint32_t stream) const {
 // during kPeerGrace, since its notice may overtake its last data. Returns kPeerOk with *value, else why it gave up
 // (kWaitTimedOut for the timeout). Raises a latched proxy error.
 constexpr uint32_t kWaitTimedOut = 100;
-constexpr auto kPeerGrace = std::chrono::milliseconds(250);
+constexpr auto kPeerGrace = std::chrono::nanoseconds(kPeerGraceNs);
 template <class Ready>
 uint32_t Channel::wait_slot_for(int src, uint32_t stream, double timeout_s, Ready ready, uint64_t* value) {
   using Clock = std::chrono::steady_clock;

@@ -83,9 +83,6 @@ class Buffer:
                 raise ValueError("Either 'group' or 'comm' must be provided.")
             raise NotImplementedError("Buffer(comm=...) (mpi4py bootstrap) is not supported by portep yet; pass a "
                                       "torch.distributed process group as `group`")
-        if enable_shrink:
-            raise NotImplementedError("enable_shrink=True (masking failed ranks in low-latency mode) is not "
-                                      "supported by portep yet")
         _check_buffer_bytes("num_nvl_bytes", num_nvl_bytes)
         _check_buffer_bytes("num_rdma_bytes", num_rdma_bytes)
         check_int("num_qps_per_rank", num_qps_per_rank, 1 if low_latency_mode else 0)
@@ -99,7 +96,7 @@ class Buffer:
         self.num_nvl_bytes = num_nvl_bytes
         self.num_rdma_bytes = num_rdma_bytes
         self.low_latency_mode = bool(low_latency_mode)
-        self.enable_shrink = False
+        self.enable_shrink = bool(enable_shrink)
         self._device = "cuda" if self.backend == "cuda" else "cpu"
 
         if self.backend == "cuda":
@@ -111,6 +108,7 @@ class Buffer:
         split = self.backend == "cuda" and self.low_latency_mode and num_nvl_bytes > 0 and num_rdma_bytes > 0
         self.runtime = Engine(group, num_nvl_bytes + num_rdma_bytes, ranks_per_node, transport=transport,
                               timeout_s=timeout_s, allow_direct_ll=bool(allow_nvlink_for_low_latency_mode),
+                              shrink=self.enable_shrink,
                               **({"normal_bytes": num_nvl_bytes} if split else {}))
         self._comm = None
         if self.backend == "cuda":
@@ -428,14 +426,31 @@ class Buffer:
         v.check_ll_handle(handle, self.group_size)
         return engine.get_next_low_latency_combine_buffer(tuple(handle))
 
+    # ---- shrink mode: masked ranks (DeepEP's enable_shrink) ----
+    def _shrink_engine(self):
+        engine = self._ll_engine()
+        if not self.enable_shrink:
+            raise RuntimeError("shrink mode must be enabled: create the Buffer with enable_shrink=True")
+        return engine
+
     def low_latency_update_mask_buffer(self, rank_to_mask, mask=False):
-        raise RuntimeError("shrink mode must be enabled (portep does not support enable_shrink=True yet)")
+        """Mask (mask=True: low-latency calls neither send to nor wait for it, its tokens count as absent) or
+        unmask a rank. A rank that stops answering in a low-latency call (it left, its process is gone, or it
+        timed out) is masked by that call."""
+        engine = self._shrink_engine()
+        check_int("rank_to_mask", rank_to_mask, 0, self.group_size - 1)
+        engine.update_mask(rank_to_mask, bool(mask))
 
     def low_latency_query_mask_buffer(self, mask_status):
-        raise RuntimeError("shrink mode must be enabled (portep does not support enable_shrink=True yet)")
+        """Writes every rank's mask status into mask_status ([num_ranks] int32; 1 = masked)."""
+        engine = self._shrink_engine()
+        v.check_tensor("mask_status", mask_status, dtypes=(torch.int32,), shape=(("num_ranks", self.group_size),),
+                       device=self._device)
+        engine.query_mask(mask_status)
 
     def low_latency_clean_mask_buffer(self):
-        raise RuntimeError("shrink mode must be enabled (portep does not support enable_shrink=True yet)")
+        """Unmasks every rank."""
+        self._shrink_engine().clean_mask()
 
 
 class _Collective:

@@ -61,6 +61,15 @@ def _current_raw_stream(device_index):
     return raw(device_index) if raw is not None else torch.cuda.current_stream(device_index).cuda_stream
 
 
+# Shrink mode: a destroyed Buffer's GPU memory stays allocated until the process exits, since peers that have not
+# masked this rank yet may still store into it (peers of one host reach it through CUDA IPC).
+_PARKED = []
+
+
+def _ptr(t):
+    return 0 if t is None else t.data_ptr()
+
+
 def _as_tensor(ptr, nbytes, device, owner=None):
     """A uint8 CUDA tensor viewing device memory this module allocated (no copy). owner (a native RegionLease)
     keeps the memory mapped for as long as the tensor or any view of it lives."""
@@ -79,7 +88,7 @@ class CudaEngine(Topology):
     """One per Buffer. Construction is collective over `group`."""
 
     def __init__(self, group, num_bytes, ranks_per_node, max_local_experts=1024, transport=None, timeout_s=None,
-                 allow_direct_ll=True, num_proxy_threads=4, normal_bytes=0):
+                 allow_direct_ll=True, num_proxy_threads=4, normal_bytes=0, shrink=False):
         self.native = require_native()
         info = self.native.build_info()
         if not info["cuda_built"]:
@@ -117,7 +126,15 @@ class CudaEngine(Topology):
         self.comm_stream = torch.cuda.ExternalStream(self.native.cuda_stream_create(), device=self.device)
         self.timeout_s = self.channel.timeout_s
         self.lockstep = Lockstep(self.channel, self.native, self.rank, self.num_ranks, self.timeout_s)
-        self.mask = None  # shrink mode (set_shrink)
+        # the peer watch's word per peer, in mapped host memory the kernels poll (peer_status.h)
+        self._status_host, self.status_device = self.native.cuda_host_alloc_mapped(4 * self.num_ranks)
+        self.channel._native.mirror_peer_status(self._status_host)
+        # shrink mode: the mask (receive sides set it) and its copy as each call begins (send sides read it)
+        self.mask = self._send_mask = None
+        if shrink:
+            self.mask = torch.zeros(self.num_ranks, dtype=torch.int32, device=self.device)
+            self._send_mask = torch.zeros_like(self.mask)
+            self.lockstep.mask = self.mask
         ch = self.channel._native
         self.region = _as_tensor(ch.device_data_ptr(), self.num_bytes, self.device, ch.device_data_lease())
         self.direct_ranks = [d for d in range(self.num_ranks)
@@ -156,7 +173,8 @@ class CudaEngine(Topology):
                                              self._signal_seen.data_ptr(),
                                              self.channel.num_streams, self.fifos, self._finish.data_ptr(),
                                              chunk_done, proxy_begin, max_chunks, dest_done, self.error_device,
-                                             self.timeout_s, num_sms, self.failed_flag.data_ptr())
+                                             self.timeout_s, num_sms, self.failed_flag.data_ptr(), self.status_device,
+                                             _ptr(self.mask), _ptr(self._send_mask))
         self.ll_half = 0
         self._layouts = {}
         self._shapes = {}
@@ -238,7 +256,9 @@ class CudaEngine(Topology):
             meta_off = self.meta_base + half * self.num_ranks * self.native.LL_META_STRIDE if partials else 0
             shape = self._shapes[key] = (lay.T, lay.H, lay.E, lay.send_off(half), lay.recv_off(half),
                                          flag_off, lay.disp, lay.comb, stream_base, meta_off)
-        return shape + (_current_raw_stream(self.device.index),)
+        if self.mask is not None:  # the mask as this call begins, for its send sides (stream-ordered)
+            self._send_mask.copy_(self.mask)
+        return shape + (_current_raw_stream(self.device.index), self.lockstep.seq)
 
     # ---- the API the Buffer calls ----
     def get_dispatch_layout(self, topk_idx, num_experts):
@@ -390,7 +410,8 @@ class CudaEngine(Topology):
         """Every rank that is not masked gets here (shrink mode: one that left, is gone or times out is masked),
         after everything it posted before was delivered."""
         self.channel.quiet()
-        live = [r for r in range(self.num_ranks) if self.mask is None or not self.mask[r]]
+        host_mask = None if self.mask is None else self.mask.to(torch.uint8).cpu()  # (the kernels are done)
+        live = [r for r in range(self.num_ranks) if host_mask is None or not host_mask[r]]
         ch = self.channel._native
         for dst in live:
             if ch.peer_data_ptr(dst) and dst in self.direct_ranks:
@@ -400,9 +421,20 @@ class CudaEngine(Topology):
         srcs = torch.tensor(live, dtype=torch.int64)
         streams = torch.full((len(live),), hb.STREAM_SYNC, dtype=torch.int64)
         units, waited = torch.empty_like(srcs), torch.empty_like(srcs)
-        mask = 0 if self.mask is None else self.mask_host.data_ptr()
         ch.consume_many(len(live), srcs.data_ptr(), streams.data_ptr(), units.data_ptr(), waited.data_ptr(),
-                        self.timeout_s, mask)
+                        self.timeout_s, _ptr(host_mask))
+        if host_mask is not None:  # a rank that did not get here is masked now
+            self.mask.copy_(host_mask.to(torch.int32))
+
+    # ---- shrink mode ----
+    def update_mask(self, rank, masked):
+        self.mask[rank] = int(masked)
+
+    def query_mask(self, out):
+        out.copy_(self.mask)
+
+    def clean_mask(self):
+        self.mask.zero_()
 
     def get_local_buffer_tensor(self, dtype, size=None, offset=0, use_rdma_buffer=False):
         elem = torch.empty((), dtype=dtype).element_size()
@@ -438,8 +470,12 @@ class CudaEngine(Topology):
             if self._ht is not None:
                 self._ht.destroy()
                 self._ht = None
+            self.channel._native.mirror_peer_status(0)  # the watch stops writing the mapped words
+            if self.mask is not None:  # shrink mode: see _PARKED
+                _PARKED.append(self.channel._native.device_data_lease())
             self.channel.destroy()
             self.channel = None
             self.fifos = None
             self.kernels = None
             self.errors.free()
+            self.native.cuda_host_free_mapped(self._status_host)

@@ -54,7 +54,8 @@ class CudaHT:
             ctrl_off, eng.normal_off,
             eng.normal_off + self.recv_bytes, self.epoch.data_ptr(), self.host_counts, host_counts_device,
             eng.error_device, eng.errors.host, eng.timeout_s, eng.fifos, ch.device_signals_ptr(),
-            eng._signal_seen.data_ptr(), eng.channel.num_streams, stream_base, eng.failed_flag.data_ptr())
+            eng._signal_seen.data_ptr(), eng.channel.num_streams, stream_base, eng.failed_flag.data_ptr(),
+            eng.status_device)
         eng.synchronize()  # epoch, peers in place before any kernel reads them; earlier ops done
         self._load_torch_kernels()
 

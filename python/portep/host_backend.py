@@ -86,7 +86,7 @@ class HostEngine(Topology):
     """One per Buffer. Construction is collective over `group`."""
 
     def __init__(self, group, num_bytes, ranks_per_node, max_local_experts=1024, transport=None, timeout_s=None,
-                 allow_direct_ll=True, num_proxy_threads=None):
+                 allow_direct_ll=True, num_proxy_threads=None, shrink=False):
         require_native()
         super().__init__(group, ranks_per_node, max_local_experts)
         self.allow_direct_ll = bool(allow_direct_ll)
@@ -114,7 +114,10 @@ class HostEngine(Topology):
         self.ll_half = 0
         self._writes_in_flight = False
         self.lockstep = Lockstep(self.channel, self.native, self.rank, self.num_ranks, self.timeout_s)
-        self.mask = None  # shrink mode: uint8 [R], 1 = masked (set_shrink)
+        self.mask = None  # shrink mode (DeepEP's enable_shrink): uint8 [R], 1 = masked
+        if shrink:  # ranks that stop answering in LL calls are masked, not waited for
+            self.mask = torch.zeros(self.num_ranks, dtype=torch.uint8)
+            self.lockstep.mask = self.mask
 
     # ---- data movement ----
 
@@ -331,10 +334,14 @@ class HostEngine(Topology):
             self.signal(dst, STREAM_SYNC)
         self.consume_many(torch.tensor(live), torch.full((len(live),), STREAM_SYNC))
 
-    def set_shrink(self):
-        """Shrink mode (DeepEP's enable_shrink): ranks that stop answering in LL calls are masked, not waited for."""
-        self.mask = torch.zeros(self.num_ranks, dtype=torch.uint8)
-        self.lockstep.mask = self.mask
+    def update_mask(self, rank, masked):
+        self.mask[rank] = int(masked)
+
+    def query_mask(self, out):
+        out.copy_(self.mask.to(out.dtype))
+
+    def clean_mask(self):
+        self.mask.zero_()
 
     def get_local_buffer_tensor(self, dtype, size=None, offset=0, use_rdma_buffer=False):
         """A raw view of this rank's communication memory from byte `offset` (the host backend has one memory

@@ -32,6 +32,7 @@ class KernelErrors:
         if e is None:
             return f"rank {rank}: a kernel reported unknown code {code} (src {src}, index {index}){suffix}"
         where = e["where"].replace("{src}", str(src)).replace("{index}", str(index)).replace("{value}", str(value))
+        where = where.replace("{status}", self.native.peer_status_text(index))
         kind = "reported" if e["notice"] else "failed"
         return f"rank {rank}: a kernel {kind}: {e['what']} ({where}){suffix}"
 

@@ -30,7 +30,7 @@ class HTKernels {
             uint64_t recv_off, uint64_t stage_off, uintptr_t epoch, uintptr_t host_counts,
             uintptr_t host_counts_device, uintptr_t error, uintptr_t error_host, double timeout_s,
             const PyFifoSet& fifos, uintptr_t host_signals, uintptr_t signal_seen, uint32_t num_streams,
-            uint32_t stream_base, uintptr_t failed)
+            uint32_t stream_base, uintptr_t failed, uintptr_t peer_status)
       : host_(ptr<HTHostCounts>(host_counts)), error_host_(ptr<KernelError>(error_host)), timeout_s_(timeout_s) {
     if (num_ranks > kHTMaxRanks)
       throw std::invalid_argument("num_ranks=" + std::to_string(num_ranks) +
@@ -61,6 +61,7 @@ class HTKernels {
     c_.host = ptr<HTHostCounts>(host_counts_device);
     c_.error = ptr<KernelError>(error);
     c_.failed = ptr<uint32_t>(failed);
+    c_.peer_status = ptr<const uint32_t>(peer_status);
     c_.timeout_ns = uint64_t(timeout_s * 1e9);
   }
 
@@ -139,13 +140,13 @@ void bind_cuda_ht(py::module_& m) {
   py::class_<HTKernels>(m, "HTKernels")
       .def(py::init<int, int, int, uintptr_t, uintptr_t, uintptr_t, uint64_t, uint64_t, uint64_t, uintptr_t,
                     uintptr_t, uintptr_t, uintptr_t, uintptr_t, double, const PyFifoSet&, uintptr_t, uintptr_t,
-                    uint32_t, uint32_t, uintptr_t>(),
+                    uint32_t, uint32_t, uintptr_t, uintptr_t>(),
            py::arg("rank"), py::arg("num_ranks"), py::arg("ranks_per_node"), py::arg("local"), py::arg("peers"),
            py::arg("place"), py::arg("ctrl_off"),
            py::arg("recv_off"), py::arg("stage_off"), py::arg("epoch"), py::arg("host_counts"),
            py::arg("host_counts_device"), py::arg("error"), py::arg("error_host"), py::arg("timeout_s"),
            py::arg("fifos"), py::arg("host_signals"), py::arg("signal_seen"), py::arg("num_streams"),
-           py::arg("stream_base"), py::arg("failed"), py::keep_alive<1, 17>())
+           py::arg("stream_base"), py::arg("failed"), py::arg("peer_status") = 0, py::keep_alive<1, 17>())
       .def("wait_counts", &HTKernels::wait_counts, py::arg("ticket"), py::arg("num_local_experts"))
       .def("notify",
            [](const HTKernels& k, int num_channels, uintptr_t stream, bool count_mode, uintptr_t is_token_in_rank,

@@ -25,7 +25,8 @@ class LLKernels {
   LLKernels(int rank, int num_ranks, uintptr_t local, uintptr_t peers, uintptr_t place, uintptr_t host_signals,
             uintptr_t signal_seen,
             uint32_t num_streams, const PyFifoSet& fifos, uintptr_t finish, uintptr_t chunk_done, uintptr_t proxy_begin,
-            int max_chunks, uintptr_t dest_done, uintptr_t error, double timeout_s, int num_sms, uintptr_t failed) {
+            int max_chunks, uintptr_t dest_done, uintptr_t error, double timeout_s, int num_sms, uintptr_t failed,
+            uintptr_t peer_status, uintptr_t mask, uintptr_t send_mask) {
     if (!failed) throw std::invalid_argument("failed: the device words for reported errors must not be null");
     if (!peers || !place) throw std::invalid_argument("peers and place: device arrays of num_ranks pointers, not null");
     c_ = LLCommon{};
@@ -48,13 +49,17 @@ class LLKernels {
     c_.meta_stride = kMetaStride;
     c_.error = ptr<KernelError>(error);
     c_.failed = ptr<uint32_t>(failed);
+    c_.peer_status = ptr<const uint32_t>(peer_status);
+    c_.mask = ptr<uint32_t>(mask);
+    c_.send_mask = ptr<const uint32_t>(send_mask);
+    if (!c_.mask != !c_.send_mask) throw std::invalid_argument("mask and send_mask: both (shrink mode) or neither");
     c_.timeout_ns = uint64_t(timeout_s * 1e9);
     c_.num_sms = num_sms;
   }
 
   LLCommon shape(int T, int hidden, int num_experts, uint64_t send_off, uint64_t recv_off, uint64_t flag_off,
                  uint32_t disp_bytes, uint32_t comb_pitch, uint32_t stream_base, uint64_t meta_off,
-                 uintptr_t stream) const {
+                 uintptr_t stream, uint32_t seq) const {
     LLCommon c = c_;
     c.T = T;
     c.hidden = hidden;
@@ -68,6 +73,7 @@ class LLKernels {
     c.stream_base = stream_base;
     c.meta_off = meta_off;
     c.stream = reinterpret_cast<void*>(stream);
+    c.seq = seq;
     return c;
   }
 
@@ -75,7 +81,7 @@ class LLKernels {
   LLCommon shape(const py::tuple& s) const {
     return shape(s[0].cast<int>(), s[1].cast<int>(), s[2].cast<int>(), s[3].cast<uint64_t>(), s[4].cast<uint64_t>(),
                  s[5].cast<uint64_t>(), s[6].cast<uint32_t>(), s[7].cast<uint32_t>(), s[8].cast<uint32_t>(),
-                 s[9].cast<uint64_t>(), s[10].cast<uintptr_t>());
+                 s[9].cast<uint64_t>(), s[10].cast<uintptr_t>(), s[11].cast<uint32_t>());
   }
 
   LLCommon c_;
@@ -109,12 +115,14 @@ void bind_cuda_ll(py::module_& m) {
   m.attr("LL_META_STRIDE") = kMetaStride;
   py::class_<LLKernels>(m, "LLKernels")
       .def(py::init<int, int, uintptr_t, uintptr_t, uintptr_t, uintptr_t, uintptr_t, uint32_t, const PyFifoSet&,
-                    uintptr_t, uintptr_t, uintptr_t, int, uintptr_t, uintptr_t, double, int, uintptr_t>(),
+                    uintptr_t, uintptr_t, uintptr_t, int, uintptr_t, uintptr_t, double, int, uintptr_t, uintptr_t,
+                    uintptr_t, uintptr_t>(),
            py::arg("rank"), py::arg("num_ranks"), py::arg("local"), py::arg("peers"), py::arg("place"),
            py::arg("host_signals"),
            py::arg("signal_seen"), py::arg("num_streams"), py::arg("fifos"), py::arg("finish"), py::arg("chunk_done"),
            py::arg("proxy_begin"), py::arg("max_chunks"), py::arg("dest_done"), py::arg("error"), py::arg("timeout_s"),
-           py::arg("num_sms"), py::arg("failed"),
+           py::arg("num_sms"), py::arg("failed"), py::arg("peer_status") = 0, py::arg("mask") = 0,
+           py::arg("send_mask") = 0,
            py::keep_alive<1, 10>())
       .def("dispatch",
            [](const LLKernels& k, int phases, py::tuple shape, uintptr_t x, uintptr_t topk_idx, int num_tokens,

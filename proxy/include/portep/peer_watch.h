@@ -18,12 +18,11 @@
 #include <thread>
 #include <vector>
 
+#include "portep/peer_status.h"
 #include "portep/transport.h"
 
 namespace portep {
 
-enum PeerStatus : uint32_t { kPeerOk = 0, kPeerRefused = 1, kPeerFailed = 2, kPeerLeft = 3, kPeerGone = 4 };
-enum StatusEvent : uint32_t { kEventRefused = 0, kEventFailed = 1, kEventLeft = 2, kNumStatusEvents = 3 };
 
 const char* peer_status_text(uint32_t status);
 
