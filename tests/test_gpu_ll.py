@@ -41,15 +41,20 @@ PATHS_4 = [("direct-nvlink", 4, "shm", True), ("proxy-shm", 1, "shm", True),
            ("proxy-nvlink-off", 4, "shm-unordered", False)]
 
 
+def _run_ll_suite(path, shape, ranks, rounds, timeout, min_checks):
+    _, rpn, transport, nvlink = path
+    T, H, E, K, seed = shape
+    out = run_ranks(w.ll_body, ranks, args=(rpn, transport, seed, T, H, E, K, False, rounds, "cuda", nvlink),
+                    timeout=timeout)
+    assert_clean(out, min_checks)
+
+
 @pytest.mark.gpu
 @two_gpus
 @pytest.mark.parametrize("path", PATHS, ids=[p[0] for p in PATHS])
 @pytest.mark.parametrize("shape", SHAPES, ids=[f"T{s[0]}-H{s[1]}-E{s[2]}" for s in SHAPES])
 def test_ll_suite_on_gpus(path, shape):
-    _, rpn, transport, nvlink = path
-    T, H, E, K, seed = shape
-    out = run_ranks(w.ll_body, 2, args=(rpn, transport, seed, T, H, E, K, False, 3, "cuda", nvlink), timeout=300)
-    assert_clean(out, 100)
+    _run_ll_suite(path, shape, ranks=2, rounds=3, timeout=300, min_checks=100)
 
 
 @pytest.mark.gpu
@@ -57,20 +62,14 @@ def test_ll_suite_on_gpus(path, shape):
 @pytest.mark.parametrize("path", PATHS, ids=[p[0] for p in PATHS])
 @pytest.mark.parametrize("shape", PROD_SHAPES, ids=[f"H{s[1]}-E{s[2]}" for s in PROD_SHAPES])
 def test_ll_suite_at_production_shapes(path, shape):
-    _, rpn, transport, nvlink = path
-    T, H, E, K, seed = shape
-    out = run_ranks(w.ll_body, 2, args=(rpn, transport, seed, T, H, E, K, False, 1, "cuda", nvlink), timeout=600)
-    assert_clean(out, 5000)
+    _run_ll_suite(path, shape, ranks=2, rounds=1, timeout=600, min_checks=5000)
 
 
 @pytest.mark.gpu
 @four_gpus
 @pytest.mark.parametrize("path", PATHS_4, ids=[p[0] for p in PATHS_4])
 def test_ll_suite_at_deepep_shape_on_4_ranks(path):
-    _, rpn, transport, nvlink = path
-    T, H, E, K, seed = PROD_SHAPES[0]
-    out = run_ranks(w.ll_body, 4, args=(rpn, transport, seed, T, H, E, K, False, 1, "cuda", nvlink), timeout=600)
-    assert_clean(out, 3000)
+    _run_ll_suite(path, PROD_SHAPES[0], ranks=4, rounds=1, timeout=600, min_checks=3000)
 
 
 @pytest.mark.gpu
