@@ -56,7 +56,7 @@ def _pattern(src, dst, n):
 def exact_bytes(_C, rank, world, transport, shared, barrier):
     block = 4096
     ch = _channel(_C, rank, world, transport, 2 * world * block, shared, barrier)
-    mem = ch.data_view()
+    mem = memoryview(ch.data_view())
     for dst in range(world):
         mem[dst * block:(dst + 1) * block] = _pattern(rank, dst, block)
     for dst in range(world):
