@@ -184,6 +184,9 @@ def dead_peer_body(rank, world, rpn, transport, how, seed, backend="host"):
     buf = _buffer(world, rpn, transport, 30.0, E, backend=backend)
     rounds = [LLRound(world, seed + i, E) for i in range(2)]
     rounds[0].run(ck, buf)
+    # A call returns once this rank has what it needs; its own last writes may still be in flight through its
+    # proxy, and a process that exits loses them. Every rank is past the first round before the last one dies.
+    w.all_gather(0)
     if rank == world - 1:
         if how == "exit":
             import os
