@@ -16,15 +16,43 @@ MiB = 1 << 20
 T, H, K = 32, 512, 4
 
 
-def _buffer(world, rpn, transport, timeout_s, E, shrink=False, backend="host"):
+class CallerDefaults:
+    """A Buffer whose every call (construction too) runs with torch's default dtype and device set as DeepEP's tests
+    set them (utils.init_dist: bfloat16 and 'cuda'); on the host backend 'meta', where any tensor the library makes
+    by the default device breaks loudly. The test's own inputs and references keep the CPU defaults."""
+
+    def __init__(self, make, device):
+        self._device = device
+        self._buf = self._run(make)
+
+    def _run(self, fn, *args, **kwargs):
+        dtype = torch.get_default_dtype()
+        torch.set_default_dtype(torch.bfloat16)
+        try:
+            with torch.device(self._device):
+                return fn(*args, **kwargs)
+        finally:
+            torch.set_default_dtype(dtype)
+
+    def __getattr__(self, name):
+        attr = getattr(self._buf, name)
+        return (lambda *a, **k: self._run(attr, *a, **k)) if callable(attr) else attr
+
+
+def _buffer(world, rpn, transport, timeout_s, E, shrink=False, backend="host", defaults=None):
     """An LL-mode Buffer (with room for the normal mode); backend='cuda': on this rank's GPU, wrapped so the CPU
-    checks run unchanged (gpu_ll_adapter: a kernel failure raises once the call's results are fetched)."""
+    checks run unchanged (gpu_ll_adapter: a kernel failure raises once the call's results are fetched).
+    defaults: a device to make torch's default (and bfloat16 the default dtype) during every Buffer call."""
     ll = portep.Buffer.get_low_latency_rdma_size_hint(T, H, world, E)
     if backend == "cuda":
         torch.cuda.set_device(dist.get_rank() % torch.cuda.device_count())
-    buf = portep.Buffer(dist.group.WORLD, 64 * MiB, ll, low_latency_mode=True, num_ranks_per_node=rpn,
-                        transport=transport, timeout_s=timeout_s, explicitly_destroy=True, enable_shrink=shrink,
-                        backend=backend)
+
+    def make():
+        return portep.Buffer(dist.group.WORLD, 64 * MiB, ll, low_latency_mode=True, num_ranks_per_node=rpn,
+                             transport=transport, timeout_s=timeout_s, explicitly_destroy=True,
+                             enable_shrink=shrink, backend=backend)
+
+    buf = make() if defaults is None else CallerDefaults(make, defaults)
     if backend == "cuda":
         from gpu_ll_adapter import CudaLLAdapter
 
@@ -203,13 +231,13 @@ def dead_peer_body(rank, world, rpn, transport, how, seed, backend="host"):
     return {"failures": ck.failures, "checks": ck.num_checks}
 
 
-def zero_token_rank_body(rank, world, rpn, transport, seed):
+def zero_token_rank_body(rank, world, rpn, transport, seed, defaults=None):
     """The last rank has no tokens and top-1 routing, its empty inputs made with odd strides (an empty tensor is
     contiguous whatever its strides, e.g. [0, 1] with strides (1, 0) from an expression on it): normal-mode and LL
-    dispatch + combine run on every rank and give the references' results."""
+    dispatch + combine run on every rank and give the references' results. defaults: as _buffer's."""
     ck = w.Checker(rank)
     E, k = 4 * world, 1
-    buf = _buffer(world, rpn, transport, 20.0, E)
+    buf = _buffer(world, rpn, transport, 20.0, E, defaults=defaults)
     empty = rank == world - 1
     n = 0 if empty else T
     g = torch.Generator().manual_seed(seed + rank)
@@ -333,15 +361,16 @@ def _expect_mask(ck, buf, world, masked, tag):
     ck.true(got == set(masked), f"{tag}: mask {sorted(got)}, expected {sorted(masked)}")
 
 
-def shrink_body(rank, world, rpn, transport, seed, rounds, backend="host"):
+def shrink_body(rank, world, rpn, transport, seed, rounds, backend="host", defaults=None):
     """DeepEP's shrink mode: rank 1 leaves (destroys its Buffer) when it first dispatches, rank 3 when it first
     combines, rank 5 when it first cleans (where the group has them). The others' calls complete without them,
     mask them (query_mask_buffer shows exactly the ranks gone so far), their results count a masked rank's tokens
     and experts as absent, checked against the references, and each masking takes well under the 30 s timeout;
-    clean_low_latency_buffer keeps the mask. Every rank that leaves waits in a gloo barrier for the end."""
+    clean_low_latency_buffer keeps the mask. Every rank that leaves waits in a gloo barrier for the end.
+    defaults: as _buffer's."""
     ck = w.Checker(rank)
     E = 4 * world
-    buf = _buffer(world, rpn, transport, 30.0, E, shrink=True, backend=backend)
+    buf = _buffer(world, rpn, transport, 30.0, E, shrink=True, backend=backend, defaults=defaults)
     fails = {r: api for r, api in ((1, "dispatch"), (3, "combine"), (5, "clean")) if r < world}
     inputs = _gathered_inputs(world, [seed + i for i in range(rounds)] + [seed + 99], E)
     masked = set()

@@ -53,6 +53,7 @@ def test_cuda_dead_or_departed_peer_fails_the_waiters_within_a_second(path, how)
 @pytest.mark.parametrize("path", [(6, 6, "shm"), (6, 1, "shm-unordered")], ids=["direct", "proxy-shm-unordered"])
 def test_cuda_shrink_masks_the_ranks_that_leave(path):
     world, rpn, transport = path
-    out = run_ranks(r.shrink_body, world, args=(rpn, transport, 13, 2, "cuda"), timeout=400)
+    # torch's defaults as DeepEP's tests set them (bfloat16, 'cuda') during every Buffer call
+    out = run_ranks(r.shrink_body, world, args=(rpn, transport, 13, 2, "cuda", "cuda"), timeout=400)
     assert_clean(out, 1)
     assert sum(v["checks"] for v in out.values()) > 100

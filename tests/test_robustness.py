@@ -58,6 +58,16 @@ def test_a_rank_without_tokens_and_odd_empty_strides(path):
     assert_clean(out, 5)
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("path", PATHS[1:], ids=IDS[1:])
+def test_calls_ignore_the_callers_default_device_and_dtype(path):
+    """DeepEP's tests make bfloat16 and CUDA torch's defaults; the library's own tensors must not follow them
+    ('meta' here: any tensor made by the default device fails)."""
+    world, rpn, transport = path
+    out = run_ranks(r.zero_token_rank_body, world, args=(rpn, transport, 17, "meta"), timeout=240)
+    assert_clean(out, 5)
+
+
 @pytest.mark.parametrize("path", PATHS[:2], ids=IDS[:2])
 def test_views_keep_their_memory_after_destroy(path):
     world, rpn, transport = path
@@ -88,7 +98,8 @@ def test_a_rank_killed_while_building_leaves_no_segment_behind():
                          ids=["6ranks-direct", "6ranks-proxies-unordered", "4ranks-2pernode"])
 def test_shrink_masks_the_ranks_that_leave(path):
     world, rpn, transport = path
-    out = run_ranks(r.shrink_body, world, args=(rpn, transport, 13, 3), timeout=400)
+    defaults = "meta" if transport == "shm-unordered" else None  # as test_calls_ignore_the_callers_default_device
+    out = run_ranks(r.shrink_body, world, args=(rpn, transport, 13, 3, "host", defaults), timeout=400)
     assert_clean(out, 1)
     assert sum(v["checks"] for v in out.values()) > 100
 

@@ -6,6 +6,7 @@ streams; `async_finish=True` returns an EventOverlap whose event is already comp
 `get_comm_stream()` returns None.
 """
 
+import contextlib
 import functools
 import os
 import warnings
@@ -31,6 +32,14 @@ DEFAULT_RANKS_PER_NODE = 8
 LL_TOPK_NOTE = f" (portep's limit; DeepEP's low-latency kernels allow at most {v.DEEPEP_LL_MAX_TOPK})"
 
 
+def _host_factories(device):
+    """The host backend makes its tensors on the CPU whatever torch's default device is (DeepEP's tests set it to
+    CUDA, and tensor factories without device= follow it)."""
+    if device == "cpu" and torch.get_default_device().type != "cpu":
+        return torch.device("cpu")
+    return contextlib.nullcontext()
+
+
 def _collective(what):
     """A Buffer method that every rank calls together (lockstep.py): its body calls self._call.start() once its
     inputs passed validation, right before the call's first traffic."""
@@ -38,8 +47,8 @@ def _collective(what):
     def wrap(method):
         @functools.wraps(method)
         def run(self, *args, **kwargs):
-            call = _Collective(self._engine(), what)
-            with call:
+            call = _Collective(self._engine(), what, self._device)
+            with call, _host_factories(self._device):
                 self._call = call
                 try:
                     return method(self, *args, **kwargs)
@@ -106,10 +115,11 @@ class Buffer:
         # CUDA, both modes, both sizes: the normal mode keeps to num_nvl_bytes and LL to num_rdma_bytes, as
         # DeepEP's NVL and RDMA buffers, so switching modes needs no clean_low_latency_buffer in between
         split = self.backend == "cuda" and self.low_latency_mode and num_nvl_bytes > 0 and num_rdma_bytes > 0
-        self.runtime = Engine(group, num_nvl_bytes + num_rdma_bytes, ranks_per_node, transport=transport,
-                              timeout_s=timeout_s, allow_direct_ll=bool(allow_nvlink_for_low_latency_mode),
-                              shrink=self.enable_shrink,
-                              **({"normal_bytes": num_nvl_bytes} if split else {}))
+        with _host_factories(self._device):
+            self.runtime = Engine(group, num_nvl_bytes + num_rdma_bytes, ranks_per_node, transport=transport,
+                                  timeout_s=timeout_s, allow_direct_ll=bool(allow_nvlink_for_low_latency_mode),
+                                  shrink=self.enable_shrink,
+                                  **({"normal_bytes": num_nvl_bytes} if split else {}))
         self._comm = None
         if self.backend == "cuda":
             from .comm_stream import CommStream
@@ -124,7 +134,8 @@ class Buffer:
                                "explicitly_destroy=True to call destroy(); otherwise it is released on deletion")
         runtime, self.runtime = self.runtime, None
         if runtime is not None:
-            runtime.destroy()
+            with _host_factories(self._device):
+                runtime.destroy()
 
     def __del__(self):
         runtime = getattr(self, "runtime", None)
@@ -222,7 +233,7 @@ class Buffer:
         need = offset
         if size is not None:
             size = torch.Size(size)
-            need += size.numel() * torch.tensor([], dtype=dtype).element_size()
+            need += size.numel() * dtype.itemsize
         if need > num_bytes:
             raise ValueError(f"offset={offset} and size={None if size is None else list(size)} of {dtype} need "
                              f"{need} bytes; the buffer has {which}={num_bytes}")
@@ -237,8 +248,9 @@ class Buffer:
         v.check_event_args(previous_event, async_finish, allocate_on_comm_stream)
         v.check_num_experts(num_experts, self.group_size)
         v.check_topk_idx("topk_idx", topk_idx, num_experts, device=self._device)
-        out, event = self._normal_op(lambda: engine.get_dispatch_layout(topk_idx, num_experts), previous_event,
-                                     async_finish, allocate_on_comm_stream, (topk_idx,))
+        with _host_factories(self._device):
+            out, event = self._normal_op(lambda: engine.get_dispatch_layout(topk_idx, num_experts), previous_event,
+                                         async_finish, allocate_on_comm_stream, (topk_idx,))
         return _returned(engine, tuple(out) + (event,))
 
     @_collective("dispatch")
@@ -341,7 +353,8 @@ class Buffer:
         check_int("hidden", hidden, 1)
         v.check_ll_hidden(hidden)
         v.check_num_experts(num_experts, self.group_size)
-        engine.clean_low_latency_buffer(num_max_dispatch_tokens_per_rank, hidden, num_experts)
+        with _host_factories(self._device):
+            engine.clean_low_latency_buffer(num_max_dispatch_tokens_per_rank, hidden, num_experts)
 
     @_collective("low_latency_dispatch")
     def low_latency_dispatch(self, x, topk_idx, num_max_dispatch_tokens_per_rank, num_experts,
@@ -457,8 +470,8 @@ class _Collective:
     """One collective call's bookkeeping (lockstep.py): validation failures before start() are refusals, which the
     peers learn of at once; failures after it leave the Buffer out of step; a DroppedInput is neither."""
 
-    def __init__(self, engine, what):
-        self.lockstep, self.what, self.started = engine.lockstep, what, False
+    def __init__(self, engine, what, device):
+        self.lockstep, self.what, self.started, self.device = engine.lockstep, what, False, device
 
     def __enter__(self):
         self.lockstep.begin()
@@ -477,7 +490,8 @@ class _Collective:
 
         def guarded():
             try:
-                hook()
+                with _host_factories(self.device):
+                    hook()
             except DroppedInput:
                 raise
             except BaseException as e:

@@ -418,8 +418,8 @@ class CudaEngine(Topology):
                 ch.direct_signal(dst, hb.STREAM_SYNC, 0, True)
             else:
                 ch.signal(dst, hb.STREAM_SYNC, True)
-        srcs = torch.tensor(live, dtype=torch.int64)
-        streams = torch.full((len(live),), hb.STREAM_SYNC, dtype=torch.int64)
+        srcs = torch.tensor(live, dtype=torch.int64, device="cpu")  # (the caller's default device may be CUDA)
+        streams = torch.full((len(live),), hb.STREAM_SYNC, dtype=torch.int64, device="cpu")
         units, waited = torch.empty_like(srcs), torch.empty_like(srcs)
         ch.consume_many(len(live), srcs.data_ptr(), streams.data_ptr(), units.data_ptr(), waited.data_ptr(),
                         self.timeout_s, _ptr(host_mask))
@@ -437,7 +437,7 @@ class CudaEngine(Topology):
         self.mask.zero_()
 
     def get_local_buffer_tensor(self, dtype, size=None, offset=0, use_rdma_buffer=False):
-        elem = torch.empty((), dtype=dtype).element_size()
+        elem = dtype.itemsize
         begin, end = (0, self.ll_bytes) if use_rdma_buffer else (self.normal_off, self.num_bytes)
         view = self.region[begin + offset:begin + offset + (end - begin - offset) // elem * elem].view(dtype)
         if size is not None:

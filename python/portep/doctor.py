@@ -69,7 +69,7 @@ def _runtime_problems(torch_facts):
             try:
                 import torch
 
-                torch.zeros(1).numpy()
+                torch.zeros(1, dtype=torch.float32, device="cpu").numpy()
             except Exception as exc:  # noqa: BLE001 - reported, not fatal
                 problems.append(f"torch cannot use numpy ({exc}): reinstall numpy for this torch")
     return problems

@@ -332,7 +332,7 @@ class HostEngine(Topology):
         live = [r for r in range(self.num_ranks) if not self.masked(r)]
         for dst in live:
             self.signal(dst, STREAM_SYNC)
-        self.consume_many(torch.tensor(live), torch.full((len(live),), STREAM_SYNC))
+        self.consume_many(torch.tensor(live, device="cpu"), torch.full((len(live),), STREAM_SYNC, device="cpu"))
 
     def update_mask(self, rank, masked):
         self.mask[rank] = int(masked)
@@ -348,7 +348,7 @@ class HostEngine(Topology):
         for NVL and RDMA uses; use_rdma_buffer is accepted for compatibility)."""
         if offset < 0 or offset > self.num_bytes:
             raise ValueError(f"offset={offset} must be in 0..{self.num_bytes}")
-        elem = torch.empty((), dtype=dtype).element_size()
+        elem = dtype.itemsize
         view = self.region[offset:offset + (self.num_bytes - offset) // elem * elem].view(dtype)
         if size is not None:
             count = 1
