@@ -35,7 +35,7 @@
 // indices and weights for that: each source writes them into every direct peer's meta block of this half, at
 // meta_off + src * meta_stride (data region of the peer):
 //   uint32 ready (1 = written; the owner zeroes it), int32 N (tokens), int32 K, unused,
-//   int32 experts [N][K] (-1: none), float32 weights [N][K]   (N * K <= kMetaTokens * kWarpSize entries)
+//   int32 experts [N][K] (-1: none), float32 weights [N][K]   (N * K <= kMetaTokens * kMetaMaxTopk entries)
 #pragma once
 
 #include <stdint.h>

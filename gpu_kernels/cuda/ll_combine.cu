@@ -393,7 +393,7 @@ __global__ void __launch_bounds__(kLLThreads, 1) combine_kernel(LLCombineArgs a,
 }  // namespace
 
 int ll_combine(const LLCombineArgs& a, int phases) {
-  if (a.num_topk > kWarpSize || phases < kPhaseSend || phases > (kPhaseSend | kPhaseRecv))
+  if (a.num_topk > kMetaMaxTopk || phases < kPhaseSend || phases > (kPhaseSend | kPhaseRecv))
     return int(cudaErrorInvalidValue);
   const LLCommon& c = a.c;
   cudaStream_t stream = static_cast<cudaStream_t>(c.stream);

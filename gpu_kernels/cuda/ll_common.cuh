@@ -15,6 +15,10 @@ namespace portep::cuda {
 
 constexpr int kLLWarps = 16;  // warps per block
 constexpr int kLLThreads = kLLWarps * kWarpSize;
+// Warp 0's lanes hold a token's selections (shared arrays of kWarpSize entries, one per k) and a relay's chunk
+// of experts (one per lane).
+static_assert(kMetaMaxTopk <= kWarpSize, "a token's selections fit one warp's lanes");
+static_assert(kChunkExperts <= kWarpSize, "a chunk's experts fit one warp's lanes");
 // Grid of a launch that sends, then receives (no hook): one block per unit of work (tokens or local experts),
 // at most one per SM, so that on a GPU the launch can fill every block is resident and a receiving block never
 // waits for a send that cannot run. When other work holds SMs (MPS limits, long kernels on other streams) some

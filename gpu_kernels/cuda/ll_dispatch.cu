@@ -75,6 +75,12 @@ PORTEP_DEVICE void publish_expert(const LLCommon& c, const uint32_t* hist, int e
   publish_dispatch_chunk(c, hist, dst, le / kChunkExperts);
 }
 
+// FP8: a scale group of 128 channels is 4 channels on each of kFp8GroupLanes lanes; a warp quantizes
+// kFp8GroupsPerWarp groups at once (1 on CUDA, 2 on a 64-lane wavefront).
+constexpr int kFp8GroupLanes = 32;
+constexpr int kFp8GroupsPerWarp = kWarpSize / kFp8GroupLanes;
+static_assert(kWarpSize % kFp8GroupLanes == 0, "a warp holds whole FP8 scale groups");
+
 // Token t's payload into every non-null msgs[k] (block-cooperative). FP8: each warp quantizes whole groups of
 // 128 channels (4 per lane) once and stores them K times.
 PORTEP_DEVICE void write_payloads(const LLDispatchArgs& a, int t, uint8_t* const* msgs, int K) {
@@ -89,12 +95,18 @@ PORTEP_DEVICE void write_payloads(const LLDispatchArgs& a, int t, uint8_t* const
     return;
   }
   const uint2* row = reinterpret_cast<const uint2*>(static_cast<const uint16_t*>(a.x) + uint64_t(t) * H);
-  for (int g = warp; g < H / 128; g += kLLWarps) {
-    const uint2 v = row[g * 32 + lane];
+  const int groups = H / 128, glane = lane % kFp8GroupLanes;
+  // The loop is warp-uniform (the max below takes every lane); a lane whose group lies past H takes part in the
+  // max only.
+  for (int g0 = warp * kFp8GroupsPerWarp; g0 < groups; g0 += kLLWarps * kFp8GroupsPerWarp) {
+    const int g = g0 + lane / kFp8GroupLanes;
+    const bool here = kFp8GroupsPerWarp == 1 || g < groups;  // (one group per warp: g = g0 < groups)
+    const uint2 v = here ? row[g * kFp8GroupLanes + glane] : make_uint2(0, 0);
     float f[4] = {bf16_to_f32(uint16_t(v.x)), bf16_to_f32(uint16_t(v.x >> 16)), bf16_to_f32(uint16_t(v.y)),
                   bf16_to_f32(uint16_t(v.y >> 16))};
     float amax = fmaxf(fmaxf(fabsf(f[0]), fabsf(f[1])), fmaxf(fabsf(f[2]), fabsf(f[3])));
-    amax = fmaxf(warp_max_f32(amax), 1e-4f);
+    amax = fmaxf(warp_group_max_f32<kFp8GroupLanes>(amax), 1e-4f);
+    if (!here) continue;
     float scale = amax / float(kFp8Max), scale_inv;
     if (a.round_scale) {  // 2^ceil(log2(scale)) from the bits: exact, no transcendental rounding
       uint32_t bits = __float_as_uint(scale);
@@ -109,8 +121,8 @@ PORTEP_DEVICE void write_payloads(const LLDispatchArgs& a, int t, uint8_t* const
     for (int k = 0; k < K; ++k) {
       uint8_t* m = msgs[k];
       if (!m) continue;
-      reinterpret_cast<uint32_t*>(m + 16 + g * 128)[lane] = q;
-      if (lane == 0) reinterpret_cast<float*>(m + 16 + H)[g] = scale;
+      reinterpret_cast<uint32_t*>(m + 16 + g * 128)[glane] = q;
+      if (glane == 0) reinterpret_cast<float*>(m + 16 + H)[g] = scale;
     }
   }
 }
@@ -299,7 +311,7 @@ __global__ void __launch_bounds__(kLLThreads, 1) dispatch_kernel(LLDispatchArgs 
 }  // namespace
 
 int ll_dispatch(const LLDispatchArgs& a, int phases) {
-  if (a.num_topk > kWarpSize || phases < kPhaseSend || phases > (kPhaseSend | kPhaseRecv))
+  if (a.num_topk > kMetaMaxTopk || phases < kPhaseSend || phases > (kPhaseSend | kPhaseRecv))
     return int(cudaErrorInvalidValue);
   const int N = std::max(a.num_tokens, 1), E_l = a.c.num_local_experts, sms = a.c.num_sms;
   const int blocks = phases == kPhaseSend   ? std::min(N, sms)

@@ -75,6 +75,15 @@ PORTEP_DEVICE float warp_max_f32(float v) {
   for (int o = kWarpSize / 2; o > 0; o /= 2) v = fmaxf(v, __shfl_xor(v, o));
   return v;
 }
+// The max over each aligned group of kWidth lanes (a power of two dividing kWarpSize: lanes [i * kWidth,
+// (i + 1) * kWidth) get their group's max); every lane of the wavefront takes part.
+template <int kWidth>
+PORTEP_DEVICE float warp_group_max_f32(float v) {
+  static_assert(kWidth > 0 && kWidth <= kWarpSize && kWarpSize % kWidth == 0 && (kWidth & (kWidth - 1)) == 0,
+                "a group is a power of two of lanes that divides the wavefront");
+  for (int o = kWidth / 2; o > 0; o /= 2) v = fmaxf(v, __shfl_xor(v, o));
+  return v;
+}
 // Bit i: lane i's pred (every lane of the wavefront takes part).
 PORTEP_DEVICE uint64_t warp_ballot(bool pred) { return __ballot(pred); }
 PORTEP_DEVICE int warp_sum_i32(int v) {
@@ -83,7 +92,13 @@ PORTEP_DEVICE int warp_sum_i32(int v) {
 }
 PORTEP_DEVICE int warp_broadcast_i32(int v, int lane) { return __shfl(v, lane); }
 PORTEP_DEVICE bool warp_all(bool p) { return __all(p); }
-PORTEP_DEVICE void warp_sync() {}
+// The lanes' shared-memory stores before it are visible to the wavefront's loads after it: the lanes run in
+// lockstep, so no instruction is needed, but the compiler must not move memory accesses across it.
+PORTEP_DEVICE void warp_sync() {
+  __builtin_amdgcn_fence(__ATOMIC_RELEASE, "wavefront");
+  __builtin_amdgcn_wave_barrier();
+  __builtin_amdgcn_fence(__ATOMIC_ACQUIRE, "wavefront");
+}
 // Round to nearest even, saturating to +-448 (e4m3fn has no infinity). In integer arithmetic: MI300's conversion
 // instructions produce FP8 FNUZ, not e4m3fn (fp8_e4m3.h).
 PORTEP_DEVICE uint8_t float_to_e4m3(float v) { return e4m3_from_float(v); }
@@ -165,6 +180,15 @@ PORTEP_DEVICE void atomic_max_relaxed_gpu_u64(uint64_t* p, uint64_t v) {
 }
 PORTEP_DEVICE float warp_max_f32(float v) {
   for (int o = kWarpSize / 2; o > 0; o /= 2) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
+  return v;
+}
+// The max over each aligned group of kWidth lanes (a power of two dividing kWarpSize: lanes [i * kWidth,
+// (i + 1) * kWidth) get their group's max); every lane of the warp takes part.
+template <int kWidth>
+PORTEP_DEVICE float warp_group_max_f32(float v) {
+  static_assert(kWidth > 0 && kWidth <= kWarpSize && kWarpSize % kWidth == 0 && (kWidth & (kWidth - 1)) == 0,
+                "a group is a power of two of lanes that divides the warp");
+  for (int o = kWidth / 2; o > 0; o /= 2) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
   return v;
 }
 // Bit i: lane i's pred (every lane of the warp takes part).
