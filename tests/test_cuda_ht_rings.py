@@ -10,7 +10,7 @@ import portep
 from portep import native
 from portep.cuda_ht import CudaHT, _record_bytes
 
-pytestmark = pytest.mark.skipif(not native.build_info()["cuda_built"], reason="needs the CUDA kernels built")
+pytestmark = pytest.mark.skipif(not native.build_info()["gpu_built"], reason="needs the CUDA kernels built")
 
 
 def _ht(num_ranks, normal_bytes, proxy, sms=132, ranks_per_node=None):

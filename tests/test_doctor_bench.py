@@ -118,7 +118,7 @@ def test_main_benchmark_picks_the_best_backend_here(monkeypatch, cuda_built, ava
 
     from portep import bench, native
 
-    monkeypatch.setattr(native, "build_info", lambda: {"cuda_built": cuda_built})
+    monkeypatch.setattr(native, "build_info", lambda: {"gpu_built": cuda_built})
     monkeypatch.setattr(torch.cuda, "is_available", lambda: available)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: count)
     assert bench._best_mode() == mode

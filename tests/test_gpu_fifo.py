@@ -4,7 +4,7 @@ import pytest
 
 from portep import native
 
-needs_gpu = pytest.mark.skipif(not native.build_info()["cuda_built"] or native.cuda_devices()[0] == 0,
+needs_gpu = pytest.mark.skipif(not native.build_info()["gpu_built"] or native.cuda_devices()[0] == 0,
                                reason="needs the CUDA kernels built and a CUDA GPU")
 
 

@@ -8,7 +8,7 @@ import torch
 from portep import host_ht, native
 from portep.kernel_errors import KernelErrors
 
-needs_gpu = pytest.mark.skipif(not native.build_info()["cuda_built"] or native.cuda_devices()[0] == 0
+needs_gpu = pytest.mark.skipif(not native.build_info()["gpu_built"] or native.cuda_devices()[0] == 0
                                or not torch.cuda.is_available(), reason="needs the CUDA kernels built and a CUDA GPU")
 
 

@@ -16,7 +16,7 @@ from portep import native
 
 # PORTEP_TEST_SHARE_GPU=1 lets both ranks share one GPU (their kernels time-slice: correctness only, slowly)
 GPUS_NEEDED = 1 if os.environ.get("PORTEP_TEST_SHARE_GPU") == "1" else 2
-two_gpus = pytest.mark.skipif(not native.build_info()["cuda_built"] or not torch.cuda.is_available()
+two_gpus = pytest.mark.skipif(not native.build_info()["gpu_built"] or not torch.cuda.is_available()
                               or torch.cuda.device_count() < GPUS_NEEDED,
                               reason="needs the CUDA kernels and two CUDA GPUs (or PORTEP_TEST_SHARE_GPU=1)")
 
@@ -33,7 +33,7 @@ SHAPES = [(64, 512, 16, 8, 31), (48, 2048, 12, 6, 32)]  # T, hidden, experts, to
 # and hidden 4096 with 160 (80 local at EP2)
 PROD_SHAPES = [(128, 7168, 288, 8, 71), (128, 7168, 256, 8, 72), (128, 4096, 160, 8, 73)]
 GPUS_FOR_4 = 1 if GPUS_NEEDED == 1 else 4
-four_gpus = pytest.mark.skipif(not native.build_info()["cuda_built"] or not torch.cuda.is_available()
+four_gpus = pytest.mark.skipif(not native.build_info()["gpu_built"] or not torch.cuda.is_available()
                                or torch.cuda.device_count() < GPUS_FOR_4,
                                reason="needs the CUDA kernels and four CUDA GPUs (or PORTEP_TEST_SHARE_GPU=1)")
 # 4 ranks: (name, num_ranks_per_node, transport, allow_nvlink_for_low_latency_mode)
@@ -135,7 +135,7 @@ def test_missing_peer_times_out_and_raises(nvlink):
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not native.build_info()["cuda_built"] or not torch.cuda.is_available(),
+@pytest.mark.skipif(not native.build_info()["gpu_built"] or not torch.cuda.is_available(),
                     reason="needs the CUDA kernels and a CUDA GPU")
 def test_validation_cache_still_rejects_changed_calls():
     out = run_ranks(g.validation_cache_body, 1, timeout=120)

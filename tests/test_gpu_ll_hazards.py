@@ -16,7 +16,7 @@ from dist_util import run_ranks
 from portep import native
 
 GPUS_NEEDED = 1 if os.environ.get("PORTEP_TEST_SHARE_GPU") == "1" else 2
-two_gpus = pytest.mark.skipif(not native.build_info()["cuda_built"] or not torch.cuda.is_available()
+two_gpus = pytest.mark.skipif(not native.build_info()["gpu_built"] or not torch.cuda.is_available()
                               or torch.cuda.device_count() < GPUS_NEEDED,
                               reason="needs the CUDA kernels and two CUDA GPUs (or PORTEP_TEST_SHARE_GPU=1)")
 

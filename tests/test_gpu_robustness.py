@@ -18,7 +18,7 @@ SHARE = os.environ.get("PORTEP_TEST_SHARE_GPU") == "1"
 
 
 def _gpus(n):
-    return pytest.mark.skipif(not native.build_info()["cuda_built"] or not torch.cuda.is_available()
+    return pytest.mark.skipif(not native.build_info()["gpu_built"] or not torch.cuda.is_available()
                               or torch.cuda.device_count() < (1 if SHARE else n),
                               reason=f"needs the CUDA kernels and {n} CUDA GPUs (or PORTEP_TEST_SHARE_GPU=1)")
 

@@ -11,7 +11,7 @@ def run(configs=((1, 1, 64, 20000), (8, 1, 256, 5000), (32, 4, 1024, 2000), (128
     from portep import native
     from portep.kernel_errors import KernelErrors
 
-    if not native.build_info()["cuda_built"] or native.cuda_devices()[0] == 0:
+    if not native.build_info()["gpu_built"] or native.cuda_devices()[0] == 0:
         raise RuntimeError(f"no CUDA GPU: {native.cuda_devices()[1]}")
     rows = []
     for fifos, threads, warps, per_warp in configs:

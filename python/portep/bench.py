@@ -12,7 +12,7 @@ def _best_mode():
 
         from portep import native
 
-        if native.build_info()["cuda_built"] and torch.cuda.is_available():
+        if native.build_info()["gpu_built"] and torch.cuda.is_available():
             return "gpu" if torch.cuda.device_count() >= 2 else "gpu-ht-loopback"
     except Exception:  # noqa: BLE001 - no torch CUDA, no native module: the host benchmark still runs
         pass

@@ -538,7 +538,7 @@ def _check_buffer_bytes(name, value):
 def _default_backend():
     from ._native import native
 
-    built = native is not None and native.build_info().get("cuda_built", False)
+    built = native is not None and native.build_info().get("gpu_built", False)
     return "cuda" if built and torch.cuda.is_available() else "host"
 
 

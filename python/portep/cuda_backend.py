@@ -91,8 +91,13 @@ class CudaEngine(Topology):
                  allow_direct_ll=True, num_proxy_threads=4, normal_bytes=0, shrink=False):
         self.native = require_native()
         info = self.native.build_info()
-        if not info["cuda_built"]:
-            raise RuntimeError(f"backend='cuda': portep was built without the CUDA kernels ({info['cuda_reason']})")
+        if not info["gpu_built"]:
+            raise RuntimeError(f"backend='cuda': portep was built without the GPU kernels ({info['gpu_reason']})")
+        torch_runtime = "hip" if getattr(torch.version, "hip", None) else "cuda" if torch.version.cuda else None
+        if torch_runtime and torch_runtime != info["gpu_runtime"]:
+            raise RuntimeError(f"backend='cuda': portep's GPU kernels were built for {info['gpu_runtime'].upper()} "
+                               f"but torch is a {'ROCm' if torch_runtime == 'hip' else 'CUDA'} build; rebuild portep "
+                               f"with -Ccmake.define.PORTEP_GPU={torch_runtime}")
         assert (self.native.LL_PHASE_SEND, self.native.LL_PHASE_RECV) == (SEND, RECV)
         if not torch.cuda.is_available():
             raise RuntimeError("backend='cuda' needs a CUDA GPU (torch.cuda.is_available() is False)")

@@ -34,7 +34,8 @@ def _torch_facts():
         import torch
     except ImportError:
         return {"installed": False}
-    facts = {"installed": True, "version": torch.__version__, "cuda_available": torch.cuda.is_available()}
+    facts = {"installed": True, "version": torch.__version__, "cuda_available": torch.cuda.is_available(),
+             "cuda": torch.version.cuda, "hip": getattr(torch.version, "hip", None)}
     try:
         import torch.distributed as dist
 
@@ -49,6 +50,43 @@ def _torch_facts():
         except Exception as exc:  # noqa: BLE001
             facts["nccl_version_error"] = str(exc)
     return facts
+
+
+def _hip_facts(info):
+    """The HIP build and ROCm's view of the GPUs (through hip-python, the optional `hip` extra, when installed)."""
+    facts = {"built": info["hip_built"], "rocm_version": info["hip_version"] or None,
+             "architectures": info["gpu_archs"] if info["hip_built"] else None}
+    try:
+        from hip import hip
+    except ImportError:
+        facts["hip_python"] = "not installed (pip install 'portep[hip]' matching this ROCm, to list the GPUs)"
+        return facts
+    except Exception as exc:  # noqa: BLE001 - a hip-python for another ROCm fails here: reported
+        facts["hip_python"] = f"cannot be used: {exc}"
+        return facts
+    try:
+        err, count = hip.hipGetDeviceCount()
+        facts["hip_python"] = "installed"
+        facts["devices"] = int(count) if int(err) == 0 else 0
+        if int(err):
+            facts["devices_error"] = str(err)
+    except Exception as exc:  # noqa: BLE001
+        facts["hip_python"] = f"cannot be used: {exc}"
+    return facts
+
+
+def _build_problems(info, torch_facts):
+    """A GPU build that this torch cannot drive (CUDA kernels with a ROCm torch, or the other way round)."""
+    if not info.get("gpu_built") or not torch_facts.get("installed"):
+        return []
+    torch_hip = torch_facts.get("hip")
+    if info["gpu_runtime"] == "hip" and not torch_hip and torch_facts.get("cuda"):
+        return ["portep's GPU kernels were built for HIP (ROCm) but torch is a CUDA build: rebuild portep where nvcc "
+                "is found (or with -Ccmake.define.PORTEP_GPU=cuda), or install a ROCm torch"]
+    if info["gpu_runtime"] == "cuda" and torch_hip:
+        return ["portep's GPU kernels were built for CUDA but torch is a ROCm build: rebuild portep with "
+                "-Ccmake.define.PORTEP_GPU=hip"]
+    return []
 
 
 def _runtime_problems(torch_facts):
@@ -99,13 +137,17 @@ def collect():
     report["gpus"] = {"count": gpu_count}
     if gpu_error:
         report["gpus"]["error"] = gpu_error
-    if info["cuda_built"] and gpu_count > 0:
+    runtime = info["gpu_runtime"].upper()
+    if info["gpu_built"] and gpu_count > 0:
         report["backends"].append("cuda")
-    elif info["cuda_built"]:
-        report["backends_unavailable"]["cuda"] = f"kernels built, but no usable GPU: {gpu_error or 'no device'}"
+    elif info["gpu_built"]:
+        report["backends_unavailable"]["cuda"] = (f"{runtime} kernels built, but no usable GPU: "
+                                                  f"{gpu_error or 'no device'}")
     else:
-        report["backends_unavailable"]["cuda"] = f"kernels not built: {info['cuda_reason']}"
-    report["backends_unavailable"]["hip"] = "not built (no hipcc build of the kernels in this version)"
+        report["backends_unavailable"]["cuda"] = f"kernels not built: {info['gpu_reason']}"
+    if not info["hip_built"]:
+        report["backends_unavailable"]["hip"] = f"not built: {info['hip_reason']}"
+    report["hip"] = _hip_facts(info)
     for t in native.transport_catalog():
         entry = {k: t[k] for k in ("built", "ordered", "remote_atomics")}
         if not t["built"]:
@@ -117,7 +159,7 @@ def collect():
     if why:
         report["rdma_note"] = why
     report["torch"] = _torch_facts()
-    report["problems"] = _runtime_problems(report["torch"])
+    report["problems"] = _runtime_problems(report["torch"]) + _build_problems(info, report["torch"])
     return report
 
 
@@ -149,7 +191,13 @@ def format_text(r):
                      f"nccl={t.get('nccl')}{extra}")
     else:
         lines.append("  torch:      not installed (needed for Channel bootstrap over torch.distributed)")
-    lines.append(f"  compiler:   {r['build']['compiler']}; CUDA kernels built: {r['build']['cuda_built']}")
+    b = r["build"]
+    gpu = f"{b['gpu_runtime'].upper()} for {b['gpu_archs']}" if b["gpu_built"] else "none"
+    lines.append(f"  compiler:   {b['compiler']}; GPU kernels: {gpu}")
+    h = r.get("hip", {})
+    if h.get("built"):
+        lines.append(f"  HIP:        ROCm {h.get('rocm_version')}, devices: {h.get('devices', '?')} "
+                     f"(hip-python: {h.get('hip_python')})")
     for p in r["problems"]:
         lines.append(f"  PROBLEM:    {p}")
     if not r["problems"]:

@@ -5,7 +5,7 @@
 #include "../../transport/verbs/verbs_transport.h"
 #include "portep/transport_factory.h"
 
-#ifdef PORTEP_WITH_CUDA
+#ifdef PORTEP_WITH_GPU
 #include "../../gpu_kernels/cuda/api.h"
 #endif
 
@@ -16,25 +16,31 @@ void bind_build_info(py::module_& m) {
     py::dict d;
     d["version"] = PORTEP_VERSION;
     d["compiler"] = __VERSION__;
-#ifdef PORTEP_WITH_CUDA
-    d["cuda_built"] = true;
-    d["cuda_reason"] = "";
-#else
-    d["cuda_built"] = false;
-    d["cuda_reason"] = PORTEP_CUDA_REASON;
-#endif
+    // The GPU kernels (the 'cuda' backend, which follows torch.cuda: CUDA, or HIP on a ROCm torch) and the runtime
+    // they were built for; cuda_built / hip_built say which, each reason says why not.
+    const std::string runtime = PORTEP_GPU_RUNTIME_NAME;
+    const std::string reason = PORTEP_GPU_REASON;
+    d["gpu_built"] = !runtime.empty();
+    d["gpu_runtime"] = runtime;
+    d["gpu_archs"] = std::string(PORTEP_GPU_ARCHS);
+    d["gpu_reason"] = runtime.empty() ? reason : std::string();
+    d["cuda_built"] = runtime == "cuda";
+    d["cuda_reason"] = runtime == "cuda" ? std::string() : runtime == "hip" ? "built for HIP (ROCm) instead" : reason;
+    d["hip_built"] = runtime == "hip";
+    d["hip_reason"] = runtime == "hip" ? std::string() : runtime == "cuda" ? "built for CUDA instead" : reason;
+    d["hip_version"] = std::string(PORTEP_HIP_VERSION);
     return d;
   });
   m.def("cuda_devices", []() -> py::tuple {
-#ifdef PORTEP_WITH_CUDA
+#ifdef PORTEP_WITH_GPU
     int count = 0;
     int err = portep::cuda::cuda_device_count(&count);
     return py::make_tuple(err == 0 ? count : 0, err == 0 ? std::string() : std::string(portep::cuda::cuda_error_string(err)));
 #else
-    return py::make_tuple(0, std::string("CUDA kernels not built: ") + PORTEP_CUDA_REASON);
+    return py::make_tuple(0, std::string("GPU kernels not built: ") + PORTEP_GPU_REASON);
 #endif
   });
-#ifdef PORTEP_WITH_CUDA
+#ifdef PORTEP_WITH_GPU
   m.def(
       "cuda_fifo_probe",
       [](int num_fifos, int consumer_threads, int warps, int commands_per_warp, double timeout_s) {

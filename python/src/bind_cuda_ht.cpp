@@ -1,5 +1,5 @@
 // Bindings of the CUDA normal-mode (HT) kernels (built with the CUDA kernels only). Layouts in ht_api.h.
-#ifdef PORTEP_WITH_CUDA
+#ifdef PORTEP_WITH_GPU
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 

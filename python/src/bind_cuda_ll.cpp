@@ -1,5 +1,5 @@
 // Bindings of the CUDA low-latency kernels and their device setup (built with the CUDA kernels only).
-#ifdef PORTEP_WITH_CUDA
+#ifdef PORTEP_WITH_GPU
 #include <pybind11/pybind11.h>
 
 #include <stdexcept>

@@ -339,7 +339,7 @@ class CudaDeviceMemory final : public DeviceMemory {
 
 }  // namespace
 
-std::unique_ptr<DeviceMemory> make_cuda_device_memory(int device, int channels, std::string* why) {
+std::unique_ptr<DeviceMemory> make_gpu_device_memory(int device, int channels, std::string* why) {
   int count = 0;
   if (cudaError_t e = cudaGetDeviceCount(&count); e != cudaSuccess) {
     if (why) *why = std::string("cudaGetDeviceCount: ") + cudaGetErrorString(e);

@@ -13,7 +13,7 @@ std::unique_ptr<DeviceMemory> device_memory_for(const TransportSpec& s) {
     return make_emulated_device_memory(s.num_channels, s.seed, s.device == kEmulatedDevice);
   if (s.device < 0) return nullptr;
   std::string why;
-  auto device = make_cuda_device_memory(s.device, s.num_channels, &why);
+  auto device = make_gpu_device_memory(s.device, s.num_channels, &why);
   if (!device) throw TransportError(s.name + " on GPU " + std::to_string(s.device) + ": " + why);
   return device;
 }

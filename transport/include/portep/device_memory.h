@@ -1,7 +1,7 @@
 // GPU memory as a transport sees it: allocate a region peers can open (IPC), open theirs, make host memory
 // GPU-visible, and move bytes with the copy engines on one stream per transport channel. One implementation
-// per GPU vendor (transport/cuda_ipc today; HIP IPC later), chosen at run time from the device a Channel is
-// created on. Every call throws TransportError with the failing API call's message; nothing aborts.
+// per GPU runtime (transport/cuda_ipc, transport/hip_ipc), the one this build's kernels use, for the device a
+// Channel is created on. Every call throws TransportError with the failing API call's message; nothing aborts.
 //
 // Threading: copy_async/record/done for one channel come from one proxy thread (the transport's contract);
 // the other calls come from the thread that owns the Channel.
@@ -56,9 +56,9 @@ class DeviceMemory {
   virtual void flush_remote_writes() {}
 };
 
-// The CUDA implementation for `device` with `channels` copy streams, or nullptr with *why set when this
-// build has no CUDA runtime.
-std::unique_ptr<DeviceMemory> make_cuda_device_memory(int device, int channels, std::string* why);
+// This build's GPU runtime's implementation for `device` with `channels` copy streams, or nullptr with *why set
+// when the build has no GPU runtime or the device does not exist.
+std::unique_ptr<DeviceMemory> make_gpu_device_memory(int device, int channels, std::string* why);
 
 // Host memory posing as device memory, copies on worker threads with random delays (tests without a GPU).
 // With nic_can_register false, regions are addresses no NIC can register (and nothing may touch), as GPU
