@@ -1,6 +1,7 @@
-"""EP benchmark: get_dispatch_layout, HT dispatch/combine and LL dispatch/combine through portep.Buffer, with
-DeepEP's byte conventions (DESIGN §8), and gloo's all_to_all_single of the same rows from the same run as the
-baseline (with the index_select pack a user would need). Host backend: every rank is a process on this host.
+"""EP benchmark: get_dispatch_layout, HT dispatch/combine and LL dispatch/combine through portep.Buffer, with DeepEP's
+byte conventions (docs/design.md §8, Benchmarks and byte counting), and gloo's all_to_all_single of the same rows
+from the same run as the baseline (with the index_select pack a user would need). Host backend: every rank is a
+process on this host.
 
 Bytes: HT dispatch = rows received (self included) x hidden x 2 (BF16) or x (1 + 4/128) (FP8 with scales);
 HT combine = the same rows x hidden x 2. LL dispatch = valid (token, expert) selections x (H + H/128*4 + 16);

@@ -11,11 +11,12 @@ from .channel import Channel, DEFAULT_TIMEOUT_S
 from .deepep_config import Config
 from .errors import DroppedInput
 from .event import EventOverlap
+from .lockstep import AgreedRefusal, OutOfStep
 
 __version__ = "0.1.0"
 
-__all__ = ["Buffer", "Channel", "Config", "DEFAULT_TIMEOUT_S", "DroppedInput", "EventOverlap", "native",
-           "native_error", "topk_idx_t", "__version__"]
+__all__ = ["AgreedRefusal", "Buffer", "Channel", "Config", "DEFAULT_TIMEOUT_S", "DroppedInput", "EventOverlap",
+           "OutOfStep", "native", "native_error", "topk_idx_t", "__version__"]
 
 
 def __getattr__(name):

@@ -67,7 +67,8 @@ class Buffer:
     DeepEP arguments: as `deep_ep.Buffer`. `num_nvl_bytes + num_rdma_bytes` is the engine's communication
     memory (multiples of 128 each). `allow_nvlink_for_low_latency_mode` lets LL traffic to same-node peers
     bypass the proxies. `num_qps_per_rank`, `allow_mnnvl` and `use_fabric` have no effect on the host backend.
-    `comm` (mpi4py) and `enable_shrink=True` are not supported yet and raise NotImplementedError.
+    `comm` (mpi4py) is not supported yet and raises NotImplementedError. `enable_shrink=True` masks ranks that
+    stop answering in low-latency calls, as DeepEP's shrink mode (the three mask functions below).
 
     portep keyword-only arguments:
         num_ranks_per_node: ranks that form one "node" (default: $PORTEP_RANKS_PER_NODE, else min(8, group size)).

@@ -1,5 +1,6 @@
-"""Argument checks of the DeepEP-compatible API. Every error names the argument, the value and the limit,
-and is raised before the engine is called, so a bad call leaves the Buffer usable (DESIGN §7).
+"""Argument checks of the DeepEP-compatible API. Every error names the argument, the value and the limit, and is
+raised before the engine is called, so a bad call leaves the Buffer usable (docs/design.md §7, Errors and
+failures).
 
 Wrong Python or torch types raise TypeError; wrong shapes, values, layouts, devices and argument
 combinations raise ValueError.

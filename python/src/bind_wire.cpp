@@ -106,7 +106,8 @@ void bind_wire(py::module_& m) {
   w.def("decode_imm", &decode_imm, py::arg("imm"));
   w.def("e4m3_from_float32", &e4m3_from_float32, py::arg("values"));
 
-  py::module_ o = m.def_submodule("ordering", "pure ordering logic (DESIGN §5)");
+  py::module_ o = m.def_submodule("ordering",
+                                  "pure ordering logic (docs/design.md §5, Ordering on unordered transports)");
   py::class_<PendingSignalTable>(o, "PendingSignalTable")
       .def(py::init<uint32_t, uint32_t>(), py::arg("num_sources"), py::arg("num_streams"))
       .def("on_write", [](PendingSignalTable& t, uint32_t src, uint32_t stream, uint32_t epoch) {

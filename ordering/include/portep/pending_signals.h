@@ -1,4 +1,5 @@
-// Receiver-side holding of stream signals on transports that do not order (DESIGN §5, LL streams).
+// Receiver-side holding of stream signals on transports that do not order (docs/design.md §5, Ordering on
+// unordered transports).
 //
 // Every write of stream s carries the epoch it belongs to; the signal that closes epoch e carries the number
 // of writes (units) in e. A signal is released when (1) all units of its epoch have arrived and (2) every

@@ -1,4 +1,4 @@
-// HT tail increments on transports that do not order (DESIGN §5, HT streams).
+// HT tail increments on transports that do not order (docs/design.md §5, Ordering on unordered transports: SEQ_ADD).
 //
 // The tail increment of an HT chunk rides in the immediate of the chunk's data write, with a sequence
 // number per (source, slot) taken mod 256. The receiver applies increments strictly in sequence order: an

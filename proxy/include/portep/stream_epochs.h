@@ -1,4 +1,5 @@
-// Sender-side state of each (destination, stream) for the signal protocols (DESIGN §5).
+// Sender-side state of each (destination, stream) for the signal protocols (docs/design.md §5, Ordering on
+// unordered transports).
 // Writes count units into the open epoch; a signal closes it. With native atomics the signal adds the units
 // directly; without, the epoch number (mod 16) rides in every immediate and the receiver holds the signal
 // until the epoch's writes are in (ordering/pending_signals.h). To keep the mod-16 window from aliasing,
