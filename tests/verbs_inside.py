@@ -9,16 +9,22 @@ Python RuntimeError naming the failed completion. Over "verbs" (RC, native atomi
 (signals then go through immediates): "verbs+gpu" (no dma-buf there, so the registration falls back to ibv_reg_mr
 on the "device" pointer), "verbs+gpu-no-rdma" (device addresses no NIC can register, so the data region falls
 back to host staging) and "verbs-striped+gpu-staged" (PORTEP_IB_GPUDIRECT=0: host staging without trying).
+Also: incast under small per-QP in-flight caps (3 senders into one receiver, every byte and signal checked, the
+caps seen deferring posts); a peer that never acknowledges (transport retry counter exceeded, naming the caps);
+an unusable explicit PORTEP_IB_GID_INDEX; a pyverbs peer that shares no code with portep (verbs_foreign_peer.py).
 """
 
 import json
 import multiprocessing as mp
 import os
 import random
+import re
 import sys
 import threading
 import time
 import traceback
+
+from verbs_foreign_peer import pyverbs_peer
 
 
 EMULATED_GPU = -2  # the native kEmulatedDevice: host memory behind the transports' GPU-memory path
@@ -49,8 +55,7 @@ def _channel(_C, rank, world, transport, nbytes, shared, barrier, tamper=None):
 
 
 def _pattern(src, dst, n):
-    rng = random.Random(src * 1000 + dst)
-    return bytes(rng.randrange(256) for _ in range(n))
+    return random.Random(src * 1000 + dst).randbytes(n)
 
 
 def exact_bytes(_C, rank, world, transport, shared, barrier):
@@ -122,6 +127,107 @@ def bad_remote_key(_C, rank, world, transport, shared, barrier):
     return {"error": message}
 
 
+INCAST_CAPS = {"PORTEP_IB_MAX_INFLIGHT_BYTES": "65536", "PORTEP_IB_MAX_INFLIGHT_MSGS": "2"}
+
+
+def _incast_plan(src):
+    """Sender src's writes to rank 0: (offset in src's slice, size, stream), mixed sizes and one above the cap."""
+    rng = random.Random(src)
+    sizes = [rng.choice([16, 48, 512, 1000, 4096, 9000, 30000, 64000]) for _ in range(60)]
+    sizes.insert(rng.randrange(len(sizes)), 200000)  # larger than the byte cap: must go alone
+    plan, off = [], 0
+    for i, size in enumerate(sizes):
+        plan.append((off, size, i % 4))
+        off += (size + 15) // 16 * 16
+    return plan
+
+
+def _incast_bytes(src, off, n):
+    return random.Random((src << 32) | off).randbytes(n)
+
+
+def _final_slot(ch, src, stream, want, timeout=30.0):
+    """The slot once it holds want (a final signal with no units of its own may follow the count), else its value."""
+    slots = memoryview(ch.signal_view()).cast("Q")
+    deadline = time.monotonic() + timeout
+    while slots[src * 8 + stream] != want and time.monotonic() < deadline:
+        time.sleep(0.001)
+    return slots[src * 8 + stream]
+
+
+def incast(_C, rank, world, transport, shared, barrier):
+    os.environ.update(INCAST_CAPS)  # this rank's process only
+    slice_bytes = 2 << 20
+    ch = _channel(_C, rank, world, transport, world * slice_bytes, shared, barrier)
+    mem = memoryview(ch.data_view())
+    result = {}
+    if rank:
+        base = rank * slice_bytes
+        units = [0] * 4
+        for i, (off, size, stream) in enumerate(_incast_plan(rank)):
+            mem[base + off:base + off + size] = _incast_bytes(rank, off, size)
+            ch.write(0, base + off, base + off, size, stream)
+            units[stream] += 1
+            if i % 7 == 6:
+                ch.signal(0, stream, False)
+        for stream in range(4):
+            ch.signal(0, stream, True)
+        ch.quiet()
+        described = ch.describe_peer(0)
+        result = {"describe": described, "deferred": int(re.search(r"(\d+) posts deferred", described).group(1))}
+    else:
+        slots, bad = {}, []
+        for src in range(1, world):
+            plan = _incast_plan(src)
+            for stream in range(4):
+                units = sum(1 for _, _, s in plan if s == stream)
+                ch.wait_signal(src, stream, units, 60.0)
+                slots[f"{src}/{stream}"] = [_final_slot(ch, src, stream, units + (1 << 32)), units + (1 << 32)]
+            base = src * slice_bytes
+            bad += [[src, off] for off, size, _ in plan if bytes(mem[base + off:base + off + size]) !=
+                    _incast_bytes(src, off, size)]
+        result = {"slots": slots, "bad": bad}
+    ch.barrier()
+    ch.destroy()
+    return result
+
+
+def _lost_qp(rank, blobs):
+    """Rank 0 connects its QPs for rank 1 to QP numbers nobody has: its writes are never acknowledged."""
+    if rank != 0:
+        return blobs
+    lines = blobs[1].split(b"\n")
+    for c in range(2):
+        lines[6 + c * 2] = str(0x7FFF00 + c).encode()
+    return blobs[:1] + [b"\n".join(lines)] + blobs[2:]
+
+
+def retry_exceeded(_C, rank, world, transport, shared, barrier):
+    os.environ["PORTEP_IB_RETRY_CNT"] = "1"  # soft-RoCE retries forever at 7, real NICs 7 times
+    ch = _channel(_C, rank, world, transport, 1 << 16, shared, barrier, tamper=_lost_qp)
+    message, started = "", time.monotonic()
+    if rank == 0:
+        ch.write(1, 0, 0, 4096, 0)
+        try:
+            ch.quiet()
+        except RuntimeError as exc:
+            message = str(exc)
+    barrier.wait()
+    ch.destroy()
+    return {"error": message, "seconds": round(time.monotonic() - started, 1)}
+
+
+def bad_gid_index(_C, rank, world, transport, shared, barrier):
+    os.environ["PORTEP_IB_GID_INDEX"] = "200"  # an empty entry of rxe's table
+    try:
+        _C.Channel(rank=0, num_ranks=1, nbytes=4096, transport=transport, num_proxy_threads=1, num_fifos=1,
+                   fifo_capacity=64, num_streams=1, max_inflight_cmds=8, max_inflight_bytes=1 << 20, timeout_s=5.0,
+                   unordered_window=8, seed=0, skip_ordering=False)
+        return {"error": None}
+    except RuntimeError as exc:
+        return {"error": str(exc)}
+
+
 def _rank_main(fn, rank, world, transport, shared, barrier, out):
     try:
         from portep import _C
@@ -165,12 +271,15 @@ def main():
                  ("exact_bytes", exact_bytes, "verbs+gpu-no-rdma"), ("traffic", traffic, "verbs+gpu-no-rdma"),
                  ("exact_bytes", exact_bytes, "verbs-striped+gpu-staged"),
                  ("traffic", traffic, "verbs-striped+gpu-staged"),
-                 ("bad_remote_key", bad_remote_key, "verbs")]
+                 ("bad_remote_key", bad_remote_key, "verbs"),
+                 ("incast", incast, "verbs", 4), ("incast", incast, "verbs-striped", 4),
+                 ("retry_exceeded", retry_exceeded, "verbs"), ("bad_gid_index", bad_gid_index, "verbs", 1),
+                 ("pyverbs_peer", pyverbs_peer, "verbs", 1), ("pyverbs_peer", pyverbs_peer, "verbs-striped", 1)]
     only = sys.argv[1:]
-    for name, fn, transport in scenarios:
+    for name, fn, transport, *world in scenarios:
         if only and f"{name}/{transport}" not in only:
             continue
-        ranks, seconds = run(fn, transport)
+        ranks, seconds = run(fn, transport, *world)
         print(json.dumps({"name": f"{name}/{transport}", "ranks": ranks, "seconds": round(seconds, 1)}), flush=True)
 
 

@@ -2,7 +2,7 @@
 // when the device that `verbs` / `verbs-striped` opens is an EFA device.
 //
 // SRD is reliable but unordered and has no remote atomics, so the transport reports ordered = false and
-// remote_atomics = false: the proxies tag writes with immediates and emulate signals (DESIGN §5), as they do
+// remote_atomics = false: the proxies tag writes with immediates and emulate signals (docs/design.md §5), as they do
 // over striped RC. One SRD QP per proxy channel reaches every peer through an address handle; a peer's
 // immediates land on the receiver's QP of the same channel, and the receive completion's (AH number, source
 // QP) names the sender. Writes and write-with-immediate go through the ibv_wr_* API with pre-posted receives

@@ -11,10 +11,12 @@
 #include <unistd.h>
 
 #include <array>
+#include <atomic>
 #include <unordered_map>
 
 #include "efa_transport.h"
 #include "gpu_data_region.h"
+#include "verbs_choices.h"
 #include "verbs_common.h"
 #include "../shm/shm_segment.h"
 
@@ -87,6 +89,9 @@ int env_int(const char* name, int fallback) {
 struct Qp {
   ibv_qp* qp = nullptr;
   uint32_t outstanding = 0;  // signaled sends not yet completed
+  uint64_t bytes = 0;        // their bytes
+  std::vector<uint32_t> sizes;  // ring of the outstanding sends' bytes, oldest at `first` (RC completes in order)
+  uint32_t first = 0;
 };
 
 struct VerbsChannel {
@@ -102,7 +107,14 @@ class VerbsTransport final : public Transport {
       : o_(o), ctx_(ctx), port_(port), dev_name_(dev_name) {
     if (ibv_query_port(ctx_, uint8_t(port_), &port_attr_)) fail("ibv_query_port", errno);
     if (ibv_query_device(ctx_, &dev_attr_)) fail("ibv_query_device", errno);
-    if (ibv_query_gid(ctx_, uint8_t(port_), o_.gid_index, &gid_)) fail("ibv_query_gid", errno);
+    const GidChoice gid = choose_gid(ctx_, dev_name_, port_, port_attr_, o_.gid_index, o_.gid_index_explicit);
+    o_.gid_index = gid.index;
+    gid_ = gid.gid;
+    gid_how_ = gid.how;
+    const bool broadcom = is_broadcom(dev_attr_, dev_name_);
+    if (!o_.max_inflight_bytes) o_.max_inflight_bytes = broadcom ? kBroadcomInflightBytes : kUnlimitedBytes;
+    if (!o_.max_inflight_msgs) o_.max_inflight_msgs = broadcom ? kBroadcomInflightMsgs : o_.max_send_wr;
+    if (o_.max_inflight_msgs > o_.max_send_wr) o_.max_inflight_msgs = o_.max_send_wr;
     atomics_ = dev_attr_.atomic_cap != IBV_ATOMIC_NONE;
     pd_ = ibv_alloc_pd(ctx_);
     if (!pd_) fail("ibv_alloc_pd", errno);
@@ -208,7 +220,7 @@ class VerbsTransport final : public Transport {
                   uint64_t wr_id) override {
     check_range(peer, kRegionData, local_off, remote_off, bytes);
     Qp& q = pick(channel, peer);
-    if (q.outstanding >= o_.max_send_wr) return false;
+    if (!room(q, bytes)) return false;
     ibv_sge sge{reinterpret_cast<uintptr_t>(regions_[kRegionData].addr) + local_off, bytes, regions_[kRegionData].mr->lkey};
     ibv_send_wr wr{};
     wr.wr_id = wr_id;
@@ -219,7 +231,7 @@ class VerbsTransport final : public Transport {
     wr.send_flags = IBV_SEND_SIGNALED;
     wr.wr.rdma.remote_addr = remotes_[peer].addr[kRegionData] + remote_off;
     wr.wr.rdma.rkey = remotes_[peer].rkey[kRegionData];
-    return post(q, &wr, "RDMA write", peer);
+    return post(q, &wr, bytes, "RDMA write", peer);
   }
 
   bool post_atomic_add(int channel, int peer, uint64_t remote_off, uint64_t value, uint64_t wr_id) override {
@@ -229,7 +241,7 @@ class VerbsTransport final : public Transport {
     if (remote_off % 8) throw TransportError("verbs: atomic target offset " + std::to_string(remote_off) + " is not 8-byte aligned");
     check_range(peer, kRegionSignal, 0, remote_off, 8);
     Qp& q = pick(channel, peer);
-    if (q.outstanding >= o_.max_send_wr) return false;
+    if (!room(q, 8)) return false;
     ibv_sge sge{reinterpret_cast<uintptr_t>(scratch_.addr) + 8 * uint64_t(channel % 512), 8, scratch_.mr->lkey};
     ibv_send_wr wr{};
     wr.wr_id = wr_id;
@@ -240,7 +252,7 @@ class VerbsTransport final : public Transport {
     wr.wr.atomic.remote_addr = remotes_[peer].addr[kRegionSignal] + remote_off;
     wr.wr.atomic.rkey = remotes_[peer].rkey[kRegionSignal];
     wr.wr.atomic.compare_add = value;
-    return post(q, &wr, "atomic add", peer);
+    return post(q, &wr, 8, "atomic add", peer);
   }
 
   int poll_send(int channel, uint64_t* wr_ids, int max) override {
@@ -248,7 +260,10 @@ class VerbsTransport final : public Transport {
     const int n = poll_cq(at(channel).send_cq, max, wc, "ibv_poll_cq (send)");
     for (int i = 0; i < n; ++i) {
       auto [peer, qp] = owner(wc[i].qp_num);
+      if (wc[i].status == IBV_WC_RETRY_EXC_ERR) retry_exceeded(wc[i], peer);
       check_send_completion(wc[i], "verbs", "a write or atomic to rank", peer);
+      qp->bytes -= qp->sizes[qp->first];
+      qp->first = (qp->first + 1) % uint32_t(qp->sizes.size());
       --qp->outstanding;
       wr_ids[i] = wc[i].wr_id;
     }
@@ -276,8 +291,9 @@ class VerbsTransport final : public Transport {
   size_t peer_region_bytes(int peer, RegionId region) const override { return mapped(peer, region).second; }
 
   std::string describe_peer(int peer) const override {
-    return "rank " + std::to_string(peer) + " (verbs RC over " + dev_name_ + ":" + std::to_string(port_) +
-           (o_.device ? ", GPU data region: " + gpu_data_.how() : std::string()) + ")";
+    return "rank " + std::to_string(peer) + " (verbs RC over " + dev_name_ + ":" + std::to_string(port_) + ", " +
+           gid_how_ + ", " + caps() + ", " + std::to_string(deferred_.load(std::memory_order_relaxed)) +
+           " posts deferred by them" + (o_.device ? ", GPU data region: " + gpu_data_.how() : std::string()) + ")";
   }
 
  private:
@@ -340,6 +356,7 @@ class VerbsTransport final : public Transport {
           ibv_qp* qp = ibv_create_qp(pd_, &a);
           if (!qp) fail("ibv_create_qp", errno);
           ch.qps[p][s].qp = qp;
+          ch.qps[p][s].sizes.assign(o_.max_send_wr, 0);
           owners_[qp->qp_num] = {p, &ch.qps[p][s]};
         }
     }
@@ -377,8 +394,8 @@ class VerbsTransport final : public Transport {
       fail("ibv_modify_qp to RTR", e);
     a = ibv_qp_attr{};
     a.qp_state = IBV_QPS_RTS;
-    a.timeout = 14;
-    a.retry_cnt = 7;
+    a.timeout = uint8_t(o_.ack_timeout);
+    a.retry_cnt = uint8_t(o_.retry_cnt);
     a.rnr_retry = 7;  // receiver not ready: retry forever (the proxies' timeouts bound the wait)
     a.sq_psn = 0;
     a.max_rd_atomic = uint8_t(rd_atomic);
@@ -387,13 +404,43 @@ class VerbsTransport final : public Transport {
       fail("ibv_modify_qp to RTS", e);
   }
 
-  bool post(Qp& q, ibv_send_wr* wr, const char* what, int peer) {
+  // Whether a send of `bytes` may go on q now. The caps hold it back until completions make room, except on an
+  // idle QP: a message larger than the byte cap then goes alone.
+  bool room(const Qp& q, uint64_t bytes) {
+    if (q.outstanding >= o_.max_send_wr) return false;
+    if (q.outstanding == 0) return true;
+    if (q.outstanding < o_.max_inflight_msgs && q.bytes <= o_.max_inflight_bytes &&
+        bytes <= o_.max_inflight_bytes - q.bytes)
+      return true;
+    deferred_.fetch_add(1, std::memory_order_relaxed);
+    return false;
+  }
+
+  bool post(Qp& q, ibv_send_wr* wr, uint32_t bytes, const char* what, int peer) {
     ibv_send_wr* bad = nullptr;
     const int e = ibv_post_send(q.qp, wr, &bad);
     if (e == ENOMEM) return false;  // the send queue is full right now
     if (e) fail(std::string("ibv_post_send (") + what + " to rank " + std::to_string(peer) + ")", e);
+    q.sizes[(q.first + q.outstanding) % uint32_t(q.sizes.size())] = bytes;
+    q.bytes += bytes;
     ++q.outstanding;
     return true;
+  }
+
+  std::string caps() const {
+    const std::string bytes = o_.max_inflight_bytes == kUnlimitedBytes ? "unlimited"
+                                                                        : std::to_string(o_.max_inflight_bytes);
+    return "per-QP in-flight caps: PORTEP_IB_MAX_INFLIGHT_BYTES=" + bytes +
+           ", PORTEP_IB_MAX_INFLIGHT_MSGS=" + std::to_string(o_.max_inflight_msgs);
+  }
+
+  [[noreturn]] void retry_exceeded(const ibv_wc& wc, int peer) const {
+    throw TransportError("verbs: a write or atomic to rank " + std::to_string(peer) +
+                         " failed: transport retry counter exceeded (IBV_WC_RETRY_EXC_ERR, vendor error " +
+                         std::to_string(wc.vendor_err) + ", PORTEP_IB_RETRY_CNT=" + std::to_string(o_.retry_cnt) +
+                         ", PORTEP_IB_TIMEOUT=" + std::to_string(o_.ack_timeout) + ": the peer stopped acknowledging, "
+                         "it is gone or the fabric dropped too much, as under incast); lower the " + caps() + " on " +
+                         dev_name_);
   }
 
   Qp& pick(int channel, int peer) {
@@ -428,6 +475,8 @@ class VerbsTransport final : public Transport {
   ibv_port_attr port_attr_{};
   ibv_device_attr dev_attr_{};
   ibv_gid gid_{};
+  std::string gid_how_;
+  std::atomic<uint64_t> deferred_{0};  // posts the in-flight caps held back (retries count again)
   bool atomics_ = false;
   ibv_pd* pd_ = nullptr;
   Region regions_[kNumRegions];
@@ -482,11 +531,16 @@ VerbsOptions verbs_options_from_env(const std::string& name, int rank, int num_r
   o.num_channels = num_channels;
   const char* hca = getenv("PORTEP_IB_HCA");
   o.hca = hca ? hca : "";
-  o.gid_index = env_int("PORTEP_IB_GID_INDEX", 0);
+  o.gid_index_explicit = getenv("PORTEP_IB_GID_INDEX") && *getenv("PORTEP_IB_GID_INDEX");
+  o.gid_index = int(env_strict("PORTEP_IB_GID_INDEX", 0, 255, 0));
   o.service_level = env_int("PORTEP_IB_SL", 0);
   o.traffic_class = env_int("PORTEP_IB_TC", 0);
   o.qps_per_peer = env_int("PORTEP_IB_QPS_PER_PEER", name == "verbs-striped" ? 4 : 1);
   o.max_send_wr = uint32_t(env_int("PORTEP_IB_MAX_SEND_WR", 256));
+  o.max_inflight_bytes = env_strict("PORTEP_IB_MAX_INFLIGHT_BYTES", 1, kMaxInflightBytesKnob, 0);
+  o.max_inflight_msgs = uint32_t(env_strict("PORTEP_IB_MAX_INFLIGHT_MSGS", 1, kMaxInflightMsgsKnob, 0));
+  o.retry_cnt = int(env_strict("PORTEP_IB_RETRY_CNT", 0, 7, 7));
+  o.ack_timeout = int(env_strict("PORTEP_IB_TIMEOUT", 1, 31, 14));
   o.gpudirect = env_int("PORTEP_IB_GPUDIRECT", 1) != 0;
   if (name == "verbs" && o.qps_per_peer != 1)
     throw TransportError("transport 'verbs' keeps RC order with one QP per peer; PORTEP_IB_QPS_PER_PEER=" +

@@ -9,9 +9,13 @@
 // (efa_transport.h).
 //
 // Knobs (environment, read at construction): PORTEP_IB_HCA (NCCL_IB_HCA syntax: "mlx5_0:1,mlx5_1", "^mlx5_2"
-// excludes, "=" prefix for exact names), PORTEP_IB_GID_INDEX (default 0), PORTEP_IB_SL, PORTEP_IB_TC,
-// PORTEP_IB_QPS_PER_PEER (striping; "verbs-striped" defaults to 4), PORTEP_IB_MAX_SEND_WR (in-flight
-// operations per QP, default 256), PORTEP_IB_GPUDIRECT (0: stage GPU data in host memory).
+// excludes, "=" prefix for exact names), PORTEP_IB_GID_INDEX (default 0; when unset and GID 0 is unusable, the
+// port's best usable GID, RoCE v2 first), PORTEP_IB_SL, PORTEP_IB_TC, PORTEP_IB_QPS_PER_PEER (striping;
+// "verbs-striped" defaults to 4), PORTEP_IB_MAX_SEND_WR (in-flight operations per QP, default 256),
+// PORTEP_IB_MAX_INFLIGHT_BYTES / PORTEP_IB_MAX_INFLIGHT_MSGS (per-QP caps on bytes and work requests in flight;
+// defaults from the device: Broadcom 1.5 MiB and 4, else unlimited bytes and PORTEP_IB_MAX_SEND_WR; a message
+// larger than the byte cap goes alone), PORTEP_IB_RETRY_CNT / PORTEP_IB_TIMEOUT (RC retries, default 7, and ACK
+// timeout exponent, default 14, as NCCL_IB_RETRY_CNT / NCCL_IB_TIMEOUT), PORTEP_IB_GPUDIRECT (0: stage GPU data in host memory).
 //
 // GPU memory (VerbsOptions::device): see that field and gpu_data_region.h (dma-buf, then peer memory, then host
 // staging). PORTEP_IB_GPUDIRECT=0 skips the first two.
@@ -35,9 +39,14 @@ struct VerbsOptions {
   int qps_per_peer = 1;
   std::string hca;    // NCCL_IB_HCA syntax; empty: the first active port of the first device
   int gid_index = 0;
+  bool gid_index_explicit = false;  // PORTEP_IB_GID_INDEX was set: an unusable index is an error, no fallback
   int service_level = 0;
   int traffic_class = 0;
   uint32_t max_send_wr = 256;
+  uint64_t max_inflight_bytes = 0;  // per QP (RC transport); 0: chosen from the device
+  uint32_t max_inflight_msgs = 0;   // per QP (RC transport); 0: chosen from the device
+  int retry_cnt = 7;     // RC transport retries before IBV_WC_RETRY_EXC_ERR (PORTEP_IB_RETRY_CNT, 0..7)
+  int ack_timeout = 14;  // RC local ACK timeout, 4.096 us * 2^value (PORTEP_IB_TIMEOUT, 1..31)
   uint32_t recv_depth = 512;  // receives kept posted per QP (write-with-immediate notifications)
   // The GPU whose kernels use the data region (null: a host-memory data region). Registered with
   // ibv_reg_dmabuf_mr on the GPU's dma-buf, else with ibv_reg_mr on the GPU pointer (nvidia-peermem / amdgpu
