@@ -412,3 +412,20 @@ def test_check_stats():
                                          r"\[num_ranks=2\]"):
         v.check_stats("dispatch_wait_recv_cost_stats", torch.zeros(2, 2, dtype=torch.int64), 2, torch.int64,
                       "num_ranks")
+
+
+def test_a_buffer_deleted_without_destroy_warns_visibly():
+    """explicitly_destroy=True and no destroy(): a warning Python shows by default (as DeepEP prints one)."""
+    import subprocess
+    import sys
+
+    from dist_util import free_port
+
+    probe = ("import gc, torch.distributed as dist, portep\n"
+             f"dist.init_process_group('gloo', init_method='tcp://127.0.0.1:{free_port()}', rank=0, world_size=1)\n"
+             "b = portep.Buffer(dist.group.WORLD, 1 << 20, explicitly_destroy=True, backend='host')\n"
+             "del b; gc.collect()\n"
+             "print('deleted', flush=True)\n")
+    r = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0 and "deleted" in r.stdout, r.stderr[-2000:]
+    assert "destroy() was not called" in r.stderr and "RuntimeWarning" in r.stderr, r.stderr[-2000:]

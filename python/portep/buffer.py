@@ -143,8 +143,10 @@ class Buffer:
         if runtime is None:
             return
         if getattr(self, "explicitly_destroy", False):
-            warnings.warn("a portep Buffer created with explicitly_destroy=True was deleted without destroy()",
-                          ResourceWarning, stacklevel=2)
+            # RuntimeWarning, not ResourceWarning: Python hides the latter by default, and DeepEP prints this
+            warnings.warn("destroy() was not called before a portep Buffer created with explicitly_destroy=True was "
+                          "deleted: its communication memory and proxy threads stay until the process exits",
+                          RuntimeWarning, stacklevel=2)
             return
         try:
             runtime.destroy()
