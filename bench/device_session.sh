@@ -37,13 +37,13 @@ python3 -c "import portep.cuda_backend, portep.cuda_ht, portep.comm_stream" >> "
   note "import failed: see build.log"
 PYTEST="python3 -m pytest -q -p no:cacheprovider -rs --durations=15"
 if [ "$GPUS" -ge 2 ]; then
-  step tests 330 $PYTEST tests/test_gpu_ht.py tests/test_gpu_ll.py tests/test_gpu_fifo.py tests/test_gpu_layout.py
+  step tests 330 $PYTEST tests/gpu/test_gpu_ht.py tests/gpu/test_gpu_ll.py tests/gpu/test_gpu_fifo.py tests/gpu/test_gpu_layout.py
   step bench 230 python3 -m portep.bench
   # the forwarding tests want four GPUs: their four ranks share the two (correctness only), if time is left
-  step forwarding 150 env PORTEP_TEST_SHARE_GPU=1 $PYTEST tests/test_gpu_ht.py -k forwarding
+  step forwarding 150 env PORTEP_TEST_SHARE_GPU=1 $PYTEST tests/gpu/test_gpu_ht.py -k forwarding
 else
   export PORTEP_TEST_SHARE_GPU=1
-  step tests 440 $PYTEST tests/test_gpu_ht.py tests/test_gpu_ll.py tests/test_gpu_fifo.py tests/test_gpu_layout.py
+  step tests 440 $PYTEST tests/gpu/test_gpu_ht.py tests/gpu/test_gpu_ll.py tests/gpu/test_gpu_fifo.py tests/gpu/test_gpu_layout.py
   step bench 80 python3 -m portep.bench gpu-ht-loopback
 fi
 note "total $(($(date +%s) - T0)) s"

@@ -33,18 +33,18 @@ def _rank_body(rank, world, transport, threads, producers, messages, msg_bytes, 
     import torch.distributed as dist
 
     import portep
-    from portep import _C
+    import portep_testing
 
-    nbytes = max(_C.traffic_region_bytes(producers, messages, msg_bytes, world), 2 * max(sizes) + 4096)
+    nbytes = max(portep_testing.traffic_region_bytes(producers, messages, msg_bytes, world), 2 * max(sizes) + 4096)
     nbytes = (nbytes + 15) // 16 * 16
     out = {}
     with portep.Channel(None, nbytes, transport=transport, num_streams=max(producers, 1), num_proxy_threads=threads,
                         num_fifos=max(32, threads), seed=rank + 1) as ch:
         if rank == 0:
-            fifo = _C.fifo_selftest(producers, messages, 4096, 60.0)
+            fifo = portep_testing.fifo_selftest(producers, messages, 4096, 60.0)
             out["fifo_alone_rate"] = fifo["popped"] / fifo["seconds"]
         ch.barrier()
-        r = _C.run_producers(ch._native, producers, messages, msg_bytes, signal_every, 1234)
+        r = portep_testing.run_producers(ch._native.native_handle, producers, messages, msg_bytes, signal_every, 1234)
         ch.barrier()
         out["commands"] = r["commands"]
         out["rate"] = r["commands"] / r["total_seconds"]
@@ -53,7 +53,7 @@ def _rank_body(rank, world, transport, threads, producers, messages, msg_bytes, 
             base = int(ch.signals[1 - rank, 0]) & 0xFFFFFFFF if rank < 2 else 0
             ch.barrier()
             if rank < 2:
-                lat = _C.run_pingpong(ch._native, 1 - rank, rank == 0, iterations, size, base, 60.0)
+                lat = portep_testing.run_pingpong(ch._native.native_handle, 1 - rank, rank == 0, iterations, size, base, 60.0)
                 if rank == 0:
                     out["latency"][size] = lat
             ch.barrier()

@@ -8,22 +8,23 @@ from .stats import median, percentile, table
 
 def run(configs=((1, 1, 64, 20000), (8, 1, 256, 5000), (32, 4, 1024, 2000), (128, 16, 4096, 500)),
         rtt_iterations=20000, repeats=5, printer=print):
+    import portep_testing
     from portep import native
-    from portep.kernel_errors import KernelErrors
+    from portep.backends.cuda.kernel_errors import KernelErrors
 
     if not native.build_info()["gpu_built"] or native.cuda_devices()[0] == 0:
         raise RuntimeError(f"no CUDA GPU: {native.cuda_devices()[1]}")
     rows = []
     for fifos, threads, warps, per_warp in configs:
-        native.cuda_fifo_probe(fifos, threads, warps, min(per_warp, 100))  # warm-up
-        runs = [native.cuda_fifo_probe(fifos, threads, warps, per_warp) for _ in range(repeats)]
+        portep_testing.cuda_fifo_probe(fifos, threads, warps, min(per_warp, 100))  # warm-up
+        runs = [portep_testing.cuda_fifo_probe(fifos, threads, warps, per_warp) for _ in range(repeats)]
         bad = [r for r in runs if r["popped"] != warps * per_warp or r["out_of_order"] or r["producer_timeout"]]
         rates = [r["popped"] / r["seconds"] / 1e6 for r in runs]
         rows.append([fifos, threads, warps, warps * per_warp, f"{median(rates):.1f}",
                      f"{min(rates):.1f} .. {max(rates):.1f}", "yes" if not bad else f"NO ({bad[0]})"])
     printer(table(["FIFOs", "consumer threads", "pushing warps", "commands", f"M cmd/s (median of {repeats})",
                    "min .. max", "all in order"], rows))
-    for line in command_latency_lines(native.cuda_fifo_rtt(rtt_iterations)):
+    for line in command_latency_lines(portep_testing.cuda_fifo_rtt(rtt_iterations)):
         printer(line)
     layout_us = _layout_kernel_us()
     printer(f"get_dispatch_layout kernel (4096 tokens, top-8, 256 experts, EP2, CUDA events, median of 200 "

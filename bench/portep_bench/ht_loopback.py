@@ -17,8 +17,8 @@ import statistics
 import torch
 
 from portep import native
-from portep import host_backend as hb
-from portep.cuda_ht import _record_bytes, rows_per_ring
+from portep.backends import common as hb
+from portep.backends.cuda.ht import _record_bytes, rows_per_ring
 
 from .ht_gpu import ht_inputs
 from .stats import table

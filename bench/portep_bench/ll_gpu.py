@@ -249,6 +249,7 @@ def _rank_body(rank, world, T, H, K, E, iterations, proxy_transport, with_proxy=
 def _channel_body(rank, world, warps, per_warp, threads, repeats):
     import torch
 
+    import portep_testing
     from portep import native
     from portep.channel import Channel
 
@@ -260,7 +261,7 @@ def _channel_body(rank, world, warps, per_warp, threads, repeats):
         before = sum(s["commands"] for s in ch.stats())
         total = warps * per_warp
         start = time.perf_counter()
-        native.cuda_push_nops(fifos, warps, per_warp, 30.0, stream)
+        portep_testing.cuda_push_nops(fifos.device_views, fifos.count, warps, per_warp, 30.0, stream)
         while sum(s["commands"] for s in ch.stats()) - before < total:
             if time.perf_counter() - start > 60:
                 raise RuntimeError("the proxies did not drain the NOP commands within 60 s")
@@ -269,7 +270,7 @@ def _channel_body(rank, world, warps, per_warp, threads, repeats):
         if r:
             rates.append(total / seconds / 1e6)
     ch.destroy()
-    return rates, native.cuda_fifo_rtt(20000)
+    return rates, portep_testing.cuda_fifo_rtt(20000)
 
 
 def run(ranks=2, tokens=128, hidden=7168, topk=8, experts=288, iterations=50, proxy_transport="shm", with_proxy=True,

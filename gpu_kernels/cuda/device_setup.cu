@@ -1,12 +1,12 @@
 // Host-side setup for the LL kernels: sets of device FIFOs and small device / mapped host allocations.
-#include "gpu_runtime.h"
+#include "gpu_kernels/cuda/gpu_runtime.h"
 
 #include <string.h>
 
 #include <vector>
 
-#include "api.h"
-#include "ll_api.h"
+#include "gpu_kernels/cuda/api.h"
+#include "gpu_kernels/cuda/ll_api.h"
 
 namespace portep::cuda {
 

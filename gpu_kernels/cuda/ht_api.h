@@ -69,7 +69,7 @@
 
 #include <stdint.h>
 
-#include "ll_api.h"
+#include "gpu_kernels/cuda/ll_api.h"
 
 namespace portep::cuda {
 

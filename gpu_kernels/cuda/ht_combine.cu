@@ -2,9 +2,9 @@
 // one block reduces this rank's own tokens (bias, then the rows of its node's ranks ascending, then those of other
 // ranks or nodes ascending, FP32, as the host backend); with forwarding a third block sums, for the sources of other
 // nodes it serves, its node's rows of each token into one partial row for the source.
-#include "gpu_runtime.h"
+#include "gpu_kernels/cuda/gpu_runtime.h"
 
-#include "ht_common.cuh"
+#include "gpu_kernels/cuda/ht_common.cuh"
 
 namespace portep::cuda {
 namespace {

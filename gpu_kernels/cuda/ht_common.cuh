@@ -3,8 +3,8 @@
 
 #include <stdint.h>
 
-#include "ht_api.h"
-#include "ll_common.cuh"
+#include "gpu_kernels/cuda/ht_api.h"
+#include "gpu_kernels/cuda/ll_common.cuh"
 
 namespace portep::cuda {
 

@@ -1,8 +1,8 @@
 // The HT dispatch data kernel (ht_api.h): per channel one sending and one receiving block, and with forwarding
 // a forwarding block.
-#include "gpu_runtime.h"
+#include "gpu_kernels/cuda/gpu_runtime.h"
 
-#include "ht_common.cuh"
+#include "gpu_kernels/cuda/ht_common.cuh"
 
 namespace portep::cuda {
 namespace {

@@ -1,8 +1,8 @@
 // The HT notify kernel (ht_api.h): epoch, count exchange (or flags only, with a handle), the handle's prefix
 // matrices.
-#include "gpu_runtime.h"
+#include "gpu_kernels/cuda/gpu_runtime.h"
 
-#include "ht_common.cuh"
+#include "gpu_kernels/cuda/ht_common.cuh"
 
 namespace portep::cuda {
 namespace {

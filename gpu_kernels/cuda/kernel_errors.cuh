@@ -3,8 +3,8 @@
 
 #include <stdint.h>
 
-#include "kernel_errors.h"
-#include "portep/portability.cuh"
+#include "gpu_kernels/cuda/kernel_errors.h"
+#include "gpu_kernels/portability.cuh"
 
 namespace portep::cuda {
 

@@ -11,7 +11,7 @@
 
 #include <stdint.h>
 
-#include "portep/transfer_cmd.h"  // PORTEP_HD
+#include "proxy/transfer_cmd.h"  // PORTEP_HD
 
 namespace portep::cuda {
 

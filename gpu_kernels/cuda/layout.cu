@@ -1,12 +1,12 @@
 // get_dispatch_layout on the GPU: per token, the ranks (and nodes) that hold any of its experts; counts per
 // rank, per node and per expert. One thread per token; counts go to shared-memory histograms when they fit,
 // then to global memory with one atomic per non-zero bin and block.
-#include "gpu_runtime.h"
+#include "gpu_kernels/cuda/gpu_runtime.h"
 #include <stdint.h>
 
-#include "api.h"
-#include "kernel_errors.cuh"
-#include "portep/portability.cuh"
+#include "gpu_kernels/cuda/api.h"
+#include "gpu_kernels/cuda/kernel_errors.cuh"
+#include "gpu_kernels/portability.cuh"
 
 namespace portep::cuda {
 namespace {

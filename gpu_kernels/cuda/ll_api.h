@@ -40,8 +40,8 @@
 
 #include <stdint.h>
 
-#include "kernel_errors.h"
-#include "portep/fifo.h"
+#include "gpu_kernels/cuda/kernel_errors.h"
+#include "proxy/fifo.h"
 
 namespace portep::cuda {
 

@@ -5,11 +5,11 @@
 // each token per owner rank (top-k order, FP32), then over owner ranks in rank order: the host backend's order
 // and roundings, so both give the same bits. In one launch (no hook) this rank's rows for itself are not
 // copied: the reduce reads them from the input, which cannot change before it runs.
-#include "gpu_runtime.h"
+#include "gpu_kernels/cuda/gpu_runtime.h"
 
 #include <climits>
 
-#include "ll_partials.cuh"
+#include "gpu_kernels/cuda/ll_partials.cuh"
 
 namespace portep::cuda {
 

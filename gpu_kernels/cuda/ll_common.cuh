@@ -5,11 +5,11 @@
 
 #include <algorithm>
 
-#include "kernel_errors.cuh"
-#include "ll_api.h"
-#include "portep/peer_status.h"
-#include "portep/fifo_device.cuh"
-#include "portep/portability.cuh"
+#include "gpu_kernels/cuda/kernel_errors.cuh"
+#include "gpu_kernels/cuda/ll_api.h"
+#include "proxy/peer_status.h"
+#include "gpu_kernels/fifo_device.cuh"
+#include "gpu_kernels/portability.cuh"
 
 namespace portep::cuda {
 

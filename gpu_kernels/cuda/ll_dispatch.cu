@@ -2,9 +2,9 @@
 // slot (direct peers, through IPC pointers) or into the local staging area (proxy peers), and publishes each
 // expert once all its messages are written; the receive kernel waits per (local expert, source), packs the
 // messages expert-major and writes recv_count, src_info and layout_range. Layouts: ll_api.h.
-#include "gpu_runtime.h"
+#include "gpu_kernels/cuda/gpu_runtime.h"
 
-#include "ll_common.cuh"
+#include "gpu_kernels/cuda/ll_common.cuh"
 
 namespace portep::cuda {
 

@@ -4,7 +4,7 @@
 // (ll_combine.cu) groups each token's selections by owner rank, so its sum is the same either way.
 #pragma once
 
-#include "ll_common.cuh"
+#include "gpu_kernels/cuda/ll_common.cuh"
 
 namespace portep::cuda {
 

@@ -1,4 +1,4 @@
-#include "row_kernels.h"
+#include "gpu_kernels/host/row_kernels.h"
 
 #include <string.h>
 

@@ -110,9 +110,9 @@ class Buffer:
         self._device = "cuda" if self.backend == "cuda" else "cpu"
 
         if self.backend == "cuda":
-            from .cuda_backend import CudaEngine as Engine
+            from .backends.cuda.engine import CudaEngine as Engine
         else:
-            from .host_backend import HostEngine as Engine
+            from .backends.host.engine import HostEngine as Engine
         # CUDA, both modes, both sizes: the normal mode keeps to num_nvl_bytes and LL to num_rdma_bytes, as
         # DeepEP's NVL and RDMA buffers, so switching modes needs no clean_low_latency_buffer in between
         split = self.backend == "cuda" and self.low_latency_mode and num_nvl_bytes > 0 and num_rdma_bytes > 0
@@ -123,7 +123,7 @@ class Buffer:
                                   **({"normal_bytes": num_nvl_bytes} if split else {}))
         self._comm = None
         if self.backend == "cuda":
-            from .comm_stream import CommStream
+            from .backends.cuda.comm_stream import CommStream
 
             self._comm = CommStream(self.runtime)
 
@@ -165,7 +165,7 @@ class Buffer:
         return engine
 
     def _normal_op(self, fn, previous_event, async_finish, allocate_on_comm_stream, inputs):
-        """fn()'s result and its EventOverlap; on the CUDA backend with DeepEP's stream rules (comm_stream.py)."""
+        """fn()'s result and its EventOverlap; on the CUDA backend with DeepEP's stream rules (backends/cuda/comm_stream.py)."""
         if self._device != "cuda":
             return fn(), self._event(async_finish)
         return self._comm.run(fn, previous_event, async_finish, allocate_on_comm_stream, inputs)
@@ -174,7 +174,7 @@ class Buffer:
         if not async_finish:
             return EventOverlap(None)
         if self._device == "cuda":
-            from .cuda_backend import CudaEvent
+            from .backends.cuda.engine import CudaEvent
 
             return EventOverlap(CudaEvent(), extra_tensors)
         return EventOverlap(HostEvent(), extra_tensors)
@@ -199,7 +199,7 @@ class Buffer:
     def capture():
         """An event on the current stream (without a GPU: an already complete one)."""
         if torch.cuda.is_available() and torch.cuda.is_initialized():
-            from .cuda_backend import CudaEvent
+            from .backends.cuda.engine import CudaEvent
 
             return EventOverlap(CudaEvent())
         return EventOverlap(HostEvent())

@@ -55,7 +55,7 @@ class Channel:
         device_fifos: a native DeviceFifoSet whose FIFOs kernels push into, served by the proxy threads.
         status_stream: the first of three streams whose slots carry the ranks' status events (a refused call, a
             failed call, a Buffer destroyed): a thread watches them and the peers' processes, and every wait on a
-            peer that will not answer gives up at once (proxy/include/portep/peer_watch.h). None: no watch.
+            peer that will not answer gives up at once (proxy/peer_watch.h). None: no watch.
         idle_spin_us: how long an idle proxy thread busy-polls before it yields and sleeps (default
             $PORTEP_PROXY_SPIN_US, else 1000 on a CUDA device, where a sleeping proxy adds its wake-up time to
             every hop of a kernel's command, and 0 on the host, where spinning threads take the CPUs the ranks
@@ -76,7 +76,7 @@ class Channel:
         self.transport = transport_from_env(transport)
         self.timeout_s = timeout_from_env(timeout_s)
         # Ordered transports with atomics need no immediates (the native layer re-checks against the device).
-        stream_limit = native.wire.MAX_STREAMS if self.transport in ("shm", "verbs") else native.wire.IMM_MAX_STREAMS
+        stream_limit = native.MAX_STREAMS if self.transport in ("shm", "verbs") else native.IMM_MAX_STREAMS
         self.num_streams = _check_int("num_streams", num_streams, 1, stream_limit)
         _check_int("num_proxy_threads", num_proxy_threads, 1, 64)
         _check_int("num_fifos", num_fifos, num_proxy_threads, 4096)
@@ -86,7 +86,7 @@ class Channel:
         _check_int("max_inflight_cmds", max_inflight_cmds, 1, 1 << 20)
         _check_int("max_inflight_bytes", max_inflight_bytes, 1, 1 << 40)
         _check_int("unordered_window", unordered_window, 1, 1 << 16)
-        _check_int("num_ranks", self.num_ranks, 1, native.wire.MAX_RANKS)
+        _check_int("num_ranks", self.num_ranks, 1, native.MAX_RANKS)
         self._native = native.Channel(
             rank=self.rank, num_ranks=self.num_ranks, nbytes=nbytes, transport=self.transport,
             num_proxy_threads=num_proxy_threads, num_fifos=num_fifos, fifo_capacity=fifo_capacity,

@@ -4,7 +4,7 @@ Every collective call (dispatch, combine and their low-latency forms) moves per-
 the parity of the count exchange, signals consumed. A rank that refuses a call after its peers started it, or a call
 that fails half way (a timeout), leaves the ranks one call apart, and later calls would read each other's stale
 data. So:
-- a rank that refuses a call (invalid input) tells every rank (a REFUSED status event, proxy/include/portep/
+- a rank that refuses a call (invalid input) tells every rank (a REFUSED status event, proxy/
   peer_watch.h); peers waiting for it in that call give up at once and raise. At its next call the refusing rank
   checks that every peer refused that call too (then nothing happened anywhere and all go on) or else that the
   peer failed it, which leaves the Buffer out of step;

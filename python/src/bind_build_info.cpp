@@ -2,11 +2,11 @@
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
-#include "../../transport/verbs/verbs_transport.h"
-#include "portep/transport_factory.h"
+#include "transport/verbs/verbs_transport.h"
+#include "transport/transport_factory.h"
 
 #ifdef PORTEP_WITH_GPU
-#include "../../gpu_kernels/cuda/api.h"
+#include "gpu_kernels/cuda/api.h"
 #endif
 
 namespace py = pybind11;
@@ -41,51 +41,6 @@ void bind_build_info(py::module_& m) {
 #endif
   });
 #ifdef PORTEP_WITH_GPU
-  m.def(
-      "cuda_fifo_probe",
-      [](int num_fifos, int consumer_threads, int warps, int commands_per_warp, double timeout_s) {
-        portep::cuda::FifoProbeConfig cfg;
-        cfg.num_fifos = num_fifos;
-        cfg.consumer_threads = consumer_threads;
-        cfg.warps = warps;
-        cfg.commands_per_warp = commands_per_warp;
-        cfg.timeout_s = timeout_s;
-        portep::cuda::FifoProbeResult r;
-        int err;
-        {
-          py::gil_scoped_release nogil;
-          err = portep::cuda::run_fifo_probe(cfg, &r);
-        }
-        if (err) throw std::runtime_error(std::string("cuda_fifo_probe: ") + portep::cuda::cuda_error_string(err));
-        py::dict d;
-        d["seconds"] = r.seconds;
-        d["popped"] = r.popped;
-        d["out_of_order"] = r.out_of_order;
-        d["producer_timeout"] = r.producer_timeout;
-        return d;
-      },
-      py::arg("num_fifos"), py::arg("consumer_threads"), py::arg("warps"), py::arg("commands_per_warp"),
-      py::arg("timeout_s") = 30.0);
-  m.def(
-      "cuda_fifo_rtt",
-      [](int iterations, double timeout_s) {
-        portep::cuda::FifoRttTimes t;
-        int err;
-        {
-          py::gil_scoped_release nogil;
-          err = portep::cuda::run_fifo_rtt(iterations, timeout_s, &t);
-        }
-        if (err) throw std::runtime_error(std::string("cuda_fifo_rtt: ") + portep::cuda::cuda_error_string(err));
-        py::dict d;
-        d["publish_ns"] = t.publish_ns;
-        d["pop_ns"] = t.pop_ns;
-        d["release_ns"] = t.release_ns;
-        d["seen_ns"] = t.seen_ns;
-        d["host_read_ns"] = t.host_read_ns;
-        d["host_clock_before_ns"] = t.host_clock_before_ns;
-        return d;
-      },
-      py::arg("iterations"), py::arg("timeout_s") = 30.0);
   m.def(
       "cuda_dispatch_layout",
       [](uintptr_t topk_idx, int num_tokens, int num_topk, int num_experts, int num_ranks, int ranks_per_node,

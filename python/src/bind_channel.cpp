@@ -1,10 +1,11 @@
-// Bindings of Channel (transport + regions + proxies) and the host traffic kernels.
+// Bindings of Channel (transport + regions + proxies) and the host row kernels.
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
-#include "../../gpu_kernels/host/channel_traffic.h"
-#include "../../gpu_kernels/host/row_kernels.h"
-#include "portep/channel.h"
+#include "gpu_kernels/host/row_kernels.h"
+#include "ordering/imm.h"
+#include "proxy/channel.h"
+#include "proxy/transfer_cmd.h"
 
 namespace py = pybind11;
 using namespace portep;
@@ -34,17 +35,6 @@ std::unique_ptr<Channel> make_channel(int rank, int num_ranks, uint64_t nbytes, 
   o.proxy.idle_spin_us = idle_spin_us;
   o.proxy.status_stream = status_stream;
   return std::make_unique<Channel>(o);
-}
-
-TrafficPlan make_plan(int producers, int messages_per_producer, uint32_t max_message_bytes, uint32_t signal_every,
-                      uint64_t seed) {
-  TrafficPlan p;
-  p.producers = producers;
-  p.messages_per_producer = messages_per_producer;
-  p.max_message_bytes = max_message_bytes;
-  p.signal_every = signal_every;
-  p.seed = seed;
-  return p;
 }
 
 // A byte range of a Channel's memory that keeps that memory mapped while Python holds it (torch.frombuffer and
@@ -97,6 +87,8 @@ void bind_channel(py::module_& m) {
            py::arg("max_inflight_cmds"), py::arg("max_inflight_bytes"), py::arg("timeout_s"),
            py::arg("unordered_window"), py::arg("seed"), py::arg("skip_ordering"), py::arg("device") = -1,
            py::arg("idle_spin_us") = 0.0, py::arg("status_stream") = -1)
+      // The C++ object's address, for native test hooks built from the same sources (portep_testing).
+      .def_property_readonly("native_handle", [](Channel& c) { return reinterpret_cast<uintptr_t>(&c); })
       .def("attach_device_fifos",
            [](Channel& c, uintptr_t host_views, int count) {
              auto* v = reinterpret_cast<const FifoView*>(host_views);
@@ -221,6 +213,10 @@ void bind_channel(py::module_& m) {
         host_reduce_rows(reinterpret_cast<uint8_t*>(out), out_pitch, out_dtype, n, width, v.data(), int(v.size()),
                          reinterpret_cast<const float*>(init));
       });
+  // The wire formats' limits, which Channel's argument checks name.
+  m.attr("MAX_RANKS") = kMaxRanks;
+  m.attr("MAX_STREAMS") = kMaxStreams;
+  m.attr("IMM_MAX_STREAMS") = imm::kMaxStreams;
   m.def("live_proxy_threads", &ProxyGroup::live_threads);
   m.attr("PEER_OK") = int(kPeerOk);
   m.attr("PEER_REFUSED") = int(kPeerRefused);
@@ -232,44 +228,4 @@ void bind_channel(py::module_& m) {
   m.attr("EVENT_LEFT") = int(kEventLeft);
   m.attr("NUM_STATUS_EVENTS") = int(kNumStatusEvents);
   m.def("peer_status_text", [](uint32_t s) { return std::string(peer_status_text(s)); });
-  m.def("traffic_region_bytes", [](int producers, int messages, uint32_t max_bytes, int num_ranks) {
-    return traffic_region_bytes(make_plan(producers, messages, max_bytes, 1, 0), num_ranks);
-  });
-  m.def(
-      "run_producers",
-      [](Channel& c, int producers, int messages, uint32_t max_bytes, uint32_t signal_every, uint64_t seed) {
-        ProducerResult r;
-        {
-          py::gil_scoped_release nogil;
-          r = run_producers(c, make_plan(producers, messages, max_bytes, signal_every, seed));
-        }
-        py::dict d;
-        d["commands"] = r.commands;
-        d["push_seconds"] = r.push_seconds;
-        d["total_seconds"] = r.total_seconds;
-        return d;
-      },
-      py::arg("channel"), py::arg("producers"), py::arg("messages_per_producer"), py::arg("max_message_bytes"),
-      py::arg("signal_every"), py::arg("seed"));
-  m.def(
-      "run_checker",
-      [](Channel& c, int producers, int messages, uint32_t max_bytes, uint32_t signal_every, uint64_t seed,
-         double timeout_s) {
-        CheckResult r;
-        {
-          py::gil_scoped_release nogil;
-          r = run_checker(c, make_plan(producers, messages, max_bytes, signal_every, seed), timeout_s);
-        }
-        py::dict d;
-        d["observations"] = r.observations;
-        d["messages_checked"] = r.messages_checked;
-        d["violations"] = r.violations;
-        d["streams_final"] = r.streams_final;
-        d["first_violation"] = r.first_violation;
-        return d;
-      },
-      py::arg("channel"), py::arg("producers"), py::arg("messages_per_producer"), py::arg("max_message_bytes"),
-      py::arg("signal_every"), py::arg("seed"), py::arg("timeout_s"));
-  m.def("run_pingpong", &run_pingpong, py::arg("channel"), py::arg("peer"), py::arg("initiator"),
-        py::arg("iterations"), py::arg("nbytes"), py::arg("base"), py::arg("timeout_s"), py::call_guard<py::gil_scoped_release>());
 }

@@ -10,8 +10,8 @@
 #include <thread>
 #include <vector>
 
-#include "bind_util.h"
-#include "../../gpu_kernels/cuda/ht_api.h"
+#include "python/src/bind_util.h"
+#include "gpu_kernels/cuda/ht_api.h"
 
 namespace py = pybind11;
 using namespace portep::cuda;

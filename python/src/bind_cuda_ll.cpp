@@ -5,10 +5,10 @@
 #include <stdexcept>
 #include <string>
 
-#include "../../gpu_kernels/cuda/api.h"
-#include "bind_util.h"
-#include "../../gpu_kernels/cuda/ll_api.h"
-#include "../../gpu_kernels/cuda/ht_api.h"
+#include "gpu_kernels/cuda/api.h"
+#include "python/src/bind_util.h"
+#include "gpu_kernels/cuda/ll_api.h"
+#include "gpu_kernels/cuda/ht_api.h"
 
 namespace py = pybind11;
 using namespace portep::cuda;
@@ -77,7 +77,7 @@ class LLKernels {
     return c;
   }
 
-  // The per-call constants as _shape in cuda_backend.py packs them.
+  // The per-call constants as _shape in backends/cuda/engine.py packs them.
   LLCommon shape(const py::tuple& s) const {
     return shape(s[0].cast<int>(), s[1].cast<int>(), s[2].cast<int>(), s[3].cast<uint64_t>(), s[4].cast<uint64_t>(),
                  s[5].cast<uint64_t>(), s[6].cast<uint32_t>(), s[7].cast<uint32_t>(), s[8].cast<uint32_t>(),
@@ -93,7 +93,9 @@ void bind_cuda_ll(py::module_& m) {
   py::class_<PyFifoSet>(m, "DeviceFifoSet")
       .def(py::init<int, uint32_t>(), py::arg("count"), py::arg("capacity"))
       .def_property_readonly("count", [](const PyFifoSet& f) { return f.set_.count; })
-      .def_property_readonly("host_views", [](const PyFifoSet& f) { return reinterpret_cast<uintptr_t>(f.set_.host_views); });
+      .def_property_readonly("host_views", [](const PyFifoSet& f) { return reinterpret_cast<uintptr_t>(f.set_.host_views); })
+      .def_property_readonly("device_views",
+                             [](const PyFifoSet& f) { return reinterpret_cast<uintptr_t>(f.set_.device_views); });
 
   py::list errors;
   for (const KernelErrorInfo& e : kKernelErrors) {
@@ -168,14 +170,6 @@ void bind_cuda_ll(py::module_& m) {
              check(ll_combine(a, phases), "low-latency combine");
            });
 
-  m.def(
-      "cuda_push_nops",
-      [](const PyFifoSet& fifos, int warps, int commands_per_warp, double timeout_s, uintptr_t stream) {
-        FifoProbeArgs a{fifos.set_.device_views, fifos.set_.count, commands_per_warp, warps, 1,
-                        uint64_t(timeout_s * 1e9), reinterpret_cast<void*>(stream), true};
-        check(launch_fifo_probe(a), "cuda_push_nops");
-      },
-      py::arg("fifos"), py::arg("warps"), py::arg("commands_per_warp"), py::arg("timeout_s"), py::arg("stream"));
   m.def("cuda_device_alloc", [](uint64_t bytes) {
     void* p = nullptr;
     check(device_alloc_zeroed(&p, bytes), "cudaMalloc");

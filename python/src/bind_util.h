@@ -6,8 +6,8 @@
 #include <stdexcept>
 #include <string>
 
-#include "../../gpu_kernels/cuda/api.h"
-#include "../../gpu_kernels/cuda/ll_api.h"
+#include "gpu_kernels/cuda/api.h"
+#include "gpu_kernels/cuda/ll_api.h"
 
 namespace portep::bind {
 

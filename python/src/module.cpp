@@ -4,7 +4,6 @@
 
 namespace py = pybind11;
 
-void bind_wire(py::module_& m);
 void bind_channel(py::module_& m);
 void bind_build_info(py::module_& m);
 #ifdef PORTEP_WITH_GPU
@@ -14,7 +13,6 @@ void bind_cuda_ht(py::module_& m);
 
 PYBIND11_MODULE(_C, m) {
   m.doc() = "portep native core";
-  bind_wire(m);
   bind_channel(m);
   bind_build_info(m);
 #ifdef PORTEP_WITH_GPU

@@ -9,8 +9,8 @@
 #include <atomic>
 #include <vector>
 
-#include "portep/device_memory.h"
-#include "portep/transport.h"
+#include "transport/device_memory.h"
+#include "transport/transport.h"
 
 namespace portep {
 

@@ -17,9 +17,9 @@
 #include <thread>
 #include <vector>
 
-#include "../shm/shm_segment.h"
-#include "portep/device_memory.h"
-#include "portep/transport.h"
+#include "transport/shm/shm_segment.h"
+#include "transport/device_memory.h"
+#include "transport/transport.h"
 
 namespace portep {
 

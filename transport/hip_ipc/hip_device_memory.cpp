@@ -8,8 +8,8 @@
 #include <string>
 #include <vector>
 
-#include "portep/device_memory.h"
-#include "portep/transport.h"
+#include "transport/device_memory.h"
+#include "transport/transport.h"
 
 namespace portep {
 

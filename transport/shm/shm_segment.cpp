@@ -1,4 +1,4 @@
-#include "shm_segment.h"
+#include "transport/shm/shm_segment.h"
 
 #include <dirent.h>
 #include <errno.h>
@@ -13,7 +13,7 @@
 #include <cstdlib>
 #include <random>
 
-#include "portep/transport.h"
+#include "transport/transport.h"
 
 namespace portep {
 

@@ -1,6 +1,6 @@
-#include "shm_transport.h"
+#include "transport/shm/shm_transport.h"
 
-#include "../src/endpoint_text.h"
+#include "transport/endpoint_text.h"
 
 #include <errno.h>
 #include <signal.h>

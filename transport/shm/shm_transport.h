@@ -17,10 +17,10 @@
 #include <random>
 #include <vector>
 
-#include "notify_ring.h"
-#include "portep/device_memory.h"
-#include "portep/transport.h"
-#include "shm_segment.h"
+#include "transport/shm/notify_ring.h"
+#include "transport/device_memory.h"
+#include "transport/transport.h"
+#include "transport/shm/shm_segment.h"
 
 namespace portep {
 

@@ -1,6 +1,6 @@
 // EFA SRD transport (see efa_transport.h). Reviewed against efadv(7), efadv_create_qp_ex(3),
 // efadv_query_device(3) and efadv_query_ah(3) of rdma-core 44; compiled in CI, not run there (no EFA device).
-#include "efa_transport.h"
+#include "transport/verbs/efa_transport.h"
 
 #include <arpa/inet.h>
 #include <stdlib.h>
@@ -9,8 +9,8 @@
 #include <unordered_map>
 #include <vector>
 
-#include "gpu_data_region.h"
-#include "verbs_common.h"
+#include "transport/verbs/gpu_data_region.h"
+#include "transport/verbs/verbs_common.h"
 
 namespace portep {
 

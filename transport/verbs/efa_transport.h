@@ -16,7 +16,7 @@
 #include <memory>
 #include <string>
 
-#include "verbs_transport.h"
+#include "transport/verbs/verbs_transport.h"
 
 namespace portep {
 

@@ -19,9 +19,9 @@
 
 #include <string>
 
-#include "portep/device_memory.h"
-#include "portep/transport.h"
-#include "verbs_common.h"
+#include "transport/device_memory.h"
+#include "transport/transport.h"
+#include "transport/verbs/verbs_common.h"
 
 namespace portep::verbs {
 

@@ -1,5 +1,5 @@
 // Builds with libibverbs but without efadv (libefa): no device is taken for EFA, so `verbs` runs RC everywhere.
-#include "efa_transport.h"
+#include "transport/verbs/efa_transport.h"
 
 namespace portep {
 

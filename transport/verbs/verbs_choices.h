@@ -12,7 +12,7 @@
 
 #include <string>
 
-#include "portep/transport.h"
+#include "transport/transport.h"
 
 namespace portep::verbs {
 

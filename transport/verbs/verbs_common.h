@@ -11,8 +11,8 @@
 
 #include <string>
 
-#include "../src/endpoint_text.h"
-#include "portep/transport.h"
+#include "transport/endpoint_text.h"
+#include "transport/transport.h"
 
 namespace portep::verbs {
 

@@ -1,4 +1,4 @@
-#include "verbs_transport.h"
+#include "transport/verbs/verbs_transport.h"
 
 #include <arpa/inet.h>
 #include <errno.h>
@@ -14,11 +14,11 @@
 #include <atomic>
 #include <unordered_map>
 
-#include "efa_transport.h"
-#include "gpu_data_region.h"
-#include "verbs_choices.h"
-#include "verbs_common.h"
-#include "../shm/shm_segment.h"
+#include "transport/verbs/efa_transport.h"
+#include "transport/verbs/gpu_data_region.h"
+#include "transport/verbs/verbs_choices.h"
+#include "transport/verbs/verbs_common.h"
+#include "transport/shm/shm_segment.h"
 
 namespace portep {
 

@@ -1,0 +1,89 @@
+"""What both backends share: the signal streams of a Buffer, alignment and row-dtype constants, the low-latency
+layout of one buffer half and small tensor helpers. Imports nothing from either backend."""
+
+import torch
+
+# Signal streams of one Buffer (slots are (source rank, stream)).
+STREAM_NOTIFY = 0
+STREAM_HT_TO_FORWARDER = 1
+STREAM_HT_PLACED = 2
+STREAM_HT_COMBINE_TO_FORWARDER = 3
+STREAM_HT_COMBINE_PARTIAL = 4
+STREAM_HT_COMBINE_DIRECT = 5
+STREAM_SYNC = 6  # the ranks' synchronisation of clean_low_latency_buffer (sync())
+STREAM_LL_BASE = 8
+
+
+def status_stream(max_local_experts):
+    """The first of the three status streams (peer_watch.h), after the LL ones."""
+    return STREAM_LL_BASE + 4 * max_local_experts
+
+ALIGN = 16
+BF16, F32 = 0, 1  # row dtypes of the native row kernels
+MAX_COMMAND_BYTES = 16 << 20
+MAX_CHANNELS = 128
+
+
+def ranges_without(keep, n):
+    """[begin, end) ranges covering 0..n except the indices in keep."""
+    out, begin = [], 0
+    for k in sorted(keep):
+        if k > begin:
+            out.append((begin, k))
+        begin = k + 1
+    if begin < n:
+        out.append((begin, n))
+    return out
+
+
+def dense(t):
+    """t with row-major strides: a copy only where t has others, which contiguous() keeps for an empty tensor or a
+    size-1 dimension, and which the byte views of the row kernels refuse (a [0, 1] tensor of strides (1, 0), made
+    by an expression on a rank without tokens, is contiguous)."""
+    if not torch.is_tensor(t):
+        return t
+    stride, expected = t.stride(), []
+    step = 1
+    for size in reversed(t.shape):
+        expected.append(step)
+        step *= size
+    if t.is_contiguous() and tuple(reversed(expected)) == stride:
+        return t
+    return torch.empty(t.shape, dtype=t.dtype).copy_(t)
+
+
+def align(n, a=ALIGN):
+    return (n + a - 1) // a * a
+
+
+
+class LLLayout:
+    """The low-latency mode's layout of one buffer half (host/ll.py's docstring draws it); both backends use it."""
+
+    def __init__(self, eng, T, H, E):
+        R = eng.num_ranks
+        if H % 512:
+            raise ValueError(f"hidden={H} must be a multiple of 512 for low-latency mode (DeepEP supports 2048..8192 "
+                             f"in steps of 512)")
+        self.T, self.H, self.E, self.E_l, self.M = T, H, E, E // R, R * T
+        if self.E_l > eng.max_local_experts:
+            raise ValueError(f"num_experts={E} gives {self.E_l} local experts per rank; this Buffer supports at most "
+                             f"{eng.max_local_experts}")
+        self.disp = 16 + max(2 * H, H + H // 128 * 4)
+        self.comb = 2 * H + H // 128 * 4  # multiple of 16 for hidden % 512 == 0
+        self.send = max(T * self.disp, E * T * self.comb)
+        self.recv = max(E * T * self.disp, E * T * self.comb)
+        self.half = self.send + self.recv
+        eng.require_bytes(2 * self.half, f"low-latency mode with {T} tokens, hidden {H}, {E} experts")
+
+    def send_off(self, half):
+        return half * self.half
+
+    def recv_off(self, half):
+        return half * self.half + self.send
+
+
+def positions(mask_matrix):
+    """For a bool [N, M] matrix: each True's index among the Trues of its column, -1 elsewhere (int32)."""
+    pos = torch.cumsum(mask_matrix.to(torch.int32), 0, dtype=torch.int32) - 1
+    return torch.where(mask_matrix, pos, torch.full_like(pos, -1))

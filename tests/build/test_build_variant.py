@@ -1,0 +1,49 @@
+"""The build under test is the one meant: CI runs the suite once against the CUDA build (where a CUDA compiler was
+found) and once against the HIP build, and says which through PORTEP_EXPECT_GPU_RUNTIME. Either way the GPU
+backend's report holds together: the runtime, its architectures and the reasons agree."""
+
+import os
+
+import pytest
+
+from portep import native
+
+
+def test_the_build_is_the_one_this_run_means():
+    expect = os.environ.get("PORTEP_EXPECT_GPU_RUNTIME")
+    if expect is None:
+        pytest.skip("PORTEP_EXPECT_GPU_RUNTIME not set (CI sets it)")
+    info = native.build_info()
+    assert info["gpu_runtime"] == expect, (f"expected GPU kernels for {expect or 'none'}, the build has "
+                                           f"{info['gpu_runtime'] or 'none'}: {info['gpu_reason']}")
+
+
+def test_the_build_report_is_consistent():
+    info = native.build_info()
+    runtime = info["gpu_runtime"]
+    assert runtime in ("", "cuda", "hip")
+    assert info["gpu_built"] == bool(runtime)
+    assert info["cuda_built"] == (runtime == "cuda") and info["hip_built"] == (runtime == "hip")
+    if runtime:
+        assert info["gpu_archs"] and not info["gpu_reason"]
+        assert (runtime == "hip") == bool(info["hip_version"])
+        if runtime == "hip":
+            assert all(a.startswith("gfx") for a in info["gpu_archs"].split(","))
+    else:
+        assert info["gpu_reason"] and info["cuda_reason"] and info["hip_reason"]
+    count, error = native.cuda_devices()
+    assert count >= 0 and (count > 0 or error)
+
+
+def test_a_gpu_build_refuses_a_torch_of_the_other_runtime(monkeypatch):
+    torch = pytest.importorskip("torch")
+    info = native.build_info()
+    if not info["gpu_built"]:
+        pytest.skip("no GPU kernels in this build")
+    other_is_hip = info["gpu_runtime"] == "cuda"  # a torch built for the other runtime, as torch.version says
+    monkeypatch.setattr(torch.version, "hip", "6.2.0" if other_is_hip else None, raising=False)
+    monkeypatch.setattr(torch.version, "cuda", None if other_is_hip else "12.8")
+    from portep.backends.cuda.engine import CudaEngine
+
+    with pytest.raises(RuntimeError, match=f"PORTEP_GPU={'hip' if other_is_hip else 'cuda'}"):
+        CudaEngine(None, 1 << 20, 1)
