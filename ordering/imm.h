@@ -13,8 +13,8 @@
 //   writes (units) its epoch had. The receiver releases the signal once that many writes of the epoch have
 //   arrived and every earlier epoch has been released (ordering/pending_signals.h). 13 stream bits give 8192
 //   streams per connection (LL: local expert x phase; 4096 experts over any number of ranks).
-// SEQ_ADD: an HT tail increment riding on the data write; applied in seq order per (source, slot)
-//   (ordering/reorder_buffer.h).
+// SEQ_ADD: reserved for sequence-ordered HT tail increments; nothing sends it, and a proxy that receives one
+//   raises (proxy/proxy_thread.cpp).
 // CONTROL: barrier and other out-of-band messages; arg is op-specific (barrier: epoch mod 2^26).
 #pragma once
 

@@ -1,7 +1,7 @@
 // DeviceMemory over the HIP runtime (AMD GPUs): hipMalloc + HIP IPC handles for regions, hipHostRegister for
 // host memory kernels poll, and hipMemcpyAsync on one non-blocking stream per channel for the copies, with a
 // ring of events per channel to learn when they finished. Compiled with the HIP kernels; not yet run on an AMD
-// GPU (see the README's HIP notes).
+// GPU (see docs/backends.md, the HIP build).
 #include <hip/hip_runtime.h>
 
 #include <algorithm>
