@@ -1,7 +1,9 @@
 #!/bin/bash
 # One device call's worth of GPU work, logs under $OUT (the device tool brings that folder back): build, the GPU
-# tests, the benchmarks. With two GPUs: every GPU test, then `python -m portep.bench` (gpu-ll, then gpu-ht, each
-# next to NCCL), then the four-rank forwarding tests on the two GPUs if time is left. With one GPU: the GPU tests with both ranks sharing it (correctness only), then the HT loopback.
+# tests, the benchmarks. With two GPUs: every GPU test, then `python -m portep_bench` (gpu-ll, then gpu-ht, each
+# next to NCCL), then the four-rank forwarding tests on the two GPUs if time is left. With one GPU: the GPU tests with
+# both ranks sharing it (correctness only), then `python -m portep_bench` (the HT loopback, then ll-host). The
+# benchmark's tables also go to $OUT/bench.json.
 # Each step gets what is left of the budget (first argument, seconds; default 570), so a slow step cannot eat the
 # logs of the others. Usage, from the repository root: bash bench/device_session.sh [seconds]
 set -u
@@ -33,17 +35,18 @@ note "commit $(git log --oneline -1 2>/dev/null | cut -c1-60); $(git status --sh
 GPUS=$(nvidia-smi -L 2>/dev/null | grep -c '^GPU')
 note "GPUs: $GPUS"
 step build 300 python3 -m pip install --no-build-isolation --no-deps -e . -Cbuild-dir=build/gpu
-python3 -c "import portep.cuda_backend, portep.cuda_ht, portep.comm_stream" >> "$OUT/summary.txt" 2>&1 ||
+python3 -c "import portep.backends.cuda.engine, portep.backends.cuda.ht, portep.backends.cuda.comm_stream" \
+  >> "$OUT/summary.txt" 2>&1 ||
   note "import failed: see build.log"
 PYTEST="python3 -m pytest -q -p no:cacheprovider -rs --durations=15"
 if [ "$GPUS" -ge 2 ]; then
   step tests 330 $PYTEST tests/gpu/test_gpu_ht.py tests/gpu/test_gpu_ll.py tests/gpu/test_gpu_fifo.py tests/gpu/test_gpu_layout.py
-  step bench 230 python3 -m portep.bench
+  step bench 230 python3 -m portep_bench --json "$OUT/bench.json"
   # the forwarding tests want four GPUs: their four ranks share the two (correctness only), if time is left
   step forwarding 150 env PORTEP_TEST_SHARE_GPU=1 $PYTEST tests/gpu/test_gpu_ht.py -k forwarding
 else
   export PORTEP_TEST_SHARE_GPU=1
   step tests 440 $PYTEST tests/gpu/test_gpu_ht.py tests/gpu/test_gpu_ll.py tests/gpu/test_gpu_fifo.py tests/gpu/test_gpu_layout.py
-  step bench 80 python3 -m portep.bench gpu-ht-loopback
+  step bench 110 python3 -m portep_bench --json "$OUT/bench.json"
 fi
 note "total $(($(date +%s) - T0)) s"

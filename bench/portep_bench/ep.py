@@ -8,26 +8,41 @@ HT combine = the same rows x hidden x 2. LL dispatch = valid (token, expert) sel
 LL combine = the same selections x 2H.
 """
 
+import os
 import time
 
+from .report import Table
 from .spawn import run_ranks
-from .stats import median, table
+
+EMULATION = "host backend: a CPU emulation of the protocols over shared memory, not GPU speed"
+NOTE = (f"{EMULATION}. Every rank is a process on this machine's CPUs; the figures compare portep versions on one "
+        "machine, and portep with gloo's all_to_all_single of the same rows (with the index_select pack a user would "
+        "need) measured in the same run.")
 
 
-def _timed(fn, iterations):
+def default_ranks():
+    """One rank per core, 2 to 4: more ranks than cores measure the scheduler."""
+    return max(2, min(4, os.cpu_count() or 2))
+
+
+def _timed(fn, what, iterations, warmup, progress):
+    """fn's output and one sample per iteration: ms from a barrier to the slowest rank's return."""
     import torch
     import torch.distributed as dist
 
     out, times = None, []
-    for _ in range(iterations):
+    for i in range(warmup + iterations):
+        if progress:
+            progress(f"ep: {what}, " + ("warm-up" if i < warmup else f"iteration {i - warmup + 1}/{iterations}"))
         dist.barrier()
         t0 = time.perf_counter()
         out = fn()
         elapsed = time.perf_counter() - t0
         t = torch.tensor([elapsed])
         dist.all_reduce(t, op=dist.ReduceOp.MAX)  # a collective op is as slow as its slowest rank
-        times.append(float(t))
-    return out, median(times)
+        if i >= warmup:
+            times.append(float(t) * 1e3)
+    return out, times
 
 
 def _inputs(rank, tokens, hidden, topk, experts, seed):
@@ -55,33 +70,40 @@ def _baseline_a2a(x, is_token_in_rank, world):
     return recv
 
 
-def _rank_body(rank, world, rpn, transport, ht_tokens, ll_tokens, hidden, topk, ht_experts, ll_experts, iterations):
+def _rank_body(rank, world, rpn, transport, ht_tokens, ll_tokens, hidden, topk, ht_experts, ll_experts, iterations,
+               warmup, progress):
     import torch
     import torch.distributed as dist
 
     import portep
 
+    progress = progress if rank == 0 else None
+    timed = lambda fn, what: _timed(fn, what, iterations, warmup, progress)  # noqa: E731
     torch.set_num_threads(1)  # ranks share this host's cores
+    if progress:
+        progress(f"ep: {world} ranks up; making the HT Buffer")
     res = {}
     buf = portep.Buffer(dist.group.WORLD, 3 << 30, 0, num_ranks_per_node=rpn, transport=transport,
                         explicitly_destroy=True)
     x, idx, w = _inputs(rank, ht_tokens, hidden, topk, ht_experts, 1)
-    layout, res["layout"] = _timed(lambda: buf.get_dispatch_layout(idx, ht_experts), iterations)
+    layout, res["layout"] = timed(lambda: buf.get_dispatch_layout(idx, ht_experts), "get_dispatch_layout")
     per_rank, per_rdma, per_expert, in_rank, _ = layout
     kw = dict(num_tokens_per_rank=per_rank, num_tokens_per_rdma_rank=per_rdma, is_token_in_rank=in_rank,
               num_tokens_per_expert=per_expert)
-    d, res["ht_dispatch"] = _timed(lambda: buf.dispatch(x, topk_idx=idx, topk_weights=w, **kw), iterations)
+    d, res["ht_dispatch"] = timed(lambda: buf.dispatch(x, topk_idx=idx, topk_weights=w, **kw), "HT dispatch BF16")
     recv_rows = d[0].size(0)
-    _, res["ht_combine"] = _timed(lambda: buf.combine(d[0], d[4], topk_weights=d[2]), iterations)
+    _, res["ht_combine"] = timed(lambda: buf.combine(d[0], d[4], topk_weights=d[2]), "HT combine BF16")
     x_fp8 = x.float().clamp(-448, 448).to(torch.float8_e4m3fn)
     scales = torch.ones(ht_tokens, hidden // 128)
-    _, res["ht_dispatch_fp8"] = _timed(lambda: buf.dispatch((x_fp8, scales), topk_idx=idx, topk_weights=w, **kw),
-                                       iterations)
-    _, res["a2a"] = _timed(lambda: _baseline_a2a(x, in_rank, world), iterations)
+    _, res["ht_dispatch_fp8"] = timed(lambda: buf.dispatch((x_fp8, scales), topk_idx=idx, topk_weights=w, **kw),
+                                      "HT dispatch FP8")
+    _, res["a2a"] = timed(lambda: _baseline_a2a(x, in_rank, world), "baseline gloo all_to_all_single")
     buf.destroy()
     res["ht_bytes"] = recv_rows * hidden * 2
 
     T = ll_tokens
+    if progress:
+        progress("ep: making the LL Buffer")
     ll_bytes = portep.Buffer.get_low_latency_rdma_size_hint(T, hidden, world, ll_experts)
     buf = portep.Buffer(dist.group.WORLD, 0, ll_bytes, low_latency_mode=True,
                         num_ranks_per_node=rpn, transport=transport, explicitly_destroy=True)
@@ -94,9 +116,9 @@ def _rank_body(rank, world, rpn, transport, ht_tokens, ll_tokens, hidden, topk, 
 
     ll_dispatch()
     recv_bf16 = torch.zeros(state["d"][0][0].shape, dtype=torch.bfloat16)
-    _, res["ll_dispatch"] = _timed(ll_dispatch, iterations)
-    _, res["ll_combine"] = _timed(lambda: (ll_dispatch(), buf.low_latency_combine(recv_bf16, idxl, wl, state["d"][2])),
-                                  iterations)
+    _, res["ll_dispatch"] = timed(ll_dispatch, "LL dispatch FP8")
+    _, res["ll_combine"] = timed(lambda: (ll_dispatch(), buf.low_latency_combine(recv_bf16, idxl, wl, state["d"][2])),
+                                 "LL dispatch + combine")
     buf.destroy()
     selections = int((idxl >= 0).sum())
     res["ll_dispatch_bytes"] = selections * (hidden + hidden // 128 * 4 + 16)
@@ -104,33 +126,27 @@ def _rank_body(rank, world, rpn, transport, ht_tokens, ll_tokens, hidden, topk, 
     return res
 
 
-def run(ranks=4, ranks_per_node=None, transport="shm", ht_tokens=4096, ll_tokens=128, hidden=7168, topk=8,
-        ht_experts=256, ll_experts=288, iterations=3, printer=print):
+def run(report, ranks=default_ranks(), ranks_per_node=None, transport="shm", ht_tokens=4096, ll_tokens=128,
+        hidden=7168, topk=8, ht_experts=256, ll_experts=288, iterations=10, warmup=1):
     rpn = ranks_per_node or ranks
-    printer(f"portep EP benchmark: host backend, {ranks} ranks ({rpn} per node), transport {transport}; "
-            f"HT {ht_tokens} tokens, LL {ll_tokens} tokens, hidden {hidden}, top-{topk}, experts {ht_experts} (HT) / "
-            f"{ll_experts} (LL); median of {iterations} runs of the slowest rank; baseline: gloo all_to_all_single "
-            f"with the index_select pack, same run")
+    shape = (f"{ranks} ranks ({rpn} per node), transport {transport}; HT {ht_tokens} tokens, LL {ll_tokens} tokens, "
+             f"hidden {hidden}, top-{topk}, {ht_experts} (HT) / {ll_experts} (LL) experts")
+    report.say(f"ep: {shape}; {EMULATION}")
+    report.progress(f"ep: starting {ranks} rank processes (each imports torch and portep)")
     out = run_ranks(_rank_body, ranks, args=(rpn, transport, ht_tokens, ll_tokens, hidden, topk, ht_experts,
-                                             ll_experts, iterations), timeout=1800)
+                                             ll_experts, iterations, warmup, report.progress), timeout=1800)
     r0 = out[0]
     ht_bytes = r0["ht_bytes"]  # DeepEP prints each rank's received bytes
-    a2a = r0["a2a"]
-
-    def gbs(nbytes, seconds):
-        return f"{nbytes / seconds / 1e9:.2f}"
-
-    rows = [
-        ["get_dispatch_layout", f"{r0['layout'] * 1e3:.2f}", "-", "-", "-"],
-        ["HT dispatch BF16", f"{r0['ht_dispatch'] * 1e3:.1f}", gbs(ht_bytes, r0["ht_dispatch"]), f"{a2a * 1e3:.1f}",
-         gbs(ht_bytes, a2a)],
-        ["HT dispatch FP8", f"{r0['ht_dispatch_fp8'] * 1e3:.1f}",
-         gbs(ht_bytes * (1 + 4 / 128) / 2, r0["ht_dispatch_fp8"]), "-", "-"],
-        ["HT combine BF16", f"{r0['ht_combine'] * 1e3:.1f}", gbs(ht_bytes, r0["ht_combine"]), "-", "-"],
-        ["LL dispatch FP8", f"{r0['ll_dispatch'] * 1e3:.1f}", gbs(r0["ll_dispatch_bytes"], r0["ll_dispatch"]), "-", "-"],
-        ["LL dispatch + combine", f"{r0['ll_combine'] * 1e3:.1f}",
-         gbs(r0["ll_dispatch_bytes"] + r0["ll_combine_bytes"], r0["ll_combine"]), "-", "-"],
-    ]
-    printer("")
-    printer(table(["operation", "portep ms", "GB/s (DeepEP bytes, rank 0)", "baseline a2a ms", "baseline GB/s"], rows))
+    t = Table(f"ep: host backend, {ranks} ranks, HT {ht_tokens} / LL {ll_tokens} tokens, hidden {hidden}", "ms",
+              f"{NOTE} Each sample is one call, from a barrier to the slowest rank's return; {warmup} untimed "
+              "warm-up call(s) before each op. GB/s: rank 0's bytes as DeepEP counts them, at the "
+              "median.")
+    t.add("get_dispatch_layout", r0["layout"])
+    t.add("HT dispatch BF16", r0["ht_dispatch"], ht_bytes)
+    t.add("baseline: gloo all_to_all_single + pack, HT BF16 rows", r0["a2a"], ht_bytes)
+    t.add("HT dispatch FP8", r0["ht_dispatch_fp8"], ht_bytes * (1 + 4 / 128) / 2)
+    t.add("HT combine BF16", r0["ht_combine"], ht_bytes)
+    t.add("LL dispatch FP8", r0["ll_dispatch"], r0["ll_dispatch_bytes"])
+    t.add("LL dispatch + combine", r0["ll_combine"], r0["ll_dispatch_bytes"] + r0["ll_combine_bytes"])
+    report.add(t)
     return out

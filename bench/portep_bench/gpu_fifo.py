@@ -1,35 +1,54 @@
-"""GPU benchmarks of this stage: the command channel, and the get_dispatch_layout kernel. Command channel: commands per second from probe kernels through mapped FIFOs to host
-consumer threads (the proxies' drain loop), and the round trip of one command (GPU publish -> host pop ->
-tail visible to the GPU). Baseline from reference/gpu-machine.md's untuned probe on the same machine: 57.3 M/s
-with 32 FIFOs and 4 threads, 83.9 M/s with 128 FIFOs and 16 threads, 3.3 us round trip."""
+"""GPU benchmarks of this stage: the command channel, and the get_dispatch_layout kernel.
 
-from .stats import median, percentile, table
+Command channel: commands per second from probe kernels through mapped FIFOs to host consumer threads (the proxies'
+drain loop), and the round trip of one command (GPU publish -> host pop -> tail visible to the GPU). The probe is the
+bottom layer, so nothing below it runs as a baseline: the untuned probe's figures on the H200 machine
+(reference/gpu-machine.md) are quoted under the table. The layout kernel runs next to torch ops computing the same
+layout."""
+
+from .report import MissingHardware, Table
+from .stats import median, percentile
+
+NOTE = ("one GPU and this host's CPUs: probe kernels push commands into FIFOs in mapped host memory (across PCIe), "
+        "host consumer threads pop and check them (no transport, no peer). Samples: one per repeat of a "
+        "configuration.")
+QUOTED = ("quoted baseline, not this run: the untuned probe on the H200 machine (reference/gpu-machine.md) gave 21.0 "
+          "M cmd/s with 1 FIFO and 1 thread, 42.8 with 8 and 1, 57.3 with 32 and 4, 83.9 with 128 and 16; round "
+          "trip 3.3 us")
 
 
-def run(configs=((1, 1, 64, 20000), (8, 1, 256, 5000), (32, 4, 1024, 2000), (128, 16, 4096, 500)),
-        rtt_iterations=20000, repeats=5, printer=print):
+def run(report, configs=((1, 1, 64, 20000), (8, 1, 256, 5000), (32, 4, 1024, 2000), (128, 16, 4096, 500)),
+        rtt_iterations=20000, repeats=5):
     import portep_testing
     from portep import native
-    from portep.backends.cuda.kernel_errors import KernelErrors
 
     if not native.build_info()["gpu_built"] or native.cuda_devices()[0] == 0:
-        raise RuntimeError(f"no CUDA GPU: {native.cuda_devices()[1]}")
-    rows = []
+        raise MissingHardware(f"gpu-fifo needs a CUDA GPU and portep's CUDA kernels: {native.cuda_devices()[1]}")
+    report.say(f"gpu-fifo: {NOTE}")
+    t = Table("gpu-fifo: command rate, probe kernels -> host consumer threads", "M cmd/s", NOTE,
+              extra_columns=("commands per run", "all in order"))
     for fifos, threads, warps, per_warp in configs:
+        report.progress(f"gpu-fifo: {fifos} FIFOs, {threads} consumer threads, {warps} warps, {repeats} runs")
         portep_testing.cuda_fifo_probe(fifos, threads, warps, min(per_warp, 100))  # warm-up
         runs = [portep_testing.cuda_fifo_probe(fifos, threads, warps, per_warp) for _ in range(repeats)]
         bad = [r for r in runs if r["popped"] != warps * per_warp or r["out_of_order"] or r["producer_timeout"]]
-        rates = [r["popped"] / r["seconds"] / 1e6 for r in runs]
-        rows.append([fifos, threads, warps, warps * per_warp, f"{median(rates):.1f}",
-                     f"{min(rates):.1f} .. {max(rates):.1f}", "yes" if not bad else f"NO ({bad[0]})"])
-    printer(table(["FIFOs", "consumer threads", "pushing warps", "commands", f"M cmd/s (median of {repeats})",
-                   "min .. max", "all in order"], rows))
+        t.add(f"{fifos} FIFOs, {threads} consumer threads, {warps} warps",
+              [r["popped"] / r["seconds"] / 1e6 for r in runs],
+              extra={"commands per run": warps * per_warp, "all in order": "yes" if not bad else f"NO ({bad[0]})"})
+    report.progress(f"gpu-fifo: {rtt_iterations} single-command round trips")
     for line in command_latency_lines(portep_testing.cuda_fifo_rtt(rtt_iterations)):
-        printer(line)
-    layout_us = _layout_kernel_us()
-    printer(f"get_dispatch_layout kernel (4096 tokens, top-8, 256 experts, EP2, CUDA events, median of 200 "
-            f"launches incl. the output memsets): {layout_us:.1f} us (DeepEP V1 on this machine: 52 us)")
-    return rows
+        t.line(line)
+    t.line(QUOTED)
+    report.add(t)
+    report.progress("gpu-fifo: get_dispatch_layout kernel")
+    layout = Table("gpu-fifo: get_dispatch_layout kernel, 4096 tokens, top-8, 256 experts, EP2", "us",
+                   "one GPU: the layout kernel alone, CUDA events around each launch (the output memsets included); "
+                   "baseline: torch ops computing the same counts and mask, same run.")
+    kernel, with_torch = _layout_times_us()
+    layout.add("get_dispatch_layout kernel", kernel)
+    layout.add("baseline: the same layout from torch ops (scatter_, sum, bincount)", with_torch)
+    layout.line("quoted, not this run: DeepEP V1 on the H200 machine (reference/gpu-machine.md): 52 us")
+    report.add(layout)
 
 
 def command_latency_lines(t, skip=100):
@@ -72,10 +91,29 @@ def command_latency_lines(t, skip=100):
             f"<= 1.5 us)"]
 
 
-def _layout_kernel_us(tokens=4096, topk=8, experts=256, ranks=2, iterations=200):
+def _event_times_us(fn, iterations, warmup=20):
+    """Microseconds of each of `iterations` calls of fn, CUDA events around each, after `warmup` untimed calls."""
+    import torch
+
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(iterations):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) * 1e3)
+    return times
+
+
+def _layout_times_us(tokens=4096, topk=8, experts=256, ranks=2, iterations=200):
+    """The layout kernel's launches (output memsets included), and the same layout from torch ops as the baseline."""
     import torch
 
     from portep import native
+    from portep.backends.cuda.kernel_errors import KernelErrors
 
     g = torch.Generator().manual_seed(0)
     idx = torch.topk(torch.rand(tokens, experts, generator=g), topk, dim=1).indices.cuda()
@@ -83,22 +121,16 @@ def _layout_kernel_us(tokens=4096, topk=8, experts=256, ranks=2, iterations=200)
     per_expert = torch.empty(experts, dtype=torch.int32, device="cuda")
     in_rank = torch.empty(tokens, ranks, dtype=torch.bool, device="cuda")
     stream = torch.cuda.current_stream().cuda_stream
-
     errors = KernelErrors(native, torch.device("cuda"))
 
-    def launch():
+    def kernel():
         native.cuda_dispatch_layout(idx.data_ptr(), tokens, topk, experts, ranks, ranks, per_rank.data_ptr(), 0,
                                     per_expert.data_ptr(), in_rank.data_ptr(), stream, 0, errors.words.data_ptr(),
                                     errors.records)
 
-    for _ in range(20):
-        launch()
-    times = []
-    for _ in range(iterations):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        launch()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1e3)
-    return median(times)
+    def with_torch():
+        mask = torch.zeros(tokens, ranks, dtype=torch.bool, device="cuda")
+        mask.scatter_(1, idx // (experts // ranks), True)
+        return mask.sum(0), torch.bincount(idx.flatten(), minlength=experts)
+
+    return _event_times_us(kernel, iterations), _event_times_us(with_torch, iterations)

@@ -9,8 +9,12 @@ dispatch: no CPU wait); the non-cached dispatch, which waits on the CPU for the 
 Each figure names the SMs it used (config.num_sms: half send, half receive)."""
 
 from .ll_gpu import _timed, ll_inputs
+from .report import MissingHardware, Table
 from .spawn import run_ranks
-from .stats import table
+
+NOTE = ("GPUs of one node: the ranks' kernels store into each other's buffers over NVLink (with "
+        "PORTEP_TEST_SHARE_GPU=1 the ranks time-slice one GPU: correctness, not speed). Rank 0; samples in us, CUDA "
+        "events around each call, which waits for the GPU.")
 
 DEEPEP = {"dispatch BF16": 345.0, "dispatch FP8": 245.0, "combine": 408.0, "layout": 52.0}  # 24 SMs, gpu-machine.md
 
@@ -76,7 +80,7 @@ def _nccl_times(x, idx, world, E, iterations, group):
     return {"transfer": _timed(transfer, iterations), "pack + transfer": _timed(pack_and_transfer, iterations)}
 
 
-def _rank_body(rank, world, N, H, K, E, iterations, sms_list, nvl_bytes):
+def _rank_body(rank, world, N, H, K, E, iterations, sms_list, nvl_bytes, progress):
     import torch
     import torch.distributed as dist
 
@@ -87,50 +91,67 @@ def _rank_body(rank, world, N, H, K, E, iterations, sms_list, nvl_bytes):
     x, idx, w, fp8 = ht_inputs(rank, N, H, K, E)
     buf = portep.Buffer(dist.group.WORLD, nvl_bytes, 0, num_ranks_per_node=world, explicitly_destroy=True,
                         backend="cuda")
+    say = progress if rank == 0 else (lambda what: None)
     for _ in range(5):
         buf.get_dispatch_layout(idx, E)
+    say("gpu-ht: get_dispatch_layout")
     results = {"layout": _timed(lambda: buf.get_dispatch_layout(idx, E), iterations)}
     for sms in sms_list:
+        say(f"gpu-ht: {sms} SMs: dispatch BF16, FP8, combine, non-cached dispatch")
         results[sms] = _portep_times(buf, x, idx, w, fp8, E, sms, iterations)
     torch.cuda.synchronize()
     buf.destroy()
     shared = torch.cuda.device_count() < world  # NCCL refuses two ranks on one GPU
+    if not shared:
+        say("gpu-ht: baseline, NCCL all_to_all_single of the same rows")
     results["NCCL"] = None if shared else _nccl_times(x, idx, world, E, iterations, nccl)
     return results
 
 
-def run(ranks=2, tokens=4096, hidden=7168, topk=8, experts=256, iterations=20, sms_list=(24, 8, 16, 32),
-        printer=print):
+def run(report, ranks=2, tokens=4096, hidden=7168, topk=8, experts=256, iterations=20, sms_list=(24, 8, 16, 32)):
     import os
 
     import torch
 
     if torch.cuda.device_count() < ranks and os.environ.get("PORTEP_TEST_SHARE_GPU") != "1":
-        raise RuntimeError(f"the GPU HT benchmark needs {ranks} GPUs, this machine has {torch.cuda.device_count()}")
+        raise MissingHardware(f"gpu-ht needs {ranks} GPUs, this machine has {torch.cuda.device_count()}")
     import portep
 
     # sized as DeepEP's README asks (its Config's hint, 24 SMs); portep's rings take whatever it holds
     nvl_bytes = max(portep.Config(24, s, 256, 6, 128).get_nvl_buffer_size_hint(hidden * 2, ranks) for s in (24, 10))
-    out = run_ranks(_rank_body, ranks, args=(tokens, hidden, topk, experts, iterations, tuple(sms_list), nvl_bytes),
-                    timeout=600)
-    r0 = out[0]
+    shape = f"EP{ranks}, {tokens} tokens per rank, hidden {hidden}, top-{topk}, {experts} experts"
+    report.say(f"gpu-ht: {shape}; num_nvl_bytes {nvl_bytes} (DeepEP's size hint for 24 SMs); {NOTE}")
+    report.progress(f"gpu-ht: starting {ranks} rank processes")
+    out = run_ranks(_rank_body, ranks, args=(tokens, hidden, topk, experts, iterations, tuple(sms_list), nvl_bytes,
+                                             report.progress), timeout=600)
+    for t in ht_tables(out[0], shape, hidden, iterations, sms_list):
+        report.add(t)
+    return out
+
+
+def ht_tables(r0, shape, hidden, iterations, sms_list):
+    """One table per SM count, each with the same run's NCCL rows; get_dispatch_layout in the first."""
+    note = (f"{NOTE} {iterations} calls per row; dispatch and combine reuse a handle (cached dispatch, no CPU wait) as "
+            "in DeepEP's tuning runs, the non-cached dispatch waits on the CPU for the count exchange. GB/s at the "
+            "median, counted as DeepEP does (rows received x row bytes, own rows included).")
     nccl = r0["NCCL"]
-    printer(f"HT, EP{ranks}, {tokens} tokens per rank, hidden {hidden}, top-{topk}, {experts} experts; rank 0, medians "
-            f"of {iterations} calls with CUDA events around each; GB/s counted as DeepEP does (rows received x row "
-            f"bytes, own rows included); num_nvl_bytes {nvl_bytes} (DeepEP's size hint for 24 SMs)")
-    rows = []
+    tables = []
     for sms in sms_list:
         r = r0[sms]
         bf16 = r["rows"] * hidden * 2
         fp8 = r["rows"] * (hidden + hidden // 128 * 4)
+        t = Table(f"gpu-ht: {sms} SMs, {shape}", "us", note, extra_columns=("DeepEP V1 us (quoted)",))
         for key, nbytes in (("dispatch BF16", bf16), ("dispatch FP8", fp8), ("combine", bf16),
                             ("dispatch BF16, non-cached", bf16)):
-            t = r[key]
-            ref = DEEPEP.get(key)
-            nccl_cell = "-" if key == "dispatch FP8" else ("n/a (ranks share one GPU)" if nccl is None else
-                                                            f"{nccl['transfer']:.1f} / {nccl['pack + transfer']:.1f}")
-            rows.append([key, sms, f"{t:.1f}", f"{nbytes / t / 1e3:.1f}", nccl_cell,
-                         "-" if ref is None or sms != 24 else f"{ref:.1f}"])
-    rows.append(["get_dispatch_layout", "-", f"{r0['layout']:.1f}", "-", "-", f"{DEEPEP['layout']:.1f}"])
-    printer(table(["op", "SMs", "us", "GB/s", "NCCL BF16 us (transfer / pack+transfer)", "DeepEP V1 us"], rows))
-    return out
+            ref = DEEPEP.get(key) if sms == 24 else None
+            t.add(key, r[key], nbytes, {"DeepEP V1 us (quoted)": "-" if ref is None else f"{ref:.1f}"})
+        if not tables:
+            t.add("get_dispatch_layout", r0["layout"], extra={"DeepEP V1 us (quoted)": f"{DEEPEP['layout']:.1f}"})
+        if nccl is None:
+            t.line("no NCCL baseline: the ranks share one GPU, which NCCL refuses")
+        else:
+            t.add("baseline: NCCL all_to_all_single, BF16 rows (transfer)", nccl["transfer"], bf16)
+            t.add("baseline: NCCL all_to_all_single, BF16 rows (index_select pack + transfer)", nccl["pack + transfer"],
+                  bf16)
+        tables.append(t)
+    return tables

@@ -12,8 +12,12 @@ channel's rate and its publish -> proxy latency bounds (gpu_fifo.command_latency
 import time
 
 from .gpu_fifo import command_latency_lines
+from .report import MissingHardware, Table
 from .spawn import run_ranks
-from .stats import median, table
+from .stats import median
+
+NOTE = ("two GPUs of one node: the direct path stores over NVLink, the forced proxy path (num_ranks_per_node=1) "
+        "through the proxies and a host transport. Rank 0's figures; samples in us.")
 
 DEEPEP = {"round trip, back to back": 90.0, "dispatch kernel": 29.5, "combine kernel": 40.5,
           "dispatch send kernel": 20.0, "dispatch recv kernel": 8.2, "combine send kernel": 32.5,
@@ -32,12 +36,14 @@ def _once(fn):
 
 
 def _timed(fn, iterations):
-    return median([_once(fn)[0] for _ in range(iterations)])
+    """Microseconds of each of `iterations` calls, CUDA events around each call, which waits for the GPU."""
+    return [_once(fn)[0] for _ in range(iterations)]
 
 
 def _back_to_back(fn, iterations):
     """DeepEP's bench(): events around each call, the calls issued back to back and synchronized once at the end
-    (so each figure is the GPU's time when the host keeps ahead, else the host's); the mean, as DeepEP prints."""
+    (so each figure is the GPU's time when the host keeps ahead, else the host's); all but the first call's
+    microseconds (DeepEP prints their mean)."""
     import torch
 
     starts = [torch.cuda.Event(enable_timing=True) for _ in range(iterations)]
@@ -47,8 +53,7 @@ def _back_to_back(fn, iterations):
         fn()
         ends[i].record()
     torch.cuda.synchronize()
-    times = [a.elapsed_time(b) * 1e3 for a, b in zip(starts, ends)][1:]
-    return sum(times) / len(times)
+    return [a.elapsed_time(b) * 1e3 for a, b in zip(starts, ends)][1:]
 
 
 def ll_inputs(rank, T, H, K, E):
@@ -89,7 +94,7 @@ def cuda_ll_buffer(world, T, H, E, ranks_per_node, transport):
                          transport=transport, explicitly_destroy=True, backend="cuda")
 
 
-def _path_times(buf, x, idx, w, T, E, iterations, hook_kernels):
+def _path_times(buf, x, idx, w, T, E, iterations, hook_kernels, say):
     import torch
     import torch.distributed as dist
 
@@ -110,11 +115,14 @@ def _path_times(buf, x, idx, w, T, E, iterations, hook_kernels):
         round_trip()
     torch.cuda.current_stream().synchronize()
     dist.barrier()
+    say(f"round trips back to back ({iterations})")
     out = {"round trip, back to back": _back_to_back(round_trip, iterations)}
     torch.cuda.current_stream().synchronize()
     dist.barrier()
+    say("round trip, dispatch, combine, each call waited for")
     out.update({"round trip": _timed(round_trip, iterations), "dispatch": _timed(dispatch, iterations),
                 "combine": _timed(combine, iterations)})
+    say("CUDA graph replay and CPU time per round trip")
     out.update(_graph_and_cpu_times(round_trip, iterations))
 
     def hooked():
@@ -123,6 +131,7 @@ def _path_times(buf, x, idx, w, T, E, iterations, hook_kernels):
         c = buf.low_latency_combine(sim, idx, w, d[2], return_recv_hook=True)
         c[2]()
 
+    say("kernel times from the profiler")
     out.update(kernel_times(round_trip, ("dispatch kernel", "combine kernel"), iterations))
     if hook_kernels:
         out.update(kernel_times(hooked, ("dispatch send kernel", "dispatch recv kernel", "combine send kernel",
@@ -142,7 +151,7 @@ def kernel_times(fn, labels, iterations):
     """GPU time of each kernel fn launches (labels name them in launch order), as DeepEP's bench_kineto does:
     the launches of `iterations` calls are queued behind a ~20 ms GPU sleep on every rank, so a kernel's
     duration is its own work and its wait for the peer's kernel, without the Python calls. Medians, the first
-    two calls left out. Run last: the profiler slows later host calls."""
+    two calls left out: the rest are the samples. Run last: the profiler slows later host calls."""
     import torch
     import torch.distributed as dist
     from torch.profiler import ProfilerActivity, profile
@@ -161,22 +170,23 @@ def kernel_times(fn, labels, iterations):
     durations = kernel_durations(prof)
     if len(durations) != len(labels) * iterations:
         raise RuntimeError(f"the profiler saw {len(durations)} LL kernels, expected {len(labels) * iterations}")
-    return {label: median(durations[i + 2 * len(labels)::len(labels)]) for i, label in enumerate(labels)}
+    return {label: durations[i + 2 * len(labels)::len(labels)] for i, label in enumerate(labels)}
 
 
 def _graph_and_cpu_times(round_trip, iterations):
-    """The round trip replayed from a CUDA graph (GPU time without the Python calls), and the CPU time of the
-    eager calls alone (issued back to back, synchronized once at the end)."""
+    """The round trip replayed from a CUDA graph (GPU time without the Python calls), and the CPU time of each
+    eager call alone (issued back to back, synchronized once at the end)."""
     import torch
     import torch.distributed as dist
 
     stream = torch.cuda.current_stream()
     stream.synchronize()
     dist.barrier()
-    start = time.perf_counter()
+    cpu = []
     for _ in range(iterations):
+        start = time.perf_counter()
         round_trip()
-    cpu = (time.perf_counter() - start) / iterations * 1e6
+        cpu.append((time.perf_counter() - start) * 1e6)
     stream.synchronize()
     dist.barrier()
     graph = torch.cuda.CUDAGraph()
@@ -226,7 +236,7 @@ def _nccl_times(x, idx, world, E, H, iterations, group):
             "round trip": _timed(lambda: (disp(), comb()), iterations)}
 
 
-def _rank_body(rank, world, T, H, K, E, iterations, proxy_transport, with_proxy=True):
+def _rank_body(rank, world, T, H, K, E, iterations, proxy_transport, with_proxy, progress):
     import torch
     import torch.distributed as dist
 
@@ -234,14 +244,18 @@ def _rank_body(rank, world, T, H, K, E, iterations, proxy_transport, with_proxy=
     nccl = dist.new_group(backend="nccl")
     x, idx, w = ll_inputs(rank, T, H, K, E)
     results = {"selections": int((idx >= 0).sum())}
-    paths = [("direct NVLink", world, "shm")] + ([(f"proxy ({proxy_transport})", 1, proxy_transport)] if with_proxy else [])
+    paths = [("direct NVLink", world, "shm")] + ([(f"proxy ({proxy_transport})", 1, proxy_transport)] if with_proxy
+                                                 else [])
     for name, rpn, transport in paths:
+        say = (lambda what, name=name: progress(f"gpu-ll {name}: {what}")) if rank == 0 else (lambda what: None)
         buf = cuda_ll_buffer(world, T, H, E, rpn, transport)
         # Hook phases queued back to back on the proxy path stop until the kernels time out (not understood
         # yet; their synchronized use passes the GPU tests), so only the direct path times them.
-        results[name] = _path_times(buf, x, idx, w, T, E, iterations, hook_kernels=rpn > 1)
+        results[name] = _path_times(buf, x, idx, w, T, E, iterations, rpn > 1, say)
         torch.cuda.current_stream().synchronize()
         buf.destroy()
+    if rank == 0:
+        progress("gpu-ll: baseline, NCCL all_to_all_single of the same bytes")
     results["NCCL all_to_all_single"] = _nccl_times(x, idx, world, E, H, iterations, nccl)
     return results
 
@@ -270,55 +284,74 @@ def _channel_body(rank, world, warps, per_warp, threads, repeats):
         if r:
             rates.append(total / seconds / 1e6)
     ch.destroy()
-    return rates, portep_testing.cuda_fifo_rtt(20000)
+    probe = [portep_testing.cuda_fifo_probe(32, threads, warps, per_warp) for _ in range(repeats)]
+    return rates, [p["popped"] / p["seconds"] / 1e6 for p in probe], portep_testing.cuda_fifo_rtt(20000)
 
 
-def run(ranks=2, tokens=128, hidden=7168, topk=8, experts=288, iterations=50, proxy_transport="shm", with_proxy=True,
-        printer=print):
+ROWS = ("round trip, back to back", "round trip", "dispatch", "combine", "dispatch kernel", "combine kernel",
+        "dispatch send kernel", "dispatch recv kernel", "combine send kernel", "combine recv kernel",
+        "graph round trip", "CPU per round trip")
+
+
+def run(report, ranks=2, tokens=128, hidden=7168, topk=8, experts=288, iterations=50, proxy_transport="shm",
+        with_proxy=True):
     import torch
 
     if torch.cuda.device_count() < ranks:
-        raise RuntimeError(f"the GPU LL benchmark needs {ranks} GPUs, this machine has {torch.cuda.device_count()}")
-    out = run_ranks(_rank_body, ranks, args=(tokens, hidden, topk, experts, iterations, proxy_transport, with_proxy),
-                    timeout=600)
+        raise MissingHardware(f"gpu-ll needs {ranks} GPUs, this machine has {torch.cuda.device_count()}")
+    shape = f"EP{ranks}, {tokens} tokens, hidden {hidden}, top-{topk}, {experts} experts, FP8 dispatch, BF16 combine"
+    report.say(f"gpu-ll: {shape}; {NOTE}")
+    report.progress(f"gpu-ll: starting {ranks} rank processes")
+    out = run_ranks(_rank_body, ranks, args=(tokens, hidden, topk, experts, iterations, proxy_transport, with_proxy,
+                                             report.progress), timeout=600)
+    for t in ll_tables(out, ranks, shape, hidden, iterations):
+        report.add(t)
+    return out
+
+
+def ll_tables(out, ranks, shape, hidden, iterations):
+    """One table per path (direct, proxy), each with the NCCL baseline of the same run."""
     r0 = out[0]
     sel = sum(o["selections"] for o in out.values()) / ranks
     fp8_bytes = sel * (hidden + hidden // 128 * 4 + 16)
     bf16_bytes = sel * 2 * hidden
-    printer(f"LL, EP{ranks}, {tokens} tokens, hidden {hidden}, top-{topk}, {experts} experts; FP8 dispatch, BF16 "
-            f"combine; CUDA events around the Python calls, rank 0: 'back to back' is DeepEP's bench() (calls issued "
-            f"without waiting, mean of {iterations - 1}, the method behind DeepEP's 90 us); the other rows wait for each "
-            f"call (median of {iterations}), so they add the host's launch time to the GPU's")
-    rows = []
+    nbytes = {"dispatch": fp8_bytes, "combine": bf16_bytes, "round trip": fp8_bytes + bf16_bytes,
+              "round trip, back to back": fp8_bytes + bf16_bytes, "dispatch kernel": fp8_bytes,
+              "combine kernel": bf16_bytes, "graph round trip": fp8_bytes + bf16_bytes}
+    note = (f"{NOTE} 'round trip, back to back' is DeepEP's bench() (calls issued without waiting, events around "
+            f"each; DeepEP prints the mean, the method behind its 90 us); 'round trip', 'dispatch', 'combine' wait for "
+            f"each call, so they add the host's launch time to the GPU's; kernel rows as DeepEP's bench_kineto "
+            f"(launches queued behind a GPU sleep, profiler durations); 'CPU per round trip': host time of each eager "
+            f"call. {iterations} calls per row. GB/s at the median with DeepEP's bytes.")
     direct = r0["direct NVLink"]
-    paths = [k for k in r0 if k not in ("selections",)]
-    for key in ("round trip, back to back", "round trip", "dispatch", "combine", "dispatch kernel", "combine kernel",
-                "dispatch send kernel", "dispatch recv kernel", "combine send kernel", "combine recv kernel",
-                "graph round trip", "CPU per round trip"):
-        row = [key]
-        for p in paths:
-            v = r0[p].get(key)
-            row.append("-" if v is None else f"{v:.1f}")
-        proxy = [p for p in paths if p.startswith("proxy") and key in r0[p]]
-        row.append(f"{r0[proxy[0]][key] / direct[key]:.2f}x" if proxy else "-")
-        row.append(f"{DEEPEP[key]:.1f}" if key in DEEPEP else "-")
-        nbytes = {"dispatch": fp8_bytes, "combine": bf16_bytes, "round trip": fp8_bytes + bf16_bytes,
-                  "round trip, back to back": fp8_bytes + bf16_bytes, "dispatch kernel": fp8_bytes,
-                  "combine kernel": bf16_bytes}.get(key)
-        if key == "graph round trip":
-            nbytes = fp8_bytes + bf16_bytes
-        row.append("-" if nbytes is None else f"{nbytes / (direct[key] * 1e-6) / 1e9:.1f}")
-        rows.append(row)
-    printer(table(["us"] + paths + ["proxy / direct", "DeepEP V1 (gpu-machine.md)", "direct GB/s"], rows))
-    return out
+    nccl = r0["NCCL all_to_all_single"]
+    tables = []
+    for path in (k for k in r0 if k not in ("selections", "NCCL all_to_all_single")):
+        cols = ("DeepEP V1 us (quoted)",) + (() if path == "direct NVLink" else ("proxy / direct (medians)",))
+        t = Table(f"gpu-ll: {path}, {shape}", "us", note, extra_columns=cols)
+        for key in (k for k in ROWS if k in r0[path]):
+            extra = {"DeepEP V1 us (quoted)": f"{DEEPEP[key]:.1f}" if key in DEEPEP else "-"}
+            if path != "direct NVLink":
+                extra["proxy / direct (medians)"] = f"{median(r0[path][key]) / median(direct[key]):.2f}x"
+            t.add(key, r0[path][key], nbytes.get(key), extra)
+        for key in ("dispatch", "combine", "round trip"):
+            t.add(f"baseline: NCCL all_to_all_single, {key}", nccl[key], nbytes[key])
+        tables.append(t)
+    return tables
 
 
-def run_channel(warps=1024, per_warp=2000, threads=4, repeats=5, printer=print):
-    rates, latency = run_ranks(_channel_body, 1, args=(warps, per_warp, threads, repeats), timeout=600)[0]
-    printer(f"command channel through the real proxy threads: {warps} warps push {per_warp} NOP commands each into "
-            f"32 device FIFOs, {threads} proxy threads: median {median(rates):.1f} M cmd/s (min {min(rates):.1f}, "
-            f"max {max(rates):.1f}, p50 of {len(rates)} runs; untuned probe baseline on this machine: 57.3 M/s)")
+def run_channel(report, warps=1024, per_warp=2000, threads=4, repeats=5):
+    report.progress(f"gpu-ll: command channel, {warps} warps push {per_warp} NOP commands each, {repeats} runs")
+    rates, probe, latency = run_ranks(_channel_body, 1, args=(warps, per_warp, threads, repeats), timeout=600)[0]
+    t = Table(f"gpu-ll: command channel through the real proxy threads, {threads} proxy threads", "M cmd/s",
+              f"one GPU and this host's CPUs: {warps} warps push {per_warp} NOP commands each into 32 device FIFOs "
+              f"(mapped host memory), {threads} proxy threads pop and handle them. Samples: one rate per run. "
+              f"Baseline: the same commands popped by {threads} bare consumer threads (gpu-fifo's probe: no proxy, no "
+              "Channel).")
+    t.add("NOP commands through the proxies", rates)
+    t.add("baseline: FIFO probe, bare consumer threads", probe)
+    t.line("quoted, not this run: the untuned probe on the H200 machine (reference/gpu-machine.md): 57.3 M cmd/s "
+           "with 32 FIFOs and 4 threads")
     for line in command_latency_lines(latency):  # the proxies' FIFO consumer loop, in a thread of its own
-        printer(line)
-    return rates
-
+        t.line(line)
+    report.add(t)

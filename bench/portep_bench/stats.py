@@ -18,6 +18,20 @@ def percentile(values, q):
     return v[k]
 
 
+def spread(values):
+    """n, min, median, mean and max of the samples."""
+    if not values:
+        raise ValueError("spread of no values")
+    return {"n": len(values), "min": min(values), "median": median(values), "mean": sum(values) / len(values),
+            "max": max(values)}
+
+
+def figure(value):
+    """A measured value with 3-4 significant digits, never in exponent form."""
+    size = abs(value)
+    return f"{value:.1f}" if size >= 100 else f"{value:.2f}" if size >= 1 else f"{value:.3f}"
+
+
 def call_durations_us(fn, calls, warmup=20):
     """Microseconds of each of `calls` calls of fn (host time), after `warmup` untimed calls."""
     for _ in range(warmup):
@@ -31,8 +45,10 @@ def call_durations_us(fn, calls, warmup=20):
 
 
 def table(headers, rows):
+    """A Markdown table: the first column (what each row is) aligned left, the figures right."""
     cells = [[str(h) for h in headers]] + [[str(c) for c in r] for r in rows]
     widths = [max(len(row[i]) for row in cells) for i in range(len(headers))]
-    line = lambda row: "| " + " | ".join(c.rjust(w) for c, w in zip(row, widths)) + " |"  # noqa: E731
+    line = lambda row: "| " + " | ".join(c.ljust(w) if i == 0 else c.rjust(w)  # noqa: E731
+                                        for i, (c, w) in enumerate(zip(row, widths))) + " |"
     sep = "|" + "|".join("-" * (w + 2) for w in widths) + "|"
     return "\n".join([line(cells[0]), sep] + [line(r) for r in cells[1:]])

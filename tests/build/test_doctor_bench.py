@@ -1,8 +1,13 @@
-"""The two command-line entry points: doctor's report and a short channel benchmark run."""
+"""The two command-line entry points: doctor's report, and the benchmarks (python -m portep_bench) at tiny shapes:
+progress on stderr, tables of min / median / mean / max with the same run's baseline, the backend's note, --json,
+--plot, and options alone going to this machine's default mode."""
 
 import json
+import os
+import re
 import subprocess
 import sys
+import types
 
 import pytest
 
@@ -64,21 +69,186 @@ def test_bootstrap_names_the_missing_numpy():
     assert "needs numpy" in proc.stdout and "pip install numpy" in proc.stdout, proc.stdout + proc.stderr
 
 
-def test_channel_benchmark_prints_rates_latencies_and_baselines():
-    proc = run_module("portep.bench", "channel", "--ranks", "2", "--messages", "2000", "--iterations", "200",
-                      "--proxy-threads", "2", "--producers", "2")
+TINY_EP = ["--ranks", "2", "--ht-tokens", "128", "--ll-tokens", "8", "--hidden", "512", "--iterations", "3"]
+
+
+def table_rows(stdout, title_start):
+    """{first cell: {column: cell}} of the table printed under the title that starts with title_start."""
+    lines = stdout.splitlines()
+    start = next(i for i, line in enumerate(lines) if line.startswith("## " + title_start))
+    body = []
+    for line in lines[start + 1:]:
+        if line.startswith("|"):
+            body.append([c.strip() for c in line.strip("|").split("|")])
+        elif body:
+            break
+    header = body[0]
+    return {row[0]: dict(zip(header, row)) for row in body[2:]}
+
+
+def printed_equals(cell, value):
+    """The printed figure is value rounded to the cell's decimals."""
+    decimals = len(cell.split(".")[1]) if "." in cell else 0
+    return abs(float(cell) - value) <= 0.5 * 10 ** -decimals + 1e-12
+
+
+def median(values):
+    v = sorted(values)
+    return v[len(v) // 2] if len(v) % 2 else (v[len(v) // 2 - 1] + v[len(v) // 2]) / 2
+
+
+def test_help_lists_the_modes_and_shows_every_default():
+    from portep_bench.__main__ import build_parser, default_modes
+
+    top = run_module("portep_bench", "--help")
+    assert top.returncode == 0, top.stderr
+    for mode in ("ep", "channel", "gpu-fifo", "gpu-ll", "gpu-ht", "gpu", "gpu-ht-loopback", "ll-host"):
+        assert re.search(rf"^\s+{re.escape(mode)}\b", top.stdout, re.M), mode
+    assert f"default here: {' then '.join(default_modes())}" in " ".join(top.stdout.split())
+    ep_help = build_parser()[1]["ep"].format_help()
+    text = " ".join(ep_help.split())
+    for option, default in (("--ht-tokens", 4096), ("--hidden", 7168), ("--iterations", 10), ("--warmup", 1),
+                            ("--transport", "shm"), ("--ll-experts", 288)):
+        assert re.search(rf"{option} \S+ (?:(?!\(default).)*\(default: {default}\)", text), (option, ep_help)
+    assert text.count("(default:") == len(re.findall(r"^\s+--", ep_help, re.M)), ep_help  # every option
+
+
+def test_ep_benchmark_reports_spread_baseline_note_progress_and_json(tmp_path):
+    from portep_bench.__main__ import default_modes
+
+    if default_modes() != ("ep",):
+        pytest.skip(f"the default mode here is {default_modes()}, not ep: options alone go there")
+    path = tmp_path / "ep.json"
+    proc = run_module("portep_bench", *TINY_EP, "--json", str(path), timeout=240)  # no mode: the default, ep
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    lines = [line for line in proc.stdout.splitlines() if line.startswith("|")]
-    rate_rows = [line for line in lines if line.split("|")[1].strip() in ("shm", "shm-unordered")
-                 and len(line.split("|")) == 6]
-    lat_rows = [line for line in lines if len(line.split("|")) == 8 and line.split("|")[2].strip().isdigit()]
-    assert len(rate_rows) == 2 and len(lat_rows) == 4, proc.stdout
-    for row in rate_rows:
-        cells = [c.strip() for c in row.split("|")[2:5]]
-        assert all(float(c) > 0 for c in cells), row
-    for row in lat_rows:
-        cells = [c.strip() for c in row.split("|")[3:7]]
-        assert all(float(c) > 0 for c in cells), row
+    progress = re.findall(r"^\[portep_bench \d+\.\ds\] (.*)$", proc.stderr, re.M)
+    assert "ep: HT dispatch BF16, warm-up" in progress and "ep: HT dispatch BF16, iteration 3/3" in progress, progress
+    assert "a CPU emulation of the protocols over shared memory, not GPU speed" in proc.stdout
+    rows = table_rows(proc.stdout, "ep: host backend, 2 ranks")
+    baseline = "baseline: gloo all_to_all_single + pack, HT BF16 rows"
+    assert set(rows) == {"get_dispatch_layout", "HT dispatch BF16", baseline, "HT dispatch FP8", "HT combine BF16",
+                         "LL dispatch FP8", "LL dispatch + combine"}, rows
+    report = json.loads(path.read_text())
+    assert report["modes"] == ["ep"] and "--ranks 2" in report["command"]
+    assert set(report["machine"]) == {"cpu_count", "load_average_1min", "python", "torch", "gpus", "portep"}
+    assert report["machine"]["cpu_count"] == os.cpu_count()
+    (table,) = report["tables"]
+    assert "not GPU speed" in table["note"] and table["unit"] == "ms"
+    for sample in table["samples"]:
+        printed = rows[sample["what"]]
+        assert printed["n"] == "3" and len(sample["samples"]) == 3
+        assert sample["baseline"] == (sample["what"] == baseline)
+        assert printed_equals(printed["median ms"], median(sample["samples"])), (printed, sample)
+        assert printed_equals(printed["min ms"], min(sample["samples"]))
+        assert printed_equals(printed["max ms"], max(sample["samples"]))
+    assert float(rows[baseline]["GB/s at median"]) > 0 and float(rows["HT dispatch BF16"]["GB/s at median"]) > 0
+
+
+def test_options_alone_go_to_the_default_modes(monkeypatch):
+    from portep_bench import __main__ as cli
+
+    monkeypatch.setattr(cli, "default_modes", lambda: ("ep",))
+    (ep,) = cli.parse(["--ranks", "2"])
+    assert (ep.mode, ep.ranks, ep.iterations) == ("ep", 2, 10)
+    (channel,) = cli.parse(["channel", "--ranks", "2"])
+    assert (channel.mode, channel.ranks) == ("channel", 2)
+    monkeypatch.setattr(cli, "default_modes", lambda: ("gpu-ht-loopback", "ll-host"))
+    loopback, ll_host = cli.parse(["--iterations", "7", "--calls", "9", "--json", "x.json"])
+    assert (loopback.mode, loopback.iterations, loopback.json) == ("gpu-ht-loopback", 7, "x.json")
+    assert (ll_host.mode, ll_host.calls, ll_host.json) == ("ll-host", 9, "x.json")
+    with pytest.raises(SystemExit):
+        cli.parse(["--ranks", "2"])  # neither default mode here takes it
+
+
+def fake_ll_host_time(monkeypatch, measure):
+    import portep_bench
+
+    module = types.ModuleType("portep_bench.ll_host_time")
+    module.measure = measure
+    monkeypatch.setitem(sys.modules, "portep_bench.ll_host_time", module)
+    monkeypatch.setattr(portep_bench, "ll_host_time", module, raising=False)
+
+
+def test_ll_host_table_has_median_mean_and_the_baseline(monkeypatch, capsys, tmp_path):
+    from portep_bench import __main__ as cli
+
+    asked = []
+
+    def measure(calls=1000, progress=print):
+        asked.append(calls)
+        progress("ll-host: timing")
+        return {"rows": [{"what": "Buffer LL round trip", "samples_us": [40.0, 38.0, 90.0, 41.0]},
+                         {"what": "baseline: six torch.empty", "samples_us": [12.0, 13.0, 11.0, 30.0]}],
+                "note": "host time of each call on one GPU"}
+
+    fake_ll_host_time(monkeypatch, measure)
+    path = tmp_path / "ll.json"
+    assert cli.main(["ll-host", "--calls", "4", "--json", str(path)]) == 0
+    out, err = capsys.readouterr()
+    assert asked == [4] and "] ll-host: timing" in err
+    rows = table_rows(out, "ll-host")
+    assert rows["Buffer LL round trip"]["median us"] == "40.50" and rows["Buffer LL round trip"]["mean us"] == "52.25"
+    assert rows["baseline: six torch.empty"]["min us"] == "11.00" and rows["baseline: six torch.empty"]["n"] == "4"
+    (table,) = json.loads(path.read_text())["tables"]
+    assert table["note"] == "host time of each call on one GPU"
+    assert [s["baseline"] for s in table["samples"]] == [False, True]
+
+
+def test_ll_host_without_a_gpu_prints_the_reason_and_fails(monkeypatch, capsys):
+    from portep_bench import __main__ as cli
+
+    def measure(calls=1000, progress=print):
+        raise RuntimeError("ll-host needs a CUDA GPU; here: none visible")
+
+    fake_ll_host_time(monkeypatch, measure)
+    assert cli.main(["ll-host"]) != 0
+    assert "portep_bench ll-host: ll-host needs a CUDA GPU; here: none visible" in capsys.readouterr().err
+
+
+def test_plots_without_matplotlib_say_how_to_get_them_and_json_is_still_written(monkeypatch, capsys, tmp_path):
+    from portep_bench import __main__ as cli
+    from portep_bench import plot
+
+    fake_ll_host_time(monkeypatch, lambda calls, progress: {"rows": [{"what": "baseline: x", "samples_us": [1.0]}],
+                                                            "note": "n"})
+    monkeypatch.setattr(plot, "available", lambda: False)
+    assert cli.main(["ll-host", "--json", str(tmp_path / "r.json"), "--plot", str(tmp_path / "plots")]) == 0
+    err = capsys.readouterr().err
+    assert "pip install 'portep[plot]'" in err and "pip install matplotlib" in err
+    assert json.loads((tmp_path / "r.json").read_text())["tables"] and not (tmp_path / "plots").exists()
+
+
+def test_plots_are_one_png_per_table(tmp_path):
+    pytest.importorskip("matplotlib")
+    from portep_bench import plot
+    from portep_bench.report import Table
+
+    tables = [Table("first", "us", "n"), Table("second: rates", "M cmd/s", "n")]
+    for t in tables:
+        t.add("portep", [3.0, 4.0, 5.0])
+        t.add("baseline: other", [6.0, 7.0])
+    paths = plot.write(tables, str(tmp_path))
+    assert [os.path.basename(p) for p in paths] == ["01-first.png", "02-second-rates.png"]
+    for p in paths:
+        with open(p, "rb") as f:
+            assert f.read(8) == b"\x89PNG\r\n\x1a\n"
+
+
+def test_channel_benchmark_prints_rates_latencies_and_baselines():
+    proc = run_module("portep_bench", "channel", "--ranks", "2", "--messages", "2000", "--iterations", "200",
+                      "--proxy-threads", "2", "--producers", "2", "--transport", "shm")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "not GPU speed" in proc.stdout and "] channel shm: baseline, the FIFO alone" in proc.stderr
+    rates = table_rows(proc.stdout, "channel: command rate")
+    assert set(rates) == {"shm, per process", "baseline: FIFO alone (shm run)"}, rates
+    assert rates["shm, per process"]["n"] == "2" and rates["baseline: FIFO alone (shm run)"]["n"] == "3"
+    latency = table_rows(proc.stdout, "channel: write+signal round trip")
+    assert set(latency) == {"shm, 8 B", "shm, 4096 B", "baseline: gloo send/recv, 8 B (shm run)",
+                            "baseline: gloo send/recv, 4096 B (shm run)"}, latency
+    for row in list(rates.values()) + list(latency.values()):
+        figures = [float(v) for k, v in row.items() if k.split()[0] in ("min", "median", "mean", "max", "p99")]
+        assert len(figures) >= 4 and all(f > 0 for f in figures), row
+    assert all(row["n"] == "200" for row in latency.values())
 
 
 def test_command_latency_upper_bound_uses_the_host_clock_alone():
@@ -110,25 +280,29 @@ def test_command_latency_upper_bound_uses_the_host_clock_alone():
     assert f"median at most {(true_median + 400) / 1e3:.2f} us" in bound[0], bound[0]
 
 
-@pytest.mark.parametrize("cuda_built,available,count,mode", [
-    (True, True, 2, "gpu"), (True, True, 8, "gpu"), (True, True, 1, "gpu-ht-loopback"), (True, False, 0, "ep"),
-    (False, True, 2, "ep")])
-def test_main_benchmark_picks_the_best_backend_here(monkeypatch, cuda_built, available, count, mode):
+@pytest.mark.parametrize("cuda_built,available,count,modes", [
+    (True, True, 2, ("gpu",)), (True, True, 8, ("gpu",)), (True, True, 1, ("gpu-ht-loopback", "ll-host")),
+    (True, False, 0, ("ep",)), (False, True, 2, ("ep",))])
+def test_main_benchmark_picks_the_best_backend_here(monkeypatch, cuda_built, available, count, modes):
     import torch
 
-    from portep import bench, native
+    from portep import native
+    from portep_bench.__main__ import default_modes
 
     monkeypatch.setattr(native, "build_info", lambda: {"gpu_built": cuda_built})
     monkeypatch.setattr(torch.cuda, "is_available", lambda: available)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: count)
-    assert bench._best_mode() == mode
+    assert default_modes() == modes
 
 
-def test_loopback_benchmark_without_a_gpu_says_what_it_needs():
+@pytest.mark.parametrize("args,reason", [(["gpu-ht-loopback", "--sms", "8"], "gpu-ht-loopback needs a CUDA GPU"),
+                                         (["ll-host", "--calls", "5"], "ll-host needs a GPU")])
+def test_gpu_benchmarks_without_a_gpu_say_what_they_need(args, reason):
     import torch
 
     if torch.cuda.is_available():
         pytest.skip("a GPU is visible: the benchmark would run")
-    r = run_module("portep.bench", "gpu-ht-loopback", "--sms", "8")
+    r = run_module("portep_bench", *args)
     assert r.returncode != 0
-    assert "gpu-ht-loopback needs a CUDA GPU and portep's CUDA kernels" in r.stderr, r.stderr[-2000:]
+    assert f"portep_bench {args[0]}: {reason}" in r.stderr, r.stderr[-2000:]
+    assert "Traceback" not in r.stderr, r.stderr[-2000:]
