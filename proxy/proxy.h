@@ -84,6 +84,8 @@ class ProxyGroup {
   void barrier();
 
   void check_error() const;        // throws std::runtime_error with the latched message
+  // Set once an error latched: for a caller that must not pay for check_error's call (the LL fast path).
+  const std::atomic<bool>* failed_flag() const;
   // The peer watch (peer_watch.h), when cfg.status_stream >= 0, else null.
   const PeerWatch* peer_watch() const;
   PeerWatch* peer_watch();

@@ -192,6 +192,8 @@ void ProxyGroup::check_error() const {
   if (impl_->failed()) throw std::runtime_error(impl_->error());
 }
 
+const std::atomic<bool>* ProxyGroup::failed_flag() const { return impl_->failed_flag(); }
+
 const PeerWatch* ProxyGroup::peer_watch() const { return impl_->watch.get(); }
 PeerWatch* ProxyGroup::peer_watch() { return impl_->watch.get(); }
 

@@ -70,6 +70,7 @@ class ProxyGroupImpl {
 
   void latch(const std::string& msg);
   bool failed() const { return failed_.load(std::memory_order_acquire); }
+  const std::atomic<bool>* failed_flag() const { return &failed_; }
   std::string error() const;
   FifoView view(int i) const;
   void wait_acks(const std::vector<std::pair<int, uint64_t>>& tickets, const char* what);

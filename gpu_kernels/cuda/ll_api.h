@@ -1,6 +1,7 @@
 // Host entry points of the CUDA low-latency kernels (ll_dispatch.cu, ll_combine.cu). Plain C++, no CUDA types.
 //
-// Layout of one buffer half in every rank's data region (offsets are the same on all ranks):
+// Layout of one buffer half in every rank's data region (offsets and sizes: gpu_kernels/ll_layout.h; after the
+// engine's data, the flags and meta blocks of LLRegion below):
 //   send  [send_off, +S)   dispatch, proxy peers: messages staged as [E][T] (expert, slot), packed per chunk;
 //                          combine: the expert outputs as [E_l][R*T] rows of comb_pitch bytes (DeepEP's
 //                          zero-copy buffer); without zero-copy, rows for proxy peers are staged packed per chunk
@@ -50,6 +51,27 @@ constexpr int kMetaTokens = 1024;  // partial sums in combine for num_max_dispat
 constexpr int kMetaMaxTopk = 32;   // the kernels' limit on num_topk
 constexpr uint64_t kMetaHeaderBytes = 16;
 constexpr uint64_t kMetaStride = kMetaHeaderBytes + uint64_t(kMetaTokens) * kMetaMaxTopk * 8;  // per source
+
+// What follows a Buffer's num_bytes of data in its region (every rank alike):
+//   flags [2 halves][2 phases: dispatch, combine][num_ranks * max_local_experts] int32
+//   meta  [2 halves][num_ranks sources] blocks of kMetaStride bytes (combine partials, above)
+// and then the normal mode's control area (gpu_kernels/cuda/ht_api.h) at end().
+struct LLRegion {
+  uint64_t num_bytes = 0;
+  int num_ranks = 0, max_local_experts = 0;
+
+  constexpr uint64_t flag_slots() const { return uint64_t(num_ranks) * uint64_t(max_local_experts); }
+  constexpr uint64_t flag_off(int half, int phase) const {
+    return num_bytes + uint64_t(half * 2 + phase) * flag_slots() * 4;
+  }
+  constexpr uint64_t meta_base() const { return num_bytes + 4 * 4 * flag_slots(); }
+  constexpr uint64_t meta_bytes() const { return 2 * uint64_t(num_ranks) * kMetaStride; }
+  constexpr uint64_t meta_off(int half) const { return meta_base() + uint64_t(half) * num_ranks * kMetaStride; }
+  constexpr uint64_t end() const { return meta_base() + meta_bytes(); }
+};
+static_assert(kMetaStride % 16 == 0, "meta blocks hold 16-byte aligned headers");
+static_assert(LLRegion{1 << 20, 2, 144}.flag_off(1, 1) + 4 * 2 * 144 == LLRegion{1 << 20, 2, 144}.meta_base(),
+              "the meta blocks follow the last flags");
 
 
 struct LLCommon {

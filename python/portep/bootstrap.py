@@ -1,11 +1,11 @@
 """Bootstrap over a torch.distributed process group (NCCL or gloo): exchange endpoint descriptions."""
 
 
-def group_rank_and_size(group):
+def group_rank_and_size(group, what="a Channel"):
     import torch.distributed as dist
 
     if not dist.is_initialized():
-        raise RuntimeError("torch.distributed is not initialized: call init_process_group before creating a Channel")
+        raise RuntimeError(f"torch.distributed is not initialized: call init_process_group before creating {what}")
     return dist.get_rank(group), dist.get_world_size(group)
 
 

@@ -12,9 +12,9 @@ import os
 import warnings
 
 import torch
-import torch.distributed as dist
 
 from . import validation as v
+from .bootstrap import group_rank_and_size
 from .config import timeout_from_env, transport_from_env
 from .deepep_config import (COMBINE_CONFIGS, DISPATCH_CONFIGS, Config, check_int, combine_config, default_config,
                             dispatch_config, low_latency_rdma_size_hint)
@@ -99,7 +99,7 @@ class Buffer:
         self.backend = _select_backend(backend)
         transport_from_env(transport)
         timeout_from_env(timeout_s)
-        self.rank, self.group_size = _group_rank_and_size(group)
+        self.rank, self.group_size = group_rank_and_size(group, "a Buffer")
         ranks_per_node = _ranks_per_node(num_ranks_per_node, self.group_size)
 
         self.group = group
@@ -121,11 +121,15 @@ class Buffer:
                                   timeout_s=timeout_s, allow_direct_ll=bool(allow_nvlink_for_low_latency_mode),
                                   shrink=self.enable_shrink,
                                   **({"normal_bytes": num_nvl_bytes} if split else {}))
-        self._comm = None
+        self._comm = self._ll_fast = None
         if self.backend == "cuda":
             from .backends.cuda.comm_stream import CommStream
+            from .backends.cuda.ll_fast import LLFastPath, fast_path_module
 
             self._comm = CommStream(self.runtime)
+            module, self.ll_fast_path_off = fast_path_module(self.runtime.native)
+            if module is not None and self.low_latency_mode and not self.enable_shrink:
+                self._ll_fast = LLFastPath(self.runtime, module)
 
     # ---- lifetime ----
     def destroy(self):
@@ -133,7 +137,7 @@ class Buffer:
         if not self.explicitly_destroy:
             raise RuntimeError("`explicitly_destroy` flag must be set: create the Buffer with "
                                "explicitly_destroy=True to call destroy(); otherwise it is released on deletion")
-        runtime, self.runtime = self.runtime, None
+        runtime, self.runtime, self._ll_fast = self.runtime, None, None
         if runtime is not None:
             with _host_factories(self._device):
                 runtime.destroy()
@@ -359,13 +363,27 @@ class Buffer:
         with _host_factories(self._device):
             engine.clean_low_latency_buffer(num_max_dispatch_tokens_per_rank, hidden, num_experts)
 
-    @_collective("low_latency_dispatch")
     def low_latency_dispatch(self, x, topk_idx, num_max_dispatch_tokens_per_rank, num_experts,
                              cumulative_local_expert_recv_stats=None, dispatch_wait_recv_cost_stats=None,
                              use_fp8=True, round_scale=False, use_ue8m0=False, async_finish=False,
                              return_recv_hook=False):
         """Send one message per (token, selected expert), packed expert-major on the receiver. Returns (recv_x,
         recv_count, handle, event, hook)."""
+        fast = self._ll_fast
+        if fast is not None and async_finish is False and return_recv_hook is False:
+            out = fast.dispatch(x, topk_idx, num_max_dispatch_tokens_per_rank, num_experts,
+                                cumulative_local_expert_recv_stats, dispatch_wait_recv_cost_stats, use_fp8,
+                                round_scale, use_ue8m0)
+            if out is not None:
+                return out
+        return self._low_latency_dispatch(x, topk_idx, num_max_dispatch_tokens_per_rank, num_experts,
+                                          cumulative_local_expert_recv_stats, dispatch_wait_recv_cost_stats, use_fp8,
+                                          round_scale, use_ue8m0, async_finish, return_recv_hook)
+
+    @_collective("low_latency_dispatch")
+    def _low_latency_dispatch(self, x, topk_idx, num_max_dispatch_tokens_per_rank, num_experts,
+                              cumulative_local_expert_recv_stats, dispatch_wait_recv_cost_stats, use_fp8,
+                              round_scale, use_ue8m0, async_finish, return_recv_hook):
         engine = self._ll_engine()
         key = None
         if self._device == "cuda":
@@ -393,6 +411,8 @@ class Buffer:
         recv_x, recv_count, handle, hook = engine.low_latency_dispatch(
             x, topk_idx, tokens, num_experts, bool(use_fp8), bool(round_scale), bool(use_ue8m0), recv_stats,
             wait_stats, bool(return_recv_hook))
+        if key is not None:  # checked and launched: the fast path may take this signature from now on
+            engine.mark_checked(tokens, x.size(1), num_experts, (bool(use_fp8), bool(round_scale), bool(use_ue8m0)))
         extra = None
         if async_finish:
             data, scales = recv_x if isinstance(recv_x, tuple) else (recv_x, None)
@@ -400,11 +420,21 @@ class Buffer:
         return _returned(engine, (recv_x, recv_count, handle, self._event(async_finish, extra)),
                          self._call.hook(hook))
 
-    @_collective("low_latency_combine")
     def low_latency_combine(self, x, topk_idx, topk_weights, handle, use_logfmt=False, zero_copy=False,
                             async_finish=False, return_recv_hook=False, out=None, combine_wait_recv_cost_stats=None):
         """Weighted sum of each token's expert outputs back on its source rank. Returns (combined_x, event,
         hook)."""
+        fast = self._ll_fast
+        if fast is not None and use_logfmt is False and async_finish is False and return_recv_hook is False:
+            result = fast.combine(x, topk_idx, topk_weights, handle, zero_copy, out, combine_wait_recv_cost_stats)
+            if result is not None:
+                return result
+        return self._low_latency_combine(x, topk_idx, topk_weights, handle, use_logfmt, zero_copy, async_finish,
+                                         return_recv_hook, out, combine_wait_recv_cost_stats)
+
+    @_collective("low_latency_combine")
+    def _low_latency_combine(self, x, topk_idx, topk_weights, handle, use_logfmt, zero_copy, async_finish,
+                             return_recv_hook, out, combine_wait_recv_cost_stats):
         engine = self._ll_engine()
         if use_logfmt:
             raise NotImplementedError("use_logfmt=True (LogFMT-10 combine) is not supported by portep yet; "
@@ -433,6 +463,8 @@ class Buffer:
         self._call.start()
         combined_x, hook = engine.low_latency_combine(x, topk_idx, topk_weights, handle, bool(zero_copy), out,
                                                       bool(return_recv_hook), wait_stats)
+        if key is not None:
+            engine.mark_checked(*handle[2:])
         extra = (x, topk_idx, topk_weights, handle[0], handle[1], combined_x) if async_finish else None
         return _returned(engine, (combined_x, self._event(async_finish, extra)), self._call.hook(hook))
 
@@ -554,12 +586,6 @@ def _select_backend(explicit):
     if name not in BACKENDS:
         raise ValueError(f"{source}={name!r} is not a backend; choose one of {', '.join(BACKENDS)}")
     return name
-
-
-def _group_rank_and_size(group):
-    if not dist.is_initialized():
-        raise RuntimeError("torch.distributed is not initialized: call init_process_group before creating a Buffer")
-    return dist.get_rank(group), dist.get_world_size(group)
 
 
 def _ranks_per_node(explicit, group_size):

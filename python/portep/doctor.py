@@ -194,6 +194,9 @@ def format_text(r):
     b = r["build"]
     gpu = f"{b['gpu_runtime'].upper()} for {b['gpu_archs']}" if b["gpu_built"] else "none"
     lines.append(f"  compiler:   {b['compiler']}; GPU kernels: {gpu}")
+    fast = (f"built against torch {b['ll_fast_path_torch']}" if b.get("ll_fast_path_torch")
+            else f"not built ({b.get('ll_fast_path_reason')}; LL calls take the Python path)")
+    lines.append(f"  LL fast path (portep._ll_torch): {fast}")
     h = r.get("hip", {})
     if h.get("built"):
         lines.append(f"  HIP:        ROCm {h.get('rocm_version')}, devices: {h.get('devices', '?')} "

@@ -58,6 +58,16 @@ class Lockstep:
             self._settle_refusals(what)
         return self.seq
 
+    def settled(self):
+        """No refusal of this rank's is waiting to be matched by its peers' (enter() would have to settle it)."""
+        return self._refused == self._resolved
+
+    def made_call(self):
+        """A call that began, passed enter() and launched in one step (the LL fast path: backends/cuda/ll_fast.py);
+        the caller checked broken and settled() first."""
+        self.seq += 1
+        self.sent = True
+
     def sending(self):
         """The current call's first traffic (a signal, a write, a kernel launch) goes out now."""
         self.sent = True

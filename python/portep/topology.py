@@ -1,14 +1,13 @@
 """Where each rank of an engine's group sits: nodes of `ranks_per_node` consecutive ranks (rank r is on node
 r // ranks_per_node). Shared by the host and CUDA engines."""
 
-import torch
+from .bootstrap import group_rank_and_size
 
 
 class Topology:
     def __init__(self, group, ranks_per_node, max_local_experts):
         self.group = group
-        self.rank = torch.distributed.get_rank(group)
-        self.num_ranks = torch.distributed.get_world_size(group)
+        self.rank, self.num_ranks = group_rank_and_size(group, "an engine")
         if ranks_per_node < 1 or self.num_ranks % ranks_per_node:
             raise ValueError(f"num_ranks_per_node={ranks_per_node} must divide the group size {self.num_ranks}")
         self.ranks_per_node = ranks_per_node

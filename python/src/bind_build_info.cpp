@@ -29,6 +29,9 @@ void bind_build_info(py::module_& m) {
     d["hip_built"] = runtime == "hip";
     d["hip_reason"] = runtime == "hip" ? std::string() : runtime == "cuda" ? "built for CUDA instead" : reason;
     d["hip_version"] = std::string(PORTEP_HIP_VERSION);
+    // portep._ll_torch, the LL hot path (python/src/ll_torch_path.cpp): the torch it was built against, or why not
+    d["ll_fast_path_torch"] = std::string(PORTEP_TORCH_FAST_PATH_VERSION);
+    d["ll_fast_path_reason"] = std::string(PORTEP_TORCH_FAST_PATH_REASON);
     return d;
   });
   m.def("cuda_devices", []() -> py::tuple {

@@ -1,14 +1,21 @@
 // Bindings of the CUDA low-latency kernels and their device setup (built with the CUDA kernels only).
 #ifdef PORTEP_WITH_GPU
 #include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
 
+#include <iterator>
+#include <memory>
 #include <stdexcept>
 #include <string>
+#include <tuple>
 
 #include "gpu_kernels/cuda/api.h"
-#include "python/src/bind_util.h"
-#include "gpu_kernels/cuda/ll_api.h"
 #include "gpu_kernels/cuda/ht_api.h"
+#include "gpu_kernels/cuda/ll_api.h"
+#include "gpu_kernels/cuda/ll_plan.h"
+#include "gpu_kernels/ll_layout.h"
+#include "proxy/channel.h"
+#include "python/src/bind_util.h"
 
 namespace py = pybind11;
 using namespace portep::cuda;
@@ -18,74 +25,179 @@ namespace {
 using portep::bind::check;
 using portep::bind::ptr;
 using portep::bind::PyFifoSet;
+using portep::LLHalfLayout;
+using portep::ll_half_layout;
 
-// The per-Buffer constants of LLCommon; every call adds its half's offsets and its tensors.
+// A Buffer's LL kernels: the per-Buffer constants (LLCommon) and the table of prepared call signatures
+// (ll_plan.h), which the torch fast path reads through table_address.
 class LLKernels {
  public:
-  LLKernels(int rank, int num_ranks, uintptr_t local, uintptr_t peers, uintptr_t place, uintptr_t host_signals,
-            uintptr_t signal_seen,
-            uint32_t num_streams, const PyFifoSet& fifos, uintptr_t finish, uintptr_t chunk_done, uintptr_t proxy_begin,
-            int max_chunks, uintptr_t dest_done, uintptr_t error, double timeout_s, int num_sms, uintptr_t failed,
-            uintptr_t peer_status, uintptr_t mask, uintptr_t send_mask) {
-    if (!failed) throw std::invalid_argument("failed: the device words for reported errors must not be null");
-    if (!peers || !place) throw std::invalid_argument("peers and place: device arrays of num_ranks pointers, not null");
-    c_ = LLCommon{};
-    c_.rank = rank;
-    c_.num_ranks = num_ranks;
-    c_.local = ptr<uint8_t>(local);
-    c_.peers = ptr<uint8_t* const>(peers);
-    c_.place = ptr<uint8_t* const>(place);
-    c_.host_signals = ptr<uint64_t>(host_signals);
-    c_.signal_seen = ptr<uint64_t>(signal_seen);
-    c_.num_streams = num_streams;
-    c_.fifos = fifos.set_.device_views;
-    c_.fifo_tails = fifos.set_.device_tails;
-    c_.num_fifos = fifos.set_.count;
-    c_.finish = ptr<uint32_t>(finish);
-    c_.chunk_done = ptr<uint32_t>(chunk_done);
-    c_.proxy_begin = ptr<uint32_t>(proxy_begin);
-    c_.max_chunks = max_chunks;
-    c_.dest_done = ptr<uint32_t>(dest_done);
-    c_.meta_stride = kMetaStride;
-    c_.error = ptr<KernelError>(error);
-    c_.failed = ptr<uint32_t>(failed);
-    c_.peer_status = ptr<const uint32_t>(peer_status);
-    c_.mask = ptr<uint32_t>(mask);
-    c_.send_mask = ptr<const uint32_t>(send_mask);
-    if (!c_.mask != !c_.send_mask) throw std::invalid_argument("mask and send_mask: both (shrink mode) or neither");
-    c_.timeout_ns = uint64_t(timeout_s * 1e9);
-    c_.num_sms = num_sms;
+  struct Setup {
+    int rank, num_ranks, max_local_experts, num_direct;
+    uint64_t num_bytes;     // the LL buffer and the normal mode's area; LLRegion's flags and meta blocks follow
+    uint32_t stream_base;   // the first LL signal stream
+    int device;
+  };
+
+  LLKernels(const Setup& s, LLCommon base, portep::Channel& channel)
+      : setup_(s), region_{s.num_bytes, s.num_ranks, s.max_local_experts}, table_(new LLPlanTable) {
+    base.rank = s.rank;
+    base.num_ranks = s.num_ranks;
+    base.meta_stride = kMetaStride;
+    base_ = base;
+    table_->device = s.device;
+    table_->num_ranks = s.num_ranks;
+    table_->errors = base.error;
+    table_->proxies_failed = channel.proxies().failed_flag();
+    table_->dispatch_fn = &ll_dispatch;
+    table_->combine_fn = &ll_combine;
+    table_->error_string = &cuda_error_string;
   }
 
-  LLCommon shape(int T, int hidden, int num_experts, uint64_t send_off, uint64_t recv_off, uint64_t flag_off,
-                 uint32_t disp_bytes, uint32_t comb_pitch, uint32_t stream_base, uint64_t meta_off,
-                 uintptr_t stream, uint32_t seq) const {
-    LLCommon c = c_;
-    c.T = T;
-    c.hidden = hidden;
-    c.num_experts = num_experts;
-    c.num_local_experts = num_experts / c.num_ranks;
-    c.send_off = send_off;
-    c.recv_off = recv_off;
-    c.flag_off = flag_off;
-    c.disp_bytes = disp_bytes;
-    c.comb_pitch = comb_pitch;
-    c.stream_base = stream_base;
+  // The plan of signature (T, hidden, num_experts), made on first use (python checked the signature first).
+  LLPlan& plan(int T, int hidden, int num_experts) {
+    if (LLPlan* p = table_->find(T, hidden, num_experts)) return *p;
+    LLPlan& p = table_->count < LLPlanTable::kMaxPlans ? table_->plans[table_->count++]
+                                                       : table_->plans[table_->next_victim++ % LLPlanTable::kMaxPlans];
+    p = LLPlan{};
+    p.T = T;
+    p.hidden = hidden;
+    p.num_experts = num_experts;
+    const LLHalfLayout lay = ll_half_layout(T, hidden, num_experts, setup_.num_ranks);
+    // combine partials between direct peers while the meta blocks have room (ll_api.h); else rows to every peer
+    const bool partials = T <= kMetaTokens && setup_.num_direct > 1;
+    for (int half = 0; half < 2; ++half) {
+      p.dispatch[half] = shaped(lay, half, 0, 0);
+      p.combine[half] = shaped(lay, half, 1, partials ? region_.meta_off(half) : 0);
+    }
+    return p;
+  }
+
+  LLPlanTable& table() { return *table_; }
+
+ private:
+  LLCommon shaped(const LLHalfLayout& lay, int half, int phase, uint64_t meta_off) const {
+    LLCommon c = base_;
+    c.T = lay.T;
+    c.hidden = lay.H;
+    c.num_experts = lay.E;
+    c.num_local_experts = lay.E_l;
+    c.send_off = lay.send_off(half);
+    c.recv_off = lay.recv_off(half);
+    c.flag_off = region_.flag_off(half, phase);
+    c.disp_bytes = uint32_t(lay.disp_bytes);
+    c.comb_pitch = uint32_t(lay.comb_pitch);
+    c.stream_base = setup_.stream_base + uint32_t((half * 2 + phase) * setup_.max_local_experts);
     c.meta_off = meta_off;
-    c.stream = reinterpret_cast<void*>(stream);
-    c.seq = seq;
     return c;
   }
 
-  // The per-call constants as _shape in backends/cuda/engine.py packs them.
-  LLCommon shape(const py::tuple& s) const {
-    return shape(s[0].cast<int>(), s[1].cast<int>(), s[2].cast<int>(), s[3].cast<uint64_t>(), s[4].cast<uint64_t>(),
-                 s[5].cast<uint64_t>(), s[6].cast<uint32_t>(), s[7].cast<uint32_t>(), s[8].cast<uint32_t>(),
-                 s[9].cast<uint64_t>(), s[10].cast<uintptr_t>(), s[11].cast<uint32_t>());
-  }
-
-  LLCommon c_;
+  Setup setup_;
+  LLRegion region_;
+  LLCommon base_{};
+  std::unique_ptr<LLPlanTable> table_;
 };
+
+// LLCommon's per-Buffer pointers and limits, from the engine's keyword arguments.
+LLCommon common_from(const py::kwargs& kw) {
+  auto u = [&kw](const char* k) { return kw[k].cast<uintptr_t>(); };
+  LLCommon c{};
+  c.local = ptr<uint8_t>(u("local"));
+  c.peers = ptr<uint8_t* const>(u("peers"));
+  c.place = ptr<uint8_t* const>(u("place"));
+  c.host_signals = ptr<uint64_t>(u("host_signals"));
+  c.signal_seen = ptr<uint64_t>(u("signal_seen"));
+  c.num_streams = kw["num_streams"].cast<uint32_t>();
+  const PyFifoSet& fifos = kw["fifos"].cast<const PyFifoSet&>();
+  c.fifos = fifos.set_.device_views;
+  c.fifo_tails = fifos.set_.device_tails;
+  c.num_fifos = fifos.set_.count;
+  c.finish = ptr<uint32_t>(u("finish"));
+  c.chunk_done = ptr<uint32_t>(u("chunk_done"));
+  c.proxy_begin = ptr<uint32_t>(u("proxy_begin"));
+  c.max_chunks = kw["max_chunks"].cast<int>();
+  c.dest_done = ptr<uint32_t>(u("dest_done"));
+  c.error = ptr<KernelError>(u("error"));
+  c.failed = ptr<uint32_t>(u("failed"));
+  c.peer_status = ptr<const uint32_t>(u("peer_status"));
+  c.mask = ptr<uint32_t>(u("mask"));
+  c.send_mask = ptr<const uint32_t>(u("send_mask"));
+  c.timeout_ns = uint64_t(kw["timeout_s"].cast<double>() * 1e9);
+  c.num_sms = kw["num_sms"].cast<int>();
+  if (!c.failed || !c.error) throw std::invalid_argument("failed, error: the kernels' error words must not be null");
+  if (!c.peers || !c.place) throw std::invalid_argument("peers and place: device arrays of num_ranks pointers, not null");
+  if (!c.mask != !c.send_mask) throw std::invalid_argument("mask and send_mask: both (shrink mode) or neither");
+  return c;
+}
+
+const char* const kLLKernelsKeywords[] = {
+    "rank", "num_ranks", "max_local_experts", "num_direct", "num_bytes", "stream_base", "device", "channel",
+    "local", "peers", "place", "host_signals", "signal_seen", "num_streams", "fifos", "finish", "chunk_done",
+    "proxy_begin", "max_chunks", "dest_done", "error", "failed", "peer_status", "mask", "send_mask", "timeout_s",
+    "num_sms"};
+
+std::unique_ptr<LLKernels> make_ll_kernels(const py::kwargs& kw) {
+  for (const char* k : kLLKernelsKeywords)
+    if (!kw.contains(k)) throw std::invalid_argument(std::string("LLKernels: keyword argument '") + k + "' missing");
+  if (kw.size() != std::size(kLLKernelsKeywords))
+    throw std::invalid_argument("LLKernels: unexpected keyword arguments (takes " +
+                                std::to_string(std::size(kLLKernelsKeywords)) + ")");
+  LLKernels::Setup s{kw["rank"].cast<int>(),      kw["num_ranks"].cast<int>(),     kw["max_local_experts"].cast<int>(),
+                     kw["num_direct"].cast<int>(), kw["num_bytes"].cast<uint64_t>(), kw["stream_base"].cast<uint32_t>(),
+                     kw["device"].cast<int>()};
+  return std::make_unique<LLKernels>(s, common_from(kw), kw["channel"].cast<portep::Channel&>());
+}
+
+LLCommon call_common(const LLCommon& c, uintptr_t stream, uint32_t seq) {
+  LLCommon out = c;
+  out.stream = reinterpret_cast<void*>(stream);
+  out.seq = seq;
+  return out;
+}
+
+void dispatch(LLKernels& k, const LLPlan& p, int half, int phases, uintptr_t stream, uint32_t seq,
+              const py::kwargs& kw) {
+  auto u = [&kw](const char* key) { return kw[key].cast<uintptr_t>(); };
+  LLDispatchArgs a{};
+  a.c = call_common(p.dispatch[half], stream, seq);
+  a.x = ptr<const void>(u("x"));
+  a.topk_idx = ptr<const int64_t>(u("topk_idx"));
+  a.num_tokens = kw["num_tokens"].cast<int>();
+  a.num_topk = kw["num_topk"].cast<int>();
+  a.use_fp8 = kw["use_fp8"].cast<bool>();
+  a.round_scale = kw["round_scale"].cast<bool>();
+  a.use_ue8m0 = kw["use_ue8m0"].cast<bool>();
+  a.recv_x = ptr<void>(u("recv_x"));
+  a.recv_scales = ptr<void>(u("recv_scales"));
+  a.recv_count = ptr<int32_t>(u("recv_count"));
+  a.src_info = ptr<int32_t>(u("src_info"));
+  a.layout_range = ptr<int64_t>(u("layout_range"));
+  a.cumulative_stats = ptr<int32_t>(u("cumulative_stats"));
+  a.wait_stats = ptr<int64_t>(u("wait_stats"));
+  check(ll_dispatch(a, phases), "low-latency dispatch");
+}
+
+void combine(LLKernels& k, const LLPlan& p, int half, int phases, uintptr_t stream, uint32_t seq,
+             const py::kwargs& kw) {
+  auto u = [&kw](const char* key) { return kw[key].cast<uintptr_t>(); };
+  const LLCommon& c = p.combine[half];
+  LLCombineArgs a{};
+  a.c = call_common(c, stream, seq);
+  a.zero_copy = kw["zero_copy"].cast<bool>();
+  // zero-copy: the rows are in this half's send area already (get_next_low_latency_combine_buffer)
+  a.x = a.zero_copy ? static_cast<const void*>(c.local + c.send_off) : ptr<const void>(u("x"));
+  a.x_pitch = a.zero_copy ? c.comb_pitch : uint64_t(c.hidden) * 2;
+  a.src_info = ptr<const int32_t>(u("src_info"));
+  a.layout_range = ptr<const int64_t>(u("layout_range"));
+  a.topk_idx = ptr<const int64_t>(u("topk_idx"));
+  a.topk_weights = ptr<const float>(u("topk_weights"));
+  a.num_tokens = kw["num_tokens"].cast<int>();
+  a.num_topk = kw["num_topk"].cast<int>();
+  a.out = ptr<void>(u("out"));
+  a.out_pitch = uint64_t(c.hidden) * 2;
+  a.wait_stats = ptr<int64_t>(u("wait_stats"));
+  check(ll_combine(a, phases), "low-latency combine");
+}
 
 }  // namespace
 
@@ -115,60 +227,52 @@ void bind_cuda_ll(py::module_& m) {
   m.attr("LL_CHUNK_EXPERTS") = kChunkExperts;
   m.attr("LL_META_TOKENS") = kMetaTokens;
   m.attr("LL_META_STRIDE") = kMetaStride;
+  py::class_<LLRegion>(m, "LLRegion", "what follows a Buffer's data in its region (gpu_kernels/cuda/ll_api.h)")
+      .def(py::init([](uint64_t num_bytes, int num_ranks, int max_local_experts) {
+             return LLRegion{num_bytes, num_ranks, max_local_experts};
+           }),
+           py::arg("num_bytes"), py::arg("num_ranks"), py::arg("max_local_experts"))
+      .def("flag_off", &LLRegion::flag_off, py::arg("half"), py::arg("phase"))
+      .def_property_readonly("meta_base", &LLRegion::meta_base)
+      .def_property_readonly("meta_bytes", &LLRegion::meta_bytes)
+      .def_property_readonly("end", &LLRegion::end, "where the normal mode's control area begins");
   py::class_<LLKernels>(m, "LLKernels")
-      .def(py::init<int, int, uintptr_t, uintptr_t, uintptr_t, uintptr_t, uintptr_t, uint32_t, const PyFifoSet&,
-                    uintptr_t, uintptr_t, uintptr_t, int, uintptr_t, uintptr_t, double, int, uintptr_t, uintptr_t,
-                    uintptr_t, uintptr_t>(),
-           py::arg("rank"), py::arg("num_ranks"), py::arg("local"), py::arg("peers"), py::arg("place"),
-           py::arg("host_signals"),
-           py::arg("signal_seen"), py::arg("num_streams"), py::arg("fifos"), py::arg("finish"), py::arg("chunk_done"),
-           py::arg("proxy_begin"), py::arg("max_chunks"), py::arg("dest_done"), py::arg("error"), py::arg("timeout_s"),
-           py::arg("num_sms"), py::arg("failed"), py::arg("peer_status") = 0, py::arg("mask") = 0,
-           py::arg("send_mask") = 0,
-           py::keep_alive<1, 10>())
-      .def("dispatch",
-           [](const LLKernels& k, int phases, py::tuple shape, uintptr_t x, uintptr_t topk_idx, int num_tokens,
-              int num_topk, bool use_fp8, bool round_scale, bool use_ue8m0, uintptr_t recv_x, uintptr_t recv_scales,
-              uintptr_t recv_count, uintptr_t src_info, uintptr_t layout_range, uintptr_t cumulative_stats,
-              uintptr_t wait_stats) {
-             LLDispatchArgs a{};
-             a.c = k.shape(shape);
-             a.x = ptr<const void>(x);
-             a.topk_idx = ptr<const int64_t>(topk_idx);
-             a.num_tokens = num_tokens;
-             a.num_topk = num_topk;
-             a.use_fp8 = use_fp8;
-             a.round_scale = round_scale;
-             a.use_ue8m0 = use_ue8m0;
-             a.recv_x = ptr<void>(recv_x);
-             a.recv_scales = ptr<void>(recv_scales);
-             a.recv_count = ptr<int32_t>(recv_count);
-             a.src_info = ptr<int32_t>(src_info);
-             a.layout_range = ptr<int64_t>(layout_range);
-             a.cumulative_stats = ptr<int32_t>(cumulative_stats);
-             a.wait_stats = ptr<int64_t>(wait_stats);
-             check(ll_dispatch(a, phases), "low-latency dispatch");
-           })
-      .def("combine",
-           [](const LLKernels& k, int phases, py::tuple shape, uintptr_t x, uint64_t x_pitch, bool zero_copy,
-              uintptr_t src_info, uintptr_t layout_range, uintptr_t topk_idx, uintptr_t topk_weights, int num_tokens,
-              int num_topk, uintptr_t out, uint64_t out_pitch, uintptr_t wait_stats) {
-             LLCombineArgs a{};
-             a.c = k.shape(shape);
-             a.x = ptr<const void>(x);
-             a.x_pitch = x_pitch;
-             a.zero_copy = zero_copy;
-             a.src_info = ptr<const int32_t>(src_info);
-             a.layout_range = ptr<const int64_t>(layout_range);
-             a.topk_idx = ptr<const int64_t>(topk_idx);
-             a.topk_weights = ptr<const float>(topk_weights);
-             a.num_tokens = num_tokens;
-             a.num_topk = num_topk;
-             a.out = ptr<void>(out);
-             a.out_pitch = out_pitch;
-             a.wait_stats = ptr<int64_t>(wait_stats);
-             check(ll_combine(a, phases), "low-latency combine");
-           });
+      .def(py::init(&make_ll_kernels), "keyword arguments only: see kLLKernelsKeywords in bind_cuda_ll.cpp")
+      .def(
+          "prepare",
+          [](LLKernels& k, int T, int hidden, int num_experts) { k.plan(T, hidden, num_experts); },
+          py::arg("T"), py::arg("hidden"), py::arg("num_experts"))
+      .def(
+          "mark_checked",
+          [](LLKernels& k, int T, int hidden, int num_experts, py::object dispatch_flags) {
+            LLPlan& p = k.plan(T, hidden, num_experts);
+            if (dispatch_flags.is_none()) {
+              p.checked |= kCombineChecked;
+            } else {
+              auto [fp8, round_scale, ue8m0] = dispatch_flags.cast<std::tuple<bool, bool, bool>>();
+              p.checked |= 1u << ll_fp8_combo(fp8, round_scale, ue8m0);
+            }
+          },
+          py::arg("T"), py::arg("hidden"), py::arg("num_experts"), py::arg("dispatch_flags"),
+          "a call of this signature passed Python's checks: dispatch_flags (use_fp8, round_scale, use_ue8m0) for a "
+          "dispatch, None for a combine")
+      .def(
+          "dispatch",
+          [](LLKernels& k, int T, int hidden, int num_experts, int half, int phases, uintptr_t stream, uint32_t seq,
+             const py::kwargs& kw) { dispatch(k, k.plan(T, hidden, num_experts), half, phases, stream, seq, kw); },
+          py::arg("T"), py::arg("hidden"), py::arg("num_experts"), py::arg("half"), py::arg("phases"),
+          py::arg("stream"), py::arg("seq"))
+      .def(
+          "combine",
+          [](LLKernels& k, int T, int hidden, int num_experts, int half, int phases, uintptr_t stream, uint32_t seq,
+             const py::kwargs& kw) { combine(k, k.plan(T, hidden, num_experts), half, phases, stream, seq, kw); },
+          py::arg("T"), py::arg("hidden"), py::arg("num_experts"), py::arg("half"), py::arg("phases"),
+          py::arg("stream"), py::arg("seq"))
+      .def_property_readonly("half", [](LLKernels& k) { return k.table().half; },
+                             "the buffer half the next LL call uses")
+      .def("take_half", [](LLKernels& k) { return k.table().take_half(); }, "the next call's half (then flipped)")
+      .def("reset_half", [](LLKernels& k) { k.table().half = 0; })
+      .def_property_readonly("table_address", [](LLKernels& k) { return reinterpret_cast<uintptr_t>(&k.table()); });
 
   m.def("cuda_device_alloc", [](uint64_t bytes) {
     void* p = nullptr;

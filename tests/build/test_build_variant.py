@@ -47,3 +47,32 @@ def test_a_gpu_build_refuses_a_torch_of_the_other_runtime(monkeypatch):
 
     with pytest.raises(RuntimeError, match=f"PORTEP_GPU={'hip' if other_is_hip else 'cuda'}"):
         CudaEngine(None, 1 << 20, 1)
+
+
+def test_the_ll_fast_path_is_built_where_meant_and_loads_under_its_torch():
+    """portep._ll_torch (the LL hot path, the one module linking libtorch) is built where torch was importable at
+    build time; CI builds without isolation and sets PORTEP_EXPECT_LL_FAST_PATH=1 so a build that lost it fails."""
+    torch = pytest.importorskip("torch")
+    info = native.build_info()
+    built_for = info["ll_fast_path_torch"]
+    if os.environ.get("PORTEP_EXPECT_LL_FAST_PATH") == "1":
+        assert built_for, f"the LL fast path was not built: {info['ll_fast_path_reason']}"
+    if not built_for:
+        assert info["ll_fast_path_reason"]
+        pytest.skip(f"the LL fast path is not built: {info['ll_fast_path_reason']}")
+    assert not info["ll_fast_path_reason"]
+    from portep import _ll_torch
+    from portep.backends.cuda.ll_fast import fast_path_module
+
+    assert _ll_torch.TORCH_VERSION == built_for
+    module, why_not = fast_path_module(native)
+    if built_for == torch.__version__:
+        assert module is _ll_torch and why_not == ""
+    else:
+        assert module is None and built_for in why_not
+    # a call it cannot match is declined before anything happens (no table, CPU tensors)
+    x, idx = torch.zeros(4, 512, dtype=torch.bfloat16), torch.zeros(4, 2, dtype=torch.int64)
+    assert _ll_torch.dispatch(0, x, idx, 4, 8, None, None, True, False, False, 1, 0, object) is None
+    assert _ll_torch.combine(0, x, idx, idx.float(), (x, x, 4, 512, 8), False, None, None, 1, 0, object) is None
+    with pytest.raises(TypeError, match="13 arguments"):
+        _ll_torch.dispatch(0, x)

@@ -3,6 +3,8 @@ layout of one buffer half and small tensor helpers. Imports nothing from either 
 
 import torch
 
+from .._native import require_native
+
 # Signal streams of one Buffer (slots are (source rank, stream)).
 STREAM_NOTIFY = 0
 STREAM_HT_TO_FORWARDER = 1
@@ -52,35 +54,38 @@ def dense(t):
     return torch.empty(t.shape, dtype=t.dtype).copy_(t)
 
 
+def byte_view(region, dtype, size=None, offset=0):
+    """A `dtype` view of the uint8 tensor `region` from byte `offset` (whole elements), shaped `size` if given: the
+    engines' get_local_buffer_tensor (Buffer checked offset and size against the buffer)."""
+    elem = dtype.itemsize
+    view = region[offset:offset + (region.numel() - offset) // elem * elem].view(dtype)
+    return view if size is None else view[:torch.Size(size).numel()].view(size)
+
+
 def align(n, a=ALIGN):
     return (n + a - 1) // a * a
 
 
 
 class LLLayout:
-    """The low-latency mode's layout of one buffer half (host/ll.py's docstring draws it); both backends use it."""
+    """The low-latency mode's layout of one buffer half, from its one definition (gpu_kernels/ll_layout.h): T, H, E,
+    E_l, M, the message and row sizes disp and comb, the areas send and recv, half, send_off(h), recv_off(h)."""
 
     def __init__(self, eng, T, H, E):
-        R = eng.num_ranks
-        if H % 512:
-            raise ValueError(f"hidden={H} must be a multiple of 512 for low-latency mode (DeepEP supports 2048..8192 "
-                             f"in steps of 512)")
-        self.T, self.H, self.E, self.E_l, self.M = T, H, E, E // R, R * T
-        if self.E_l > eng.max_local_experts:
-            raise ValueError(f"num_experts={E} gives {self.E_l} local experts per rank; this Buffer supports at most "
+        lay = require_native().ll_layout(T, H, E, eng.num_ranks)  # raises for a hidden size the layout cannot take
+        if lay.E_l > eng.max_local_experts:
+            raise ValueError(f"num_experts={E} gives {lay.E_l} local experts per rank; this Buffer supports at most "
                              f"{eng.max_local_experts}")
-        self.disp = 16 + max(2 * H, H + H // 128 * 4)
-        self.comb = 2 * H + H // 128 * 4  # multiple of 16 for hidden % 512 == 0
-        self.send = max(T * self.disp, E * T * self.comb)
-        self.recv = max(E * T * self.disp, E * T * self.comb)
-        self.half = self.send + self.recv
+        self.T, self.H, self.E, self.E_l, self.M = lay.T, lay.H, lay.E, lay.E_l, lay.M
+        self.disp, self.comb, self.send, self.recv, self.half = lay.disp, lay.comb, lay.send, lay.recv, lay.half
+        self._native = lay
         eng.require_bytes(2 * self.half, f"low-latency mode with {T} tokens, hidden {H}, {E} experts")
 
     def send_off(self, half):
-        return half * self.half
+        return self._native.send_off(half)
 
     def recv_off(self, half):
-        return half * self.half + self.send
+        return self._native.recv_off(half)
 
 
 def positions(mask_matrix):

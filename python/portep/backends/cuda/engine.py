@@ -112,10 +112,9 @@ class CudaEngine(Topology):
         self.normal_off = self.ll_bytes if normal_bytes else 0
         self.normal_bytes = self.num_bytes - self.normal_off
         self.flag_slots = self.num_ranks * max_local_experts
-        # after the flags: per half, each source's meta block for combine partials (ll_api.h)
-        self.meta_base = self.num_bytes + 4 * 4 * self.flag_slots
-        self.meta_bytes = 2 * self.num_ranks * self.native.LL_META_STRIDE
-        self.ht_ctrl_off = self.meta_base + self.meta_bytes  # normal mode's control area (backends/cuda/ht.py)
+        # after the data: the LL flags and meta blocks, then the normal mode's control area (ll_api.h, LLRegion)
+        self.ll_region = self.native.LLRegion(self.num_bytes, self.num_ranks, max_local_experts)
+        self.ht_ctrl_off = self.ll_region.end  # (backends/cuda/ht.py)
         self.ht_stream_base = hb.STREAM_LL_BASE + 4 * max_local_experts  # and its signal streams
         self.fifos = self.native.DeviceFifoSet(NUM_DEVICE_FIFOS, DEVICE_FIFO_CAPACITY)
         self.status_stream = self.ht_stream_base + self.native.HT_NUM_STREAMS  # peer_watch.h
@@ -172,16 +171,17 @@ class CudaEngine(Topology):
         self._ht = None
         self.launch_stream = None  # comm_stream while the Buffer runs a normal-mode call (backends/cuda/comm_stream.py)
         num_sms = self.device_sms = torch.cuda.get_device_properties(self.device).multi_processor_count
-        self.kernels = self.native.LLKernels(self.rank, self.num_ranks, ch.device_data_ptr(), self._peers.data_ptr(),
-                                             self._place.data_ptr(), ch.device_signals_ptr(),
-                                             self._signal_seen.data_ptr(),
-                                             self.channel.num_streams, self.fifos, self._finish.data_ptr(),
-                                             chunk_done, proxy_begin, max_chunks, dest_done, self.error_device,
-                                             self.timeout_s, num_sms, self.failed_flag.data_ptr(), self.status_device,
-                                             _ptr(self.mask), _ptr(self._send_mask))
-        self.ll_half = 0
+        self.kernels = self.native.LLKernels(
+            rank=self.rank, num_ranks=self.num_ranks, max_local_experts=max_local_experts,
+            num_direct=len(self.direct_ranks), num_bytes=self.num_bytes, stream_base=hb.STREAM_LL_BASE,
+            device=self.device.index, channel=ch, local=ch.device_data_ptr(), peers=self._peers.data_ptr(),
+            place=self._place.data_ptr(), host_signals=ch.device_signals_ptr(),
+            signal_seen=self._signal_seen.data_ptr(), num_streams=self.channel.num_streams, fifos=self.fifos,
+            finish=self._finish.data_ptr(), chunk_done=chunk_done, proxy_begin=proxy_begin, max_chunks=max_chunks,
+            dest_done=dest_done, error=self.error_device, failed=self.failed_flag.data_ptr(),
+            peer_status=self.status_device, mask=_ptr(self.mask), send_mask=_ptr(self._send_mask),
+            timeout_s=self.timeout_s, num_sms=num_sms)
         self._layouts = {}
-        self._shapes = {}
         torch.cuda.current_stream(self.device).synchronize()
         self.channel.barrier()  # every peer's memory is zeroed before anyone stores into it
 
@@ -240,6 +240,7 @@ class CudaEngine(Topology):
         lay = self._layouts.get((T, H, E))
         if lay is None:
             lay = self._layouts[(T, H, E)] = hb.LLLayout(self, T, H, E)
+            self.kernels.prepare(T, H, E)
         return lay
 
     def require_bytes(self, needed, what):
@@ -248,21 +249,17 @@ class CudaEngine(Topology):
                      else "its low-latency part (num_rdma_bytes)")
             raise AgreedRefusal(f"{where} has {self.ll_bytes} bytes but {what} needs {needed} bytes")
 
-    def _shape(self, lay, half, phase):
-        """The kernels' per-call constants (cached per layout, half and phase) and the current stream."""
-        key = (lay.T, lay.H, lay.E, half, phase)
-        shape = self._shapes.get(key)
-        if shape is None:
-            flag_off = self.num_bytes + (half * 2 + phase) * self.flag_slots * 4
-            stream_base = hb.STREAM_LL_BASE + (half * 2 + phase) * self.max_local_experts
-            # combine partials between direct peers while the meta blocks have room (0: rows to every peer)
-            partials = phase == 1 and lay.T <= self.native.LL_META_TOKENS and len(self.direct_ranks) > 1
-            meta_off = self.meta_base + half * self.num_ranks * self.native.LL_META_STRIDE if partials else 0
-            shape = self._shapes[key] = (lay.T, lay.H, lay.E, lay.send_off(half), lay.recv_off(half),
-                                         flag_off, lay.disp, lay.comb, stream_base, meta_off)
-        if self.mask is not None:  # the mask as this call begins, for its send sides (stream-ordered)
+    def _call_state(self):
+        """The stream and sequence number of the LL call being launched; in shrink mode the mask as it begins,
+        which its send sides read (stream-ordered)."""
+        if self.mask is not None:
             self._send_mask.copy_(self.mask)
-        return shape + (_current_raw_stream(self.device.index), self.lockstep.seq)
+        return _current_raw_stream(self.device.index), self.lockstep.seq
+
+    def mark_checked(self, T, H, E, dispatch_flags=None):
+        """A call of this signature passed the Buffer's checks and launched (dispatch_flags: (use_fp8, round_scale,
+        use_ue8m0), None for a combine): the fast path (ll_fast.py) may take the next ones."""
+        self.kernels.mark_checked(T, H, E, dispatch_flags)
 
     # ---- the API the Buffer calls ----
     def get_dispatch_layout(self, topk_idx, num_experts):
@@ -307,8 +304,7 @@ class CudaEngine(Topology):
                              wait_stats, return_recv_hook):
         self.check_error()
         lay = self._layout(T, x.size(1), E)
-        half = self.ll_half
-        self.ll_half ^= 1
+        half = self.kernels.take_half()
         R, H, E_l, M = self.num_ranks, lay.H, lay.E_l, lay.M
         x = x.contiguous()
         topk_idx = topk_idx.contiguous()
@@ -327,12 +323,13 @@ class CudaEngine(Topology):
 
         def launch(phases):
             self.lockstep.sending()
-            self.kernels.dispatch(phases, self._shape(lay, half, 0), x.data_ptr(), topk_idx.data_ptr(), x.size(0),
-                                  topk_idx.size(1), use_fp8, round_scale, use_ue8m0, recv_x.data_ptr(),
-                                  0 if scales is None else scales.data_ptr(), recv_count.data_ptr(),
-                                  src_info.data_ptr(), layout_range.data_ptr(),
-                                  0 if cumulative_stats is None else cumulative_stats.data_ptr(),
-                                  0 if wait_stats is None else wait_stats.data_ptr())
+            stream, seq = self._call_state()
+            self.kernels.dispatch(T, H, E, half, phases, stream, seq, x=x.data_ptr(), topk_idx=topk_idx.data_ptr(),
+                                  num_tokens=x.size(0), num_topk=topk_idx.size(1), use_fp8=use_fp8,
+                                  round_scale=round_scale, use_ue8m0=use_ue8m0, recv_x=recv_x.data_ptr(),
+                                  recv_scales=_ptr(scales), recv_count=recv_count.data_ptr(),
+                                  src_info=src_info.data_ptr(), layout_range=layout_range.data_ptr(),
+                                  cumulative_stats=_ptr(cumulative_stats), wait_stats=_ptr(wait_stats))
 
         handle = (src_info, layout_range, T, H, E)
         if return_recv_hook:
@@ -344,7 +341,7 @@ class CudaEngine(Topology):
     def get_next_low_latency_combine_buffer(self, handle):
         _, _, T, H, E = handle
         lay = self._layout(T, H, E)
-        return self._combine_send_view(lay, self.ll_half)
+        return self._combine_send_view(lay, self.kernels.half)
 
     def _combine_send_view(self, lay, half):
         off = lay.send_off(half)
@@ -354,13 +351,9 @@ class CudaEngine(Topology):
     def low_latency_combine(self, x, topk_idx, topk_weights, handle, zero_copy, out, return_recv_hook, wait_stats):
         self.check_error()
         src_info, layout_range, T, H, E = handle
-        lay = self._layout(T, H, E)
-        half = self.ll_half
-        self.ll_half ^= 1
-        if zero_copy:  # the rows are already in the send area (get_next_low_latency_combine_buffer)
-            rows, pitch = self._combine_send_view(lay, half), lay.comb
-        else:
-            rows, pitch = x.contiguous(), 2 * H
+        self._layout(T, H, E)
+        half = self.kernels.take_half()
+        rows = x.contiguous()  # unread with zero_copy: the rows are in the send area (the kernels know where)
         topk_idx = topk_idx.contiguous()
         weights = topk_weights.to(torch.float32).contiguous()
         N = topk_idx.size(0)
@@ -369,10 +362,12 @@ class CudaEngine(Topology):
 
         def launch(phases):
             self.lockstep.sending()
-            self.kernels.combine(phases, self._shape(lay, half, 1), rows.data_ptr(), pitch, zero_copy,
-                                 src_info.data_ptr(), layout_range.data_ptr(), topk_idx.data_ptr(),
-                                 weights.data_ptr(), N, topk_idx.size(1), result.data_ptr(), H * 2,
-                                 0 if wait_stats is None else wait_stats.data_ptr())
+            stream, seq = self._call_state()
+            self.kernels.combine(T, H, E, half, phases, stream, seq, x=rows.data_ptr(), zero_copy=zero_copy,
+                                 src_info=src_info.data_ptr(), layout_range=layout_range.data_ptr(),
+                                 topk_idx=topk_idx.data_ptr(), topk_weights=weights.data_ptr(), num_tokens=N,
+                                 num_topk=topk_idx.size(1), out=result.data_ptr(),
+                                 wait_stats=_ptr(wait_stats))
             if phases & RECV and out is not None and result is not out:
                 out.copy_(result)
 
@@ -394,7 +389,7 @@ class CudaEngine(Topology):
         self.synchronize()
         self.sync()
         flags = self.num_bytes
-        _as_tensor(self.channel._native.device_data_ptr() + flags, self.meta_base + self.meta_bytes - flags,
+        _as_tensor(self.channel._native.device_data_ptr() + flags, self.ll_region.end - flags,
                    self.device).zero_()  # flags, meta blocks
         self._finish.zero_()
         self._signal_seen.view(self.num_ranks, -1)[:, :self.ht_stream_base].zero_()  # normal mode's stay
@@ -405,7 +400,7 @@ class CudaEngine(Topology):
         ev = self.status_stream
         signals[:, ev + self.native.EVENT_REFUSED:ev + self.native.EVENT_FAILED + 1].zero_()
         self.errors.clear()
-        self.ll_half = 0
+        self.kernels.reset_half()
         self.lockstep.resynced()
         torch.cuda.current_stream(self.device).synchronize()
         self.sync()
@@ -441,15 +436,8 @@ class CudaEngine(Topology):
         self.mask.zero_()
 
     def get_local_buffer_tensor(self, dtype, size=None, offset=0, use_rdma_buffer=False):
-        elem = dtype.itemsize
         begin, end = (0, self.ll_bytes) if use_rdma_buffer else (self.normal_off, self.num_bytes)
-        view = self.region[begin + offset:begin + offset + (end - begin - offset) // elem * elem].view(dtype)
-        if size is not None:
-            count = 1
-            for s in size:
-                count *= s
-            view = view[:count].view(size)
-        return view
+        return hb.byte_view(self.region[begin:end], dtype, size, offset)
 
     def synchronize(self):
         """Waits for this Buffer's kernels: the LL ones on the current stream, the normal-mode ones on comm_stream."""

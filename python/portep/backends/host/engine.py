@@ -22,7 +22,7 @@ from ...channel import Channel
 from ...lockstep import AgreedRefusal, Lockstep
 from ...topology import Topology
 from ..common import (ALIGN, MAX_CHANNELS, MAX_COMMAND_BYTES, STREAM_LL_BASE, STREAM_NOTIFY, STREAM_SYNC, align,
-                      dense, ranges_without, status_stream)
+                      byte_view, dense, ranges_without, status_stream)
 from . import ht as host_ht, ll as host_ll
 
 def _device_memory():
@@ -294,21 +294,9 @@ class HostEngine(Topology):
         self.mask.zero_()
 
     def get_local_buffer_tensor(self, dtype, size=None, offset=0, use_rdma_buffer=False):
-        """A raw view of this rank's communication memory from byte `offset` (the host backend has one memory
-        for NVL and RDMA uses; use_rdma_buffer is accepted for compatibility)."""
-        if offset < 0 or offset > self.num_bytes:
-            raise ValueError(f"offset={offset} must be in 0..{self.num_bytes}")
-        elem = dtype.itemsize
-        view = self.region[offset:offset + (self.num_bytes - offset) // elem * elem].view(dtype)
-        if size is not None:
-            count = 1
-            for s in size:
-                count *= s
-            if count > view.numel():
-                raise ValueError(f"size={tuple(size)} needs {count * elem} bytes from offset {offset}, "
-                                 f"the buffer has {view.numel() * elem}")
-            view = view[:count].view(size)
-        return view
+        """A raw view of this rank's communication memory (the host backend has one memory for NVL and RDMA uses;
+        use_rdma_buffer is accepted for compatibility)."""
+        return byte_view(self.region[:self.num_bytes], dtype, size, offset)
 
     def barrier(self):
         self.channel.barrier()

@@ -255,7 +255,7 @@ def _unpack(eng, x, rec, recv, counts, all_channel, C, cached, num_worst_tokens,
 
 
 def _make_handle(eng, counts, all_channel, C, is_token_in_rank, chan, recv, src_idx, nvl_head):
-    me, R = eng.rank, eng.num_ranks
+    me = eng.rank
     cnt = counts["rank"]
     send_channel = all_channel[me]  # [R dst, C]
     channel_prefix = torch.cumsum(send_channel, 1).to(torch.int32)

@@ -10,7 +10,6 @@ expert) stream per source carries one final signal per call whose unit count is 
 sequence numbers must be the receiver's own (lockstep.py). Shrink mode: masked ranks get nothing and give nothing.
 """
 
-import time
 
 import torch
 

@@ -1,0 +1,139 @@
+"""Host time of the low-latency calls on one GPU with one rank, at DeepEP's shape (128 tokens, hidden 7168, top-8,
+288 experts, FP8 dispatch): the CPU time from entering low_latency_dispatch to returning from low_latency_combine,
+for `calls` round trips issued back to back. The GPU is held by a sleep kernel queued before each batch of round
+trips, so every sample is the host's own time and never a wait for a full launch queue (a round trip's kernels take
+longer on the GPU than its host time); a batch whose sleep ended before its last launch is reported. Next to it from
+the same run: the same round trip through the full Python path (PORTEP_LL_FAST_PATH=0's route), each call alone,
+and the baseline, one torch.empty plus one empty kernel launch (torch.cuda._sleep(0)). The outputs of the fast path
+are checked bit for bit against the full path's first."""
+import datetime
+import time
+
+T, H, K, E = 128, 7168, 8, 288
+BATCH = 100  # round trips behind one sleep: 200 launches, well inside the launch queue
+HOLD_CYCLES = 10_000_000  # 5-7 ms at the clocks of an H100/H200: longer than a batch's host time
+
+
+def _group():
+    import torch.distributed as dist
+
+    from .spawn import free_port
+
+    if not dist.is_initialized():
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1,
+                                timeout=datetime.timedelta(seconds=60))
+    return dist.group.WORLD
+
+
+def _inputs(torch):
+    g = torch.Generator().manual_seed(2026)
+    x = torch.randn(T, H, generator=g).to(torch.bfloat16).cuda()
+    idx = torch.topk(torch.rand(T, E, generator=g), K, dim=1).indices.cuda()
+    weights = torch.rand(T, K, generator=g).cuda()
+    return x, idx, weights
+
+
+def _round_trip(buf, x, idx, weights):
+    recv_x, _, handle, _, _ = buf.low_latency_dispatch(x, idx, T, E, use_fp8=True)
+    y = torch_like_expert_outputs(recv_x)
+    return buf.low_latency_combine(y, idx, weights, handle)[0], recv_x, handle
+
+
+_OUTPUTS = {}
+
+
+def torch_like_expert_outputs(recv_x):
+    """The expert outputs the combine sends: one BF16 tensor of the received shape, made once (the benchmark times
+    the communication calls, not expert compute)."""
+    import torch
+
+    data = recv_x[0] if isinstance(recv_x, tuple) else recv_x
+    key = tuple(data.shape)
+    if key not in _OUTPUTS:
+        _OUTPUTS[key] = torch.randn(*key, generator=torch.Generator().manual_seed(7)).to(torch.bfloat16).cuda()
+    return _OUTPUTS[key]
+
+
+def _held_batches(fn, calls, sleep_cycles, torch):
+    """Host microseconds of each of `calls` fn() calls, issued in batches behind a GPU sleep; and how many batches
+    had their sleep end before their last launch."""
+    samples, short = [], 0
+    done = 0
+    while done < calls:
+        n = min(BATCH, calls - done)
+        torch.cuda.synchronize()
+        torch.cuda._sleep(sleep_cycles)
+        end_of_hold = torch.cuda.Event()
+        end_of_hold.record()
+        for _ in range(n):
+            t0 = time.perf_counter_ns()
+            fn()
+            samples.append((time.perf_counter_ns() - t0) / 1e3)
+        short += end_of_hold.query()  # the sleep was over: later calls could have waited for the GPU
+        done += n
+    torch.cuda.synchronize()
+    return samples, short
+
+
+def _check_fast_equals_full(buf, x, idx, weights, torch):
+    """One round trip with the fast path, one without: the same bits (the kernels are deterministic)."""
+    fast_path = buf._ll_fast
+    results = []
+    for path in (fast_path, None):
+        buf._ll_fast = path
+        combined, recv_x, handle = _round_trip(buf, x, idx, weights)
+        torch.cuda.synchronize()
+        results.append((combined.clone(), recv_x[0].view(torch.uint8).clone(), recv_x[1].clone(),
+                        handle[0].clone(), handle[1].clone()))
+    buf._ll_fast = fast_path
+    for a, b in zip(*results):
+        if not torch.equal(a, b):
+            raise AssertionError("the LL fast path's outputs differ from the full path's")
+
+
+def measure(calls=1000, progress=print):
+    import torch
+
+    import portep
+
+    if not torch.cuda.is_available() or not portep.native.build_info()["gpu_built"]:
+        raise RuntimeError("ll-host needs a GPU and portep's GPU kernels (GPU visible: "
+                           f"{torch.cuda.is_available()}, kernels built: {portep.native.build_info()['gpu_built']})")
+    torch.cuda.set_device(0)
+    group = _group()
+    nbytes = portep.Buffer.get_low_latency_rdma_size_hint(T, H, 1, E)
+    buf = portep.Buffer(group, 0, nbytes, low_latency_mode=True, explicitly_destroy=True, backend="cuda")
+    try:
+        x, idx, weights = _inputs(torch)
+        if buf._ll_fast is None:
+            raise RuntimeError(f"the LL fast path is off here ({buf.ll_fast_path_off})")
+        for _ in range(20):  # the first call of a signature goes the full way and marks it checked
+            _round_trip(buf, x, idx, weights)
+        _check_fast_equals_full(buf, x, idx, weights, torch)
+        cycles = HOLD_CYCLES
+        rows = []
+
+        def timed(what, fn, n=calls):
+            progress(f"ll-host: {what} ({n} calls)")
+            samples, short = _held_batches(fn, n, cycles, torch)
+            note = f"; in {short} of {-(-n // BATCH)} batches the GPU's hold ended early" if short else ""
+            rows.append({"what": what + note, "samples_us": samples})
+
+        timed("portep LL round trip (dispatch + combine), one native call per phase",
+              lambda: _round_trip(buf, x, idx, weights))
+        recv_x, _, handle, _, _ = buf.low_latency_dispatch(x, idx, T, E, use_fp8=True)
+        y = torch_like_expert_outputs(recv_x)
+        timed("portep LL dispatch alone", lambda: buf.low_latency_dispatch(x, idx, T, E, use_fp8=True))
+        timed("portep LL combine alone", lambda: buf.low_latency_combine(y, idx, weights, handle))
+        fast_path, buf._ll_fast = buf._ll_fast, None
+        timed("portep LL round trip through the full Python path (checks cached)",
+              lambda: _round_trip(buf, x, idx, weights))
+        buf._ll_fast = fast_path
+        timed("baseline: torch.empty + one empty kernel launch (torch.cuda._sleep(0))",
+              lambda: (torch.empty(E, dtype=torch.int32, device="cuda"), torch.cuda._sleep(0)))
+    finally:
+        torch.cuda.synchronize()
+        buf.destroy()
+    note = (f"host time per call on {torch.cuda.get_device_name()}, 1 rank, {T} tokens, hidden {H}, top-{K}, "
+            f"{E} experts, FP8 dispatch; calls in batches of {BATCH} behind a GPU sleep (host time only)")
+    return {"rows": rows, "note": note}

@@ -1,0 +1,59 @@
+// A Buffer's prepared low-latency calls: for each call signature (T, hidden, num_experts) the kernels' constants of
+// both buffer halves, so a call adds only its tensors, its stream and its sequence number. The bindings' LLKernels
+// (python/src/bind_cuda_ll.cpp) own the table; the torch fast path (python/src/ll_torch_path.cpp), a separate module
+// without kernels of its own, reads it through its address and launches through its function pointers.
+#pragma once
+
+#include <stdint.h>
+
+#include <atomic>
+
+#include "gpu_kernels/cuda/ll_api.h"
+
+namespace portep::cuda {
+
+// The dispatch flags (use_fp8, round_scale, use_ue8m0) as a bit index.
+constexpr int ll_fp8_combo(bool use_fp8, bool round_scale, bool use_ue8m0) {
+  return int(use_fp8) | int(round_scale) << 1 | int(use_ue8m0) << 2;
+}
+constexpr uint32_t kCombineChecked = 1u << 8;  // in LLPlan::checked: a combine of this signature passed the checks
+
+struct LLPlan {
+  int T = 0, hidden = 0, num_experts = 0;
+  uint32_t checked = 0;              // bit ll_fp8_combo(...): a dispatch with those flags passed Python's checks
+  LLCommon dispatch[2], combine[2];  // per buffer half; stream and seq are the call's
+};
+
+struct LLPlanTable {
+  static constexpr int kMaxPlans = 64;
+  LLPlan plans[kMaxPlans];
+  int count = 0, next_victim = 0;
+  uint32_t half = 0;  // the buffer half the next LL call uses; every call flips it
+  int device = -1, num_ranks = 0;
+  const KernelError* errors = nullptr;  // mapped host records [kNumErrorWords]: [0] failures, [1] notices
+  const std::atomic<bool>* proxies_failed = nullptr;  // a proxy thread latched an error
+  int (*dispatch_fn)(const LLDispatchArgs&, int) = nullptr;
+  int (*combine_fn)(const LLCombineArgs&, int) = nullptr;
+  const char* (*error_string)(int) = nullptr;
+
+  LLPlan* find(int T, int hidden, int num_experts) {
+    for (int i = 0; i < count; ++i) {
+      LLPlan& p = plans[i];
+      if (p.T == T && p.hidden == hidden && p.num_experts == num_experts) return &p;
+    }
+    return nullptr;
+  }
+  // Nothing the host must raise first: no kernel failure recorded, no proxy error latched.
+  bool healthy() const {
+    return __atomic_load_n(&errors[0].code, __ATOMIC_ACQUIRE) == 0 &&
+           !(proxies_failed && proxies_failed->load(std::memory_order_acquire));
+  }
+  bool notice_pending() const { return __atomic_load_n(&errors[1].code, __ATOMIC_ACQUIRE) != 0; }
+  uint32_t take_half() {
+    const uint32_t h = half;
+    half ^= 1;
+    return h;
+  }
+};
+
+}  // namespace portep::cuda

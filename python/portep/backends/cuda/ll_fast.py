@@ -1,0 +1,85 @@
+"""The low-latency calls' hot path on the CUDA backend: one native call per phase (portep._ll_torch) that checks
+the call against a signature the full path validated, allocates the outputs and launches the kernels. Anything it
+does not take (a new signature, async_finish, a receive hook, shrink mode, a Buffer that failed or is out of step)
+goes the full way through Buffer's checks and CudaEngine, which give the same results more slowly.
+
+portep._ll_torch links libtorch, so it loads only under the torch it was built against (build_info's
+ll_fast_path_torch); `PORTEP_LL_FAST_PATH=0` turns it off."""
+
+import os
+
+import torch
+
+from ...event import EventOverlap
+
+FAST_PATH_VAR = "PORTEP_LL_FAST_PATH"
+
+
+def fast_path_module(native):
+    """(portep._ll_torch or None, why not)."""
+    if os.environ.get(FAST_PATH_VAR, "1") == "0":
+        return None, f"{FAST_PATH_VAR}=0"
+    info = native.build_info()
+    built_for = info.get("ll_fast_path_torch", "")
+    if not built_for:
+        return None, f"not built: {info.get('ll_fast_path_reason') or 'unknown reason'}"
+    if built_for != torch.__version__:
+        return None, f"built against torch {built_for}, this is torch {torch.__version__}: rebuild portep"
+    from ... import _ll_torch
+
+    return _ll_torch, ""
+
+
+class LLFastPath:
+    """One per CUDA Buffer in low-latency mode without shrink. dispatch()/combine() return the call's results, or
+    None when the full path must take the call (nothing happened then)."""
+
+    def __init__(self, engine, module):
+        self._engine = engine
+        self._kernels = engine.kernels  # owns the plan table the native calls read
+        self._table = engine.kernels.table_address
+        self._lockstep = engine.lockstep
+        self._device = engine.device.index
+        self._dispatch, self._combine = module.dispatch, module.combine
+        self._stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+
+    def _ready(self):
+        ls = self._lockstep
+        return self._stream is not None and ls.broken is None and ls.settled()
+
+    def dispatch(self, x, topk_idx, T, E, cumulative_stats, wait_stats, use_fp8, round_scale, use_ue8m0):
+        if not self._ready():
+            return None
+        ls = self._lockstep
+        try:
+            out = self._dispatch(self._table, x, topk_idx, T, E, cumulative_stats, wait_stats, use_fp8, round_scale,
+                                 use_ue8m0, ls.seq + 1, self._stream(self._device), EventOverlap)
+        except BaseException as e:  # raised only once the launch was tried: the call counts, this rank is out of step
+            ls.made_call()
+            ls.fail("low_latency_dispatch", e)
+            raise
+        return self._returned(out)
+
+    def combine(self, x, topk_idx, topk_weights, handle, zero_copy, out, wait_stats):
+        if not self._ready():
+            return None
+        ls = self._lockstep
+        try:
+            result = self._combine(self._table, x, topk_idx, topk_weights, handle, zero_copy, out, wait_stats,
+                                   ls.seq + 1, self._stream(self._device), EventOverlap)
+        except BaseException as e:
+            ls.made_call()
+            ls.fail("low_latency_combine", e)
+            raise
+        return self._returned(result)
+
+    def _returned(self, out):
+        if out is None:
+            return None
+        self._lockstep.made_call()
+        if out.__class__ is tuple:
+            return out
+        # a kernel reported a notice: raised with the call's results, as the full path does (buffer._returned)
+        self._engine.raise_notice(out[0])
+        return out[0]
+

@@ -1,0 +1,272 @@
+// portep._ll_torch: the low-latency calls' hot path, one native call per phase. Each call checks that its
+// arguments match a signature the Python path validated (a plan of the Buffer's table, gpu_kernels/cuda/ll_plan.h,
+// marked checked), allocates the outputs with torch's caching allocator on the current stream, and launches the
+// kernels through the table's function pointers (portep._C holds the kernels). Anything it does not recognise
+// returns None before anything happened, and the Python path then validates the call in full and raises or runs it.
+//
+// The one part of portep that links libtorch (the rest takes raw pointers, so one build serves every torch): it is
+// built where torch's headers are found at build time and loaded only under that torch version
+// (backends/cuda/ll_fast.py).
+#include <Python.h>
+#include <torch/csrc/autograd/python_variable.h>
+#include <ATen/ops/empty.h>
+
+#include <initializer_list>
+#include <string>
+
+#include "gpu_kernels/cuda/ll_plan.h"
+
+namespace {
+
+using portep::cuda::LLCombineArgs;
+using portep::cuda::LLDispatchArgs;
+using portep::cuda::LLPlan;
+using portep::cuda::LLPlanTable;
+
+constexpr int kAnySize = -1;
+constexpr int kMaxTopk = portep::cuda::kMetaMaxTopk;
+
+// o is a contiguous tensor of dtype on the table's GPU with these sizes (kAnySize: any); *t views it.
+bool is_tensor(PyObject* o, at::ScalarType dtype, std::initializer_list<int64_t> sizes, int device,
+               const at::Tensor** t) {
+  if (!THPVariable_Check(o)) return false;
+  const at::Tensor& v = THPVariable_Unpack(o);
+  if (v.scalar_type() != dtype || v.dim() != int64_t(sizes.size()) || !v.is_cuda() || v.get_device() != device ||
+      !v.is_contiguous())
+    return false;
+  int d = 0;
+  for (int64_t want : sizes) {
+    if (want != kAnySize && v.size(d) != want) return false;
+    ++d;
+  }
+  *t = &v;
+  return true;
+}
+
+// None, or a tensor as is_tensor accepts it (*ptr: its address, 0 for None).
+bool is_optional_tensor(PyObject* o, at::ScalarType dtype, int64_t size, int device, void** ptr) {
+  *ptr = nullptr;
+  if (o == Py_None) return true;
+  const at::Tensor* t = nullptr;
+  if (!is_tensor(o, dtype, {size}, device, &t)) return false;
+  *ptr = t->data_ptr();
+  return true;
+}
+
+bool is_int(PyObject* o, long* v) {  // exactly an int (the Python checks tell 128 from 128.0 and from True)
+  if (!PyLong_CheckExact(o)) return false;
+  int overflow = 0;
+  *v = PyLong_AsLongAndOverflow(o, &overflow);
+  return overflow == 0 && *v > 0;
+}
+
+bool is_bool(PyObject* o, bool* v) {
+  *v = o == Py_True;
+  return o == Py_True || o == Py_False;
+}
+
+// The call's sequence number and stream (cudaStream_t) from Python ints.
+bool call_state(PyObject* seq_obj, PyObject* stream_obj, uint32_t* seq, void** stream) {
+  if (!PyLong_CheckExact(seq_obj) || !PyLong_CheckExact(stream_obj)) return false;
+  const unsigned long long s = PyLong_AsUnsignedLongLong(seq_obj);
+  *stream = PyLong_AsVoidPtr(stream_obj);
+  if (PyErr_Occurred() || s > 0xffffffffull) {
+    PyErr_Clear();
+    return false;
+  }
+  *seq = uint32_t(s);
+  return true;
+}
+
+LLPlanTable* table_at(PyObject* o) {
+  void* p = PyLong_CheckExact(o) ? PyLong_AsVoidPtr(o) : nullptr;
+  if (!p) PyErr_Clear();
+  return static_cast<LLPlanTable*>(p);
+}
+
+PyObject* wrap(const at::Tensor& t) { return THPVariable_Wrap(t); }
+
+PyObject* launch_failed(const LLPlanTable& table, const char* what, int err) {
+  PyErr_SetString(PyExc_RuntimeError, (std::string(what) + ": " + table.error_string(err)).c_str());
+  return nullptr;
+}
+
+// results, or [results] when a kernel reported a notice (the Python side raises it with them)
+PyObject* returned(const LLPlanTable& table, PyObject* results) {
+  if (!results || !table.notice_pending()) return results;
+  PyObject* list = PyList_New(1);
+  if (!list) {
+    Py_DECREF(results);
+    return nullptr;
+  }
+  PyList_SET_ITEM(list, 0, results);
+  return list;
+}
+
+at::TensorOptions on_gpu(int device, at::ScalarType dtype) {
+  return at::TensorOptions().device(at::kCUDA, static_cast<c10::DeviceIndex>(device)).dtype(dtype);
+}
+
+// dispatch(table, x, topk_idx, T, E, cumulative_stats, wait_stats, use_fp8, round_scale, use_ue8m0, seq, stream,
+//          event_type) -> (recv_x, recv_count, handle, event, None) | [that] | None
+PyObject* dispatch(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
+  if (nargs != 13) {
+    PyErr_SetString(PyExc_TypeError, "dispatch takes 13 arguments");
+    return nullptr;
+  }
+  LLPlanTable* table = table_at(args[0]);
+  long T, E;
+  bool fp8, round_scale, ue8m0;
+  if (!table || !is_int(args[3], &T) || !is_int(args[4], &E) || !is_bool(args[7], &fp8) ||
+      !is_bool(args[8], &round_scale) || !is_bool(args[9], &ue8m0) || !THPVariable_Check(args[1]))
+    Py_RETURN_NONE;
+  const int dev = table->device, R = table->num_ranks;
+  const at::Tensor& xv = THPVariable_Unpack(args[1]);
+  const int64_t hidden = xv.dim() == 2 ? xv.size(1) : 0;
+  LLPlan* plan = table->find(int(T), int(hidden), int(E));
+  if (!plan || !(plan->checked >> portep::cuda::ll_fp8_combo(fp8, round_scale, ue8m0) & 1u)) Py_RETURN_NONE;
+  const at::Tensor *x = nullptr, *idx = nullptr;
+  const int64_t E_l = E / R, M = R * T, H = hidden;
+  void *cumulative = nullptr, *wait = nullptr;
+  if (!is_tensor(args[1], at::kBFloat16, {kAnySize, H}, dev, &x) || x->size(0) > T ||
+      !is_tensor(args[2], at::kLong, {x->size(0), kAnySize}, dev, &idx) || idx->size(1) < 1 ||
+      idx->size(1) > kMaxTopk || !is_optional_tensor(args[5], at::kInt, E_l, dev, &cumulative) ||
+      !is_optional_tensor(args[6], at::kLong, R, dev, &wait) || !table->healthy())
+    Py_RETURN_NONE;
+
+  uint32_t seq;
+  void* stream;
+  if (!call_state(args[10], args[11], &seq, &stream)) Py_RETURN_NONE;
+
+  at::Tensor recv_x, scales, recv_count, src_info, layout_range;
+  try {  // an allocation that fails leaves the call to the full path, which raises it as torch does
+    const at::ScalarType x_type = fp8 ? at::kFloat8_e4m3fn : at::kBFloat16;
+    recv_x = at::empty({E_l, M, H}, on_gpu(dev, x_type));
+    const int64_t S = ue8m0 ? H / 512 : H / 128;  // UE8M0: four exponents packed per int32
+    if (fp8) scales = at::empty({E_l, S, M}, on_gpu(dev, ue8m0 ? at::kInt : at::kFloat));
+    recv_count = at::empty({E_l}, on_gpu(dev, at::kInt));
+    src_info = at::empty({E_l, M}, on_gpu(dev, at::kInt));
+    layout_range = at::empty({E_l, R}, on_gpu(dev, at::kLong));
+  } catch (const std::exception&) {
+    Py_RETURN_NONE;
+  }
+
+  LLDispatchArgs a{};
+  a.c = plan->dispatch[table->take_half()];
+  a.c.seq = seq;
+  a.c.stream = stream;
+  a.x = x->data_ptr();
+  a.topk_idx = idx->data_ptr<int64_t>();
+  a.num_tokens = int(x->size(0));
+  a.num_topk = int(idx->size(1));
+  a.use_fp8 = fp8;
+  a.round_scale = round_scale;
+  a.use_ue8m0 = ue8m0;
+  a.recv_x = recv_x.data_ptr();
+  a.recv_scales = fp8 ? scales.data_ptr() : nullptr;
+  a.recv_count = recv_count.data_ptr<int32_t>();
+  a.src_info = src_info.data_ptr<int32_t>();
+  a.layout_range = layout_range.data_ptr<int64_t>();
+  a.cumulative_stats = static_cast<int32_t*>(cumulative);
+  a.wait_stats = static_cast<int64_t*>(wait);
+  if (int err = table->dispatch_fn(a, portep::cuda::kPhaseSend | portep::cuda::kPhaseRecv))
+    return launch_failed(*table, "low-latency dispatch", err);
+
+  PyObject* out_x = fp8 ? Py_BuildValue("(NN)", wrap(recv_x), wrap(scales.transpose(1, 2))) : wrap(recv_x);
+  PyObject* handle = Py_BuildValue("(NNOlO)", wrap(src_info), wrap(layout_range), args[3], long(H), args[4]);
+  PyObject* event = PyObject_CallNoArgs(args[12]);
+  if (!out_x || !handle || !event) {
+    Py_XDECREF(out_x);
+    Py_XDECREF(handle);
+    Py_XDECREF(event);
+    return nullptr;
+  }
+  return returned(*table, Py_BuildValue("(NNNNO)", out_x, wrap(recv_count), handle, event, Py_None));
+}
+
+// combine(table, x, topk_idx, topk_weights, handle, zero_copy, out, wait_stats, seq, stream, event_type)
+//   -> (combined_x, event, None) | [that] | None
+PyObject* combine(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
+  if (nargs != 11) {
+    PyErr_SetString(PyExc_TypeError, "combine takes 11 arguments");
+    return nullptr;
+  }
+  LLPlanTable* table = table_at(args[0]);
+  PyObject* handle = args[4];
+  long T, H, E;
+  bool zero_copy;
+  if (!table || !PyTuple_CheckExact(handle) || PyTuple_GET_SIZE(handle) != 5 ||
+      !is_int(PyTuple_GET_ITEM(handle, 2), &T) || !is_int(PyTuple_GET_ITEM(handle, 3), &H) ||
+      !is_int(PyTuple_GET_ITEM(handle, 4), &E) || !is_bool(args[5], &zero_copy))
+    Py_RETURN_NONE;
+  LLPlan* plan = table->find(int(T), int(H), int(E));
+  if (!plan || !(plan->checked & portep::cuda::kCombineChecked)) Py_RETURN_NONE;
+  const int dev = table->device, R = table->num_ranks;
+  const int64_t E_l = E / R, M = R * T;
+  const at::Tensor *x = nullptr, *idx = nullptr, *weights = nullptr, *src_info = nullptr, *range = nullptr,
+                   *out = nullptr;
+  void* wait = nullptr;
+  if (!is_tensor(args[1], at::kBFloat16, {E_l, M, H}, dev, &x) ||
+      !is_tensor(args[2], at::kLong, {kAnySize, kAnySize}, dev, &idx) || idx->size(0) > T || idx->size(1) < 1 ||
+      idx->size(1) > kMaxTopk || !is_tensor(args[3], at::kFloat, {idx->size(0), idx->size(1)}, dev, &weights) ||
+      !is_tensor(PyTuple_GET_ITEM(handle, 0), at::kInt, {E_l, M}, dev, &src_info) ||
+      !is_tensor(PyTuple_GET_ITEM(handle, 1), at::kLong, {E_l, R}, dev, &range) ||
+      !(args[6] == Py_None || is_tensor(args[6], at::kBFloat16, {idx->size(0), H}, dev, &out)) ||
+      !is_optional_tensor(args[7], at::kLong, R, dev, &wait) || !table->healthy())
+    Py_RETURN_NONE;
+
+  uint32_t seq;
+  void* stream;
+  if (!call_state(args[8], args[9], &seq, &stream)) Py_RETURN_NONE;
+  at::Tensor result;
+  try {
+    result = out ? *out : at::empty({idx->size(0), H}, on_gpu(dev, at::kBFloat16));
+  } catch (const std::exception&) {
+    Py_RETURN_NONE;
+  }
+  const portep::cuda::LLCommon& c = plan->combine[table->take_half()];
+  LLCombineArgs a{};
+  a.c = c;
+  a.c.seq = seq;
+  a.c.stream = stream;
+  a.zero_copy = zero_copy;
+  // zero-copy: the rows are in this half's send area already (get_next_low_latency_combine_buffer)
+  a.x = zero_copy ? static_cast<const void*>(c.local + c.send_off) : x->data_ptr();
+  a.x_pitch = zero_copy ? c.comb_pitch : uint64_t(H) * 2;
+  a.src_info = src_info->data_ptr<int32_t>();
+  a.layout_range = range->data_ptr<int64_t>();
+  a.topk_idx = idx->data_ptr<int64_t>();
+  a.topk_weights = weights->data_ptr<float>();
+  a.num_tokens = int(idx->size(0));
+  a.num_topk = int(idx->size(1));
+  a.out = result.data_ptr();
+  a.out_pitch = uint64_t(H) * 2;
+  a.wait_stats = static_cast<int64_t*>(wait);
+  if (int err = table->combine_fn(a, portep::cuda::kPhaseSend | portep::cuda::kPhaseRecv))
+    return launch_failed(*table, "low-latency combine", err);
+
+  PyObject* event = PyObject_CallNoArgs(args[10]);
+  if (!event) return nullptr;
+  PyObject* combined = out ? (Py_INCREF(args[6]), args[6]) : wrap(result);
+  return returned(*table, Py_BuildValue("(NNO)", combined, event, Py_None));
+}
+
+PyMethodDef kMethods[] = {
+    {"dispatch", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(&dispatch)), METH_FASTCALL,
+     "the LL dispatch of a checked signature, or None"},
+    {"combine", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(&combine)), METH_FASTCALL,
+     "the LL combine of a checked signature, or None"},
+    {nullptr, nullptr, 0, nullptr}};
+
+PyModuleDef kModule = {PyModuleDef_HEAD_INIT, "_ll_torch", "portep's LL hot path against torch", -1, kMethods};
+
+}  // namespace
+
+PyMODINIT_FUNC PyInit__ll_torch() {
+  PyObject* m = PyModule_Create(&kModule);
+  if (m && PyModule_AddStringConstant(m, "TORCH_VERSION", PORTEP_TORCH_VERSION) < 0) {
+    Py_DECREF(m);
+    return nullptr;
+  }
+  return m;
+}

@@ -1,0 +1,33 @@
+"""The LL fast path (portep._ll_torch, backends/cuda/ll_fast.py) on GPUs: bit for bit the full path's outputs at
+DeepEP's shape on one rank and at two ranks (direct NVLink and the proxy path), the calls it must decline, and
+notices raised through it. Skipped without a GPU, the CUDA kernels and the fast path module."""
+
+import os
+
+import pytest
+import torch
+
+import gpu_ll_fast_workers as f
+from dist_util import run_ranks
+from portep import native
+
+GPUS_FOR_2 = 1 if os.environ.get("PORTEP_TEST_SHARE_GPU") == "1" else 2
+fast_path = pytest.mark.skipif(
+    not native.build_info()["gpu_built"] or not torch.cuda.is_available() or
+    native.build_info().get("ll_fast_path_torch") != torch.__version__,
+    reason="needs the CUDA kernels, a GPU and portep._ll_torch built against this torch")
+
+# (ranks, name, num_ranks_per_node, transport); the GPUs each case needs follow from ranks
+CASES = [(1, "one-rank", 1, "shm"), (2, "direct-nvlink", 2, "shm"), (2, "proxy-shm-unordered", 1, "shm-unordered")]
+
+
+@pytest.mark.gpu
+@fast_path
+@pytest.mark.parametrize("case", CASES, ids=[c[1] for c in CASES])
+def test_fast_path_matches_the_full_path(case):
+    ranks, _, rpn, transport = case
+    if ranks > 1 and torch.cuda.device_count() < GPUS_FOR_2:
+        pytest.skip("needs two GPUs (or PORTEP_TEST_SHARE_GPU=1)")
+    out = run_ranks(f.fast_path_body, ranks, args=(rpn, transport, 5, 128, 7168, 288, 8), timeout=600)
+    for rank, errors in out.items():
+        assert errors == [], f"rank {rank}: {errors}"
