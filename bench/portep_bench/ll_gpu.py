@@ -341,6 +341,12 @@ def ll_tables(out, ranks, shape, hidden, iterations):
 
 
 def run_channel(report, warps=1024, per_warp=2000, threads=4, repeats=5):
+    try:
+        import portep_testing  # noqa: F401  (the probe kernels: a build with PORTEP_BUILD_TESTING=ON)
+    except ImportError:
+        report.progress("gpu-ll: command channel skipped: it needs the test hooks, a build with "
+                        "pip install . -Ccmake.define.PORTEP_BUILD_TESTING=ON")
+        return
     report.progress(f"gpu-ll: command channel, {warps} warps push {per_warp} NOP commands each, {repeats} runs")
     rates, probe, latency = run_ranks(_channel_body, 1, args=(warps, per_warp, threads, repeats), timeout=600)[0]
     t = Table(f"gpu-ll: command channel through the real proxy threads, {threads} proxy threads", "M cmd/s",

@@ -33,25 +33,11 @@ def _inputs(torch):
     return x, idx, weights
 
 
-def _round_trip(buf, x, idx, weights):
+def _round_trip(buf, x, idx, weights, y):
+    """One dispatch and one combine, as an MoE layer calls them (y: its expert outputs, made once: the benchmark
+    times the communication calls, not expert compute)."""
     recv_x, _, handle, _, _ = buf.low_latency_dispatch(x, idx, T, E, use_fp8=True)
-    y = torch_like_expert_outputs(recv_x)
     return buf.low_latency_combine(y, idx, weights, handle)[0], recv_x, handle
-
-
-_OUTPUTS = {}
-
-
-def torch_like_expert_outputs(recv_x):
-    """The expert outputs the combine sends: one BF16 tensor of the received shape, made once (the benchmark times
-    the communication calls, not expert compute)."""
-    import torch
-
-    data = recv_x[0] if isinstance(recv_x, tuple) else recv_x
-    key = tuple(data.shape)
-    if key not in _OUTPUTS:
-        _OUTPUTS[key] = torch.randn(*key, generator=torch.Generator().manual_seed(7)).to(torch.bfloat16).cuda()
-    return _OUTPUTS[key]
 
 
 def _held_batches(fn, calls, sleep_cycles, torch):
@@ -75,16 +61,16 @@ def _held_batches(fn, calls, sleep_cycles, torch):
     return samples, short
 
 
-def _check_fast_equals_full(buf, x, idx, weights, torch):
-    """One round trip with the fast path, one without: the same bits (the kernels are deterministic)."""
+def _check_fast_equals_full(buf, x, idx, weights, y, torch):
+    """One round trip with the fast path, one without: the same combined rows and counts (the kernels are
+    deterministic; tests/gpu/test_gpu_ll_fast_path.py compares every output)."""
     fast_path = buf._ll_fast
     results = []
     for path in (fast_path, None):
         buf._ll_fast = path
-        combined, recv_x, handle = _round_trip(buf, x, idx, weights)
+        combined, _, handle = _round_trip(buf, x, idx, weights, y)
         torch.cuda.synchronize()
-        results.append((combined.clone(), recv_x[0].view(torch.uint8).clone(), recv_x[1].clone(),
-                        handle[0].clone(), handle[1].clone()))
+        results.append((combined.clone(), handle[1].clone()))
     buf._ll_fast = fast_path
     for a, b in zip(*results):
         if not torch.equal(a, b):
@@ -107,9 +93,10 @@ def measure(calls=1000, progress=print):
         x, idx, weights = _inputs(torch)
         if buf._ll_fast is None:
             raise RuntimeError(f"the LL fast path is off here ({buf.ll_fast_path_off})")
+        y = torch.randn(E, T, H, generator=torch.Generator().manual_seed(7)).to(torch.bfloat16).cuda()
         for _ in range(20):  # the first call of a signature goes the full way and marks it checked
-            _round_trip(buf, x, idx, weights)
-        _check_fast_equals_full(buf, x, idx, weights, torch)
+            _round_trip(buf, x, idx, weights, y)
+        _check_fast_equals_full(buf, x, idx, weights, y, torch)
         cycles = HOLD_CYCLES
         rows = []
 
@@ -120,14 +107,16 @@ def measure(calls=1000, progress=print):
             rows.append({"what": what + note, "samples_us": samples})
 
         timed("portep LL round trip (dispatch + combine), one native call per phase",
-              lambda: _round_trip(buf, x, idx, weights))
-        recv_x, _, handle, _, _ = buf.low_latency_dispatch(x, idx, T, E, use_fp8=True)
-        y = torch_like_expert_outputs(recv_x)
+              lambda: _round_trip(buf, x, idx, weights, y))
+        _, _, handle, _, _ = buf.low_latency_dispatch(x, idx, T, E, use_fp8=True)
         timed("portep LL dispatch alone", lambda: buf.low_latency_dispatch(x, idx, T, E, use_fp8=True))
         timed("portep LL combine alone", lambda: buf.low_latency_combine(y, idx, weights, handle))
+        fast = buf._ll_fast
+        timed("portep LL dispatch without the Buffer method (the fast path's entry; diagnostic)",
+              lambda: fast.dispatch(x, idx, T, E, None, None, True, False, False))
         fast_path, buf._ll_fast = buf._ll_fast, None
         timed("portep LL round trip through the full Python path (checks cached)",
-              lambda: _round_trip(buf, x, idx, weights))
+              lambda: _round_trip(buf, x, idx, weights, y))
         buf._ll_fast = fast_path
         timed("baseline: torch.empty + one empty kernel launch (torch.cuda._sleep(0))",
               lambda: (torch.empty(E, dtype=torch.int32, device="cuda"), torch.cuda._sleep(0)))

@@ -27,6 +27,9 @@ class EventOverlap:
             substitute for `record_stream`; the low-latency operations fill it).
     """
 
+    event = None  # (class attributes: the LL fast path makes instances without calling __init__)
+    extra_tensors = None
+
     def __init__(self, event=None, extra_tensors=None):
         self.event = event
         self.extra_tensors = extra_tensors

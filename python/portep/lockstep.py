@@ -58,13 +58,9 @@ class Lockstep:
             self._settle_refusals(what)
         return self.seq
 
-    def settled(self):
-        """No refusal of this rank's is waiting to be matched by its peers' (enter() would have to settle it)."""
-        return self._refused == self._resolved
-
     def made_call(self):
-        """A call that began, passed enter() and launched in one step (the LL fast path: backends/cuda/ll_fast.py);
-        the caller checked broken and settled() first."""
+        """A call that began, passed enter() and launched in one step (the LL fast path, backends/cuda/ll_fast.py,
+        which does this inline once it checked that nothing is broken and no refusal of this rank's is unmatched)."""
         self.seq += 1
         self.sent = True
 

@@ -10,6 +10,8 @@
 #include <Python.h>
 #include <torch/csrc/autograd/python_variable.h>
 #include <ATen/ops/empty.h>
+#include <c10/core/ScalarTypeToTypeMeta.h>
+#include <c10/core/TensorImpl.h>
 
 #include <initializer_list>
 #include <string>
@@ -103,6 +105,31 @@ PyObject* returned(const LLPlanTable& table, PyObject* results) {
   return list;
 }
 
+// A new instance of the event type without running its __init__: EventOverlap's class attributes say "no event".
+PyObject* new_event(PyObject* type) {
+  if (!PyType_Check(type)) {
+    PyErr_SetString(PyExc_TypeError, "event_type must be a class");
+    return nullptr;
+  }
+  PyTypeObject* t = reinterpret_cast<PyTypeObject*>(type);
+  PyObject* no_args = PyTuple_New(0);
+  PyObject* event = no_args ? t->tp_new(t, no_args, nullptr) : nullptr;
+  Py_XDECREF(no_args);
+  return event;
+}
+
+int64_t align16(int64_t bytes) { return (bytes + 15) / 16 * 16; }
+
+// A tensor over base's storage from byte `offset`, made without the dispatcher (a view op through it costs a good
+// part of a microsecond); base is a fresh byte tensor of this call, so the parts share nothing with anything else.
+at::Tensor part_of(const at::Tensor& base, at::ScalarType dtype, c10::IntArrayRef sizes, c10::IntArrayRef strides,
+                   int64_t offset) {
+  const caffe2::TypeMeta meta = c10::scalarTypeToTypeMeta(dtype);
+  at::Tensor t = at::detail::make_tensor<c10::TensorImpl>(c10::Storage(base.storage()), base.key_set(), meta);
+  t.unsafeGetTensorImpl()->set_sizes_and_strides(sizes, strides, offset / int64_t(meta.itemsize()));
+  return t;
+}
+
 at::TensorOptions on_gpu(int device, at::ScalarType dtype) {
   return at::TensorOptions().device(at::kCUDA, static_cast<c10::DeviceIndex>(device)).dtype(dtype);
 }
@@ -138,18 +165,23 @@ PyObject* dispatch(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
   void* stream;
   if (!call_state(args[10], args[11], &seq, &stream)) Py_RETURN_NONE;
 
-  at::Tensor recv_x, scales, recv_count, src_info, layout_range;
+  // The outputs: recv_x, and the small ones in one allocation (each allocation costs about a microsecond):
+  //   [scales, FP8 only: [E_l][S][M], returned as DeepEP's [E_l, M, S] view][recv_count [E_l]]
+  //   [src_info [E_l][M]][layout_range [E_l][R]], each part 16-byte aligned
+  const int64_t S = !fp8 ? 0 : ue8m0 ? H / 512 : H / 128;  // UE8M0: four exponents packed per int32
+  const int64_t count_at = align16(E_l * S * M * 4), info_at = count_at + align16(E_l * 4),
+                range_at = info_at + align16(E_l * M * 4), small_bytes = range_at + E_l * R * 8;
+  at::Tensor recv_x, small, scales, recv_count, src_info, layout_range;
   try {  // an allocation that fails leaves the call to the full path, which raises it as torch does
-    const at::ScalarType x_type = fp8 ? at::kFloat8_e4m3fn : at::kBFloat16;
-    recv_x = at::empty({E_l, M, H}, on_gpu(dev, x_type));
-    const int64_t S = ue8m0 ? H / 512 : H / 128;  // UE8M0: four exponents packed per int32
-    if (fp8) scales = at::empty({E_l, S, M}, on_gpu(dev, ue8m0 ? at::kInt : at::kFloat));
-    recv_count = at::empty({E_l}, on_gpu(dev, at::kInt));
-    src_info = at::empty({E_l, M}, on_gpu(dev, at::kInt));
-    layout_range = at::empty({E_l, R}, on_gpu(dev, at::kLong));
+    recv_x = at::empty({E_l, M, H}, on_gpu(dev, fp8 ? at::kFloat8_e4m3fn : at::kBFloat16));
+    small = at::empty({small_bytes}, on_gpu(dev, at::kByte));
   } catch (const std::exception&) {
     Py_RETURN_NONE;
   }
+  if (fp8) scales = part_of(small, ue8m0 ? at::kInt : at::kFloat, {E_l, M, S}, {S * M, 1, M}, 0);
+  recv_count = part_of(small, at::kInt, {E_l}, {1}, count_at);
+  src_info = part_of(small, at::kInt, {E_l, M}, {M, 1}, info_at);
+  layout_range = part_of(small, at::kLong, {E_l, R}, {R, 1}, range_at);
 
   LLDispatchArgs a{};
   a.c = plan->dispatch[table->take_half()];
@@ -172,9 +204,9 @@ PyObject* dispatch(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
   if (int err = table->dispatch_fn(a, portep::cuda::kPhaseSend | portep::cuda::kPhaseRecv))
     return launch_failed(*table, "low-latency dispatch", err);
 
-  PyObject* out_x = fp8 ? Py_BuildValue("(NN)", wrap(recv_x), wrap(scales.transpose(1, 2))) : wrap(recv_x);
+  PyObject* out_x = fp8 ? Py_BuildValue("(NN)", wrap(recv_x), wrap(scales)) : wrap(recv_x);
   PyObject* handle = Py_BuildValue("(NNOlO)", wrap(src_info), wrap(layout_range), args[3], long(H), args[4]);
-  PyObject* event = PyObject_CallNoArgs(args[12]);
+  PyObject* event = new_event(args[12]);
   if (!out_x || !handle || !event) {
     Py_XDECREF(out_x);
     Py_XDECREF(handle);
@@ -245,7 +277,7 @@ PyObject* combine(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
   if (int err = table->combine_fn(a, portep::cuda::kPhaseSend | portep::cuda::kPhaseRecv))
     return launch_failed(*table, "low-latency combine", err);
 
-  PyObject* event = PyObject_CallNoArgs(args[10]);
+  PyObject* event = new_event(args[10]);
   if (!event) return nullptr;
   PyObject* combined = out ? (Py_INCREF(args[6]), args[6]) : wrap(result);
   return returned(*table, Py_BuildValue("(NNO)", combined, event, Py_None));

@@ -33,7 +33,6 @@ from .. import common as hb
 from .kernel_errors import KernelErrors
 
 NUM_DEVICE_FIFOS = 32
-SEND, RECV = 1, 2  # kernel phases (the native LL_PHASE_SEND / LL_PHASE_RECV)
 DEVICE_FIFO_CAPACITY = 4096
 
 class CudaEvent:
@@ -97,7 +96,6 @@ class CudaEngine(Topology):
             raise RuntimeError(f"backend='cuda': portep's GPU kernels were built for {info['gpu_runtime'].upper()} "
                                f"but torch is a {'ROCm' if torch_runtime == 'hip' else 'CUDA'} build; rebuild portep "
                                f"with -Ccmake.define.PORTEP_GPU={torch_runtime}")
-        assert (self.native.LL_PHASE_SEND, self.native.LL_PHASE_RECV) == (SEND, RECV)
         if not torch.cuda.is_available():
             raise RuntimeError("backend='cuda' needs a CUDA GPU (torch.cuda.is_available() is False)")
         super().__init__(group, ranks_per_node, max_local_experts)
@@ -333,9 +331,9 @@ class CudaEngine(Topology):
 
         handle = (src_info, layout_range, T, H, E)
         if return_recv_hook:
-            launch(SEND)
-            return out_x, recv_count, handle, lambda: launch(RECV)
-        launch(SEND | RECV)  # one kernel: sends, then receives
+            launch(self.native.LL_PHASE_SEND)
+            return out_x, recv_count, handle, lambda: launch(self.native.LL_PHASE_RECV)
+        launch(self.native.LL_PHASE_SEND | self.native.LL_PHASE_RECV)  # one kernel: sends, then receives
         return out_x, recv_count, handle, None
 
     def get_next_low_latency_combine_buffer(self, handle):
@@ -368,13 +366,13 @@ class CudaEngine(Topology):
                                  topk_idx=topk_idx.data_ptr(), topk_weights=weights.data_ptr(), num_tokens=N,
                                  num_topk=topk_idx.size(1), out=result.data_ptr(),
                                  wait_stats=_ptr(wait_stats))
-            if phases & RECV and out is not None and result is not out:
+            if phases & self.native.LL_PHASE_RECV and out is not None and result is not out:
                 out.copy_(result)
 
         if return_recv_hook:
-            launch(SEND)
-            return (out if out is not None else result), lambda: launch(RECV)
-        launch(SEND | RECV)
+            launch(self.native.LL_PHASE_SEND)
+            return (out if out is not None else result), lambda: launch(self.native.LL_PHASE_RECV)
+        launch(self.native.LL_PHASE_SEND | self.native.LL_PHASE_RECV)
         return (out if out is not None else result), None
 
     def clean_low_latency_buffer(self, num_max_dispatch_tokens_per_rank, hidden, num_experts):
