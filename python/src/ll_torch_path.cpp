@@ -88,6 +88,26 @@ LLPlanTable* table_at(PyObject* o) {
 
 PyObject* wrap(const at::Tensor& t) { return THPVariable_Wrap(t); }
 
+PyObject* new_ref(PyObject* o) {
+  Py_INCREF(o);
+  return o;
+}
+
+// A tuple that takes over the new references `items` (nullptr, with the error set, if any item is nullptr).
+PyObject* tuple_of(std::initializer_list<PyObject*> items) {
+  bool ok = true;
+  for (PyObject* o : items) ok = ok && o;
+  PyObject* t = ok ? PyTuple_New(Py_ssize_t(items.size())) : nullptr;
+  Py_ssize_t i = 0;
+  for (PyObject* o : items) {
+    if (t)
+      PyTuple_SET_ITEM(t, i++, o);
+    else
+      Py_XDECREF(o);
+  }
+  return t;
+}
+
 PyObject* launch_failed(const LLPlanTable& table, const char* what, int err) {
   PyErr_SetString(PyExc_RuntimeError, (std::string(what) + ": " + table.error_string(err)).c_str());
   return nullptr;
@@ -204,16 +224,10 @@ PyObject* dispatch(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
   if (int err = table->dispatch_fn(a, portep::cuda::kPhaseSend | portep::cuda::kPhaseRecv))
     return launch_failed(*table, "low-latency dispatch", err);
 
-  PyObject* out_x = fp8 ? Py_BuildValue("(NN)", wrap(recv_x), wrap(scales)) : wrap(recv_x);
-  PyObject* handle = Py_BuildValue("(NNOlO)", wrap(src_info), wrap(layout_range), args[3], long(H), args[4]);
-  PyObject* event = new_event(args[12]);
-  if (!out_x || !handle || !event) {
-    Py_XDECREF(out_x);
-    Py_XDECREF(handle);
-    Py_XDECREF(event);
-    return nullptr;
-  }
-  return returned(*table, Py_BuildValue("(NNNNO)", out_x, wrap(recv_count), handle, event, Py_None));
+  PyObject* out_x = fp8 ? tuple_of({wrap(recv_x), wrap(scales)}) : wrap(recv_x);
+  PyObject* handle = tuple_of({wrap(src_info), wrap(layout_range), new_ref(args[3]), PyLong_FromLong(long(H)),
+                               new_ref(args[4])});
+  return returned(*table, tuple_of({out_x, wrap(recv_count), handle, new_event(args[12]), new_ref(Py_None)}));
 }
 
 // combine(table, x, topk_idx, topk_weights, handle, zero_copy, out, wait_stats, seq, stream, event_type)
@@ -277,10 +291,8 @@ PyObject* combine(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
   if (int err = table->combine_fn(a, portep::cuda::kPhaseSend | portep::cuda::kPhaseRecv))
     return launch_failed(*table, "low-latency combine", err);
 
-  PyObject* event = new_event(args[10]);
-  if (!event) return nullptr;
-  PyObject* combined = out ? (Py_INCREF(args[6]), args[6]) : wrap(result);
-  return returned(*table, Py_BuildValue("(NNO)", combined, event, Py_None));
+  PyObject* combined = out ? new_ref(args[6]) : wrap(result);
+  return returned(*table, tuple_of({combined, new_event(args[10]), new_ref(Py_None)}));
 }
 
 PyMethodDef kMethods[] = {
