@@ -17,7 +17,7 @@ from portep import native
 
 from .ht_gpu import ht_inputs
 from .ht_loopback_ranks import (E, H, K, N, R, cached_dispatch, combine, ctypes_u32, first_dispatch,
-                                layout, make_ranks)
+                                layout, make_ranks, notify_flags)
 from .report import MissingHardware, Table
 
 NOTE = ("loopback: both EP2 ranks on one GPU, so the peer's stores go to this GPU's own memory (HBM), not over "
@@ -171,14 +171,9 @@ def _measure(t, progress, ranks, inputs, biases, streams, sms, iterations, masks
     handles = first_dispatch(ranks, [i[:5] for i in inputs], E, C, streams)
     check_outputs(ranks, inputs, handles, f"first dispatch, {sms} SMs")
     rows = handles[0]["rows"]
-    for r in range(R):
-        h = handles[r]
-        h["recv_fp8"] = torch.empty(h["rows"], H, dtype=torch.float8_e4m3fn, device="cuda")
-        h["recv_scales"] = torch.empty(h["rows"], H // 128, dtype=torch.float32, device="cuda")
-        h["out"] = torch.empty(N, H, dtype=torch.bfloat16, device="cuda")
     progress(f"gpu-ht-loopback: {sms} SMs: notify, dispatch BF16 / FP8, combine, combine + bias")
-    t.add("notify alone (flags)", timed_pair(lambda r, s: ranks[r].kernels.notify(
-        C, s.cuda_stream, False, inputs[r][3].data_ptr(), 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0), streams, iterations))
+    t.add("notify alone (flags)", timed_pair(lambda r, s: notify_flags(ranks[r], inputs[r][:5], C, s), streams,
+                                             iterations))
     launches = {
         "dispatch BF16": lambda r, s: cached_dispatch(ranks[r], r, inputs[r][:5], handles[r], C, s, None),
         "dispatch FP8": lambda r, s: cached_dispatch(ranks[r], r, inputs[r][:5], handles[r], C, s, inputs[r][5]),

@@ -16,9 +16,8 @@
 //   2. data: per channel c (a contiguous token range) block 2c sends and block 2c + 1 receives (dispatch) or
 //      reduces (combine); with forwarding, three blocks per channel (see below). Rows travel through a ring per
 //      (channel, sender, receiver) of ring_rows rows (the op's ring_rows, a multiple of kHTChunkRows, at least
-//      2 * kHTChunkRows): the i-th row of a channel from s
-//      to d sits in slot i % ring_rows. The receiver learns how far rows arrived (tail) and the sender how far
-//      they were consumed (head):
+//      kHTMinRingRows): the i-th row of a channel from s to d sits in slot i % ring_rows. The receiver learns how
+//      far rows arrived (tail) and the sender how far they were consumed (head):
 //      - direct peer: the sender stores rows into the receiver's ring, then a tail word epoch << 32 | rows so far;
 //        the receiver stores a head word epoch << 32 | rows consumed into the sender's control area;
 //      - proxy peer: the sender stages rows in the same slot of its own ring for d, then WRITEs of kHTChunkRows
@@ -27,7 +26,9 @@
 //        one 16-byte WRITE per kHTChunkRows rows consumed (a credit) and a SIGNAL, on the credit stream, so the
 //        sender may reuse a staged slot once the WRITE that copied it landed and was read.
 //      A sender writes row i only when the reader consumed row i - ring_rows. Rows a rank sends itself never
-//      leave its GPU (they go straight to the outputs).
+//      leave its GPU (they go straight to the outputs). A proxy peer whose region is mapped here (place[d]) gets
+//      its rows and slots stored straight into its receive and control areas instead of staged, and the WRITEs
+//      are placed.
 //
 // Forwarding (several nodes of several GPUs each, L = ranks_per_node): a token goes once to each same-node
 // destination (direct) and once to each other node that has any destination, to that node's forwarder for this
@@ -44,46 +45,19 @@
 //   Forward rings use tail and head words as direct rings do. Every wait is for arrivals or for room, and each kind
 //   of block serves its sources in an order every rank shares (ascending), so no wait is circular.
 //
-// Control area, in every rank's data region at ctrl_off (offsets from there, same on all ranks):
-//   slots [2 epoch parities][R source] x kHTSlotBytes: uint64 flag (epoch), int32 count[kHTMaxRanks] (the
-//     source's tokens per destination rank), int32 channel[kHTMaxChannels] (its tokens per channel for this
-//     rank), int32 node_channel[kHTMaxChannels] (its tokens per channel for this rank's node),
-//     int32 expert[kHTMaxLocalExperts] (its selections of this rank's experts)
-//   tails [2: dispatch, combine][R source][kHTMaxChannels] uint64 (rows arrived from the source)
-//   outgoing slots [2 epoch parities][R destination] x kHTSlotBytes (what a proxy WRITE carries to that
-//     destination's slot)
-//   heads [2: dispatch, combine][R reader][kHTMaxChannels] uint64 (rows of this rank's ring at the reader consumed)
-//   forward tails [2][R writer][kHTMaxChannels], forward heads [2][R reader][kHTMaxChannels]: the same for the
-//     forward rings
-//   16 bytes of scratch: source and target of the credit WRITEs
-// Receive area at recv_off: rings [R - 1 peers, the holder left out][C channels] x ring_rows rows, then (forwarding)
-//   forward rings [L: the other party's local index][C]. Dispatch row: [int32 source token, node mask, source
-//   rank, index][x bytes][scales S x 4][pad to 8 bytes][top-k ids K x int64][top-k weights K x f32], padded to 16
-//   bytes. Combine row: [BF16 row][K x f32] padded to 16 bytes; with forwarding every combine ring row has the
-//   size of a partial row ([f32 H][f32 K] padded to 16 bytes) and the BF16 rows use its start.
-// Staging area at stage_off (proxy peers only): the same rings, per destination. A proxy peer whose region is mapped
-//   here (place[d]) gets its rows stored straight into its receive area instead, and the WRITEs are placed.
-// Signal streams (proxy path), from stream_base: notify; dispatch data channel c at 1 + c; combine data at
-//   1 + kHTMaxChannels + c; dispatch credits at 1 + 2 * kHTMaxChannels + c; combine credits at 1 + 3 * ... + c.
+// Where all of this sits (the control area's slots, tails, heads and scratch; the receive and staging areas'
+// rings; the rows' fields; the signal streams), every offset and size: ht_layout.h, the one table, next to the
+// code that computes it.
 #pragma once
 
 #include <stdint.h>
 
+#include "gpu_kernels/cuda/ht_layout.h"
 #include "gpu_kernels/cuda/ll_api.h"
 
 namespace portep::cuda {
 
-constexpr int kHTMaxRanks = 8;  // ranks in all: one NVLink domain, or nodes x ranks per node across nodes
-constexpr int kHTMaxChannels = 64;
-constexpr int kHTMaxLocalExperts = 1024;
-constexpr int kHTChunkRows = 32;  // rows per proxy WRITE
-constexpr uint64_t kHTSlotBytes = 8 + 4 * (kHTMaxRanks + 2 * kHTMaxChannels + kHTMaxLocalExperts) + 8;
-constexpr uint64_t kHTTailBytes = 8ull * kHTMaxRanks * kHTMaxChannels;
-constexpr uint64_t kHTScratchOff = 4 * kHTMaxRanks * kHTSlotBytes + 8 * kHTTailBytes;
-constexpr uint64_t kHTCtrlBytes = kHTScratchOff + 16;
-constexpr uint32_t kHTNumStreams = 1 + 4 * kHTMaxChannels;
-constexpr int kHTMinRingRows = 2 * kHTChunkRows;  // a proxy reader credits whole chunks only
-constexpr int kHTNvlHeadColumns = 8;  // of HTDispatchArgs::nvl_head (DeepEP's send_nvl_head width)
+constexpr int kHTEpochWords = 2;  // HTCommon::epoch
 
 struct HTHostCounts {  // mapped host memory, written by a notify kernel that has a ticket
   uint64_t ticket;     // written last: the fields below belong to the notify of this ticket
@@ -101,8 +75,9 @@ struct HTCommon {
                           // null for a peer reached through the proxies
   uint8_t* const* place;  // device array [R]: a proxy peer's region where the kernels store their WRITEs' bytes
                           // themselves (placed WRITEs), else null
-  uint64_t ctrl_off, recv_off, stage_off;
-  uint64_t* epoch;        // device [2]: ops so far; whether this op's data kernel does nothing (set by notify)
+  uint64_t ctrl_off, recv_off, stage_off;  // the control, receive and staging areas (ht_layout.h)
+  uint64_t* epoch;        // device [kHTEpochWords]: ops so far; whether this op's data kernel does nothing (set by
+                          // notify)
   HTHostCounts* host;     // device address of the mapped host counts
   const uint32_t* peer_status;  // as LLCommon's
   KernelError* error;     // as LLCommon's
@@ -147,7 +122,7 @@ struct HTDispatchArgs {
   int recv_prefix_stride;
   const int32_t* channel_prefix, * recv_channel_prefix;
   int num_tokens, row_bytes, num_scales, num_topk, num_local_experts;
-  uint32_t ring_rows;         // rows per ring (see above)
+  uint32_t ring_rows;         // rows per ring (ht_layout.h)
   int64_t max_recv;           // rows of the outputs
   uint8_t* recv_x;            // [max_recv][row_bytes]
   float* recv_scales;         // [max_recv][S] or null
@@ -158,8 +133,8 @@ struct HTDispatchArgs {
   // forwarding
   const int32_t* fwd_channel_prefix, * fwd_rank_prefix;  // as in HTNotifyArgs
   int32_t* recv_src_meta;     // [max_recv][2]: source node, its node mask for this node; null: cached
-  int32_t* nvl_head;          // [nvl_rows][8]: per row from another node, its index among the source's rows of
-  int64_t nvl_rows;           //   the channel to each local rank, or -1; null: cached
+  int32_t* nvl_head;          // [nvl_rows][kHTNvlHeadColumns]: per row from another node, its index among the
+  int64_t nvl_rows;           //   source's rows of the channel to each local rank, or -1; null: cached
 };
 
 struct HTCombineArgs {
@@ -173,15 +148,10 @@ struct HTCombineArgs {
   const int32_t* recv_channel_prefix;
   const int32_t* fwd_channel_prefix, * fwd_rank_prefix, * nvl_head;  // forwarding: as dispatch made them
   int num_tokens, hidden, num_topk;
-  uint32_t ring_rows;             // rows per ring (see above)
+  uint32_t ring_rows;             // rows per ring (ht_layout.h)
   uint16_t* out;                  // [N][H] bf16
   float* out_weights;             // [N][K] or null
 };
-
-// Blocks per channel of the data kernels: sender and receiver (or reducer), and a forwarder with forwarding.
-inline int ht_blocks_per_channel(int num_ranks, int ranks_per_node) {
-  return ranks_per_node > 1 && ranks_per_node < num_ranks ? 3 : 2;
-}
 
 // Each returns the launch's cudaError_t (0 = success).
 int ht_notify(const HTNotifyArgs& a);

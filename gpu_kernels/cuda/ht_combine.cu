@@ -9,18 +9,16 @@
 namespace portep::cuda {
 namespace {
 
-PORTEP_DEVICE int contribution_bytes(const HTCombineArgs& a) { return (2 * a.hidden + 4 * a.num_topk + 15) / 16 * 16; }
-PORTEP_DEVICE int partial_bytes(const HTCombineArgs& a) { return (4 * a.hidden + 4 * a.num_topk + 15) / 16 * 16; }
-// Row stride of every combine ring (ht_api.h): with forwarding, partial rows travel in them too.
+// Row stride of every combine ring (ht_layout.h).
 PORTEP_DEVICE uint32_t slot_bytes(const HTCombineArgs& a) {
-  return uint32_t(forwarding(a.c) ? partial_bytes(a) : contribution_bytes(a));
+  return ht_combine_row_bytes(ht_forwarding(a.c), a);
 }
 
 // Warp-wide: x's row `row` (and its weights) as one contribution at dst.
 PORTEP_DEVICE void write_contribution(const HTCombineArgs& a, uint8_t* dst, int64_t row) {
   warp_copy16(reinterpret_cast<uint4*>(dst), reinterpret_cast<const uint4*>(a.x + row * a.hidden), a.hidden * 2 / 16);
   if (a.topk_weights) {
-    float* w = reinterpret_cast<float*>(dst + 2 * a.hidden);
+    float* w = reinterpret_cast<float*>(dst + ht_combine_weights(false, a.hidden));
     for (int k = lane_id(); k < a.num_topk; k += kWarpSize) w[k] = a.topk_weights[row * a.num_topk + k];
   }
 }
@@ -36,7 +34,7 @@ struct SendState {
 PORTEP_DEVICE bool send_to(const HTCombineArgs& a, int ch, int s, uint64_t epoch, SendState& st) {
   const HTCommon& c = a.c;
   const int C = c.num_channels, warp = threadIdx.x / kWarpSize, stride = a.recv_prefix_stride;
-  const bool via_forwarder = forwarding(c) && node_of(c, s) != node_of(c, c.rank);
+  const bool via_forwarder = ht_forwarding(c) && node_of(c, s) != node_of(c, c.rank);
   const int dst = via_forwarder ? node_of(c, c.rank) * c.ranks_per_node + local_of(c, s) : s;
   const uint32_t bytes = slot_bytes(a), Q = a.ring_rows;
   const int64_t begin = a.recv_channel_prefix[s * C + ch];
@@ -44,9 +42,9 @@ PORTEP_DEVICE bool send_to(const HTCombineArgs& a, int ch, int s, uint64_t epoch
   const int64_t local_row0 = rows_before(a.recv_prefix, stride, s) + begin;  // in x
   __syncthreads();  // the previous source's bookkeeping is done
   const uint32_t first = via_forwarder ? st.fwd_sent[local_of(c, s)] : 0;  // ring index of the first row
-  const uint64_t remote_ring = via_forwarder ? fwd_ring_offset(c, local_of(c, c.rank), ch, Q, bytes)
-                                             : ring_offset(c, s, c.rank, ch, Q, bytes);
-  const uint64_t stage_ring = ring_offset(c, c.rank, s, ch, Q, bytes);
+  const uint64_t remote_ring = via_forwarder ? ht_fwd_ring_offset(c, local_of(c, c.rank), ch, Q, bytes)
+                                             : ht_ring_offset(c, s, c.rank, ch, Q, bytes);
+  const uint64_t stage_ring = ht_ring_offset(c, c.rank, s, ch, Q, bytes);
   uint32_t flushed = 0;  // thread 0's
   for (uint32_t b = 0; b < n; b += kHTWarps) {
     const uint32_t r = b + warp, done = min(b + kHTWarps, n);
@@ -56,7 +54,7 @@ PORTEP_DEVICE bool send_to(const HTCombineArgs& a, int ch, int s, uint64_t epoch
     __syncthreads();
     if (st.failed) return false;
     if (r < n) {
-      const uint64_t slot = ring_slot(first + r, Q, bytes);
+      const uint64_t slot = ht_ring_slot(first + r, Q, bytes);
       uint8_t* to = c.peers[dst] ? c.peers[dst] + c.recv_off + remote_ring + slot
                                  : proxy_ring_slot(c, dst, stage_ring, remote_ring, slot);
       write_contribution(a, to, local_row0 + r);
@@ -69,7 +67,7 @@ PORTEP_DEVICE bool send_to(const HTCombineArgs& a, int ch, int s, uint64_t epoch
         publish_tail(tail_word(c, c.peers[s], true, c.rank, ch), epoch, done);
       } else {
         fence_sys();  // the rows (staged or placed) before the WRITEs that move or announce them
-        flush_rows(c, s, data_stream(c, true, ch), stage_ring, remote_ring, bytes, Q, &flushed, done, done == n);
+        flush_rows(c, s, ht_data_stream(c, true, ch), stage_ring, remote_ring, bytes, Q, &flushed, done, done == n);
       }
     }
   }
@@ -87,7 +85,7 @@ PORTEP_DEVICE void send_channel(const HTCombineArgs& a, int ch) {
   for (int s = 0; s < c.num_ranks; ++s)
     if (s != c.rank && !send_to(a, ch, s, epoch, st)) return;
   const int d = threadIdx.x;
-  if (d < c.num_ranks && !(forwarding(c) && node_of(c, d) != node_of(c, c.rank)))
+  if (d < c.num_ranks && !(ht_forwarding(c) && node_of(c, d) != node_of(c, c.rank)))
     collect_credits(c, true, d, ch, rows_from_source(a, d, ch));
 }
 
@@ -236,7 +234,7 @@ PORTEP_DEVICE bool await_batch(const HTCombineArgs& a, ReduceState& st, int ch, 
       else
         st.failed = 1;
     } else {
-      const int64_t units = await_units(c, j, data_stream(c, true, ch), chunks(need));
+      const int64_t units = await_units(c, j, ht_data_stream(c, true, ch), chunks(need));
       if (units >= 0)
         st.have[j] = uint32_t(units * kHTChunkRows);
       else
@@ -253,7 +251,7 @@ PORTEP_DEVICE void reduce_token(const HTCombineArgs& a, const ReduceState& st, i
   const HTCommon& c = a.c;
   const int R = c.num_ranks, me = c.rank, C = c.num_channels;
   const uint32_t bytes = slot_bytes(a), mask = st.masks[warp];
-  const bool partials = forwarding(c);  // the rows of other nodes (pass 1) are FP32 partials
+  const bool partials = ht_forwarding(c);  // the rows of other nodes (pass 1) are FP32 partials
   const int64_t base = int64_t(t) * a.hidden;
   RowSet set;
   set.n = set.nbias = 0;
@@ -271,9 +269,9 @@ PORTEP_DEVICE void reduce_token(const HTCombineArgs& a, const ReduceState& st, i
         add_row(set, reinterpret_cast<const uint8_t*>(a.x + row * a.hidden),
                 a.topk_weights ? a.topk_weights + row * a.num_topk : nullptr);
       } else {
-        const uint8_t* row = c.local + c.recv_off + ring_offset(c, me, j, ch, a.ring_rows, bytes) +
-                             ring_slot(index, a.ring_rows, bytes);
-        add_row(set, row, reinterpret_cast<const float*>(row + (partials && pass == 1 ? 4 : 2) * a.hidden));
+        const uint8_t* row = c.local + c.recv_off + ht_ring_offset(c, me, j, ch, a.ring_rows, bytes) +
+                             ht_ring_slot(index, a.ring_rows, bytes);
+        add_row(set, row, reinterpret_cast<const float*>(row + ht_combine_weights(partials && pass == 1, a.hidden)));
       }
     }
     if (pass == 0 || !partials) set.nb = set.n;
@@ -307,7 +305,7 @@ PORTEP_DEVICE void reduce_channel(const HTCombineArgs& a, int ch) {
       if (j != c.rank) return_rows(c, true, j, ch, epoch, st.base[j], &st.credited[j]);
     }
   }
-  if (j < R && j != c.rank && !c.peers[j]) consume_units(c, j, data_stream(c, true, ch), chunks(st.base[j]));
+  if (j < R && j != c.rank && !c.peers[j]) consume_units(c, j, ht_data_stream(c, true, ch), chunks(st.base[j]));
 }
 
 // ---- the forwarder (forwarding only) ----
@@ -328,12 +326,12 @@ PORTEP_DEVICE void reduce_partial(const HTCommon& c, const HTCombineArgs& a, con
   for (int l = 0; l < c.ranks_per_node; ++l) {
     if (!(mask >> l & 1)) continue;
     const uint32_t index = st.used[l] + rows_with_bit(st.masks, warp, l);
-    const uint8_t* row = c.local + c.recv_off + fwd_ring_offset(c, l, ch, a.ring_rows, bytes) +
-                         ring_slot(index, a.ring_rows, bytes);
-    add_row(set, row, reinterpret_cast<const float*>(row + 2 * a.hidden));
+    const uint8_t* row = c.local + c.recv_off + ht_fwd_ring_offset(c, l, ch, a.ring_rows, bytes) +
+                         ht_ring_slot(index, a.ring_rows, bytes);
+    add_row(set, row, reinterpret_cast<const float*>(row + ht_combine_weights(false, a.hidden)));
   }
   set.nb = set.n;
-  float* weights = a.num_topk ? reinterpret_cast<float*>(dst + 4 * a.hidden) : nullptr;
+  float* weights = a.num_topk ? reinterpret_cast<float*>(dst + ht_combine_weights(true, a.hidden)) : nullptr;
   reduce_rows(set, a.hidden, a.num_topk, dst, true, weights);
 }
 
@@ -344,8 +342,8 @@ PORTEP_DEVICE bool partials_for(const HTCombineArgs& a, PartialState& st, int n,
   const int s = n * L + local_of(c, c.rank), base = node_of(c, c.rank) * L;
   const uint32_t rows = served_rows(c, a.fwd_channel_prefix, a.fwd_rank_prefix, n, ch), bytes = slot_bytes(a);
   const int64_t row0 = served_row0(c, a.fwd_channel_prefix, a.fwd_rank_prefix, n, ch);
-  const uint64_t stage_ring = ring_offset(c, c.rank, s, ch, a.ring_rows, bytes);
-  const uint64_t remote_ring = ring_offset(c, s, c.rank, ch, a.ring_rows, bytes);
+  const uint64_t stage_ring = ht_ring_offset(c, c.rank, s, ch, a.ring_rows, bytes);
+  const uint64_t remote_ring = ht_ring_offset(c, s, c.rank, ch, a.ring_rows, bytes);
   uint32_t flushed = 0;  // thread 0's
   for (uint32_t b = 0; b < rows; b += kHTWarps) {
     const uint32_t end = min(b + kHTWarps, rows), r = b + warp;
@@ -364,16 +362,16 @@ PORTEP_DEVICE bool partials_for(const HTCombineArgs& a, PartialState& st, int n,
     if (threadIdx.x == 0 && !await_room(c, true, s, ch, epoch, end, a.ring_rows)) st.failed = 1;
     __syncthreads();
     if (st.failed) return false;
-    uint8_t* staged = proxy_ring_slot(c, s, stage_ring, remote_ring, ring_slot(r, a.ring_rows, bytes));
+    uint8_t* staged = proxy_ring_slot(c, s, stage_ring, remote_ring, ht_ring_slot(r, a.ring_rows, bytes));
     if (r < end) reduce_partial(c, a, st, warp, staged, ch);
     __syncthreads();  // every load returned (slots go back) and the partials are staged
     if (l < L && st.batch[l]) {
       st.used[l] += st.batch[l];
-      st_relaxed_sys_u64(fwd_head_word(c, c.peers[base + l], true, c.rank, ch), tail_value(epoch, st.used[l]));
+      st_relaxed_sys_u64(fwd_head_word(c, c.peers[base + l], true, c.rank, ch), ht_word_value(epoch, st.used[l]));
     }
     if (threadIdx.x == 0) {
       fence_sys();  // the rows (staged or placed) before the WRITEs that move or announce them
-      flush_rows(c, s, data_stream(c, true, ch), stage_ring, remote_ring, bytes, a.ring_rows, &flushed, end,
+      flush_rows(c, s, ht_data_stream(c, true, ch), stage_ring, remote_ring, bytes, a.ring_rows, &flushed, end,
                  end == rows);
     }
   }
@@ -399,7 +397,7 @@ PORTEP_DEVICE void forward_channel(const HTCombineArgs& a, int ch) {
 
 __global__ void __launch_bounds__(kHTThreads, 1) ht_combine_kernel(HTCombineArgs a) {
   if (failed_before(a.c)) return;
-  const int per = forwarding(a.c) ? 3 : 2, role = blockIdx.x % per, ch = blockIdx.x / per;
+  const int per = ht_forwarding(a.c) ? 3 : 2, role = blockIdx.x % per, ch = blockIdx.x / per;
   if (role == 0)
     send_channel(a, ch);
   else if (role == 1)
@@ -411,7 +409,7 @@ __global__ void __launch_bounds__(kHTThreads, 1) ht_combine_kernel(HTCombineArgs
 }  // namespace
 
 int ht_combine(const HTCombineArgs& a) {
-  const int blocks = ht_blocks_per_channel(a.c.num_ranks, a.c.ranks_per_node) * a.c.num_channels;
+  const int blocks = ht_blocks_per_channel(a.c) * a.c.num_channels;
   ht_combine_kernel<<<blocks, kHTThreads, 0, static_cast<cudaStream_t>(a.c.stream)>>>(a);
   return int(cudaGetLastError());
 }

@@ -1,4 +1,5 @@
-// Device helpers shared by the normal-mode (HT) kernels (layouts in ht_api.h).
+// Device helpers shared by the normal-mode (HT) kernels (protocol in ht_api.h, every offset and size in
+// ht_layout.h).
 #pragma once
 
 #include <stdint.h>
@@ -27,41 +28,37 @@ PORTEP_DEVICE int channel_begin(int num_tokens, int num_channels, int ch) {
 // Slots alternate by the parity of the op's epoch: a rank may start op e + 1 while a peer that sends it nothing
 // still reads its slot of op e, but it starts op e + 2 only after that peer finished op e's notify.
 PORTEP_DEVICE uint8_t* notify_slot(const HTCommon& c, uint8_t* region, int src, uint64_t epoch) {
-  return region + c.ctrl_off + ((epoch & 1) * kHTMaxRanks + src) * kHTSlotBytes;
+  return region + c.ctrl_off + ht_slot_off(epoch, src);
 }
 PORTEP_DEVICE uint8_t* outgoing_slot(const HTCommon& c, int dst, uint64_t epoch) {
-  return c.local + c.ctrl_off + 2 * kHTTailBytes + ((2 + (epoch & 1)) * kHTMaxRanks + dst) * kHTSlotBytes;
+  return ht_outgoing_slot(c.local + c.ctrl_off, epoch, dst);
 }
-PORTEP_DEVICE uint64_t* slot_flag(uint8_t* slot) { return reinterpret_cast<uint64_t*>(slot); }
-PORTEP_DEVICE int32_t* slot_counts(uint8_t* slot) { return reinterpret_cast<int32_t*>(slot + 8); }
-PORTEP_DEVICE int32_t* slot_channels(uint8_t* slot) { return slot_counts(slot) + kHTMaxRanks; }
-PORTEP_DEVICE int32_t* slot_node_channels(uint8_t* slot) { return slot_channels(slot) + kHTMaxChannels; }
-PORTEP_DEVICE int32_t* slot_experts(uint8_t* slot) { return slot_node_channels(slot) + kHTMaxChannels; }
+PORTEP_DEVICE uint64_t* slot_flag(uint8_t* slot) { return reinterpret_cast<uint64_t*>(slot + kHTSlotFlagOff); }
+PORTEP_DEVICE int32_t* slot_counts(uint8_t* slot) { return reinterpret_cast<int32_t*>(slot + kHTSlotCountsOff); }
+PORTEP_DEVICE int32_t* slot_channels(uint8_t* slot) {
+  return reinterpret_cast<int32_t*>(slot + kHTSlotChannelsOff);
+}
+PORTEP_DEVICE int32_t* slot_node_channels(uint8_t* slot) {
+  return reinterpret_cast<int32_t*>(slot + kHTSlotNodeChannelsOff);
+}
+PORTEP_DEVICE int32_t* slot_experts(uint8_t* slot) { return reinterpret_cast<int32_t*>(slot + kHTSlotExpertsOff); }
 
-// The control area's tables of words [2: dispatch, combine][kHTMaxRanks][kHTMaxChannels] (ht_api.h), as offsets
-// of their dispatch halves: tails (source) after the slots; heads (reader), forward tails (writer) and forward heads
-// (reader) after the outgoing slots.
-constexpr uint64_t kHTTails = 2 * kHTMaxRanks * kHTSlotBytes;
-constexpr uint64_t kHTHeads = 4 * kHTMaxRanks * kHTSlotBytes + 2 * kHTTailBytes;
-constexpr uint64_t kHTFwdTails = kHTHeads + 2 * kHTTailBytes;
-constexpr uint64_t kHTFwdHeads = kHTFwdTails + 2 * kHTTailBytes;
-static_assert(kHTFwdHeads + 2 * kHTTailBytes == kHTScratchOff, "the word tables end where the scratch begins");
+// A word of one of the control area's tables (kHTTailsOff, kHTHeadsOff, kHTFwdTailsOff, kHTFwdHeadsOff).
 PORTEP_DEVICE uint64_t* control_word(const HTCommon& c, uint8_t* region, uint64_t table, bool combine, int rank,
                                      int ch) {
-  uint8_t* words = region + c.ctrl_off + table + (combine ? kHTTailBytes : 0);
-  return reinterpret_cast<uint64_t*>(words) + rank * kHTMaxChannels + ch;
+  uint8_t* words = region + c.ctrl_off + ht_word_half(table, combine);
+  return ht_word(words, rank, ch);
 }
 // In `region`'s control area: rows arrived from src (tail), and rows of this rank's ring the reader consumed (head).
 PORTEP_DEVICE uint64_t* tail_word(const HTCommon& c, uint8_t* region, bool combine, int src, int ch) {
-  return control_word(c, region, kHTTails, combine, src, ch);
+  return control_word(c, region, kHTTailsOff, combine, src, ch);
 }
 PORTEP_DEVICE uint64_t* head_word(const HTCommon& c, uint8_t* region, bool combine, int reader, int ch) {
-  return control_word(c, region, kHTHeads, combine, reader, ch);
+  return control_word(c, region, kHTHeadsOff, combine, reader, ch);
 }
-PORTEP_DEVICE uint64_t tail_value(uint64_t epoch, uint32_t rows) { return epoch << 32 | rows; }
 // Rows a tail or head word says for this epoch (0 while it still holds an earlier op's).
 PORTEP_DEVICE uint32_t rows_of(uint64_t word, uint64_t epoch) {
-  return word >= tail_value(epoch, 0) ? uint32_t(word) : 0;
+  return word >= ht_word_value(epoch, 0) ? uint32_t(word) : 0;
 }
 
 // A batch gives each warp one row (token): of the batch's masks (a bit per rank), how many of the first n have bit
@@ -73,7 +70,6 @@ PORTEP_DEVICE uint32_t rows_with_bit(const uint32_t* masks, int n, int bit) {
 }
 
 // ---- forwarding (ht_api.h) ----
-PORTEP_DEVICE bool forwarding(const HTCommon& c) { return c.ranks_per_node > 1 && c.ranks_per_node < c.num_ranks; }
 PORTEP_DEVICE int node_of(const HTCommon& c, int r) { return r / c.ranks_per_node; }
 PORTEP_DEVICE int local_of(const HTCommon& c, int r) { return r % c.ranks_per_node; }
 // Bit l: local rank l of `node` is among `ranks` (a bit per global rank).
@@ -84,7 +80,7 @@ PORTEP_DEVICE uint32_t node_mask(const HTCommon& c, uint32_t ranks, int node) {
 // destination that node's forwarder for this rank (its rank with this rank's local index). Without forwarding,
 // the destinations themselves.
 PORTEP_DEVICE uint32_t effective_mask(const HTCommon& c, uint32_t ranks) {
-  if (!forwarding(c)) return ranks;
+  if (!ht_forwarding(c)) return ranks;
   const int me = node_of(c, c.rank), L = c.ranks_per_node;
   uint32_t m = node_mask(c, ranks, me) << (me * L);
   for (int n = 0; n < c.num_ranks / L; ++n)
@@ -93,15 +89,10 @@ PORTEP_DEVICE uint32_t effective_mask(const HTCommon& c, uint32_t ranks) {
 }
 // Forward tail (writer) and head (reader) words, as tail_word / head_word.
 PORTEP_DEVICE uint64_t* fwd_tail_word(const HTCommon& c, uint8_t* region, bool combine, int writer, int ch) {
-  return control_word(c, region, kHTFwdTails, combine, writer, ch);
+  return control_word(c, region, kHTFwdTailsOff, combine, writer, ch);
 }
 PORTEP_DEVICE uint64_t* fwd_head_word(const HTCommon& c, uint8_t* region, bool combine, int reader, int ch) {
-  return control_word(c, region, kHTFwdHeads, combine, reader, ch);
-}
-// The forward ring a holder keeps for the other party of local index `other_local` in channel ch (receive area).
-PORTEP_DEVICE uint64_t fwd_ring_offset(const HTCommon& c, int other_local, int ch, uint32_t ring_rows,
-                                       uint32_t row_bytes) {
-  return (uint64_t(c.num_ranks - 1 + other_local) * c.num_channels + ch) * ring_rows * row_bytes;
+  return control_word(c, region, kHTFwdHeadsOff, combine, reader, ch);
 }
 // Rows from node n's served source (fwd prefixes of a handle) in channel ch, and where the first sits among the
 // rows this rank forwards (those of other nodes, nodes ascending, channels ascending).
@@ -117,18 +108,6 @@ PORTEP_DEVICE int64_t served_row0(const HTCommon& c, const int32_t* fwd_channel_
   const int me = node_of(c, c.rank);
   const int64_t own = fwd_rank_prefix[me] - (me > 0 ? fwd_rank_prefix[me - 1] : 0);
   return (n > 0 ? fwd_rank_prefix[n - 1] : 0) - (me < n ? own : 0) + fwd_channel_prefix[n * c.num_channels + ch];
-}
-
-// ---- rings ----
-// The ring `holder` keeps for `other` in channel ch, as a byte offset into its receive (or staging) area: rings
-// [peer: other without the holder][channel] x ring_rows rows of row_bytes.
-PORTEP_DEVICE uint64_t ring_offset(const HTCommon& c, int holder, int other, int ch, uint32_t ring_rows,
-                                   uint32_t row_bytes) {
-  const int peer = other < holder ? other : other - 1;
-  return (uint64_t(peer) * c.num_channels + ch) * ring_rows * row_bytes;
-}
-PORTEP_DEVICE uint64_t ring_slot(uint32_t i, uint32_t ring_rows, uint32_t row_bytes) {
-  return uint64_t(i % ring_rows) * row_bytes;
 }
 
 // ---- prefix sums of a handle ----
@@ -184,14 +163,14 @@ PORTEP_DEVICE bool await_word(const HTCommon& c, const uint64_t* word, uint64_t 
 // The tail word reaches (epoch, rows).
 PORTEP_DEVICE bool await_tail(const HTCommon& c, const uint64_t* word, uint64_t epoch, uint32_t rows, int src,
                               int ch) {
-  return await_word(c, word, tail_value(epoch, rows), src, uint32_t(ch));
+  return await_word(c, word, ht_word_value(epoch, rows), src, uint32_t(ch));
 }
 
 // Publishes `rows` stores of this block to dst's tail word: the block's stores before the barrier are visible
 // system-wide before the tail (fence after the barrier, then a plain store). Called by one thread.
 PORTEP_DEVICE void publish_tail(uint64_t* word, uint64_t epoch, uint32_t rows) {
   fence_sys();
-  st_relaxed_sys_u64(word, tail_value(epoch, rows));
+  st_relaxed_sys_u64(word, ht_word_value(epoch, rows));
 }
 
 // A kernel failed earlier (this op's notify included): the Buffer's results are invalid and the offsets this op
@@ -208,13 +187,6 @@ PORTEP_DEVICE bool error_stops_data(const HTCommon& c) { return reported_error(c
 PORTEP_DEVICE bool failed_before(const HTCommon& c) { return c.epoch[1] != 0; }
 
 // ---- the proxy path ----
-PORTEP_DEVICE uint32_t notify_stream(const HTCommon& c) { return c.stream_base; }
-PORTEP_DEVICE uint32_t data_stream(const HTCommon& c, bool combine, int ch) {
-  return c.stream_base + 1 + (combine ? kHTMaxChannels : 0) + uint32_t(ch);
-}
-PORTEP_DEVICE uint32_t credit_stream(const HTCommon& c, bool combine, int ch) {
-  return c.stream_base + 1 + (combine ? 3 : 2) * kHTMaxChannels + uint32_t(ch);
-}
 
 // The FIFO side of LLCommon, so the HT kernels push commands as the LL kernels do.
 PORTEP_DEVICE LLCommon fifo_side(const HTCommon& c) {
@@ -267,7 +239,7 @@ PORTEP_DEVICE bool flush_rows(const HTCommon& c, int d, uint32_t stream, uint64_
   bool pushed = false;
   while (*flushed < ready && (ready - *flushed >= uint32_t(kHTChunkRows) || last)) {
     const uint32_t n = min(ready - *flushed, uint32_t(kHTChunkRows));
-    const uint64_t slot = ring_slot(*flushed, ring_rows, row_bytes);  // n rows from here never wrap
+    const uint64_t slot = ht_ring_slot(*flushed, ring_rows, row_bytes);  // n rows from here never wrap
     const uint64_t remote = c.recv_off + remote_ring + slot, local = c.stage_off + stage_ring + slot;
     if (!push_cmd(f, CmdFields{kOpWrite, write_flags(f, d), uint32_t(d), n * row_bytes, stream, remote, local}))
       return false;
@@ -284,15 +256,15 @@ PORTEP_DEVICE bool await_room(const HTCommon& c, bool combine, int d, int ch, ui
                               uint32_t ring_rows) {
   if (end <= ring_rows) return true;
   const uint32_t need = end - ring_rows;
-  if (c.peers[d]) return await_word(c, head_word(c, c.local, combine, d, ch), tail_value(epoch, need), d, ch);
-  return await_units(c, d, credit_stream(c, combine, ch), chunks(need)) >= 0;
+  if (c.peers[d]) return await_word(c, head_word(c, c.local, combine, d, ch), ht_word_value(epoch, need), d, ch);
+  return await_units(c, d, ht_credit_stream(c, combine, ch), chunks(need)) >= 0;
 }
 
 // The same for forward ring (d, ch) of this rank (a writer into d's forward rings).
 PORTEP_DEVICE bool await_fwd_room(const HTCommon& c, bool combine, int d, int ch, uint64_t epoch, uint32_t end,
                                   uint32_t ring_rows) {
   if (end <= ring_rows) return true;
-  return await_word(c, fwd_head_word(c, c.local, combine, d, ch), tail_value(epoch, end - ring_rows), d, ch);
+  return await_word(c, fwd_head_word(c, c.local, combine, d, ch), ht_word_value(epoch, end - ring_rows), d, ch);
 }
 
 // The reader tells source s it consumed `consumed` rows of ring (s, ch): a head word stored into s's control area
@@ -301,16 +273,17 @@ PORTEP_DEVICE bool await_fwd_room(const HTCommon& c, bool combine, int d, int ch
 PORTEP_DEVICE void return_rows(const HTCommon& c, bool combine, int s, int ch, uint64_t epoch, uint32_t consumed,
                                uint32_t* credited) {
   if (c.peers[s]) {
-    st_relaxed_sys_u64(head_word(c, c.peers[s], combine, c.rank, ch), tail_value(epoch, consumed));
+    st_relaxed_sys_u64(head_word(c, c.peers[s], combine, c.rank, ch), ht_word_value(epoch, consumed));
     return;
   }
   const uint32_t due = consumed / kHTChunkRows;
   if (due == *credited) return;
   const LLCommon f = fifo_side(c);
-  const uint32_t stream = credit_stream(c, combine, ch);
+  const uint32_t stream = ht_credit_stream(c, combine, ch);
   const uint64_t scratch = c.ctrl_off + kHTScratchOff;
   for (; *credited < due; ++*credited)
-    if (!push_cmd(f, CmdFields{kOpWrite, write_flags(f, s), uint32_t(s), 16, stream, scratch, scratch})) return;
+    if (!push_cmd(f, CmdFields{kOpWrite, write_flags(f, s), uint32_t(s), uint32_t(kHTScratchBytes), stream, scratch,
+                               scratch})) return;
   push_cmd(f, CmdFields{kOpSignal, 0, uint32_t(s), 0, stream, 0, 0});
 }
 
@@ -319,7 +292,8 @@ PORTEP_DEVICE void return_rows(const HTCommon& c, bool combine, int s, int ch, u
 PORTEP_DEVICE void collect_credits(const HTCommon& c, bool combine, int d, int ch, uint32_t rows) {
   const uint32_t n = rows / kHTChunkRows;
   if (c.peers[d] || d == c.rank || n == 0) return;
-  if (await_units(c, d, credit_stream(c, combine, ch), n) >= 0) consume_units(c, d, credit_stream(c, combine, ch), n);
+  if (await_units(c, d, ht_credit_stream(c, combine, ch), n) >= 0)
+    consume_units(c, d, ht_credit_stream(c, combine, ch), n);
 }
 
 }  // namespace portep::cuda

@@ -7,15 +7,7 @@
 namespace portep::cuda {
 namespace {
 
-struct Record {  // byte offsets inside one record (layout in ht_api.h)
-  int scales, topk, weights, bytes;
-  PORTEP_DEVICE explicit Record(const HTDispatchArgs& a) {
-    scales = 16 + a.row_bytes;
-    topk = (scales + 4 * a.num_scales + 7) / 8 * 8;  // int64 ids: 8-byte aligned whatever the scale count
-    weights = topk + 8 * a.num_topk;
-    bytes = (weights + 4 * a.num_topk + 15) / 16 * 16;
-  }
-};
+using Record = HTDispatchRow;  // one ring row (a record) of the op (ht_layout.h)
 
 // A token's scales and top-k as a warp's lanes hold them: lane l has scales l and l + kWarpSize and top-k entry l.
 // Loaded before the token's row is copied and stored after it, so that these small loads add no round trip of their
@@ -85,12 +77,15 @@ PORTEP_DEVICE void write_output_row(const HTDispatchArgs& a, int64_t row, int sr
 }
 
 // Warp-wide: token t's record at `dst` (a direct peer's receive area or this rank's staging area) but for its row
-// (at dst + 16); node_bits: the token's destinations on the receiver's node.
+// (after the header); node_bits: the token's destinations on the receiver's node.
 PORTEP_DEVICE void write_record_meta(const HTDispatchArgs& a, const Record& rec, uint8_t* dst, int t,
                                      uint32_t node_bits, const TokenMeta& m) {
   const int lane = lane_id();
-  if (lane < 4)
-    reinterpret_cast<int32_t*>(dst)[lane] = lane == 0 ? t : lane == 1 ? int32_t(node_bits) : lane == 2 ? a.c.rank : 0;
+  if (lane < kHTRowHeaderBytes / 4)
+    reinterpret_cast<int32_t*>(dst)[lane] = lane == kHTRowToken      ? t
+                                            : lane == kHTRowNodeMask ? int32_t(node_bits)
+                                            : lane == kHTRowSource   ? a.c.rank
+                                                                     : 0;
   store_scales(a, m, reinterpret_cast<float*>(dst + rec.scales));
   if (m.idx) {
     int64_t* idx = reinterpret_cast<int64_t*>(dst + rec.topk);
@@ -119,8 +114,8 @@ PORTEP_DEVICE void init_send_state(const HTDispatchArgs& a, const Record& rec, S
   if (d >= R) return;
   st.sent[d] = st.flushed[d] = 0;
   st.chan_start[d] = uint32_t(sent_before_channel(a.channel_prefix, C, d, ch));
-  st.remote_ring[d] = ring_offset(c, d, c.rank, ch, a.ring_rows, rec.bytes);
-  st.stage_ring[d] = ring_offset(c, c.rank, d, ch, a.ring_rows, rec.bytes);
+  st.remote_ring[d] = ht_ring_offset(c, d, c.rank, ch, a.ring_rows, rec.bytes);
+  st.stage_ring[d] = ht_ring_offset(c, c.rank, d, ch, a.ring_rows, rec.bytes);
   if (d == 0) {  // (not st.chan_start[rank]: thread rank writes it, and no barrier lies between)
     st.self_row0 = rows_before(a.recv_prefix, a.recv_prefix_stride, c.rank) +
                    sent_before_channel(a.channel_prefix, C, c.rank, ch);
@@ -154,10 +149,10 @@ PORTEP_DEVICE void send_token(const HTDispatchArgs& a, const Record& rec, SendSt
       if (self_row >= a.max_recv) continue;  // num_worst_tokens too small: the notify kernel reported it
       rows[num_rows] = reinterpret_cast<uint4*>(a.recv_x + self_row * a.row_bytes);
     } else {
-      const uint64_t slot = ring_slot(i, a.ring_rows, rec.bytes);
+      const uint64_t slot = ht_ring_slot(i, a.ring_rows, rec.bytes);
       uint8_t* at = c.peers[d] ? c.peers[d] + c.recv_off + st.remote_ring[d] + slot
                                : proxy_ring_slot(c, d, st.stage_ring[d], st.remote_ring[d], slot);
-      rows[num_rows] = reinterpret_cast<uint4*>(at + 16);
+      rows[num_rows] = reinterpret_cast<uint4*>(at + kHTRowHeaderBytes);
     }
     to[num_rows++] = d;
   }
@@ -167,7 +162,8 @@ PORTEP_DEVICE void send_token(const HTDispatchArgs& a, const Record& rec, SendSt
     if (d == c.rank)
       write_output_meta(a, self_row, t, m, node, node_mask(c, ranks, node));
     else
-      write_record_meta(a, rec, reinterpret_cast<uint8_t*>(rows[q]) - 16, t, node_mask(c, ranks, node), m);
+      write_record_meta(a, rec, reinterpret_cast<uint8_t*>(rows[q]) - kHTRowHeaderBytes, t, node_mask(c, ranks, node),
+                        m);
   }
 }
 
@@ -182,7 +178,7 @@ PORTEP_DEVICE void announce(const HTDispatchArgs& a, const Record& rec, SendStat
     return;
   }
   if (added) fence_sys();  // the rows (staged or placed) before the WRITEs that move or announce them
-  flush_rows(c, d, data_stream(c, false, ch), st.stage_ring[d], st.remote_ring[d], uint32_t(rec.bytes), a.ring_rows,
+  flush_rows(c, d, ht_data_stream(c, false, ch), st.stage_ring[d], st.remote_ring[d], uint32_t(rec.bytes), a.ring_rows,
              &st.flushed[d], st.sent[d], last);
 }
 
@@ -191,7 +187,7 @@ PORTEP_DEVICE void send_channel(const HTDispatchArgs& a, int ch) {
   const HTCommon& c = a.c;
   const int R = c.num_ranks, C = c.num_channels, warp = threadIdx.x / kWarpSize, lane = lane_id();
   const int d = threadIdx.x;  // the destination threads d < R keep
-  const Record rec(a);
+  const Record rec = ht_dispatch_row(a);
   init_send_state(a, rec, st, ch);
   const int t0 = channel_begin(a.num_tokens, C, ch), t1 = channel_begin(a.num_tokens, C, ch + 1);
   for (int b = t0; b < t1; b += kHTWarps) {
@@ -234,7 +230,7 @@ struct RecvState {
   int all_done, failed;
 };
 
-PORTEP_DEVICE int num_inputs(const HTCommon& c) { return c.num_ranks + (forwarding(c) ? c.ranks_per_node : 0); }
+PORTEP_DEVICE int num_inputs(const HTCommon& c) { return c.num_ranks + (ht_forwarding(c) ? c.ranks_per_node : 0); }
 // The rank that writes input j.
 PORTEP_DEVICE int input_rank(const HTCommon& c, int j) {
   return j < c.num_ranks ? j : node_of(c, c.rank) * c.ranks_per_node + j - c.num_ranks;
@@ -246,7 +242,7 @@ PORTEP_DEVICE uint32_t rows_arrived(const HTDispatchArgs& a, const RecvState& st
   if (j >= c.num_ranks)
     return min(st.rows[j], rows_of(ld_acquire_sys_u64(fwd_tail_word(c, c.local, false, input_rank(c, j), ch)), epoch));
   if (c.peers[j]) return min(st.rows[j], rows_of(ld_acquire_sys_u64(tail_word(c, c.local, false, j, ch)), epoch));
-  const uint64_t i = uint64_t(j) * c.num_streams + data_stream(c, false, ch);
+  const uint64_t i = uint64_t(j) * c.num_streams + ht_data_stream(c, false, ch);
   const uint32_t units = uint32_t(ld_acquire_sys_u64(c.host_signals + i)) - uint32_t(c.signal_seen[i]);
   return uint32_t(min(uint64_t(st.rows[j]), uint64_t(units) * kHTChunkRows));
 }
@@ -256,7 +252,7 @@ PORTEP_DEVICE void init_recv_state(const HTDispatchArgs& a, RecvState& st, int c
   const int R = c.num_ranks, L = c.ranks_per_node, C = c.num_channels, j = threadIdx.x;
   const int me = node_of(c, c.rank);
   if (j < R) {
-    const bool forwarded = forwarding(c) && node_of(c, j) != me;  // its rows come through input R + local_of(j)
+    const bool forwarded = ht_forwarding(c) && node_of(c, j) != me;  // its rows come through input R + local_of(j)
     st.rows[j] = j == c.rank || forwarded ? 0 : rows_from_source(a, j, ch);
     st.first[j] = rows_before(a.recv_prefix, a.recv_prefix_stride, j) + a.recv_channel_prefix[j * C + ch];
   } else if (j < num_inputs(c)) {
@@ -273,13 +269,14 @@ PORTEP_DEVICE void init_recv_state(const HTDispatchArgs& a, RecvState& st, int c
 PORTEP_DEVICE void place_row(const HTDispatchArgs& a, const Record& rec, const RecvState& st, int j, uint32_t r,
                              const uint8_t* src, int ch) {
   const HTCommon& c = a.c;
-  const int32_t* h = reinterpret_cast<const int32_t*>(src);  // [token, node mask, source rank, index]
+  const int32_t* h = reinterpret_cast<const int32_t*>(src);
   const int64_t row = j < c.num_ranks ? st.first[j] + r
-                                      : rows_before(a.recv_prefix, a.recv_prefix_stride, h[2]) +
-                                            a.recv_channel_prefix[h[2] * c.num_channels + ch] + h[3];
-  write_output_row(a, row, h[0], src + 16, reinterpret_cast<const float*>(src + rec.scales),
+                                      : rows_before(a.recv_prefix, a.recv_prefix_stride, h[kHTRowSource]) +
+                                            a.recv_channel_prefix[h[kHTRowSource] * c.num_channels + ch] +
+                                            h[kHTRowIndex];
+  write_output_row(a, row, h[kHTRowToken], src + kHTRowHeaderBytes, reinterpret_cast<const float*>(src + rec.scales),
                    reinterpret_cast<const int64_t*>(src + rec.topk), reinterpret_cast<const float*>(src + rec.weights),
-                   node_of(c, h[2]), uint32_t(h[1]));
+                   node_of(c, h[kHTRowSource]), uint32_t(h[kHTRowNodeMask]));
 }
 
 // Thread j: input j's rows up to st.done[j] were copied out; their slots go back to the writer.
@@ -290,7 +287,7 @@ PORTEP_DEVICE void release_rows(const HTDispatchArgs& a, RecvState& st, int j, i
     return;
   }
   const int f = input_rank(c, j);
-  st_relaxed_sys_u64(fwd_head_word(c, c.peers[f], false, c.rank, ch), tail_value(epoch, st.done[j]));
+  st_relaxed_sys_u64(fwd_head_word(c, c.peers[f], false, c.rank, ch), ht_word_value(epoch, st.done[j]));
 }
 
 // Serves every input at once (a sender blocked on a full ring to one rank must not stall the others): each
@@ -299,7 +296,7 @@ PORTEP_DEVICE void receive_channel(const HTDispatchArgs& a, int ch) {
   __shared__ RecvState st;
   const HTCommon& c = a.c;
   const int R = c.num_ranks, J = num_inputs(c), warp = threadIdx.x / kWarpSize, j = threadIdx.x;
-  const Record rec(a);
+  const Record rec = ht_dispatch_row(a);
   const uint64_t epoch = *c.epoch;
   init_recv_state(a, st, ch);
   uint64_t idle_since = globaltimer_ns();  // thread 0's
@@ -332,10 +329,10 @@ PORTEP_DEVICE void receive_channel(const HTDispatchArgs& a, int ch) {
     __syncthreads();
     if (st.all_done || st.failed) break;
     for (int i = 0; i < J; ++i) {
-      const uint64_t ring = i < R ? ring_offset(c, c.rank, i, ch, a.ring_rows, rec.bytes)
-                                  : fwd_ring_offset(c, i - R, ch, a.ring_rows, rec.bytes);
+      const uint64_t ring = i < R ? ht_ring_offset(c, c.rank, i, ch, a.ring_rows, rec.bytes)
+                                  : ht_fwd_ring_offset(c, i - R, ch, a.ring_rows, rec.bytes);
       for (uint32_t r = st.done[i] + warp; r < st.avail[i]; r += kHTWarps)
-        place_row(a, rec, st, i, r, c.local + c.recv_off + ring + ring_slot(r, a.ring_rows, rec.bytes), ch);
+        place_row(a, rec, st, i, r, c.local + c.recv_off + ring + ht_ring_slot(r, a.ring_rows, rec.bytes), ch);
     }
     __syncthreads();  // every copy's loads returned before the slots go back
     if (j < J && st.avail[j] > st.done[j]) {
@@ -343,7 +340,7 @@ PORTEP_DEVICE void receive_channel(const HTDispatchArgs& a, int ch) {
       release_rows(a, st, j, ch, epoch);
     }
   }
-  if (j < R && j != c.rank && !c.peers[j]) consume_units(c, j, data_stream(c, false, ch), chunks(st.rows[j]));
+  if (j < R && j != c.rank && !c.peers[j]) consume_units(c, j, ht_data_stream(c, false, ch), chunks(st.rows[j]));
 }
 
 struct ForwardState {
@@ -362,7 +359,7 @@ PORTEP_DEVICE void forward_row(const HTDispatchArgs& a, const Record& rec, const
   const HTCommon& c = a.c;
   const int L = c.ranks_per_node, lane = lane_id(), base = node_of(c, c.rank) * L;
   const uint32_t mask = st.masks[warp];
-  const uint64_t ring = fwd_ring_offset(c, local_of(c, c.rank), ch, a.ring_rows, rec.bytes);
+  const uint64_t ring = ht_fwd_ring_offset(c, local_of(c, c.rank), ch, a.ring_rows, rec.bytes);
   const int32_t* h = reinterpret_cast<const int32_t*>(src);
   int32_t my_index = -1;  // lane l's
   uint4* dsts[kHTMaxRanks];  // the record after its header, at each destination
@@ -372,11 +369,12 @@ PORTEP_DEVICE void forward_row(const HTDispatchArgs& a, const Record& rec, const
     const uint32_t pos = rows_with_bit(st.masks, warp, l);
     const int32_t index = int32_t(st.of_source[l] + pos);
     if (lane == l) my_index = index;
-    uint8_t* dst = c.peers[base + l] + c.recv_off + ring + ring_slot(st.sent[l] + pos, a.ring_rows, rec.bytes);
-    if (lane < 4) reinterpret_cast<int32_t*>(dst)[lane] = lane == 3 ? index : h[lane];
-    dsts[n++] = reinterpret_cast<uint4*>(dst + 16);
+    uint8_t* dst = c.peers[base + l] + c.recv_off + ring + ht_ring_slot(st.sent[l] + pos, a.ring_rows, rec.bytes);
+    if (lane < kHTRowHeaderBytes / 4) reinterpret_cast<int32_t*>(dst)[lane] = lane == kHTRowIndex ? index : h[lane];
+    dsts[n++] = reinterpret_cast<uint4*>(dst + kHTRowHeaderBytes);
   }
-  warp_copy16_to(dsts, n, reinterpret_cast<const uint4*>(src + 16), (rec.bytes - 16) / 16);
+  warp_copy16_to(dsts, n, reinterpret_cast<const uint4*>(src + kHTRowHeaderBytes),
+                 (rec.bytes - kHTRowHeaderBytes) / 16);
   if (a.nvl_head && row < a.nvl_rows && lane < L) a.nvl_head[row * kHTNvlHeadColumns + lane] = my_index;
 }
 
@@ -388,7 +386,7 @@ PORTEP_DEVICE bool forward_source(const HTDispatchArgs& a, const Record& rec, Fo
   const int s = n * L + local_of(c, c.rank);
   const uint32_t rows = served_rows(c, a.fwd_channel_prefix, a.fwd_rank_prefix, n, ch);
   const int64_t row0 = served_row0(c, a.fwd_channel_prefix, a.fwd_rank_prefix, n, ch);
-  const uint8_t* ring = c.local + c.recv_off + ring_offset(c, c.rank, s, ch, a.ring_rows, rec.bytes);
+  const uint8_t* ring = c.local + c.recv_off + ht_ring_offset(c, c.rank, s, ch, a.ring_rows, rec.bytes);
   __syncthreads();  // the previous source's bookkeeping is done
   if (l < L) st.of_source[l] = 0;
   if (threadIdx.x == 0) st.avail = st.credited = 0;
@@ -396,7 +394,7 @@ PORTEP_DEVICE bool forward_source(const HTDispatchArgs& a, const Record& rec, Fo
     const uint32_t end = min(b + kHTWarps, rows), r = b + warp;
     __syncthreads();
     if (threadIdx.x == 0 && st.avail < end) {
-      const int64_t units = await_units(c, s, data_stream(c, false, ch), chunks(end));
+      const int64_t units = await_units(c, s, ht_data_stream(c, false, ch), chunks(end));
       if (units < 0)
         st.failed = 1;
       else
@@ -404,8 +402,8 @@ PORTEP_DEVICE bool forward_source(const HTDispatchArgs& a, const Record& rec, Fo
     }
     __syncthreads();
     if (st.failed) return false;
-    const uint8_t* src = ring + ring_slot(r, a.ring_rows, rec.bytes);
-    if (lane_id() == 0) st.masks[warp] = r < end ? reinterpret_cast<const uint32_t*>(src)[1] : 0;
+    const uint8_t* src = ring + ht_ring_slot(r, a.ring_rows, rec.bytes);
+    if (lane_id() == 0) st.masks[warp] = r < end ? reinterpret_cast<const uint32_t*>(src)[kHTRowNodeMask] : 0;
     __syncthreads();
     if (l < L) {
       const uint32_t k = rows_with_bit(st.masks, kHTWarps, l);
@@ -423,7 +421,7 @@ PORTEP_DEVICE bool forward_source(const HTDispatchArgs& a, const Record& rec, Fo
     }
     if (threadIdx.x == 0) return_rows(c, false, s, ch, epoch, end, &st.credited);
   }
-  if (threadIdx.x == 0) consume_units(c, s, data_stream(c, false, ch), chunks(rows));
+  if (threadIdx.x == 0) consume_units(c, s, ht_data_stream(c, false, ch), chunks(rows));
   return true;
 }
 
@@ -431,7 +429,7 @@ PORTEP_DEVICE bool forward_source(const HTDispatchArgs& a, const Record& rec, Fo
 PORTEP_DEVICE void forward_channel(const HTDispatchArgs& a, int ch) {
   __shared__ ForwardState st;
   const HTCommon& c = a.c;
-  const Record rec(a);
+  const Record rec = ht_dispatch_row(a);
   const uint64_t epoch = *c.epoch;
   if (int(threadIdx.x) < c.ranks_per_node) st.sent[threadIdx.x] = 0;
   if (threadIdx.x == 0) st.failed = 0;
@@ -441,7 +439,7 @@ PORTEP_DEVICE void forward_channel(const HTDispatchArgs& a, int ch) {
 
 __global__ void __launch_bounds__(kHTThreads, 1) ht_dispatch_kernel(HTDispatchArgs a) {
   if (failed_before(a.c)) return;
-  const int per = forwarding(a.c) ? 3 : 2, role = blockIdx.x % per, ch = blockIdx.x / per;
+  const int per = ht_forwarding(a.c) ? 3 : 2, role = blockIdx.x % per, ch = blockIdx.x / per;
   if (role == 0)
     send_channel(a, ch);
   else if (role == 1)
@@ -453,7 +451,7 @@ __global__ void __launch_bounds__(kHTThreads, 1) ht_dispatch_kernel(HTDispatchAr
 }  // namespace
 
 int ht_dispatch(const HTDispatchArgs& a) {
-  const int blocks = ht_blocks_per_channel(a.c.num_ranks, a.c.ranks_per_node) * a.c.num_channels;
+  const int blocks = ht_blocks_per_channel(a.c) * a.c.num_channels;
   ht_dispatch_kernel<<<blocks, kHTThreads, 0, static_cast<cudaStream_t>(a.c.stream)>>>(a);
   return int(cudaGetLastError());
 }

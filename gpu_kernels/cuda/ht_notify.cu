@@ -72,9 +72,9 @@ PORTEP_DEVICE void publish_slot(const HTCommon& c, uint64_t epoch) {
   fence_sys();  // the whole slot (outgoing or placed) before the WRITE that moves or announces it
   const LLCommon f = fifo_side(c);
   const uint64_t off = uint64_t(notify_slot(c, c.local, c.rank, epoch) - c.local);  // the same offset at d
-  push_cmd(f, CmdFields{kOpWrite, write_flags(f, d), uint32_t(d), uint32_t(kHTSlotBytes), notify_stream(c), off,
+  push_cmd(f, CmdFields{kOpWrite, write_flags(f, d), uint32_t(d), uint32_t(kHTSlotBytes), ht_notify_stream(c), off,
                         uint64_t(outgoing_slot(c, d, epoch) - c.local)});
-  push_cmd(f, CmdFields{kOpSignal, 0, uint32_t(d), 0, notify_stream(c), 0, 0});
+  push_cmd(f, CmdFields{kOpSignal, 0, uint32_t(d), 0, ht_notify_stream(c), 0, 0});
 }
 
 // Thread s < R waits for source s's slot of this epoch; returns (block-wide) whether all arrived.
@@ -85,8 +85,8 @@ PORTEP_DEVICE bool await_slots(const HTCommon& c, uint64_t epoch, int* ok) {
     if (c.peers[s]) {
       arrived = await_word(c, slot_flag(notify_slot(c, c.local, s, epoch)), epoch, s, 0xFFFFFFFFu);
     } else {
-      arrived = await_units(c, s, notify_stream(c), 1) >= 1;
-      if (arrived) consume_units(c, s, notify_stream(c), 1);
+      arrived = await_units(c, s, ht_notify_stream(c), 1) >= 1;
+      if (arrived) consume_units(c, s, ht_notify_stream(c), 1);
     }
     if (!arrived) *ok = 0;
   }

@@ -14,8 +14,6 @@ from .config import DEFAULT_TIMEOUT_S, proxy_spin_us_from_env, timeout_from_env,
 
 __all__ = ["Channel", "DEFAULT_TIMEOUT_S"]
 
-_ALIGN = 16
-_MAX_CMD_BYTES = 16 << 20
 
 
 def _device_code(device):
@@ -69,9 +67,10 @@ class Channel:
         native = require_native()
         self.group = group
         self.rank, self.num_ranks = group_rank_and_size(group)
-        _check_int("nbytes", nbytes, _ALIGN, 64 << 30)
-        if nbytes % _ALIGN:
-            raise ValueError(f"nbytes={nbytes} must be a multiple of {_ALIGN}")
+        align = native.OFFSET_ALIGN
+        _check_int("nbytes", nbytes, align, 64 << 30)
+        if nbytes % align:
+            raise ValueError(f"nbytes={nbytes} must be a multiple of {align}")
         self.nbytes = nbytes
         self.transport = transport_from_env(transport)
         self.timeout_s = timeout_from_env(timeout_s)
@@ -231,10 +230,11 @@ class Channel:
         _check_int("stream", stream, 0, self.num_streams - 1)
 
     def _check_range(self, local_offset, remote_offset, nbytes):
-        _check_int("nbytes", nbytes, 0, _MAX_CMD_BYTES)
+        native = require_native()
+        _check_int("nbytes", nbytes, 0, native.MAX_CMD_BYTES)
         for name, off in (("local_offset", local_offset), ("remote_offset", remote_offset)):
             _check_int(name, off, 0, self.nbytes)
-            if off % _ALIGN:
-                raise ValueError(f"{name}={off} must be a multiple of {_ALIGN} bytes")
+            if off % native.OFFSET_ALIGN:
+                raise ValueError(f"{name}={off} must be a multiple of {native.OFFSET_ALIGN} bytes")
             if off + nbytes > self.nbytes:
                 raise ValueError(f"{name}={off} + nbytes={nbytes} exceeds the channel's nbytes={self.nbytes}")

@@ -217,6 +217,10 @@ void bind_channel(py::module_& m) {
   m.attr("MAX_RANKS") = kMaxRanks;
   m.attr("MAX_STREAMS") = kMaxStreams;
   m.attr("IMM_MAX_STREAMS") = imm::kMaxStreams;
+  m.attr("MAX_CMD_BYTES") = kMaxCmdBytes;
+  m.attr("OFFSET_ALIGN") = kOffsetAlign;  // offsets and region sizes are multiples of this
+  m.attr("ROW_BF16") = int(kRowBf16);     // the row kernels' dtypes (gpu_kernels/host/row_kernels.h)
+  m.attr("ROW_F32") = int(kRowF32);
   m.def("live_proxy_threads", &ProxyGroup::live_threads);
   m.attr("PEER_OK") = int(kPeerOk);
   m.attr("PEER_REFUSED") = int(kPeerRefused);

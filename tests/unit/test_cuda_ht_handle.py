@@ -9,6 +9,16 @@ import torch
 from portep.backends.cuda.ht import CudaHT
 
 
+def _ht(rank, num_nodes=None, ranks_per_node=1):
+    """A CudaHT with only what building handles reads (no kernels, no GPU)."""
+    ht = CudaHT.__new__(CudaHT)
+    ht.owner = types.SimpleNamespace(launch_stream=None)
+    ht.rank, ht.device = rank, torch.device("cpu")
+    ht.num_nodes, ht.ranks_per_node = num_nodes, ranks_per_node
+    ht.native = types.SimpleNamespace(HT_NVL_HEAD_COLUMNS=8)  # DeepEP's send_nvl_head width (NUM_MAX_NVL_PEERS)
+    return ht
+
+
 def _routing(seed, world, n_tokens):
     g = torch.Generator().manual_seed(seed)
     return [torch.rand(n, world, generator=g) < 0.6 for n in n_tokens]
@@ -40,8 +50,7 @@ def test_internode_handle_matches_deepep_definitions(world, n_tokens, C, seed):
     in_rank = _routing(seed, world, n_tokens)
     for me in range(world):
         counts, rank_prefix, channel_prefix, rcp, send_head = _kernel_outputs(in_rank, me, C)
-        ht = CudaHT.__new__(CudaHT)
-        ht.eng = types.SimpleNamespace(rank=me, device=torch.device("cpu"), launch_stream=None)
+        ht = _ht(me)
         num_recv = int(counts[:, me].sum())
         self_begin = int(counts[:me, me].sum())
         h = ht._internode_handle(in_rank[me], rank_prefix, channel_prefix, rcp, send_head, num_recv,
@@ -67,8 +76,7 @@ def test_internode_handle_matches_deepep_definitions(world, n_tokens, C, seed):
 def test_internode_handle_with_num_worst_tokens_pads_rows():
     in_rank = _routing(7, 2, [20, 11])
     counts, rank_prefix, channel_prefix, rcp, send_head = _kernel_outputs(in_rank, 1, 2)
-    ht = CudaHT.__new__(CudaHT)
-    ht.eng = types.SimpleNamespace(rank=1, device=torch.device("cpu"), launch_stream=None)
+    ht = _ht(1)
     worst = 40
     h = ht._internode_handle(in_rank[1], rank_prefix, channel_prefix, rcp, send_head, worst, None)
     num_recv = int(counts[:, 1].sum())
@@ -96,9 +104,7 @@ def test_forwarding_handle_matches_deepep_definitions(world, rpn, n_tokens, seed
                     ((nodes,),))
         meta = torch.randint(-1, 9, (int(counts[:, me].sum()), 2), generator=g, dtype=torch.int32)
         nvl_head = torch.randint(-1, 20, (11, 8), generator=g, dtype=torch.int32)
-        ht = CudaHT.__new__(CudaHT)
-        ht.eng = types.SimpleNamespace(rank=me, device=torch.device("cpu"), launch_stream=None, num_nodes=nodes,
-                                       ranks_per_node=rpn)
+        ht = _ht(me, nodes, rpn)
         h = ht._forwarding_handle(in_rank[me], rank_prefix, channel_prefix, rcp, fwd, meta, nvl_head)
         assert len(h) == 10
         assert h[0] is in_rank[me] and h[1] is fwd[0] and h[2] is channel_prefix and h[3] is fwd[1]
@@ -114,3 +120,136 @@ def test_forwarding_handle_matches_deepep_definitions(world, rpn, n_tokens, seed
                     expected[t, n] = k
                     k += 1
         assert torch.equal(h[8], expected)
+
+
+# ---- the kernels' arguments: CudaHT's calls against the binding's signatures (no GPU: a recorder stands in) ----
+def _signature(method):
+    """(names, required names) of a keyword-only method of native.HTKernels, from the binding's docstring."""
+    from portep import native
+
+    text = getattr(native.HTKernels, method).__doc__.splitlines()[0]
+    params = text[text.index("*, ") + 3:text.rindex(") ->")].split(", ")
+    names = [p.split(":")[0] for p in params]
+    return set(names), {n for n, p in zip(names, params) if " = " not in p}
+
+
+class _Kernels:
+    """Records each call of CudaHT after checking its keywords against native.HTKernels."""
+
+    def __init__(self, counts=None):
+        self.calls, self.counts = [], counts
+
+    def _record(self, method, kw):
+        names, required = _signature(method)
+        assert set(kw) <= names, f"{method}: unknown {sorted(set(kw) - names)}"
+        assert required <= set(kw), f"{method}: missing {sorted(required - set(kw))}"
+        self.calls.append((method, kw))
+
+    def notify(self, **kw):
+        self._record("notify", kw)
+
+    def dispatch(self, **kw):
+        self._record("dispatch", kw)
+
+    def combine(self, **kw):
+        self._record("combine", kw)
+
+    def wait_counts(self, ticket, num_local_experts):
+        assert ticket == 1
+        return self.counts
+
+
+def _recording_ht(R, L, rank, counts=None):
+    from portep import native
+
+    ht = _ht(rank, R // L, L)
+    assert native.HT_NVL_HEAD_COLUMNS == ht.native.HT_NVL_HEAD_COLUMNS
+    ht.native, ht.num_ranks, ht.device_sms, ht.timeout_s, ht.ticket = native, R, 132, 1.0, 0
+    ht.proxy = L < R
+    ht.layout = native.HTLayout(num_ranks=R, ranks_per_node=L, proxy=ht.proxy, ctrl_off=1 << 30, area_off=0,
+                                area_bytes=1 << 28)
+    ht.forward = ht.layout.forwarding
+    ht.owner.raw_stream = lambda: 1234
+    ht.owner.lockstep = types.SimpleNamespace(sending=lambda: None)
+    ht.kernels = _Kernels(counts)
+    return ht
+
+
+def _inputs(N, H, R, E, K, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(N, H, generator=g).to(torch.bfloat16)
+    idx = torch.randint(0, E, (N, K), generator=g)
+    in_rank = torch.zeros(N, R, dtype=torch.bool).scatter_(1, idx // (E // R), True)
+    return x, idx, torch.rand(N, K, generator=g), in_rank, torch.bincount(idx.flatten(), minlength=E).int()
+
+
+def _needs_kernels():
+    from portep import native
+
+    return pytest.mark.skipif(not native.build_info()["gpu_built"], reason="needs the CUDA kernels built")
+
+
+@_needs_kernels()
+def test_dispatch_and_combine_name_every_tensor_they_pass():
+    N, H, R, E, K, C, me = 40, 256, 2, 8, 2, 3, 1
+    x, idx, w, in_rank, per_expert = _inputs(N, H, R, E, K)
+    ht = _recording_ht(R, R, me, counts=(30, 10, 12, 0, [3] * (E // R)))
+    recv_x, _, recv_idx, recv_w, counts, handle = ht.dispatch(x, None, idx, w, in_rank, per_expert, 1, 0, C, None)
+    (_, n), (_, d) = ht.kernels.calls
+    rank_prefix, channel_prefix, rcp, src_idx, _, send_head = handle
+    assert n == dict(channels=C, stream=1234, is_token_in_rank=in_rank.data_ptr(), count_mode=True,
+                     tokens_per_expert=n["tokens_per_expert"], num_tokens=N, num_experts=E,
+                     rank_prefix=rank_prefix.data_ptr(), channel_prefix=channel_prefix.data_ptr(),
+                     recv_channel_prefix=rcp.data_ptr(), node_channel_prefix=0, fwd_channel_prefix=0,
+                     fwd_rank_prefix=0, ticket=1)
+    assert counts == [3] * (E // R) and recv_x.shape == (30, H) and recv_idx.shape == recv_w.shape == (30, K)
+    assert d["x"] == x.data_ptr() and d["row_bytes"] == 2 * H and d["num_tokens"] == N and d["num_topk"] == K
+    assert d["recv_prefix"] == rank_prefix.data_ptr() + 4 * me and d["recv_prefix_stride"] == R
+    assert (d["recv_x"], d["max_recv"], d["recv_topk_idx"], d["recv_topk_weights"]) == \
+        (recv_x.data_ptr(), 30, recv_idx.data_ptr(), recv_w.data_ptr())
+    assert d["topk_idx"] == idx.data_ptr() and d["num_local_experts"] == E // R and d["scales"] == 0
+    assert (d["recv_src_idx"], d["send_head"], d["nvl_head"]) == (src_idx.data_ptr(), send_head.data_ptr(), 0)
+
+    ht.kernels.calls.clear()  # cached, FP8-like rows with scales: the handle's matrices, no top-k
+    scales = torch.rand(N, 4)
+    recv, recv_scales = ht.dispatch(x, scales, None, None, None, None, 1, 0, C, handle)[:2]
+    (_, n), (_, d) = ht.kernels.calls
+    assert n == dict(channels=C, stream=1234, is_token_in_rank=in_rank.data_ptr())
+    assert (d["channel_prefix"], d["recv_channel_prefix"], d["max_recv"]) == \
+        (channel_prefix.data_ptr(), rcp.data_ptr(), src_idx.size(0))
+    assert (d["scales"], d["num_scales"], d["recv_scales"]) == (scales.data_ptr(), 4, recv_scales.data_ptr())
+    assert d["recv_x"] == recv.data_ptr() and d["topk_idx"] == d["num_topk"] == d["recv_topk_idx"] == 0
+
+    ht.kernels.calls.clear()
+    bias = (torch.zeros(N, H, dtype=torch.bfloat16), torch.ones(N, H, dtype=torch.bfloat16))
+    out, out_w = ht.combine(recv_x, handle, recv_w, bias)
+    (_, n), (_, c) = ht.kernels.calls
+    assert n == dict(channels=C, stream=1234, is_token_in_rank=in_rank.data_ptr())
+    assert (c["x"], c["hidden"], c["num_tokens"], c["num_topk"]) == (recv_x.data_ptr(), H, N, K)
+    assert (c["out"], c["out_weights"], c["topk_weights"]) == (out.data_ptr(), out_w.data_ptr(), recv_w.data_ptr())
+    assert (c["bias0"], c["bias1"], c["recv_channel_prefix"]) == (bias[0].data_ptr(), bias[1].data_ptr(),
+                                                                  rcp.data_ptr())
+    assert c["fwd_channel_prefix"] == c["fwd_rank_prefix"] == c["nvl_head"] == 0
+
+
+@_needs_kernels()
+def test_forwarding_passes_the_node_matrices_both_ways():
+    N, H, R, L, E, K, C, me, worst = 24, 128, 4, 2, 8, 2, 2, 2, 50
+    x, idx, w, in_rank, per_expert = _inputs(N, H, R, E, K, seed=3)
+    ht = _recording_ht(R, L, me)
+    recv_x, _, _, recv_w, _, handle = ht.dispatch(x, None, idx, w, in_rank, per_expert, 1, worst, C, None)
+    (_, n), (_, d) = ht.kernels.calls
+    assert n["max_recv"] == worst and "ticket" not in n
+    assert (n["node_channel_prefix"], n["fwd_channel_prefix"], n["fwd_rank_prefix"]) == \
+        (handle[1].data_ptr(), handle[3].data_ptr(), handle[4].data_ptr())
+    assert (d["fwd_channel_prefix"], d["fwd_rank_prefix"], d["nvl_head"], d["nvl_rows"]) == \
+        (handle[3].data_ptr(), handle[4].data_ptr(), handle[9].data_ptr(), worst * L)
+    assert d["recv_src_meta"] == handle[7].data_ptr() and d["recv_src_idx"] == d["send_head"] == 0
+    assert d["recv_prefix"] == n["rank_prefix"] + 4 * me and d["recv_prefix_stride"] == R
+    ht.kernels.calls.clear()
+    ht.combine(recv_x, handle, recv_w, ())
+    (_, c), = [call for call in ht.kernels.calls if call[0] == "combine"]
+    assert (c["fwd_channel_prefix"], c["fwd_rank_prefix"], c["nvl_head"]) == \
+        (handle[3].data_ptr(), handle[4].data_ptr(), handle[9].data_ptr())
+    assert c["recv_prefix"] == handle[6].data_ptr() and c["recv_prefix_stride"] == 1
+    assert c["recv_channel_prefix"] == handle[5].data_ptr() and c["is_token_in_rank"] == handle[0].data_ptr()

@@ -13,16 +13,24 @@ STREAM_HT_COMBINE_TO_FORWARDER = 3
 STREAM_HT_COMBINE_PARTIAL = 4
 STREAM_HT_COMBINE_DIRECT = 5
 STREAM_SYNC = 6  # the ranks' synchronisation of clean_low_latency_buffer (sync())
-STREAM_LL_BASE = 8
+STREAM_LL_BASE = 8  # then LL_STREAMS_PER_EXPERT per local expert: [2 buffer halves][2 phases][local expert]
+LL_STREAMS_PER_EXPERT = 4
+
+
+def ll_streams_end(max_local_experts):
+    """The first signal stream after the LL ones."""
+    return STREAM_LL_BASE + LL_STREAMS_PER_EXPERT * max_local_experts
 
 
 def status_stream(max_local_experts):
     """The first of the three status streams (peer_watch.h), after the LL ones."""
-    return STREAM_LL_BASE + 4 * max_local_experts
+    return ll_streams_end(max_local_experts)
 
-ALIGN = 16
-BF16, F32 = 0, 1  # row dtypes of the native row kernels
-MAX_COMMAND_BYTES = 16 << 20
+
+_native = require_native()
+ALIGN = _native.OFFSET_ALIGN  # (proxy/transfer_cmd.h)
+BF16, F32 = _native.ROW_BF16, _native.ROW_F32  # row dtypes of the native row kernels
+MAX_COMMAND_BYTES = _native.MAX_CMD_BYTES
 MAX_CHANNELS = 128
 
 

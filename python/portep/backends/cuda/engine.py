@@ -113,7 +113,7 @@ class CudaEngine(Topology):
         # after the data: the LL flags and meta blocks, then the normal mode's control area (ll_api.h, LLRegion)
         self.ll_region = self.native.LLRegion(self.num_bytes, self.num_ranks, max_local_experts)
         self.ht_ctrl_off = self.ll_region.end  # (backends/cuda/ht.py)
-        self.ht_stream_base = hb.STREAM_LL_BASE + 4 * max_local_experts  # and its signal streams
+        self.ht_stream_base = hb.ll_streams_end(max_local_experts)  # and its signal streams
         self.fifos = self.native.DeviceFifoSet(NUM_DEVICE_FIFOS, DEVICE_FIFO_CAPACITY)
         self.status_stream = self.ht_stream_base + self.native.HT_NUM_STREAMS  # peer_watch.h
         self.channel = Channel(group, self.ht_ctrl_off + self.native.HT_CTRL_BYTES, transport=transport,
@@ -226,7 +226,7 @@ class CudaEngine(Topology):
         # what that peer's proxies delivered into the LL slots
         if self.errors.name(code) == "wait_timeout" and 0 <= src < self.num_ranks:
             # a snapshot: the proxies may still write the live slots, which torch's nonzero must not see change
-            row = self.channel.signals[src, hb.STREAM_LL_BASE:hb.STREAM_LL_BASE + 4 * self.max_local_experts].clone()
+            row = self.channel.signals[src, hb.STREAM_LL_BASE:hb.ll_streams_end(self.max_local_experts)].clone()
             live = [(int(i), int(row[i]) >> 32, int(row[i]) & 0xFFFFFFFF) for i in row.nonzero().flatten()[:8]]
             slots = (f"; LL signal slots from rank {src} (stream offset, final signals, units delivered since the "
                      f"Buffer was created or cleaned): {live}")

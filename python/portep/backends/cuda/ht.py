@@ -1,4 +1,5 @@
-"""Normal (HT) mode on the CUDA backend. Kernels and layouts: gpu_kernels/cuda/ht_api.h. Each op is a notify
+"""Normal (HT) mode on the CUDA backend. Kernels: gpu_kernels/cuda/ht_api.h; every offset and size of their memory:
+gpu_kernels/cuda/ht_layout.h, which Python reads through native.HTLayout (no copy of it here). Each op is a notify
 kernel (a count exchange, or with a handle only a flag each rank waits for) and a data kernel; a non-cached
 dispatch without num_worst_tokens waits on the CPU for the notify's counts in mapped host memory to size its
 outputs (as DeepEP does), everything else can be captured in a CUDA graph.
@@ -13,9 +14,11 @@ ascending, then other ranks or nodes ascending).
 """
 
 import ctypes
+from dataclasses import dataclass
 
 import torch
 
+from ..._native import require_native
 from .. import common as hb
 
 
@@ -23,138 +26,208 @@ def _ptr(t):
     return 0 if t is None else t.data_ptr()
 
 
+@dataclass
+class HTMemory:
+    """What one rank's normal-mode kernels reach, given explicitly. engine_memory() fills it from a CudaEngine and
+    its Channel; the loopback benchmark (bench/portep_bench/ht_loopback_ranks.py) from two buffers on one GPU.
+    Addresses are integers, device addresses unless said otherwise; the layout: gpu_kernels/cuda/ht_layout.h."""
+
+    rank: int
+    num_ranks: int
+    ranks_per_node: int
+    device: torch.device
+    device_sms: int  # blocks the GPU runs at once (one per SM): a data kernel needs all of its blocks running
+    local: int  # this rank's data region
+    peers: list  # [R]: data regions stored into directly (this rank's own included), 0 for a peer through the proxies
+    place: torch.Tensor  # device int64 [R]: a proxy peer's region mapped here (placed WRITEs), else 0
+    ctrl_off: int  # the control area, at the same offset in every rank's region
+    area_off: int  # the normal-mode area: receive rings, then (proxy peers) staging rings
+    area_bytes: int
+    errors: object  # backends/cuda/kernel_errors.KernelErrors: the records the host reads, the words kernels test
+    peer_status: int  # mapped host memory [R] of the peer watch (proxy/peer_status.h), or 0
+    host_signals: int  # this rank's signal slots [R][num_streams] (written by the proxies)
+    signal_seen: int  # device [R][num_streams]: what the kernels consumed of each slot
+    num_streams: int
+    stream_base: int  # the normal mode's HT_NUM_STREAMS signal streams begin here
+    fifos: object  # native.DeviceFifoSet: the device FIFOs to the proxies
+    timeout_s: float
+
+
+def engine_memory(eng, ctrl_off, stream_base):
+    """A CudaEngine's HTMemory: its Channel's region, the regions of its same-node peers (CUDA IPC), its proxies'
+    signal slots and FIFOs, its kernel error words; the normal-mode area is the engine's normal_off/normal_bytes."""
+    _check_num_ranks(eng.native, eng.num_ranks)
+    ch = eng.channel._native
+    peers = [ch.peer_data_ptr(d) if eng.node_of(d) == eng.node else 0 for d in range(eng.num_ranks)]
+    unmapped = [d for d in range(eng.num_ranks) if eng.node_of(d) == eng.node and not peers[d]]
+    if unmapped:
+        raise NotImplementedError(f"normal mode on GPU tensors needs the buffers of same-node ranks mapped (CUDA "
+                                  f"IPC); transport {eng.channel.transport!r} did not map ranks {unmapped}")
+    return HTMemory(rank=eng.rank, num_ranks=eng.num_ranks, ranks_per_node=eng.ranks_per_node, device=eng.device,
+                    device_sms=eng.device_sms, local=ch.device_data_ptr(), peers=peers, place=eng._place,
+                    ctrl_off=ctrl_off, area_off=eng.normal_off, area_bytes=eng.normal_bytes, errors=eng.errors,
+                    peer_status=eng.status_device, host_signals=ch.device_signals_ptr(),
+                    signal_seen=eng._signal_seen.data_ptr(), num_streams=eng.channel.num_streams,
+                    stream_base=stream_base, fifos=eng.fifos, timeout_s=eng.timeout_s)
+
+
+def _check_num_ranks(native, num_ranks):
+    if num_ranks > native.HT_MAX_RANKS:
+        raise NotImplementedError(f"the CUDA HT kernels support at most {native.HT_MAX_RANKS} ranks, got {num_ranks}")
+
+
 class CudaHT:
-    """One per CudaEngine, created on first use. Its control area sits after the LL flags and meta blocks; its
-    signal streams after the LL ones."""
+    """One per CudaEngine, created on first use: its control area sits after the LL flags and meta blocks, its
+    signal streams after the LL ones. CudaHT.from_memory builds one from an explicit HTMemory instead.
+
+    `owner` (the CudaEngine) answers at call time: raw_stream() (where the kernels launch), launch_stream (the
+    Buffer's communication stream during a call, else None: where an op's own preparation runs), lockstep.sending()
+    (before each op's first kernel), check_error() (raises what a kernel reported), synchronize(). No method of an
+    op synchronizes with the CPU except a dispatch without handle and without num_worst_tokens, which waits for the
+    counts."""
 
     def __init__(self, eng, ctrl_off, stream_base):
-        native = eng.native
-        R = eng.num_ranks
-        if R > native.HT_MAX_RANKS:
-            raise NotImplementedError(f"the CUDA HT kernels support at most {native.HT_MAX_RANKS} ranks, got {R}")
-        ch = eng.channel._native
-        peers = [ch.peer_data_ptr(d) if eng.node_of(d) == eng.node else 0 for d in range(R)]
-        unmapped = [d for d in range(R) if eng.node_of(d) == eng.node and not peers[d]]
-        if unmapped:
-            raise NotImplementedError(f"normal mode on GPU tensors needs the buffers of same-node ranks mapped (CUDA "
-                                      f"IPC); transport {eng.channel.transport!r} did not map ranks {unmapped}")
-        self.eng = eng
-        self.forward = eng.num_nodes > 1 and eng.ranks_per_node > 1  # forwarders on each node (ht_api.h)
-        self.proxy = not all(peers)
-        area = eng.normal_bytes  # from eng.normal_off: receive rings, then (proxy peers) as many staging bytes
-        self.recv_bytes = area // 2 // 16 * 16 if self.proxy else area
-        self.peers = torch.tensor(peers, dtype=torch.int64, device=eng.device)
-        self.epoch = torch.zeros(2, dtype=torch.int64, device=eng.device)  # ops so far; data kernels stop (ht_api.h)
+        self._setup(eng, engine_memory(eng, ctrl_off, stream_base))
+
+    @classmethod
+    def from_memory(cls, owner, memory):
+        ht = cls.__new__(cls)
+        ht._setup(owner, memory)
+        return ht
+
+    def _setup(self, owner, m):
+        native = self.native = require_native()
+        _check_num_ranks(native, m.num_ranks)
+        self.owner, self.memory = owner, m
+        self.rank, self.num_ranks, self.ranks_per_node = m.rank, m.num_ranks, m.ranks_per_node
+        self.num_nodes = m.num_ranks // m.ranks_per_node
+        self.device, self.device_sms, self.timeout_s = m.device, m.device_sms, m.timeout_s
+        self.proxy = not all(m.peers)
+        self.layout = native.HTLayout(num_ranks=m.num_ranks, ranks_per_node=m.ranks_per_node, proxy=self.proxy,
+                                      ctrl_off=m.ctrl_off, area_off=m.area_off, area_bytes=m.area_bytes)
+        self.forward = self.layout.forwarding  # forwarders on each node (ht_api.h)
+        self.peers = torch.tensor(m.peers, dtype=torch.int64, device=m.device)
+        self.epoch = torch.zeros(native.HT_EPOCH_WORDS, dtype=torch.int64, device=m.device)  # HTCommon::epoch
         self.host_counts, host_counts_device = native.cuda_host_alloc_mapped(native.HT_HOST_COUNTS_BYTES)
         ctypes.memset(self.host_counts, 0, native.HT_HOST_COUNTS_BYTES)
         self.ticket = 0
         self.kernels = native.HTKernels(
-            eng.rank, R, eng.ranks_per_node, ch.device_data_ptr(), self.peers.data_ptr(), eng._place.data_ptr(),
-            ctrl_off, eng.normal_off,
-            eng.normal_off + self.recv_bytes, self.epoch.data_ptr(), self.host_counts, host_counts_device,
-            eng.error_device, eng.errors.host, eng.timeout_s, eng.fifos, ch.device_signals_ptr(),
-            eng._signal_seen.data_ptr(), eng.channel.num_streams, stream_base, eng.failed_flag.data_ptr(),
-            eng.status_device)
-        eng.synchronize()  # epoch, peers in place before any kernel reads them; earlier ops done
+            self.layout, m.fifos, rank=m.rank, local=m.local, peers=self.peers.data_ptr(), place=m.place.data_ptr(),
+            epoch=self.epoch.data_ptr(), host_counts=self.host_counts, host_counts_device=host_counts_device,
+            error=m.errors.records, error_host=m.errors.host, failed=m.errors.words.data_ptr(),
+            peer_status=m.peer_status, host_signals=m.host_signals, signal_seen=m.signal_seen,
+            num_streams=m.num_streams, stream_base=m.stream_base, timeout_s=m.timeout_s)
+        owner.synchronize()  # epoch, peers in place before any kernel reads them; earlier ops done
         self._load_torch_kernels()
 
     def _load_torch_kernels(self):
         """Launches once, while this Buffer runs nothing, the torch kernels an op queues behind its own: with
         CUDA's lazy module loading (the default) a kernel's first launch waits for running kernels and holds up the
         proxies' copy calls meanwhile, so a notify or data kernel waiting for those copies would time out."""
-        dev, R = self.eng.device, self.eng.num_ranks
+        dev, R = self.device, self.num_ranks
         torch.empty(1, 2, dtype=torch.int64, device=dev).fill_(-1)
         torch.empty(1, 2, dtype=torch.float32, device=dev).zero_()
         in_rank = torch.ones(1, R, dtype=torch.bool, device=dev)
         if self.forward:
-            torch.full((1, self.eng.native.HT_NVL_HEAD_COLUMNS), -1, dtype=torch.int32, device=dev)
+            torch.full((1, self.native.HT_NVL_HEAD_COLUMNS), -1, dtype=torch.int32, device=dev)
             meta = torch.empty(1, 2, dtype=torch.int32, device=dev).fill_(-1)
             self._forwarding_tensors(in_rank, torch.zeros(R, R, dtype=torch.int32, device=dev), None, None,
                                      (None, None, None), meta, None)
-        elif self.eng.num_nodes > 1:  # one row from every rank to every rank
+        elif self.num_nodes > 1:  # one row from every rank to every rank
             prefix = torch.arange(1, R + 1, dtype=torch.int32, device=dev).repeat_interleave(R).view(R, R)
             ones = torch.ones(R, 1, dtype=torch.int32, device=dev)
             head = torch.zeros(1, R, dtype=torch.int32, device=dev)
-            for self_rows in ((self.eng.rank, 1), None):
+            for self_rows in ((self.rank, 1), None):
                 self._internode_tensors(in_rank, prefix, ones, ones, head, R, self_rows)
 
     def destroy(self):
         if self.host_counts:
-            self.eng.native.cuda_host_free_mapped(self.host_counts)
+            self.native.cuda_host_free_mapped(self.host_counts)
             self.host_counts = 0
 
     def _on_comm(self):
         """Where this op's own preparation runs (input copies, fills, the internode handle): the stream its kernels
         run on, so they are ordered, and temporaries go back to that stream's pool (no record_stream). Outside a
         Buffer call (launch_stream None) this leaves the current stream as it is."""
-        return torch.cuda.stream(self.eng.launch_stream)
+        return torch.cuda.stream(self.owner.launch_stream)
 
     def _for_caller(self, tensors):
         """Tensors made on the communication stream and handed to the caller, kept for the current stream too."""
-        if self.eng.launch_stream is not None and not torch.cuda.is_current_stream_capturing():
-            compute = torch.cuda.current_stream(self.eng.device)
+        if self.owner.launch_stream is not None and not torch.cuda.is_current_stream_capturing():
+            compute = torch.cuda.current_stream(self.device)
             for t in tensors:
                 t.record_stream(compute)
         return tensors
 
     def _check_handle(self, handle):
         for i, t in enumerate(handle):
-            if t.device != self.eng.device or not t.is_contiguous():
+            if t.device != self.device or not t.is_contiguous():
                 raise ValueError(f"handle[{i}] is a {'contiguous' if t.is_contiguous() else 'non-contiguous'} tensor "
                                  f"on {t.device}; a dispatch handle of this Buffer holds contiguous tensors on "
-                                 f"{self.eng.device} (pass the handle dispatch returned)")
+                                 f"{self.device} (pass the handle dispatch returned)")
 
     def _recv_prefix(self, handle):
-        """(pointer, stride) of the rows from sources 0..s to this rank (inclusive), from a handle."""
-        if self.eng.num_nodes > 1:
+        """(pointer, stride) of the rows from sources 0..s to this rank (inclusive), from a handle: the internode
+        handle's vector, else column `rank` of the intranode handle's [R][R] matrix."""
+        if self.num_nodes > 1:
             return handle[6].data_ptr(), 1
-        return handle[0].data_ptr() + 4 * self.eng.rank, self.eng.num_ranks
+        prefix = handle[0]
+        return prefix.data_ptr() + prefix.element_size() * self.rank, prefix.stride(0)
 
     def _forward_prefixes(self, handle):
         """(fwd_channel_prefix, fwd_rank_prefix) pointers of an internode handle with forwarding, else (0, 0)."""
         return (handle[3].data_ptr(), handle[4].data_ptr()) if self.forward else (0, 0)
 
-    def _notify(self, num_channels, stream, count_mode, is_token_in_rank, per_expert=None, N=0, E=0,
-                prefixes=(None,) * 6, max_recv=0, ticket=0):
-        self.eng.lockstep.sending()
-        self.kernels.notify(num_channels, stream, count_mode, is_token_in_rank.data_ptr(), _ptr(per_expert), N, E,
-                            *(_ptr(p) for p in prefixes), max_recv, ticket)
+    def _notify(self, num_channels, stream, is_token_in_rank, **count):
+        """The op's first kernel; count: the count mode's arguments (native HTKernels.notify), none for a flag."""
+        self.owner.lockstep.sending()
+        self.kernels.notify(channels=num_channels, stream=stream, is_token_in_rank=is_token_in_rank.data_ptr(),
+                            **count)
+
+    def exchange_flags(self, num_channels, is_token_in_rank):
+        """The notify kernel of a cached dispatch or a combine alone, on raw_stream(): advances the op count on every
+        rank that calls it (all must); benchmarks time it."""
+        self._notify(num_channels, self.owner.raw_stream(), is_token_in_rank)
 
     def _check_channels(self, num_channels, what):
         """Every block of a data kernel must run at once (senders wait for readers): 2 per channel (3 with
         forwarding), one per SM."""
-        sms, eng = self.eng.device_sms, self.eng
-        per = eng.native.ht_blocks_per_channel(eng.num_ranks, eng.ranks_per_node)
+        sms, per = self.device_sms, self.layout.blocks_per_channel
         if per * num_channels > sms:
             raise ValueError(f"{what}: {num_channels} channels (config.num_sms={2 * num_channels}) need "
                              f"{per * num_channels} SMs at once ({per} blocks per channel); this GPU has {sms}: use "
                              f"config.num_sms <= {2 * (sms // per)}")
 
     def _ring_rows(self, row_bytes, num_channels, what):
-        """Rows per (channel, peer) ring for rows of row_bytes (ht_api.h): as many as the receive area (and the
-        staging area, which is as large) holds, in whole chunks. The same on every rank (same buffer size, same
+        """Rows per (channel, peer) ring for rows of row_bytes (ht_layout.h: as many whole chunks as the receive
+        area holds); the kernels size their rings the same way. The same on every rank (same buffer size, same
         rows), so every rank raises here alike, before any kernel."""
-        native, R = self.eng.native, self.eng.num_ranks
-        chunk, least = native.HT_CHUNK_ROWS, native.HT_MIN_RING_ROWS
-        if R == 1:
-            return least
-        rings = (R - 1 + (self.eng.ranks_per_node if self.forward else 0)) * num_channels
-        rows = rows_per_ring(self.recv_bytes, rings, row_bytes, chunk)
+        least, layout = self.native.HT_MIN_RING_ROWS, self.layout
+        rows = layout.rows_per_ring(row_bytes, num_channels)
         if rows < least:
-            need = least * rings * row_bytes * (2 if self.proxy else 1)
-            raise ValueError(f"{what}: the normal-mode buffer ({self.eng.normal_bytes} bytes) holds {rows} rows of "
+            need = layout.area_bytes_for(least, row_bytes, num_channels)
+            raise ValueError(f"{what}: the normal-mode buffer ({layout.area_bytes} bytes) holds {rows} rows of "
                              f"{row_bytes} bytes per (channel, peer) ring with {num_channels} channels; at least "
                              f"{least} rows are needed: give the normal mode >= {need} bytes (num_nvl_bytes; "
                              "num_nvl_bytes + num_rdma_bytes when low_latency_mode=False or one of them is 0), or "
                              "use fewer channels (config.num_sms)")
         return rows
 
+    def _check_rows(self, row_bytes, num_channels, what):
+        """The op's rows of row_bytes fit: a proxy WRITE of whole chunks, all data blocks at once, the rings."""
+        chunk = self.layout.chunk_bytes(row_bytes)
+        if self.proxy and chunk > self.native.HT_MAX_WRITE_BYTES:
+            raise ValueError(f"{what}: rows of {row_bytes} bytes travel through the proxies in WRITEs of "
+                             f"{self.native.HT_CHUNK_ROWS} rows, {chunk} bytes, above the "
+                             f"{self.native.HT_MAX_WRITE_BYTES} bytes a command moves")
+        self._check_channels(num_channels, what)
+        self._ring_rows(row_bytes, num_channels, what)
+
     # ---- dispatch ----
     def dispatch(self, x, x_scales, topk_idx, topk_weights, is_token_in_rank, num_tokens_per_expert, expert_alignment,
                  num_worst_tokens, num_channels, handle):
-        eng = self.eng
-        stream = eng.raw_stream()
-        R, N, dev, me = eng.num_ranks, x.size(0), eng.device, eng.rank
+        stream = self.owner.raw_stream()
+        R, N, dev, me = self.num_ranks, x.size(0), self.device, self.rank
         with self._on_comm():
             x = x.contiguous()
             scales = None if x_scales is None else x_scales.contiguous()
@@ -165,16 +238,15 @@ class CudaHT:
                 is_token_in_rank = is_token_in_rank.contiguous()
                 per_expert = num_tokens_per_expert.to(torch.int32).contiguous()
         K = 0 if topk_idx is None else topk_idx.size(1)
-        rec = _record_bytes(x, scales, K)
-        self._check_row(rec, "dispatch")
-        self._check_channels(num_channels, "dispatch")
-        ring_rows = self._ring_rows(rec, num_channels, "dispatch")
+        S = 0 if scales is None else scales.size(1)
+        row_bytes = x.size(1) * x.element_size()
+        self._check_rows(self.layout.dispatch_row_bytes(row_bytes, S, K), num_channels, "dispatch")
         counts_list, self_rows, forward_rows = [], None, 0
         cached = handle is not None
         fwd = (None, None, None)  # forwarding: node_channel_prefix, fwd_channel_prefix, fwd_rank_prefix
         if cached:
             self._check_handle(handle)
-            internode = eng.num_nodes > 1
+            internode = self.num_nodes > 1
             is_token_in_rank, channel_prefix, rcp = ((handle[0], handle[2], handle[5]) if internode else
                                                      (handle[4], handle[1], handle[2]))
             if self.forward:
@@ -184,7 +256,7 @@ class CudaHT:
                 raise RuntimeError(f"rank {me} receives {num_recv} tokens with this handle but "
                                    f"num_worst_tokens={num_worst_tokens}")
             recv_prefix = self._recv_prefix(handle)
-            self._notify(num_channels, stream, False, is_token_in_rank)
+            self._notify(num_channels, stream, is_token_in_rank)
             num_recv = max(num_recv, num_worst_tokens)
         else:
             E = num_tokens_per_expert.numel()
@@ -192,25 +264,26 @@ class CudaHT:
             channel_prefix = torch.empty(R, num_channels, dtype=torch.int32, device=dev)
             rcp = torch.empty(R, num_channels, dtype=torch.int32, device=dev)
             if self.forward:
-                Nn = eng.num_nodes
+                Nn = self.num_nodes
                 fwd = (torch.empty(Nn, num_channels, dtype=torch.int32, device=dev),
                        torch.empty(Nn, num_channels, dtype=torch.int32, device=dev),
                        torch.empty(Nn, dtype=torch.int32, device=dev))
-            prefixes = (rank_prefix, channel_prefix, rcp) + fwd
-            recv_prefix = (rank_prefix.data_ptr() + 4 * me, R)
+            recv_prefix = (rank_prefix.data_ptr() + rank_prefix.element_size() * me, rank_prefix.stride(0))
+            count = dict(count_mode=True, tokens_per_expert=per_expert.data_ptr(), num_tokens=N, num_experts=E,
+                         rank_prefix=rank_prefix.data_ptr(), channel_prefix=channel_prefix.data_ptr(),
+                         recv_channel_prefix=rcp.data_ptr(), node_channel_prefix=_ptr(fwd[0]),
+                         fwd_channel_prefix=_ptr(fwd[1]), fwd_rank_prefix=_ptr(fwd[2]))
             if num_worst_tokens > 0:
-                self._notify(num_channels, stream, True, is_token_in_rank, per_expert, N, E, prefixes,
-                             max_recv=num_worst_tokens)
+                self._notify(num_channels, stream, is_token_in_rank, max_recv=num_worst_tokens, **count)
                 num_recv = num_worst_tokens
-                forward_rows = num_worst_tokens * eng.ranks_per_node  # each row reaches a local rank
+                forward_rows = num_worst_tokens * self.ranks_per_node  # each row reaches a local rank
             else:
                 self.ticket += 1
-                self._notify(num_channels, stream, True, is_token_in_rank, per_expert, N, E, prefixes,
-                             ticket=self.ticket)
+                self._notify(num_channels, stream, is_token_in_rank, ticket=self.ticket, **count)
                 num_recv, self_rows, forward_rows, counts_list = self._wait_counts(E // R, expert_alignment)
         rows = num_recv
         recv_x = torch.empty(rows, x.size(1), dtype=x.dtype, device=dev)
-        recv_scales = None if scales is None else torch.empty(rows, scales.size(1), dtype=scales.dtype, device=dev)
+        recv_scales = None if scales is None else torch.empty(rows, S, dtype=scales.dtype, device=dev)
         recv_idx = recv_w = src_idx = send_head = meta = nvl_head = None
         if not cached:
             if K:
@@ -224,25 +297,27 @@ class CudaHT:
                 with self._on_comm():  # the kernel writes the real rows, and the local ranks' columns of nvl_head
                     if num_worst_tokens > 0:
                         meta.fill_(-1)
-                    nvl_head = torch.full((forward_rows, self.eng.native.HT_NVL_HEAD_COLUMNS), -1, dtype=torch.int32,
+                    nvl_head = torch.full((forward_rows, self.native.HT_NVL_HEAD_COLUMNS), -1, dtype=torch.int32,
                                           device=dev)
             else:
                 src_idx = torch.empty(rows, dtype=torch.int32, device=dev)
                 send_head = torch.empty(N, R, dtype=torch.int32, device=dev)
-        E_l = 0 if cached else num_tokens_per_expert.numel() // R
-        self.kernels.dispatch(num_channels, stream, x.data_ptr(), _ptr(scales), _ptr(topk_idx), _ptr(topk_weights),
-                              is_token_in_rank.data_ptr(), recv_prefix[0], recv_prefix[1], channel_prefix.data_ptr(),
-                              rcp.data_ptr(), N, x.size(1) * x.element_size(),
-                              0 if scales is None else scales.size(1), K, E_l, ring_rows, rows, recv_x.data_ptr(),
-                              _ptr(recv_scales), _ptr(recv_idx), _ptr(recv_w), _ptr(src_idx), _ptr(send_head),
-                              _ptr(fwd[1]), _ptr(fwd[2]), _ptr(meta), _ptr(nvl_head),
-                              0 if nvl_head is None else nvl_head.size(0))
+        self.kernels.dispatch(
+            channels=num_channels, stream=stream, x=x.data_ptr(), row_bytes=row_bytes, num_tokens=N,
+            is_token_in_rank=is_token_in_rank.data_ptr(), recv_prefix=recv_prefix[0],
+            recv_prefix_stride=recv_prefix[1], channel_prefix=channel_prefix.data_ptr(),
+            recv_channel_prefix=rcp.data_ptr(), max_recv=rows, recv_x=recv_x.data_ptr(), scales=_ptr(scales),
+            num_scales=S, recv_scales=_ptr(recv_scales), topk_idx=_ptr(topk_idx), topk_weights=_ptr(topk_weights),
+            num_topk=K, num_local_experts=0 if cached else num_tokens_per_expert.numel() // R,
+            recv_topk_idx=_ptr(recv_idx), recv_topk_weights=_ptr(recv_w), recv_src_idx=_ptr(src_idx),
+            send_head=_ptr(send_head), fwd_channel_prefix=_ptr(fwd[1]), fwd_rank_prefix=_ptr(fwd[2]),
+            recv_src_meta=_ptr(meta), nvl_head=_ptr(nvl_head), nvl_rows=0 if nvl_head is None else nvl_head.size(0))
         if cached:
             return recv_x, recv_scales, None, None, None, None
         if self.forward:
             new_handle = self._forwarding_handle(is_token_in_rank, rank_prefix, channel_prefix, rcp, fwd, meta,
                                                  nvl_head)
-        elif eng.num_nodes > 1:
+        elif self.num_nodes > 1:
             new_handle = self._internode_handle(is_token_in_rank, rank_prefix, channel_prefix, rcp, send_head, rows,
                                                 self_rows)
         else:
@@ -258,25 +333,17 @@ class CudaHT:
         return h
 
     def _forwarding_tensors(self, is_token_in_rank, rank_prefix, channel_prefix, rcp, fwd, meta, nvl_head):
-        eng = self.eng
         N = is_token_in_rank.size(0)
-        to_node = is_token_in_rank.view(N, eng.num_nodes, eng.ranks_per_node).any(2)
-        return (is_token_in_rank, fwd[0], channel_prefix, fwd[1], fwd[2], rcp, rank_prefix[:, eng.rank].contiguous(),
+        to_node = is_token_in_rank.view(N, self.num_nodes, self.ranks_per_node).any(2)
+        return (is_token_in_rank, fwd[0], channel_prefix, fwd[1], fwd[2], rcp, rank_prefix[:, self.rank].contiguous(),
                 meta.view(torch.uint8), hb.positions(to_node), nvl_head)
 
-    def _check_row(self, row_bytes, what):
-        chunk = self.eng.native.HT_CHUNK_ROWS * row_bytes
-        if self.proxy and chunk > 16 << 20:
-            raise ValueError(f"{what}: rows of {row_bytes} bytes travel through the proxies in WRITEs of "
-                             f"{self.eng.native.HT_CHUNK_ROWS} rows, {chunk} bytes, above the 16 MiB a command moves")
-
     def _wait_counts(self, E_l, expert_alignment):
-        eng = self.eng
         got = self.kernels.wait_counts(self.ticket, E_l)
         if got is None:
-            eng.check_error()
-            raise RuntimeError(f"rank {eng.rank}: dispatch: the count exchange did not finish within "
-                               f"{eng.timeout_s} s (a peer rank did not call dispatch?)")
+            self.owner.check_error()
+            raise RuntimeError(f"rank {self.rank}: dispatch: the count exchange did not finish within "
+                               f"{self.timeout_s} s (a peer rank did not call dispatch?)")
         num_recv, self_begin, self_rows, forward_rows, experts = got
         a = expert_alignment
         return num_recv, (self_begin, self_rows), forward_rows, [(int(c) + a - 1) // a * a for c in experts]
@@ -292,14 +359,14 @@ class CudaHT:
         return h
 
     def _internode_tensors(self, is_token_in_rank, rank_prefix, channel_prefix, rcp, send_head, rows, self_rows):
-        me, dev = self.eng.rank, self.eng.device
+        me, dev = self.rank, self.device
         recv_prefix = rank_prefix[:, me].contiguous()
         row = torch.arange(rows, dtype=torch.int32, device=dev)
         src = torch.searchsorted(recv_prefix, row, right=True).to(torch.int32)  # the source rank of each row
         begins = torch.cat([torch.zeros(1, dtype=torch.int32, device=dev), recv_prefix])
         meta = torch.stack([src, torch.ones_like(src)], 1).contiguous().view(torch.uint8)  # [rows, 8]: node, mask
         in_block = row - begins[src.clamp(max=recv_prefix.numel())]
-        nvl_head = torch.full((rows, 8), -1, dtype=torch.int32, device=dev)
+        nvl_head = torch.full((rows, self.native.HT_NVL_HEAD_COLUMNS), -1, dtype=torch.int32, device=dev)
         nvl_head[:, 0] = torch.where(src == me, -1, in_block)
         if self_rows is not None:  # the rows this rank forwards are those of other nodes only
             begin, n = self_rows
@@ -309,45 +376,31 @@ class CudaHT:
 
     # ---- combine ----
     def combine(self, x, handle, topk_weights, bias):
-        eng = self.eng
-        stream = eng.raw_stream()
+        stream = self.owner.raw_stream()
         self._check_handle(handle)
-        if eng.num_nodes > 1:
+        if self.num_nodes > 1:
             is_token_in_rank, channel_prefix, rcp = handle[0], handle[2], handle[5]
         else:
             _, channel_prefix, rcp, _, is_token_in_rank, _ = handle
         N, H = is_token_in_rank.size(0), x.size(1)
         C = channel_prefix.size(1)
         K = 0 if topk_weights is None else topk_weights.size(1)
-        row_bytes = hb.align((4 if self.forward else 2) * H + 4 * K, 16)  # with forwarding, partial rows (FP32)
-        self._check_row(row_bytes, "combine")
-        self._check_channels(C, "combine")
-        ring_rows = self._ring_rows(row_bytes, C, "combine")
+        self._check_rows(self.layout.combine_row_bytes(H, K), C, "combine")  # with forwarding, partial rows (FP32)
         with self._on_comm():
             x = x.contiguous()
             weights = None if topk_weights is None else topk_weights.to(torch.float32).contiguous()
             b0 = bias[0].contiguous() if len(bias) > 0 else None
             b1 = bias[1].contiguous() if len(bias) > 1 else None
-        out = torch.empty(N, H, dtype=torch.bfloat16, device=eng.device)
-        out_w = torch.empty(N, K, dtype=torch.float32, device=eng.device) if weights is not None else None
+        out = torch.empty(N, H, dtype=torch.bfloat16, device=self.device)
+        out_w = torch.empty(N, K, dtype=torch.float32, device=self.device) if weights is not None else None
         recv_prefix = self._recv_prefix(handle)
         fwd_channel_prefix, fwd_rank_prefix = self._forward_prefixes(handle)
-        nvl_head = handle[9].data_ptr() if self.forward else 0
-        self._notify(C, stream, False, is_token_in_rank)
-        self.kernels.combine(C, stream, x.data_ptr(), _ptr(weights), _ptr(b0), _ptr(b1), is_token_in_rank.data_ptr(),
-                             recv_prefix[0], recv_prefix[1], rcp.data_ptr(), fwd_channel_prefix, fwd_rank_prefix,
-                             nvl_head, N, H, K, ring_rows, out.data_ptr(), _ptr(out_w))
+        self._notify(C, stream, is_token_in_rank)
+        self.kernels.combine(
+            channels=C, stream=stream, x=x.data_ptr(), hidden=H, num_tokens=N,
+            is_token_in_rank=is_token_in_rank.data_ptr(), recv_prefix=recv_prefix[0],
+            recv_prefix_stride=recv_prefix[1], recv_channel_prefix=rcp.data_ptr(), out=out.data_ptr(),
+            topk_weights=_ptr(weights), num_topk=K, out_weights=_ptr(out_w), bias0=_ptr(b0), bias1=_ptr(b1),
+            fwd_channel_prefix=fwd_channel_prefix, fwd_rank_prefix=fwd_rank_prefix,
+            nvl_head=handle[9].data_ptr() if self.forward else 0)
         return out, out_w
-
-
-def rows_per_ring(recv_bytes, num_rings, row_bytes, chunk_rows):
-    """Whole chunks of rows of row_bytes that fit each of the num_rings rings of a receive area of recv_bytes
-    (ht_api.h: (num_ranks - 1) x num_channels, with forwarding (num_ranks - 1 + ranks_per_node) x num_channels),
-    capped where the kernels' 32-bit row counts need it."""
-    return min(recv_bytes // (num_rings * row_bytes) // chunk_rows * chunk_rows, 1 << 30)
-
-
-def _record_bytes(x, scales, K):
-    """A dispatch record's bytes (ht_api.h): header, row, scales, top-k ids from an 8-byte boundary, weights."""
-    S = 0 if scales is None else scales.size(1)
-    return hb.align(hb.align(16 + x.size(1) * x.element_size() + 4 * S, 8) + 12 * K, 16)
