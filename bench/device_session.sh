@@ -34,19 +34,20 @@ step() {  # name, seconds wanted, command...
 note "commit $(git log --oneline -1 2>/dev/null | cut -c1-60); $(git status --short 2>/dev/null | wc -l) files changed"
 GPUS=$(nvidia-smi -L 2>/dev/null | grep -c '^GPU')
 note "GPUs: $GPUS"
-step build 300 python3 -m pip install --no-build-isolation --no-deps -e . -Cbuild-dir=build/gpu
-python3 -c "import portep.backends.cuda.engine, portep.backends.cuda.ht, portep.backends.cuda.comm_stream" \
+step build 300 python3 -m pip install --no-build-isolation --no-deps . -Ccmake.define.PORTEP_BUILD_TESTING=ON \
+  -Cbuild-dir=build/gpu
+python3 -c "import portep._ll_torch, portep_testing, portep.backends.cuda.engine, portep.backends.cuda.ht" \
   >> "$OUT/summary.txt" 2>&1 ||
   note "import failed: see build.log"
 PYTEST="python3 -m pytest -q -p no:cacheprovider -rs --durations=15"
 if [ "$GPUS" -ge 2 ]; then
-  step tests 330 $PYTEST tests/gpu/test_gpu_ht.py tests/gpu/test_gpu_ll.py tests/gpu/test_gpu_fifo.py tests/gpu/test_gpu_layout.py
+  step tests 330 $PYTEST tests/gpu/test_gpu_ll_fast_path.py tests/gpu/test_gpu_ht.py tests/gpu/test_gpu_ll.py tests/gpu/test_gpu_fifo.py tests/gpu/test_gpu_layout.py
   step bench 230 python3 -m portep_bench --json "$OUT/bench.json"
   # the forwarding tests want four GPUs: their four ranks share the two (correctness only), if time is left
   step forwarding 150 env PORTEP_TEST_SHARE_GPU=1 $PYTEST tests/gpu/test_gpu_ht.py -k forwarding
 else
   export PORTEP_TEST_SHARE_GPU=1
-  step tests 440 $PYTEST tests/gpu/test_gpu_ht.py tests/gpu/test_gpu_ll.py tests/gpu/test_gpu_fifo.py tests/gpu/test_gpu_layout.py
+  step tests 440 $PYTEST tests/gpu/test_gpu_ll_fast_path.py tests/gpu/test_gpu_ht.py tests/gpu/test_gpu_ll.py tests/gpu/test_gpu_fifo.py tests/gpu/test_gpu_layout.py
   step bench 110 python3 -m portep_bench --json "$OUT/bench.json"
 fi
 note "total $(($(date +%s) - T0)) s"

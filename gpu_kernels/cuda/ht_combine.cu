@@ -117,9 +117,9 @@ PORTEP_DEVICE void store_word(uint8_t* out_row, bool out_f32, int j, const float
 // Warp-wide, the common case: out_row = the sum of kRows BF16 rows (kAssignFirst: the first, bias0, is assigned,
 // not added to 0, as the host backend's sum starts). Each lane loads kWords words of every row
 // (about kReduceLoads 16-byte loads in flight) before it sums the first. The reduction is bound by issued
-// instructions (bench/probes/ht_combine_phases.py: 286 of a reducer's 362 us went to summing, 25 us to waiting for
-// rows; more loads in flight through shared memory made it slower), so the row pointers stay in registers and BF16
-// output uses the conversion instruction.
+// instructions (a build timing its phases, commit 0437ce3: 286 of a reducer's 362 us went to summing, 25 us to
+// waiting for rows; more loads in flight through shared memory made it slower), so the row pointers stay in registers
+// and BF16 output uses the conversion instruction.
 constexpr int kReduceLoads = 8;  // 16-byte loads a reducing lane has in flight (more spill: 64 registers a thread)
 
 template <int kRows, bool kOutF32, bool kAssignFirst>

@@ -180,7 +180,7 @@ PORTEP_DEVICE void publish_tail(uint64_t* word, uint64_t epoch, uint32_t rows) {
 // The notify kernel, first in every op, decides once at its end and leaves the verdict in c.epoch[1] for the data
 // kernel, whose every thread reads it (device memory: each warp reading the host-mapped error code instead cost
 // about 0.6 us per warp, served one at a time across PCIe: 2 ms per op at 64 SMs, seen with
-// python -m portep.bench gpu-ht-loopback).
+// python -m portep_bench gpu-ht-loopback).
 // A failure that a kernel on another stream reports after that verdict makes this op's waits give up (wait_until):
 // the Buffer is failed, and its next call raises on this rank.
 PORTEP_DEVICE bool error_stops_data(const HTCommon& c) { return reported_error(c) != 0; }
