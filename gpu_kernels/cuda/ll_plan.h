@@ -27,10 +27,11 @@ struct LLPlan {
 struct LLPlanTable {
   static constexpr int kMaxPlans = 64;
   LLPlan plans[kMaxPlans];
-  int count = 0, next_victim = 0;
+  int count = 0;
+  uint32_t next_victim = 0;
   uint32_t half = 0;  // the buffer half the next LL call uses; every call flips it
   int device = -1, num_ranks = 0;
-  const KernelError* errors = nullptr;  // mapped host records [kNumErrorWords]: [0] failures, [1] notices
+  const KernelError* errors = nullptr;  // host view of the mapped records [kNumErrorWords]: [0] failures, [1] notices
   const std::atomic<bool>* proxies_failed = nullptr;  // a proxy thread latched an error
   int (*dispatch_fn)(const LLDispatchArgs&, int) = nullptr;
   int (*combine_fn)(const LLCombineArgs&, int) = nullptr;
@@ -43,12 +44,18 @@ struct LLPlanTable {
     }
     return nullptr;
   }
-  // Nothing the host must raise first: no kernel failure recorded, no proxy error latched.
+  // Nothing the host must raise first: no kernel failure recorded, no proxy error latched (and not closed).
   bool healthy() const {
-    return __atomic_load_n(&errors[0].code, __ATOMIC_ACQUIRE) == 0 &&
-           !(proxies_failed && proxies_failed->load(std::memory_order_acquire));
+    return errors && proxies_failed && __atomic_load_n(&errors[0].code, __ATOMIC_ACQUIRE) == 0 &&
+           !proxies_failed->load(std::memory_order_acquire);
   }
-  bool notice_pending() const { return __atomic_load_n(&errors[1].code, __ATOMIC_ACQUIRE) != 0; }
+  bool notice_pending() const { return errors && __atomic_load_n(&errors[1].code, __ATOMIC_ACQUIRE) != 0; }
+  // The Buffer's memory goes away: no plan is found and nothing is read any more.
+  void close() {
+    count = 0;
+    errors = nullptr;
+    proxies_failed = nullptr;
+  }
   uint32_t take_half() {
     const uint32_t h = half;
     half ^= 1;

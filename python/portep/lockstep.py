@@ -30,6 +30,12 @@ class AgreedRefusal(ValueError):
     exchanged): raised after the call's first traffic, it leaves the ranks in step."""
 
 
+def wire_seq(seq):
+    """A call's sequence number as the LL messages carry it: 32 bits, never 0 (zeroed memory must not match a call),
+    so seq 2**32 - 1 is followed by 1."""
+    return (seq - 1) % 0xFFFFFFFF + 1
+
+
 class Lockstep:
     def __init__(self, channel, native, rank, num_ranks, timeout_s):
         self.channel, self.native = channel, native

@@ -39,7 +39,7 @@ class LLKernels {
     int device;
   };
 
-  LLKernels(const Setup& s, LLCommon base, portep::Channel& channel)
+  LLKernels(const Setup& s, LLCommon base, const KernelError* error_host, portep::Channel& channel)
       : setup_(s), region_{s.num_bytes, s.num_ranks, s.max_local_experts}, table_(new LLPlanTable) {
     base.rank = s.rank;
     base.num_ranks = s.num_ranks;
@@ -47,7 +47,7 @@ class LLKernels {
     base_ = base;
     table_->device = s.device;
     table_->num_ranks = s.num_ranks;
-    table_->errors = base.error;
+    table_->errors = error_host;
     table_->proxies_failed = channel.proxies().failed_flag();
     table_->dispatch_fn = &ll_dispatch;
     table_->combine_fn = &ll_combine;
@@ -57,8 +57,9 @@ class LLKernels {
   // The plan of signature (T, hidden, num_experts), made on first use (python checked the signature first).
   LLPlan& plan(int T, int hidden, int num_experts) {
     if (LLPlan* p = table_->find(T, hidden, num_experts)) return *p;
-    LLPlan& p = table_->count < LLPlanTable::kMaxPlans ? table_->plans[table_->count++]
-                                                       : table_->plans[table_->next_victim++ % LLPlanTable::kMaxPlans];
+    LLPlan& p = table_->count < LLPlanTable::kMaxPlans
+                    ? table_->plans[table_->count++]
+                    : table_->plans[table_->next_victim++ % uint32_t(LLPlanTable::kMaxPlans)];
     p = LLPlan{};
     p.T = T;
     p.hidden = hidden;
@@ -133,8 +134,8 @@ LLCommon common_from(const py::kwargs& kw) {
 const char* const kLLKernelsKeywords[] = {
     "rank", "num_ranks", "max_local_experts", "num_direct", "num_bytes", "stream_base", "device", "channel",
     "local", "peers", "place", "host_signals", "signal_seen", "num_streams", "fifos", "finish", "chunk_done",
-    "proxy_begin", "max_chunks", "dest_done", "error", "failed", "peer_status", "mask", "send_mask", "timeout_s",
-    "num_sms"};
+    "proxy_begin", "max_chunks", "dest_done", "error", "error_host", "failed", "peer_status", "mask", "send_mask",
+    "timeout_s", "num_sms"};
 
 std::unique_ptr<LLKernels> make_ll_kernels(const py::kwargs& kw) {
   for (const char* k : kLLKernelsKeywords)
@@ -145,7 +146,9 @@ std::unique_ptr<LLKernels> make_ll_kernels(const py::kwargs& kw) {
   LLKernels::Setup s{kw["rank"].cast<int>(),      kw["num_ranks"].cast<int>(),     kw["max_local_experts"].cast<int>(),
                      kw["num_direct"].cast<int>(), kw["num_bytes"].cast<uint64_t>(), kw["stream_base"].cast<uint32_t>(),
                      kw["device"].cast<int>()};
-  return std::make_unique<LLKernels>(s, common_from(kw), kw["channel"].cast<portep::Channel&>());
+  const auto* error_host = ptr<const KernelError>(kw["error_host"].cast<uintptr_t>());
+  if (!error_host) throw std::invalid_argument("error_host: the host view of the kernels' error records, not null");
+  return std::make_unique<LLKernels>(s, common_from(kw), error_host, kw["channel"].cast<portep::Channel&>());
 }
 
 LLCommon call_common(const LLCommon& c, uintptr_t stream, uint32_t seq) {
@@ -259,19 +262,21 @@ void bind_cuda_ll(py::module_& m) {
       .def(
           "dispatch",
           [](LLKernels& k, int T, int hidden, int num_experts, int half, int phases, uintptr_t stream, uint32_t seq,
-             const py::kwargs& kw) { dispatch(k, k.plan(T, hidden, num_experts), half, phases, stream, seq, kw); },
+             const py::kwargs& kw) { dispatch(k, k.plan(T, hidden, num_experts), half & 1, phases, stream, seq, kw); },
           py::arg("T"), py::arg("hidden"), py::arg("num_experts"), py::arg("half"), py::arg("phases"),
           py::arg("stream"), py::arg("seq"))
       .def(
           "combine",
           [](LLKernels& k, int T, int hidden, int num_experts, int half, int phases, uintptr_t stream, uint32_t seq,
-             const py::kwargs& kw) { combine(k, k.plan(T, hidden, num_experts), half, phases, stream, seq, kw); },
+             const py::kwargs& kw) { combine(k, k.plan(T, hidden, num_experts), half & 1, phases, stream, seq, kw); },
           py::arg("T"), py::arg("hidden"), py::arg("num_experts"), py::arg("half"), py::arg("phases"),
           py::arg("stream"), py::arg("seq"))
       .def_property_readonly("half", [](LLKernels& k) { return k.table().half; },
                              "the buffer half the next LL call uses")
       .def("take_half", [](LLKernels& k) { return k.table().take_half(); }, "the next call's half (then flipped)")
       .def("reset_half", [](LLKernels& k) { k.table().half = 0; })
+      .def("close", [](LLKernels& k) { k.table().close(); },
+           "the Buffer's memory goes away: the fast path finds no plan and reads nothing any more")
       .def_property_readonly("table_address", [](LLKernels& k) { return reinterpret_cast<uintptr_t>(&k.table()); });
 
   m.def("cuda_device_alloc", [](uint64_t bytes) {

@@ -13,6 +13,7 @@
 #include <c10/core/ScalarTypeToTypeMeta.h>
 #include <c10/core/TensorImpl.h>
 
+#include <climits>
 #include <initializer_list>
 #include <string>
 
@@ -31,7 +32,7 @@ constexpr int kMaxTopk = portep::cuda::kMetaMaxTopk;
 // o is a contiguous tensor of dtype on the table's GPU with these sizes (kAnySize: any); *t views it.
 bool is_tensor(PyObject* o, at::ScalarType dtype, std::initializer_list<int64_t> sizes, int device,
                const at::Tensor** t) {
-  if (!THPVariable_Check(o)) return false;
+  if (!THPVariable_CheckExact(o)) return false;  // subclasses (__torch_dispatch__, functional) go the full way
   const at::Tensor& v = THPVariable_Unpack(o);
   if (v.scalar_type() != dtype || v.dim() != int64_t(sizes.size()) || !v.is_cuda() || v.get_device() != device ||
       !v.is_contiguous())
@@ -59,7 +60,7 @@ bool is_int(PyObject* o, long* v) {  // exactly an int (the Python checks tell 1
   if (!PyLong_CheckExact(o)) return false;
   int overflow = 0;
   *v = PyLong_AsLongAndOverflow(o, &overflow);
-  return overflow == 0 && *v > 0;
+  return overflow == 0 && *v > 0 && *v <= INT_MAX;  // the plans hold int
 }
 
 bool is_bool(PyObject* o, bool* v) {
@@ -156,16 +157,12 @@ at::TensorOptions on_gpu(int device, at::ScalarType dtype) {
 
 // dispatch(table, x, topk_idx, T, E, cumulative_stats, wait_stats, use_fp8, round_scale, use_ue8m0, seq, stream,
 //          event_type) -> (recv_x, recv_count, handle, event, None) | [that] | None
-PyObject* dispatch(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
-  if (nargs != 13) {
-    PyErr_SetString(PyExc_TypeError, "dispatch takes 13 arguments");
-    return nullptr;
-  }
+PyObject* dispatch_call(PyObject* const* args, Py_ssize_t /*nargs*/, bool* launched) {
   LLPlanTable* table = table_at(args[0]);
   long T, E;
   bool fp8, round_scale, ue8m0;
   if (!table || !is_int(args[3], &T) || !is_int(args[4], &E) || !is_bool(args[7], &fp8) ||
-      !is_bool(args[8], &round_scale) || !is_bool(args[9], &ue8m0) || !THPVariable_Check(args[1]))
+      !is_bool(args[8], &round_scale) || !is_bool(args[9], &ue8m0) || !THPVariable_CheckExact(args[1]))
     Py_RETURN_NONE;
   const int dev = table->device, R = table->num_ranks;
   const at::Tensor& xv = THPVariable_Unpack(args[1]);
@@ -192,12 +189,8 @@ PyObject* dispatch(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
   const int64_t count_at = align16(E_l * S * M * 4), info_at = count_at + align16(E_l * 4),
                 range_at = info_at + align16(E_l * M * 4), small_bytes = range_at + E_l * R * 8;
   at::Tensor recv_x, small, scales, recv_count, src_info, layout_range;
-  try {  // an allocation that fails leaves the call to the full path, which raises it as torch does
-    recv_x = at::empty({E_l, M, H}, on_gpu(dev, fp8 ? at::kFloat8_e4m3fn : at::kBFloat16));
-    small = at::empty({small_bytes}, on_gpu(dev, at::kByte));
-  } catch (const std::exception&) {
-    Py_RETURN_NONE;
-  }
+  recv_x = at::empty({E_l, M, H}, on_gpu(dev, fp8 ? at::kFloat8_e4m3fn : at::kBFloat16));
+  small = at::empty({small_bytes}, on_gpu(dev, at::kByte));
   if (fp8) scales = part_of(small, ue8m0 ? at::kInt : at::kFloat, {E_l, M, S}, {S * M, 1, M}, 0);
   recv_count = part_of(small, at::kInt, {E_l}, {1}, count_at);
   src_info = part_of(small, at::kInt, {E_l, M}, {M, 1}, info_at);
@@ -221,6 +214,7 @@ PyObject* dispatch(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
   a.layout_range = layout_range.data_ptr<int64_t>();
   a.cumulative_stats = static_cast<int32_t*>(cumulative);
   a.wait_stats = static_cast<int64_t*>(wait);
+  *launched = true;
   if (int err = table->dispatch_fn(a, portep::cuda::kPhaseSend | portep::cuda::kPhaseRecv))
     return launch_failed(*table, "low-latency dispatch", err);
 
@@ -232,11 +226,7 @@ PyObject* dispatch(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
 
 // combine(table, x, topk_idx, topk_weights, handle, zero_copy, out, wait_stats, seq, stream, event_type)
 //   -> (combined_x, event, None) | [that] | None
-PyObject* combine(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
-  if (nargs != 11) {
-    PyErr_SetString(PyExc_TypeError, "combine takes 11 arguments");
-    return nullptr;
-  }
+PyObject* combine_call(PyObject* const* args, Py_ssize_t /*nargs*/, bool* launched) {
   LLPlanTable* table = table_at(args[0]);
   PyObject* handle = args[4];
   long T, H, E;
@@ -264,12 +254,7 @@ PyObject* combine(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
   uint32_t seq;
   void* stream;
   if (!call_state(args[8], args[9], &seq, &stream)) Py_RETURN_NONE;
-  at::Tensor result;
-  try {
-    result = out ? *out : at::empty({idx->size(0), H}, on_gpu(dev, at::kBFloat16));
-  } catch (const std::exception&) {
-    Py_RETURN_NONE;
-  }
+  at::Tensor result = out ? *out : at::empty({idx->size(0), H}, on_gpu(dev, at::kBFloat16));
   const portep::cuda::LLCommon& c = plan->combine[table->take_half()];
   LLCombineArgs a{};
   a.c = c;
@@ -288,6 +273,7 @@ PyObject* combine(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
   a.out = result.data_ptr();
   a.out_pitch = uint64_t(H) * 2;
   a.wait_stats = static_cast<int64_t*>(wait);
+  *launched = true;
   if (int err = table->combine_fn(a, portep::cuda::kPhaseSend | portep::cuda::kPhaseRecv))
     return launch_failed(*table, "low-latency combine", err);
 
@@ -295,10 +281,50 @@ PyObject* combine(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
   return returned(*table, tuple_of({combined, new_event(args[10]), new_ref(Py_None)}));
 }
 
+// Runs a call so that nothing escapes but its results, None or a RuntimeError: an error before the launch (a C++
+// exception, e.g. an allocation that failed or a tensor whose data cannot be reached, or a Python error raised
+// inside torch) declines the call, which the full path then runs or refuses as torch would; one after the launch was
+// tried is the call's failure, raised as RuntimeError (ll_fast.py counts the call then).
+template <PyObject* (*Call)(PyObject* const*, Py_ssize_t, bool*), Py_ssize_t kArgs>
+PyObject* guarded(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
+  if (nargs != kArgs) {
+    PyErr_Format(PyExc_TypeError, "takes %zd arguments, got %zd", kArgs, nargs);
+    return nullptr;
+  }
+  bool launched = false;
+  PyObject* out = nullptr;
+  std::string error;
+  try {
+    out = Call(args, nargs, &launched);
+  } catch (const std::exception& e) {
+    error = e.what();
+  } catch (...) {
+    error = "an unknown C++ exception";
+  }
+  if (out) return out;
+  if (!launched) {
+    PyErr_Clear();
+    Py_RETURN_NONE;
+  }
+  if (error.empty() && PyErr_ExceptionMatches(PyExc_RuntimeError)) return nullptr;  // the launch's own error
+  if (error.empty()) {  // building the results failed (out of memory): the call's failure all the same
+    PyObject *type, *value, *trace;
+    PyErr_Fetch(&type, &value, &trace);
+    PyObject* text = value ? PyObject_Str(value) : nullptr;
+    error = text && PyUnicode_Check(text) ? PyUnicode_AsUTF8(text) : "a Python error";
+    Py_XDECREF(text);
+    Py_XDECREF(type);
+    Py_XDECREF(value);
+    Py_XDECREF(trace);
+  }
+  PyErr_SetString(PyExc_RuntimeError, ("a low-latency call failed after its launch: " + error).c_str());
+  return nullptr;
+}
+
 PyMethodDef kMethods[] = {
-    {"dispatch", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(&dispatch)), METH_FASTCALL,
+    {"dispatch", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(&guarded<dispatch_call, 13>)), METH_FASTCALL,
      "the LL dispatch of a checked signature, or None"},
-    {"combine", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(&combine)), METH_FASTCALL,
+    {"combine", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(&guarded<combine_call, 11>)), METH_FASTCALL,
      "the LL combine of a checked signature, or None"},
     {nullptr, nullptr, 0, nullptr}};
 

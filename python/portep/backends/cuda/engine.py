@@ -27,7 +27,7 @@ from ..._native import require_native
 from ...channel import Channel
 from ...errors import DroppedInput
 from ...config import PROXY_COPIES_VAR, check_gpu_copy_connections, proxy_copies
-from ...lockstep import AgreedRefusal, Lockstep, OutOfStep
+from ...lockstep import AgreedRefusal, Lockstep, OutOfStep, wire_seq
 from ...topology import Topology
 from .. import common as hb
 from .kernel_errors import KernelErrors
@@ -176,7 +176,7 @@ class CudaEngine(Topology):
             place=self._place.data_ptr(), host_signals=ch.device_signals_ptr(),
             signal_seen=self._signal_seen.data_ptr(), num_streams=self.channel.num_streams, fifos=self.fifos,
             finish=self._finish.data_ptr(), chunk_done=chunk_done, proxy_begin=proxy_begin, max_chunks=max_chunks,
-            dest_done=dest_done, error=self.error_device, failed=self.failed_flag.data_ptr(),
+            dest_done=dest_done, error=self.error_device, error_host=self.errors.host, failed=self.failed_flag.data_ptr(),
             peer_status=self.status_device, mask=_ptr(self.mask), send_mask=_ptr(self._send_mask),
             timeout_s=self.timeout_s, num_sms=num_sms)
         self._layouts = {}
@@ -252,7 +252,7 @@ class CudaEngine(Topology):
         which its send sides read (stream-ordered)."""
         if self.mask is not None:
             self._send_mask.copy_(self.mask)
-        return _current_raw_stream(self.device.index), self.lockstep.seq
+        return _current_raw_stream(self.device.index), wire_seq(self.lockstep.seq)
 
     def mark_checked(self, T, H, E, dispatch_flags=None):
         """A call of this signature passed the Buffer's checks and launched (dispatch_flags: (use_fp8, round_scale,
@@ -461,6 +461,7 @@ class CudaEngine(Topology):
                 self._ht.destroy()
                 self._ht = None
             self.channel._native.mirror_peer_status(0)  # the watch stops writing the mapped words
+            self.kernels.close()  # before the memory its plan table points at goes
             if self.mask is not None:  # shrink mode: see _PARKED
                 _PARKED.append(self.channel._native.device_data_lease())
             self.channel.destroy()

@@ -27,8 +27,10 @@ def fast_path_module(native):
         return None, f"built against torch {built_for}, this is torch {torch.__version__}: rebuild portep"
     if not hasattr(torch._C, "_cuda_getCurrentRawStream"):
         return None, "this torch has no torch._C._cuda_getCurrentRawStream"
-    from ... import _ll_torch
-
+    try:
+        from ... import _ll_torch
+    except (ImportError, OSError) as e:  # e.g. a libtorch that differs under the same version string
+        return None, f"portep._ll_torch does not load: {e}"
     return _ll_torch, ""
 
 
@@ -47,15 +49,17 @@ class LLFastPath:
 
     # Each Python call costs a noticeable part of a call's budget (tens of nanoseconds against a few microseconds),
     # so the lockstep's checks are read inline here: a broken Buffer or a refusal that its peers have not matched yet
-    # (Lockstep.settled) goes the full way, and a launched call counts as Lockstep.made_call says.
+    # goes the full way, and a launched call counts as Lockstep.made_call says. The native calls raise RuntimeError
+    # only once they tried the launch (anything before it declines); the sequence number is lockstep.wire_seq's.
     def dispatch(self, x, topk_idx, T, E, cumulative_stats, wait_stats, use_fp8, round_scale, use_ue8m0):
         ls = self._lockstep
         if ls.broken is not None or ls._refused != ls._resolved:
             return None
+        stream = self._stream(self._device)
         try:
             out = self._dispatch(self._table, x, topk_idx, T, E, cumulative_stats, wait_stats, use_fp8, round_scale,
-                                 use_ue8m0, ls.seq + 1, self._stream(self._device), EventOverlap)
-        except BaseException as e:  # raised only once the launch was tried: the call counts, this rank is out of step
+                                 use_ue8m0, ls.seq % 0xFFFFFFFF + 1, stream, EventOverlap)
+        except RuntimeError as e:  # the launch was tried: the call counts, and this rank is out of step
             ls.made_call()
             ls.fail("low_latency_dispatch", e)
             raise
@@ -69,10 +73,11 @@ class LLFastPath:
         ls = self._lockstep
         if ls.broken is not None or ls._refused != ls._resolved:
             return None
+        stream = self._stream(self._device)
         try:
             result = self._combine(self._table, x, topk_idx, topk_weights, handle, zero_copy, out, wait_stats,
-                                   ls.seq + 1, self._stream(self._device), EventOverlap)
-        except BaseException as e:
+                                   ls.seq % 0xFFFFFFFF + 1, stream, EventOverlap)
+        except RuntimeError as e:
             ls.made_call()
             ls.fail("low_latency_combine", e)
             raise
