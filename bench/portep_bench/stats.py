@@ -1,5 +1,4 @@
 """Small statistics and table helpers shared by the benchmarks."""
-import time
 
 
 def median(values):
@@ -30,18 +29,6 @@ def figure(value):
     """A measured value with 3-4 significant digits, never in exponent form."""
     size = abs(value)
     return f"{value:.1f}" if size >= 100 else f"{value:.2f}" if size >= 1 else f"{value:.3f}"
-
-
-def call_durations_us(fn, calls, warmup=20):
-    """Microseconds of each of `calls` calls of fn (host time), after `warmup` untimed calls."""
-    for _ in range(warmup):
-        fn()
-    out = []
-    for _ in range(calls):
-        t = time.perf_counter_ns()
-        fn()
-        out.append((time.perf_counter_ns() - t) / 1e3)
-    return out
 
 
 def table(headers, rows):

@@ -24,6 +24,22 @@ struct LLPlan {
   LLCommon dispatch[2], combine[2];  // per buffer half; stream and seq are the call's
 };
 
+// A plan's constants for one call: its stream (cudaStream_t) and sequence number.
+inline LLCommon ll_call_common(const LLCommon& planned, void* stream, uint32_t seq) {
+  LLCommon c = planned;
+  c.stream = stream;
+  c.seq = seq;
+  return c;
+}
+
+// Where a combine reads the expert outputs (a->c and a->zero_copy set): x, rows of 2H bytes; or with zero_copy this
+// half's send area, where get_next_low_latency_combine_buffer's view put them, rows of comb_pitch bytes.
+inline void ll_set_combine_rows(LLCombineArgs* a, const void* x) {
+  const LLCommon& c = a->c;
+  a->x = a->zero_copy ? static_cast<const void*>(c.local + c.send_off) : x;
+  a->x_pitch = a->zero_copy ? c.comb_pitch : uint64_t(c.hidden) * 2;
+}
+
 struct LLPlanTable {
   static constexpr int kMaxPlans = 64;
   LLPlan plans[kMaxPlans];

@@ -169,7 +169,8 @@ class Buffer:
         return engine
 
     def _normal_op(self, fn, previous_event, async_finish, allocate_on_comm_stream, inputs):
-        """fn()'s result and its EventOverlap; on the CUDA backend with DeepEP's stream rules (backends/cuda/comm_stream.py)."""
+        """fn()'s result and its EventOverlap; on the CUDA backend with DeepEP's stream rules
+        (backends/cuda/comm_stream.py)."""
         if self._device != "cuda":
             return fn(), self._event(async_finish)
         return self._comm.run(fn, previous_event, async_finish, allocate_on_comm_stream, inputs)

@@ -126,7 +126,8 @@ LLCommon common_from(const py::kwargs& kw) {
   c.timeout_ns = uint64_t(kw["timeout_s"].cast<double>() * 1e9);
   c.num_sms = kw["num_sms"].cast<int>();
   if (!c.failed || !c.error) throw std::invalid_argument("failed, error: the kernels' error words must not be null");
-  if (!c.peers || !c.place) throw std::invalid_argument("peers and place: device arrays of num_ranks pointers, not null");
+  if (!c.peers || !c.place)
+    throw std::invalid_argument("peers and place: device arrays of num_ranks pointers, not null");
   if (!c.mask != !c.send_mask) throw std::invalid_argument("mask and send_mask: both (shrink mode) or neither");
   return c;
 }
@@ -151,18 +152,10 @@ std::unique_ptr<LLKernels> make_ll_kernels(const py::kwargs& kw) {
   return std::make_unique<LLKernels>(s, common_from(kw), error_host, kw["channel"].cast<portep::Channel&>());
 }
 
-LLCommon call_common(const LLCommon& c, uintptr_t stream, uint32_t seq) {
-  LLCommon out = c;
-  out.stream = reinterpret_cast<void*>(stream);
-  out.seq = seq;
-  return out;
-}
-
-void dispatch(LLKernels& k, const LLPlan& p, int half, int phases, uintptr_t stream, uint32_t seq,
-              const py::kwargs& kw) {
+void dispatch(const LLPlan& p, int half, int phases, uintptr_t stream, uint32_t seq, const py::kwargs& kw) {
   auto u = [&kw](const char* key) { return kw[key].cast<uintptr_t>(); };
   LLDispatchArgs a{};
-  a.c = call_common(p.dispatch[half], stream, seq);
+  a.c = ll_call_common(p.dispatch[half], reinterpret_cast<void*>(stream), seq);
   a.x = ptr<const void>(u("x"));
   a.topk_idx = ptr<const int64_t>(u("topk_idx"));
   a.num_tokens = kw["num_tokens"].cast<int>();
@@ -180,16 +173,12 @@ void dispatch(LLKernels& k, const LLPlan& p, int half, int phases, uintptr_t str
   check(ll_dispatch(a, phases), "low-latency dispatch");
 }
 
-void combine(LLKernels& k, const LLPlan& p, int half, int phases, uintptr_t stream, uint32_t seq,
-             const py::kwargs& kw) {
+void combine(const LLPlan& p, int half, int phases, uintptr_t stream, uint32_t seq, const py::kwargs& kw) {
   auto u = [&kw](const char* key) { return kw[key].cast<uintptr_t>(); };
-  const LLCommon& c = p.combine[half];
   LLCombineArgs a{};
-  a.c = call_common(c, stream, seq);
+  a.c = ll_call_common(p.combine[half], reinterpret_cast<void*>(stream), seq);
   a.zero_copy = kw["zero_copy"].cast<bool>();
-  // zero-copy: the rows are in this half's send area already (get_next_low_latency_combine_buffer)
-  a.x = a.zero_copy ? static_cast<const void*>(c.local + c.send_off) : ptr<const void>(u("x"));
-  a.x_pitch = a.zero_copy ? c.comb_pitch : uint64_t(c.hidden) * 2;
+  ll_set_combine_rows(&a, ptr<const void>(u("x")));
   a.src_info = ptr<const int32_t>(u("src_info"));
   a.layout_range = ptr<const int64_t>(u("layout_range"));
   a.topk_idx = ptr<const int64_t>(u("topk_idx"));
@@ -197,7 +186,7 @@ void combine(LLKernels& k, const LLPlan& p, int half, int phases, uintptr_t stre
   a.num_tokens = kw["num_tokens"].cast<int>();
   a.num_topk = kw["num_topk"].cast<int>();
   a.out = ptr<void>(u("out"));
-  a.out_pitch = uint64_t(c.hidden) * 2;
+  a.out_pitch = uint64_t(a.c.hidden) * 2;
   a.wait_stats = ptr<int64_t>(u("wait_stats"));
   check(ll_combine(a, phases), "low-latency combine");
 }
@@ -208,7 +197,8 @@ void bind_cuda_ll(py::module_& m) {
   py::class_<PyFifoSet>(m, "DeviceFifoSet")
       .def(py::init<int, uint32_t>(), py::arg("count"), py::arg("capacity"))
       .def_property_readonly("count", [](const PyFifoSet& f) { return f.set_.count; })
-      .def_property_readonly("host_views", [](const PyFifoSet& f) { return reinterpret_cast<uintptr_t>(f.set_.host_views); })
+      .def_property_readonly("host_views",
+                             [](const PyFifoSet& f) { return reinterpret_cast<uintptr_t>(f.set_.host_views); })
       .def_property_readonly("device_views",
                              [](const PyFifoSet& f) { return reinterpret_cast<uintptr_t>(f.set_.device_views); });
 
@@ -235,9 +225,7 @@ void bind_cuda_ll(py::module_& m) {
              return LLRegion{num_bytes, num_ranks, max_local_experts};
            }),
            py::arg("num_bytes"), py::arg("num_ranks"), py::arg("max_local_experts"))
-      .def("flag_off", &LLRegion::flag_off, py::arg("half"), py::arg("phase"))
-      .def_property_readonly("meta_base", &LLRegion::meta_base)
-      .def_property_readonly("meta_bytes", &LLRegion::meta_bytes)
+      .def_property_readonly("flag_slots", &LLRegion::flag_slots, "flags per buffer half and phase")
       .def_property_readonly("end", &LLRegion::end, "where the normal mode's control area begins");
   py::class_<LLKernels>(m, "LLKernels")
       .def(py::init(&make_ll_kernels), "keyword arguments only: see kLLKernelsKeywords in bind_cuda_ll.cpp")
@@ -262,13 +250,13 @@ void bind_cuda_ll(py::module_& m) {
       .def(
           "dispatch",
           [](LLKernels& k, int T, int hidden, int num_experts, int half, int phases, uintptr_t stream, uint32_t seq,
-             const py::kwargs& kw) { dispatch(k, k.plan(T, hidden, num_experts), half & 1, phases, stream, seq, kw); },
+             const py::kwargs& kw) { dispatch(k.plan(T, hidden, num_experts), half & 1, phases, stream, seq, kw); },
           py::arg("T"), py::arg("hidden"), py::arg("num_experts"), py::arg("half"), py::arg("phases"),
           py::arg("stream"), py::arg("seq"))
       .def(
           "combine",
           [](LLKernels& k, int T, int hidden, int num_experts, int half, int phases, uintptr_t stream, uint32_t seq,
-             const py::kwargs& kw) { combine(k, k.plan(T, hidden, num_experts), half & 1, phases, stream, seq, kw); },
+             const py::kwargs& kw) { combine(k.plan(T, hidden, num_experts), half & 1, phases, stream, seq, kw); },
           py::arg("T"), py::arg("hidden"), py::arg("num_experts"), py::arg("half"), py::arg("phases"),
           py::arg("stream"), py::arg("seq"))
       .def_property_readonly("half", [](LLKernels& k) { return k.table().half; },

@@ -21,6 +21,8 @@
 
 namespace {
 
+using portep::cuda::ll_call_common;
+using portep::cuda::ll_set_combine_rows;
 using portep::cuda::LLCombineArgs;
 using portep::cuda::LLDispatchArgs;
 using portep::cuda::LLPlan;
@@ -188,18 +190,16 @@ PyObject* dispatch_call(PyObject* const* args, Py_ssize_t /*nargs*/, bool* launc
   const int64_t S = !fp8 ? 0 : ue8m0 ? H / 512 : H / 128;  // UE8M0: four exponents packed per int32
   const int64_t count_at = align16(E_l * S * M * 4), info_at = count_at + align16(E_l * 4),
                 range_at = info_at + align16(E_l * M * 4), small_bytes = range_at + E_l * R * 8;
-  at::Tensor recv_x, small, scales, recv_count, src_info, layout_range;
-  recv_x = at::empty({E_l, M, H}, on_gpu(dev, fp8 ? at::kFloat8_e4m3fn : at::kBFloat16));
-  small = at::empty({small_bytes}, on_gpu(dev, at::kByte));
+  const at::Tensor recv_x = at::empty({E_l, M, H}, on_gpu(dev, fp8 ? at::kFloat8_e4m3fn : at::kBFloat16));
+  const at::Tensor small = at::empty({small_bytes}, on_gpu(dev, at::kByte));
+  at::Tensor scales;
   if (fp8) scales = part_of(small, ue8m0 ? at::kInt : at::kFloat, {E_l, M, S}, {S * M, 1, M}, 0);
-  recv_count = part_of(small, at::kInt, {E_l}, {1}, count_at);
-  src_info = part_of(small, at::kInt, {E_l, M}, {M, 1}, info_at);
-  layout_range = part_of(small, at::kLong, {E_l, R}, {R, 1}, range_at);
+  const at::Tensor recv_count = part_of(small, at::kInt, {E_l}, {1}, count_at);
+  const at::Tensor src_info = part_of(small, at::kInt, {E_l, M}, {M, 1}, info_at);
+  const at::Tensor layout_range = part_of(small, at::kLong, {E_l, R}, {R, 1}, range_at);
 
   LLDispatchArgs a{};
-  a.c = plan->dispatch[table->take_half()];
-  a.c.seq = seq;
-  a.c.stream = stream;
+  a.c = ll_call_common(plan->dispatch[table->take_half()], stream, seq);
   a.x = x->data_ptr();
   a.topk_idx = idx->data_ptr<int64_t>();
   a.num_tokens = int(x->size(0));
@@ -255,15 +255,10 @@ PyObject* combine_call(PyObject* const* args, Py_ssize_t /*nargs*/, bool* launch
   void* stream;
   if (!call_state(args[8], args[9], &seq, &stream)) Py_RETURN_NONE;
   at::Tensor result = out ? *out : at::empty({idx->size(0), H}, on_gpu(dev, at::kBFloat16));
-  const portep::cuda::LLCommon& c = plan->combine[table->take_half()];
   LLCombineArgs a{};
-  a.c = c;
-  a.c.seq = seq;
-  a.c.stream = stream;
+  a.c = ll_call_common(plan->combine[table->take_half()], stream, seq);
   a.zero_copy = zero_copy;
-  // zero-copy: the rows are in this half's send area already (get_next_low_latency_combine_buffer)
-  a.x = zero_copy ? static_cast<const void*>(c.local + c.send_off) : x->data_ptr();
-  a.x_pitch = zero_copy ? c.comb_pitch : uint64_t(H) * 2;
+  ll_set_combine_rows(&a, x->data_ptr());
   a.src_info = src_info->data_ptr<int32_t>();
   a.layout_range = range->data_ptr<int64_t>();
   a.topk_idx = idx->data_ptr<int64_t>();
@@ -321,11 +316,13 @@ PyObject* guarded(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
   return nullptr;
 }
 
+PyCFunction fastcall(PyObject* (*f)(PyObject*, PyObject* const*, Py_ssize_t)) {
+  return reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(f));
+}
+
 PyMethodDef kMethods[] = {
-    {"dispatch", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(&guarded<dispatch_call, 13>)), METH_FASTCALL,
-     "the LL dispatch of a checked signature, or None"},
-    {"combine", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(&guarded<combine_call, 11>)), METH_FASTCALL,
-     "the LL combine of a checked signature, or None"},
+    {"dispatch", fastcall(&guarded<dispatch_call, 13>), METH_FASTCALL, "an LL dispatch of a checked signature or None"},
+    {"combine", fastcall(&guarded<combine_call, 11>), METH_FASTCALL, "an LL combine of a checked signature, or None"},
     {nullptr, nullptr, 0, nullptr}};
 
 PyModuleDef kModule = {PyModuleDef_HEAD_INIT, "_ll_torch", "portep's LL hot path against torch", -1, kMethods};

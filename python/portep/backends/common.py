@@ -18,13 +18,9 @@ LL_STREAMS_PER_EXPERT = 4
 
 
 def ll_streams_end(max_local_experts):
-    """The first signal stream after the LL ones."""
+    """The first signal stream after the LL ones (the host backend's status streams, peer_watch.h; the CUDA
+    backend's normal-mode streams)."""
     return STREAM_LL_BASE + LL_STREAMS_PER_EXPERT * max_local_experts
-
-
-def status_stream(max_local_experts):
-    """The first of the three status streams (peer_watch.h), after the LL ones."""
-    return ll_streams_end(max_local_experts)
 
 
 _native = require_native()
@@ -74,13 +70,12 @@ def align(n, a=ALIGN):
     return (n + a - 1) // a * a
 
 
-
 class LLLayout:
     """The low-latency mode's layout of one buffer half, from its one definition (gpu_kernels/ll_layout.h): T, H, E,
     E_l, M, the message and row sizes disp and comb, the areas send and recv, half, send_off(h), recv_off(h)."""
 
     def __init__(self, eng, T, H, E):
-        lay = require_native().ll_layout(T, H, E, eng.num_ranks)  # raises for a hidden size the layout cannot take
+        lay = _native.ll_layout(T, H, E, eng.num_ranks)  # raises for a hidden size the layout cannot take
         if lay.E_l > eng.max_local_experts:
             raise ValueError(f"num_experts={E} gives {lay.E_l} local experts per rank; this Buffer supports at most "
                              f"{eng.max_local_experts}")

@@ -17,8 +17,8 @@ of a token's two or more selections it holds instead of their BF16 rows. So unli
 hooked combine waits for the direct peers to start their combine (their send phase, not their hook).
 
 Kernels run on the current stream. A kernel failure (a wait that timed out) is recorded in mapped host memory; the
-next call raises it, and so does every later one. A notice (part of a call's input left out: backends/cuda/kernel_errors.py) is
-raised once, as a DroppedInput, after the call that finds it launched.
+next call raises it, and so does every later one. A notice (part of a call's input left out: kernel_errors.py) is raised
+once, as a DroppedInput, after the call that finds it launched.
 """
 
 import torch
@@ -109,9 +109,9 @@ class CudaEngine(Topology):
         self.ll_bytes = self.num_bytes - normal_bytes if normal_bytes else self.num_bytes
         self.normal_off = self.ll_bytes if normal_bytes else 0
         self.normal_bytes = self.num_bytes - self.normal_off
-        self.flag_slots = self.num_ranks * max_local_experts
         # after the data: the LL flags and meta blocks, then the normal mode's control area (ll_api.h, LLRegion)
         self.ll_region = self.native.LLRegion(self.num_bytes, self.num_ranks, max_local_experts)
+        self.flag_slots = self.ll_region.flag_slots
         self.ht_ctrl_off = self.ll_region.end  # (backends/cuda/ht.py)
         self.ht_stream_base = hb.ll_streams_end(max_local_experts)  # and its signal streams
         self.fifos = self.native.DeviceFifoSet(NUM_DEVICE_FIFOS, DEVICE_FIFO_CAPACITY)
@@ -176,9 +176,9 @@ class CudaEngine(Topology):
             place=self._place.data_ptr(), host_signals=ch.device_signals_ptr(),
             signal_seen=self._signal_seen.data_ptr(), num_streams=self.channel.num_streams, fifos=self.fifos,
             finish=self._finish.data_ptr(), chunk_done=chunk_done, proxy_begin=proxy_begin, max_chunks=max_chunks,
-            dest_done=dest_done, error=self.error_device, error_host=self.errors.host, failed=self.failed_flag.data_ptr(),
-            peer_status=self.status_device, mask=_ptr(self.mask), send_mask=_ptr(self._send_mask),
-            timeout_s=self.timeout_s, num_sms=num_sms)
+            dest_done=dest_done, error=self.error_device, error_host=self.errors.host,
+            failed=self.failed_flag.data_ptr(), peer_status=self.status_device, mask=_ptr(self.mask),
+            send_mask=_ptr(self._send_mask), timeout_s=self.timeout_s, num_sms=num_sms)
         self._layouts = {}
         torch.cuda.current_stream(self.device).synchronize()
         self.channel.barrier()  # every peer's memory is zeroed before anyone stores into it

@@ -22,7 +22,7 @@ from ...channel import Channel
 from ...lockstep import AgreedRefusal, Lockstep
 from ...topology import Topology
 from ..common import (ALIGN, MAX_CHANNELS, MAX_COMMAND_BYTES, STREAM_LL_BASE, STREAM_NOTIFY, STREAM_SYNC, align,
-                      byte_view, dense, ranges_without, status_stream)
+                      byte_view, dense, ll_streams_end, ranges_without)
 from . import ht as host_ht, ll as host_ll
 
 def _device_memory():
@@ -43,7 +43,7 @@ class HostEngine(Topology):
         if num_proxy_threads is None:
             # Every rank of the host backend runs on this host: share its cores (an idle proxy still wakes up).
             num_proxy_threads = max(1, min(4, (os.cpu_count() or 1) // self.num_ranks))
-        status = status_stream(max_local_experts)
+        status = self.status_stream = ll_streams_end(max_local_experts)  # the status streams follow the LL ones
         self.channel = Channel(group, max(ALIGN, align(num_bytes)), transport=transport,
                                num_streams=status + require_native().NUM_STATUS_EVENTS,
                                num_proxy_threads=num_proxy_threads, timeout_s=timeout_s, device=_device_memory(),
@@ -267,7 +267,7 @@ class HostEngine(Topology):
         self.settle()
         self.sync()
         signals = self.channel.signals
-        keep = {STREAM_SYNC, status_stream(self.max_local_experts) + self.native.EVENT_LEFT}
+        keep = {STREAM_SYNC, self.status_stream + self.native.EVENT_LEFT}
         for begin, end in ranges_without(keep, signals.size(1)):
             signals[:, begin:end].zero_()
         self.ll_half = 0
