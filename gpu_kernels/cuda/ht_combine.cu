@@ -410,8 +410,7 @@ __global__ void __launch_bounds__(kHTThreads, 1) ht_combine_kernel(HTCombineArgs
 
 int ht_combine(const HTCombineArgs& a) {
   const int blocks = ht_blocks_per_channel(a.c) * a.c.num_channels;
-  ht_combine_kernel<<<blocks, kHTThreads, 0, static_cast<cudaStream_t>(a.c.stream)>>>(a);
-  return int(cudaGetLastError());
+  return int(launch_kernel<ht_combine_kernel>(blocks, kHTThreads, 0, static_cast<cudaStream_t>(a.c.stream), a));
 }
 
 int load_ht_combine_kernels() {

@@ -452,8 +452,7 @@ __global__ void __launch_bounds__(kHTThreads, 1) ht_dispatch_kernel(HTDispatchAr
 
 int ht_dispatch(const HTDispatchArgs& a) {
   const int blocks = ht_blocks_per_channel(a.c) * a.c.num_channels;
-  ht_dispatch_kernel<<<blocks, kHTThreads, 0, static_cast<cudaStream_t>(a.c.stream)>>>(a);
-  return int(cudaGetLastError());
+  return int(launch_kernel<ht_dispatch_kernel>(blocks, kHTThreads, 0, static_cast<cudaStream_t>(a.c.stream), a));
 }
 
 int load_ht_dispatch_kernels() {

@@ -193,8 +193,7 @@ __global__ void __launch_bounds__(kNotifyThreads, 1) ht_notify_kernel(HTNotifyAr
 }  // namespace
 
 int ht_notify(const HTNotifyArgs& a) {
-  ht_notify_kernel<<<1, kNotifyThreads, 0, static_cast<cudaStream_t>(a.c.stream)>>>(a);
-  return int(cudaGetLastError());
+  return int(launch_kernel<ht_notify_kernel>(1, kNotifyThreads, 0, static_cast<cudaStream_t>(a.c.stream), a));
 }
 
 int load_ht_notify_kernels() {

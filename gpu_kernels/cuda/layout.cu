@@ -87,8 +87,7 @@ int launch_dispatch_layout(const LayoutArgs& a) {
   const int num_bins = a.num_experts + a.num_ranks + (a.per_node ? num_nodes : 0);
   const size_t shared = num_bins <= kMaxSharedBins ? sizeof(int32_t) * num_bins : 0;
   const int blocks = (a.num_tokens + kLayoutThreads - 1) / kLayoutThreads;
-  dispatch_layout_kernel<<<blocks, kLayoutThreads, shared, s>>>(a);
-  return int(cudaGetLastError());
+  return int(launch_kernel<dispatch_layout_kernel>(blocks, kLayoutThreads, shared, s, a));
 }
 
 int load_layout_kernels() {

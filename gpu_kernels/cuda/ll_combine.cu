@@ -412,8 +412,7 @@ int ll_combine(const LLCombineArgs& a, int phases) {
   } else {
     blocks = std::min(N, sms);
   }
-  combine_kernel<<<blocks, kLLThreads, smem, stream>>>(args, parts, phases);
-  return int(cudaGetLastError());
+  return int(launch_kernel<combine_kernel>(blocks, kLLThreads, smem, stream, args, parts, phases));
 }
 
 int load_ll_combine_kernels() { return int(load_kernel(combine_kernel)); }

@@ -322,8 +322,8 @@ int ll_dispatch(const LLDispatchArgs& a, int phases) {
   if (smem > 48 * 1024) {
     if (cudaError_t e = allow_dynamic_smem(dispatch_kernel, int(smem)); e != cudaSuccess) return int(e);
   }
-  dispatch_kernel<<<blocks, kLLThreads, smem, static_cast<cudaStream_t>(a.c.stream)>>>(a, phases);
-  return int(cudaGetLastError());
+  const cudaStream_t stream = static_cast<cudaStream_t>(a.c.stream);
+  return int(launch_kernel<dispatch_kernel>(blocks, kLLThreads, smem, stream, a, phases));
 }
 
 int load_ll_dispatch_kernels() { return int(load_kernel(dispatch_kernel)); }

@@ -1,17 +1,20 @@
 // portep._ll_torch: the low-latency calls' hot path, one native call per phase. Each call checks that its
 // arguments match a signature the Python path validated (a plan of the Buffer's table, gpu_kernels/cuda/ll_plan.h,
-// marked checked), allocates the outputs with torch's caching allocator on the current stream, and launches the
-// kernels through the table's function pointers (portep._C holds the kernels). Anything it does not recognise
-// returns None before anything happened, and the Python path then validates the call in full and raises or runs it.
+// marked checked), allocates the outputs with torch's caching allocator on torch's current stream, and launches the
+// kernels on that stream through the table's function pointers (portep._C holds the kernels). Anything it does not
+// recognise returns None before anything happened, and the Python path then validates the call in full and raises
+// or runs it.
 //
 // The one part of portep that links libtorch (the rest takes raw pointers, so one build serves every torch): it is
 // built where torch's headers are found at build time and loaded only under that torch version
 // (backends/cuda/ll_fast.py).
 #include <Python.h>
 #include <torch/csrc/autograd/python_variable.h>
-#include <ATen/ops/empty.h>
+#include <ATen/Context.h>
+#include <c10/core/Allocator.h>
 #include <c10/core/ScalarTypeToTypeMeta.h>
 #include <c10/core/TensorImpl.h>
+#include <c10/core/impl/DeviceGuardImplInterface.h>
 
 #include <climits>
 #include <initializer_list>
@@ -70,16 +73,28 @@ bool is_bool(PyObject* o, bool* v) {
   return o == Py_True || o == Py_False;
 }
 
-// The call's sequence number and stream (cudaStream_t) from Python ints.
-bool call_state(PyObject* seq_obj, PyObject* stream_obj, uint32_t* seq, void** stream) {
-  if (!PyLong_CheckExact(seq_obj) || !PyLong_CheckExact(stream_obj)) return false;
-  const unsigned long long s = PyLong_AsUnsignedLongLong(seq_obj);
-  *stream = PyLong_AsVoidPtr(stream_obj);
+// The call's sequence number from a Python int.
+bool is_seq(PyObject* o, uint32_t* seq) {
+  if (!PyLong_CheckExact(o)) return false;
+  const unsigned long long s = PyLong_AsUnsignedLongLong(o);
   if (PyErr_Occurred() || s > 0xffffffffull) {
     PyErr_Clear();
     return false;
   }
   *seq = uint32_t(s);
+  return true;
+}
+
+// torch's current stream on `device` (cudaStream_t; hipStream_t under ROCm's torch, whose GPUs are CUDA devices to
+// torch), if `device` is the current GPU: the outputs come from the caching allocator of the current GPU and stream,
+// and the kernels launch on the current GPU. Not when torch's deterministic mode fills new memory (at::empty fills
+// the outputs then, which the full path does).
+bool current_gpu(int device, void** stream) {
+  const at::Context& ctx = at::globalContext();
+  if (ctx.deterministicAlgorithms() && ctx.deterministicFillUninitializedMemory()) return false;
+  const c10::impl::DeviceGuardImplInterface* gpu = c10::impl::getDeviceGuardImpl(c10::DeviceType::CUDA);
+  if (gpu->getDevice().index() != device) return false;
+  *stream = gpu->getStream(c10::Device(c10::DeviceType::CUDA, static_cast<c10::DeviceIndex>(device))).native_handle();
   return true;
 }
 
@@ -141,7 +156,19 @@ PyObject* new_event(PyObject* type) {
   return event;
 }
 
-int64_t align16(int64_t bytes) { return (bytes + 15) / 16 * 16; }
+int64_t align_to(int64_t bytes, int64_t unit) { return (bytes + unit - 1) / unit * unit; }
+int64_t align16(int64_t bytes) { return align_to(bytes, 16); }
+
+// `bytes` from torch's caching allocator on the current GPU and stream, as a byte tensor: at::empty's allocation
+// without the dispatcher, the device guard and the options, which cost about a microsecond a call (current_gpu
+// checked what they would).
+at::Tensor gpu_bytes(int64_t bytes) {
+  c10::Allocator* allocator = c10::GetAllocator(c10::DeviceType::CUDA);
+  c10::Storage storage(c10::Storage::use_byte_size_t(), size_t(bytes), allocator->allocate(size_t(bytes)), allocator,
+                       /*resizable=*/true);
+  return at::detail::make_tensor<c10::TensorImpl>(std::move(storage), c10::DispatchKeySet(c10::DispatchKey::CUDA),
+                                                  caffe2::TypeMeta::Make<uint8_t>());
+}
 
 // A tensor over base's storage from byte `offset`, made without the dispatcher (a view op through it costs a good
 // part of a microsecond); base is a fresh byte tensor of this call, so the parts share nothing with anything else.
@@ -153,12 +180,8 @@ at::Tensor part_of(const at::Tensor& base, at::ScalarType dtype, c10::IntArrayRe
   return t;
 }
 
-at::TensorOptions on_gpu(int device, at::ScalarType dtype) {
-  return at::TensorOptions().device(at::kCUDA, static_cast<c10::DeviceIndex>(device)).dtype(dtype);
-}
-
-// dispatch(table, x, topk_idx, T, E, cumulative_stats, wait_stats, use_fp8, round_scale, use_ue8m0, seq, stream,
-//          event_type) -> (recv_x, recv_count, handle, event, None) | [that] | None
+// dispatch(table, x, topk_idx, T, E, cumulative_stats, wait_stats, use_fp8, round_scale, use_ue8m0, seq, event_type)
+//   -> (recv_x, recv_count, handle, event, None) | [that] | None
 PyObject* dispatch_call(PyObject* const* args, Py_ssize_t /*nargs*/, bool* launched) {
   LLPlanTable* table = table_at(args[0]);
   long T, E;
@@ -182,21 +205,23 @@ PyObject* dispatch_call(PyObject* const* args, Py_ssize_t /*nargs*/, bool* launc
 
   uint32_t seq;
   void* stream;
-  if (!call_state(args[10], args[11], &seq, &stream)) Py_RETURN_NONE;
+  if (!is_seq(args[10], &seq) || !current_gpu(dev, &stream)) Py_RETURN_NONE;
 
-  // The outputs: recv_x, and the small ones in one allocation (each allocation costs about a microsecond):
+  // The outputs in one allocation (each costs about a microsecond, with its free), each part a tensor of its own:
+  //   [recv_x [E_l][M][H]] (512-byte aligned, as an allocation of its own would be)
   //   [scales, FP8 only: [E_l][S][M], returned as DeepEP's [E_l, M, S] view][recv_count [E_l]]
   //   [src_info [E_l][M]][layout_range [E_l][R]], each part 16-byte aligned
   const int64_t S = !fp8 ? 0 : ue8m0 ? H / 512 : H / 128;  // UE8M0: four exponents packed per int32
-  const int64_t count_at = align16(E_l * S * M * 4), info_at = count_at + align16(E_l * 4),
-                range_at = info_at + align16(E_l * M * 4), small_bytes = range_at + E_l * R * 8;
-  const at::Tensor recv_x = at::empty({E_l, M, H}, on_gpu(dev, fp8 ? at::kFloat8_e4m3fn : at::kBFloat16));
-  const at::Tensor small = at::empty({small_bytes}, on_gpu(dev, at::kByte));
+  const int64_t scales_at = align_to(E_l * M * H * (fp8 ? 1 : 2), 512), count_at = scales_at + align16(E_l * S * M * 4),
+                info_at = count_at + align16(E_l * 4), range_at = info_at + align16(E_l * M * 4),
+                bytes = range_at + E_l * R * 8;
+  const at::Tensor outputs = gpu_bytes(bytes);
+  const at::Tensor recv_x = part_of(outputs, fp8 ? at::kFloat8_e4m3fn : at::kBFloat16, {E_l, M, H}, {M * H, H, 1}, 0);
   at::Tensor scales;
-  if (fp8) scales = part_of(small, ue8m0 ? at::kInt : at::kFloat, {E_l, M, S}, {S * M, 1, M}, 0);
-  const at::Tensor recv_count = part_of(small, at::kInt, {E_l}, {1}, count_at);
-  const at::Tensor src_info = part_of(small, at::kInt, {E_l, M}, {M, 1}, info_at);
-  const at::Tensor layout_range = part_of(small, at::kLong, {E_l, R}, {R, 1}, range_at);
+  if (fp8) scales = part_of(outputs, ue8m0 ? at::kInt : at::kFloat, {E_l, M, S}, {S * M, 1, M}, scales_at);
+  const at::Tensor recv_count = part_of(outputs, at::kInt, {E_l}, {1}, count_at);
+  const at::Tensor src_info = part_of(outputs, at::kInt, {E_l, M}, {M, 1}, info_at);
+  const at::Tensor layout_range = part_of(outputs, at::kLong, {E_l, R}, {R, 1}, range_at);
 
   LLDispatchArgs a{};
   a.c = ll_call_common(plan->dispatch[table->take_half()], stream, seq);
@@ -221,10 +246,10 @@ PyObject* dispatch_call(PyObject* const* args, Py_ssize_t /*nargs*/, bool* launc
   PyObject* out_x = fp8 ? tuple_of({wrap(recv_x), wrap(scales)}) : wrap(recv_x);
   PyObject* handle = tuple_of({wrap(src_info), wrap(layout_range), new_ref(args[3]), PyLong_FromLong(long(H)),
                                new_ref(args[4])});
-  return returned(*table, tuple_of({out_x, wrap(recv_count), handle, new_event(args[12]), new_ref(Py_None)}));
+  return returned(*table, tuple_of({out_x, wrap(recv_count), handle, new_event(args[11]), new_ref(Py_None)}));
 }
 
-// combine(table, x, topk_idx, topk_weights, handle, zero_copy, out, wait_stats, seq, stream, event_type)
+// combine(table, x, topk_idx, topk_weights, handle, zero_copy, out, wait_stats, seq, event_type)
 //   -> (combined_x, event, None) | [that] | None
 PyObject* combine_call(PyObject* const* args, Py_ssize_t /*nargs*/, bool* launched) {
   LLPlanTable* table = table_at(args[0]);
@@ -253,8 +278,9 @@ PyObject* combine_call(PyObject* const* args, Py_ssize_t /*nargs*/, bool* launch
 
   uint32_t seq;
   void* stream;
-  if (!call_state(args[8], args[9], &seq, &stream)) Py_RETURN_NONE;
-  at::Tensor result = out ? *out : at::empty({idx->size(0), H}, on_gpu(dev, at::kBFloat16));
+  if (!is_seq(args[8], &seq) || !current_gpu(dev, &stream)) Py_RETURN_NONE;
+  const int64_t N = idx->size(0);
+  const at::Tensor result = out ? *out : part_of(gpu_bytes(N * H * 2), at::kBFloat16, {N, H}, {H, 1}, 0);
   LLCombineArgs a{};
   a.c = ll_call_common(plan->combine[table->take_half()], stream, seq);
   a.zero_copy = zero_copy;
@@ -273,7 +299,7 @@ PyObject* combine_call(PyObject* const* args, Py_ssize_t /*nargs*/, bool* launch
     return launch_failed(*table, "low-latency combine", err);
 
   PyObject* combined = out ? new_ref(args[6]) : wrap(result);
-  return returned(*table, tuple_of({combined, new_event(args[10]), new_ref(Py_None)}));
+  return returned(*table, tuple_of({combined, new_event(args[9]), new_ref(Py_None)}));
 }
 
 // Runs a call so that nothing escapes but its results, None or a RuntimeError: an error before the launch (a C++
@@ -321,8 +347,8 @@ PyCFunction fastcall(PyObject* (*f)(PyObject*, PyObject* const*, Py_ssize_t)) {
 }
 
 PyMethodDef kMethods[] = {
-    {"dispatch", fastcall(&guarded<dispatch_call, 13>), METH_FASTCALL, "an LL dispatch of a checked signature or None"},
-    {"combine", fastcall(&guarded<combine_call, 11>), METH_FASTCALL, "an LL combine of a checked signature, or None"},
+    {"dispatch", fastcall(&guarded<dispatch_call, 12>), METH_FASTCALL, "an LL dispatch of a checked signature or None"},
+    {"combine", fastcall(&guarded<combine_call, 10>), METH_FASTCALL, "an LL combine of a checked signature, or None"},
     {nullptr, nullptr, 0, nullptr}};
 
 PyModuleDef kModule = {PyModuleDef_HEAD_INIT, "_ll_torch", "portep's LL hot path against torch", -1, kMethods};

@@ -74,7 +74,7 @@ def test_the_ll_fast_path_is_built_where_meant_and_loads_under_its_torch():
         assert module is _ll_torch and why_not == ""
     # a call it cannot match is declined before anything happens (no table, CPU tensors)
     x, idx = torch.zeros(4, 512, dtype=torch.bfloat16), torch.zeros(4, 2, dtype=torch.int64)
-    assert _ll_torch.dispatch(0, x, idx, 4, 8, None, None, True, False, False, 1, 0, object) is None
-    assert _ll_torch.combine(0, x, idx, idx.float(), (x, x, 4, 512, 8), False, None, None, 1, 0, object) is None
-    with pytest.raises(TypeError, match="takes 13 arguments"):
+    assert _ll_torch.dispatch(0, x, idx, 4, 8, None, None, True, False, False, 1, object) is None
+    assert _ll_torch.combine(0, x, idx, idx.float(), (x, x, 4, 512, 8), False, None, None, 1, object) is None
+    with pytest.raises(TypeError, match="takes 12 arguments"):
         _ll_torch.dispatch(0, x)

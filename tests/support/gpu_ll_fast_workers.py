@@ -1,7 +1,9 @@
 """Rank body of the LL fast path's GPU test (tests/gpu/test_gpu_ll_fast_path.py): the fast path's outputs against
 the full Python path's on the same inputs, bit for bit, for every dispatch flag combination, zero-copy and out=
-combines; calls it must hand to the full path, which refuses them on every rank, after which it takes calls again;
-a dropped expert index reported through it as a DroppedInput carrying the results."""
+combines; calls on a side stream ordered behind that stream's work; torch's deterministic mode handed to the full
+path; outputs that share one allocation outliving each other; calls it must hand to the full path, which refuses
+them on every rank, after which it takes calls again; a dropped expert index reported through it as a DroppedInput
+carrying the results."""
 
 import torch
 import torch.distributed as dist
@@ -103,6 +105,64 @@ def _setup(rank, world, rpn, transport, seed, T, H, E, K):
     return Calls(buf, T, E, x.cuda(), idx.cuda(), weights.cuda(), y.cuda())
 
 
+def _side_stream_round_trip(calls, counter, x2):
+    """A fast round trip on a side stream whose queued work (a GPU sleep, then writing x2 into the input) must come
+    first: the call allocates and launches on torch's current stream, so it reads x2, not the input's old rows.
+    Returns (errors, its outputs)."""
+    x_in = (x2.float() * 0.5).to(BF16)  # other rows, overwritten with x2 on the side stream
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    taken, x_before = counter.taken, calls.x
+    calls.x = x_in
+    with torch.cuda.stream(side):
+        torch.cuda._sleep(20_000_000)  # about 10 ms: a launch on another stream would read x_in before the copy
+        x_in.copy_(x2)
+        parts = calls.round_trip(FLAGS[1])
+    calls.x = x_before
+    torch.cuda.synchronize()
+    return ([] if counter.taken == taken + 2 else ["the side stream's round trip did not go the fast way"]), parts
+
+
+def _deterministic_mode_round_trip(calls, counter):
+    """With torch's deterministic mode filling new memory, the fast path declines (the full path's torch.empty
+    fills the outputs); the outputs stay the same. Returns (errors, its outputs)."""
+    declined = counter.declined
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    try:
+        parts = calls.round_trip(FLAGS[1])
+    finally:
+        torch.use_deterministic_algorithms(False)
+    return ([] if counter.declined == declined + 2 else ["the fast path took calls in deterministic mode"]), parts
+
+
+def _outputs_outlive_each_other(calls):
+    """The dispatch outputs share one allocation: each stays valid while any lives. recv_x kept alone, then the
+    handle kept alone, across a later round trip whose fresh outputs would reuse freed memory."""
+    def dispatch():
+        out = calls.buf.low_latency_dispatch(calls.x, calls.idx, calls.T, calls.E, use_fp8=False)
+        calls.buf.low_latency_combine(calls.y, calls.idx, calls.weights, out[2])
+        torch.cuda.synchronize()
+        return out
+
+    errors = []
+    recv_x, count = dispatch()[:2]
+    n = int(count[0])
+    del count
+    kept = recv_x[0, :n].clone()
+    calls.round_trip(FLAGS[0])
+    if not torch.equal(recv_x[0, :n], kept):
+        errors.append("recv_x changed once the other outputs were dropped")
+    del recv_x
+    _, count, handle, _, _ = dispatch()
+    n = int(count[0])
+    del count
+    kept = handle[0][0, :n].clone(), handle[1].clone()
+    calls.round_trip(FLAGS[0])
+    if not torch.equal(handle[0][0, :n], kept[0]) or not torch.equal(handle[1], kept[1]):
+        errors.append("the handle's tensors changed once recv_x was dropped")
+    return errors
+
+
 def _refused(call, expect):
     try:
         call()
@@ -124,6 +184,20 @@ def fast_path_body(rank, world, rpn, transport, seed, T, H, E, K):
     runs = len(FLAGS) * len(COMBINES)
     if counter.taken < 2 * runs:  # at least each case's last round trip (dispatch and combine) went the fast way
         errors.append(f"the fast path launched {counter.taken} calls, expected at least {2 * runs}")
+
+    errors += _outputs_outlive_each_other(calls)
+    x2 = (calls.x.float() * -2).to(BF16)  # exact in BF16; other FP8 scales
+    x_before, fast_path = calls.x, calls.buf._ll_fast
+    calls.x, calls.buf._ll_fast = x2, None
+    full = calls.round_trip(FLAGS[1])
+    calls.buf._ll_fast = fast_path
+    for what, check in (("on a side stream", lambda: _side_stream_round_trip(calls, counter, x2)),
+                        ("in deterministic mode", lambda: _deterministic_mode_round_trip(calls, counter))):
+        more, parts = check()
+        errors += more
+        if any(not torch.equal(a, b) for a, b in zip(full, parts)):
+            errors.append(f"a round trip {what}: outputs differ from the full path's")
+    calls.x = x_before
 
     taken = counter.taken
     x, idx = calls.x, calls.idx

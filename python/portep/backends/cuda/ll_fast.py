@@ -25,8 +25,8 @@ def fast_path_module(native):
         return None, f"not built: {info.get('ll_fast_path_reason') or 'unknown reason'}"
     if built_for != torch.__version__:
         return None, f"built against torch {built_for}, this is torch {torch.__version__}: rebuild portep"
-    if not hasattr(torch._C, "_cuda_getCurrentRawStream"):
-        return None, "this torch has no torch._C._cuda_getCurrentRawStream"
+    if not hasattr(torch._C, "_cuda_getCurrentRawStream"):  # a build of torch without CUDA or ROCm
+        return None, "this torch has no GPU support (no torch._C._cuda_getCurrentRawStream)"
     try:
         from ... import _ll_torch
     except (ImportError, OSError) as e:  # e.g. a libtorch that differs under the same version string
@@ -43,22 +43,20 @@ class LLFastPath:
         self._kernels = engine.kernels  # owns the plan table the native calls read
         self._table = engine.kernels.table_address
         self._lockstep = engine.lockstep
-        self._device = engine.device.index
         self._dispatch, self._combine = module.dispatch, module.combine
-        self._stream = torch._C._cuda_getCurrentRawStream
 
     # Each Python call costs a noticeable part of a call's budget (tens of nanoseconds against a few microseconds),
     # so the lockstep's checks are read inline here: a broken Buffer or a refusal that its peers have not matched yet
     # goes the full way, and a launched call counts as Lockstep.made_call says. The native calls raise RuntimeError
-    # only once they tried the launch (anything before it declines); the sequence number is lockstep.wire_seq's.
+    # only once they tried the launch (anything before it declines); the sequence number is lockstep.wire_seq's. They
+    # launch on torch's current stream when the Buffer's GPU is the current one, and decline otherwise.
     def dispatch(self, x, topk_idx, T, E, cumulative_stats, wait_stats, use_fp8, round_scale, use_ue8m0):
         ls = self._lockstep
         if ls.broken is not None or ls._refused != ls._resolved:
             return None
-        stream = self._stream(self._device)
         try:
             out = self._dispatch(self._table, x, topk_idx, T, E, cumulative_stats, wait_stats, use_fp8, round_scale,
-                                 use_ue8m0, ls.seq % 0xFFFFFFFF + 1, stream, EventOverlap)
+                                 use_ue8m0, ls.seq % 0xFFFFFFFF + 1, EventOverlap)
         except RuntimeError as e:  # the launch was tried: the call counts, and this rank is out of step
             ls.made_call()
             ls.fail("low_latency_dispatch", e)
@@ -73,10 +71,9 @@ class LLFastPath:
         ls = self._lockstep
         if ls.broken is not None or ls._refused != ls._resolved:
             return None
-        stream = self._stream(self._device)
         try:
             result = self._combine(self._table, x, topk_idx, topk_weights, handle, zero_copy, out, wait_stats,
-                                   ls.seq % 0xFFFFFFFF + 1, stream, EventOverlap)
+                                   ls.seq % 0xFFFFFFFF + 1, EventOverlap)
         except RuntimeError as e:
             ls.made_call()
             ls.fail("low_latency_combine", e)
