@@ -78,3 +78,21 @@ def test_the_ll_fast_path_is_built_where_meant_and_loads_under_its_torch():
     assert _ll_torch.combine(0, x, idx, idx.float(), (x, x, 4, 512, 8), False, None, None, 1, object) is None
     with pytest.raises(TypeError, match="takes 12 arguments"):
         _ll_torch.dispatch(0, x)
+
+
+def test_the_ll_fast_path_is_off_where_torchs_cuda_allocator_was_swapped(monkeypatch):
+    """The fast path allocates from torch's own CUDA allocator (native or cudaMallocAsync); one installed with
+    torch.cuda.memory.change_current_allocator ("pluggable") would be bypassed, so the Buffer takes the full path."""
+    torch = pytest.importorskip("torch")
+    if native.build_info()["ll_fast_path_torch"] != torch.__version__:
+        pytest.skip("the LL fast path is not built against this torch")
+    from portep import _ll_torch
+    from portep.backends.cuda.ll_fast import fast_path_module
+
+    monkeypatch.setattr(torch._C, "_cuda_getCurrentRawStream", lambda device: 0, raising=False)  # a GPU torch
+    for backend, expected in (("native", _ll_torch), ("cudaMallocAsync", _ll_torch), ("pluggable", None)):
+        monkeypatch.setattr(torch.cuda, "get_allocator_backend", lambda: backend)
+        module, why_not = fast_path_module(native)
+        assert module is expected, (backend, why_not)
+        assert (why_not == "") == (expected is not None) and (expected is not None or "'pluggable'" in why_not)
+

@@ -4,7 +4,8 @@ does not take (a new signature, async_finish, a receive hook, shrink mode, a Buf
 goes the full way through Buffer's checks and CudaEngine, which give the same results more slowly.
 
 portep._ll_torch links libtorch, so it loads only under the torch it was built against (build_info's
-ll_fast_path_torch); `PORTEP_LL_FAST_PATH=0` turns it off."""
+ll_fast_path_torch), and is not used where torch's CUDA allocator was swapped for another (it calls torch's own
+directly); `PORTEP_LL_FAST_PATH=0` turns it off."""
 
 import os
 
@@ -13,6 +14,7 @@ import torch
 from ...event import EventOverlap
 
 FAST_PATH_VAR = "PORTEP_LL_FAST_PATH"
+TORCH_ALLOCATORS = ("native", "cudaMallocAsync")  # torch's own, chosen at start (PYTORCH_CUDA_ALLOC_CONF)
 
 
 def fast_path_module(native):
@@ -27,6 +29,10 @@ def fast_path_module(native):
         return None, f"built against torch {built_for}, this is torch {torch.__version__}: rebuild portep"
     if not hasattr(torch._C, "_cuda_getCurrentRawStream"):  # a build of torch without CUDA or ROCm
         return None, "this torch has no GPU support (no torch._C._cuda_getCurrentRawStream)"
+    backend = torch.cuda.get_allocator_backend()
+    if backend not in TORCH_ALLOCATORS:  # the fast path allocates from the one torch registered for CUDA at start
+        return None, (f"torch's CUDA allocator is {backend!r} (torch.cuda.memory.change_current_allocator), not "
+                      f"one of {TORCH_ALLOCATORS}, and the fast path allocates from torch's own")
     try:
         from ... import _ll_torch
     except (ImportError, OSError) as e:  # e.g. a libtorch that differs under the same version string
