@@ -68,9 +68,6 @@ inline cudaError_t allow_dynamic_smem(Kernel* kernel, int bytes) {
                               bytes);
 }
 
-}  // namespace portep::cuda
-
-namespace portep::cuda {
 
 // launch_kernel<K>(grid, block, smem, stream, args...): K<<<grid, block, smem, stream>>>(args...), returning the
 // launch's error. On CUDA it launches through the driver's cuLaunchKernel with K's function handle cached per
