@@ -68,10 +68,11 @@ void PeerWatch::mirror_to(uint32_t* words) {
 }
 
 uint32_t PeerWatch::compute(int peer, bool check_process) {
-  if (check_process && !gone_[size_t(peer)] && !transport_->peer_alive(peer)) gone_[size_t(peer)] = 1;
-  if (gone_[size_t(peer)]) return kPeerGone;
+  // What a peer announced before its process ended (it left, or failed) names the cause; "gone" is for the rest.
   if (events(peer, kEventLeft)) return kPeerLeft;
   if (events(peer, kEventFailed)) return kPeerFailed;
+  if (check_process && !gone_[size_t(peer)] && !transport_->peer_alive(peer)) gone_[size_t(peer)] = 1;
+  if (gone_[size_t(peer)]) return kPeerGone;
   if (events(peer, kEventRefused) > events(rank_, kEventRefused)) return kPeerRefused;
   return kPeerOk;
 }

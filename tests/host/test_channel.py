@@ -6,6 +6,7 @@ import pytest
 
 import channel_workers as w
 from dist_util import run_ranks
+from portep import _C
 
 TRANSPORTS = ["shm", "shm-unordered"]
 
@@ -85,3 +86,14 @@ def test_killed_peer_makes_survivors_raise_within_timeout():
         assert "process gone" in r["errors"]["wait_signal"][0]
         assert r["live_threads"] == 0
     assert w.leftover_shm(pids) == [], "shared memory left behind after a crash"
+
+
+@pytest.mark.slow
+def test_a_peer_that_left_and_then_exited_reads_left_not_gone():
+    """The peer watch reports what a peer announced before its process ended ("destroyed its Buffer") rather than
+    "process gone", however the two are timed."""
+    out = run_ranks(w.peer_left_then_exited, 2, args=(10.0,), timeout=120, expect_missing=(1,))
+    seen = out[0]["seen"]
+    assert seen[-1] == _C.PEER_LEFT, f"statuses of the departed peer: {seen}"
+    assert _C.PEER_GONE not in seen, f"statuses of the departed peer: {seen}"
+

@@ -131,3 +131,25 @@ def peer_killed(rank, world, victim, timeout_s):
             errors[name] = (str(exc), time.monotonic() - t0)
     ch.destroy()
     return {"errors": errors, "pids": pids, "live_threads": _C.live_proxy_threads()}
+
+
+def peer_left_then_exited(rank, world, timeout_s):
+    """Rank 1 announces that it left, waits until that is delivered, and ends its process at once; rank 0 watches
+    its status for a while past the moment the process is gone: it must stay "left" (the announced cause), not
+    turn into "process gone". Returns rank 0's statuses in the order seen."""
+    ch = portep.Channel(None, 1 << 16, transport="shm", timeout_s=timeout_s, num_proxy_threads=1, num_streams=16,
+                        status_stream=8)
+    ch.barrier()
+    if rank == 1:
+        ch.announce(_C.EVENT_LEFT)
+        ch.quiet()
+        os._exit(0)
+    seen, deadline = [], time.monotonic() + 1.5  # the process check runs every 50 ms
+    while time.monotonic() < deadline:
+        status = ch.peer_status(1)
+        if not seen or seen[-1] != status:
+            seen.append(status)
+        time.sleep(0.005)
+    ch.destroy()
+    return {"seen": seen}
+
