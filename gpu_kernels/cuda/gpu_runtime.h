@@ -68,7 +68,6 @@ inline cudaError_t allow_dynamic_smem(Kernel* kernel, int bytes) {
                               bytes);
 }
 
-
 // launch_kernel<K>(grid, block, smem, stream, args...): K<<<grid, block, smem, stream>>>(args...), returning the
 // launch's error. On CUDA it launches through the driver's cuLaunchKernel with K's function handle cached per
 // device: the runtime's launch finds the kernel's handle again on every call, which cost 0.5 to 1 us of host time
@@ -125,36 +124,34 @@ CUfunction function_of(int device) {
   return f;
 }
 
-}  // namespace launch_detail
-
+// Launched K through the driver (false: nothing was queued, the runtime launches).
 template <auto K, class... Params>
-cudaError_t launch_kernel(dim3 grid, dim3 block, size_t smem, cudaStream_t stream, const Params&... args) {
-  static_assert(std::is_same_v<decltype(K), void (*)(Params...)>, "arguments must have the kernel's parameter types");
-  using namespace launch_detail;
+bool driver_launched(dim3 grid, dim3 block, size_t smem, cudaStream_t stream, const Params&... args) {
   int device = -1;
   const DriverLaunch launch = driver_launch();
-  if (launch && cudaGetDevice(&device) == cudaSuccess) {
-    if (CUfunction f = function_of<K>(device)) {
-      void* params[] = {const_cast<Params*>(&args)..., nullptr};
-      if (launch(f, grid.x, grid.y, grid.z, block.x, block.y, block.z, unsigned(smem),
-                 reinterpret_cast<CUstream>(stream), params, nullptr) == CUDA_SUCCESS)
-        return cudaSuccess;
-      handle_slot<K>(device).store(nullptr, std::memory_order_relaxed);  // e.g. a reset device: look it up again
-    }
-  }
-  K<<<grid, block, smem, stream>>>(args...);
-  return cudaGetLastError();
+  if (!launch || cudaGetDevice(&device) != cudaSuccess) return false;
+  CUfunction f = function_of<K>(device);
+  if (!f) return false;
+  void* params[] = {const_cast<Params*>(&args)..., nullptr};
+  if (launch(f, grid.x, grid.y, grid.z, block.x, block.y, block.z, unsigned(smem), reinterpret_cast<CUstream>(stream),
+             params, nullptr) == CUDA_SUCCESS)
+    return true;
+  handle_slot<K>(device).store(nullptr, std::memory_order_relaxed);  // e.g. a reset device: look it up again
+  return false;
 }
 
-#else
+}  // namespace launch_detail
+
+#endif
 
 template <auto K, class... Params>
 cudaError_t launch_kernel(dim3 grid, dim3 block, size_t smem, cudaStream_t stream, const Params&... args) {
   static_assert(std::is_same_v<decltype(K), void (*)(Params...)>, "arguments must have the kernel's parameter types");
+#if !defined(__HIPCC__)
+  if (launch_detail::driver_launched<K>(grid, block, smem, stream, args...)) return cudaSuccess;
+#endif
   K<<<grid, block, smem, stream>>>(args...);
   return cudaGetLastError();
 }
-
-#endif
 
 }  // namespace portep::cuda
