@@ -4,8 +4,8 @@ for `calls` round trips issued back to back. The GPU is held by a sleep kernel q
 trips, so every sample is the host's own time and never a wait for a full launch queue (a round trip's kernels take
 longer on the GPU than its host time); a batch whose sleep ended before its last launch is reported. Next to it from
 the same run: the same round trip through the full Python path (PORTEP_LL_FAST_PATH=0's route), each call alone,
-and the baseline, one torch.empty plus one empty kernel launch (torch.cuda._sleep(0)). The outputs of the fast path
-are checked bit for bit against the full path's first."""
+and the baseline, one torch.empty plus one empty kernel launch (torch.cuda._sleep(0)), and for scale two empty
+launches. The outputs of the fast path are checked bit for bit against the full path's first."""
 import datetime
 import time
 
@@ -64,14 +64,13 @@ def _held_batches(fn, calls, sleep_cycles, torch):
 def _check_fast_equals_full(buf, x, idx, weights, y, torch):
     """One round trip with the fast path, one without: the same combined rows and counts (the kernels are
     deterministic; tests/gpu/test_gpu_ll_fast_path.py compares every output)."""
-    fast_path = buf._ll_fast
     results = []
-    for path in (fast_path, None):
-        buf._ll_fast = path
+    for enabled in (True, False):
+        buf._ll_fast.enabled = enabled
         combined, _, handle = _round_trip(buf, x, idx, weights, y)
         torch.cuda.synchronize()
         results.append((combined.clone(), handle[1].clone()))
-    buf._ll_fast = fast_path
+    buf._ll_fast.enabled = True
     for a, b in zip(*results):
         if not torch.equal(a, b):
             raise AssertionError("the LL fast path's outputs differ from the full path's")
@@ -114,14 +113,13 @@ def measure(calls=1000, progress=print):
         _, _, handle, _, _ = buf.low_latency_dispatch(x, idx, T, E, use_fp8=True)
         timed("portep LL dispatch alone", lambda: buf.low_latency_dispatch(x, idx, T, E, use_fp8=True))
         timed("portep LL combine alone", lambda: buf.low_latency_combine(y, idx, weights, handle))
-        fast = buf._ll_fast
-        timed("portep LL dispatch without the Buffer method (the fast path's entry; diagnostic)",
-              lambda: fast.dispatch(x, idx, T, E, None, None, True, False, False))
-        fast_path, buf._ll_fast = buf._ll_fast, None
+        buf._ll_fast.enabled = False
         timed("portep LL round trip through the full Python path (checks cached)", round_trip)
-        buf._ll_fast = fast_path
+        buf._ll_fast.enabled = True
         timed("baseline: torch.empty + one empty kernel launch (torch.cuda._sleep(0))",
               lambda: (torch.empty(E, dtype=torch.int32, device="cuda"), torch.cuda._sleep(0)))
+        timed("for scale: two empty kernel launches (torch.cuda._sleep(0) twice; a round trip launches two kernels)",
+              lambda: (torch.cuda._sleep(0), torch.cuda._sleep(0)))
     finally:
         torch.cuda.synchronize()
         buf.destroy()

@@ -124,12 +124,28 @@ class Buffer:
         self._comm = self._ll_fast = None
         if self.backend == "cuda":
             from .backends.cuda.comm_stream import CommStream
-            from .backends.cuda.ll_fast import LLFastPath, fast_path_module
+            from .backends.cuda.ll_fast import fast_path_module
 
             self._comm = CommStream(self.runtime)
             module, self.ll_fast_path_off = fast_path_module(self.runtime.native)
             if module is not None and self.low_latency_mode and not self.enable_shrink:
-                self._ll_fast = LLFastPath(self.runtime, module)
+                self._install_ll_fast_path(module)
+
+    def _install_ll_fast_path(self, module):
+        """This Buffer's low_latency_dispatch / low_latency_combine become portep._ll_torch's native entries
+        (instance attributes over the methods below, so a call reaches native code without a Python frame); they
+        hand every call they do not take to those methods (backends/cuda/ll_fast.py). Not where a subclass overrides
+        them: its methods would be skipped."""
+        from .backends.cuda.ll_fast import fast_calls
+
+        cls = type(self)
+        if (cls.low_latency_dispatch is not Buffer.low_latency_dispatch or
+                cls.low_latency_combine is not Buffer.low_latency_combine):
+            self.ll_fast_path_off = f"{cls.__name__} overrides Buffer's low-latency methods"
+            return
+        self._ll_fast = fast_calls(module, self.runtime, self, Buffer.low_latency_dispatch,
+                                   Buffer.low_latency_combine)
+        self.low_latency_dispatch, self.low_latency_combine = self._ll_fast.dispatch, self._ll_fast.combine
 
     # ---- lifetime ----
     def destroy(self):
@@ -138,6 +154,8 @@ class Buffer:
             raise RuntimeError("`explicitly_destroy` flag must be set: create the Buffer with "
                                "explicitly_destroy=True to call destroy(); otherwise it is released on deletion")
         runtime, self.runtime, self._ll_fast = self.runtime, None, None
+        for entry in ("low_latency_dispatch", "low_latency_combine"):  # the fast path's, where installed
+            vars(self).pop(entry, None)
         if runtime is not None:
             with _host_factories(self._device):
                 runtime.destroy()
@@ -369,14 +387,8 @@ class Buffer:
                              use_fp8=True, round_scale=False, use_ue8m0=False, async_finish=False,
                              return_recv_hook=False):
         """Send one message per (token, selected expert), packed expert-major on the receiver. Returns (recv_x,
-        recv_count, handle, event, hook)."""
-        fast = self._ll_fast
-        if fast is not None and async_finish is False and return_recv_hook is False:
-            out = fast.dispatch(x, topk_idx, num_max_dispatch_tokens_per_rank, num_experts,
-                                cumulative_local_expert_recv_stats, dispatch_wait_recv_cost_stats, use_fp8,
-                                round_scale, use_ue8m0)
-            if out is not None:
-                return out
+        recv_count, handle, event, hook). (On a CUDA Buffer with the LL fast path, the instance's attribute of this
+        name is the native entry, which hands this method every call it does not take: _install_ll_fast_path.)"""
         return self._low_latency_dispatch(x, topk_idx, num_max_dispatch_tokens_per_rank, num_experts,
                                           cumulative_local_expert_recv_stats, dispatch_wait_recv_cost_stats, use_fp8,
                                           round_scale, use_ue8m0, async_finish, return_recv_hook)
@@ -424,12 +436,7 @@ class Buffer:
     def low_latency_combine(self, x, topk_idx, topk_weights, handle, use_logfmt=False, zero_copy=False,
                             async_finish=False, return_recv_hook=False, out=None, combine_wait_recv_cost_stats=None):
         """Weighted sum of each token's expert outputs back on its source rank. Returns (combined_x, event,
-        hook)."""
-        fast = self._ll_fast
-        if fast is not None and use_logfmt is False and async_finish is False and return_recv_hook is False:
-            result = fast.combine(x, topk_idx, topk_weights, handle, zero_copy, out, combine_wait_recv_cost_stats)
-            if result is not None:
-                return result
+        hook). (The fast path's native entry, where installed, as for low_latency_dispatch.)"""
         return self._low_latency_combine(x, topk_idx, topk_weights, handle, use_logfmt, zero_copy, async_finish,
                                          return_recv_hook, out, combine_wait_recv_cost_stats)
 

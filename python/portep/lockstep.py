@@ -37,6 +37,8 @@ def wire_seq(seq):
 
 
 class Lockstep:
+    # The LL fast path (portep._ll_torch, backends/cuda/ll_fast.py) reads broken, _refused, _resolved and seq and
+    # writes seq and sent through this object's __dict__, so they stay plain instance attributes.
     def __init__(self, channel, native, rank, num_ranks, timeout_s):
         self.channel, self.native = channel, native
         self.rank, self.num_ranks, self.timeout_s = rank, num_ranks, timeout_s
@@ -66,7 +68,8 @@ class Lockstep:
 
     def made_call(self):
         """A call that began, passed enter() and launched in one step (the LL fast path, backends/cuda/ll_fast.py,
-        which does this inline once it checked that nothing is broken and no refusal of this rank's is unmatched)."""
+        does this natively once it checked that nothing is broken and no refusal of this rank's is unmatched, and calls
+        it for a launch that failed)."""
         self.seq += 1
         self.sent = True
 

@@ -2,8 +2,8 @@
 // arguments match a signature the Python path validated (a plan of the Buffer's table, gpu_kernels/cuda/ll_plan.h,
 // marked checked), allocates the outputs with torch's caching allocator on torch's current stream, and launches the
 // kernels on that stream through the table's function pointers (portep._C holds the kernels). Anything it does not
-// recognise returns None before anything happened, and the Python path then validates the call in full and raises
-// or runs it.
+// recognise is declined before anything happened, and the Python path then validates the call in full and raises
+// or runs it. The entries that Buffer's methods become, and the module, are in ll_torch_calls.cpp.
 //
 // The one part of portep that links libtorch (the rest takes raw pointers, so one build serves every torch): it is
 // built where torch's headers are found at build time and loaded only under that torch version
@@ -20,7 +20,7 @@
 #include <initializer_list>
 #include <string>
 
-#include "gpu_kernels/cuda/ll_plan.h"
+#include "python/src/ll_torch_path.h"
 
 namespace {
 
@@ -73,18 +73,6 @@ bool is_bool(PyObject* o, bool* v) {
   return o == Py_True || o == Py_False;
 }
 
-// The call's sequence number from a Python int.
-bool is_seq(PyObject* o, uint32_t* seq) {
-  if (!PyLong_CheckExact(o)) return false;
-  const unsigned long long s = PyLong_AsUnsignedLongLong(o);
-  if (PyErr_Occurred() || s > 0xffffffffull) {
-    PyErr_Clear();
-    return false;
-  }
-  *seq = uint32_t(s);
-  return true;
-}
-
 // torch's current stream on `device` (cudaStream_t; hipStream_t under ROCm's torch, whose GPUs are CUDA devices to
 // torch), if `device` is the current GPU: the outputs come from the caching allocator of the current GPU and stream,
 // and the kernels launch on the current GPU. Not when torch's deterministic mode fills new memory (at::empty fills
@@ -96,12 +84,6 @@ bool current_gpu(int device, void** stream) {
   if (gpu->getDevice().index() != device) return false;
   *stream = gpu->getStream(c10::Device(c10::DeviceType::CUDA, static_cast<c10::DeviceIndex>(device))).native_handle();
   return true;
-}
-
-LLPlanTable* table_at(PyObject* o) {
-  void* p = PyLong_CheckExact(o) ? PyLong_AsVoidPtr(o) : nullptr;
-  if (!p) PyErr_Clear();
-  return static_cast<LLPlanTable*>(p);
 }
 
 PyObject* wrap(const at::Tensor& t) { return THPVariable_Wrap(t); }
@@ -180,32 +162,39 @@ at::Tensor part_of(const at::Tensor& base, at::ScalarType dtype, c10::IntArrayRe
   return t;
 }
 
-// dispatch(table, x, topk_idx, T, E, cumulative_stats, wait_stats, use_fp8, round_scale, use_ue8m0, seq, event_type)
-//   -> (recv_x, recv_count, handle, event, None) | [that] | None
-PyObject* dispatch_call(PyObject* const* args, Py_ssize_t /*nargs*/, bool* launched) {
-  LLPlanTable* table = table_at(args[0]);
+// The call's flags that the fast path takes: exactly False (the Python path's `is False`), as DeepEP's defaults.
+bool all_false(std::initializer_list<PyObject*> flags) {
+  for (PyObject* f : flags)
+    if (f != Py_False) return false;
+  return true;
+}
+
+PyObject* dispatch_call(LLPlanTable* table, PyObject* const* args, uint32_t seq, PyObject* event_type,
+                        bool* launched) {
+  using namespace portep::ll_torch;
   long T, E;
   bool fp8, round_scale, ue8m0;
-  if (!table || !is_int(args[3], &T) || !is_int(args[4], &E) || !is_bool(args[7], &fp8) ||
-      !is_bool(args[8], &round_scale) || !is_bool(args[9], &ue8m0) || !THPVariable_CheckExact(args[1]))
+  PyObject* x_arg = args[kDispatchX];
+  if (!table || !all_false({args[kDispatchAsyncFinish], args[kDispatchRecvHook]}) ||
+      !is_int(args[kDispatchTokens], &T) || !is_int(args[kDispatchExperts], &E) ||
+      !is_bool(args[kDispatchUseFp8], &fp8) || !is_bool(args[kDispatchRoundScale], &round_scale) ||
+      !is_bool(args[kDispatchUseUe8m0], &ue8m0) || !THPVariable_CheckExact(x_arg))
     Py_RETURN_NONE;
   const int dev = table->device, R = table->num_ranks;
-  const at::Tensor& xv = THPVariable_Unpack(args[1]);
+  const at::Tensor& xv = THPVariable_Unpack(x_arg);
   const int64_t hidden = xv.dim() == 2 ? xv.size(1) : 0;
   LLPlan* plan = table->find(int(T), int(hidden), int(E));
   if (!plan || !(plan->checked >> portep::cuda::ll_fp8_combo(fp8, round_scale, ue8m0) & 1u)) Py_RETURN_NONE;
   const at::Tensor *x = nullptr, *idx = nullptr;
   const int64_t E_l = E / R, M = R * T, H = hidden;
   void *cumulative = nullptr, *wait = nullptr;
-  if (!is_tensor(args[1], at::kBFloat16, {kAnySize, H}, dev, &x) || x->size(0) > T ||
-      !is_tensor(args[2], at::kLong, {x->size(0), kAnySize}, dev, &idx) || idx->size(1) < 1 ||
-      idx->size(1) > kMaxTopk || !is_optional_tensor(args[5], at::kInt, E_l, dev, &cumulative) ||
-      !is_optional_tensor(args[6], at::kLong, R, dev, &wait) || !table->healthy())
+  if (!is_tensor(x_arg, at::kBFloat16, {kAnySize, H}, dev, &x) || x->size(0) > T ||
+      !is_tensor(args[kDispatchTopkIdx], at::kLong, {x->size(0), kAnySize}, dev, &idx) || idx->size(1) < 1 ||
+      idx->size(1) > kMaxTopk || !is_optional_tensor(args[kDispatchRecvStats], at::kInt, E_l, dev, &cumulative) ||
+      !is_optional_tensor(args[kDispatchWaitStats], at::kLong, R, dev, &wait) || !table->healthy())
     Py_RETURN_NONE;
-
-  uint32_t seq;
   void* stream;
-  if (!is_seq(args[10], &seq) || !current_gpu(dev, &stream)) Py_RETURN_NONE;
+  if (!current_gpu(dev, &stream)) Py_RETURN_NONE;
 
   // The outputs in one allocation (each costs about a microsecond, with its free), each part a tensor of its own:
   //   [recv_x [E_l][M][H]] (512-byte aligned, as an allocation of its own would be)
@@ -244,21 +233,21 @@ PyObject* dispatch_call(PyObject* const* args, Py_ssize_t /*nargs*/, bool* launc
     return launch_failed(*table, "low-latency dispatch", err);
 
   PyObject* out_x = fp8 ? tuple_of({wrap(recv_x), wrap(scales)}) : wrap(recv_x);
-  PyObject* handle = tuple_of({wrap(src_info), wrap(layout_range), new_ref(args[3]), PyLong_FromLong(long(H)),
-                               new_ref(args[4])});
-  return returned(*table, tuple_of({out_x, wrap(recv_count), handle, new_event(args[11]), new_ref(Py_None)}));
+  PyObject* handle = tuple_of({wrap(src_info), wrap(layout_range), new_ref(args[kDispatchTokens]),
+                               PyLong_FromLong(long(H)), new_ref(args[kDispatchExperts])});
+  return returned(*table, tuple_of({out_x, wrap(recv_count), handle, new_event(event_type), new_ref(Py_None)}));
 }
 
-// combine(table, x, topk_idx, topk_weights, handle, zero_copy, out, wait_stats, seq, event_type)
-//   -> (combined_x, event, None) | [that] | None
-PyObject* combine_call(PyObject* const* args, Py_ssize_t /*nargs*/, bool* launched) {
-  LLPlanTable* table = table_at(args[0]);
-  PyObject* handle = args[4];
+PyObject* combine_call(LLPlanTable* table, PyObject* const* args, uint32_t seq, PyObject* event_type,
+                       bool* launched) {
+  using namespace portep::ll_torch;
+  PyObject* handle = args[kCombineHandle];
   long T, H, E;
   bool zero_copy;
-  if (!table || !PyTuple_CheckExact(handle) || PyTuple_GET_SIZE(handle) != 5 ||
-      !is_int(PyTuple_GET_ITEM(handle, 2), &T) || !is_int(PyTuple_GET_ITEM(handle, 3), &H) ||
-      !is_int(PyTuple_GET_ITEM(handle, 4), &E) || !is_bool(args[5], &zero_copy))
+  if (!table || !all_false({args[kCombineLogfmt], args[kCombineAsyncFinish], args[kCombineRecvHook]}) ||
+      !PyTuple_CheckExact(handle) || PyTuple_GET_SIZE(handle) != 5 || !is_int(PyTuple_GET_ITEM(handle, 2), &T) ||
+      !is_int(PyTuple_GET_ITEM(handle, 3), &H) || !is_int(PyTuple_GET_ITEM(handle, 4), &E) ||
+      !is_bool(args[kCombineZeroCopy], &zero_copy))
     Py_RETURN_NONE;
   LLPlan* plan = table->find(int(T), int(H), int(E));
   if (!plan || !(plan->checked & portep::cuda::kCombineChecked)) Py_RETURN_NONE;
@@ -267,18 +256,18 @@ PyObject* combine_call(PyObject* const* args, Py_ssize_t /*nargs*/, bool* launch
   const at::Tensor *x = nullptr, *idx = nullptr, *weights = nullptr, *src_info = nullptr, *range = nullptr,
                    *out = nullptr;
   void* wait = nullptr;
-  if (!is_tensor(args[1], at::kBFloat16, {E_l, M, H}, dev, &x) ||
-      !is_tensor(args[2], at::kLong, {kAnySize, kAnySize}, dev, &idx) || idx->size(0) > T || idx->size(1) < 1 ||
-      idx->size(1) > kMaxTopk || !is_tensor(args[3], at::kFloat, {idx->size(0), idx->size(1)}, dev, &weights) ||
+  PyObject* out_arg = args[kCombineOut];
+  if (!is_tensor(args[kCombineX], at::kBFloat16, {E_l, M, H}, dev, &x) ||
+      !is_tensor(args[kCombineTopkIdx], at::kLong, {kAnySize, kAnySize}, dev, &idx) || idx->size(0) > T ||
+      idx->size(1) < 1 || idx->size(1) > kMaxTopk ||
+      !is_tensor(args[kCombineWeights], at::kFloat, {idx->size(0), idx->size(1)}, dev, &weights) ||
       !is_tensor(PyTuple_GET_ITEM(handle, 0), at::kInt, {E_l, M}, dev, &src_info) ||
       !is_tensor(PyTuple_GET_ITEM(handle, 1), at::kLong, {E_l, R}, dev, &range) ||
-      !(args[6] == Py_None || is_tensor(args[6], at::kBFloat16, {idx->size(0), H}, dev, &out)) ||
-      !is_optional_tensor(args[7], at::kLong, R, dev, &wait) || !table->healthy())
+      !(out_arg == Py_None || is_tensor(out_arg, at::kBFloat16, {idx->size(0), H}, dev, &out)) ||
+      !is_optional_tensor(args[kCombineWaitStats], at::kLong, R, dev, &wait) || !table->healthy())
     Py_RETURN_NONE;
-
-  uint32_t seq;
   void* stream;
-  if (!is_seq(args[8], &seq) || !current_gpu(dev, &stream)) Py_RETURN_NONE;
+  if (!current_gpu(dev, &stream)) Py_RETURN_NONE;
   const int64_t N = idx->size(0);
   const at::Tensor result = out ? *out : part_of(gpu_bytes(N * H * 2), at::kBFloat16, {N, H}, {H, 1}, 0);
   LLCombineArgs a{};
@@ -298,25 +287,22 @@ PyObject* combine_call(PyObject* const* args, Py_ssize_t /*nargs*/, bool* launch
   if (int err = table->combine_fn(a, portep::cuda::kPhaseSend | portep::cuda::kPhaseRecv))
     return launch_failed(*table, "low-latency combine", err);
 
-  PyObject* combined = out ? new_ref(args[6]) : wrap(result);
-  return returned(*table, tuple_of({combined, new_event(args[9]), new_ref(Py_None)}));
+  PyObject* combined = out ? new_ref(out_arg) : wrap(result);
+  return returned(*table, tuple_of({combined, new_event(event_type), new_ref(Py_None)}));
 }
+
+using Call = PyObject* (*)(LLPlanTable*, PyObject* const*, uint32_t, PyObject*, bool*);
 
 // Runs a call so that nothing escapes but its results, None or a RuntimeError: an error before the launch (a C++
 // exception, e.g. an allocation that failed or a tensor whose data cannot be reached, or a Python error raised
 // inside torch) declines the call, which the full path then runs or refuses as torch would; one after the launch was
-// tried is the call's failure, raised as RuntimeError (ll_fast.py counts the call then).
-template <PyObject* (*Call)(PyObject* const*, Py_ssize_t, bool*), Py_ssize_t kArgs>
-PyObject* guarded(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
-  if (nargs != kArgs) {
-    PyErr_Format(PyExc_TypeError, "takes %zd arguments, got %zd", kArgs, nargs);
-    return nullptr;
-  }
+// tried is the call's failure, raised as RuntimeError (the caller counts the call then).
+PyObject* guarded(Call call, LLPlanTable* table, PyObject* const* args, uint32_t seq, PyObject* event_type) {
   bool launched = false;
   PyObject* out = nullptr;
   std::string error;
   try {
-    out = Call(args, nargs, &launched);
+    out = call(table, args, seq, event_type, &launched);
   } catch (const std::exception& e) {
     error = e.what();
   } catch (...) {
@@ -342,24 +328,16 @@ PyObject* guarded(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
   return nullptr;
 }
 
-PyCFunction fastcall(PyObject* (*f)(PyObject*, PyObject* const*, Py_ssize_t)) {
-  return reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(f));
-}
-
-PyMethodDef kMethods[] = {
-    {"dispatch", fastcall(&guarded<dispatch_call, 12>), METH_FASTCALL, "an LL dispatch of a checked signature or None"},
-    {"combine", fastcall(&guarded<combine_call, 10>), METH_FASTCALL, "an LL combine of a checked signature, or None"},
-    {nullptr, nullptr, 0, nullptr}};
-
-PyModuleDef kModule = {PyModuleDef_HEAD_INIT, "_ll_torch", "portep's LL hot path against torch", -1, kMethods};
-
 }  // namespace
 
-PyMODINIT_FUNC PyInit__ll_torch() {
-  PyObject* m = PyModule_Create(&kModule);
-  if (m && PyModule_AddStringConstant(m, "TORCH_VERSION", PORTEP_TORCH_VERSION) < 0) {
-    Py_DECREF(m);
-    return nullptr;
-  }
-  return m;
+namespace portep::ll_torch {
+
+PyObject* run_dispatch(LLPlanTable* table, PyObject* const* args, uint32_t seq, PyObject* event_type) {
+  return guarded(&dispatch_call, table, args, seq, event_type);
 }
+
+PyObject* run_combine(LLPlanTable* table, PyObject* const* args, uint32_t seq, PyObject* event_type) {
+  return guarded(&combine_call, table, args, seq, event_type);
+}
+
+}  // namespace portep::ll_torch

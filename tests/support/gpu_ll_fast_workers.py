@@ -15,26 +15,6 @@ FLAGS = [(False, False, False), (True, False, False), (True, True, False), (True
 COMBINES = [(False, False), (True, False), (False, True)]  # (zero_copy, out=)
 
 
-class CountingFastPath:
-    """Counts the native fast-path calls that launched and those that declined (then the full path ran)."""
-
-    def __init__(self, fast):
-        self.taken = self.declined = 0
-        for name in ("_dispatch", "_combine"):
-            setattr(fast, name, self._counted(getattr(fast, name)))
-
-    def _counted(self, call):
-        def counted(*args):
-            out = call(*args)
-            if out is None:
-                self.declined += 1
-            else:
-                self.taken += 1
-            return out
-
-        return counted
-
-
 class Calls:
     def __init__(self, buf, T, E, x, idx, weights, y):
         self.buf, self.T, self.E, self.x, self.idx, self.weights, self.y = buf, T, E, x, idx, weights, y
@@ -69,9 +49,9 @@ class Calls:
         return dropped
 
     def on_both_paths(self, **kwargs):
-        fast, self.buf._ll_fast = self.buf._ll_fast, None
+        self.buf._ll_fast.enabled = False
         full = self.round_trip(**kwargs)
-        self.buf._ll_fast = fast
+        self.buf._ll_fast.enabled = True
         self.round_trip(**kwargs)  # a new signature: the full path checks it and marks it for the fast path
         return full, self.round_trip(**kwargs)
 
@@ -96,6 +76,8 @@ def _setup(rank, world, rpn, transport, seed, T, H, E, K):
                         transport=transport, timeout_s=60, explicitly_destroy=True, backend="cuda")
     if buf._ll_fast is None:
         raise AssertionError(f"the fast path is off: {buf.ll_fast_path_off}")
+    if buf.low_latency_dispatch != buf._ll_fast.dispatch or buf.low_latency_combine != buf._ll_fast.combine:
+        raise AssertionError("the Buffer's LL methods are not the fast path's native entries")
     g = torch.Generator().manual_seed(seed * 100 + rank)
     x = torch.randn(T - 3, H, generator=g).to(BF16)  # fewer tokens than T, as DeepEP's tests send
     idx = torch.topk(torch.rand(T - 3, E, generator=g), K, dim=1).indices
@@ -173,7 +155,7 @@ def _refused(call, expect):
 
 def fast_path_body(rank, world, rpn, transport, seed, T, H, E, K):
     calls = _setup(rank, world, rpn, transport, seed, T, H, E, K)
-    counter = CountingFastPath(calls.buf._ll_fast)
+    counter = calls.buf._ll_fast  # its counters: calls launched natively (taken), handed to the Python methods
     errors = []
     for flags in FLAGS:
         for zero_copy, with_out in COMBINES:
@@ -187,10 +169,10 @@ def fast_path_body(rank, world, rpn, transport, seed, T, H, E, K):
 
     errors += _outputs_outlive_each_other(calls)
     x2 = (calls.x.float() * -2).to(BF16)  # exact in BF16; other FP8 scales
-    x_before, fast_path = calls.x, calls.buf._ll_fast
-    calls.x, calls.buf._ll_fast = x2, None
+    x_before, calls.x = calls.x, x2
+    calls.buf._ll_fast.enabled = False
     full = calls.round_trip(FLAGS[1])
-    calls.buf._ll_fast = fast_path
+    calls.buf._ll_fast.enabled = True
     for what, check in (("on a side stream", lambda: _side_stream_round_trip(calls, counter, x2)),
                         ("in deterministic mode", lambda: _deterministic_mode_round_trip(calls, counter))):
         more, parts = check()
@@ -221,4 +203,11 @@ def fast_path_body(rank, world, rpn, transport, seed, T, H, E, K):
     if len(dropped) != expected or any(str(E + 5) not in str(e) or e.results is None for e in dropped):
         errors.append(f"rank {rank}: expected {expected} DroppedInput naming expert {E + 5}, got {dropped}")
     calls.buf.destroy()
+    if "low_latency_dispatch" in vars(calls.buf) or "low_latency_combine" in vars(calls.buf):
+        errors.append("destroy() left the fast path's entries on the Buffer")
+    try:
+        calls.buf.low_latency_dispatch(x, idx, T, E)
+        errors.append("a destroyed Buffer took a dispatch")
+    except RuntimeError:
+        pass
     return errors

@@ -1,7 +1,8 @@
-"""The low-latency calls' hot path on the CUDA backend: one native call per phase (portep._ll_torch) that checks
-the call against a signature the full path validated, allocates the outputs and launches the kernels. Anything it
-does not take (a new signature, async_finish, a receive hook, shrink mode, a Buffer that failed or is out of step)
-goes the full way through Buffer's checks and CudaEngine, which give the same results more slowly.
+"""The low-latency calls' hot path on the CUDA backend: one native call per phase (portep._ll_torch), reached from
+the caller without a Python frame (Buffer's LL methods are its entries on each Buffer that has it), that checks the
+call against a signature the full path validated, allocates the outputs and launches the kernels. Anything it does
+not take (a new signature, async_finish, a receive hook, shrink mode, a Buffer that failed or is out of step) goes
+the full way through Buffer's Python methods and CudaEngine, which give the same results more slowly.
 
 portep._ll_torch links libtorch, so it loads only under the torch it was built against (build_info's
 ll_fast_path_torch), and is not used where torch's CUDA allocator was swapped for another (it calls torch's own
@@ -40,57 +41,11 @@ def fast_path_module(native):
     return _ll_torch, ""
 
 
-class LLFastPath:
-    """One per CUDA Buffer in low-latency mode without shrink. dispatch()/combine() return the call's results, or
-    None when the full path must take the call (nothing happened then)."""
-
-    def __init__(self, engine, module):
-        self._engine = engine
-        self._kernels = engine.kernels  # owns the plan table the native calls read
-        self._table = engine.kernels.table_address
-        self._lockstep = engine.lockstep
-        self._dispatch, self._combine = module.dispatch, module.combine
-
-    # Each Python call costs a noticeable part of a call's budget (tens of nanoseconds against a few microseconds),
-    # so the lockstep's checks are read inline here: a broken Buffer or a refusal that its peers have not matched yet
-    # goes the full way, and a launched call counts as Lockstep.made_call says. The native calls raise RuntimeError
-    # only once they tried the launch (anything before it declines); the sequence number is lockstep.wire_seq's. They
-    # launch on torch's current stream when the Buffer's GPU is the current one, and decline otherwise.
-    def dispatch(self, x, topk_idx, T, E, cumulative_stats, wait_stats, use_fp8, round_scale, use_ue8m0):
-        ls = self._lockstep
-        if ls.broken is not None or ls._refused != ls._resolved:
-            return None
-        try:
-            out = self._dispatch(self._table, x, topk_idx, T, E, cumulative_stats, wait_stats, use_fp8, round_scale,
-                                 use_ue8m0, ls.seq % 0xFFFFFFFF + 1, EventOverlap)
-        except RuntimeError as e:  # the launch was tried: the call counts, and this rank is out of step
-            ls.made_call()
-            ls.fail("low_latency_dispatch", e)
-            raise
-        if out is None:
-            return None
-        ls.seq += 1
-        ls.sent = True
-        return out if out.__class__ is tuple else self._with_notice(out[0])
-
-    def combine(self, x, topk_idx, topk_weights, handle, zero_copy, out, wait_stats):
-        ls = self._lockstep
-        if ls.broken is not None or ls._refused != ls._resolved:
-            return None
-        try:
-            result = self._combine(self._table, x, topk_idx, topk_weights, handle, zero_copy, out, wait_stats,
-                                   ls.seq % 0xFFFFFFFF + 1, EventOverlap)
-        except RuntimeError as e:
-            ls.made_call()
-            ls.fail("low_latency_combine", e)
-            raise
-        if result is None:
-            return None
-        ls.seq += 1
-        ls.sent = True
-        return result if result.__class__ is tuple else self._with_notice(result[0])
-
-    def _with_notice(self, results):
-        """A kernel reported a notice: raised with the call's results, as the full path does (buffer._returned)."""
-        self._engine.raise_notice(results)
-        return results
+def fast_calls(module, engine, buffer, full_dispatch, full_combine):
+    """portep._ll_torch.LLCalls for `buffer`: its entries `dispatch` and `combine` take Buffer's LL methods'
+    arguments, run the calls they can take natively and hand the rest to full_dispatch / full_combine (Buffer's Python
+    methods, called with the buffer and the arguments as they came). They read and advance the engine's lockstep state
+    as Lockstep.made_call does (lockstep.py), launch on torch's current stream when the Buffer's GPU is the current
+    one, and raise a kernel's notice with the call's results as the full path does (engine.raise_notice)."""
+    return module.LLCalls(engine.kernels, engine.lockstep, buffer, EventOverlap, engine.raise_notice, full_dispatch,
+                          full_combine)

@@ -1,0 +1,354 @@
+// portep._ll_torch's entries: LLCalls, one per CUDA Buffer in low-latency mode, whose dispatch and combine become that
+// Buffer's low_latency_dispatch and low_latency_combine (Buffer._install_ll_fast_path sets them over the class's
+// methods, so a call reaches native code without a Python frame). An entry binds the call's arguments to Buffer's
+// signature, checks the Buffer's lockstep state, runs the phase (ll_torch_path.cpp) and counts the call as
+// Lockstep.made_call does. Whatever it does not take (arguments it cannot bind, a Buffer out of step or owing its
+// peers a refusal, a call the phase declines, `enabled` off) goes to Buffer's own Python method with the arguments as
+// they came, which validates the call in full and raises or runs it.
+#include <Python.h>
+#include <structmember.h>
+
+#include <stdint.h>
+
+#include <vector>
+
+#include "python/src/ll_torch_path.h"
+
+namespace {
+
+using portep::cuda::LLPlanTable;
+namespace lt = portep::ll_torch;
+
+constexpr int kMaxParams = 16;
+
+// One of Buffer's LL methods: its parameters after self (names interned at module init) and their defaults.
+struct Signature {
+  const char* what;
+  int count, required;
+  const char* names[kMaxParams];
+  enum Default { kNone, kTrue, kFalse } defaults[kMaxParams];
+  PyObject* interned[kMaxParams];
+  PyObject* (*run)(LLPlanTable*, PyObject* const*, uint32_t, PyObject*);
+  PyObject* what_str;
+};
+
+Signature kDispatch = {
+    "low_latency_dispatch", lt::kDispatchArgCount, 4,
+    {"x", "topk_idx", "num_max_dispatch_tokens_per_rank", "num_experts", "cumulative_local_expert_recv_stats",
+     "dispatch_wait_recv_cost_stats", "use_fp8", "round_scale", "use_ue8m0", "async_finish", "return_recv_hook"},
+    {Signature::kNone, Signature::kNone, Signature::kNone, Signature::kNone, Signature::kNone, Signature::kNone,
+     Signature::kTrue, Signature::kFalse, Signature::kFalse, Signature::kFalse, Signature::kFalse},
+    {}, &lt::run_dispatch, nullptr};
+
+Signature kCombine = {
+    "low_latency_combine", lt::kCombineArgCount, 4,
+    {"x", "topk_idx", "topk_weights", "handle", "use_logfmt", "zero_copy", "async_finish", "return_recv_hook", "out",
+     "combine_wait_recv_cost_stats"},
+    {Signature::kNone, Signature::kNone, Signature::kNone, Signature::kNone, Signature::kFalse, Signature::kFalse,
+     Signature::kFalse, Signature::kFalse, Signature::kNone, Signature::kNone},
+    {}, &lt::run_combine, nullptr};
+
+static_assert(lt::kDispatchArgCount <= kMaxParams && lt::kCombineArgCount <= kMaxParams);
+
+PyObject* default_of(Signature::Default d) { return d == Signature::kTrue ? Py_True : d == Signature::kFalse ? Py_False : Py_None; }
+
+int param_of(const Signature& sig, PyObject* name) {
+  for (int i = 0; i < sig.count; ++i)
+    if (sig.interned[i] == name) return i;  // the usual case: call sites' keyword names are interned too
+  for (int i = 0; i < sig.count; ++i)
+    if (PyUnicode_Check(name) && PyUnicode_Compare(sig.interned[i], name) == 0) return i;
+  return -1;
+}
+
+// The call's arguments bound to sig's parameters (borrowed references), or false where Python would raise a
+// TypeError binding them: the Python method then raises it.
+bool bind(const Signature& sig, PyObject* const* args, Py_ssize_t nargs, PyObject* kwnames, PyObject** bound) {
+  if (nargs > sig.count) return false;
+  for (int i = 0; i < sig.count; ++i) bound[i] = i < nargs ? args[i] : nullptr;
+  const Py_ssize_t nkw = kwnames ? PyTuple_GET_SIZE(kwnames) : 0;
+  for (Py_ssize_t k = 0; k < nkw; ++k) {
+    const int i = param_of(sig, PyTuple_GET_ITEM(kwnames, k));
+    if (i < 0 || bound[i]) return false;
+    bound[i] = args[nargs + k];
+  }
+  for (int i = 0; i < sig.count; ++i) {
+    if (bound[i]) continue;
+    if (i < sig.required) return false;
+    bound[i] = default_of(sig.defaults[i]);
+  }
+  return true;
+}
+
+PyObject *s_seq, *s_sent, *s_broken, *s_refused, *s_resolved, *s_made_call, *s_fail, *s_table_address;
+
+struct LLCalls {
+  PyObject_HEAD
+  PyObject* kernels;        // portep._C's LLKernels: owns the plan table (kept alive while this is)
+  LLPlanTable* table;
+  PyObject* lockstep;       // the engine's Lockstep
+  PyObject* lockstep_vars;  // its __dict__: seq, sent, broken, _refused, _resolved are read and written there
+  PyObject* buffer;         // a weak reference to the Buffer (its instance dict holds this object's entries)
+  PyObject* event_type;     // EventOverlap
+  PyObject* raise_notice;   // the engine's raise_notice
+  PyObject* full[2];        // Buffer.low_latency_dispatch, Buffer.low_latency_combine (Python functions)
+  char enabled;
+  unsigned long long taken, declined;
+};
+
+// The Buffer is in step and owes its peers no refusal (the checks of Lockstep.enter, which the full path makes);
+// *seq: Lockstep.seq. False where a field is missing or of another type: the full path reads them itself.
+bool in_step(LLCalls* c, unsigned long long* seq) {
+  PyObject* d = c->lockstep_vars;
+  PyObject* broken = PyDict_GetItemWithError(d, s_broken);
+  PyObject* refused = broken ? PyDict_GetItemWithError(d, s_refused) : nullptr;
+  PyObject* resolved = refused ? PyDict_GetItemWithError(d, s_resolved) : nullptr;
+  PyObject* s = resolved ? PyDict_GetItemWithError(d, s_seq) : nullptr;
+  if (!s || broken != Py_None || !PyLong_CheckExact(s) || PyObject_RichCompareBool(refused, resolved, Py_EQ) != 1) {
+    PyErr_Clear();
+    return false;
+  }
+  *seq = PyLong_AsUnsignedLongLong(s);
+  if (PyErr_Occurred()) {
+    PyErr_Clear();
+    return false;
+  }
+  return true;
+}
+
+// A launched call counts, as Lockstep.made_call: seq + 1, sent.
+bool count_call(LLCalls* c, unsigned long long seq) {
+  PyObject* next = PyLong_FromUnsignedLongLong(seq + 1);
+  const bool ok = next && PyDict_SetItem(c->lockstep_vars, s_seq, next) == 0 &&
+                  PyDict_SetItem(c->lockstep_vars, s_sent, Py_True) == 0;
+  Py_XDECREF(next);
+  return ok;
+}
+
+// The launch was tried and failed (the error is set): the call counts, and this rank is out of step
+// (Lockstep.made_call, then Lockstep.fail, as the full path does). The call's error is raised.
+PyObject* failed(LLCalls* c, const Signature& sig) {
+  PyObject *type, *value, *trace;
+  PyErr_Fetch(&type, &value, &trace);
+  PyErr_NormalizeException(&type, &value, &trace);
+  PyObject* made = PyObject_CallMethodNoArgs(c->lockstep, s_made_call);
+  PyObject* fail = made ? PyObject_CallMethodObjArgs(c->lockstep, s_fail, sig.what_str, value ? value : Py_None,
+                                                     nullptr)
+                        : nullptr;
+  if (!fail) PyErr_WriteUnraisable(c->lockstep);  // the call's own error is the one to raise
+  Py_XDECREF(made);
+  Py_XDECREF(fail);
+  PyErr_Restore(type, value, trace);
+  return nullptr;
+}
+
+// results, or results raised with a kernel's notice (a list [results]: ll_torch_path.h), as the full path does.
+PyObject* with_notice(LLCalls* c, PyObject* out) {
+  if (PyTuple_CheckExact(out)) return out;
+  PyObject* results = PyList_GET_ITEM(out, 0);
+  Py_INCREF(results);
+  Py_DECREF(out);
+  PyObject* raised = PyObject_CallOneArg(c->raise_notice, results);
+  if (!raised) {
+    Py_DECREF(results);
+    return nullptr;
+  }
+  Py_DECREF(raised);
+  return results;
+}
+
+// Buffer's Python method with the call's arguments as they came.
+PyObject* full_path(LLCalls* c, int phase, const Signature& sig, PyObject* const* args, size_t nargsf,
+                    PyObject* kwnames) {
+  ++c->declined;
+#if PY_VERSION_HEX >= 0x030D0000
+  PyObject* buffer = nullptr;
+  if (PyWeakref_GetRef(c->buffer, &buffer) < 0) return nullptr;
+#else
+  PyObject* buffer = PyWeakref_GetObject(c->buffer);
+  buffer = buffer == Py_None ? nullptr : buffer;
+  Py_XINCREF(buffer);
+#endif
+  if (!buffer) {
+    PyErr_Format(PyExc_RuntimeError, "%s: the Buffer this method belonged to was deleted", sig.what);
+    return nullptr;
+  }
+  const Py_ssize_t nargs = PyVectorcall_NARGS(nargsf), nkw = kwnames ? PyTuple_GET_SIZE(kwnames) : 0;
+  std::vector<PyObject*> all(size_t(1 + nargs + nkw));
+  all[0] = buffer;
+  for (Py_ssize_t i = 0; i < nargs + nkw; ++i) all[size_t(1 + i)] = args[i];
+  PyObject* out = PyObject_Vectorcall(c->full[phase], all.data(), size_t(1 + nargs), kwnames);
+  Py_DECREF(buffer);
+  return out;
+}
+
+PyObject* enter(LLCalls* c, int phase, PyObject* const* args, size_t nargsf, PyObject* kwnames) {
+  const Signature& sig = phase == 0 ? kDispatch : kCombine;
+  PyObject* bound[kMaxParams];
+  unsigned long long seq = 0;
+  if (c->enabled && bind(sig, args, PyVectorcall_NARGS(nargsf), kwnames, bound) && in_step(c, &seq)) {
+    const uint32_t wire_seq = uint32_t(seq % 0xFFFFFFFFull + 1);  // lockstep.wire_seq of the call's seq (seq + 1)
+    PyObject* out = sig.run(c->table, bound, wire_seq, c->event_type);
+    if (!out) return failed(c, sig);
+    if (out != Py_None) {
+      ++c->taken;
+      if (!count_call(c, seq)) {
+        Py_DECREF(out);
+        return failed(c, sig);
+      }
+      return with_notice(c, out);
+    }
+    Py_DECREF(out);
+  }
+  return full_path(c, phase, sig, args, nargsf, kwnames);
+}
+
+PyObject* calls_dispatch(PyObject* self, PyObject* const* args, Py_ssize_t nargsf, PyObject* kwnames) {
+  return enter(reinterpret_cast<LLCalls*>(self), 0, args, size_t(nargsf), kwnames);
+}
+
+PyObject* calls_combine(PyObject* self, PyObject* const* args, Py_ssize_t nargsf, PyObject* kwnames) {
+  return enter(reinterpret_cast<LLCalls*>(self), 1, args, size_t(nargsf), kwnames);
+}
+
+// LLCalls(kernels, lockstep, buffer, event_type, raise_notice, full_dispatch, full_combine)
+PyObject* calls_new(PyTypeObject* type, PyObject* args, PyObject* kwargs) {
+  PyObject *kernels, *lockstep, *buffer, *event_type, *raise_notice, *full_dispatch, *full_combine;
+  static const char* kw[] = {"kernels", "lockstep", "buffer", "event_type", "raise_notice", "full_dispatch",
+                             "full_combine", nullptr};
+  if (!PyArg_ParseTupleAndKeywords(args, kwargs, "OOOOOOO:LLCalls", const_cast<char**>(kw), &kernels, &lockstep,
+                                   &buffer, &event_type, &raise_notice, &full_dispatch, &full_combine))
+    return nullptr;
+  if (!PyType_Check(event_type) || !PyCallable_Check(raise_notice) || !PyCallable_Check(full_dispatch) ||
+      !PyCallable_Check(full_combine)) {
+    PyErr_SetString(PyExc_TypeError, "LLCalls: event_type must be a class; raise_notice, full_dispatch and "
+                                     "full_combine callables");
+    return nullptr;
+  }
+  PyObject* address = PyObject_GetAttr(kernels, s_table_address);
+  void* table = address && PyLong_Check(address) ? PyLong_AsVoidPtr(address) : nullptr;
+  Py_XDECREF(address);
+  if (PyErr_Occurred()) return nullptr;
+  PyObject* vars = PyObject_GenericGetDict(lockstep, nullptr);
+  if (!vars) return nullptr;
+  PyObject* ref = PyWeakref_NewRef(buffer, nullptr);
+  if (!ref) {
+    Py_DECREF(vars);
+    return nullptr;
+  }
+  LLCalls* c = reinterpret_cast<LLCalls*>(type->tp_alloc(type, 0));
+  if (!c) {
+    Py_DECREF(vars);
+    Py_DECREF(ref);
+    return nullptr;
+  }
+  c->kernels = Py_NewRef(kernels);
+  c->table = static_cast<LLPlanTable*>(table);
+  c->lockstep = Py_NewRef(lockstep);
+  c->lockstep_vars = vars;
+  c->buffer = ref;
+  c->event_type = Py_NewRef(event_type);
+  c->raise_notice = Py_NewRef(raise_notice);
+  c->full[0] = Py_NewRef(full_dispatch);
+  c->full[1] = Py_NewRef(full_combine);
+  c->enabled = 1;
+  return reinterpret_cast<PyObject*>(c);
+}
+
+int calls_traverse(PyObject* self, visitproc visit, void* arg) {
+  LLCalls* c = reinterpret_cast<LLCalls*>(self);
+  Py_VISIT(c->kernels);
+  Py_VISIT(c->lockstep);
+  Py_VISIT(c->lockstep_vars);
+  Py_VISIT(c->buffer);
+  Py_VISIT(c->event_type);
+  Py_VISIT(c->raise_notice);
+  Py_VISIT(c->full[0]);
+  Py_VISIT(c->full[1]);
+  return 0;
+}
+
+int calls_clear(PyObject* self) {
+  LLCalls* c = reinterpret_cast<LLCalls*>(self);
+  c->table = nullptr;  // whatever comes now declines (a table without its owner is never read)
+  c->enabled = 0;
+  Py_CLEAR(c->kernels);
+  Py_CLEAR(c->lockstep);
+  Py_CLEAR(c->lockstep_vars);
+  Py_CLEAR(c->buffer);
+  Py_CLEAR(c->event_type);
+  Py_CLEAR(c->raise_notice);
+  Py_CLEAR(c->full[0]);
+  Py_CLEAR(c->full[1]);
+  return 0;
+}
+
+void calls_dealloc(PyObject* self) {
+  PyObject_GC_UnTrack(self);
+  calls_clear(self);
+  Py_TYPE(self)->tp_free(self);
+}
+
+PyCFunction fastcall_keywords(PyObject* (*f)(PyObject*, PyObject* const*, Py_ssize_t, PyObject*)) {
+  return reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(f));
+}
+
+PyMethodDef kCallsMethods[] = {
+    {"dispatch", fastcall_keywords(&calls_dispatch), METH_FASTCALL | METH_KEYWORDS,
+     "Buffer.low_latency_dispatch: the fast path, or Buffer's method for what it does not take"},
+    {"combine", fastcall_keywords(&calls_combine), METH_FASTCALL | METH_KEYWORDS,
+     "Buffer.low_latency_combine: the fast path, or Buffer's method for what it does not take"},
+    {nullptr, nullptr, 0, nullptr}};
+
+PyMemberDef kCallsMembers[] = {
+    {"enabled", T_BOOL, offsetof(LLCalls, enabled), 0, "False: every call takes Buffer's Python method"},
+    {"taken", T_ULONGLONG, offsetof(LLCalls, taken), READONLY, "calls the fast path launched"},
+    {"declined", T_ULONGLONG, offsetof(LLCalls, declined), READONLY, "calls handed to Buffer's Python method"},
+    {nullptr, 0, 0, 0, nullptr}};
+
+PyTypeObject kCallsType = [] {
+  PyTypeObject t{PyVarObject_HEAD_INIT(nullptr, 0)};
+  t.tp_name = "portep._ll_torch.LLCalls";
+  t.tp_basicsize = sizeof(LLCalls);
+  t.tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC;
+  t.tp_doc = "A Buffer's low-latency entries (ll_torch_calls.cpp)";
+  t.tp_new = calls_new;
+  t.tp_dealloc = calls_dealloc;
+  t.tp_traverse = calls_traverse;
+  t.tp_clear = calls_clear;
+  t.tp_methods = kCallsMethods;
+  t.tp_members = kCallsMembers;
+  return t;
+}();
+
+bool intern_names() {
+  for (Signature* sig : {&kDispatch, &kCombine}) {
+    for (int i = 0; i < sig->count; ++i)
+      if (!(sig->interned[i] = PyUnicode_InternFromString(sig->names[i]))) return false;
+    if (!(sig->what_str = PyUnicode_InternFromString(sig->what))) return false;
+  }
+  struct {
+    PyObject** slot;
+    const char* name;
+  } names[] = {{&s_seq, "seq"},         {&s_sent, "sent"},           {&s_broken, "broken"},
+               {&s_refused, "_refused"}, {&s_resolved, "_resolved"}, {&s_made_call, "made_call"},
+               {&s_fail, "fail"},       {&s_table_address, "table_address"}};
+  for (auto& n : names)
+    if (!(*n.slot = PyUnicode_InternFromString(n.name))) return false;
+  return true;
+}
+
+PyModuleDef kModule = {PyModuleDef_HEAD_INIT, "_ll_torch", "portep's LL hot path against torch", -1, nullptr};
+
+}  // namespace
+
+PyMODINIT_FUNC PyInit__ll_torch() {
+  if (!intern_names() || PyType_Ready(&kCallsType) < 0) return nullptr;
+  PyObject* m = PyModule_Create(&kModule);
+  if (!m) return nullptr;
+  if (PyModule_AddStringConstant(m, "TORCH_VERSION", PORTEP_TORCH_VERSION) < 0 ||
+      PyModule_AddObjectRef(m, "LLCalls", reinterpret_cast<PyObject*>(&kCallsType)) < 0) {
+    Py_DECREF(m);
+    return nullptr;
+  }
+  return m;
+}

@@ -1,0 +1,133 @@
+"""portep._ll_torch.LLCalls without a GPU: what its entries (a Buffer's low_latency_dispatch / low_latency_combine on
+the CUDA backend) hand to Buffer's Python methods. With no plan table every call is declined, so each must reach the
+full method with its arguments exactly as they came, leave the lockstep state alone and be counted as declined;
+binding errors are the Python method's to raise; a deleted Buffer is named. The calls the entries take natively are
+checked on a GPU (tests/gpu/test_gpu_ll_fast_path.py)."""
+
+import gc
+import types
+
+import pytest
+
+from portep import native
+
+torch = pytest.importorskip("torch")
+if native.build_info().get("ll_fast_path_torch") != torch.__version__:
+    pytest.skip("portep._ll_torch is not built against this torch", allow_module_level=True)
+from portep import _ll_torch  # noqa: E402
+
+NO_TABLE = types.SimpleNamespace(table_address=0)
+
+
+class Lockstep:  # the fields the entries read and write (portep.lockstep.Lockstep's)
+    def __init__(self):
+        self.seq, self.sent, self.broken, self._refused, self._resolved = 41, False, None, 2, 2
+
+
+class FakeBuffer:  # Buffer's instances take weak references; SimpleNamespace's do not
+    pass
+
+
+class Recorder:
+    def __init__(self, result):
+        self.calls, self.result = [], result
+
+    def __call__(self, *args, **kwargs):
+        self.calls.append((args, kwargs))
+        return self.result
+
+
+def _calls(buffer, lockstep=None):
+    full_dispatch, full_combine = Recorder("full dispatch"), Recorder("full combine")
+    calls = _ll_torch.LLCalls(NO_TABLE, lockstep or Lockstep(), buffer, object, lambda results: None, full_dispatch,
+                              full_combine)
+    return calls, full_dispatch, full_combine
+
+
+def _inputs(seed):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(6, 512, generator=g).to(torch.bfloat16)
+    idx = torch.randint(0, 16, (6, 4), generator=g)
+    return x, idx, torch.rand(6, 4, generator=g)
+
+
+@pytest.mark.parametrize("seed", [1, 2])
+def test_declined_calls_reach_the_python_methods_with_their_arguments_as_they_came(seed):
+    buffer, lockstep = FakeBuffer(), Lockstep()
+    calls, full_dispatch, full_combine = _calls(buffer, lockstep)
+    x, idx, weights = _inputs(seed)
+    stats = torch.arange(4, dtype=torch.int32) + seed
+    handle = (idx.int(), idx, 8, 512, 16)
+    cases = [
+        (calls.dispatch, full_dispatch, (x, idx, 8, 16), {}),
+        (calls.dispatch, full_dispatch, (x, idx, 8, 16, stats), {"use_fp8": False, "round_scale": True}),
+        (calls.dispatch, full_dispatch, (x,), {"num_experts": 16, "topk_idx": idx, "async_finish": True,
+                                               "num_max_dispatch_tokens_per_rank": 8}),
+        (calls.combine, full_combine, (x, idx, weights, handle), {"zero_copy": True, "out": x}),
+        (calls.combine, full_combine, (x, idx, weights, handle, False, False, False, True), {}),
+    ]
+    for n, (entry, full, args, kwargs) in enumerate(cases, 1):
+        assert entry(*args, **kwargs) == full.result
+        got_args, got_kwargs = full.calls[-1]
+        assert got_args[0] is buffer and len(got_args) == len(args) + 1
+        assert all(a is b for a, b in zip(got_args[1:], args)) and got_kwargs.keys() == kwargs.keys()
+        assert all(got_kwargs[k] is v for k, v in kwargs.items())
+        assert calls.declined == n and calls.taken == 0
+    assert (lockstep.seq, lockstep.sent) == (41, False)  # nothing launched: the call counts on the full path
+
+
+def test_arguments_python_cannot_bind_are_left_to_the_python_method():
+    def full_dispatch(self, x, topk_idx, num_max_dispatch_tokens_per_rank, num_experts,
+                      cumulative_local_expert_recv_stats=None, dispatch_wait_recv_cost_stats=None, use_fp8=True,
+                      round_scale=False, use_ue8m0=False, async_finish=False, return_recv_hook=False):
+        return "bound"
+
+    buffer = FakeBuffer()
+    calls = _ll_torch.LLCalls(NO_TABLE, Lockstep(), buffer, object, print, full_dispatch, full_dispatch)
+    x, idx, _ = _inputs(3)
+    with pytest.raises(TypeError, match="unexpected keyword argument 'use_fp9'"):
+        calls.dispatch(x, idx, 8, 16, use_fp9=True)
+    with pytest.raises(TypeError, match="multiple values for argument 'num_experts'"):
+        calls.dispatch(x, idx, 8, 16, num_experts=16)
+    with pytest.raises(TypeError, match="missing 1 required positional argument"):
+        calls.dispatch(x, idx, 8)
+    with pytest.raises(TypeError, match="positional arguments"):
+        calls.dispatch(x, idx, 8, 16, None, None, True, False, False, False, False, 12)
+    assert calls.dispatch(x, idx, 8, 16, use_ue8m0=False) == "bound"
+    assert calls.declined == 5 and calls.taken == 0
+
+
+def test_off_or_out_of_step_the_entries_take_nothing():
+    buffer, lockstep = FakeBuffer(), Lockstep()
+    calls, full_dispatch, _ = _calls(buffer, lockstep)
+    x, idx, _ = _inputs(4)
+    calls.enabled = False
+    assert calls.dispatch(x, idx, 8, 16) == full_dispatch.result and not calls.enabled
+    calls.enabled = True
+    lockstep.broken = "dispatch #3 failed on rank 0"
+    assert calls.dispatch(x, idx, 8, 16) == full_dispatch.result
+    lockstep.broken, lockstep._refused = None, 3  # a refusal its peers have not matched yet
+    del lockstep.seq  # a field missing altogether: the full path reads them itself
+    assert calls.dispatch(x, idx, 8, 16) == full_dispatch.result
+    assert calls.declined == 3 and calls.taken == 0 and lockstep.sent is False
+
+
+def test_a_deleted_buffer_is_named_and_its_entries_hold_no_reference_to_it():
+    buffer = FakeBuffer()
+    calls, _, full_combine = _calls(buffer)
+    entry = calls.combine
+    del buffer, calls
+    gc.collect()
+    x, idx, weights = _inputs(5)
+    with pytest.raises(RuntimeError, match="low_latency_combine: the Buffer this method belonged to was deleted"):
+        entry(x, idx, weights, (idx.int(), idx, 8, 512, 16))
+    assert full_combine.calls == []
+
+
+def test_the_entries_refuse_arguments_that_are_not_what_they_need():
+    with pytest.raises(TypeError, match="event_type must be a class"):
+        _ll_torch.LLCalls(NO_TABLE, Lockstep(), FakeBuffer(), None, print, print, print)
+    with pytest.raises(AttributeError):
+        _ll_torch.LLCalls(object(), Lockstep(), FakeBuffer(), object, print, print, print)
+    with pytest.raises(TypeError):
+        _ll_torch.LLCalls(NO_TABLE, Lockstep(), 5, object, print, print, print)  # no weak reference to an int
