@@ -2,7 +2,8 @@
 288 experts, FP8 dispatch): the CPU time from entering low_latency_dispatch to returning from low_latency_combine,
 for `calls` round trips issued back to back. The GPU is held by a sleep kernel queued before each batch of round
 trips, so every sample is the host's own time and never a wait for a full launch queue (a round trip's kernels take
-longer on the GPU than its host time); a batch whose sleep ended before its last launch is reported. Next to it from
+longer on the GPU than its host time); a batch whose sleep ended before its last launch is reported. The rows are
+measured a batch each in turn, so that they share the machine's state. Next to it from
 the same run: the same round trip through the full Python path (PORTEP_LL_FAST_PATH=0's route), each call alone,
 and the baseline, one torch.empty plus one empty kernel launch (torch.cuda._sleep(0)), and for scale two empty
 launches. The outputs of the fast path are checked bit for bit against the full path's first."""
@@ -40,25 +41,39 @@ def _round_trip(buf, x, idx, weights, y):
     return buf.low_latency_combine(y, idx, weights, handle)[0], recv_x, handle
 
 
-def _held_batches(fn, calls, sleep_cycles, torch):
-    """Host microseconds of each of `calls` fn() calls, issued in batches behind a GPU sleep; and how many batches
-    had their sleep end before their last launch."""
-    samples, short = [], 0
-    done = 0
-    while done < calls:
-        n = min(BATCH, calls - done)
-        torch.cuda.synchronize()
-        torch.cuda._sleep(sleep_cycles)
-        end_of_hold = torch.cuda.Event()
-        end_of_hold.record()
-        for _ in range(n):
-            t0 = time.perf_counter_ns()
-            fn()
-            samples.append((time.perf_counter_ns() - t0) / 1e3)
-        short += end_of_hold.query()  # the sleep was over: later calls could have waited for the GPU
-        done += n
+def _held_batch(fn, n, sleep_cycles, torch):
+    """Host microseconds of each of n fn() calls issued behind a GPU sleep; and whether the sleep ended before the
+    last of them (later calls could then have waited for the GPU)."""
+    samples = []
+    torch.cuda.synchronize()
+    torch.cuda._sleep(sleep_cycles)
+    end_of_hold = torch.cuda.Event()
+    end_of_hold.record()
+    for _ in range(n):
+        t0 = time.perf_counter_ns()
+        fn()
+        samples.append((time.perf_counter_ns() - t0) / 1e3)
+    short = end_of_hold.query()
     torch.cuda.synchronize()
     return samples, short
+
+
+def _interleaved(rows, calls, torch, progress):
+    """Each row's `calls` samples, taken in rounds of one batch per row, so that a machine whose speed drifts
+    during the run (these VMs' does, by tens of percent) moves every row alike and the ratios hold."""
+    out = [{"what": what, "samples_us": [], "short": 0} for what, _, _ in rows]
+    rounds = -(-calls // BATCH)
+    for r in range(rounds):
+        progress(f"ll-host: round {r + 1} of {rounds} (one batch of {BATCH} calls per row)")
+        n = min(BATCH, calls - r * BATCH)
+        for (_, fn, cycles), row in zip(rows, out):
+            samples, short = _held_batch(fn, n, cycles, torch)
+            row["samples_us"] += samples
+            row["short"] += short
+    for row in out:
+        if row.pop("short"):
+            row["what"] += f"; in some of {rounds} batches the GPU's hold ended early"
+    return out
 
 
 def _check_fast_equals_full(buf, x, idx, weights, y, torch):
@@ -96,33 +111,34 @@ def measure(calls=1000, progress=print):
         for _ in range(20):  # the first call of a signature goes the full way and marks it checked
             _round_trip(buf, x, idx, weights, y)
         _check_fast_equals_full(buf, x, idx, weights, y, torch)
-        cycles = HOLD_CYCLES
-        rows = []
-
-        def timed(what, fn, n=calls):
-            progress(f"ll-host: {what} ({n} calls)")
-            samples, short = _held_batches(fn, n, cycles, torch)
-            note = f"; in {short} of {-(-n // BATCH)} batches the GPU's hold ended early" if short else ""
-            rows.append({"what": what + note, "samples_us": samples})
+        fast = buf._ll_fast
+        _, _, handle, _, _ = buf.low_latency_dispatch(x, idx, T, E, use_fp8=True)
 
         def round_trip():  # as an MoE layer calls them
             handle = buf.low_latency_dispatch(x, idx, T, E, use_fp8=True)[2]
             buf.low_latency_combine(y, idx, weights, handle)
 
-        timed("portep LL round trip (dispatch + combine), one native call per phase", round_trip)
-        _, _, handle, _, _ = buf.low_latency_dispatch(x, idx, T, E, use_fp8=True)
-        timed("portep LL dispatch alone", lambda: buf.low_latency_dispatch(x, idx, T, E, use_fp8=True))
-        timed("portep LL combine alone", lambda: buf.low_latency_combine(y, idx, weights, handle))
-        buf._ll_fast.enabled = False
-        timed("portep LL round trip through the full Python path (checks cached)", round_trip)
-        buf._ll_fast.enabled = True
-        timed("baseline: torch.empty + one empty kernel launch (torch.cuda._sleep(0))",
-              lambda: (torch.empty(E, dtype=torch.int32, device="cuda"), torch.cuda._sleep(0)))
-        timed("for scale: two empty kernel launches (torch.cuda._sleep(0) twice; a round trip launches two kernels)",
-              lambda: (torch.cuda._sleep(0), torch.cuda._sleep(0)))
+        def full_round_trip():
+            fast.enabled = False
+            try:
+                round_trip()
+            finally:
+                fast.enabled = True
+
+        rows = _interleaved([
+            ("portep LL round trip (dispatch + combine), one native call per phase", round_trip, HOLD_CYCLES),
+            ("portep LL dispatch alone", lambda: buf.low_latency_dispatch(x, idx, T, E, use_fp8=True), HOLD_CYCLES),
+            ("portep LL combine alone", lambda: buf.low_latency_combine(y, idx, weights, handle), HOLD_CYCLES),
+            ("portep LL round trip through the full Python path (checks cached)", full_round_trip, 8 * HOLD_CYCLES),
+            ("baseline: torch.empty + one empty kernel launch (torch.cuda._sleep(0))",
+             lambda: (torch.empty(E, dtype=torch.int32, device="cuda"), torch.cuda._sleep(0)), HOLD_CYCLES),
+            ("for scale: two empty kernel launches (torch.cuda._sleep(0) twice; a round trip launches two kernels)",
+             lambda: (torch.cuda._sleep(0), torch.cuda._sleep(0)), HOLD_CYCLES),
+        ], calls, torch, progress)
     finally:
         torch.cuda.synchronize()
         buf.destroy()
     note = (f"host time per call on {torch.cuda.get_device_name()}, 1 rank, {T} tokens, hidden {H}, top-{K}, "
-            f"{E} experts, FP8 dispatch; calls in batches of {BATCH} behind a GPU sleep (host time only)")
+            f"{E} experts, FP8 dispatch; calls in batches of {BATCH} behind a GPU sleep (host time only), one batch "
+            f"per row in turn")
     return {"rows": rows, "note": note}
