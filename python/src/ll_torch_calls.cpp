@@ -10,6 +10,7 @@
 
 #include <stdint.h>
 
+#include <string>
 #include <vector>
 
 #include "python/src/ll_torch_path.h"
@@ -30,6 +31,7 @@ struct Signature {
   PyObject* interned[kMaxParams];
   PyObject* (*run)(LLPlanTable*, PyObject* const*, uint32_t, PyObject*);
   PyObject* what_str;
+  std::string doc;  // the entry's docstring, led by its signature as inspect reads it (made from the table above)
 };
 
 Signature kDispatch = {
@@ -38,7 +40,7 @@ Signature kDispatch = {
      "dispatch_wait_recv_cost_stats", "use_fp8", "round_scale", "use_ue8m0", "async_finish", "return_recv_hook"},
     {Signature::kNone, Signature::kNone, Signature::kNone, Signature::kNone, Signature::kNone, Signature::kNone,
      Signature::kTrue, Signature::kFalse, Signature::kFalse, Signature::kFalse, Signature::kFalse},
-    {}, &lt::run_dispatch, nullptr};
+    {}, &lt::run_dispatch, nullptr, {}};
 
 Signature kCombine = {
     "low_latency_combine", lt::kCombineArgCount, 4,
@@ -46,11 +48,17 @@ Signature kCombine = {
      "combine_wait_recv_cost_stats"},
     {Signature::kNone, Signature::kNone, Signature::kNone, Signature::kNone, Signature::kFalse, Signature::kFalse,
      Signature::kFalse, Signature::kFalse, Signature::kNone, Signature::kNone},
-    {}, &lt::run_combine, nullptr};
+    {}, &lt::run_combine, nullptr, {}};
 
 static_assert(lt::kDispatchArgCount <= kMaxParams && lt::kCombineArgCount <= kMaxParams);
 
-PyObject* default_of(Signature::Default d) { return d == Signature::kTrue ? Py_True : d == Signature::kFalse ? Py_False : Py_None; }
+PyObject* default_of(Signature::Default d) {
+  return d == Signature::kTrue ? Py_True : d == Signature::kFalse ? Py_False : Py_None;
+}
+
+const char* default_text(Signature::Default d) {
+  return d == Signature::kTrue ? "=True" : d == Signature::kFalse ? "=False" : "=None";
+}
 
 int param_of(const Signature& sig, PyObject* name) {
   for (int i = 0; i < sig.count; ++i)
@@ -293,10 +301,9 @@ PyCFunction fastcall_keywords(PyObject* (*f)(PyObject*, PyObject* const*, Py_ssi
 }
 
 PyMethodDef kCallsMethods[] = {
-    {"dispatch", fastcall_keywords(&calls_dispatch), METH_FASTCALL | METH_KEYWORDS,
-     "Buffer.low_latency_dispatch: the fast path, or Buffer's method for what it does not take"},
-    {"combine", fastcall_keywords(&calls_combine), METH_FASTCALL | METH_KEYWORDS,
-     "Buffer.low_latency_combine: the fast path, or Buffer's method for what it does not take"},
+    // docstrings: prepare_signatures
+    {"dispatch", fastcall_keywords(&calls_dispatch), METH_FASTCALL | METH_KEYWORDS, nullptr},
+    {"combine", fastcall_keywords(&calls_combine), METH_FASTCALL | METH_KEYWORDS, nullptr},
     {nullptr, nullptr, 0, nullptr}};
 
 PyMemberDef kCallsMembers[] = {
@@ -320,11 +327,25 @@ PyTypeObject kCallsType = [] {
   return t;
 }();
 
-bool intern_names() {
+// "name($self, x, ..., use_fp8=True, ...)\n--\n\n": the signature inspect.signature reports for the entry (which
+// tests/unit/test_ll_fast_entries.py compares with Buffer's method), then what it is.
+std::string signature_doc(const Signature& sig, const char* entry) {
+  std::string doc = std::string(entry) + "($self";
+  for (int i = 0; i < sig.count; ++i) {
+    doc += std::string(", ") + sig.names[i];
+    if (i >= sig.required) doc += default_text(sig.defaults[i]);
+  }
+  return doc + ")\n--\n\nBuffer." + sig.what + ": the fast path, or Buffer's method for what it does not take";
+}
+
+bool prepare_signatures() {
+  int m = 0;
   for (Signature* sig : {&kDispatch, &kCombine}) {
     for (int i = 0; i < sig->count; ++i)
       if (!(sig->interned[i] = PyUnicode_InternFromString(sig->names[i]))) return false;
     if (!(sig->what_str = PyUnicode_InternFromString(sig->what))) return false;
+    sig->doc = signature_doc(*sig, kCallsMethods[m].ml_name);
+    kCallsMethods[m++].ml_doc = sig->doc.c_str();
   }
   struct {
     PyObject** slot;
@@ -342,7 +363,7 @@ PyModuleDef kModule = {PyModuleDef_HEAD_INIT, "_ll_torch", "portep's LL hot path
 }  // namespace
 
 PyMODINIT_FUNC PyInit__ll_torch() {
-  if (!intern_names() || PyType_Ready(&kCallsType) < 0) return nullptr;
+  if (!prepare_signatures() || PyType_Ready(&kCallsType) < 0) return nullptr;
   PyObject* m = PyModule_Create(&kModule);
   if (!m) return nullptr;
   if (PyModule_AddStringConstant(m, "TORCH_VERSION", PORTEP_TORCH_VERSION) < 0 ||

@@ -131,3 +131,17 @@ def test_the_entries_refuse_arguments_that_are_not_what_they_need():
         _ll_torch.LLCalls(object(), Lockstep(), FakeBuffer(), object, print, print, print)
     with pytest.raises(TypeError):
         _ll_torch.LLCalls(NO_TABLE, Lockstep(), 5, object, print, print, print)  # no weak reference to an int
+
+
+@pytest.mark.parametrize("entry", ["dispatch", "combine"])
+def test_the_entries_bind_arguments_as_buffers_methods_declare_them(entry):
+    """The entries' parameter table (their docstring's signature is made from it) against Buffer's Python methods:
+    the same names in the same order, the same defaults, so a call binds alike on both."""
+    import inspect
+
+    import portep
+
+    calls, _, _ = _calls(FakeBuffer())
+    native = list(inspect.signature(getattr(calls, entry)).parameters.values())
+    python = list(inspect.signature(getattr(portep.Buffer, f"low_latency_{entry}")).parameters.values())[1:]
+    assert [(p.name, p.default, p.kind) for p in native] == [(p.name, p.default, p.kind) for p in python]
