@@ -107,16 +107,24 @@ struct LLCalls {
 // *seq: Lockstep.seq. False where a field is missing or of another type: the full path reads them itself.
 bool in_step(LLCalls* c, unsigned long long* seq) {
   PyObject* d = c->lockstep_vars;
-  PyObject* broken = PyDict_GetItemWithError(d, s_broken);
-  PyObject* refused = broken ? PyDict_GetItemWithError(d, s_refused) : nullptr;
-  PyObject* resolved = refused ? PyDict_GetItemWithError(d, s_resolved) : nullptr;
-  PyObject* s = resolved ? PyDict_GetItemWithError(d, s_seq) : nullptr;
-  if (!s || broken != Py_None || !PyLong_CheckExact(s) || PyObject_RichCompareBool(refused, resolved, Py_EQ) != 1) {
+  if (!d || PyDict_GetItemWithError(d, s_broken) != Py_None) {
     PyErr_Clear();
     return false;
   }
-  *seq = PyLong_AsUnsignedLongLong(s);
-  if (PyErr_Occurred()) {
+  PyObject* refused = PyDict_GetItemWithError(d, s_refused);
+  PyObject* resolved = refused ? PyDict_GetItemWithError(d, s_resolved) : nullptr;
+  if (!resolved) {
+    PyErr_Clear();
+    return false;
+  }
+  Py_INCREF(refused);  // the comparison may run Python code that changes the dict
+  Py_INCREF(resolved);
+  const int equal = PyObject_RichCompareBool(refused, resolved, Py_EQ);
+  Py_DECREF(refused);
+  Py_DECREF(resolved);
+  PyObject* s = equal == 1 ? PyDict_GetItemWithError(d, s_seq) : nullptr;
+  *seq = s && PyLong_CheckExact(s) ? PyLong_AsUnsignedLongLong(s) : 0;
+  if (!s || !PyLong_CheckExact(s) || PyErr_Occurred()) {
     PyErr_Clear();
     return false;
   }
@@ -168,6 +176,10 @@ PyObject* with_notice(LLCalls* c, PyObject* out) {
 PyObject* full_path(LLCalls* c, int phase, const Signature& sig, PyObject* const* args, size_t nargsf,
                     PyObject* kwnames) {
   ++c->declined;
+  if (!c->buffer || !c->full[phase]) {  // cleared by the garbage collector (tp_clear)
+    PyErr_Format(PyExc_RuntimeError, "%s: the Buffer this method belonged to was deleted", sig.what);
+    return nullptr;
+  }
 #if PY_VERSION_HEX >= 0x030D0000
   PyObject* buffer = nullptr;
   if (PyWeakref_GetRef(c->buffer, &buffer) < 0) return nullptr;
@@ -184,7 +196,9 @@ PyObject* full_path(LLCalls* c, int phase, const Signature& sig, PyObject* const
   std::vector<PyObject*> all(size_t(1 + nargs + nkw));
   all[0] = buffer;
   for (Py_ssize_t i = 0; i < nargs + nkw; ++i) all[size_t(1 + i)] = args[i];
-  PyObject* out = PyObject_Vectorcall(c->full[phase], all.data(), size_t(1 + nargs), kwnames);
+  PyObject* full = Py_NewRef(c->full[phase]);  // this object may be cleared while the method runs
+  PyObject* out = PyObject_Vectorcall(full, all.data(), size_t(1 + nargs), kwnames);
+  Py_DECREF(full);
   Py_DECREF(buffer);
   return out;
 }
