@@ -71,8 +71,9 @@ def _interleaved(rows, calls, torch, progress):
             row["samples_us"] += samples
             row["short"] += short
     for row in out:
-        if row.pop("short"):
-            row["what"] += f"; in some of {rounds} batches the GPU's hold ended early"
+        short = row.pop("short")
+        if short:
+            row["what"] += f"; in {short} of {rounds} batches the GPU's hold ended early"
     return out
 
 
@@ -114,9 +115,8 @@ def measure(calls=1000, progress=print):
         fast = buf._ll_fast
         _, _, handle, _, _ = buf.low_latency_dispatch(x, idx, T, E, use_fp8=True)
 
-        def round_trip():  # as an MoE layer calls them
-            handle = buf.low_latency_dispatch(x, idx, T, E, use_fp8=True)[2]
-            buf.low_latency_combine(y, idx, weights, handle)
+        def round_trip():
+            _round_trip(buf, x, idx, weights, y)
 
         def full_round_trip():
             fast.enabled = False

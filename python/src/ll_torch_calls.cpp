@@ -10,6 +10,7 @@
 
 #include <stdint.h>
 
+#include <array>
 #include <string>
 #include <vector>
 
@@ -276,16 +277,14 @@ PyObject* calls_new(PyTypeObject* type, PyObject* args, PyObject* kwargs) {
   return reinterpret_cast<PyObject*>(c);
 }
 
+// The references an LLCalls owns (the one list its traverse and clear walk).
+std::array<PyObject**, 8> owned_refs(LLCalls* c) {
+  return {&c->kernels, &c->lockstep, &c->lockstep_vars, &c->buffer, &c->event_type, &c->raise_notice, &c->full[0],
+          &c->full[1]};
+}
+
 int calls_traverse(PyObject* self, visitproc visit, void* arg) {
-  LLCalls* c = reinterpret_cast<LLCalls*>(self);
-  Py_VISIT(c->kernels);
-  Py_VISIT(c->lockstep);
-  Py_VISIT(c->lockstep_vars);
-  Py_VISIT(c->buffer);
-  Py_VISIT(c->event_type);
-  Py_VISIT(c->raise_notice);
-  Py_VISIT(c->full[0]);
-  Py_VISIT(c->full[1]);
+  for (PyObject** ref : owned_refs(reinterpret_cast<LLCalls*>(self))) Py_VISIT(*ref);
   return 0;
 }
 
@@ -293,14 +292,7 @@ int calls_clear(PyObject* self) {
   LLCalls* c = reinterpret_cast<LLCalls*>(self);
   c->table = nullptr;  // whatever comes now declines (a table without its owner is never read)
   c->enabled = 0;
-  Py_CLEAR(c->kernels);
-  Py_CLEAR(c->lockstep);
-  Py_CLEAR(c->lockstep_vars);
-  Py_CLEAR(c->buffer);
-  Py_CLEAR(c->event_type);
-  Py_CLEAR(c->raise_notice);
-  Py_CLEAR(c->full[0]);
-  Py_CLEAR(c->full[1]);
+  for (PyObject** ref : owned_refs(c)) Py_CLEAR(*ref);
   return 0;
 }
 
