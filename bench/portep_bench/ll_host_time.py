@@ -4,9 +4,11 @@ for `calls` round trips issued back to back. The GPU is held by a sleep kernel q
 trips, so every sample is the host's own time and never a wait for a full launch queue (a round trip's kernels take
 longer on the GPU than its host time); a batch whose sleep ended before its last launch is reported. The rows are
 measured a batch each in turn, so that they share the machine's state. Next to it from
-the same run: the same round trip through the full Python path (PORTEP_LL_FAST_PATH=0's route), each call alone,
+the same run: the same round trip launching kernels instead of cached CUDA graphs (graph_launch off), the same round
+trip through the full Python path (PORTEP_LL_FAST_PATH=0's route), each call alone,
 and the baseline, one torch.empty plus one empty kernel launch (torch.cuda._sleep(0)), and for scale two empty
 launches. The outputs of the fast path are checked bit for bit against the full path's first."""
+import contextlib
 import datetime
 import time
 
@@ -60,14 +62,16 @@ def _held_batch(fn, n, sleep_cycles, torch):
 
 def _interleaved(rows, calls, torch, progress):
     """Each row's `calls` samples, taken in rounds of one batch per row, so that a machine whose speed drifts
-    during the run (these VMs' does, by tens of percent) moves every row alike and the ratios hold."""
-    out = [{"what": what, "samples_us": [], "short": 0} for what, _, _ in rows]
+    during the run (these VMs' does, by tens of percent) moves every row alike and the ratios hold. A row is
+    (what, fn, sleep cycles) or (what, fn, sleep cycles, a context manager's factory that wraps its batches)."""
+    out = [{"what": row[0], "samples_us": [], "short": 0} for row in rows]
     rounds = -(-calls // BATCH)
     for r in range(rounds):
         progress(f"ll-host: round {r + 1} of {rounds} (one batch of {BATCH} calls per row)")
         n = min(BATCH, calls - r * BATCH)
-        for (_, fn, cycles), row in zip(rows, out):
-            samples, short = _held_batch(fn, n, cycles, torch)
+        for (_, fn, cycles, *around), row in zip(rows, out):
+            with (around[0]() if around else contextlib.nullcontext()):
+                samples, short = _held_batch(fn, n, cycles, torch)
             row["samples_us"] += samples
             row["short"] += short
     for row in out:
@@ -125,8 +129,18 @@ def measure(calls=1000, progress=print):
             finally:
                 fast.enabled = True
 
+        @contextlib.contextmanager
+        def kernel_launches():
+            buf.runtime.kernels.graph_launch = False
+            try:
+                yield
+            finally:
+                buf.runtime.kernels.graph_launch = True
+
         rows = _interleaved([
             ("portep LL round trip (dispatch + combine), one native call per phase", round_trip, HOLD_CYCLES),
+            ("portep LL round trip launching kernels instead of cached graphs", round_trip, HOLD_CYCLES,
+             kernel_launches),
             ("portep LL dispatch alone", lambda: buf.low_latency_dispatch(x, idx, T, E, use_fp8=True), HOLD_CYCLES),
             ("portep LL combine alone", lambda: buf.low_latency_combine(y, idx, weights, handle), HOLD_CYCLES),
             ("portep LL round trip through the full Python path (checks cached)", full_round_trip, 8 * HOLD_CYCLES),

@@ -1,11 +1,14 @@
-// Host-side setup for the LL kernels: sets of device FIFOs and small device / mapped host allocations.
+// Host-side setup for the LL kernels: sets of device FIFOs, small device / mapped host allocations, the graph
+// caches of the LL launches.
 #include "gpu_kernels/cuda/gpu_runtime.h"
 
 #include <string.h>
 
+#include <initializer_list>
 #include <vector>
 
 #include "gpu_kernels/cuda/api.h"
+#include "gpu_kernels/cuda/graph_cache.h"
 #include "gpu_kernels/cuda/ll_api.h"
 
 namespace portep::cuda {
@@ -79,5 +82,32 @@ int host_alloc_mapped(void** host, void** device, uint64_t bytes) {
 }
 
 int host_free_mapped(void* host) { return int(cudaFreeHost(host)); }
+
+int stream_capturing(void* stream, bool* capturing) {
+  cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;
+  const cudaError_t e = cudaStreamIsCapturing(static_cast<cudaStream_t>(stream), &status);
+  if (e != cudaSuccess) (void)cudaGetLastError();  // e.g. the legacy stream while another stream captures globally
+  *capturing = status != cudaStreamCaptureStatusNone;
+  return int(e);
+}
+
+#if defined(__HIPCC__)
+LLGraphs* ll_graphs_create() { return nullptr; }
+void ll_graphs_destroy(LLGraphs*) {}
+LLGraphCounts ll_graph_counts(const LLGraphs*) { return {}; }
+#else
+LLGraphs* ll_graphs_create() { return new LLGraphs; }
+void ll_graphs_destroy(LLGraphs* graphs) { delete graphs; }
+LLGraphCounts ll_graph_counts(const LLGraphs* graphs) {
+  LLGraphCounts n;
+  if (!graphs) return n;
+  for (const GraphCache* g : {&graphs->dispatch, &graphs->combine}) {
+    n.launches += g->launches;
+    n.builds += g->builds;
+    n.updates += g->updates;
+  }
+  return n;
+}
+#endif
 
 }  // namespace portep::cuda

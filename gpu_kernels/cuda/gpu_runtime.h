@@ -36,6 +36,10 @@
 #define cudaHostAllocPortable hipHostMallocPortable
 #define cudaHostGetDevicePointer hipHostGetDevicePointer
 #define cudaFreeHost hipHostFree
+#define cudaErrorNotSupported hipErrorNotSupported
+#define cudaStreamIsCapturing hipStreamIsCapturing
+#define cudaStreamCaptureStatus hipStreamCaptureStatus
+#define cudaStreamCaptureStatusNone hipStreamCaptureStatusNone
 
 #else
 

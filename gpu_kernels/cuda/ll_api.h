@@ -98,7 +98,10 @@ struct LLCommon {
   const uint32_t* peer_status;  // mapped host memory [R]: the peer watch's word for each peer (peer_status.h), or null
   uint32_t* mask;               // device [R] (1: masked) in shrink mode, else null: receive sides read (and set) it
   const uint32_t* send_mask;    // device [R]: the mask as the call began (send sides read it), or null
-  uint32_t seq;                 // the call's sequence number (dispatch messages carry it)
+  uint32_t seq;                 // the call's sequence number (dispatch messages carry it), unless kSeqFromChain
+  uint32_t* seq_chain;          // device [2]: per buffer half, the sequence number of the next call on it (below)
+  uint32_t half;                // this buffer half (0 or 1)
+  uint32_t seq_mode;            // kSeqWriteChain | kSeqFromChain bits, set per launch
   KernelError* error;           // mapped host memory [kNumErrorWords]: what the host raises (kernel_errors.h)
   uint32_t* failed;             // device [kNumErrorWords]: the reported codes (kernels test these, not the host's)
   uint64_t timeout_ns;
@@ -143,6 +146,31 @@ struct LLCombineArgs {
 constexpr int kPhaseSend = 1, kPhaseRecv = 2;
 int ll_dispatch(const LLDispatchArgs& a, int phases);
 int ll_combine(const LLCombineArgs& a, int phases);
+
+// The sequence-number chain. A call launched as a cached CUDA graph (below) has fixed parameters, so its sequence
+// number cannot be one: it reads it on the GPU from seq_chain[half] (kSeqFromChain), which the Buffer's previous
+// call left there. Every eager launch that sends (kSeqWriteChain: thread 0 of block 0, as the kernel begins) stores
+// the number of the call after it in seq_chain[half ^ 1], the word of the half that call uses; the two words
+// never race, as the kernel reads only its own half's word. Launches under stream capture neither read nor write
+// the chain (their replays would rewrite it), and the host launches a graph only where an eager launch of this
+// Buffer wrote the chain last (LLPlanTable::launch, ll_plan.h).
+constexpr uint32_t kSeqWriteChain = 1, kSeqFromChain = 2;
+
+// A Buffer's LL launches as instantiated one-kernel CUDA graphs, one per distinct parameter block (graph_cache.h):
+// a graph launch costs the host about half a kernel launch. Null under HIP (no cache: kernel launches only).
+struct LLGraphs;
+LLGraphs* ll_graphs_create();
+void ll_graphs_destroy(LLGraphs* graphs);
+// Both phases in one launch of the call's graph (kSeqFromChain set by the caller); on an error nothing was queued.
+int ll_dispatch_graphed(LLGraphs* graphs, const LLDispatchArgs& a);
+int ll_combine_graphed(LLGraphs* graphs, const LLCombineArgs& a);
+// Graphs launched, built and re-parameterised by one cache; zeros without one.
+struct LLGraphCounts {
+  uint64_t launches = 0, builds = 0, updates = 0;
+};
+LLGraphCounts ll_graph_counts(const LLGraphs* graphs);
+// Whether `stream` (cudaStream_t) is being captured into a CUDA graph; the query's error otherwise.
+int stream_capturing(void* stream, bool* capturing);
 int load_ll_dispatch_kernels();
 int load_ll_combine_kernels();
 

@@ -5,7 +5,10 @@
 // each token per owner rank (top-k order, FP32), then over owner ranks in rank order: the host backend's order
 // and roundings, so both give the same bits. In one launch (no hook) this rank's rows for itself are not
 // copied: the reduce reads them from the input, which cannot change before it runs.
+#include <string.h>
+
 #include "gpu_kernels/cuda/gpu_runtime.h"
+#include "gpu_kernels/cuda/graph_cache.h"
 
 #include <climits>
 
@@ -370,6 +373,7 @@ PORTEP_DEVICE void combine_reduce(const LLCombineArgs& a) {
 // registers, and every block of a receiving grid must be resident (for_my_relay_chunks).
 __global__ void __launch_bounds__(kLLThreads, 1) combine_kernel(LLCombineArgs a, int parts, int phases) {
   extern __shared__ uint32_t shared[];  // begins [R], counts [R]
+  if (a.c.seq_mode) (void)ll_call_seq(a.c);  // combine carries no number, but advances the chain
   if (phases & kPhaseSend) {
     const LLCommon& c = a.c;
     int partial_peers = 0;
@@ -392,27 +396,69 @@ __global__ void __launch_bounds__(kLLThreads, 1) combine_kernel(LLCombineArgs a,
 
 }  // namespace
 
-int ll_combine(const LLCombineArgs& a, int phases) {
+namespace {
+
+struct CombineLaunch {
+  int blocks = 0, parts = 1;
+  size_t smem = 0;
+  LLCombineArgs args;
+};
+
+// The grid, parts per expert, dynamic shared memory and kernel arguments of a combine launch.
+cudaError_t combine_launch(const LLCombineArgs& a, int phases, CombineLaunch* l) {
   if (a.num_topk > kMetaMaxTopk || phases < kPhaseSend || phases > (kPhaseSend | kPhaseRecv))
-    return int(cudaErrorInvalidValue);
+    return cudaErrorInvalidValue;
   const LLCommon& c = a.c;
-  cudaStream_t stream = static_cast<cudaStream_t>(c.stream);
-  const size_t smem = size_t(c.num_ranks) * 12;
+  l->smem = size_t(c.num_ranks) * 12;
   const int N = std::max(a.num_tokens, 1), E_l = std::max(c.num_local_experts, 1), sms = c.num_sms;
   auto parts_for = [E_l](int blocks) { return std::clamp(blocks / E_l, 1, kMaxPartsPerExpert); };
-  LLCombineArgs args = a;
-  int blocks = 0, parts = 1;
+  l->args = a;
   if (phases == (kPhaseSend | kPhaseRecv)) {
-    blocks = send_recv_grid(N, E_l, sms);
-    parts = parts_for(blocks);
-    args.own_rows_in_input = true;  // one launch: the reduce reads this rank's rows from x, which cannot change
+    l->blocks = send_recv_grid(N, E_l, sms);
+    l->parts = parts_for(l->blocks);
+    l->args.own_rows_in_input = true;  // one launch: the reduce reads this rank's rows from x, which cannot change
   } else if (phases == kPhaseSend) {
-    parts = parts_for(sms);
-    blocks = std::min(E_l * parts, sms);
+    l->parts = parts_for(sms);
+    l->blocks = std::min(E_l * l->parts, sms);
   } else {
-    blocks = std::min(N, sms);
+    l->blocks = std::min(N, sms);
   }
-  return int(launch_kernel<combine_kernel>(blocks, kLLThreads, smem, stream, args, parts, phases));
+  return cudaSuccess;
+}
+
+}  // namespace
+
+int ll_combine(const LLCombineArgs& a, int phases) {
+  CombineLaunch l;
+  if (cudaError_t e = combine_launch(a, phases, &l); e != cudaSuccess) return int(e);
+  const cudaStream_t stream = static_cast<cudaStream_t>(a.c.stream);
+  return int(launch_kernel<combine_kernel>(l.blocks, kLLThreads, l.smem, stream, l.args, l.parts, phases));
+}
+
+int ll_combine_graphed(LLGraphs* graphs, const LLCombineArgs& a) {
+#if defined(__HIPCC__)
+  (void)graphs;
+  (void)a;
+  return int(cudaErrorNotSupported);
+#else
+  const int phases = kPhaseSend | kPhaseRecv;
+  CombineLaunch l;
+  if (cudaError_t e = combine_launch(a, phases, &l); e != cudaSuccess) return int(e);
+  struct Key {  // the kernel's parameters, which are the graph's key: zeroed padding, no stream, no seq
+    LLCombineArgs a;
+    int parts, phases;
+  } key;
+  memset(&key, 0, sizeof key);
+  key.a = l.args;
+  key.a.c.stream = nullptr;
+  key.a.c.seq = 0;
+  key.parts = l.parts;
+  key.phases = phases;
+  void* params[] = {&key.a, &key.parts, &key.phases};
+  return int(graphs->combine.launch(reinterpret_cast<const void*>(combine_kernel), dim3(l.blocks), dim3(kLLThreads),
+                                    unsigned(l.smem), static_cast<cudaStream_t>(a.c.stream), params, &key,
+                                    sizeof key));
+#endif
 }
 
 int load_ll_combine_kernels() { return int(load_kernel(combine_kernel)); }

@@ -27,6 +27,15 @@ inline int send_recv_grid(int tokens, int local_experts, int num_sms) {
   return std::min(std::max(tokens, local_experts), num_sms);
 }
 
+// The call's sequence number: the host's, or the chain's (kSeqFromChain); with kSeqWriteChain thread 0 of block 0
+// leaves the next call's in the other half's word (ll_api.h, "The sequence-number chain").
+PORTEP_DEVICE uint32_t ll_call_seq(const LLCommon& c) {
+  const uint32_t seq = (c.seq_mode & kSeqFromChain) ? c.seq_chain[c.half] : c.seq;
+  if ((c.seq_mode & kSeqWriteChain) && blockIdx.x == 0 && threadIdx.x == 0)
+    c.seq_chain[c.half ^ 1u] = seq == 0xFFFFFFFFu ? 1u : seq + 1u;  // lockstep.wire_seq's successor
+  return seq;
+}
+
 PORTEP_DEVICE float bf16_to_f32(uint16_t v) { return __uint_as_float(uint32_t(v) << 16); }
 
 PORTEP_DEVICE uint16_t f32_to_bf16(float f) {  // round to nearest even, NaN kept quiet (as the host kernels)

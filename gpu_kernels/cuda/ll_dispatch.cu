@@ -2,7 +2,10 @@
 // slot (direct peers, through IPC pointers) or into the local staging area (proxy peers), and publishes each
 // expert once all its messages are written; the receive kernel waits per (local expert, source), packs the
 // messages expert-major and writes recv_count, src_info and layout_range. Layouts: ll_api.h.
+#include <string.h>
+
 #include "gpu_kernels/cuda/gpu_runtime.h"
+#include "gpu_kernels/cuda/graph_cache.h"
 
 #include "gpu_kernels/cuda/ll_common.cuh"
 
@@ -130,7 +133,7 @@ PORTEP_DEVICE void write_payloads(const LLDispatchArgs& a, int t, uint8_t* const
 // One block per token: the block finds the K destinations and their slots, warp 0 writes the headers, the
 // block writes the payloads, then warp 0 counts the messages in and the lane completing an expert publishes it.
 // hist: shared [E], selections per expert over all tokens.
-PORTEP_DEVICE void dispatch_send(const LLDispatchArgs& a, uint32_t* hist) {
+PORTEP_DEVICE void dispatch_send(const LLDispatchArgs& a, uint32_t* hist, uint32_t seq) {
   __shared__ uint8_t* msgs[kWarpSize];
   __shared__ int tok_experts[kWarpSize];
   __shared__ uint32_t tok_slots[kWarpSize];
@@ -182,7 +185,7 @@ PORTEP_DEVICE void dispatch_send(const LLDispatchArgs& a, uint32_t* hist) {
           valid ? (uint32_t(c.rank) * c.num_local_experts + my_expert % c.num_local_experts) * c.T + slot : 0;
       const uint32_t primary_index = uint32_t(warp_broadcast_i32(int(index), primary));
       const int share = primary == lane ? 0 : int(primary_index + 1);
-      if (valid) *reinterpret_cast<int4*>(m) = make_int4(t, int(hist[my_expert]), share, int(c.seq));
+      if (valid) *reinterpret_cast<int4*>(m) = make_int4(t, int(hist[my_expert]), share, int(seq));
       if (lane < K) msgs[lane] = primary == lane ? m : nullptr;
     }
     __syncthreads();
@@ -236,7 +239,7 @@ PORTEP_DEVICE void relay_dispatch_chunk(const LLCommon& c, int src, int chunk) {
 }
 
 // Local expert le: wait for every source, then pack its messages. shared: [2R] (counts, begins).
-PORTEP_DEVICE void dispatch_recv_expert(const LLDispatchArgs& a, int le, uint32_t* shared) {
+PORTEP_DEVICE void dispatch_recv_expert(const LLDispatchArgs& a, int le, uint32_t* shared, uint32_t seq) {
   const LLCommon& c = a.c;
   const int R = c.num_ranks, H = c.hidden, M = R * c.T, lane = lane_id();
   uint32_t* counts = shared;
@@ -266,7 +269,7 @@ PORTEP_DEVICE void dispatch_recv_expert(const LLDispatchArgs& a, int le, uint32_
     const uint8_t* msg = message_in(c, le, src, i - begins[src]);
     const int4 head = *reinterpret_cast<const int4*>(msg);
     if (lane == 0) a.src_info[uint64_t(le) * M + i] = head.x;
-    if (uint32_t(head.w) != c.seq) {  // data of another call: the ranks are out of step
+    if (uint32_t(head.w) != seq) {  // data of another call: the ranks are out of step
       if (lane == 0) report_error(c, kErrOutOfStep, uint32_t(c.rank), uint32_t(src), uint32_t(head.w));
       continue;
     }
@@ -299,31 +302,70 @@ PORTEP_DEVICE void dispatch_recv_expert(const LLDispatchArgs& a, int le, uint32_
 // waits for a relay (for_my_relay_chunks) that cannot run.
 __global__ void __launch_bounds__(kLLThreads, 1) dispatch_kernel(LLDispatchArgs a, int phases) {
   extern __shared__ uint32_t shared[];  // send: hist [E]; receive: counts [R], begins [R]
-  if (phases & kPhaseSend) dispatch_send(a, shared);
+  const uint32_t seq = ll_call_seq(a.c);
+  if (phases & kPhaseSend) dispatch_send(a, shared, seq);
   if (!(phases & kPhaseRecv)) return;
   for_my_relay_chunks(a.c, [&](int src, int chunk) { relay_dispatch_chunk(a.c, src, chunk); });
   for (int le = int(blockIdx.x); le < a.c.num_local_experts; le += int(gridDim.x)) {
     __syncthreads();  // shared memory is reused
-    dispatch_recv_expert(a, le, shared);
+    dispatch_recv_expert(a, le, shared, seq);
   }
 }
 
 }  // namespace
 
-int ll_dispatch(const LLDispatchArgs& a, int phases) {
+namespace {
+
+struct DispatchLaunch {
+  int blocks = 0;
+  size_t smem = 0;
+};
+
+// The grid and dynamic shared memory of a dispatch launch, or the error that refuses it.
+cudaError_t dispatch_launch(const LLDispatchArgs& a, int phases, DispatchLaunch* l) {
   if (a.num_topk > kMetaMaxTopk || phases < kPhaseSend || phases > (kPhaseSend | kPhaseRecv))
-    return int(cudaErrorInvalidValue);
+    return cudaErrorInvalidValue;
   const int N = std::max(a.num_tokens, 1), E_l = a.c.num_local_experts, sms = a.c.num_sms;
-  const int blocks = phases == kPhaseSend   ? std::min(N, sms)
-                     : phases == kPhaseRecv ? std::min(E_l, sms)
-                                            : send_recv_grid(N, E_l, sms);
-  size_t smem = size_t(a.c.num_ranks) * 8;
-  if (phases & kPhaseSend) smem = std::max(smem, size_t(a.c.num_experts) * 4);
-  if (smem > 48 * 1024) {
-    if (cudaError_t e = allow_dynamic_smem(dispatch_kernel, int(smem)); e != cudaSuccess) return int(e);
-  }
+  l->blocks = phases == kPhaseSend   ? std::min(N, sms)
+              : phases == kPhaseRecv ? std::min(E_l, sms)
+                                     : send_recv_grid(N, E_l, sms);
+  l->smem = size_t(a.c.num_ranks) * 8;
+  if (phases & kPhaseSend) l->smem = std::max(l->smem, size_t(a.c.num_experts) * 4);
+  return l->smem > 48 * 1024 ? allow_dynamic_smem(dispatch_kernel, int(l->smem)) : cudaSuccess;
+}
+
+}  // namespace
+
+int ll_dispatch(const LLDispatchArgs& a, int phases) {
+  DispatchLaunch l;
+  if (cudaError_t e = dispatch_launch(a, phases, &l); e != cudaSuccess) return int(e);
   const cudaStream_t stream = static_cast<cudaStream_t>(a.c.stream);
-  return int(launch_kernel<dispatch_kernel>(blocks, kLLThreads, smem, stream, a, phases));
+  return int(launch_kernel<dispatch_kernel>(l.blocks, kLLThreads, l.smem, stream, a, phases));
+}
+
+int ll_dispatch_graphed(LLGraphs* graphs, const LLDispatchArgs& a) {
+#if defined(__HIPCC__)
+  (void)graphs;
+  (void)a;
+  return int(cudaErrorNotSupported);
+#else
+  const int phases = kPhaseSend | kPhaseRecv;
+  DispatchLaunch l;
+  if (cudaError_t e = dispatch_launch(a, phases, &l); e != cudaSuccess) return int(e);
+  struct Key {  // the kernel's parameters, which are the graph's key: zeroed padding, no stream, no seq
+    LLDispatchArgs a;
+    int phases;
+  } key;
+  memset(&key, 0, sizeof key);
+  key.a = a;
+  key.a.c.stream = nullptr;
+  key.a.c.seq = 0;
+  key.phases = phases;
+  void* params[] = {&key.a, &key.phases};
+  return int(graphs->dispatch.launch(reinterpret_cast<const void*>(dispatch_kernel), dim3(l.blocks), dim3(kLLThreads),
+                                     unsigned(l.smem), static_cast<cudaStream_t>(a.c.stream), params, &key,
+                                     sizeof key));
+#endif
 }
 
 int load_ll_dispatch_kernels() { return int(load_kernel(dispatch_kernel)); }

@@ -1,7 +1,8 @@
 // A Buffer's prepared low-latency calls: for each call signature (T, hidden, num_experts) the kernels' constants of
 // both buffer halves, so a call adds only its tensors, its stream and its sequence number. The bindings' LLKernels
 // (python/src/bind_cuda_ll.cpp) own the table; the torch fast path (python/src/ll_torch_path.cpp), a separate module
-// without kernels of its own, reads it through its address and launches through its function pointers.
+// without kernels of its own, reads it through its address and launches through its function pointers (launch_dispatch
+// and launch_combine choose between a cached CUDA graph and a kernel launch for both).
 #pragma once
 
 #include <stdint.h>
@@ -52,6 +53,14 @@ struct LLPlanTable {
   int (*dispatch_fn)(const LLDispatchArgs&, int) = nullptr;
   int (*combine_fn)(const LLCombineArgs&, int) = nullptr;
   const char* (*error_string)(int) = nullptr;
+  // Graph launches (ll_api.h, LLGraphs; null graphs: kernel launches only) and the chain they read the call's
+  // sequence number from: chain_ready while the last launch that sent was an eager one of this table.
+  LLGraphs* graphs = nullptr;
+  int (*dispatch_graphed_fn)(LLGraphs*, const LLDispatchArgs&) = nullptr;
+  int (*combine_graphed_fn)(LLGraphs*, const LLCombineArgs&) = nullptr;
+  int (*capturing_fn)(void*, bool*) = nullptr;
+  bool chain_ready = false;
+  int graph_error = 0;  // the error that turned graph launches off
 
   LLPlan* find(int T, int hidden, int num_experts) {
     for (int i = 0; i < count; ++i) {
@@ -76,6 +85,31 @@ struct LLPlanTable {
     const uint32_t h = half;
     half ^= 1;
     return h;
+  }
+  void reset_half() {
+    half = 0;
+    chain_ready = false;  // the chain's words follow the halves: the next call writes it afresh
+  }
+  // Launches a call (a.c from ll_call_common) as a graph where it can (both phases, not under capture, the chain
+  // ready), else as a kernel; the launch's error (0: launched).
+  int launch_dispatch(LLDispatchArgs& a, int phases) { return launch(a, phases, dispatch_fn, dispatch_graphed_fn); }
+  int launch_combine(LLCombineArgs& a, int phases) { return launch(a, phases, combine_fn, combine_graphed_fn); }
+
+ private:
+  template <class Args>
+  int launch(Args& a, int phases, int (*kernel_fn)(const Args&, int), int (*graph_fn)(LLGraphs*, const Args&)) {
+    bool capturing = true;
+    if (!capturing_fn || capturing_fn(a.c.stream, &capturing) != 0) capturing = true;  // unknown: as if captured
+    if (!capturing && chain_ready && graphs && graph_fn && phases == (kPhaseSend | kPhaseRecv)) {
+      a.c.seq_mode = kSeqFromChain | kSeqWriteChain;
+      graph_error = graph_fn(graphs, a);
+      if (graph_error == 0) return 0;
+      graphs = nullptr;  // nothing was queued: the kernel launch below, and from now on (graph_error says why)
+    }
+    a.c.seq_mode = !capturing && (phases & kPhaseSend) ? kSeqWriteChain : 0;
+    const int err = kernel_fn(a, phases);
+    if (phases & kPhaseSend) chain_ready = err == 0 && !capturing;
+    return err;
   }
 };
 

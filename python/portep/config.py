@@ -123,3 +123,16 @@ def check_gpu_copy_connections(what):
                       f"shares one with the LL kernel's stream waits behind the kernel and the call times out. Set "
                       f"{CUDA_CONNECTIONS_VAR}={CUDA_MAX_CONNECTIONS} before CUDA starts (importing portep first does)",
                       RuntimeWarning, stacklevel=3)
+
+
+LL_GRAPH_LAUNCH_VAR = "PORTEP_LL_GRAPH_LAUNCH"
+
+
+def ll_graph_launch():
+    """Whether eager low-latency calls on the CUDA backend launch as cached CUDA graphs (PORTEP_LL_GRAPH_LAUNCH,
+    default 1; gpu_kernels/cuda/graph_cache.h): half a kernel launch's host time, about 0.3 us more GPU time per
+    round trip."""
+    raw = os.environ.get(LL_GRAPH_LAUNCH_VAR, "1")
+    if raw not in ("0", "1"):
+        raise ValueError(f"{LL_GRAPH_LAUNCH_VAR}={raw!r} must be 0 or 1")
+    return raw == "1"

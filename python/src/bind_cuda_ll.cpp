@@ -52,6 +52,29 @@ class LLKernels {
     table_->dispatch_fn = &ll_dispatch;
     table_->combine_fn = &ll_combine;
     table_->error_string = &cuda_error_string;
+    table_->dispatch_graphed_fn = &ll_dispatch_graphed;
+    table_->combine_graphed_fn = &ll_combine_graphed;
+    table_->capturing_fn = &stream_capturing;
+    table_->graphs = graphs_.get();
+  }
+
+  // Graph launches on or off (ll_api.h, LLGraphs; off where the build has no graph cache, as under HIP). Turned
+  // off by the table itself after a graph launch failed (graph_error).
+  bool graph_launch() const { return table_->graphs != nullptr; }
+  void set_graph_launch(bool on) { table_->graphs = on ? graphs_.get() : nullptr; }
+  py::dict graph_counts() const {
+    const LLGraphCounts n = ll_graph_counts(graphs_.get());
+    py::dict d;
+    d["launches"] = n.launches;
+    d["builds"] = n.builds;
+    d["updates"] = n.updates;
+    d["error"] = table_->graph_error;
+    return d;
+  }
+  void close() {
+    table_->close();
+    table_->graphs = nullptr;
+    graphs_.reset();  // an executable graph still queued is freed when it completes (CUDA's rule)
   }
 
   // The plan of signature (T, hidden, num_experts), made on first use (python checked the signature first).
@@ -90,6 +113,7 @@ class LLKernels {
     c.comb_pitch = uint32_t(lay.comb_pitch);
     c.stream_base = setup_.stream_base + uint32_t((half * 2 + phase) * setup_.max_local_experts);
     c.meta_off = meta_off;
+    c.half = uint32_t(half);
     return c;
   }
 
@@ -97,6 +121,10 @@ class LLKernels {
   LLRegion region_;
   LLCommon base_{};
   std::unique_ptr<LLPlanTable> table_;
+  struct GraphsDeleter {
+    void operator()(LLGraphs* g) const { ll_graphs_destroy(g); }
+  };
+  std::unique_ptr<LLGraphs, GraphsDeleter> graphs_{ll_graphs_create()};
 };
 
 // LLCommon's per-Buffer pointers and limits, from the engine's keyword arguments.
@@ -118,6 +146,7 @@ LLCommon common_from(const py::kwargs& kw) {
   c.proxy_begin = ptr<uint32_t>(u("proxy_begin"));
   c.max_chunks = kw["max_chunks"].cast<int>();
   c.dest_done = ptr<uint32_t>(u("dest_done"));
+  c.seq_chain = ptr<uint32_t>(u("seq_chain"));
   c.error = ptr<KernelError>(u("error"));
   c.failed = ptr<uint32_t>(u("failed"));
   c.peer_status = ptr<const uint32_t>(u("peer_status"));
@@ -125,6 +154,7 @@ LLCommon common_from(const py::kwargs& kw) {
   c.send_mask = ptr<const uint32_t>(u("send_mask"));
   c.timeout_ns = uint64_t(kw["timeout_s"].cast<double>() * 1e9);
   c.num_sms = kw["num_sms"].cast<int>();
+  if (!c.seq_chain) throw std::invalid_argument("seq_chain: device memory of two uint32, not null");
   if (!c.failed || !c.error) throw std::invalid_argument("failed, error: the kernels' error words must not be null");
   if (!c.peers || !c.place)
     throw std::invalid_argument("peers and place: device arrays of num_ranks pointers, not null");
@@ -135,8 +165,8 @@ LLCommon common_from(const py::kwargs& kw) {
 const char* const kLLKernelsKeywords[] = {
     "rank", "num_ranks", "max_local_experts", "num_direct", "num_bytes", "stream_base", "device", "channel",
     "local", "peers", "place", "host_signals", "signal_seen", "num_streams", "fifos", "finish", "chunk_done",
-    "proxy_begin", "max_chunks", "dest_done", "error", "error_host", "failed", "peer_status", "mask", "send_mask",
-    "timeout_s", "num_sms"};
+    "proxy_begin", "max_chunks", "dest_done", "seq_chain", "error", "error_host", "failed", "peer_status", "mask",
+    "send_mask", "timeout_s", "num_sms"};
 
 std::unique_ptr<LLKernels> make_ll_kernels(const py::kwargs& kw) {
   for (const char* k : kLLKernelsKeywords)
@@ -152,7 +182,8 @@ std::unique_ptr<LLKernels> make_ll_kernels(const py::kwargs& kw) {
   return std::make_unique<LLKernels>(s, common_from(kw), error_host, kw["channel"].cast<portep::Channel&>());
 }
 
-void dispatch(const LLPlan& p, int half, int phases, uintptr_t stream, uint32_t seq, const py::kwargs& kw) {
+void dispatch(LLPlanTable& table, const LLPlan& p, int half, int phases, uintptr_t stream, uint32_t seq,
+              const py::kwargs& kw) {
   auto u = [&kw](const char* key) { return kw[key].cast<uintptr_t>(); };
   LLDispatchArgs a{};
   a.c = ll_call_common(p.dispatch[half], reinterpret_cast<void*>(stream), seq);
@@ -170,10 +201,11 @@ void dispatch(const LLPlan& p, int half, int phases, uintptr_t stream, uint32_t 
   a.layout_range = ptr<int64_t>(u("layout_range"));
   a.cumulative_stats = ptr<int32_t>(u("cumulative_stats"));
   a.wait_stats = ptr<int64_t>(u("wait_stats"));
-  check(ll_dispatch(a, phases), "low-latency dispatch");
+  check(table.launch_dispatch(a, phases), "low-latency dispatch");
 }
 
-void combine(const LLPlan& p, int half, int phases, uintptr_t stream, uint32_t seq, const py::kwargs& kw) {
+void combine(LLPlanTable& table, const LLPlan& p, int half, int phases, uintptr_t stream, uint32_t seq,
+             const py::kwargs& kw) {
   auto u = [&kw](const char* key) { return kw[key].cast<uintptr_t>(); };
   LLCombineArgs a{};
   a.c = ll_call_common(p.combine[half], reinterpret_cast<void*>(stream), seq);
@@ -188,7 +220,7 @@ void combine(const LLPlan& p, int half, int phases, uintptr_t stream, uint32_t s
   a.out = ptr<void>(u("out"));
   a.out_pitch = uint64_t(a.c.hidden) * 2;
   a.wait_stats = ptr<int64_t>(u("wait_stats"));
-  check(ll_combine(a, phases), "low-latency combine");
+  check(table.launch_combine(a, phases), "low-latency combine");
 }
 
 }  // namespace
@@ -250,20 +282,28 @@ void bind_cuda_ll(py::module_& m) {
       .def(
           "dispatch",
           [](LLKernels& k, int T, int hidden, int num_experts, int half, int phases, uintptr_t stream, uint32_t seq,
-             const py::kwargs& kw) { dispatch(k.plan(T, hidden, num_experts), half & 1, phases, stream, seq, kw); },
+             const py::kwargs& kw) {
+            dispatch(k.table(), k.plan(T, hidden, num_experts), half & 1, phases, stream, seq, kw);
+          },
           py::arg("T"), py::arg("hidden"), py::arg("num_experts"), py::arg("half"), py::arg("phases"),
           py::arg("stream"), py::arg("seq"))
       .def(
           "combine",
           [](LLKernels& k, int T, int hidden, int num_experts, int half, int phases, uintptr_t stream, uint32_t seq,
-             const py::kwargs& kw) { combine(k.plan(T, hidden, num_experts), half & 1, phases, stream, seq, kw); },
+             const py::kwargs& kw) {
+            combine(k.table(), k.plan(T, hidden, num_experts), half & 1, phases, stream, seq, kw);
+          },
           py::arg("T"), py::arg("hidden"), py::arg("num_experts"), py::arg("half"), py::arg("phases"),
           py::arg("stream"), py::arg("seq"))
       .def_property_readonly("half", [](LLKernels& k) { return k.table().half; },
                              "the buffer half the next LL call uses")
       .def("take_half", [](LLKernels& k) { return k.table().take_half(); }, "the next call's half (then flipped)")
-      .def("reset_half", [](LLKernels& k) { k.table().half = 0; })
-      .def("close", [](LLKernels& k) { k.table().close(); },
+      .def("reset_half", [](LLKernels& k) { k.table().reset_half(); })
+      .def_property("graph_launch", &LLKernels::graph_launch, &LLKernels::set_graph_launch,
+                    "whether eager LL calls launch as cached CUDA graphs (gpu_kernels/cuda/graph_cache.h)")
+      .def_property_readonly("graph_counts", &LLKernels::graph_counts,
+                             "graph launches, builds and updates, and the error that turned them off (0: none)")
+      .def("close", [](LLKernels& k) { k.close(); },
            "the Buffer's memory goes away: the fast path finds no plan and reads nothing any more")
       .def_property_readonly("table_address", [](LLKernels& k) { return reinterpret_cast<uintptr_t>(&k.table()); });
 

@@ -1,7 +1,8 @@
 // portep._ll_torch: the low-latency calls' hot path, one native call per phase. Each call checks that its
 // arguments match a signature the Python path validated (a plan of the Buffer's table, gpu_kernels/cuda/ll_plan.h,
 // marked checked), allocates the outputs with torch's caching allocator on torch's current stream, and launches the
-// kernels on that stream through the table's function pointers (portep._C holds the kernels). Anything it does not
+// kernels on that stream through the table (a cached CUDA graph or a kernel launch; portep._C holds the
+// kernels). Anything it does not
 // recognise is declined before anything happened, and the Python path then validates the call in full and raises
 // or runs it. The entries that Buffer's methods become, and the module, are in ll_torch_calls.cpp.
 //
@@ -229,7 +230,7 @@ PyObject* dispatch_call(LLPlanTable* table, PyObject* const* args, uint32_t seq,
   a.cumulative_stats = static_cast<int32_t*>(cumulative);
   a.wait_stats = static_cast<int64_t*>(wait);
   *launched = true;
-  if (int err = table->dispatch_fn(a, portep::cuda::kPhaseSend | portep::cuda::kPhaseRecv))
+  if (int err = table->launch_dispatch(a, portep::cuda::kPhaseSend | portep::cuda::kPhaseRecv))
     return launch_failed(*table, "low-latency dispatch", err);
 
   PyObject* out_x = fp8 ? tuple_of({wrap(recv_x), wrap(scales)}) : wrap(recv_x);
@@ -284,7 +285,7 @@ PyObject* combine_call(LLPlanTable* table, PyObject* const* args, uint32_t seq, 
   a.out_pitch = uint64_t(H) * 2;
   a.wait_stats = static_cast<int64_t*>(wait);
   *launched = true;
-  if (int err = table->combine_fn(a, portep::cuda::kPhaseSend | portep::cuda::kPhaseRecv))
+  if (int err = table->launch_combine(a, portep::cuda::kPhaseSend | portep::cuda::kPhaseRecv))
     return launch_failed(*table, "low-latency combine", err);
 
   PyObject* combined = out ? new_ref(out_arg) : wrap(result);

@@ -31,3 +31,15 @@ def test_fast_path_matches_the_full_path(case):
     out = run_ranks(f.fast_path_body, ranks, args=(rpn, transport, 5, 128, 7168, 288, 8), timeout=600)
     for rank, errors in out.items():
         assert errors == [], f"rank {rank}: {errors}"
+
+
+@pytest.mark.gpu
+@fast_path
+@pytest.mark.parametrize("case", CASES, ids=[c[1] for c in CASES])
+def test_graph_launches_match_kernel_launches(case):
+    ranks, _, rpn, transport = case
+    if ranks > 1 and torch.cuda.device_count() < GPUS_FOR_2:
+        pytest.skip("needs two GPUs (or PORTEP_TEST_SHARE_GPU=1)")
+    out = run_ranks(f.graph_launch_body, ranks, args=(rpn, transport, 7, 128, 7168, 288, 8), timeout=600)
+    for rank, errors in out.items():
+        assert errors == [], f"rank {rank}: {errors}"

@@ -211,3 +211,94 @@ def fast_path_body(rank, world, rpn, transport, seed, T, H, E, K):
     except RuntimeError:
         pass
     return errors
+
+
+def _with_graphs(calls, on, **kwargs):
+    calls.buf.runtime.kernels.graph_launch = on
+    try:
+        return calls.round_trip(**kwargs)
+    finally:
+        calls.buf.runtime.kernels.graph_launch = True
+
+
+def _differs(a, b):
+    return any(not torch.equal(p, q) for p, q in zip(a, b))
+
+
+def _captured_round_trips(calls, reference):
+    """A round trip captured in a CUDA graph (launched as kernels: captured launches leave the sequence-number chain
+    alone) and replayed twice, then eager round trips, which launch as graphs again once an eager kernel launch has
+    rewritten the chain. Errors."""
+    errors = []
+    for _ in range(2):  # warm-up on the capture's stream: both halves, every allocation seen once
+        calls.round_trip(flags=FLAGS[1])
+    torch.cuda.synchronize()
+    dist.barrier()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        dispatched = calls.buf.low_latency_dispatch(calls.x, calls.idx, calls.T, calls.E, use_fp8=True)
+        combined = calls.buf.low_latency_combine(calls.y, calls.idx, calls.weights, dispatched[2])[0]
+    for _ in range(2):
+        graph.replay()
+        torch.cuda.synchronize()
+        if not torch.equal(combined, reference[2]):
+            errors.append("a replayed round trip's combined rows differ")
+    counts = calls.buf.runtime.kernels.graph_counts
+    for i in range(3):
+        if _differs(calls.round_trip(flags=FLAGS[1]), reference):
+            errors.append(f"eager round trip {i} after the replays differs")
+    if calls.buf.runtime.kernels.graph_counts["launches"] <= counts["launches"]:
+        errors.append("eager calls after a capture never launched as graphs again")
+    return errors
+
+
+def graph_launch_body(rank, world, rpn, transport, seed, T, H, E, K):
+    """Graph launches (gpu_kernels/cuda/graph_cache.h) against kernel launches, bit for bit: each flag combination;
+    graph and kernel launches mixed call by call, differently on each rank (the sequence-number chain and the host's
+    numbers agree); more distinct inputs than the cache holds (its entries re-parameterised); a receive hook (kernel
+    launches) between graph launches; a CUDA-graph capture and its replays between eager calls; after
+    clean_low_latency_buffer."""
+    calls = _setup(rank, world, rpn, transport, seed, T, H, E, K)
+    kernels = calls.buf.runtime.kernels
+    errors = [] if kernels.graph_launch else ["graph launches are off on a CUDA build"]
+    references = {}
+    for flags in FLAGS:
+        references[flags] = _with_graphs(calls, False, flags=flags)
+        for i in range(3):  # the first call of a signature goes the full path; every eager call may use graphs
+            if _differs(references[flags], calls.round_trip(flags=flags)):
+                errors.append(f"flags {flags}: graph-launched round trip {i} differs from kernel launches")
+    if kernels.graph_counts["launches"] < 2 * len(FLAGS):
+        errors.append(f"too few graph launches: {kernels.graph_counts}")
+
+    ref = references[FLAGS[1]]
+    for i in range(12):  # each rank its own pattern of graph and kernel launches
+        if _differs(ref, _with_graphs(calls, (i + rank) % 3 != 0, flags=FLAGS[1])):
+            errors.append(f"mixed launches, round trip {i}: differs")
+
+    x_before, g = calls.x, torch.Generator().manual_seed(seed + rank)
+    inputs = [torch.randn(calls.x.shape, generator=g).to(BF16).cuda() for _ in range(20)]  # > kEntries (16)
+    for j, x in enumerate(inputs):
+        calls.x = x
+        if _differs(_with_graphs(calls, False, flags=FLAGS[1]), calls.round_trip(flags=FLAGS[1])):
+            errors.append(f"input {j} of the cache churn: graph launch differs")
+    calls.x = x_before
+    if kernels.graph_counts["updates"] == 0:
+        errors.append(f"the cache churn re-parameterised no graph: {kernels.graph_counts}")
+
+    recv_x, count, handle, _, hook = calls.buf.low_latency_dispatch(calls.x, calls.idx, T, E, use_fp8=False,
+                                                                    return_recv_hook=True)
+    hook()
+    calls.buf.low_latency_combine(calls.y, calls.idx, calls.weights, handle)
+    if _differs(ref, calls.round_trip(flags=FLAGS[1])):
+        errors.append("the round trip after a hooked call differs")
+
+    errors += _captured_round_trips(calls, ref)
+    torch.cuda.synchronize()
+    calls.buf.clean_low_latency_buffer(T, H, E)
+    for i in range(3):
+        if _differs(ref, calls.round_trip(flags=FLAGS[1])):
+            errors.append(f"round trip {i} after clean_low_latency_buffer differs")
+    if kernels.graph_counts["error"]:
+        errors.append(f"a graph launch failed: {kernels.graph_counts}")
+    calls.buf.destroy()
+    return errors

@@ -26,7 +26,7 @@ import torch
 from ..._native import require_native
 from ...channel import Channel
 from ...errors import DroppedInput
-from ...config import PROXY_COPIES_VAR, check_gpu_copy_connections, proxy_copies
+from ...config import PROXY_COPIES_VAR, check_gpu_copy_connections, ll_graph_launch, proxy_copies
 from ...lockstep import AgreedRefusal, Lockstep, OutOfStep, wire_seq
 from ...topology import Topology
 from .. import common as hb
@@ -154,13 +154,14 @@ class CudaEngine(Topology):
         self._place = torch.tensor(place, dtype=torch.int64, device=self.device)
         # kernel scratch, int32: finish counts [flag_slots + 1], proxy chunks' ready counts [R][max_chunks], where a
         # proxy source's messages or rows of an expert begin in its chunk [flag_slots], combine blocks done with a
-        # partial peer [R]
+        # partial peer [R], the sequence-number chain [2] (gpu_kernels/cuda/ll_api.h)
         max_chunks = -(-max_local_experts // self.native.LL_CHUNK_EXPERTS)
-        self._finish = torch.zeros(2 * self.flag_slots + 1 + self.num_ranks * (max_chunks + 1), dtype=torch.int32,
-                                   device=self.device)
+        self._finish = torch.zeros(2 * self.flag_slots + 1 + self.num_ranks * (max_chunks + 1) + 2,
+                                   dtype=torch.int32, device=self.device)
         chunk_done = self._finish.data_ptr() + 4 * (self.flag_slots + 1)
         proxy_begin = chunk_done + 4 * self.num_ranks * max_chunks
         dest_done = proxy_begin + 4 * self.flag_slots
+        seq_chain = dest_done + 4 * self.num_ranks
         # the proxy signal slots' values the kernels consumed last (only the host writes the slots themselves)
         self._signal_seen = torch.zeros(self.num_ranks * self.channel.num_streams, dtype=torch.int64,
                                         device=self.device)
@@ -176,9 +177,10 @@ class CudaEngine(Topology):
             place=self._place.data_ptr(), host_signals=ch.device_signals_ptr(),
             signal_seen=self._signal_seen.data_ptr(), num_streams=self.channel.num_streams, fifos=self.fifos,
             finish=self._finish.data_ptr(), chunk_done=chunk_done, proxy_begin=proxy_begin, max_chunks=max_chunks,
-            dest_done=dest_done, error=self.error_device, error_host=self.errors.host,
+            dest_done=dest_done, seq_chain=seq_chain, error=self.error_device, error_host=self.errors.host,
             failed=self.failed_flag.data_ptr(), peer_status=self.status_device, mask=_ptr(self.mask),
             send_mask=_ptr(self._send_mask), timeout_s=self.timeout_s, num_sms=num_sms)
+        self.kernels.graph_launch = self.kernels.graph_launch and ll_graph_launch()
         self._layouts = {}
         torch.cuda.current_stream(self.device).synchronize()
         self.channel.barrier()  # every peer's memory is zeroed before anyone stores into it
