@@ -153,7 +153,8 @@ int ll_combine(const LLCombineArgs& a, int phases);
 // the number of the call after it in seq_chain[half ^ 1], the word of the half that call uses; the two words
 // never race, as the kernel reads only its own half's word. Launches under stream capture neither read nor write
 // the chain (their replays would rewrite it), and the host launches a graph only where an eager launch of this
-// Buffer wrote the chain last (LLPlanTable::launch, ll_plan.h).
+// Buffer wrote the chain last, for the call's half and the host's number of the call (LLPlanTable::launch,
+// ll_plan.h): a graph-launched call carries the number a kernel launch would have.
 constexpr uint32_t kSeqWriteChain = 1, kSeqFromChain = 2;
 
 // A Buffer's LL launches as instantiated one-kernel CUDA graphs, one per distinct parameter block (graph_cache.h):

@@ -54,12 +54,15 @@ struct LLPlanTable {
   int (*combine_fn)(const LLCombineArgs&, int) = nullptr;
   const char* (*error_string)(int) = nullptr;
   // Graph launches (ll_api.h, LLGraphs; null graphs: kernel launches only) and the chain they read the call's
-  // sequence number from: chain_ready while the last launch that sent was an eager one of this table.
+  // sequence number from. chain_ready while the last launch that sent was an eager one of this table; it left
+  // chain_seq in the word of half chain_half. A call launches as a graph only if it is that half's call with that
+  // number (the host's), so a graph-launched call carries the number a kernel launch would have.
   LLGraphs* graphs = nullptr;
   int (*dispatch_graphed_fn)(LLGraphs*, const LLDispatchArgs&) = nullptr;
   int (*combine_graphed_fn)(LLGraphs*, const LLCombineArgs&) = nullptr;
   int (*capturing_fn)(void*, bool*) = nullptr;
   bool chain_ready = false;
+  uint32_t chain_half = 0, chain_seq = 0;
   int graph_error = 0;  // the error that turned graph launches off
 
   LLPlan* find(int T, int hidden, int num_experts) {
@@ -100,16 +103,27 @@ struct LLPlanTable {
   int launch(Args& a, int phases, int (*kernel_fn)(const Args&, int), int (*graph_fn)(LLGraphs*, const Args&)) {
     bool capturing = true;
     if (!capturing_fn || capturing_fn(a.c.stream, &capturing) != 0) capturing = true;  // unknown: as if captured
-    if (!capturing && chain_ready && graphs && graph_fn && phases == (kPhaseSend | kPhaseRecv)) {
+    if (!capturing && chain_ready && a.c.half == chain_half && a.c.seq == chain_seq && graphs && graph_fn &&
+        phases == (kPhaseSend | kPhaseRecv)) {
       a.c.seq_mode = kSeqFromChain | kSeqWriteChain;
       graph_error = graph_fn(graphs, a);
-      if (graph_error == 0) return 0;
+      if (graph_error == 0) {
+        chained(a.c);
+        return 0;
+      }
       graphs = nullptr;  // nothing was queued: the kernel launch below, and from now on (graph_error says why)
     }
     a.c.seq_mode = !capturing && (phases & kPhaseSend) ? kSeqWriteChain : 0;
     const int err = kernel_fn(a, phases);
-    if (phases & kPhaseSend) chain_ready = err == 0 && !capturing;
+    if (!(phases & kPhaseSend)) return err;
+    chain_ready = err == 0 && !capturing;
+    if (chain_ready) chained(a.c);
     return err;
+  }
+  // What the launch of call c left in the chain (ll_common.cuh, ll_call_seq).
+  void chained(const LLCommon& c) {
+    chain_half = c.half ^ 1u;
+    chain_seq = c.seq == 0xFFFFFFFFu ? 1u : c.seq + 1u;
   }
 };
 
