@@ -96,6 +96,16 @@ def _check_fast_equals_full(buf, x, idx, weights, y, torch):
             raise AssertionError("the LL fast path's outputs differ from the full path's")
 
 
+def _graph_note(graphs_on, counts):
+    """What the Buffer's graph cache did over the run (gpu_kernels/cuda/graph_cache.h): in a steady loop the calls
+    hit the graphs built first, so builds stay at a few and re-parameterisations at none."""
+    if not graphs_on:
+        return "graph launches off (PORTEP_LL_GRAPH_LAUNCH=0, or a build without them)"
+    note = (f"{counts['launches']} graph launches of {counts['builds']} cached graphs "
+            f"({counts['updates']} re-parameterised)")
+    return note + (f"; graph launches turned off by error {counts['error']}" if counts["error"] else "")
+
+
 def measure(calls=1000, progress=print):
     import torch
 
@@ -129,13 +139,16 @@ def measure(calls=1000, progress=print):
             finally:
                 fast.enabled = True
 
+        kernels = buf.runtime.kernels
+        graphs_on = kernels.graph_launch
+
         @contextlib.contextmanager
         def kernel_launches():
-            buf.runtime.kernels.graph_launch = False
+            kernels.graph_launch = False
             try:
                 yield
             finally:
-                buf.runtime.kernels.graph_launch = True
+                kernels.graph_launch = graphs_on
 
         rows = _interleaved([
             ("portep LL round trip (dispatch + combine), one native call per phase", round_trip, HOLD_CYCLES),
@@ -149,10 +162,11 @@ def measure(calls=1000, progress=print):
             ("for scale: two empty kernel launches (torch.cuda._sleep(0) twice; a round trip launches two kernels)",
              lambda: (torch.cuda._sleep(0), torch.cuda._sleep(0)), HOLD_CYCLES),
         ], calls, torch, progress)
+        graphs = _graph_note(graphs_on, kernels.graph_counts)
     finally:
         torch.cuda.synchronize()
         buf.destroy()
     note = (f"host time per call on {torch.cuda.get_device_name()}, 1 rank, {T} tokens, hidden {H}, top-{K}, "
             f"{E} experts, FP8 dispatch; calls in batches of {BATCH} behind a GPU sleep (host time only), one batch "
-            f"per row in turn")
+            f"per row in turn; {graphs}")
     return {"rows": rows, "note": note}

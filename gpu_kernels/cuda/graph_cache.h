@@ -13,6 +13,7 @@
 #include <string.h>
 
 #include "gpu_kernels/cuda/gpu_runtime.h"
+#include "gpu_kernels/cuda/ll_api.h"
 
 namespace portep::cuda {
 
@@ -29,10 +30,18 @@ class GraphCache {
   }
 
   // func<<<grid, block, smem, stream>>>(*params) as the graph of the parameter bytes `key` (which must hold
-  // everything in params); the launch's error, after which nothing was queued and the entry is dropped.
-  cudaError_t launch(const void* func, dim3 grid, dim3 block, unsigned smem, cudaStream_t stream, void** params,
-                     const void* key, size_t key_bytes) {
+  // everything in params): 0; the launch's error, after which nothing was queued and the entry is dropped; or
+  // kGraphDeclined where another GPU is current than the one its graphs were made on (their kernels run there).
+  int launch(const void* func, dim3 grid, dim3 block, unsigned smem, cudaStream_t stream, void** params,
+             const void* key, size_t key_bytes) {
     if (key_bytes > kMaxKey) return cudaErrorInvalidValue;
+    int device = -1;
+    if (cudaGetDevice(&device) != cudaSuccess) {
+      (void)cudaGetLastError();
+      return kGraphDeclined;
+    }
+    if (device_ < 0) device_ = device;
+    if (device != device_) return kGraphDeclined;
     cudaKernelNodeParams p{};
     p.func = const_cast<void*>(func);
     p.gridDim = grid;
@@ -132,6 +141,7 @@ class GraphCache {
 
   Entry entries_[kEntries];
   uint64_t clock_ = 0;
+  int device_ = -1;  // the GPU current when the first graph was made
 };
 
 struct LLGraphs {

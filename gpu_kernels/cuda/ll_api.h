@@ -150,8 +150,10 @@ int ll_combine(const LLCombineArgs& a, int phases);
 // The sequence-number chain. A call launched as a cached CUDA graph (below) has fixed parameters, so its sequence
 // number cannot be one: it reads it on the GPU from seq_chain[half] (kSeqFromChain), which the Buffer's previous
 // call left there. Every eager launch that sends (kSeqWriteChain: thread 0 of block 0, as the kernel begins) stores
-// the number of the call after it in seq_chain[half ^ 1], the word of the half that call uses; the two words
-// never race, as the kernel reads only its own half's word. Launches under stream capture neither read nor write
+// the number of the call after it in seq_chain[half ^ 1], the word of the half that call uses; in stream order
+// the two words never race, as the kernel reads only its own half's word (calls of one Buffer on streams that do
+// not wait for each other share its scratch as well: a graph call may then read an old number, which the receivers
+// report as out of step). Launches under stream capture neither read nor write
 // the chain (their replays would rewrite it), and the host launches a graph only where an eager launch of this
 // Buffer wrote the chain last, for the call's half and the host's number of the call (LLPlanTable::launch,
 // ll_plan.h): a graph-launched call carries the number a kernel launch would have.
@@ -163,6 +165,8 @@ struct LLGraphs;
 LLGraphs* ll_graphs_create();
 void ll_graphs_destroy(LLGraphs* graphs);
 // Both phases in one launch of the call's graph (kSeqFromChain set by the caller); on an error nothing was queued.
+// kGraphDeclined: not launched, nothing wrong (another GPU is current than the cache's): launch a kernel instead.
+constexpr int kGraphDeclined = -1;
 int ll_dispatch_graphed(LLGraphs* graphs, const LLDispatchArgs& a);
 int ll_combine_graphed(LLGraphs* graphs, const LLCombineArgs& a);
 // Graphs launched, built and re-parameterised by one cache; zeros without one.

@@ -448,6 +448,7 @@ int ll_combine_graphed(LLGraphs* graphs, const LLCombineArgs& a) {
     LLCombineArgs a;
     int parts, phases;
   } key;
+  static_assert(sizeof(Key) <= GraphCache::kMaxKey, "the kernel's parameters fit a cache key");
   memset(&key, 0, sizeof key);
   key.a = l.args;
   key.a.c.stream = nullptr;

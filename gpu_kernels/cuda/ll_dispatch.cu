@@ -356,6 +356,7 @@ int ll_dispatch_graphed(LLGraphs* graphs, const LLDispatchArgs& a) {
     LLDispatchArgs a;
     int phases;
   } key;
+  static_assert(sizeof(Key) <= GraphCache::kMaxKey, "the kernel's parameters fit a cache key");
   memset(&key, 0, sizeof key);
   key.a = a;
   key.a.c.stream = nullptr;

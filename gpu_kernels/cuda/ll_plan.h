@@ -63,7 +63,7 @@ struct LLPlanTable {
   int (*capturing_fn)(void*, bool*) = nullptr;
   bool chain_ready = false;
   uint32_t chain_half = 0, chain_seq = 0;
-  int graph_error = 0;  // the error that turned graph launches off
+  int graph_error = 0;  // the first error that turned graph launches off
 
   LLPlan* find(int T, int hidden, int num_experts) {
     for (int i = 0; i < count; ++i) {
@@ -106,12 +106,15 @@ struct LLPlanTable {
     if (!capturing && chain_ready && a.c.half == chain_half && a.c.seq == chain_seq && graphs && graph_fn &&
         phases == (kPhaseSend | kPhaseRecv)) {
       a.c.seq_mode = kSeqFromChain | kSeqWriteChain;
-      graph_error = graph_fn(graphs, a);
-      if (graph_error == 0) {
+      const int err = graph_fn(graphs, a);
+      if (err == 0) {
         chained(a.c);
         return 0;
       }
-      graphs = nullptr;  // nothing was queued: the kernel launch below, and from now on (graph_error says why)
+      if (err != kGraphDeclined) {  // nothing was queued: the kernel launch below, and from now on
+        graphs = nullptr;
+        if (!graph_error) graph_error = err;  // the first: turning graphs on again does not clear it
+      }
     }
     a.c.seq_mode = !capturing && (phases & kPhaseSend) ? kSeqWriteChain : 0;
     const int err = kernel_fn(a, phases);

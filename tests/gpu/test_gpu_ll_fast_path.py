@@ -38,6 +38,8 @@ def test_fast_path_matches_the_full_path(case):
 @pytest.mark.parametrize("case", CASES, ids=[c[1] for c in CASES])
 def test_graph_launches_match_kernel_launches(case):
     ranks, _, rpn, transport = case
+    if native.build_info()["gpu_runtime"] != "cuda" or os.environ.get("PORTEP_LL_GRAPH_LAUNCH") == "0":
+        pytest.skip("graph launches are a CUDA build's, and PORTEP_LL_GRAPH_LAUNCH=0 turns them off")
     if ranks > 1 and torch.cuda.device_count() < GPUS_FOR_2:
         pytest.skip("needs two GPUs (or PORTEP_TEST_SHARE_GPU=1)")
     out = run_ranks(f.graph_launch_body, ranks, args=(rpn, transport, 7, 128, 7168, 288, 8), timeout=600)

@@ -23,7 +23,7 @@ namespace {
 struct ChainModel {
   LLPlanTable table;
   uint32_t chain[2] = {0, 0};  // the device words seq_chain[2]
-  bool capturing = false, graph_fails = false;
+  bool capturing = false, graph_fails = false, graph_declines = false;
   // (how: "kernel", "graph" or "captured"; half; seq_mode; the number the kernel carries)
   std::vector<std::tuple<std::string, uint32_t, uint32_t, uint32_t>> launches;
 
@@ -55,6 +55,7 @@ int kernel_launch(const Args& a, int) {
 template <class Args>
 int graph_launch(LLGraphs*, const Args& a) {
   if (g_model->graph_fails) return 3;  // cudaErrorInitializationError: nothing queued
+  if (g_model->graph_declines) return kGraphDeclined;  // another GPU current: nothing wrong, nothing queued
   record("graph", a.c);
   return 0;
 }
@@ -109,7 +110,10 @@ void bind_ll_chain(py::module_& m) {
       .def("reset_half", [](ChainModel& m) { m.table.reset_half(); })
       .def_readwrite("capturing", &ChainModel::capturing)
       .def_readwrite("graph_fails", &ChainModel::graph_fails)
-      .def_property_readonly("graphs_on", [](const ChainModel& m) { return m.table.graphs != nullptr; })
+      .def_readwrite("graph_declines", &ChainModel::graph_declines)
+      .def_property(
+          "graphs_on", [](const ChainModel& m) { return m.table.graphs != nullptr; },
+          [](ChainModel& m, bool on) { m.table.graphs = on ? reinterpret_cast<LLGraphs*>(&m) : nullptr; })
       .def_property_readonly("graph_error", [](const ChainModel& m) { return m.table.graph_error; })
       .def_property_readonly("chain",
                              [](const ChainModel& m) { return std::vector<uint32_t>{m.chain[0], m.chain[1]}; });

@@ -214,11 +214,12 @@ def fast_path_body(rank, world, rpn, transport, seed, T, H, E, K):
 
 
 def _with_graphs(calls, on, **kwargs):
-    calls.buf.runtime.kernels.graph_launch = on
+    kernels = calls.buf.runtime.kernels
+    before, kernels.graph_launch = kernels.graph_launch, on
     try:
         return calls.round_trip(**kwargs)
     finally:
-        calls.buf.runtime.kernels.graph_launch = True
+        kernels.graph_launch = before
 
 
 def _differs(a, b):

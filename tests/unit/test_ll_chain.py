@@ -120,6 +120,32 @@ def test_a_failed_graph_launch_falls_back_to_a_kernel_and_turns_graphs_off():
     assert carried_is_the_hosts(results + after) == []
 
 
+def test_a_failure_stays_named_after_graphs_are_turned_on_again():
+    model = ll_chain.ChainModel()
+    host = Host(model)
+    results = host.round_trip()
+    model.graph_fails = True
+    results += host.round_trip()
+    model.graph_fails, model.graphs_on = False, True
+    after = host.round_trip()
+    assert [how for _, _, (how, _, _) in after] == ["graph", "graph"]
+    assert model.graph_error == 3  # the first error, not cleared by the launches that worked since
+    assert carried_is_the_hosts(results + after) == []
+
+
+def test_a_declined_graph_launches_a_kernel_and_keeps_graphs_on():
+    model = ll_chain.ChainModel()
+    host = Host(model)
+    results = host.round_trip()
+    model.graph_declines = True  # another GPU current than the cache's
+    results += host.round_trip()
+    model.graph_declines = False
+    after = host.round_trip()
+    assert [how for _, _, (how, _, _) in results[2:] + after] == ["kernel", "kernel", "graph", "graph"]
+    assert model.graphs_on and model.graph_error == 0
+    assert carried_is_the_hosts(results + after) == []
+
+
 @pytest.mark.parametrize("seed", [1, 7, 2026])
 def test_random_sequences_always_carry_the_hosts_numbers(seed):
     rng = random.Random(seed)

@@ -88,6 +88,7 @@ class CudaEngine(Topology):
     def __init__(self, group, num_bytes, ranks_per_node, max_local_experts=1024, transport=None, timeout_s=None,
                  allow_direct_ll=True, num_proxy_threads=4, normal_bytes=0, shrink=False):
         self.native = require_native()
+        graph_launch = ll_graph_launch()  # a bad value raises before any collective
         info = self.native.build_info()
         if not info["gpu_built"]:
             raise RuntimeError(f"backend='cuda': portep was built without the GPU kernels ({info['gpu_reason']})")
@@ -180,7 +181,7 @@ class CudaEngine(Topology):
             dest_done=dest_done, seq_chain=seq_chain, error=self.error_device, error_host=self.errors.host,
             failed=self.failed_flag.data_ptr(), peer_status=self.status_device, mask=_ptr(self.mask),
             send_mask=_ptr(self._send_mask), timeout_s=self.timeout_s, num_sms=num_sms)
-        self.kernels.graph_launch = self.kernels.graph_launch and ll_graph_launch()
+        self.kernels.graph_launch = self.kernels.graph_launch and graph_launch
         self._layouts = {}
         torch.cuda.current_stream(self.device).synchronize()
         self.channel.barrier()  # every peer's memory is zeroed before anyone stores into it
