@@ -5,8 +5,6 @@
 // each token per owner rank (top-k order, FP32), then over owner ranks in rank order: the host backend's order
 // and roundings, so both give the same bits. In one launch (no hook) this rank's rows for itself are not
 // copied: the reduce reads them from the input, which cannot change before it runs.
-#include <string.h>
-
 #include "gpu_kernels/cuda/gpu_runtime.h"
 #include "gpu_kernels/cuda/graph_cache.h"
 
@@ -444,21 +442,8 @@ int ll_combine_graphed(LLGraphs* graphs, const LLCombineArgs& a) {
   const int phases = kPhaseSend | kPhaseRecv;
   CombineLaunch l;
   if (cudaError_t e = combine_launch(a, phases, &l); e != cudaSuccess) return int(e);
-  struct Key {  // the kernel's parameters, which are the graph's key: zeroed padding, no stream, no seq
-    LLCombineArgs a;
-    int parts, phases;
-  } key;
-  static_assert(sizeof(Key) <= GraphCache::kMaxKey, "the kernel's parameters fit a cache key");
-  memset(&key, 0, sizeof key);
-  key.a = l.args;
-  key.a.c.stream = nullptr;
-  key.a.c.seq = 0;
-  key.parts = l.parts;
-  key.phases = phases;
-  void* params[] = {&key.a, &key.parts, &key.phases};
-  return int(graphs->combine.launch(reinterpret_cast<const void*>(combine_kernel), dim3(l.blocks), dim3(kLLThreads),
-                                    unsigned(l.smem), static_cast<cudaStream_t>(a.c.stream), params, &key,
-                                    sizeof key));
+  return launch_graphed(graphs->combine, reinterpret_cast<const void*>(combine_kernel), l.blocks, kLLThreads, l.smem,
+                        l.args, l.parts, phases);
 #endif
 }
 

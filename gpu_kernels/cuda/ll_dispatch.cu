@@ -2,8 +2,6 @@
 // slot (direct peers, through IPC pointers) or into the local staging area (proxy peers), and publishes each
 // expert once all its messages are written; the receive kernel waits per (local expert, source), packs the
 // messages expert-major and writes recv_count, src_info and layout_range. Layouts: ll_api.h.
-#include <string.h>
-
 #include "gpu_kernels/cuda/gpu_runtime.h"
 #include "gpu_kernels/cuda/graph_cache.h"
 
@@ -352,20 +350,8 @@ int ll_dispatch_graphed(LLGraphs* graphs, const LLDispatchArgs& a) {
   const int phases = kPhaseSend | kPhaseRecv;
   DispatchLaunch l;
   if (cudaError_t e = dispatch_launch(a, phases, &l); e != cudaSuccess) return int(e);
-  struct Key {  // the kernel's parameters, which are the graph's key: zeroed padding, no stream, no seq
-    LLDispatchArgs a;
-    int phases;
-  } key;
-  static_assert(sizeof(Key) <= GraphCache::kMaxKey, "the kernel's parameters fit a cache key");
-  memset(&key, 0, sizeof key);
-  key.a = a;
-  key.a.c.stream = nullptr;
-  key.a.c.seq = 0;
-  key.phases = phases;
-  void* params[] = {&key.a, &key.phases};
-  return int(graphs->dispatch.launch(reinterpret_cast<const void*>(dispatch_kernel), dim3(l.blocks), dim3(kLLThreads),
-                                     unsigned(l.smem), static_cast<cudaStream_t>(a.c.stream), params, &key,
-                                     sizeof key));
+  return launch_graphed(graphs->dispatch, reinterpret_cast<const void*>(dispatch_kernel), l.blocks, kLLThreads, l.smem,
+                        a, phases);
 #endif
 }
 

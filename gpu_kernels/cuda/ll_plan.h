@@ -54,15 +54,15 @@ struct LLPlanTable {
   int (*combine_fn)(const LLCombineArgs&, int) = nullptr;
   const char* (*error_string)(int) = nullptr;
   // Graph launches (ll_api.h, LLGraphs; null graphs: kernel launches only) and the chain they read the call's
-  // sequence number from. chain_ready while the last launch that sent was an eager one of this table; it left
-  // chain_seq in the word of half chain_half. A call launches as a graph only if it is that half's call with that
+  // sequence number from. The last launch that sent, if an eager one of this table, left chain_seq in the word of
+  // half chain_half; else chain_seq is kNoChain. A call launches as a graph only if it is that half's call with that
   // number (the host's), so a graph-launched call carries the number a kernel launch would have.
   LLGraphs* graphs = nullptr;
   int (*dispatch_graphed_fn)(LLGraphs*, const LLDispatchArgs&) = nullptr;
   int (*combine_graphed_fn)(LLGraphs*, const LLCombineArgs&) = nullptr;
   int (*capturing_fn)(void*, bool*) = nullptr;
-  bool chain_ready = false;
-  uint32_t chain_half = 0, chain_seq = 0;
+  static constexpr uint32_t kNoChain = 0;  // no call has this number (lockstep.wire_seq starts at 1)
+  uint32_t chain_half = 0, chain_seq = kNoChain;
   int graph_error = 0;  // the first error that turned graph launches off
 
   LLPlan* find(int T, int hidden, int num_experts) {
@@ -83,6 +83,7 @@ struct LLPlanTable {
     count = 0;
     errors = nullptr;
     proxies_failed = nullptr;
+    graphs = nullptr;
   }
   uint32_t take_half() {
     const uint32_t h = half;
@@ -91,10 +92,10 @@ struct LLPlanTable {
   }
   void reset_half() {
     half = 0;
-    chain_ready = false;  // the chain's words follow the halves: the next call writes it afresh
+    chain_seq = kNoChain;  // the chain's words follow the halves (and are zeroed): the next call writes it afresh
   }
   // Launches a call (a.c from ll_call_common) as a graph where it can (both phases, not under capture, the chain
-  // ready), else as a kernel; the launch's error (0: launched).
+  // holding its number), else as a kernel; the launch's error (0: launched).
   int launch_dispatch(LLDispatchArgs& a, int phases) { return launch(a, phases, dispatch_fn, dispatch_graphed_fn); }
   int launch_combine(LLCombineArgs& a, int phases) { return launch(a, phases, combine_fn, combine_graphed_fn); }
 
@@ -103,7 +104,7 @@ struct LLPlanTable {
   int launch(Args& a, int phases, int (*kernel_fn)(const Args&, int), int (*graph_fn)(LLGraphs*, const Args&)) {
     bool capturing = true;
     if (!capturing_fn || capturing_fn(a.c.stream, &capturing) != 0) capturing = true;  // unknown: as if captured
-    if (!capturing && chain_ready && a.c.half == chain_half && a.c.seq == chain_seq && graphs && graph_fn &&
+    if (!capturing && a.c.half == chain_half && a.c.seq == chain_seq && graphs && graph_fn &&
         phases == (kPhaseSend | kPhaseRecv)) {
       a.c.seq_mode = kSeqFromChain | kSeqWriteChain;
       const int err = graph_fn(graphs, a);
@@ -119,8 +120,10 @@ struct LLPlanTable {
     a.c.seq_mode = !capturing && (phases & kPhaseSend) ? kSeqWriteChain : 0;
     const int err = kernel_fn(a, phases);
     if (!(phases & kPhaseSend)) return err;
-    chain_ready = err == 0 && !capturing;
-    if (chain_ready) chained(a.c);
+    if (err == 0 && !capturing)
+      chained(a.c);
+    else
+      chain_seq = kNoChain;
     return err;
   }
   // What the launch of call c left in the chain (ll_common.cuh, ll_call_seq).

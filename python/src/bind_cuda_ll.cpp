@@ -73,7 +73,6 @@ class LLKernels {
   }
   void close() {
     table_->close();
-    table_->graphs = nullptr;
     graphs_.reset();  // an executable graph still queued is freed when it completes (CUDA's rule)
   }
 

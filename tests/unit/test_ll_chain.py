@@ -34,6 +34,11 @@ class Host:
         return [self.call(True), self.call(False)]
 
 
+def hows(results):
+    """How each call was launched: "kernel", "graph" or "captured"."""
+    return [how for _, _, (how, _, _) in results]
+
+
 def carried_is_the_hosts(results):
     return [(seq, how, carried) for _, seq, (how, _, carried) in results if carried != seq]
 
@@ -41,7 +46,7 @@ def carried_is_the_hosts(results):
 def test_eager_calls_launch_as_graphs_after_the_first():
     host = Host(ll_chain.ChainModel())
     results = host.round_trip() + host.round_trip() + host.round_trip()
-    assert [how for _, _, (how, _, _) in results] == ["kernel"] + ["graph"] * 5
+    assert hows(results) == ["kernel"] + ["graph"] * 5
     assert carried_is_the_hosts(results) == []
     assert results[1][2][1] == ll_chain.SEQ_FROM_CHAIN | ll_chain.SEQ_WRITE_CHAIN
     assert results[0][2][1] == ll_chain.SEQ_WRITE_CHAIN
@@ -52,7 +57,7 @@ def test_the_numbers_wrap_as_lockstep_wire_seq_does():
     results = [host.call(i % 2 == 0) for i in range(8)]
     assert [seq for _, seq, _ in results] == [MAX_WIRE - 2, MAX_WIRE - 1, MAX_WIRE, 1, 2, 3, 4, 5]
     assert carried_is_the_hosts(results) == []
-    assert [how for _, _, (how, _, _) in results][1:] == ["graph"] * 7
+    assert hows(results)[1:] == ["graph"] * 7
 
 
 def test_a_hook_launches_kernels_and_keeps_the_chain():
@@ -67,7 +72,7 @@ def test_a_hook_launches_kernels_and_keeps_the_chain():
     results += host.round_trip()
     assert send[0] == "kernel" and recv[0] == "kernel" and recv[1] == 0  # the receive leaves the chain alone
     assert carried_is_the_hosts(results) == []
-    assert [how for _, _, (how, _, _) in results[-2:]] == ["graph", "graph"]
+    assert hows(results[-2:]) == ["graph", "graph"]
 
 
 def test_captured_calls_leave_the_chain_and_eager_ones_take_it_up_again():
@@ -81,7 +86,7 @@ def test_captured_calls_leave_the_chain_and_eager_ones_take_it_up_again():
     assert [r[2][:2] for r in captured] == [("captured", 0), ("captured", 0)]
     assert model.chain == chain  # replays run what was baked: the chain never sees them
     after = host.round_trip() + host.round_trip()
-    assert [how for _, _, (how, _, _) in after] == ["kernel", "graph", "graph", "graph"]
+    assert hows(after) == ["kernel", "graph", "graph", "graph"]
     assert carried_is_the_hosts(results + after) == []
 
 
@@ -94,7 +99,7 @@ def test_a_call_that_counted_or_took_a_half_without_launching_makes_the_next_a_k
     else:
         host.half ^= 1  # a half taken by a call that failed before its launch
     after = host.round_trip()
-    assert [how for _, _, (how, _, _) in after] == ["kernel", "graph"]
+    assert hows(after) == ["kernel", "graph"]
     assert carried_is_the_hosts(results + after) == []
 
 
@@ -105,7 +110,7 @@ def test_reset_half_makes_the_next_a_kernel_launch():
     model.reset_half()  # clean_low_latency_buffer: the ranks restart on half 0, numbers from 1
     host.half, host.count = 0, 0
     after = host.round_trip()
-    assert [how for _, _, (how, _, _) in after] == ["kernel", "graph"]
+    assert hows(after) == ["kernel", "graph"]
     assert carried_is_the_hosts(results + after) == []
 
 
@@ -115,7 +120,7 @@ def test_a_failed_graph_launch_falls_back_to_a_kernel_and_turns_graphs_off():
     results = host.round_trip()
     model.graph_fails = True
     after = host.round_trip() + host.round_trip()
-    assert [how for _, _, (how, _, _) in after] == ["kernel"] * 4
+    assert hows(after) == ["kernel"] * 4
     assert not model.graphs_on and model.graph_error == 3
     assert carried_is_the_hosts(results + after) == []
 
@@ -128,7 +133,7 @@ def test_a_failure_stays_named_after_graphs_are_turned_on_again():
     results += host.round_trip()
     model.graph_fails, model.graphs_on = False, True
     after = host.round_trip()
-    assert [how for _, _, (how, _, _) in after] == ["graph", "graph"]
+    assert hows(after) == ["graph", "graph"]
     assert model.graph_error == 3  # the first error, not cleared by the launches that worked since
     assert carried_is_the_hosts(results + after) == []
 
@@ -141,7 +146,7 @@ def test_a_declined_graph_launches_a_kernel_and_keeps_graphs_on():
     results += host.round_trip()
     model.graph_declines = False
     after = host.round_trip()
-    assert [how for _, _, (how, _, _) in results[2:] + after] == ["kernel", "kernel", "graph", "graph"]
+    assert hows(results[2:] + after) == ["kernel", "kernel", "graph", "graph"]
     assert model.graphs_on and model.graph_error == 0
     assert carried_is_the_hosts(results + after) == []
 
