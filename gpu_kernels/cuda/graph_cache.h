@@ -1,9 +1,9 @@
 // Host code of the LL kernels' graph launches (ll_api.h, LLGraphs): one kernel's launches as instantiated
 // one-node CUDA graphs, one per distinct parameter block. Launching an instantiated graph costs the host about half
 // a kernel launch (cuLaunchKernel prepares the launch on every call; the graph was prepared when it was built). A
-// call whose parameters (and launch configuration) match a cached graph launches it; a new block takes a free entry (a graph built and
-// instantiated, some tens of microseconds, once) or re-parameterises the least recently used one, which costs about
-// what a kernel launch does. Launches already queued keep the parameters they were launched with (CUDA's rule for
+// call whose parameters and launch configuration match a cached graph launches it; a new block takes a free entry
+// (a graph built and instantiated, some tens of microseconds, once) or re-parameterises the least recently used
+// one, which costs about what a kernel launch does. Launches already queued keep the parameters they were launched with (CUDA's rule for
 // cudaGraphExecKernelNodeSetParams). Not thread-safe: its owner (an LLPlanTable) is used under the GIL. CUDA only.
 #pragma once
 
