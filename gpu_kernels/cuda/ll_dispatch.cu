@@ -12,6 +12,7 @@ namespace portep::cuda {
 namespace {
 
 constexpr uint32_t kFp8Max = 448;
+constexpr float kFp8MaxInv = 1.0f / 448.0f;  // rounded to float32 at compile time, as DeepEP's kernels hold it
 
 // A proxy destination's chunk of experts [first, first + n) of rank dst, packed in the staging area (ll_api.h):
 // hist holds this call's selections per expert (all tokens).
@@ -108,14 +109,16 @@ PORTEP_DEVICE void write_payloads(const LLDispatchArgs& a, int t, uint8_t* const
     float amax = fmaxf(fmaxf(fabsf(f[0]), fabsf(f[1])), fmaxf(fabsf(f[2]), fabsf(f[3])));
     amax = fmaxf(warp_group_max_f32<kFp8GroupLanes>(amax), 1e-4f);
     if (!here) continue;
-    float scale = amax / float(kFp8Max), scale_inv;
+    // DeepEP's scales (its calculate_fp8_scales): stored amax * float32(1/448), one rounding; x times 448 / amax,
+    // one correctly rounded division. The host backend computes the same bits (backends/host/ll.py).
+    float scale = __fmul_rn(amax, kFp8MaxInv), scale_inv;
     if (a.round_scale) {  // 2^ceil(log2(scale)) from the bits: exact, no transcendental rounding
       uint32_t bits = __float_as_uint(scale);
       if (bits & 0x7fffffu) bits = (bits & 0xff800000u) + 0x800000u;
       scale = __uint_as_float(bits);
       scale_inv = 1.0f / scale;
-    } else {  // 448 * (1 / amax), two roundings: torch's scalar / tensor, so the host backend gets the same bits
-      scale_inv = __fmul_rn(__frcp_rn(amax), float(kFp8Max));
+    } else {
+      scale_inv = __fdiv_rn(float(kFp8Max), amax);
     }
     uint32_t q = 0;
     for (int j = 0; j < 4; ++j) q |= uint32_t(float_to_e4m3(__fmul_rn(f[j], scale_inv))) << (8 * j);

@@ -22,17 +22,26 @@ def _stream(eng, half, phase, local_expert):
     return hb.STREAM_LL_BASE + (half * 2 + phase) * eng.max_local_experts + local_expert
 
 
+# float32(1/448), as DeepEP's kernels hold it: the stored scale is amax times this constant (one rounding)
+FP8_MAX_INV = torch.tensor(1.0 / FP8_MAX, dtype=torch.float32)
+
+
 def per_token_cast(x, round_scale):
-    """DeepEP's per-(token, 128 channels) FP8 cast: returns (fp8 [N, H], float32 scales [N, H/128])."""
+    """DeepEP's per-(token, 128 channels) FP8 cast (its kernels' calculate_fp8_scales): amax = max(|x|, 1e-4);
+    stored scale float32(amax * float32(1/448)) and x multiplied by float32(448 / amax), one correctly rounded
+    division; with round_scale, e = ceil(log2(amax * float32(1/448))) from the float's bits, stored 2^e and x
+    multiplied by 2^-e. Returns (fp8 [N, H], float32 scales [N, H/128])."""
     N, H = x.shape
     xf = x.float().view(N, H // 128, 128)
     amax = xf.abs().amax(-1).clamp(min=1e-4)
-    scale = amax / FP8_MAX
+    scale = amax * FP8_MAX_INV
     if round_scale:
-        scale = torch.exp2(torch.ceil(torch.log2(scale)))
-        scale_inv = 1.0 / scale
+        bits = scale.view(torch.int32)
+        exp = ((bits >> 23) & 0xFF) - 127 + ((bits & 0x7FFFFF) != 0).to(torch.int32)
+        scale = ((exp + 127) << 23).view(torch.float32)  # 2^exp and 2^-exp, built from their bits: exact
+        scale_inv = ((127 - exp) << 23).view(torch.float32)
     else:
-        scale_inv = FP8_MAX / amax
+        scale_inv = torch.full_like(amax, FP8_MAX) / amax  # tensor / tensor: IEEE division, as the kernel's
     q = (xf * scale_inv.unsqueeze(-1)).to(torch.float8_e4m3fn).view(N, H)
     return q, scale
 
