@@ -35,7 +35,6 @@ def test_ht_layout_dispatch_combine(case):
     out = run_ranks(w.ht_body, world, args=(rpn, transport, seed, n_tokens, hidden, topk, per_rank * world, 3, starve),
                     timeout=150 + 30 * world)
     _assert_clean(out, 60)
-    assert all(len(res["hashes"]) == 3 for res in out.values())
 
 
 @pytest.mark.slow

@@ -31,14 +31,12 @@ def _assert_records(out):
 @pytest.mark.parametrize("rpn", [1, 2])
 def test_bad_ht_inputs_are_refused_and_the_buffer_stays_usable(rpn):
     out = run_ranks(w.bad_inputs_ht, 2, args=(rpn, "shm"), timeout=180)
-    assert len(out[0]["records"]) >= 25
     _assert_records(out)
 
 
 @pytest.mark.slow
 def test_bad_ll_inputs_are_refused_and_the_buffer_stays_usable():
     out = run_ranks(w.bad_inputs_ll, 2, args=(1, "shm-unordered"), timeout=180)
-    assert len(out[0]["records"]) >= 18
     _assert_records(out)
 
 

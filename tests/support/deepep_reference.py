@@ -67,6 +67,52 @@ def per_token_cast_to_fp8(x, round_scale=False, use_ue8m0=False):
     return x_fp8, scale
 
 
+FP8_AMAX_INV = torch.tensor(1.0 / 448.0, dtype=torch.float32)  # float32(1/448), as DeepEP's kernels hold it
+
+
+def ll_fp8_scales_ref(x, round_scale):
+    """The scales of DeepEP's low-latency dispatch cast (its kernels' calculate_fp8_scales), per row and 128 channels.
+
+    amax = max(max |x|, 1e-4) in float32. Without round_scale: stored scale = float32(amax * float32(1/448)), and
+    the kernel multiplies x by float32(448 / amax) (one correctly rounded division). With round_scale: e =
+    ceil(log2(amax * float32(1/448))) read from the float's bits, stored scale 2^e, multiplier 2^-e.
+    x: [N, H] (H a multiple of 128). Returns (stored float32 [N, H/128], multiplier float32 [N, H/128])."""
+    n, h = x.shape
+    amax = x.float().reshape(n, h // 128, 128).abs().amax(dim=2).clamp(min=FP8_AMAX_MIN)
+    prod = (amax * FP8_AMAX_INV).to(torch.float32)
+    if round_scale:
+        e = _ceil_log2_exact(prod).float()
+        one = torch.ones_like(prod)
+        return torch.ldexp(one, e), torch.ldexp(one, -e)
+    return prod, (torch.full_like(amax, FP8_MAX) / amax).to(torch.float32)
+
+
+def ll_fp8_round_trip(x, round_scale):
+    """BF16 [N, H]: the rows x as an expert sees them after an FP8 low-latency dispatch, DeepEP's cast
+    (ll_fp8_scales_ref) then dequantized: bf16(float32(e4m3(x * multiplier)) * stored scale)."""
+    n, h = x.shape
+    stored, mult = ll_fp8_scales_ref(x, round_scale)
+    q = (x.float().reshape(n, h // 128, 128) * mult.unsqueeze(2)).to(torch.float8_e4m3fn)
+    return (q.float() * stored.unsqueeze(2)).reshape(n, h).to(torch.bfloat16)
+
+
+def ue8m0_bytes(scales):
+    """Exponent bytes of power-of-two float32 scales [..., S] as uint8 [..., S] (what UE8M0 packs 4 per int32)."""
+    return ((dense(scales.float()).view(torch.int32) >> 23) & 0xFF).to(torch.uint8)
+
+
+def e4m3_rounding_mismatch(q, x, multiplier):
+    """Mask of FP8 values q [N, H] that are not x * multiplier rounded to E4M3: |q - v| must stay within half an
+    E4M3 step at v (2^(floor(log2 |v|) - 3), 2^-9 below 2^-6), v = x * multiplier in float64; values past 448
+    must be +-448. x: [N, H]; multiplier: float32 [N, H/128]."""
+    n, h = x.shape
+    v = (x.double().reshape(n, h // 128, 128) * multiplier.double().unsqueeze(2)).reshape(n, h)
+    exp = torch.floor(torch.log2(v.abs().clamp(min=2.0 ** -6)))
+    half_step = torch.ldexp(torch.ones_like(v), exp - 4) * (1 + 2.0 ** -20)
+    target = v.clamp(-FP8_MAX, FP8_MAX)
+    return (q.double() - target).abs() > half_step
+
+
 def unpack_scales(scales):
     """Float32 scales of shape [..., S] from float32 scales or UE8M0-packed int32 scales [..., S/4]."""
     if scales.dtype == torch.int32:
@@ -248,6 +294,123 @@ def ll_combine_ref(x, topk_idx, topk_weights):
     """Weighted LL combine of an identity expert: x[t] * sum_k w[t,k] * (idx[t,k] != -1), float64."""
     w = (topk_weights.double() * (topk_idx >= 0).double()).sum(dim=1, keepdim=True)
     return x.double() * w
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Expert outputs that tell apart what a combine could confuse
+#
+# A combine that fed the received rows back unchanged would hide a weight applied to the wrong top-k slot, a row
+# reduced from the wrong expert or one rank's contribution counted twice: every confusion gives the same sum. The
+# test experts below return rows that differ per unit (the global expert of an LL row, the receiving rank of a
+# normal-mode row) by a factor, and per (unit, source rank) by an offset. They run on the CPU in float32 and round
+# once to BF16; the references read the same BF16 values and sum in float64.
+
+EXPERT_FACTOR_MOD = 251  # units that differ modulo this get different factors
+
+
+def expert_factor(unit):
+    """float32 factor in (1, 2] of a unit (int or int tensor): 1 + ((37 * unit) % 251 + 1) / 256."""
+    u = torch.as_tensor(unit, dtype=torch.int64)
+    return (1.0 + ((37 * u) % EXPERT_FACTOR_MOD + 1).to(torch.float32) / 256.0).to(torch.float32)
+
+
+def expert_offset(unit, src_rank):
+    """float32 offset of a (unit, source rank) pair, never 0: (((11 * unit + 29 * src) % 63) - 31.5) / 16."""
+    u = torch.as_tensor(unit, dtype=torch.int64)
+    s = torch.as_tensor(src_rank, dtype=torch.int64)
+    return ((((11 * u + 29 * s) % 63).to(torch.float32) - 31.5) / 16.0).to(torch.float32)
+
+
+def expert_output(x, unit, src_rank):
+    """BF16 rows bf16(float32(x) * expert_factor(unit) + expert_offset(unit, src_rank)), on the CPU.
+
+    x: [..., H] BF16 (or float32) CPU rows; unit, src_rank: ints or int tensors of shape x.shape[:-1] (or
+    broadcastable to it)."""
+    f = expert_factor(unit).unsqueeze(-1)
+    o = expert_offset(unit, src_rank).unsqueeze(-1)
+    return (x.float() * f + o).to(torch.bfloat16)
+
+
+def ll_expert_outputs(recv_x, layout_range, rank):
+    """Expert outputs of an LL dispatch's received rows, on the CPU.
+
+    recv_x: BF16 [E_l, M, H] (FP8 dispatches dequantized to BF16 first); layout_range: int64 [E_l, R] with
+    (begin << 32) | count of each source's rows. Row i of local expert e from source j becomes
+    expert_output(row, rank * E_l + e, j); rows past the sources' blocks (never combined) are left as they came.
+    Returns BF16 [E_l, M, H]."""
+    e_l = recv_x.size(0)
+    out = recv_x.clone()
+    for e in range(e_l):
+        for j in range(layout_range.size(1)):
+            b, c = int(layout_range[e, j]) >> 32, int(layout_range[e, j]) & 0xFFFFFFFF
+            if c:
+                out[e, b:b + c] = expert_output(recv_x[e, b:b + c], rank * e_l + e, j)
+    return out
+
+
+def ll_combine_expert_ref(x, topk_idx, topk_weights, rank):
+    """float64 LL combine at `rank` of what ll_expert_outputs returns for its rows, and the sum of the absolute
+    terms (a bound for the FP32 accumulation's error).
+
+    x: BF16 [N, H], the rows as the experts received them (an FP8 dispatch's dequantized rows); topk_idx [N, K]
+    (-1: no expert); topk_weights float32 [N, K]. Returns (ref [N, H], abs_ref [N, H]) in float64."""
+    n, h = x.shape
+    ref = torch.zeros(n, h, dtype=torch.float64)
+    absref = torch.zeros(n, h, dtype=torch.float64)
+    idx = topk_idx.long()
+    for k in range(idx.size(1)):
+        valid = idx[:, k] >= 0
+        if not valid.any():
+            continue
+        y = expert_output(x[valid], idx[valid, k], rank).double()
+        term = topk_weights[valid, k].double().unsqueeze(1) * y
+        ref[valid] += term
+        absref[valid] += term.abs()
+    return ref, absref
+
+
+def ht_recv_src_ranks(handle, rank, num_recv):
+    """Source rank of each row of a normal dispatch's recv_x, in receive order (source ranks ascending), from the
+    handle: rank_prefix_matrix[:, rank] (intranode 6-tuple, handle[0]) or recv_gbl_rank_prefix_sum (internode
+    10-tuple, handle[-4]), both inclusive prefix sums of the rows per source."""
+    ends = handle[0][:, rank] if len(handle) == 6 else handle[-4]
+    ends = ends.long().cpu()
+    return torch.searchsorted(ends, torch.arange(num_recv), right=True)
+
+
+def ht_expert_outputs(recv_x, rank, src_ranks):
+    """Outputs of a normal-mode rank's experts for its received rows: expert_output(row, rank, source rank).
+    recv_x: BF16 [M, H] (FP8 dequantized first); src_ranks: int64 [M]. Returns BF16 [M, H] on the CPU."""
+    return expert_output(recv_x, rank, src_ranks)
+
+
+def ht_combine_expert_ref(x, is_token_in_rank, rank, bias=None):
+    """float64 normal-mode combine at `rank` when each receiving rank r returns ht_expert_outputs: for token t,
+    sum over the ranks r that got t of expert_output(x[t], r, rank), plus the biases; and the sum of the absolute
+    terms. x: BF16 [N, H] (as the receivers saw it); is_token_in_rank: bool [N, R]; bias: None, a tensor or a
+    2-tuple of BF16 [N, H]."""
+    n, h = x.shape
+    ref = torch.zeros(n, h, dtype=torch.float64)
+    absref = torch.zeros(n, h, dtype=torch.float64)
+    for r in range(is_token_in_rank.size(1)):
+        got = is_token_in_rank[:, r]
+        if got.any():
+            y = expert_output(x[got], r, rank).double()
+            ref[got] += y
+            absref[got] += y.abs()
+    if bias is not None:
+        for b in (bias if isinstance(bias, tuple) else (bias,)):
+            ref += b.double()
+            absref += b.double().abs()
+    return ref, absref
+
+
+def combine_mismatch(got, ref64, absref64, num_terms):
+    """Mask of elements of a BF16 combine result that are not the BF16 rounding of ref64, allowing for an FP32
+    accumulation of num_terms terms (each rounding costs at most 2^-24 of the sum of the absolute terms)."""
+    g = got.double()
+    tol = ref64.abs() * 2.0 ** -8 * 1.0001 + absref64 * (num_terms + 1) * 2.0 ** -23 + 1e-30
+    return (g - ref64).abs() > tol
 
 
 # ---------------------------------------------------------------------------------------------------------------

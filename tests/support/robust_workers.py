@@ -75,7 +75,7 @@ class LLRound:
         idx = self.inp["idx"].float() if bad else self.inp["idx"]  # float topk_idx: refused by validation
         res = buf.low_latency_dispatch(self.inp["x_struct"], idx, T, self.E, use_fp8=False)
         w._check_ll_dispatch(ck, res, self.lref, self.xs, "struct", False, False, False, False, True)
-        sim = w._ll_sim_x(res[0], res[1], False, False)
+        sim = w._ll_expert_y(res, dist.get_rank(), False, False)
         comb = buf.low_latency_combine(sim, self.inp["idx"], self.inp["w"], res[2])
         w._check_ll_combine(ck, comb[0], None, self.inp["x_struct"], None, self.inp["idx"], self.inp["w"], False,
                             False)
@@ -100,7 +100,8 @@ class HTRound:
                            topk_weights=self.inp["w"])
         ck.equal("recv_x", out[0], ref.gather_rows(self.all_x, self.rd["src_rank"], self.rd["src_token"]))
         ck.equal("recv_topk_idx", out[1], self.rd["recv_topk_idx"].to(torch.int64))
-        c = buf.combine(out[0], out[4], topk_weights=out[2])
+        y = ref.ht_expert_outputs(out[0], dist.get_rank(), self.rd["src_rank"])
+        c = buf.combine(y, out[4], topk_weights=out[2])
         w._check_ht_combine(ck, c, self.inp["x"], itir, None, True,
                             ref.ht_combine_weights_ref(self.inp["idx"], self.inp["w"], itir, self.E // self.world))
 
@@ -256,7 +257,7 @@ def zero_token_rank_body(rank, world, rpn, transport, seed, defaults=None):
                        num_tokens_per_expert=ntpe, topk_idx=idx, topk_weights=wts)
     ck.equal("recv_x", out[0], ref.gather_rows(all_x, rd["src_rank"], rd["src_token"]))
     ck.equal("recv_topk_weights", out[2], rd["recv_topk_weights"])
-    c = buf.combine(out[0], out[4], topk_weights=out[2])
+    c = buf.combine(ref.ht_expert_outputs(out[0], rank, rd["src_rank"]), out[4], topk_weights=out[2])
     w._check_ht_combine(ck, c, x.contiguous(), itir, None, True,
                         ref.ht_combine_weights_ref(idx.contiguous(), wts.contiguous(), itir, E // world))
     ck.step = "low-latency mode"
@@ -265,7 +266,7 @@ def zero_token_rank_body(rank, world, rpn, transport, seed, defaults=None):
     xl = ref.ll_struct_x(rank, n, H) if n else torch.empty_strided((0, H), (1, 0), dtype=torch.bfloat16)
     res = buf.low_latency_dispatch(xl, idx, T, E, use_fp8=False)
     w._check_ll_dispatch(ck, res, lref, xs, "struct", False, False, False, False, True)
-    sim = w._ll_sim_x(res[0], res[1], False, False)
+    sim = w._ll_expert_y(res, dist.get_rank(), False, False)
     comb = buf.low_latency_combine(sim, idx, wts, res[2])
     w._check_ll_combine(ck, comb[0], None, xl.contiguous(), None, idx.contiguous(), wts.contiguous(), False, False)
     buf.destroy()
@@ -347,7 +348,7 @@ def _ll_checked_round(ck, buf, world, inputs, E, masked, tag):
     res = buf.low_latency_dispatch(inp["x_struct"], inp["idx"], T, E, use_fp8=False)
     w._check_ll_dispatch(ck, res, lref, xs, "struct", False, False, False, False, True)
     ck.step = f"{tag}: combine"
-    sim = w._ll_sim_x(res[0], res[1], False, False)
+    sim = w._ll_expert_y(res, dist.get_rank(), False, False)
     comb = buf.low_latency_combine(sim, inp["idx"], inp["w"], res[2])[0]
     own = inp["idx"].clone()
     own[(own >= 0) & torch.isin(own.clamp(min=0) // E_l, torch.tensor(sorted(masked), dtype=torch.int64))] = -1
