@@ -28,6 +28,8 @@ NATIVE = {
     SEQ_ADD: wire.imm_seq_add,
     CONTROL: wire.imm_control,
 }
+KIND_MASK = 0b11 << 30
+WORD_MASK = 0xFFFFFFFF
 DECODED_DEFAULTS = {
     "stream": 0, "epoch": 0, "units": 0, "final": False, "slot": 0, "seq": 0, "value": 0, "op": 0, "arg": 0,
 }
@@ -71,6 +73,25 @@ def extreme_values(kind, name):
     return (False, True) if name == "final" else sorted({0, 1, top // 2 + 1, top})
 
 
+def table_mask(kind, name):
+    shift, width = LAYOUT[kind][name]
+    return ((1 << width) - 1) << shift
+
+
+def zero_fields(kind):
+    return {name: (False if name == "final" else 0) for name in ARGS[kind]}
+
+
+def encoder_mask(kind, name):
+    """Word bits the native encoder changes when only `name` moves off zero, one argument bit at a time."""
+    base = native_encode(kind, **zero_fields(kind))
+    values = (True,) if name == "final" else [1 << bit for bit in range(32)]
+    mask = 0
+    for value in values:
+        mask |= native_encode(kind, **dict(zero_fields(kind), **{name: value})) ^ base
+    return mask
+
+
 def test_exposed_constants_match_header():
     assert wire.IMM_NUM_EPOCHS == 16
     assert wire.IMM_MAX_STREAMS == 8192
@@ -80,13 +101,26 @@ def test_exposed_constants_match_header():
 
 
 @pytest.mark.parametrize("kind", sorted(LAYOUT))
-def test_layout_fills_the_32_bit_word_without_overlap(kind):
-    covered = 0b11 << 30
-    for shift, width in LAYOUT[kind].values():
-        mask = ((1 << width) - 1) << shift
-        assert covered & mask == 0
+def test_encoder_field_masks_match_the_table_and_fill_the_word_without_overlap(kind):
+    assert native_encode(kind, **zero_fields(kind)) == kind << 30
+    covered = KIND_MASK
+    for name in ARGS[kind]:
+        mask = encoder_mask(kind, name)
+        assert mask == table_mask(kind, name), name
+        assert covered & mask == 0, name
         covered |= mask
-    assert covered == 0xFFFFFFFF
+    reserved = table_mask(kind, "reserved") if "reserved" in LAYOUT[kind] else 0
+    assert covered == WORD_MASK & ~reserved
+
+
+def test_no_stream_write_field_ever_sets_the_reserved_bits():
+    reserved = table_mask(STREAM_WRITE, "reserved")
+    for name in ARGS[STREAM_WRITE]:
+        assert encoder_mask(STREAM_WRITE, name) & reserved == 0, name
+    assert wire.imm_stream_write(WORD_MASK, WORD_MASK) & reserved == 0
+    rng = random.Random(0)
+    for _ in range(2000):
+        assert wire.imm_stream_write(rng.getrandbits(32), rng.getrandbits(32)) & reserved == 0
 
 
 @pytest.mark.parametrize("kind", sorted(LAYOUT))

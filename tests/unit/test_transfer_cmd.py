@@ -38,6 +38,11 @@ MAXIMA = {
     "local_off": OFFSET_LIMIT,
 }
 MINIMA = {f: (1 if f == "op" else 0) for f in FIELDS}
+ZERO_FIELDS = dict.fromkeys(FIELDS, 0)
+ARG_BITS = {f: (64 if f in OFFSET_FIELDS else 32) for f in FIELDS}
+WORD_MASK = (1 << 64) - 1
+# Opcodes 8..15 are refused, so the encoder never sets the op field's top bit; only the decoder reads it.
+OP_TOP_BIT = 1 << (BIT_TABLE["op"][1] + BIT_TABLE["op"][2] - 1)
 SECOND = {f: (16 if f in OFFSET_FIELDS else (2 if f == "op" else 1)) for f in FIELDS}
 
 
@@ -82,6 +87,31 @@ def valid_base():
     return {"op": 1, "flags": 5, "dst_rank": 77, "size": 4096, "stream": 300, "remote_off": 1024, "local_off": 2048}
 
 
+def table_masks(field):
+    word, shift, width = BIT_TABLE[field]
+    mask = ((1 << width) - 1) << shift
+    return (mask, 0) if word == "lo" else (0, mask)
+
+
+def expected_encoder_masks(field):
+    lo, hi = table_masks(field)
+    return (lo & ~OP_TOP_BIT, hi) if field == "op" else (lo, hi)
+
+
+def encoder_masks(field):
+    """(lo, hi) bits the native encoder changes when only `field` moves off its minimum, over the single-bit
+    values it accepts."""
+    base_lo, base_hi = encode(MINIMA)
+    lo_mask = hi_mask = 0
+    for bit in range(ARG_BITS[field]):
+        try:
+            lo, hi = encode(dict(MINIMA, **{field: 1 << bit}))
+        except ValueError:
+            continue
+        lo_mask, hi_mask = lo_mask | (lo ^ base_lo), hi_mask | (hi ^ base_hi)
+    return lo_mask, hi_mask
+
+
 def test_exposed_limits_match_header():
     assert wire.MAX_RANKS == RANK_LIMIT
     assert wire.MAX_CMD_BYTES == SIZE_LIMIT
@@ -90,13 +120,20 @@ def test_exposed_limits_match_header():
     assert (wire.OP_WRITE, wire.OP_SIGNAL, wire.OP_QUIET, wire.OP_BARRIER, wire.OP_NOP) == VALID_OPS
 
 
-def test_bit_table_fields_are_disjoint_and_fill_both_words():
-    covered = {"lo": 0, "hi": 0}
-    for word, shift, width in BIT_TABLE.values():
-        mask = ((1 << width) - 1) << shift
-        assert covered[word] & mask == 0
-        covered[word] |= mask
-    assert covered == {"lo": (1 << 64) - 1, "hi": (1 << 64) - 1}
+def test_encoder_field_masks_match_the_table_and_fill_both_words_without_overlap():
+    covered_lo = covered_hi = 0
+    for field in FIELDS:
+        lo, hi = encoder_masks(field)
+        assert (lo, hi) == expected_encoder_masks(field), field
+        assert covered_lo & lo == 0 and covered_hi & hi == 0, field
+        covered_lo, covered_hi = covered_lo | lo, covered_hi | hi
+    assert (covered_lo, covered_hi) == (WORD_MASK & ~OP_TOP_BIT, WORD_MASK)
+
+
+def test_only_refused_opcodes_would_set_the_op_fields_top_bit():
+    assert wire.decode_cmd(OP_TOP_BIT, 0) == dict(ZERO_FIELDS, op=8)
+    with pytest.raises(ValueError, match="opcode"):
+        encode(dict(MINIMA, op=8))
 
 
 @pytest.mark.parametrize("field", FIELDS)
@@ -150,7 +187,10 @@ def test_decoder_matches_python_unpacker_on_arbitrary_words(seed):
 OUT_OF_RANGE = (
     [("dst_rank", v, "8192") for v in (8192, 8193, 12345, (1 << 13) + 77, (1 << 32) - 1, 1 << 32, 1 << 40)]
     + [("size", v, "16 MiB") for v in (SIZE_LIMIT + 1, SIZE_LIMIT + 16, (1 << 25) - 1, 1 << 25, 1 << 32, 1 << 33)]
-    + [("stream", v, "262144") for v in (STREAM_LIMIT, STREAM_LIMIT + 1, (1 << 19) + 3, (1 << 32) - 1, 1 << 32, 1 << 50)]
+    + [
+        ("stream", v, "262144")
+        for v in (STREAM_LIMIT, STREAM_LIMIT + 1, (1 << 19) + 3, (1 << 32) - 1, 1 << 32, 1 << 50)
+    ]
     + [
         (f, v, "64 GiB")
         for f in OFFSET_FIELDS
