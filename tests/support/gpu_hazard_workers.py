@@ -1,7 +1,9 @@
 """Per-rank bodies of the GPU tests of what an application does around portep's calls: CUDA's hardware queues as the
 application left them, host reads of results right after a call (pageable copies while the receive still waits),
 kernels new to the process launched while an exchange is in flight, and out-of-range expert indices in CUDA
-tensors."""
+tensors. Combines take the test experts' outputs (deepep_reference.ll_expert_outputs: distinct per expert and
+source rank) and are checked against their float64 weighted sum. Each body returns its failures and the number of
+comparisons it made."""
 
 import torch
 import torch.distributed as dist
@@ -24,26 +26,61 @@ def _buffer(portep, T, H, E, rpn, transport, allow_nvlink, timeout_s):
                          explicitly_destroy=True, backend="cuda")
 
 
-def _count_failures(rank, counts, all_idx, E_l):
+class _Tally:
+    """Failed checks as 'rank R: message' strings, and the number of comparisons made."""
+
+    def __init__(self, rank):
+        self.rank, self.failures, self.checks = rank, [], 0
+
+    def true(self, cond, msg):
+        self.checks += 1
+        if not cond:
+            self.failures.append(f"rank {self.rank}: {msg}")
+        return bool(cond)
+
+    def result(self):
+        return {"failures": self.failures, "checks": self.checks}
+
+
+def _check_counts(tally, counts, all_idx, E_l, what=""):
     """DeepEP's count check: each local expert's recv_count against the gathered topk_idx (CPU ints in)."""
-    failures = []
+    rank = tally.rank
     for i, got in enumerate(counts):
         want = sum(int((t == rank * E_l + i).sum()) for t in all_idx)
-        if got != want:
-            failures.append(f"rank {rank}: expert {rank * E_l + i} received {got} tokens, expected {want}")
-    return failures
+        tally.true(got == want, f"{what}expert {rank * E_l + i} received {got} tokens, expected {want}")
+
+
+def _expert_outputs(recv_x, handle, rank):
+    """The test experts' outputs of an LL dispatch's received BF16 rows (ref.ll_expert_outputs), computed on the
+    CPU once the current stream's work (the dispatch's receive) is done, on the GPU."""
+    torch.cuda.current_stream().synchronize()
+    return ref.ll_expert_outputs(recv_x.cpu(), handle[1].cpu(), rank).cuda()
+
+
+def _check_combined(tally, what, got, x, idx, w):
+    """got (CPU) is the float64 weighted sum of the experts' outputs for x (ref.ll_combine_expert_ref)."""
+    ref64, abs64 = ref.ll_combine_expert_ref(x, idx, w, tally.rank)
+    bad = ref.combine_mismatch(got, ref64, abs64, num_terms=idx.size(1))
+    where = ""
+    if bad.any():
+        i, j = bad.nonzero()[0].tolist()
+        where = f"; first at [{i}, {j}]: got {got[i, j].item()}, expected {ref64[i, j].item():.6g}"
+    tally.true(not bool(bad.any()), f"{what}: {int(bad.sum())}/{bad.numel()} elements of combined_x are not the "
+               f"weighted sum of the experts' outputs{where}")
 
 
 def application_habits_body(rank, world, rpn, transport, allow_nvlink, seed, T, H, E, K, rounds):
     """The test sets CUDA_DEVICE_MAX_CONNECTIONS, so portep's import leaves CUDA's hardware queues as the application
     chose (as when CUDA is set up before portep is imported). Each round: an LL dispatch with async_finish (or a
     hook), then every expert's recv_count read with .item() at once (a pageable copy queued behind the receive), as
-    DeepEP's test does; a kernel new to this process launched while a receive waits; then a combine, checked
-    against x * sum(weights)."""
+    DeepEP's test does; a kernel new to this process launched while a receive waits; then a combine of the test
+    experts' outputs (computed on the CPU after those reads), read right after it and checked against their
+    float64 weighted sum."""
     import portep
 
     torch.cuda.set_device(rank % torch.cuda.device_count())
-    failures = [] if portep.config.CUDA_CONNECTIONS_NOTE else [f"rank {rank}: portep set CUDA's queues itself"]
+    tally = _Tally(rank)
+    tally.true(bool(portep.config.CUDA_CONNECTIONS_NOTE), "portep set CUDA's queues itself")
 
     g = torch.Generator().manual_seed(seed + rank)
     buf = _buffer(portep, T, H, E, rpn, transport, allow_nvlink, 30)
@@ -65,8 +102,9 @@ def application_habits_body(rank, world, rpn, transport, allow_nvlink, seed, T, 
         else:
             event.current_stream_wait()
         counts = [count[i].item() for i in range(E_l)]  # pageable copies, the receive possibly still running
-        failures += _count_failures(rank, counts, all_idx, E_l)
-        combined, event, hook = buf.low_latency_combine(recv_x, idx.cuda(), w.cuda(), handle,
+        _check_counts(tally, counts, all_idx, E_l, f"round {r}: ")
+        y = _expert_outputs(recv_x, handle, rank)  # only now: the reads above stay right behind the call
+        combined, event, hook = buf.low_latency_combine(y, idx.cuda(), w.cuda(), handle,
                                                         async_finish=not hook_round, return_recv_hook=hook_round)
         if hook_round:
             hook()
@@ -74,12 +112,10 @@ def application_habits_body(rank, world, rpn, transport, allow_nvlink, seed, T, 
             fresh[(r + 1) % len(fresh)](torch.rand(64, device="cuda"))
             event.current_stream_wait()
         got = combined.float().cpu()  # pageable again
-        d = ref.calc_diff(got, ref.ll_combine_ref(x, idx, w))
-        if not d < 1e-5:
-            failures.append(f"rank {rank} round {r}: combined_x calc_diff {d:.3g} >= 1e-5")
+        _check_combined(tally, f"round {r}", got, x, idx, w)
     torch.cuda.synchronize()
     buf.destroy()
-    return {"failures": failures, "checks": rounds * (E_l + 1)}
+    return tally.result()
 
 
 def bad_expert_body(rank, world, rpn, transport, allow_nvlink, seed, T, H, E, K):
@@ -87,13 +123,14 @@ def bad_expert_body(rank, world, rpn, transport, allow_nvlink, seed, T, H, E, K)
     take it without a host synchronization and leave that selection out (every other count and row as with -1
     there); the call that reported it, or the next one, raises a DroppedInput (a ValueError) on rank 0 naming the
     token, column and value, after launching its kernels and with its results attached, so rank 0 goes on in step
-    with its peer. Then both ranks go on with clean inputs, without and with a receive hook: the Buffer is usable."""
+    with its peer. Then both ranks go on with clean inputs, without and with a receive hook: the Buffer is usable.
+    Every combine (of the test experts' outputs) against the float64 weighted sum with the entry left out."""
     import portep
 
     torch.cuda.set_device(rank % torch.cuda.device_count())
     g = torch.Generator().manual_seed(seed + rank)
     buf = _buffer(portep, T, H, E, rpn, transport, allow_nvlink, 30)
-    E_l, failures, checks = E // world, [], 0
+    E_l, tally = E // world, _Tally(rank)
     idx = torch.topk(torch.rand(T, E, generator=g), K, dim=1).indices
     bad = idx.clone()
     if rank == 0:
@@ -111,18 +148,13 @@ def bad_expert_body(rank, world, rpn, transport, allow_nvlink, seed, T, H, E, K)
             return fn()
         except portep.DroppedInput as e:
             raised.append(what)
-            if f"token 7, top-k column 3, value {E}" not in str(e):
-                failures.append(f"rank {rank}: {what} raised without naming the entry: {e}")
-            if e.results is None:
-                failures.append(f"rank {rank}: {what} raised without its results")
+            tally.true(f"token 7, top-k column 3, value {E}" in str(e), f"{what} raised without naming the entry: {e}")
+            tally.true(e.results is not None, f"{what} raised without its results")
             return e.results
 
     def expect_one_notice(what):
-        nonlocal checks
-        checks += 1
         want = 1 if rank == 0 else 0
-        if len(raised) != want:
-            failures.append(f"rank {rank}: {what}: {len(raised)} notices raised ({raised}), expected {want}")
+        tally.true(len(raised) == want, f"{what}: {len(raised)} notices raised ({raised}), expected {want}")
         raised.clear()
 
     layout = call(lambda: buf.get_dispatch_layout(bad.cuda(), E), "get_dispatch_layout")
@@ -130,44 +162,37 @@ def bad_expert_body(rank, world, rpn, transport, allow_nvlink, seed, T, H, E, K)
     torch.cuda.synchronize()
     expect_one_notice("get_dispatch_layout with the entry, then a clean dispatch")
     want = ref.layout_ref(clean, E, world, world)[2]
-    checks += 1
-    if not torch.equal(layout[2].cpu(), want):
-        failures.append(f"rank {rank}: num_tokens_per_expert counts the out-of-range entry")
+    tally.true(torch.equal(layout[2].cpu(), want), "num_tokens_per_expert counts the out-of-range entry")
     recv_x, count, handle, _, _ = call(lambda: buf.low_latency_dispatch(x.cuda(), bad.cuda(), T, E, use_fp8=False),
                                        "the dispatch with the entry")
     torch.cuda.synchronize()
-    failures += _count_failures(rank, count.cpu().tolist(), all_clean, E_l)
-    checks += E_l
-    out = call(lambda: buf.low_latency_combine(recv_x, bad.cuda(), w.cuda(), handle), "the combine after it")
+    _check_counts(tally, count.cpu().tolist(), all_clean, E_l, "the dispatch with the entry: ")
+    y = _expert_outputs(recv_x, handle, rank)
+    out = call(lambda: buf.low_latency_combine(y, bad.cuda(), w.cuda(), handle), "the combine after it")
     torch.cuda.synchronize()
     expect_one_notice("a dispatch with the entry, then its combine")
-    d = ref.calc_diff(out[0].float().cpu(), ref.ll_combine_ref(x, clean, w))
-    checks += 1
-    if not d < 1e-5:
-        failures.append(f"rank {rank}: the combine of the dispatch with the entry: calc_diff {d:.3g}")
+    _check_combined(tally, "the combine of the dispatch with the entry", out[0].cpu(), x, clean, w)
     for hook in (False, True):  # usable afterwards, on both ranks
         recv_x, count, handle, _, h = buf.low_latency_dispatch(x.cuda(), clean.cuda(), T, E, use_fp8=False,
                                                                return_recv_hook=hook)
         if hook:
             h()
-        combined, _, h = buf.low_latency_combine(recv_x, clean.cuda(), w.cuda(), handle, return_recv_hook=hook)
+        y = _expert_outputs(recv_x, handle, rank)
+        combined, _, h = buf.low_latency_combine(y, clean.cuda(), w.cuda(), handle, return_recv_hook=hook)
         if hook:
             h()
         torch.cuda.synchronize()
-        failures += _count_failures(rank, count.cpu().tolist(), all_clean, E_l)
-        d = ref.calc_diff(combined.float().cpu(), ref.ll_combine_ref(x, clean, w))
-        checks += E_l + 1
-        if not d < 1e-5:
-            failures.append(f"rank {rank} hook={hook} after the notice: combine calc_diff {d:.3g}")
+        _check_counts(tally, count.cpu().tolist(), all_clean, E_l, f"hook={hook} after the notice: ")
+        _check_combined(tally, f"hook={hook} after the notice", combined.cpu(), x, clean, w)
     buf.destroy()
-    return {"failures": failures, "checks": checks}
+    return tally.result()
 
 
 def profile_body(rank, world, rpn, transport, allow_nvlink, seed, T, H, E, K, iterations):
     """DeepEP's profiling conventions, which tools written for DeepEP rely on (its bench_kineto): over LL
     dispatch + combine calls, without and with a receive hook, a torch profile holds exactly one kernel name that
     contains "dispatch" and one that contains "combine", launched once per call, or twice (send and receive phase)
-    with the hook."""
+    with the hook. Counts the comparisons it made (a launch count only where one name matched)."""
     import portep
 
     torch.cuda.set_device(rank % torch.cuda.device_count())
@@ -176,7 +201,7 @@ def profile_body(rank, world, rpn, transport, allow_nvlink, seed, T, H, E, K, it
     idx = torch.topk(torch.rand(T, E, generator=g), K, dim=1).indices.cuda()
     x = torch.randn(T, H, generator=g).to(BF16).cuda()
     w = torch.rand(T, K, generator=g).cuda()
-    failures = []
+    tally = _Tally(rank)
     for hook_mode in (False, True):
         def step():
             recv_x, _, handle, _, hook = buf.low_latency_dispatch(x, idx, T, E, use_fp8=True,
@@ -202,11 +227,10 @@ def profile_body(rank, world, rpn, transport, allow_nvlink, seed, T, H, E, K, it
         for word in ("dispatch", "combine"):
             names = [n for n in launches if word in n]
             per_call = 2 if hook_mode else 1
-            if len(names) != 1:
-                failures.append(f"rank {rank} hook={hook_mode}: {len(names)} kernel names contain {word!r}: {names}")
-            elif launches[names[0]] != per_call * iterations:
-                failures.append(f"rank {rank} hook={hook_mode}: {names[0]} launched {launches[names[0]]} times in "
-                                f"{iterations} calls, expected {per_call * iterations}")
+            if tally.true(len(names) == 1, f"hook={hook_mode}: {len(names)} kernel names contain {word!r}: {names}"):
+                tally.true(launches[names[0]] == per_call * iterations,
+                           f"hook={hook_mode}: {names[0]} launched {launches[names[0]]} times in {iterations} calls, "
+                           f"expected {per_call * iterations}")
     torch.cuda.synchronize()
     buf.destroy()
-    return {"failures": failures, "checks": 4}
+    return tally.result()

@@ -1,14 +1,17 @@
 """Rank body of the LL fast path's GPU test (tests/gpu/test_gpu_ll_fast_path.py): the fast path's outputs against
 the full Python path's on the same inputs, bit for bit, for every dispatch flag combination, zero-copy and out=
-combines; calls on a side stream ordered behind that stream's work; torch's deterministic mode handed to the full
-path; outputs that share one allocation outliving each other; calls it must hand to the full path, which refuses
-them on every rank, after which it takes calls again; a dropped expert index reported through it as a DroppedInput
-carrying the results."""
+combines, and both paths' combined rows against the float64 weighted sum of the test experts' outputs
+(deepep_reference.ll_combine_expert_ref); calls on a side stream ordered behind that stream's work; torch's
+deterministic mode handed to the full path; outputs that share one allocation outliving each other; calls it must
+hand to the full path, which refuses them on every rank, after which it takes calls again; a dropped expert index
+reported through it as a DroppedInput carrying the results."""
 
 import torch
 import torch.distributed as dist
 
+import deepep_reference as ref
 import portep
+from gpu_ll_workers import describe_mismatch, experts_view
 
 BF16 = torch.bfloat16
 FLAGS = [(False, False, False), (True, False, False), (True, True, False), (True, True, True)]
@@ -33,6 +36,22 @@ class Calls:
             raise AssertionError("combine with out= returned another tensor")
         torch.cuda.current_stream().synchronize()
         return _valid_parts(recv_x if use_fp8 else (recv_x, None), count, handle, combined)
+
+    def use_expert_outputs(self, flags, rank):
+        """y := the test experts' outputs (ref.ll_expert_outputs: distinct per expert and source rank) of the rows
+        that a full-path round trip with these flags receives; idx is fixed, so every later dispatch with these
+        flags receives the same rows in the same places."""
+        use_fp8, round_scale, use_ue8m0 = flags
+        enabled, self.buf._ll_fast.enabled = self.buf._ll_fast.enabled, False
+        try:
+            recv_x, _, handle, _, _ = self.buf.low_latency_dispatch(self.x, self.idx, self.T, self.E, use_fp8=use_fp8,
+                                                                    round_scale=round_scale, use_ue8m0=use_ue8m0)
+            self.buf.low_latency_combine(self.y, self.idx, self.weights, handle)
+        finally:
+            self.buf._ll_fast.enabled = enabled
+        torch.cuda.current_stream().synchronize()
+        rows = ref.per_token_cast_back(recv_x[0].cpu(), recv_x[1].cpu()).to(BF16) if use_fp8 else recv_x.cpu()
+        self.y = ref.ll_expert_outputs(rows, handle[1].cpu(), rank).cuda()
 
     def dispatch_then_combine(self, idx):
         """An FP8 round trip that goes on with a DroppedInput's results, as a caller must; the DroppedInputs."""
@@ -67,6 +86,16 @@ def _valid_parts(recv, count, handle, combined):
         if scales is not None:
             parts.append(scales[e, :n].clone())
     return parts
+
+
+def _not_the_experts_sum(combined, ref64, abs64, num_topk):
+    """An error if combined (BF16, GPU) is not ref64 (ref.ll_combine_expert_ref: the float64 weighted sum of the
+    test experts' outputs) within BF16 rounding and FP32 accumulation, else None."""
+    got = combined.cpu()
+    bad = ref.combine_mismatch(got, ref64, abs64, num_terms=num_topk)
+    if not bad.any():
+        return None
+    return f"{describe_mismatch(bad, got, ref64)} combined elements are not the weighted sum of the experts' outputs"
 
 
 def _setup(rank, world, rpn, transport, seed, T, H, E, K):
@@ -157,12 +186,21 @@ def fast_path_body(rank, world, rpn, transport, seed, T, H, E, K):
     calls = _setup(rank, world, rpn, transport, seed, T, H, E, K)
     counter = calls.buf._ll_fast  # its counters: calls launched natively (taken), handed to the Python methods
     errors = []
+    x_cpu, idx_cpu, weights_cpu = calls.x.cpu(), calls.idx.cpu(), calls.weights.cpu()
     for flags in FLAGS:
+        calls.use_expert_outputs(flags, rank)
+        x_seen = experts_view(x_cpu, flags[0], flags[1])
+        ref64, abs64 = ref.ll_combine_expert_ref(x_seen, idx_cpu, weights_cpu, rank)
         for zero_copy, with_out in COMBINES:
+            case = f"flags {flags}, zero_copy {zero_copy}, out {with_out}"
             full, fast = calls.on_both_paths(flags=flags, zero_copy=zero_copy, with_out=with_out)
             for i, (a, b) in enumerate(zip(full, fast)):
                 if not torch.equal(a, b):
-                    errors.append(f"flags {flags}, zero_copy {zero_copy}, out {with_out}: output {i} differs")
+                    errors.append(f"{case}: output {i} differs")
+            for path, parts in (("full", full), ("fast", fast)):
+                error = _not_the_experts_sum(parts[2], ref64, abs64, K)  # parts[2]: the combined rows
+                if error:
+                    errors.append(f"{case}, {path} path: {error}")
     runs = len(FLAGS) * len(COMBINES)
     if counter.taken < 2 * runs:  # at least each case's last round trip (dispatch and combine) went the fast way
         errors.append(f"the fast path launched {counter.taken} calls, expected at least {2 * runs}")
@@ -271,9 +309,9 @@ def graph_launch_body(rank, world, rpn, transport, seed, T, H, E, K):
     if kernels.graph_counts["launches"] < 2 * len(FLAGS):
         errors.append(f"too few graph launches: {kernels.graph_counts}")
 
-    ref = references[FLAGS[1]]
+    baseline = references[FLAGS[1]]
     for i in range(12):  # each rank its own pattern of graph and kernel launches
-        if _differs(ref, _with_graphs(calls, (i + rank) % 3 != 0, flags=FLAGS[1])):
+        if _differs(baseline, _with_graphs(calls, (i + rank) % 3 != 0, flags=FLAGS[1])):
             errors.append(f"mixed launches, round trip {i}: differs")
 
     x_before, g = calls.x, torch.Generator().manual_seed(seed + rank)
@@ -290,14 +328,14 @@ def graph_launch_body(rank, world, rpn, transport, seed, T, H, E, K):
                                                                     return_recv_hook=True)
     hook()
     calls.buf.low_latency_combine(calls.y, calls.idx, calls.weights, handle)
-    if _differs(ref, calls.round_trip(flags=FLAGS[1])):
+    if _differs(baseline, calls.round_trip(flags=FLAGS[1])):
         errors.append("the round trip after a hooked call differs")
 
-    errors += _captured_round_trips(calls, ref)
+    errors += _captured_round_trips(calls, baseline)
     torch.cuda.synchronize()
     calls.buf.clean_low_latency_buffer(T, H, E)
     for i in range(3):
-        if _differs(ref, calls.round_trip(flags=FLAGS[1])):
+        if _differs(baseline, calls.round_trip(flags=FLAGS[1])):
             errors.append(f"round trip {i} after clean_low_latency_buffer differs")
     if kernels.graph_counts["error"]:
         errors.append(f"a graph launch failed: {kernels.graph_counts}")

@@ -34,9 +34,51 @@ def _bytes(t):
     return ref.dense(_cpu(t)).contiguous().view(torch.uint8)
 
 
+def experts_view(x, use_fp8, round_scale):
+    """x [N, H] (BF16, CPU) as an LL dispatch hands it to the experts: itself, or its FP8 round trip through
+    DeepEP's kernel cast (ref.ll_fp8_round_trip). UE8M0 packing changes no value."""
+    return ref.ll_fp8_round_trip(x, round_scale) if use_fp8 else x
+
+
+def check_ll_combined(ck, name, got, x_seen, idx, weights, rank):
+    """One check: got (BF16, CPU) is the float64 combine of the test experts' outputs for this rank's tokens
+    (ref.ll_combine_expert_ref of x as the experts saw it), within BF16 rounding and FP32 accumulation."""
+    ref64, abs64 = ref.ll_combine_expert_ref(x_seen, idx, weights, rank)
+    if got.shape != ref64.shape:
+        return ck.true(False, f"{name}: shape {tuple(got.shape)}, expected {tuple(ref64.shape)}")
+    bad = ref.combine_mismatch(got, ref64, abs64, num_terms=idx.size(1))
+    return ck.true(not bool(bad.any()), f"{name}: {describe_mismatch(bad, got, ref64)} elements are not the weighted "
+                   "sum of the experts' outputs")
+
+
+def describe_mismatch(bad, got, ref64):
+    """'n/total (first at [i, j]: got g, expected e)' for a 2-D mask of bad elements; '0' when none is."""
+    if not bad.any():
+        return "0"
+    i, j = bad.nonzero()[0].tolist()
+    return (f"{int(bad.sum())}/{bad.numel()} (first at [{i}, {j}]: got {got[i, j].item()}, expected "
+            f"{ref64[i, j].item():.6g})")
+
+
+def expert_coefficients(layout_range, rank, num_rows):
+    """Per received row of an LL dispatch, the test experts' float32 factor and offset (ref.expert_output): two
+    [E_l, num_rows, 1] tensors; rows past the sources' blocks (never combined) get 1 and 0. On the GPU,
+    (recv_x.float() * factor + offset).to(BF16) is then ref.ll_expert_outputs bit for bit (IEEE float32 mul, add)."""
+    e_l = layout_range.size(0)
+    factor, offset = torch.ones(e_l, num_rows, 1), torch.zeros(e_l, num_rows, 1)
+    for e in range(e_l):
+        for j in range(layout_range.size(1)):
+            begin, count = int(layout_range[e, j]) >> 32, int(layout_range[e, j]) & 0xFFFFFFFF
+            factor[e, begin:begin + count] = ref.expert_factor(rank * e_l + e)
+            offset[e, begin:begin + count] = ref.expert_offset(rank * e_l + e, j)
+    return factor, offset
+
+
 def cross_backend_body(rank, world, rpn, transport, allow_nvlink, seed, T, H, E, K, timeout_s=60):
     """Every LL output of the CUDA backend equals the host backend's bit for bit on the same inputs (rows past
-    recv_count are undefined in both, as in DeepEP)."""
+    recv_count are undefined in both, as in DeepEP). Both combine the test experts' outputs of the host's received
+    rows (ref.ll_expert_outputs: distinct per expert and source rank), and the CUDA combined_x is checked against
+    their float64 weighted sum too (ref.ll_combine_expert_ref)."""
     ck = w.Checker(rank)
     gpu, host = _buffers(rank, world, rpn, transport, T, H, E, allow_nvlink, timeout_s=timeout_s)
     inp = w.make_ll_inputs(rank, seed, T, H, K, E)
@@ -56,10 +98,11 @@ def cross_backend_body(rank, world, rpn, transport, allow_nvlink, seed, T, H, E,
             ck.equal(f"src_info of expert {e}", _cpu(res_g[2][0][e, :n]), res_h[2][0][e, :n])
             for i, (pg, ph) in enumerate(zip(parts_g, parts_h)):
                 ck.equal(f"recv_x[{i}] rows of expert {e}", _bytes(pg[e, :n]), _bytes(ph[e, :n]))
-        sim = w._ll_sim_x(res_h[0], counts, fp8, False)
-        comb_h = host.low_latency_combine(sim, idx, wts, res_h[2])[0]
-        comb_g = gpu.low_latency_combine(sim.cuda(), idx.cuda(), wts.cuda(), res_g[2])[0]
-        ck.equal("combined_x", _cpu(comb_g), comb_h)
+        y = ref.ll_expert_outputs(w._ll_sim_x(res_h[0], counts, fp8, False), res_h[2][1], rank)
+        comb_h = host.low_latency_combine(y, idx, wts, res_h[2])[0]
+        comb_g = _cpu(gpu.low_latency_combine(y.cuda(), idx.cuda(), wts.cuda(), res_g[2])[0])
+        ck.equal("combined_x", comb_g, comb_h)
+        check_ll_combined(ck, "combined_x", comb_g, experts_view(x, fp8, rnd), idx, wts, rank)
     ck.no_kernel_failure(gpu)
     gpu.destroy()
     host.destroy()
@@ -67,16 +110,25 @@ def cross_backend_body(rank, world, rpn, transport, allow_nvlink, seed, T, H, E,
 
 
 def graph_body(rank, world, rpn, transport, allow_nvlink, seed, T, H, E, K):
-    """LL dispatch + combine captured in one CUDA graph; replays on new inputs match eager calls bit for bit."""
+    """LL dispatch + combine captured in one CUDA graph, the test experts' outputs computed on the GPU between them
+    (from each row's expert and source, read once from an eager call's layout_range: idx is fixed, so the rows land
+    in the same places every call); replays on new inputs keep that layout_range, match eager calls bit for bit
+    and are the float64 weighted sum of the experts' outputs (ref.ll_combine_expert_ref)."""
     ck = w.Checker(rank)
     gpu, _ = _buffers(rank, world, rpn, transport, T, H, E, allow_nvlink, with_host=False)
     inp = w.make_ll_inputs(rank, seed, T, H, K, E)
     x = inp["x_rand"].cuda()
     idx, wts = inp["idx"].cuda(), inp["w"].cuda()
+    coefficients = []  # [factor, offset] on the GPU, from the first call's layout_range
+    layout = []
 
     def step():
-        recv_x, count, handle, _, _ = gpu.low_latency_dispatch(x, idx, T, E, use_fp8=False)
-        return gpu.low_latency_combine(recv_x, idx, wts, handle)[0]
+        recv_x, _, handle, _, _ = gpu.low_latency_dispatch(x, idx, T, E, use_fp8=False)
+        if not coefficients:  # the first call, eager
+            layout.append(_cpu(handle[1]))
+            coefficients.extend(t.cuda() for t in expert_coefficients(layout[0], rank, recv_x.size(1)))
+        y = (recv_x.float() * coefficients[0] + coefficients[1]).to(BF16)
+        return gpu.low_latency_combine(y, idx, wts, handle)[0], handle[1]
 
     step()  # warm-up outside the capture (both halves get used once)
     step()
@@ -84,7 +136,7 @@ def graph_body(rank, world, rpn, transport, allow_nvlink, seed, T, H, E, K):
     dist.barrier()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        out_graph = step()
+        out_graph, layout_graph = step()
     torch.cuda.current_stream().synchronize()
     dist.barrier()
     for r in range(4):
@@ -94,8 +146,9 @@ def graph_body(rank, world, rpn, transport, allow_nvlink, seed, T, H, E, K):
         graph.replay()
         torch.cuda.current_stream().synchronize()
         got = _cpu(out_graph)
-        ck.diff_below("replayed combine vs x * sum(w)", got, ref.ll_combine_ref(fresh, inp["idx"], inp["w"]), 1e-5)
-        ck.equal("replay vs eager", got, _cpu(step()))
+        ck.equal("replayed layout_range vs the first call's", _cpu(layout_graph), layout[0])
+        check_ll_combined(ck, "replayed combined_x", got, fresh, inp["idx"], inp["w"], rank)
+        ck.equal("replay vs eager", got, _cpu(step()[0]))
     ck.no_kernel_failure(gpu)
     gpu.destroy()
     return {"failures": ck.failures, "checks": ck.num_checks}
