@@ -3,6 +3,7 @@
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
+#include <atomic>
 #include <iterator>
 #include <memory>
 #include <stdexcept>
@@ -337,5 +338,19 @@ void bind_cuda_ll(py::module_& m) {
     return py::make_tuple(reinterpret_cast<uintptr_t>(h), reinterpret_cast<uintptr_t>(d));
   });
   m.def("cuda_host_free_mapped", [](uintptr_t h) { check(host_free_mapped(ptr<void>(h)), "cudaFreeHost"); });
+  m.def(
+      "kernel_error_record",
+      [](uintptr_t records, uint32_t word) -> py::tuple {
+        if (word >= kNumErrorWords) throw std::out_of_range("kernel_error_record: word must be 0 or 1");
+        const KernelError* e = ptr<const KernelError>(records) + word;
+        // The code is published last with a system-scope release store (kernel_errors.cuh): read it with acquire,
+        // and the fields only after it, else a record read while a kernel fills it names fields not yet written.
+        const uint32_t code = *reinterpret_cast<const volatile uint32_t*>(&e->code);
+        std::atomic_thread_fence(std::memory_order_acquire);
+        if (!code) return py::make_tuple(0u, 0u, 0u, 0u, int64_t{0});
+        return py::make_tuple(code, e->rank, e->src, e->index, e->value);
+      },
+      py::arg("records"), py::arg("word"),
+      "(code, rank, src, index, value) of the mapped record `word` (0: failures, 1: notices); code 0: none");
 }
 #endif

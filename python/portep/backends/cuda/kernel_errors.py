@@ -21,10 +21,9 @@ class KernelErrors:
         return self.info[code]["name"] if code in self.info else None
 
     def record(self, word):
-        """(code, rank, src, index, value) of record `word` (0: failures, 1: notices); code 0: none."""
-        base = word * self._record
-        value = ctypes.c_int64.from_address(self.host + (base + 4) * 4).value
-        return tuple(self._view[base + i] for i in range(4)) + (value,)
+        """(code, rank, src, index, value) of record `word` (0: failures, 1: notices); code 0: none. Read natively:
+        the code first (acquire), then the fields a kernel wrote before publishing it."""
+        return tuple(self.native.kernel_error_record(self.host, word))
 
     def message(self, code, rank, src, index, value, suffix=""):
         """'rank R: a kernel failed: what (where)suffix' (a notice: 'a kernel reported: ...')."""
