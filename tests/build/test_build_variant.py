@@ -1,9 +1,11 @@
 """The build under test is the one meant: CI runs the suite once against the CUDA build (where a CUDA compiler was
 found) and once against the HIP build, and says which through PORTEP_EXPECT_GPU_RUNTIME. Either way the GPU
-backend's report holds together: the runtime, its architectures and the reasons agree."""
+backend's report holds together: the runtime, its architectures and the reasons agree. A GPU build's checks fail
+where CI expects the kernels (or the LL fast path) and the build lacks them (tests/support/ci_expect.py)."""
 
 import os
 
+import ci_expect
 import pytest
 
 from portep import native
@@ -38,8 +40,7 @@ def test_the_build_report_is_consistent():
 def test_a_gpu_build_refuses_a_torch_of_the_other_runtime(monkeypatch):
     torch = pytest.importorskip("torch")
     info = native.build_info()
-    if not info["gpu_built"]:
-        pytest.skip("no GPU kernels in this build")
+    ci_expect.require_or_skip("cuda-kernels", info["gpu_built"], f"no GPU kernels in this build: {info['gpu_reason']}")
     other_is_hip = info["gpu_runtime"] == "cuda"  # a torch built for the other runtime, as torch.version says
     monkeypatch.setattr(torch.version, "hip", "6.2.0" if other_is_hip else None, raising=False)
     monkeypatch.setattr(torch.version, "cuda", None if other_is_hip else "12.8")
@@ -51,15 +52,14 @@ def test_a_gpu_build_refuses_a_torch_of_the_other_runtime(monkeypatch):
 
 def test_the_ll_fast_path_is_built_where_meant_and_loads_under_its_torch():
     """portep._ll_torch (the LL hot path, the one module linking libtorch) is built where torch was importable at
-    build time; CI builds without isolation and sets PORTEP_EXPECT_LL_FAST_PATH=1 so a build that lost it fails."""
+    build time; CI builds without isolation and expects ll-fast-path (PORTEP_CI_EXPECT) so a build that lost it
+    fails."""
     torch = pytest.importorskip("torch")
     info = native.build_info()
     built_for = info["ll_fast_path_torch"]
-    if os.environ.get("PORTEP_EXPECT_LL_FAST_PATH") == "1":
-        assert built_for, f"the LL fast path was not built: {info['ll_fast_path_reason']}"
     if not built_for:
         assert info["ll_fast_path_reason"]
-        pytest.skip(f"the LL fast path is not built: {info['ll_fast_path_reason']}")
+        ci_expect.require_or_skip("ll-fast-path", False, f"not built: {info['ll_fast_path_reason']}")
     assert not info["ll_fast_path_reason"]
     from portep import _ll_torch
     from portep.backends.cuda.ll_fast import fast_path_module
@@ -79,8 +79,9 @@ def test_the_ll_fast_path_is_off_where_torchs_cuda_allocator_was_swapped(monkeyp
     """The fast path allocates from torch's own CUDA allocator (native or cudaMallocAsync); one installed with
     torch.cuda.memory.change_current_allocator ("pluggable") would be bypassed, so the Buffer takes the full path."""
     torch = pytest.importorskip("torch")
-    if native.build_info()["ll_fast_path_torch"] != torch.__version__:
-        pytest.skip("the LL fast path is not built against this torch")
+    built_for = native.build_info()["ll_fast_path_torch"]
+    ci_expect.require_or_skip("ll-fast-path", built_for == torch.__version__,
+                              f"built against torch {built_for or '(none)'}, this is {torch.__version__}")
     from portep import _ll_torch
     from portep.backends.cuda.ll_fast import fast_path_module
 

@@ -1,13 +1,15 @@
 """The GPU kernel sources compile for AMD GPUs with hipcc, unchanged: everything vendor-specific goes through
 gpu_kernels/portability.cuh (device code) and gpu_kernels/cuda/gpu_runtime.h (runtime calls). Compile only (no AMD GPU), for
 CDNA2 (gfx90a, MI200) and CDNA3 (gfx940 stands in for MI300X's gfx942 where hipcc's clang is too old to know it),
-with unchecked runtime calls as errors. Skips where hipcc is not installed (.ci/run installs it with apt)."""
+with unchecked runtime calls as errors. Skips where hipcc is not installed (.ci/run installs it with apt, and expects
+it: tests/support/ci_expect.py's hip)."""
 
 import os
 import shutil
 import subprocess
 from pathlib import Path
 
+import ci_expect
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -15,7 +17,7 @@ ROOT = Path(__file__).resolve().parents[2]
 SOURCES = sorted((ROOT / "gpu_kernels" / "cuda").glob("*.cu")) + sorted((ROOT / "tests" / "native").glob("*.cu"))
 ARCHS = os.environ.get("PORTEP_HIP_ARCHS", "gfx90a,gfx940").split(",")
 
-pytestmark = pytest.mark.skipif(shutil.which("hipcc") is None, reason="hipcc is not installed")
+pytestmark = ci_expect.needs("hip", shutil.which("hipcc") is not None, "hipcc is not on PATH (ROCm's hipcc package)")
 
 
 def _hipcc(source, out, extra=()):

@@ -2,11 +2,12 @@
 
 import pytest
 
+from ci_expect import gpu_skip_reason
 import portep_testing
 from portep import native
 
 needs_gpu = pytest.mark.skipif(not native.build_info()["gpu_built"] or native.cuda_devices()[0] == 0,
-                               reason="needs the CUDA kernels built and a CUDA GPU")
+                               reason=gpu_skip_reason(1))
 
 
 @pytest.mark.gpu

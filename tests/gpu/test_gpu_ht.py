@@ -11,6 +11,7 @@ import os
 import pytest
 import torch
 
+from ci_expect import gpu_skip_reason
 import deepep_workers as w
 import gpu_ht_workers as g
 from deepep_workers import assert_clean
@@ -23,7 +24,7 @@ SHARE = os.environ.get("PORTEP_TEST_SHARE_GPU") == "1"
 def _gpus(n):
     return pytest.mark.skipif(not native.build_info()["gpu_built"] or not torch.cuda.is_available()
                               or torch.cuda.device_count() < (1 if SHARE else n),
-                              reason=f"needs the CUDA kernels and {n} CUDA GPUs (or PORTEP_TEST_SHARE_GPU=1)")
+                              reason=gpu_skip_reason(n))
 
 
 two_gpus = _gpus(2)
@@ -36,9 +37,9 @@ PATHS = [pytest.param(("direct-nvlink", 2, "shm"), id="direct-nvlink"),
 # 2 nodes of 2 ranks: (name, num_ranks_per_node, transport) between the nodes
 FORWARD_PATHS = [pytest.param(("forward-shm", 2, "shm"), id="forward-shm"),
                  pytest.param(("forward-shm-unordered", 2, "shm-unordered"), id="forward-shm-unordered")]
-# graph_body launches torch kernels of its own (d[0] * 2) while a num_worst_tokens dispatch still runs: with CUDA's
-# lazy module loading such a first launch waits for the running kernels and holds up the shm proxies' copies they
-# wait for (the README's rule for applications on the shm-GPU proxy path)
+# graph_body launches torch kernels of its own (the experts' outputs) while a num_worst_tokens dispatch still runs:
+# with CUDA's lazy module loading such a first launch waits for the running kernels and holds up the shm proxies'
+# copies they wait for (the README's rule for applications on the shm-GPU proxy path)
 EAGER = {"CUDA_MODULE_LOADING": "EAGER"}
 # hidden, num_topk, experts, tokens per rank, seed, starve_last
 SUITE = [(512, 8, 16, [300, 211], 1, False), (2048, 6, 32, [97, 256], 2, True), (7168, 8, 64, [64, 130], 3, False)]

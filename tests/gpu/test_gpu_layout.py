@@ -5,12 +5,13 @@ import types
 import pytest
 import torch
 
+from ci_expect import gpu_skip_reason
 from portep import native
 from portep.backends.host import ht as host_ht
 from portep.backends.cuda.kernel_errors import KernelErrors
 
 needs_gpu = pytest.mark.skipif(not native.build_info()["gpu_built"] or native.cuda_devices()[0] == 0
-                               or not torch.cuda.is_available(), reason="needs the CUDA kernels built and a CUDA GPU")
+                               or not torch.cuda.is_available(), reason=gpu_skip_reason(1))
 
 
 def cuda_layout(topk_idx, num_experts, num_ranks, ranks_per_node, errors=None):

@@ -8,6 +8,7 @@ import os
 import pytest
 import torch
 
+from ci_expect import gpu_skip_reason
 import deepep_workers as w
 import gpu_ll_workers as g
 from deepep_workers import assert_clean
@@ -18,7 +19,7 @@ from portep import native
 GPUS_NEEDED = 1 if os.environ.get("PORTEP_TEST_SHARE_GPU") == "1" else 2
 two_gpus = pytest.mark.skipif(not native.build_info()["gpu_built"] or not torch.cuda.is_available()
                               or torch.cuda.device_count() < GPUS_NEEDED,
-                              reason="needs the CUDA kernels and two CUDA GPUs (or PORTEP_TEST_SHARE_GPU=1)")
+                              reason=gpu_skip_reason(2))
 
 # (name, num_ranks_per_node, transport, allow_nvlink_for_low_latency_mode)
 PATHS = [
@@ -35,7 +36,7 @@ PROD_SHAPES = [(128, 7168, 288, 8, 71), (128, 7168, 256, 8, 72), (128, 4096, 160
 GPUS_FOR_4 = 1 if GPUS_NEEDED == 1 else 4
 four_gpus = pytest.mark.skipif(not native.build_info()["gpu_built"] or not torch.cuda.is_available()
                                or torch.cuda.device_count() < GPUS_FOR_4,
-                               reason="needs the CUDA kernels and four CUDA GPUs (or PORTEP_TEST_SHARE_GPU=1)")
+                               reason=gpu_skip_reason(4))
 # 4 ranks: (name, num_ranks_per_node, transport, allow_nvlink_for_low_latency_mode)
 PATHS_4 = [("direct-nvlink", 4, "shm", True), ("proxy-shm", 1, "shm", True),
            ("proxy-nvlink-off", 4, "shm-unordered", False)]
@@ -136,7 +137,7 @@ def test_missing_peer_times_out_and_raises(nvlink):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not native.build_info()["gpu_built"] or not torch.cuda.is_available(),
-                    reason="needs the CUDA kernels and a CUDA GPU")
+                    reason=gpu_skip_reason(1))
 def test_validation_cache_still_rejects_changed_calls():
     out = run_ranks(g.validation_cache_body, 1, timeout=120)
     assert out[0] == [], out[0]

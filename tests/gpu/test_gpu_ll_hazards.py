@@ -10,6 +10,7 @@ import os
 import pytest
 import torch
 
+from ci_expect import gpu_skip_reason
 import gpu_hazard_workers as h
 from deepep_workers import assert_clean
 from dist_util import run_ranks
@@ -18,7 +19,7 @@ from portep import native
 GPUS_NEEDED = 1 if os.environ.get("PORTEP_TEST_SHARE_GPU") == "1" else 2
 two_gpus = pytest.mark.skipif(not native.build_info()["gpu_built"] or not torch.cuda.is_available()
                               or torch.cuda.device_count() < GPUS_NEEDED,
-                              reason="needs the CUDA kernels and two CUDA GPUs (or PORTEP_TEST_SHARE_GPU=1)")
+                              reason=gpu_skip_reason(2))
 
 # (name, num_ranks_per_node, transport, allow_nvlink_for_low_latency_mode)
 PATHS = [("direct", 2, "shm", True), ("proxy-shm", 1, "shm", True), ("proxy-nvlink-off", 2, "shm-unordered", False)]

@@ -9,6 +9,7 @@ import os
 import pytest
 import torch
 
+from ci_expect import gpu_skip_reason
 import robust_workers as r
 from deepep_workers import assert_clean
 from dist_util import run_ranks
@@ -20,7 +21,7 @@ SHARE = os.environ.get("PORTEP_TEST_SHARE_GPU") == "1"
 def _gpus(n):
     return pytest.mark.skipif(not native.build_info()["gpu_built"] or not torch.cuda.is_available()
                               or torch.cuda.device_count() < (1 if SHARE else n),
-                              reason=f"needs the CUDA kernels and {n} CUDA GPUs (or PORTEP_TEST_SHARE_GPU=1)")
+                              reason=gpu_skip_reason(n))
 
 
 # world, ranks_per_node, transport

@@ -186,7 +186,9 @@ def _inputs(N, H, R, E, K, seed=0):
 def _needs_kernels():
     from portep import native
 
-    return pytest.mark.skipif(not native.build_info()["gpu_built"], reason="needs the CUDA kernels built")
+    import ci_expect
+
+    return ci_expect.needs("cuda-kernels", native.build_info()["gpu_built"], "this build has no GPU kernels")
 
 
 @_needs_kernels()

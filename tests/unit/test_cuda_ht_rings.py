@@ -5,11 +5,12 @@ Buffer sized by DeepEP's hint for its own test shape."""
 
 import pytest
 
+import ci_expect
 import portep
 from portep import native
 from portep.backends.cuda.ht import CudaHT
 
-pytestmark = pytest.mark.skipif(not native.build_info()["gpu_built"], reason="needs the CUDA kernels built")
+pytestmark = ci_expect.needs("cuda-kernels", native.build_info()["gpu_built"], "this build has no GPU kernels")
 
 
 def _layout(num_ranks, area_bytes, proxy, ranks_per_node):

@@ -5,16 +5,19 @@ binding errors are the Python method's to raise; a deleted Buffer is named. The 
 checked on a GPU (tests/gpu/test_gpu_ll_fast_path.py)."""
 
 import gc
+import importlib
 import types
 
+import ci_expect
 import pytest
 
 from portep import native
 
 torch = pytest.importorskip("torch")
-if native.build_info().get("ll_fast_path_torch") != torch.__version__:
-    pytest.skip("portep._ll_torch is not built against this torch", allow_module_level=True)
-from portep import _ll_torch  # noqa: E402
+BUILT = native.build_info().get("ll_fast_path_torch")
+pytestmark = ci_expect.needs("ll-fast-path", BUILT == torch.__version__,
+                             f"portep._ll_torch is built against torch {BUILT or '(none)'}, not {torch.__version__}")
+_ll_torch = importlib.import_module("portep._ll_torch") if BUILT == torch.__version__ else None
 
 NO_TABLE = types.SimpleNamespace(table_address=0)
 

@@ -5,41 +5,54 @@ with one QP (native atomics) and striped over 4 QPs (unordered, signals emulated
 data region on emulated GPU memory: registered by pointer, or staged in host memory when no NIC can register it
 or PORTEP_IB_GPUDIRECT=0 says so. The same boot runs incast under small per-QP in-flight caps, a peer that never
 acknowledges (retry counter exceeded), an unusable explicit GID index, and a pyverbs peer that shares no code
-with portep (tests/verbs/verbs_pyverbs_peer.py; it skips where pyverbs is missing)."""
+with portep (tests/verbs/verbs_pyverbs_peer.py; it skips where pyverbs is missing).
+
+Where the build has no libibverbs, qemu is missing, soft-RoCE does not come up or the guest lacks pyverbs, the tests
+skip saying so, or fail where CI expects the piece (tests/support/ci_expect.py: verbs, verbs-guest, pyverbs)."""
 
 import json
 import os
 import shutil
 import sys
 
+import ci_expect
 import pytest
 
 from portep import native
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-verbs_built = any(t["name"] == "verbs" and t["built"] for t in native.transport_catalog())
+VERBS = next(t for t in native.transport_catalog() if t["name"] == "verbs")
+verbs_built = VERBS["built"]
+needs_verbs = ci_expect.needs("verbs", verbs_built, VERBS.get("reason", ""))
 
 
 def in_guest(test):
     """Marks of the tests that boot the soft-RoCE guest."""
-    marks = [pytest.mark.verbs, pytest.mark.slow,
-             pytest.mark.skipif(not verbs_built, reason="portep was built without libibverbs"),
-             pytest.mark.skipif(os.geteuid() != 0 and shutil.which("qemu-system-x86_64") is None,
-                                reason="the guest needs qemu (installed with apt as root on first use)")]
+    marks = [pytest.mark.verbs, pytest.mark.slow, needs_verbs,
+             ci_expect.needs("verbs-guest", os.geteuid() == 0 or shutil.which("qemu-system-x86_64") is not None,
+                             "no qemu-system-x86_64 (the guest installs it with apt when run as root)")]
     for mark in reversed(marks):
         test = mark(test)
     return test
 
 
+_guest_unavailable = []  # why soft-RoCE did not come up, once it did not: the later tests do not boot again
+
+
 def run_script_in_guest(script, timeout):
     """Runs tests/<script> in one guest boot; returns (rc, {scenario name: its JSON line}, output, seconds).
-    Skips (with the reason) when soft-RoCE cannot come up on this machine's kernel (guest_vm.GuestUnavailable)."""
+    Skips (with the reason), or fails where CI expects verbs-guest, when soft-RoCE cannot come up on this machine's
+    kernel (guest_vm.GuestUnavailable)."""
     import guest_vm
 
-    try:
-        rc, output, seconds = guest_vm.run_in_guest(f"{sys.executable} {HERE}/{script}", cwd=HERE, timeout=timeout)
-    except guest_vm.GuestUnavailable as exc:
-        pytest.skip(str(exc))
+    if not _guest_unavailable:
+        try:
+            rc, output, seconds = guest_vm.run_in_guest(f"{sys.executable} {HERE}/{script}", cwd=HERE,
+                                                        timeout=timeout)
+        except guest_vm.GuestUnavailable as exc:
+            _guest_unavailable.append(str(exc))
+    if _guest_unavailable:
+        ci_expect.require_or_skip("verbs-guest", False, _guest_unavailable[0])
     results = {}
     for line in output.splitlines():
         if line.startswith("{"):
@@ -74,7 +87,7 @@ def inside_run():
     return _inside_run["run"]
 
 
-@pytest.mark.skipif(not verbs_built, reason="portep was built without libibverbs")
+@needs_verbs
 def test_inflight_caps_are_parsed_strictly(monkeypatch):
     for name, value, allowed in (("PORTEP_IB_MAX_INFLIGHT_BYTES", "1.5M", "1..1099511627776"),
                                  ("PORTEP_IB_MAX_INFLIGHT_MSGS", "0", "1..65536"),
@@ -86,6 +99,28 @@ def test_inflight_caps_are_parsed_strictly(monkeypatch):
                            fifo_capacity=64, num_streams=1, max_inflight_cmds=8, max_inflight_bytes=1 << 20,
                            timeout_s=5.0, unordered_window=8, seed=0, skip_ordering=False)
         monkeypatch.delenv(name)
+
+
+@pytest.mark.parametrize("expect", ["verbs-guest", ""], ids=["expected", "not-expected"])
+def test_a_guest_without_soft_roce_is_a_skip_or_the_failure_ci_expects(monkeypatch, expect):
+    """A planted GuestUnavailable (no guest boots): the guest tests skip naming it, or fail where CI expects
+    verbs-guest; the next test does not boot again."""
+    import guest_vm
+
+    def unavailable(*args, **kwargs):
+        raise guest_vm.GuestUnavailable("soft-RoCE did not come up in a guest with kernel 9.9 (planted)")
+
+    monkeypatch.setattr(guest_vm, "run_in_guest", unavailable)
+    monkeypatch.setattr(sys.modules[__name__], "_guest_unavailable", [])
+    monkeypatch.setenv("PORTEP_CI_EXPECT", expect)
+    outcome = pytest.fail.Exception if expect else pytest.skip.Exception
+    for script in ("verbs_inside.py", "verbs_deepep_inside.py"):
+        with pytest.raises((pytest.fail.Exception, pytest.skip.Exception)) as info:  # neither may end this test
+            run_script_in_guest(script, 60)
+        assert info.type is outcome, info.value
+        assert "verbs-guest" in str(info.value) and "kernel 9.9 (planted)" in str(info.value), info.value
+        assert ("CI expects verbs-guest" in str(info.value)) == bool(expect), info.value
+        monkeypatch.setattr(guest_vm, "run_in_guest", None)  # booting again would raise TypeError
 
 
 @in_guest
@@ -177,8 +212,8 @@ def test_pyverbs_peer(transport):
     """A pyverbs RC peer (no portep code on its side of the wire) and a portep rank: its writes with immediate
     become portep signals, its fetch-and-adds land in portep's slots, and portep's writes reach it exactly."""
     v = guest_results(f"pyverbs_peer/{transport}")[0]
-    if "skipped" in v:
-        pytest.skip(v["skipped"])
+    if "skipped" in v:  # verbs_foreign_peer.py found no pyverbs in the guest
+        ci_expect.require_or_skip("pyverbs", False, v["skipped"])
     assert v["bad_offsets_a"] == [], v
     assert v["slots"] == {"0": 5 + (1 << 32), "1": 4 + (1 << 32)}, v["slots"]
     if v["atomic_slot"] is not None:
