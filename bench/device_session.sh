@@ -77,9 +77,10 @@ build() {  # pip install with the test hooks, unless build/gpu already holds thi
   fi
   rm -f "$stamp"
   step build 300 python3 -m pip install --no-build-isolation --no-deps . -Ccmake.define.PORTEP_BUILD_TESTING=ON \
-    -Cbuild-dir=build/gpu && mkdir -p build/gpu && echo "$want" > "$stamp"
+    -Cbuild-dir=build/gpu || return 1
+  mkdir -p build/gpu && echo "$want" > "$stamp"
   python3 -c "import portep._ll_torch, portep_testing, portep.backends.cuda.engine, portep.backends.cuda.ht" \
-    >> "$OUT/summary.txt" 2>&1 || note "import failed: see build.log"
+    >> "$OUT/summary.txt" 2>&1 || { note "import failed: see build.log"; return 1; }
 }
 
 cleanup() {  # pid of a `timeout` (the leader of its process group): whatever that pytest left running
@@ -164,6 +165,7 @@ tests() {
     if ! "${REPORT[@]}" plan "$raw" "$(lane_part "$l")" ${PORTEP_GPU_TEST_FILES:-} > "$raw/plan.tsv" \
       2> "$raw/plan.err"; then
       note "$(cat "$raw/plan.err")"
+      wait  # lanes already started
       return 2
     fi
     run_lane "$raw" "$log" &
@@ -196,7 +198,10 @@ printf '%s\n' "part=$PART" "lanes=$LANES" "commit=$COMMIT" "tree=$TREE" "gpus=$G
 note "commit $COMMIT ($(git status --short 2>/dev/null | wc -l) files changed), tree $TREE; GPUs: $GPUS;" \
   "part $PART${PORTEP_GPU_TEST_FILES:+ of $PORTEP_GPU_TEST_FILES}${PORTEP_GPU_TESTS_K:+ -k '$PORTEP_GPU_TESTS_K'};" \
   "budget $BUDGET s; PORTEP_TEST_SHARE_GPU=${PORTEP_TEST_SHARE_GPU:-}"
-build
+if ! build; then  # the tests would run an older install, or none
+  note "build failed: nothing run; total $(($(date +%s) - T0)) s, exit 1"
+  exit 1
+fi
 if [ "$PART" = bench ]; then
   step bench "$BUDGET" python3 -m portep_bench --json "$OUT/bench.json"
   RC=$?

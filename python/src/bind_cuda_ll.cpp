@@ -3,7 +3,6 @@
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
-#include <atomic>
 #include <iterator>
 #include <memory>
 #include <stdexcept>
@@ -341,12 +340,12 @@ void bind_cuda_ll(py::module_& m) {
   m.def(
       "kernel_error_record",
       [](uintptr_t records, uint32_t word) -> py::tuple {
-        if (word >= kNumErrorWords) throw std::out_of_range("kernel_error_record: word must be 0 or 1");
+        if (word >= kNumErrorWords)
+          throw std::out_of_range("kernel_error_record: word " + std::to_string(word) + " is not 0 or 1");
         const KernelError* e = ptr<const KernelError>(records) + word;
         // The code is published last with a system-scope release store (kernel_errors.cuh): read it with acquire,
         // and the fields only after it, else a record read while a kernel fills it names fields not yet written.
-        const uint32_t code = *reinterpret_cast<const volatile uint32_t*>(&e->code);
-        std::atomic_thread_fence(std::memory_order_acquire);
+        const uint32_t code = __atomic_load_n(&e->code, __ATOMIC_ACQUIRE);
         if (!code) return py::make_tuple(0u, 0u, 0u, 0u, int64_t{0});
         return py::make_tuple(code, e->rank, e->src, e->index, e->value);
       },

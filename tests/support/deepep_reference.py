@@ -96,21 +96,16 @@ def ll_fp8_round_trip(x, round_scale):
     return (q.float() * stored.unsqueeze(2)).reshape(n, h).to(torch.bfloat16)
 
 
-def ue8m0_bytes(scales):
-    """Exponent bytes of power-of-two float32 scales [..., S] as uint8 [..., S] (what UE8M0 packs 4 per int32)."""
-    return ((dense(scales.float()).view(torch.int32) >> 23) & 0xFF).to(torch.uint8)
-
-
 def e4m3_rounding_mismatch(q, x, multiplier):
     """Mask of FP8 values q [N, H] that are not x * multiplier rounded to E4M3: |q - v| must stay within half an
-    E4M3 step at v (2^(floor(log2 |v|) - 3), 2^-9 below 2^-6), v = x * multiplier in float64; values past 448
-    must be +-448. x: [N, H]; multiplier: float32 [N, H/128]."""
+    E4M3 step at v (the step is 2^(floor(log2 |v|) - 3), 2^-9 below 2^-6), v = x * multiplier in float64; values
+    past 448 must be +-448; NaN always mismatches. x: [N, H]; multiplier: float32 [N, H/128]."""
     n, h = x.shape
     v = (x.double().reshape(n, h // 128, 128) * multiplier.double().unsqueeze(2)).reshape(n, h)
     exp = torch.floor(torch.log2(v.abs().clamp(min=2.0 ** -6)))
     half_step = torch.ldexp(torch.ones_like(v), exp - 4) * (1 + 2.0 ** -20)
     target = v.clamp(-FP8_MAX, FP8_MAX)
-    return (q.double() - target).abs() > half_step
+    return ~((q.double() - target).abs() <= half_step)
 
 
 def unpack_scales(scales):
@@ -227,16 +222,6 @@ def gather_rows(per_src, src_rank, src_token):
     return out
 
 
-def ht_combine_ref(x, is_token_in_rank, bias=None):
-    """float64 combine of an echo: x[t] * |ranks(t)| + bias0[t] + bias1[t] (bias: None, a tensor or a 2-tuple)."""
-    count = is_token_in_rank.sum(dim=1).double().unsqueeze(1)
-    ref = x.double() * count
-    if bias is not None:
-        for b in (bias if isinstance(bias, tuple) else (bias,)):
-            ref = ref + b.double()
-    return ref
-
-
 def ht_combine_weights_ref(topk_idx, topk_weights, is_token_in_rank, num_local_experts, fill_by_rank=False):
     """combined_topk_weights when every receiving rank r echoes its recv_topk_weights back (float64).
 
@@ -255,13 +240,6 @@ def ht_combine_weights_ref(topk_idx, topk_weights, is_token_in_rank, num_local_e
             got = is_token_in_rank[:, r].unsqueeze(1).expand_as(idx)
             ref = ref + torch.where(got & (owner != r), torch.full_like(w, r + 1.0), torch.zeros_like(w))
     return ref
-
-
-def bf16_close(got, ref64, rel=2.0 ** -8, slack=1e-6):
-    """Mask of elements of a BF16 result that are NOT within rounding (half a BF16 ulp, plus slack) of ref64."""
-    g = got.double()
-    tol = ref64.abs() * rel * 1.0001 + slack
-    return (g - ref64).abs() > tol
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -288,12 +266,6 @@ def ll_struct_x(rank, num_tokens, hidden):
     x = torch.ones(num_tokens, hidden, dtype=torch.bfloat16) * (rank - 128)
     x[:, -128:] = torch.arange(num_tokens, dtype=torch.float32).to(torch.bfloat16).view(-1, 1)
     return x
-
-
-def ll_combine_ref(x, topk_idx, topk_weights):
-    """Weighted LL combine of an identity expert: x[t] * sum_k w[t,k] * (idx[t,k] != -1), float64."""
-    w = (topk_weights.double() * (topk_idx >= 0).double()).sum(dim=1, keepdim=True)
-    return x.double() * w
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -406,11 +378,13 @@ def ht_combine_expert_ref(x, is_token_in_rank, rank, bias=None):
 
 
 def combine_mismatch(got, ref64, absref64, num_terms):
-    """Mask of elements of a BF16 combine result that are not the BF16 rounding of ref64, allowing for an FP32
-    accumulation of num_terms terms (each rounding costs at most 2^-24 of the sum of the absolute terms)."""
-    g = got.double()
-    tol = ref64.abs() * 2.0 ** -8 * 1.0001 + absref64 * (num_terms + 1) * 2.0 ** -23 + 1e-30
-    return (g - ref64).abs() > tol
+    """Mask of elements of a BF16 combine result that are not ref64 rounded to BF16: within half a BF16 step at ref64
+    (2^(floor(log2 |ref64|) - 8)), plus what an FP32 accumulation of num_terms terms may add (each rounding at most
+    2^-24 of the sum of the terms' magnitudes, absref64). NaN or infinite elements always mismatch."""
+    _, e = torch.frexp(ref64)  # |ref64| = m * 2^e, m in [0.5, 1): floor(log2 |ref64|) = e - 1
+    half_step = torch.ldexp(torch.ones_like(ref64), e - 9) * (1 + 2.0 ** -20)
+    tol = half_step + absref64 * (num_terms + 1) * 2.0 ** -23 + 1e-30
+    return ~((got.double() - ref64).abs() <= tol)
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -103,6 +103,16 @@ class Checker:
                   f"expected {_fmt(eb)}")
         return False
 
+    def combined(self, name, got, ref64, abs64, num_terms, what, context):
+        """got (BF16) is ref64 rounded to BF16, allowing an FP32 accumulation of num_terms terms (abs64: the sum of
+        the terms' magnitudes); a mismatch also names the first element and context(its row)."""
+        bad = ref.combine_mismatch(got, ref64, abs64, num_terms)
+        if self.true(not bool(bad.any()), f"{name}: {int(bad.sum())}/{bad.numel()} elements are not {what}"):
+            return True
+        i, j = bad.nonzero()[0].tolist()
+        self.fail(f"  first at [{i}, {j}]: got {got[i, j].item()}, expected {ref64[i, j].item():.6g} ({context(i)})")
+        return False
+
     def diff_below(self, name, got, exp, limit):
         d = ref.calc_diff(got, exp)
         return self.true(d < limit, f"{name}: calc_diff {d:.3g} >= {limit:g}")
@@ -215,12 +225,9 @@ def _check_ht_combine(ck, out, x_seen, is_in, bias, with_topk, w_ref, x_orig=Non
     rank = dist.get_rank()
     if ck.tensor("combined_x", combined, BF16, (n, h)):
         ref64, abs64 = ref.ht_combine_expert_ref(x_seen, is_in, rank, bias)
-        bad = ref.combine_mismatch(combined, ref64, abs64, is_in.size(1) + 2)
-        if not ck.true(not bad.any(), f"combined_x: {int(bad.sum())}/{bad.numel()} elements are not the BF16 "
-                       "rounding of the receiving ranks' expert outputs (plus bias)"):
-            i, j = bad.nonzero()[0].tolist()
-            ck.fail(f"  first at [{i}, {j}]: got {combined[i, j].item()}, expected {ref64[i, j].item():.6g} "
-                    f"(token sent to ranks {is_in[i].nonzero().flatten().tolist()})")
+        ck.combined("combined_x", combined, ref64, abs64, is_in.size(1) + 2,
+                    "the BF16 rounding of the receiving ranks' expert outputs (plus bias)",
+                    lambda i: f"token sent to ranks {is_in[i].nonzero().flatten().tolist()}")
         if x_orig is not None and n:
             orig64 = ref.ht_combine_expert_ref(x_orig, is_in, rank, bias)[0]
             ck.diff_below("combined_x vs the same experts on the original (pre-FP8) x", combined, orig64, 5e-4)
@@ -599,12 +606,8 @@ def _check_ll_combine(ck, combined, out, x_self, x_self_q, idx, w, use_fp8, roun
         ck.true(torch.equal(out, combined), "the result was not written into out=")
     rank = dist.get_rank()
     ref64, abs64 = ref.ll_combine_expert_ref(x_self_q if use_fp8 else x_self, idx, w, rank)
-    bad = ref.combine_mismatch(combined, ref64, abs64, idx.size(1))
-    if not ck.true(not bool(bad.any()), f"combined_x: {int(bad.sum())}/{bad.numel()} elements are not within BF16 "
-                   "rounding of sum_k w[t, k] * expert_k(x[t])"):
-        i, j = bad.nonzero()[0].tolist()
-        ck.fail(f"  first at [{i}, {j}]: got {combined[i, j].item()}, expected {ref64[i, j].item():.6g} "
-                f"(experts {idx[i].tolist()})")
+    ck.combined("combined_x", combined, ref64, abs64, idx.size(1),
+                "within BF16 rounding of sum_k w[t, k] * expert_k(x[t])", lambda i: f"experts {idx[i].tolist()}")
     if use_fp8 and not round_scale and n:
         orig64 = ref.ll_combine_expert_ref(x_self, idx, w, rank)[0]
         ck.diff_below("combined_x vs the same experts on the original (pre-FP8) x", combined, orig64, 9e-4)
@@ -811,8 +814,8 @@ def bad_inputs_ht(rank, world, rpn, transport):
     ck = Checker(rank)
     ex = Expect()
     n, hidden, k, E = 64, 256, 4, 8 * world
-    buf = portep.Buffer(dist.group.WORLD, 64 * MiB, 0, low_latency_mode=False, num_ranks_per_node=rpn, transport=transport,
-                        timeout_s=30, explicitly_destroy=True)
+    buf = portep.Buffer(dist.group.WORLD, 64 * MiB, 0, low_latency_mode=False, num_ranks_per_node=rpn,
+                        transport=transport, timeout_s=30, explicitly_destroy=True)
     _ht_good_round(ck, buf, world, rpn, 5, n, hidden, k, E, "before the bad calls")
     inp = make_ht_inputs(rank, 7, n, hidden, k, E)
     x, idx, w = inp["x"], inp["idx"], inp["w"]

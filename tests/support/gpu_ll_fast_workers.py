@@ -301,8 +301,14 @@ def graph_launch_body(rank, world, rpn, transport, seed, T, H, E, K):
     kernels = calls.buf.runtime.kernels
     errors = [] if kernels.graph_launch else ["graph launches are off on a CUDA build"]
     references = {}
+    x_cpu, idx_cpu, weights_cpu = calls.x.cpu(), calls.idx.cpu(), calls.weights.cpu()
     for flags in FLAGS:
+        calls.use_expert_outputs(flags, rank)
         references[flags] = _with_graphs(calls, False, flags=flags)
+        ref64, abs64 = ref.ll_combine_expert_ref(experts_view(x_cpu, flags[0], flags[1]), idx_cpu, weights_cpu, rank)
+        error = _not_the_experts_sum(references[flags][2], ref64, abs64, K)  # [2]: the combined rows
+        if error:
+            errors.append(f"flags {flags}, kernel launches: {error}")
         for i in range(3):  # the first call of a signature goes the full path; every eager call may use graphs
             if _differs(references[flags], calls.round_trip(flags=flags)):
                 errors.append(f"flags {flags}: graph-launched round trip {i} differs from kernel launches")
@@ -310,6 +316,7 @@ def graph_launch_body(rank, world, rpn, transport, seed, T, H, E, K):
         errors.append(f"too few graph launches: {kernels.graph_counts}")
 
     baseline = references[FLAGS[1]]
+    calls.use_expert_outputs(FLAGS[1], rank)  # the outputs the baseline combined
     for i in range(12):  # each rank its own pattern of graph and kernel launches
         if _differs(baseline, _with_graphs(calls, (i + rank) % 3 != 0, flags=FLAGS[1])):
             errors.append(f"mixed launches, round trip {i}: differs")

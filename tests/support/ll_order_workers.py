@@ -4,21 +4,15 @@ and the CUDA backend's partial sums between direct peers need exactly this order
 import torch
 import torch.distributed as dist
 
+import deepep_reference as ref
 import portep
 from deepep_workers import BF16, Checker, make_ll_inputs
 
 
-def expert_scale(e):
-    return 1.0 + (e % 7) / 8.0  # a different output per expert, so a row summed under the wrong expert shows
-
-
-def expert_output(rows, e):
-    return (rows.float() * expert_scale(e)).to(BF16)
-
-
-def reference_combine(x, idx, w, E_l, grouped):
-    """FP32, each product and sum rounded on its own (separate torch ops). grouped: per owner rank the rows in
-    top-k order, then those sums in rank order; else all rows in top-k order."""
+def reference_combine(x, idx, w, E_l, grouped, rank):
+    """FP32, each product and sum rounded on its own (separate torch ops), of the test experts' outputs
+    (ref.expert_output: a factor per expert, an offset per expert and source rank, this rank). grouped: per owner
+    rank the rows in top-k order, then those sums in rank order; else all rows in top-k order."""
     N, H = x.shape
     out = torch.empty(N, H, dtype=BF16)
     for t in range(N):
@@ -29,7 +23,7 @@ def reference_combine(x, idx, w, E_l, grouped):
             part = torch.zeros(H, dtype=torch.float32)
             for k, e in enumerate(experts):
                 if e >= 0 and (owner is None or e // E_l == owner):
-                    part = part + w[t, k] * expert_output(x[t], e).float()
+                    part = part + w[t, k] * ref.expert_output(x[t], e, rank).float()
             acc = acc + part
         out[t] = acc.to(BF16)
     return out
@@ -46,17 +40,14 @@ def combine_order_body(rank, world, rpn, transport, seed, T, H, E, K):
     # FP32 sums shows in the BF16 bits
     g = torch.Generator().manual_seed(seed * 31 + rank)
     w = torch.tensor([1.0, -1.0] * K)[:K] * (1 + 0.01 * torch.rand(T, K, generator=g))
-    recv_x, count, handle, _, _ = buf.low_latency_dispatch(x, idx, T, E, use_fp8=False)
+    recv_x, _, handle, _, _ = buf.low_latency_dispatch(x, idx, T, E, use_fp8=False)
     E_l = E // world
-    outputs = torch.zeros_like(recv_x)
-    for le in range(E_l):
-        n = int(count[le])
-        outputs[le, :n] = expert_output(recv_x[le, :n], rank * E_l + le)
+    outputs = ref.ll_expert_outputs(recv_x, handle[1], rank)
     combined = buf.low_latency_combine(outputs, idx, w, handle)[0]
-    grouped = reference_combine(x, idx, w, E_l, grouped=True)
+    grouped = reference_combine(x, idx, w, E_l, True, rank)
     ck.equal("combined_x vs per-owner-rank sums in rank order", combined, grouped)
     # elements where summing all rows in top-k order gives other bits (the test asserts some rank has any, so
     # that the check above can tell the two orders apart)
-    plain = reference_combine(x, idx, w, E_l, grouped=False)
+    plain = reference_combine(x, idx, w, E_l, False, rank)
     buf.destroy()
     return {"failures": ck.failures, "checks": ck.num_checks, "order_sensitive": int((grouped != plain).sum())}
