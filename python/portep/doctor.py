@@ -29,6 +29,25 @@ def _rdma_devices():
     return devices, "" if devices else "no RDMA devices found"
 
 
+def gpu_error_text(error, runtime, driver_loads):
+    """What the doctor says of a GPU runtime's error: CUDA answers "driver version is insufficient" also where there
+    is no driver at all, which is named as such when the driver library does not load. driver_loads: whether
+    libcuda.so.1 (CUDA) loads here."""
+    if runtime == "cuda" and error and "insufficient" in error and not driver_loads:
+        return f"no NVIDIA driver / no GPU found: libcuda.so.1 does not load (CUDA said: {error})"
+    return error
+
+
+def _cuda_driver_loads():
+    import ctypes
+
+    try:
+        ctypes.CDLL("libcuda.so.1")
+    except OSError:
+        return False
+    return True
+
+
 def _torch_facts():
     try:
         import torch
@@ -134,6 +153,7 @@ def collect():
     report["build"] = info
     report["backends"].append("host")
     gpu_count, gpu_error = native.cuda_devices()
+    gpu_error = gpu_error_text(gpu_error, info["gpu_runtime"], gpu_error == "" or _cuda_driver_loads())
     report["gpus"] = {"count": gpu_count}
     if gpu_error:
         report["gpus"]["error"] = gpu_error

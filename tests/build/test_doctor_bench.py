@@ -40,6 +40,33 @@ def test_doctor_text_mentions_every_transport():
         assert name in proc.stdout
 
 
+def test_a_missing_nvidia_driver_is_named_as_such():
+    from portep.doctor import gpu_error_text
+
+    cuda_says = "CUDA driver version is insufficient for CUDA runtime version"
+    assert gpu_error_text(cuda_says, "cuda", driver_loads=False).startswith("no NVIDIA driver / no GPU found")
+    assert gpu_error_text(cuda_says, "cuda", driver_loads=True) == cuda_says  # a driver too old: CUDA's words
+    assert gpu_error_text("no ROCm-capable device is detected", "hip", driver_loads=False) == \
+        "no ROCm-capable device is detected"
+    assert gpu_error_text("", "cuda", driver_loads=False) == ""
+
+
+def test_the_doctor_names_a_missing_driver_on_a_machine_without_one():
+    import ctypes
+
+    from portep import native
+
+    try:
+        ctypes.CDLL("libcuda.so.1")
+        pytest.skip("this machine has an NVIDIA driver (libcuda.so.1 loads)")
+    except OSError:
+        pass
+    if native.build_info()["gpu_runtime"] != "cuda":
+        pytest.skip("not a CUDA build: the doctor reports the GPU runtime's own words")
+    proc = run_module("portep.doctor")
+    assert "GPUs:       0 (no NVIDIA driver / no GPU found" in proc.stdout, proc.stdout
+
+
 NUMPY_BLOCKED = """
 import sys
 sys.modules["numpy"] = None  # as in a fresh venv where only torch was installed
