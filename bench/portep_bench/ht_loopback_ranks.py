@@ -90,7 +90,8 @@ class LoopbackRank:
 def make_ranks():
     """Both ranks on this GPU, each buffer sized by DeepEP's NVL hint for the benchmark's shape."""
     native.cuda_load_kernels()
-    area_off = -(-native.HT_CTRL_BYTES // 128) * 128  # the normal-mode area from the next 128-byte boundary
+    ctrl_bytes = native.ht_ctrl_layout(R, R)["bytes"]
+    area_off = -(-ctrl_bytes // 128) * 128  # the normal-mode area from the next 128-byte boundary
     regions = [torch.zeros(area_off + AREA_BYTES, dtype=torch.uint8, device="cuda") for _ in range(R)]
     return [LoopbackRank(r, regions, area_off) for r in range(R)]
 

@@ -76,6 +76,7 @@ struct HTCommon {
   uint8_t* const* place;  // device array [R]: a proxy peer's region where the kernels store their WRITEs' bytes
                           // themselves (placed WRITEs), else null
   uint64_t ctrl_off, recv_off, stage_off;  // the control, receive and staging areas (ht_layout.h)
+  HTCtrl ctrl;            // the control area's table: ht_ctrl(num_ranks, ranks_per_node)
   uint64_t* epoch;        // device [kHTEpochWords]: ops so far; whether this op's data kernel does nothing (set by
                           // notify)
   HTHostCounts* host;     // device address of the mapped host counts
@@ -100,11 +101,13 @@ struct HTNotifyArgs {
   const int32_t* tokens_per_expert;  // [E] (count mode)
   int num_tokens, num_experts;
   // count mode: outputs (the handle's matrices)
-  int32_t* rank_prefix;            // [R][R] inclusive over sources
+  int32_t* recv_rank_prefix;       // [R] inclusive over sources: rows from sources 0..s to this rank
+  int32_t* rank_prefix;            // one node only (else null): [R][R] inclusive over sources, every destination
   int32_t* channel_prefix;         // [R][C] inclusive over channels, this rank's sends
   int32_t* recv_channel_prefix;    // [R][C] exclusive over channels, rows from each source
   // count mode with forwarding (else null), Nn = R / L nodes; "served source" of node n: rank n * L + this local
-  int32_t* node_channel_prefix;    // [Nn][C] inclusive over channels: this rank's tokens to each node
+  int32_t* node_channel_prefix;    // [Nn][C] inclusive over channels: this rank's tokens to each node (shared by
+                                   // the notify kernel as its node counts)
   int32_t* fwd_channel_prefix;     // [Nn][C] exclusive over channels: rows from node n's served source
   int32_t* fwd_rank_prefix;        // [Nn] inclusive over nodes: rows from each node's served source
   int64_t max_recv;                // rows the outputs can hold (num_worst_tokens), 0: no limit

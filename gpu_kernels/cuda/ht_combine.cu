@@ -24,7 +24,7 @@ PORTEP_DEVICE void write_contribution(const HTCombineArgs& a, uint8_t* dst, int6
 }
 
 struct SendState {
-  uint32_t fwd_sent[kHTMaxRanks];  // forwarding: rows stored into local rank l's forward ring (l the forwarder)
+  uint32_t fwd_sent[kHTMaxNodeRanks];  // forwarding: rows stored into local rank l's forward ring (l the forwarder)
   int failed;
 };
 
@@ -84,17 +84,24 @@ PORTEP_DEVICE void send_channel(const HTCombineArgs& a, int ch) {
   if (threadIdx.x == 0) st.failed = 0;
   for (int s = 0; s < c.num_ranks; ++s)
     if (s != c.rank && !send_to(a, ch, s, epoch, st)) return;
-  const int d = threadIdx.x;
-  if (d < c.num_ranks && !(ht_forwarding(c) && node_of(c, d) != node_of(c, c.rank)))
-    collect_credits(c, true, d, ch, rows_from_source(a, d, ch));
+  for (int p = threadIdx.x; p < ht_num_peers(c); p += blockDim.x) {
+    const int d = peer_rank(c, p);  // with forwarding, the peers of other nodes get their rows from forwarders
+    if (!peer_is_self(c, p) && !(ht_forwarding(c) && p >= c.ranks_per_node))
+      collect_credits(c, true, d, ch, rows_from_source(a, d, ch));
+  }
 }
+
+// Rows of one token a RowSet holds besides bias; a token with rows from more peers is reduced by
+// reduce_token_walk, which finds each row again per word instead of keeping its address.
+constexpr int kHTMaxSetRows = 16;
+static_assert(kHTMaxSetRows >= kHTMaxNodeRanks, "a forwarder's partial sums at most one row per local rank");
 
 // FP32 sums of rows, as the host backend orders them: rows [0, nbias) are bias (BF16; the first is assigned, not
 // added, when bias_assign, as bias0 is), then [nbias, nb) BF16 rows (x, contributions), then up to n FP32 rows
 // (partials). weights[i] belongs to row nbias + i.
 struct RowSet {
-  const uint8_t* rows[kHTMaxRanks + 2];
-  const float* weights[kHTMaxRanks];
+  const uint8_t* rows[2 + kHTMaxSetRows];
+  const float* weights[kHTMaxSetRows];
   int nbias, nb, n;
   bool bias_assign;
 };
@@ -187,7 +194,6 @@ PORTEP_DEVICE bool sum_bf16_rows_fast(const RowSet& set, int words, uint8_t* out
     default: return false;
   }
 }
-static_assert(kHTMaxRanks <= 8, "sum_bf16_rows_fast has a case for each row count up to kHTMaxRanks");
 
 // Warp-wide: out_row (BF16, or FP32 for a partial) = the set's rows summed; out_w = their weights summed.
 PORTEP_DEVICE void reduce_rows(const RowSet& set, int hidden, int num_topk, uint8_t* out_row, bool out_f32,
@@ -213,30 +219,31 @@ PORTEP_DEVICE void reduce_rows(const RowSet& set, int hidden, int num_topk, uint
 
 // ---- the reducer (the source's tokens) ----
 struct ReduceState {
-  uint32_t masks[kHTWarps];        // batch: the ranks each warp's token has rows from (effective_mask)
-  uint32_t base[kHTMaxRanks];      // rows of this channel from each rank reduced before this batch
-  uint32_t batch[kHTMaxRanks];     // the batch's rows from each rank
-  uint32_t have[kHTMaxRanks];      // rows known to be in place
-  uint32_t credited[kHTMaxRanks];  // proxy ranks: chunks credited back
+  TokenPeers tp;                   // batch: the peers each warp's token has rows from, its node masks
+  uint32_t base[kHTMaxPeers];      // rows of this channel from each peer reduced before this batch
+  uint32_t batch[kHTMaxPeers];     // the batch's rows from each peer
+  uint32_t have[kHTMaxPeers];      // rows known to be in place
+  uint32_t credited[kHTMaxPeers];  // proxy peers: chunks credited back
   int failed;
 };
 
-// Thread j < R waits until rank j's rows the batch needs are in place; false (block-wide) after a timeout.
+// Thread p waits until peer p's rows the batch needs are in place; false (block-wide) after a timeout.
 PORTEP_DEVICE bool await_batch(const HTCombineArgs& a, ReduceState& st, int ch, uint64_t epoch) {
   const HTCommon& c = a.c;
-  const int j = threadIdx.x;
-  const uint32_t need = j < c.num_ranks ? st.base[j] + st.batch[j] : 0;
-  if (j < c.num_ranks && j != c.rank && need > st.have[j]) {
+  for (int p = threadIdx.x; p < ht_num_peers(c); p += blockDim.x) {
+    const uint32_t need = st.base[p] + st.batch[p];
+    if (peer_is_self(c, p) || need <= st.have[p]) continue;
+    const int j = peer_rank(c, p);
     if (c.peers[j]) {
       const uint64_t* word = tail_word(c, c.local, true, j, ch);
       if (await_tail(c, word, epoch, need, j, ch))
-        st.have[j] = uint32_t(ld_acquire_sys_u64(word));
+        st.have[p] = uint32_t(ld_acquire_sys_u64(word));
       else
         st.failed = 1;
     } else {
       const int64_t units = await_units(c, j, ht_data_stream(c, true, ch), chunks(need));
       if (units >= 0)
-        st.have[j] = uint32_t(units * kHTChunkRows);
+        st.have[p] = uint32_t(units * kHTChunkRows);
       else
         st.failed = 1;
     }
@@ -245,13 +252,72 @@ PORTEP_DEVICE bool await_batch(const HTCombineArgs& a, ReduceState& st, int ch, 
   return !st.failed;
 }
 
-// Warp-wide: token t's sum of bias, its node's rows (ranks ascending), then the other rows (ranks, i.e. with
-// forwarding the partials of nodes, ascending).
+// Token t's row from peer p (ring row `index`, or this rank's own row of x) and its weights.
+struct PeerRow {
+  const uint8_t* row;
+  const float* weights;
+};
+PORTEP_DEVICE PeerRow peer_row(const HTCombineArgs& a, int p, uint32_t index, int ch) {
+  const HTCommon& c = a.c;
+  if (peer_is_self(c, p)) {
+    const int64_t row = rows_before(a.recv_prefix, a.recv_prefix_stride, c.rank) +
+                        a.recv_channel_prefix[c.rank * c.num_channels + ch] + index;
+    return {reinterpret_cast<const uint8_t*>(a.x + row * a.hidden),
+            a.topk_weights ? a.topk_weights + row * a.num_topk : nullptr};
+  }
+  const uint32_t bytes = slot_bytes(a);
+  const uint8_t* row = c.local + c.recv_off + ht_ring_offset(c, c.rank, peer_rank(c, p), ch, a.ring_rows, bytes) +
+                       ht_ring_slot(index, a.ring_rows, bytes);
+  const bool partial = ht_forwarding(c) && p >= c.ranks_per_node;  // other nodes' rows are FP32 partials
+  return {row, reinterpret_cast<const float*>(row + ht_combine_weights(partial, a.hidden))};
+}
+
+// Warp-wide, a token with rows from more than kHTMaxSetRows peers: the same sum as reduce_rows, in the same order,
+// each row's address found again per word.
+PORTEP_DEVICE void reduce_token_walk(const HTCombineArgs& a, const ReduceState& st, int t, int ch, int warp) {
+  const HTCommon& c = a.c;
+  const int64_t base = int64_t(t) * a.hidden;
+  const int L = c.ranks_per_node;
+  const bool partials = ht_forwarding(c);
+  for (int j = lane_id(); j < a.hidden / 8; j += kWarpSize) {
+    float acc[8] = {};
+    if (a.bias0) set_bf16x8(acc, reinterpret_cast<const uint4*>(a.bias0 + base)[j]);  // exactly bias0
+    if (a.bias1) add_bf16x8(acc, reinterpret_cast<const uint4*>(a.bias1 + base)[j]);
+    for (int p = 0; p < ht_num_peers(c); ++p) {
+      if (!has_peer(st.tp, warp, p)) continue;
+      const PeerRow r = peer_row(a, p, st.base[p] + rows_with_peer(st.tp, warp, p), ch);
+      if (partials && p >= L) {
+        const float4* q = reinterpret_cast<const float4*>(r.row) + 2 * j;
+        const float4 lo = q[0], hi = q[1];
+        acc[0] += lo.x, acc[1] += lo.y, acc[2] += lo.z, acc[3] += lo.w;
+        acc[4] += hi.x, acc[5] += hi.y, acc[6] += hi.z, acc[7] += hi.w;
+      } else {
+        add_bf16x8(acc, reinterpret_cast<const uint4*>(r.row)[j]);
+      }
+    }
+    store_word(reinterpret_cast<uint8_t*>(a.out + base), false, j, acc);
+  }
+  if (!a.out_weights) return;
+  for (int k = lane_id(); k < a.num_topk; k += kWarpSize) {
+    float acc = 0.0f;
+    for (int p = 0; p < ht_num_peers(c); ++p) {
+      if (!has_peer(st.tp, warp, p)) continue;
+      const PeerRow r = peer_row(a, p, st.base[p] + rows_with_peer(st.tp, warp, p), ch);
+      acc += r.weights ? r.weights[k] : 0.0f;
+    }
+    a.out_weights[int64_t(t) * a.num_topk + k] = acc;
+  }
+}
+
+// Warp-wide: token t's sum of bias, its node's rows (local ranks ascending), then the other rows (other nodes'
+// peers ascending: the ranks themselves without forwarding, the partials of nodes with it).
 PORTEP_DEVICE void reduce_token(const HTCombineArgs& a, const ReduceState& st, int t, int ch, int warp) {
   const HTCommon& c = a.c;
-  const int R = c.num_ranks, me = c.rank, C = c.num_channels;
-  const uint32_t bytes = slot_bytes(a), mask = st.masks[warp];
-  const bool partials = ht_forwarding(c);  // the rows of other nodes (pass 1) are FP32 partials
+  const int L = c.ranks_per_node;
+  const bool partials = ht_forwarding(c);
+  int rows = 0;
+  for (int w = 0; w < kHTPeerWords; ++w) rows += __popc(st.tp.words[warp][w]);
+  if (rows > kHTMaxSetRows) return reduce_token_walk(a, st, t, ch, warp);
   const int64_t base = int64_t(t) * a.hidden;
   RowSet set;
   set.n = set.nbias = 0;
@@ -259,23 +325,13 @@ PORTEP_DEVICE void reduce_token(const HTCombineArgs& a, const ReduceState& st, i
   if (a.bias0) set.rows[set.n++] = reinterpret_cast<const uint8_t*>(a.bias0 + base);
   if (a.bias1) set.rows[set.n++] = reinterpret_cast<const uint8_t*>(a.bias1 + base);
   set.nbias = set.nb = set.n;
-  for (int pass = 0; pass < 2; ++pass) {
-    for (int j = 0; j < R; ++j) {
-      if (!(mask >> j & 1) || (node_of(c, j) == node_of(c, me)) != (pass == 0)) continue;
-      const uint32_t index = st.base[j] + rows_with_bit(st.masks, warp, j);  // among this channel's rows from j
-      if (j == me) {
-        const int64_t row = rows_before(a.recv_prefix, a.recv_prefix_stride, me) + a.recv_channel_prefix[me * C + ch] +
-                            index;
-        add_row(set, reinterpret_cast<const uint8_t*>(a.x + row * a.hidden),
-                a.topk_weights ? a.topk_weights + row * a.num_topk : nullptr);
-      } else {
-        const uint8_t* row = c.local + c.recv_off + ht_ring_offset(c, me, j, ch, a.ring_rows, bytes) +
-                             ht_ring_slot(index, a.ring_rows, bytes);
-        add_row(set, row, reinterpret_cast<const float*>(row + ht_combine_weights(partials && pass == 1, a.hidden)));
-      }
-    }
-    if (pass == 0 || !partials) set.nb = set.n;
+  for (int p = 0; p < ht_num_peers(c); ++p) {
+    if (p == L && partials) set.nb = set.n;  // the BF16 rows end where other nodes' partials begin
+    if (!has_peer(st.tp, warp, p)) continue;
+    const PeerRow r = peer_row(a, p, st.base[p] + rows_with_peer(st.tp, warp, p), ch);  // its index among p's rows
+    add_row(set, r.row, r.weights);
   }
+  if (!partials) set.nb = set.n;
   reduce_rows(set, a.hidden, a.num_topk, reinterpret_cast<uint8_t*>(a.out + base), false,
               a.out_weights ? a.out_weights + int64_t(t) * a.num_topk : nullptr);
 }
@@ -283,36 +339,38 @@ PORTEP_DEVICE void reduce_token(const HTCombineArgs& a, const ReduceState& st, i
 PORTEP_DEVICE void reduce_channel(const HTCombineArgs& a, int ch) {
   __shared__ ReduceState st;
   const HTCommon& c = a.c;
-  const int R = c.num_ranks, C = c.num_channels, warp = threadIdx.x / kWarpSize, lane = lane_id(), j = threadIdx.x;
+  const int C = c.num_channels, P = ht_num_peers(c), warp = threadIdx.x / kWarpSize;
   const uint64_t epoch = *c.epoch;
-  if (j < R) st.base[j] = st.have[j] = st.credited[j] = 0;
-  if (j == 0) st.failed = 0;
+  for (int p = threadIdx.x; p < P; p += blockDim.x) st.base[p] = st.have[p] = st.credited[p] = 0;
+  if (threadIdx.x == 0) st.failed = 0;
   const int t0 = channel_begin(a.num_tokens, C, ch), t1 = channel_begin(a.num_tokens, C, ch + 1);
   for (int b = t0; b < t1; b += kHTWarps) {
     const int t = b + warp;
-    const bool in = lane < R && t < t1 && a.is_token_in_rank[int64_t(t) * R + lane];
-    const uint32_t ranks = uint32_t(warp_ballot(in));  // lanes < R <= kHTMaxRanks
     __syncthreads();  // the previous batch's bookkeeping is done
-    if (lane == 0) st.masks[warp] = effective_mask(c, ranks);
+    load_token_peers(c, a.is_token_in_rank, t < t1 ? t : -1, warp, st.tp);
     __syncthreads();
-    if (j < R) st.batch[j] = rows_with_bit(st.masks, kHTWarps, j);
+    for (int p = threadIdx.x; p < P; p += blockDim.x) st.batch[p] = rows_with_peer(st.tp, kHTWarps, p);
     __syncthreads();
     if (!await_batch(a, st, ch, epoch)) return;
     if (t < t1) reduce_token(a, st, t, ch, warp);
     __syncthreads();  // every reduce's loads returned before the slots go back
-    if (j < R && st.batch[j]) {
-      st.base[j] += st.batch[j];
-      if (j != c.rank) return_rows(c, true, j, ch, epoch, st.base[j], &st.credited[j]);
-    }
+    for (int p = threadIdx.x; p < P; p += blockDim.x)
+      if (st.batch[p]) {
+        st.base[p] += st.batch[p];
+        if (!peer_is_self(c, p)) return_rows(c, true, peer_rank(c, p), ch, epoch, st.base[p], &st.credited[p]);
+      }
   }
-  if (j < R && j != c.rank && !c.peers[j]) consume_units(c, j, ht_data_stream(c, true, ch), chunks(st.base[j]));
+  for (int p = threadIdx.x; p < P; p += blockDim.x) {
+    const int j = peer_rank(c, p);
+    if (!peer_is_self(c, p) && !c.peers[j]) consume_units(c, j, ht_data_stream(c, true, ch), chunks(st.base[p]));
+  }
 }
 
 // ---- the forwarder (forwarding only) ----
 struct PartialState {
   uint32_t masks[kHTWarps];     // batch: each warp's token's local ranks (from nvl_head)
-  uint32_t used[kHTMaxRanks];   // rows of local rank l's forward ring of this channel consumed so far
-  uint32_t batch[kHTMaxRanks];  // the batch's rows per local rank
+  uint32_t used[kHTMaxNodeRanks];   // rows of local rank l's forward ring of this channel consumed so far
+  uint32_t batch[kHTMaxNodeRanks];  // the batch's rows per local rank
   int failed;
 };
 
@@ -383,16 +441,16 @@ PORTEP_DEVICE bool partials_for(const HTCombineArgs& a, PartialState& st, int n,
 PORTEP_DEVICE void forward_channel(const HTCombineArgs& a, int ch) {
   __shared__ PartialState st;
   const HTCommon& c = a.c;
-  const int L = c.ranks_per_node, Nn = c.num_ranks / L, me = node_of(c, c.rank);
+  const int L = c.ranks_per_node, Nn = num_nodes(c), me = node_of(c, c.rank);
   const uint64_t epoch = *c.epoch;
   if (int(threadIdx.x) < L) st.used[threadIdx.x] = 0;
   if (threadIdx.x == 0) st.failed = 0;
   for (int n = 0; n < Nn; ++n)
     if (n != me && !partials_for(a, st, n, ch, epoch)) return;
-  const int n = threadIdx.x;
-  if (n < Nn && n != me)
-    collect_credits(c, true, n * L + local_of(c, c.rank), ch,
-                    served_rows(c, a.fwd_channel_prefix, a.fwd_rank_prefix, n, ch));
+  for (int n = threadIdx.x; n < Nn; n += blockDim.x)
+    if (n != me)
+      collect_credits(c, true, n * L + local_of(c, c.rank), ch,
+                      served_rows(c, a.fwd_channel_prefix, a.fwd_rank_prefix, n, ch));
 }
 
 __global__ void __launch_bounds__(kHTThreads, 1) ht_combine_kernel(HTCombineArgs a) {

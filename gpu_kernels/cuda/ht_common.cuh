@@ -28,10 +28,10 @@ PORTEP_DEVICE int channel_begin(int num_tokens, int num_channels, int ch) {
 // Slots alternate by the parity of the op's epoch: a rank may start op e + 1 while a peer that sends it nothing
 // still reads its slot of op e, but it starts op e + 2 only after that peer finished op e's notify.
 PORTEP_DEVICE uint8_t* notify_slot(const HTCommon& c, uint8_t* region, int src, uint64_t epoch) {
-  return region + c.ctrl_off + ht_slot_off(epoch, src);
+  return region + c.ctrl_off + ht_slot_off(c.ctrl, epoch, src);
 }
 PORTEP_DEVICE uint8_t* outgoing_slot(const HTCommon& c, int dst, uint64_t epoch) {
-  return ht_outgoing_slot(c.local + c.ctrl_off, epoch, dst);
+  return c.local + c.ctrl_off + ht_outgoing_off(c.ctrl, epoch, dst);
 }
 PORTEP_DEVICE uint64_t* slot_flag(uint8_t* slot) { return reinterpret_cast<uint64_t*>(slot + kHTSlotFlagOff); }
 PORTEP_DEVICE int32_t* slot_counts(uint8_t* slot) { return reinterpret_cast<int32_t*>(slot + kHTSlotCountsOff); }
@@ -43,56 +43,97 @@ PORTEP_DEVICE int32_t* slot_node_channels(uint8_t* slot) {
 }
 PORTEP_DEVICE int32_t* slot_experts(uint8_t* slot) { return reinterpret_cast<int32_t*>(slot + kHTSlotExpertsOff); }
 
-// A word of one of the control area's tables (kHTTailsOff, kHTHeadsOff, kHTFwdTailsOff, kHTFwdHeadsOff).
-PORTEP_DEVICE uint64_t* control_word(const HTCommon& c, uint8_t* region, uint64_t table, bool combine, int rank,
-                                     int ch) {
-  uint8_t* words = region + c.ctrl_off + ht_word_half(table, combine);
-  return ht_word(words, rank, ch);
+// ---- peers (ht_layout.h) ----
+PORTEP_DEVICE int node_of(const HTCommon& c, int r) { return r / c.ranks_per_node; }
+PORTEP_DEVICE int local_of(const HTCommon& c, int r) { return r % c.ranks_per_node; }
+PORTEP_DEVICE int num_nodes(const HTCommon& c) { return c.num_ranks / c.ranks_per_node; }
+// The peer index of rank r in the tables of `viewer` (a rank of the same node as this one, or this rank).
+PORTEP_DEVICE int peer_slot(const HTCommon& c, int viewer, int r) {
+  return ht_peer_slot(c.ranks_per_node, node_of(c, viewer), r);
 }
-// In `region`'s control area: rows arrived from src (tail), and rows of this rank's ring the reader consumed (head).
+PORTEP_DEVICE int peer_rank(const HTCommon& c, int p) { return ht_peer_rank(c.ranks_per_node, c.rank, p); }
+PORTEP_DEVICE bool peer_is_self(const HTCommon& c, int p) { return ht_peer_is_self(c.ranks_per_node, c.rank, p); }
+
+// A word of one of the control area's tables in `region`: tails and heads by peer index, forward tails and heads
+// by local index.
+PORTEP_DEVICE uint64_t* control_word(const HTCommon& c, uint8_t* region, uint64_t table, uint64_t half_bytes,
+                                     bool combine, int index, int ch) {
+  return ht_word(region + c.ctrl_off + ht_word_half(table, half_bytes, combine), index, ch);
+}
+// In `region`'s control area (its owner on this rank's node): rows arrived from src (tail), and rows of the owner's
+// ring the reader consumed (head).
 PORTEP_DEVICE uint64_t* tail_word(const HTCommon& c, uint8_t* region, bool combine, int src, int ch) {
-  return control_word(c, region, kHTTailsOff, combine, src, ch);
+  return control_word(c, region, c.ctrl.tails, c.ctrl.word_half_bytes, combine, peer_slot(c, c.rank, src), ch);
 }
 PORTEP_DEVICE uint64_t* head_word(const HTCommon& c, uint8_t* region, bool combine, int reader, int ch) {
-  return control_word(c, region, kHTHeadsOff, combine, reader, ch);
+  return control_word(c, region, c.ctrl.heads, c.ctrl.word_half_bytes, combine, peer_slot(c, c.rank, reader), ch);
 }
 // Rows a tail or head word says for this epoch (0 while it still holds an earlier op's).
 PORTEP_DEVICE uint32_t rows_of(uint64_t word, uint64_t epoch) {
   return word >= ht_word_value(epoch, 0) ? uint32_t(word) : 0;
 }
 
-// A batch gives each warp one row (token): of the batch's masks (a bit per rank), how many of the first n have bit
-// `bit` set: n = warp, the rows to (or from) that rank ahead of this warp's; n = kHTWarps, the batch's.
+// ---- token masks ----
+// A batch gives each warp one token (or row). Its peers (a bit per peer index, kHTPeerWords words) say where its
+// rows go from this rank or come from: its destinations on this node, and for every other node with any
+// destination that node's peer (its rank with this rank's local index), the destinations themselves without
+// forwarding. Its node masks (a bit per local rank of each node) say which ranks of each node it goes to.
+constexpr int kHTPeerWords = (kHTMaxPeers + 31) / 32;
+struct TokenPeers {
+  uint32_t words[kHTWarps][kHTPeerWords];
+  uint8_t node_bits[kHTWarps][kHTMaxNodes];
+};
+PORTEP_DEVICE bool has_peer(const TokenPeers& tp, int warp, int p) { return tp.words[warp][p >> 5] >> (p & 31) & 1; }
+// How many of the batch's first n tokens have peer p: n = warp, the rows to (or from) p ahead of this warp's;
+// n = kHTWarps, the batch's.
+PORTEP_DEVICE uint32_t rows_with_peer(const TokenPeers& tp, int n, int p) {
+  uint32_t k = 0;
+  for (int w = 0; w < n; ++w) k += has_peer(tp, w, p);
+  return k;
+}
+// Warp-wide: token t's node masks and peers from is_token_in_rank [N][R] (t < 0: no token, nothing set); the
+// caller syncs the block before anyone reads them.
+PORTEP_DEVICE void load_token_peers(const HTCommon& c, const bool* is_token_in_rank, int t, int warp,
+                                    TokenPeers& tp) {
+  const int L = c.ranks_per_node, Nn = num_nodes(c), me = node_of(c, c.rank), lane = lane_id();
+  for (int n = lane; n < Nn; n += kWarpSize) {
+    uint32_t bits = 0;
+    if (t >= 0) {
+      const bool* row = is_token_in_rank + int64_t(t) * c.num_ranks + n * L;
+      for (int l = 0; l < L; ++l) bits |= uint32_t(row[l]) << l;
+    }
+    tp.node_bits[warp][n] = uint8_t(bits);
+  }
+  __syncwarp();
+  if (lane < kHTPeerWords) {
+    uint32_t w = 0;
+    for (int b = 0; b < 32; ++b) {
+      const int p = lane * 32 + b;
+      const bool on = p < L ? (tp.node_bits[warp][me] >> p & 1) != 0
+                            : p - L < Nn && p - L != me && tp.node_bits[warp][p - L] != 0;
+      w |= uint32_t(on) << b;
+    }
+    tp.words[warp][lane] = w;
+  }
+}
+// The node of the rank at peer index p (its rows' node mask is that node's).
+PORTEP_DEVICE int peer_node(const HTCommon& c, int p) {
+  return p < c.ranks_per_node ? node_of(c, c.rank) : p - c.ranks_per_node;
+}
+
+// ---- forwarding (ht_api.h) ----
+// Of a forwarder's batch masks (a bit per local rank), how many of the first n have bit `bit` set.
 PORTEP_DEVICE uint32_t rows_with_bit(const uint32_t* masks, int n, int bit) {
   uint32_t k = 0;
   for (int w = 0; w < n; ++w) k += masks[w] >> bit & 1;
   return k;
 }
-
-// ---- forwarding (ht_api.h) ----
-PORTEP_DEVICE int node_of(const HTCommon& c, int r) { return r / c.ranks_per_node; }
-PORTEP_DEVICE int local_of(const HTCommon& c, int r) { return r % c.ranks_per_node; }
-// Bit l: local rank l of `node` is among `ranks` (a bit per global rank).
-PORTEP_DEVICE uint32_t node_mask(const HTCommon& c, uint32_t ranks, int node) {
-  return ranks >> (node * c.ranks_per_node) & ((1u << c.ranks_per_node) - 1);
-}
-// The ranks a token's rows go to from this rank: its same-node destinations, and for every other node with any
-// destination that node's forwarder for this rank (its rank with this rank's local index). Without forwarding,
-// the destinations themselves.
-PORTEP_DEVICE uint32_t effective_mask(const HTCommon& c, uint32_t ranks) {
-  if (!ht_forwarding(c)) return ranks;
-  const int me = node_of(c, c.rank), L = c.ranks_per_node;
-  uint32_t m = node_mask(c, ranks, me) << (me * L);
-  for (int n = 0; n < c.num_ranks / L; ++n)
-    if (n != me && node_mask(c, ranks, n)) m |= 1u << (n * L + local_of(c, c.rank));
-  return m;
-}
-// Forward tail (writer) and head (reader) words, as tail_word / head_word.
+// Forward tail (writer) and head (reader) words, as tail_word / head_word, by local index.
 PORTEP_DEVICE uint64_t* fwd_tail_word(const HTCommon& c, uint8_t* region, bool combine, int writer, int ch) {
-  return control_word(c, region, kHTFwdTailsOff, combine, writer, ch);
+  return control_word(c, region, c.ctrl.fwd_tails, c.ctrl.fwd_half_bytes, combine, local_of(c, writer), ch);
 }
 PORTEP_DEVICE uint64_t* fwd_head_word(const HTCommon& c, uint8_t* region, bool combine, int reader, int ch) {
-  return control_word(c, region, kHTFwdHeadsOff, combine, reader, ch);
+  return control_word(c, region, c.ctrl.fwd_heads, c.ctrl.fwd_half_bytes, combine, local_of(c, reader), ch);
 }
 // Rows from node n's served source (fwd prefixes of a handle) in channel ch, and where the first sits among the
 // rows this rank forwards (those of other nodes, nodes ascending, channels ascending).
@@ -280,7 +321,7 @@ PORTEP_DEVICE void return_rows(const HTCommon& c, bool combine, int s, int ch, u
   if (due == *credited) return;
   const LLCommon f = fifo_side(c);
   const uint32_t stream = ht_credit_stream(c, combine, ch);
-  const uint64_t scratch = c.ctrl_off + kHTScratchOff;
+  const uint64_t scratch = c.ctrl_off + c.ctrl.scratch;
   for (; *credited < due; ++*credited)
     if (!push_cmd(f, CmdFields{kOpWrite, write_flags(f, s), uint32_t(s), uint32_t(kHTScratchBytes), stream, scratch,
                                scratch})) return;

@@ -95,28 +95,29 @@ PORTEP_DEVICE void write_record_meta(const HTDispatchArgs& a, const Record& rec,
 }
 
 struct SendState {
-  uint32_t masks[kHTWarps];          // batch: the ranks each warp's token goes to from here (effective_mask)
-  uint32_t ranks[kHTWarps];          // batch: each warp's token's destination ranks
-  uint32_t batch[kHTMaxRanks];       // batch: rows per destination
-  uint32_t sent[kHTMaxRanks];        // rows of this channel stored per destination so far
-  uint32_t flushed[kHTMaxRanks];     // proxy destinations: rows of this channel handed to WRITEs
-  uint32_t chan_start[kHTMaxRanks];  // position of this channel's first row in this rank's block at d
-  uint64_t remote_ring[kHTMaxRanks];  // this rank's ring at d (receive area offset)
-  uint64_t stage_ring[kHTMaxRanks];   // its staging ring for d (proxy destinations)
-  int64_t self_row0;                 // output row of this channel's first row to this rank
+  TokenPeers tp;                       // batch: each warp's token's peers and node masks
+  uint32_t batch[kHTMaxPeers];         // batch: rows per peer
+  uint32_t sent[kHTMaxPeers];          // rows of this channel stored per peer so far
+  uint32_t flushed[kHTMaxPeers];       // proxy peers: rows of this channel handed to WRITEs
+  uint32_t chan_start[kHTMaxPeers];    // without forwarding: this channel's first row in this rank's block at p
+  uint64_t remote_ring[kHTMaxPeers];   // this rank's ring at p (receive area offset)
+  uint64_t stage_ring[kHTMaxPeers];    // its staging ring for p (proxy peers)
+  int64_t self_row0;                   // output row of this channel's first row to this rank
   uint64_t epoch;
   int failed;
 };
 
 PORTEP_DEVICE void init_send_state(const HTDispatchArgs& a, const Record& rec, SendState& st, int ch) {
   const HTCommon& c = a.c;
-  const int R = c.num_ranks, C = c.num_channels, d = threadIdx.x;
-  if (d >= R) return;
-  st.sent[d] = st.flushed[d] = 0;
-  st.chan_start[d] = uint32_t(sent_before_channel(a.channel_prefix, C, d, ch));
-  st.remote_ring[d] = ht_ring_offset(c, d, c.rank, ch, a.ring_rows, rec.bytes);
-  st.stage_ring[d] = ht_ring_offset(c, c.rank, d, ch, a.ring_rows, rec.bytes);
-  if (d == 0) {  // (not st.chan_start[rank]: thread rank writes it, and no barrier lies between)
+  const int C = c.num_channels;
+  for (int p = threadIdx.x; p < ht_num_peers(c); p += blockDim.x) {
+    const int d = peer_rank(c, p);
+    st.sent[p] = st.flushed[p] = 0;
+    st.chan_start[p] = uint32_t(sent_before_channel(a.channel_prefix, C, d, ch));
+    st.remote_ring[p] = peer_is_self(c, p) ? 0 : ht_ring_offset(c, d, c.rank, ch, a.ring_rows, rec.bytes);
+    st.stage_ring[p] = peer_is_self(c, p) ? 0 : ht_ring_offset(c, c.rank, d, ch, a.ring_rows, rec.bytes);
+  }
+  if (threadIdx.x == 0) {
     st.self_row0 = rows_before(a.recv_prefix, a.recv_prefix_stride, c.rank) +
                    sent_before_channel(a.channel_prefix, C, c.rank, ch);
     st.epoch = *c.epoch;
@@ -124,145 +125,167 @@ PORTEP_DEVICE void init_send_state(const HTDispatchArgs& a, const Record& rec, S
   }
 }
 
-PORTEP_DEVICE void send_token(const HTDispatchArgs& a, const Record& rec, SendState& st, int t, int warp) {
+// Warp-wide: send_head[t] (without forwarding, where every destination is a peer): the token's row index at each
+// destination, -1 where it does not go.
+PORTEP_DEVICE void write_send_head(const HTDispatchArgs& a, const SendState& st, int t, int warp) {
   const HTCommon& c = a.c;
-  const int R = c.num_ranks, lane = lane_id();
-  const uint32_t mask = st.masks[warp], ranks = st.ranks[warp];
-  if (a.send_head && lane < R) {
+  for (int d = lane_id(); d < c.num_ranks; d += kWarpSize) {
+    const int p = peer_slot(c, c.rank, d);
     int pos = -1;
-    if (mask >> lane & 1) {
-      pos = int(st.chan_start[lane] + st.sent[lane] + rows_with_bit(st.masks, warp, lane));
-    }
-    a.send_head[int64_t(t) * R + lane] = pos;
-  }
-  const TokenMeta m = load_meta(a, a.scales + int64_t(t) * a.num_scales,
-                                 a.topk_idx ? a.topk_idx + int64_t(t) * a.num_topk : nullptr,
-                                 a.topk_weights ? a.topk_weights + int64_t(t) * a.num_topk : nullptr);
-  uint4* rows[kHTMaxRanks];  // where the token's row goes (loaded once, stored to each), to rank to[i]
-  int to[kHTMaxRanks], num_rows = 0;
-  int64_t self_row = 0;
-  for (int d = 0; d < R; ++d) {
-    if (!(mask >> d & 1)) continue;
-    const uint32_t i = st.sent[d] + rows_with_bit(st.masks, warp, d);  // its index among this channel's rows to d
-    if (d == c.rank) {
-      self_row = st.self_row0 + i;
-      if (self_row >= a.max_recv) continue;  // num_worst_tokens too small: the notify kernel reported it
-      rows[num_rows] = reinterpret_cast<uint4*>(a.recv_x + self_row * a.row_bytes);
-    } else {
-      const uint64_t slot = ht_ring_slot(i, a.ring_rows, rec.bytes);
-      uint8_t* at = c.peers[d] ? c.peers[d] + c.recv_off + st.remote_ring[d] + slot
-                               : proxy_ring_slot(c, d, st.stage_ring[d], st.remote_ring[d], slot);
-      rows[num_rows] = reinterpret_cast<uint4*>(at + kHTRowHeaderBytes);
-    }
-    to[num_rows++] = d;
-  }
-  warp_copy16_to(rows, num_rows, reinterpret_cast<const uint4*>(a.x + int64_t(t) * a.row_bytes), a.row_bytes / 16);
-  for (int q = 0; q < num_rows; ++q) {
-    const int d = to[q], node = node_of(c, d);
-    if (d == c.rank)
-      write_output_meta(a, self_row, t, m, node, node_mask(c, ranks, node));
-    else
-      write_record_meta(a, rec, reinterpret_cast<uint8_t*>(rows[q]) - kHTRowHeaderBytes, t, node_mask(c, ranks, node),
-                        m);
+    if (has_peer(st.tp, warp, p)) pos = int(st.chan_start[p] + st.sent[p] + rows_with_peer(st.tp, warp, p));
+    a.send_head[int64_t(t) * c.num_ranks + d] = pos;
   }
 }
 
-// Thread d < R, after a batch: announce destination d's rows of this channel so far (last: the channel is done).
-PORTEP_DEVICE void announce(const HTDispatchArgs& a, const Record& rec, SendState& st, int ch, uint32_t added,
-                            bool last) {
+// Where token t's row goes at peer p (its index i among this channel's rows to p): the output row for this rank,
+// else the record's row after its header. null: past the outputs (num_worst_tokens too small: notify reported it).
+PORTEP_DEVICE uint4* row_at_peer(const HTDispatchArgs& a, const Record& rec, const SendState& st, int p, uint32_t i,
+                                 int64_t* self_row) {
   const HTCommon& c = a.c;
-  const int d = threadIdx.x;
-  if (d >= c.num_ranks || d == c.rank) return;
+  if (peer_is_self(c, p)) {
+    *self_row = st.self_row0 + i;
+    return *self_row < a.max_recv ? reinterpret_cast<uint4*>(a.recv_x + *self_row * a.row_bytes) : nullptr;
+  }
+  const int d = peer_rank(c, p);
+  const uint64_t slot = ht_ring_slot(i, a.ring_rows, rec.bytes);
+  uint8_t* at = c.peers[d] ? c.peers[d] + c.recv_off + st.remote_ring[p] + slot
+                           : proxy_ring_slot(c, d, st.stage_ring[p], st.remote_ring[p], slot);
+  return reinterpret_cast<uint4*>(at + kHTRowHeaderBytes);
+}
+
+// Warp-wide: token t to every peer of its mask, kCopyGroup destinations per copy (the row loaded once per group).
+constexpr int kCopyGroup = 8;
+PORTEP_DEVICE void send_token(const HTDispatchArgs& a, const Record& rec, SendState& st, int t, int warp) {
+  const HTCommon& c = a.c;
+  if (a.send_head) write_send_head(a, st, t, warp);
+  const TokenMeta m = load_meta(a, a.scales + int64_t(t) * a.num_scales,
+                                 a.topk_idx ? a.topk_idx + int64_t(t) * a.num_topk : nullptr,
+                                 a.topk_weights ? a.topk_weights + int64_t(t) * a.num_topk : nullptr);
+  const uint4* src = reinterpret_cast<const uint4*>(a.x + int64_t(t) * a.row_bytes);
+  uint4* rows[kCopyGroup];
+  int to[kCopyGroup], num_rows = 0;
+  int64_t self_row = 0;
+  auto flush = [&] {
+    warp_copy16_to(rows, num_rows, src, a.row_bytes / 16);
+    for (int q = 0; q < num_rows; ++q) {
+      const uint32_t bits = st.tp.node_bits[warp][peer_node(c, to[q])];
+      if (peer_is_self(c, to[q]))
+        write_output_meta(a, self_row, t, m, node_of(c, c.rank), bits);
+      else
+        write_record_meta(a, rec, reinterpret_cast<uint8_t*>(rows[q]) - kHTRowHeaderBytes, t, bits, m);
+    }
+    num_rows = 0;
+  };
+  for (int p = 0; p < ht_num_peers(c); ++p) {
+    if (!has_peer(st.tp, warp, p)) continue;
+    uint4* row = row_at_peer(a, rec, st, p, st.sent[p] + rows_with_peer(st.tp, warp, p), &self_row);
+    if (!row) continue;
+    rows[num_rows] = row;
+    to[num_rows++] = p;
+    if (num_rows == kCopyGroup || peer_is_self(c, p)) flush();  // (self_row is this group's)
+  }
+  if (num_rows) flush();
+}
+
+// Thread p after a batch: announce peer p's rows of this channel so far (last: the channel is done).
+PORTEP_DEVICE void announce(const HTDispatchArgs& a, const Record& rec, SendState& st, int p, int ch,
+                            uint32_t added, bool last) {
+  const HTCommon& c = a.c;
+  if (peer_is_self(c, p)) return;
+  const int d = peer_rank(c, p);
   if (c.peers[d]) {
-    if (added) publish_tail(tail_word(c, c.peers[d], false, c.rank, ch), st.epoch, st.sent[d]);
+    if (added) publish_tail(tail_word(c, c.peers[d], false, c.rank, ch), st.epoch, st.sent[p]);
     return;
   }
   if (added) fence_sys();  // the rows (staged or placed) before the WRITEs that move or announce them
-  flush_rows(c, d, ht_data_stream(c, false, ch), st.stage_ring[d], st.remote_ring[d], uint32_t(rec.bytes), a.ring_rows,
-             &st.flushed[d], st.sent[d], last);
+  flush_rows(c, d, ht_data_stream(c, false, ch), st.stage_ring[p], st.remote_ring[p], uint32_t(rec.bytes), a.ring_rows,
+             &st.flushed[p], st.sent[p], last);
 }
 
 PORTEP_DEVICE void send_channel(const HTDispatchArgs& a, int ch) {
   __shared__ SendState st;
   const HTCommon& c = a.c;
-  const int R = c.num_ranks, C = c.num_channels, warp = threadIdx.x / kWarpSize, lane = lane_id();
-  const int d = threadIdx.x;  // the destination threads d < R keep
+  const int C = c.num_channels, P = ht_num_peers(c), warp = threadIdx.x / kWarpSize;
   const Record rec = ht_dispatch_row(a);
   init_send_state(a, rec, st, ch);
   const int t0 = channel_begin(a.num_tokens, C, ch), t1 = channel_begin(a.num_tokens, C, ch + 1);
   for (int b = t0; b < t1; b += kHTWarps) {
     const int t = b + warp;
-    const bool in = lane < R && t < t1 && a.is_token_in_rank[int64_t(t) * R + lane];
-    const uint32_t ranks = uint32_t(warp_ballot(in));  // lanes < R <= kHTMaxRanks
     __syncthreads();  // the previous batch's bookkeeping is done
-    if (lane == 0) {
-      st.masks[warp] = effective_mask(c, ranks);
-      st.ranks[warp] = ranks;
-    }
+    load_token_peers(c, a.is_token_in_rank, t < t1 ? t : -1, warp, st.tp);
     __syncthreads();
-    if (d < R) {  // room in d's ring for this batch
-      const uint32_t n = rows_with_bit(st.masks, kHTWarps, d);
-      st.batch[d] = n;
-      if (n && d != c.rank && !await_room(c, false, d, ch, st.epoch, st.sent[d] + n, a.ring_rows)) st.failed = 1;
+    for (int p = threadIdx.x; p < P; p += blockDim.x) {  // room in p's ring for this batch
+      const uint32_t n = rows_with_peer(st.tp, kHTWarps, p);
+      st.batch[p] = n;
+      if (n && !peer_is_self(c, p) &&
+          !await_room(c, false, peer_rank(c, p), ch, st.epoch, st.sent[p] + n, a.ring_rows))
+        st.failed = 1;
     }
     __syncthreads();
     if (st.failed) return;
     if (t < t1) send_token(a, rec, st, t, warp);
     __syncthreads();
-    if (d < R) {
-      st.sent[d] += st.batch[d];
-      announce(a, rec, st, ch, st.batch[d], b + kHTWarps >= t1);
+    for (int p = threadIdx.x; p < P; p += blockDim.x) {
+      st.sent[p] += st.batch[p];
+      announce(a, rec, st, p, ch, st.batch[p], b + kHTWarps >= t1);
     }
   }
-  if (d < R) collect_credits(c, false, d, ch, st.sent[d]);
+  for (int p = threadIdx.x; p < P; p += blockDim.x)
+    if (!peer_is_self(c, p)) collect_credits(c, false, peer_rank(c, p), ch, st.sent[p]);
 }
 
-// The receiver's inputs: j < R the ring from rank j (same-node senders; every sender without forwarding), then
-// R + l the forward ring from this node's local rank l (forwarding).
-constexpr int kHTMaxInputs = 2 * kHTMaxRanks;
+// The receiver's inputs: j < P the ring from peer j (same-node senders; every sender without forwarding), then
+// P + l the forward ring from this node's local rank l (forwarding).
+constexpr int kHTMaxInputs = kHTMaxPeers + kHTMaxNodeRanks;
 
 struct RecvState {
   uint32_t rows[kHTMaxInputs];      // rows of this channel from each input
   uint32_t done[kHTMaxInputs];      // copied out so far
   uint32_t avail[kHTMaxInputs];     // known to be in the ring
   uint32_t credited[kHTMaxInputs];  // proxy sources: chunks credited back
-  int64_t first[kHTMaxRanks];       // output row of the channel's first row from each rank j (not forwarded)
+  int64_t first[kHTMaxPeers];       // output row of the channel's first row from each peer j (not forwarded)
   int all_done, failed;
 };
 
-PORTEP_DEVICE int num_inputs(const HTCommon& c) { return c.num_ranks + (ht_forwarding(c) ? c.ranks_per_node : 0); }
+PORTEP_DEVICE int num_inputs(const HTCommon& c) {
+  return ht_num_peers(c) + (ht_forwarding(c) ? c.ranks_per_node : 0);
+}
 // The rank that writes input j.
 PORTEP_DEVICE int input_rank(const HTCommon& c, int j) {
-  return j < c.num_ranks ? j : node_of(c, c.rank) * c.ranks_per_node + j - c.num_ranks;
+  const int P = ht_num_peers(c);
+  return j < P ? peer_rank(c, j) : node_of(c, c.rank) * c.ranks_per_node + j - P;
 }
 
 // Thread j: rows of input j in this channel known to be in place (non-blocking).
 PORTEP_DEVICE uint32_t rows_arrived(const HTDispatchArgs& a, const RecvState& st, int ch, int j, uint64_t epoch) {
   const HTCommon& c = a.c;
-  if (j >= c.num_ranks)
-    return min(st.rows[j], rows_of(ld_acquire_sys_u64(fwd_tail_word(c, c.local, false, input_rank(c, j), ch)), epoch));
-  if (c.peers[j]) return min(st.rows[j], rows_of(ld_acquire_sys_u64(tail_word(c, c.local, false, j, ch)), epoch));
-  const uint64_t i = uint64_t(j) * c.num_streams + ht_data_stream(c, false, ch);
+  const int s = input_rank(c, j);
+  if (j >= ht_num_peers(c))
+    return min(st.rows[j], rows_of(ld_acquire_sys_u64(fwd_tail_word(c, c.local, false, s, ch)), epoch));
+  if (c.peers[s]) return min(st.rows[j], rows_of(ld_acquire_sys_u64(tail_word(c, c.local, false, s, ch)), epoch));
+  const uint64_t i = uint64_t(s) * c.num_streams + ht_data_stream(c, false, ch);
   const uint32_t units = uint32_t(ld_acquire_sys_u64(c.host_signals + i)) - uint32_t(c.signal_seen[i]);
   return uint32_t(min(uint64_t(st.rows[j]), uint64_t(units) * kHTChunkRows));
 }
 
 PORTEP_DEVICE void init_recv_state(const HTDispatchArgs& a, RecvState& st, int ch) {
   const HTCommon& c = a.c;
-  const int R = c.num_ranks, L = c.ranks_per_node, C = c.num_channels, j = threadIdx.x;
-  const int me = node_of(c, c.rank);
-  if (j < R) {
-    const bool forwarded = ht_forwarding(c) && node_of(c, j) != me;  // its rows come through input R + local_of(j)
-    st.rows[j] = j == c.rank || forwarded ? 0 : rows_from_source(a, j, ch);
-    st.first[j] = rows_before(a.recv_prefix, a.recv_prefix_stride, j) + a.recv_channel_prefix[j * C + ch];
-  } else if (j < num_inputs(c)) {
-    uint32_t rows = 0;  // the sources of other nodes with local index j - R
-    for (int n = 0; n < R / L; ++n)
-      if (n != me) rows += rows_from_source(a, n * L + j - R, ch);
-    st.rows[j] = rows;
+  const int L = c.ranks_per_node, C = c.num_channels, P = ht_num_peers(c), me = node_of(c, c.rank);
+  for (int j = threadIdx.x; j < num_inputs(c); j += blockDim.x) {
+    if (j < P) {
+      const int s = peer_rank(c, j);
+      const bool forwarded = ht_forwarding(c) && j >= L;  // its rows come through input P + local_of(s)
+      st.rows[j] = peer_is_self(c, j) || forwarded ? 0 : rows_from_source(a, s, ch);
+      st.first[j] = rows_before(a.recv_prefix, a.recv_prefix_stride, s) + a.recv_channel_prefix[s * C + ch];
+    } else {
+      uint32_t rows = 0;  // the sources of other nodes with local index j - P
+      for (int n = 0; n < num_nodes(c); ++n)
+        if (n != me) rows += rows_from_source(a, n * L + j - P, ch);
+      st.rows[j] = rows;
+    }
+    st.done[j] = st.avail[j] = st.credited[j] = 0;
   }
-  if (j < num_inputs(c)) st.done[j] = st.avail[j] = st.credited[j] = 0;
-  if (j == 0) st.failed = 0;
+  if (threadIdx.x == 0) st.failed = 0;
 }
 
 // Warp-wide: row r of input j (at src) to its output row.
@@ -270,10 +293,10 @@ PORTEP_DEVICE void place_row(const HTDispatchArgs& a, const Record& rec, const R
                              const uint8_t* src, int ch) {
   const HTCommon& c = a.c;
   const int32_t* h = reinterpret_cast<const int32_t*>(src);
-  const int64_t row = j < c.num_ranks ? st.first[j] + r
-                                      : rows_before(a.recv_prefix, a.recv_prefix_stride, h[kHTRowSource]) +
-                                            a.recv_channel_prefix[h[kHTRowSource] * c.num_channels + ch] +
-                                            h[kHTRowIndex];
+  const int64_t row = j < ht_num_peers(c) ? st.first[j] + r
+                                          : rows_before(a.recv_prefix, a.recv_prefix_stride, h[kHTRowSource]) +
+                                                a.recv_channel_prefix[h[kHTRowSource] * c.num_channels + ch] +
+                                                h[kHTRowIndex];
   write_output_row(a, row, h[kHTRowToken], src + kHTRowHeaderBytes, reinterpret_cast<const float*>(src + rec.scales),
                    reinterpret_cast<const int64_t*>(src + rec.topk), reinterpret_cast<const float*>(src + rec.weights),
                    node_of(c, h[kHTRowSource]), uint32_t(h[kHTRowNodeMask]));
@@ -282,12 +305,12 @@ PORTEP_DEVICE void place_row(const HTDispatchArgs& a, const Record& rec, const R
 // Thread j: input j's rows up to st.done[j] were copied out; their slots go back to the writer.
 PORTEP_DEVICE void release_rows(const HTDispatchArgs& a, RecvState& st, int j, int ch, uint64_t epoch) {
   const HTCommon& c = a.c;
-  if (j < c.num_ranks) {
-    return_rows(c, false, j, ch, epoch, st.done[j], &st.credited[j]);
+  const int s = input_rank(c, j);
+  if (j < ht_num_peers(c)) {
+    return_rows(c, false, s, ch, epoch, st.done[j], &st.credited[j]);
     return;
   }
-  const int f = input_rank(c, j);
-  st_relaxed_sys_u64(fwd_head_word(c, c.peers[f], false, c.rank, ch), ht_word_value(epoch, st.done[j]));
+  st_relaxed_sys_u64(fwd_head_word(c, c.peers[s], false, c.rank, ch), ht_word_value(epoch, st.done[j]));
 }
 
 // Serves every input at once (a sender blocked on a full ring to one rank must not stall the others): each
@@ -295,14 +318,15 @@ PORTEP_DEVICE void release_rows(const HTDispatchArgs& a, RecvState& st, int j, i
 PORTEP_DEVICE void receive_channel(const HTDispatchArgs& a, int ch) {
   __shared__ RecvState st;
   const HTCommon& c = a.c;
-  const int R = c.num_ranks, J = num_inputs(c), warp = threadIdx.x / kWarpSize, j = threadIdx.x;
+  const int P = ht_num_peers(c), J = num_inputs(c), warp = threadIdx.x / kWarpSize;
   const Record rec = ht_dispatch_row(a);
   const uint64_t epoch = *c.epoch;
   init_recv_state(a, st, ch);
   uint64_t idle_since = globaltimer_ns();  // thread 0's
   for (;;) {
     __syncthreads();  // the previous round's copies and bookkeeping are done
-    if (j < J && st.done[j] < st.rows[j]) st.avail[j] = rows_arrived(a, st, ch, j, epoch);
+    for (int j = threadIdx.x; j < J; j += blockDim.x)
+      if (st.done[j] < st.rows[j]) st.avail[j] = rows_arrived(a, st, ch, j, epoch);
     __syncthreads();
     if (threadIdx.x == 0) {
       bool progress = false, all = true;
@@ -322,32 +346,37 @@ PORTEP_DEVICE void receive_channel(const HTDispatchArgs& a, int ch) {
         report_lost(c, input_rank(c, waiting), now - idle_since > c.timeout_ns ? kWaitTimedOut : kWaitPeerDown,
                     uint32_t(ch));
         st.failed = 1;
-      } else if (waiting < R && !c.peers[waiting]) {
+      } else if (waiting < P && !c.peers[input_rank(c, waiting)]) {
         sleep_ns(kProxyPollNs);  // host-memory polls cross PCIe
       }
     }
     __syncthreads();
     if (st.all_done || st.failed) break;
     for (int i = 0; i < J; ++i) {
-      const uint64_t ring = i < R ? ht_ring_offset(c, c.rank, i, ch, a.ring_rows, rec.bytes)
-                                  : ht_fwd_ring_offset(c, i - R, ch, a.ring_rows, rec.bytes);
+      if (st.avail[i] <= st.done[i]) continue;
+      const uint64_t ring = i < P ? ht_ring_offset(c, c.rank, input_rank(c, i), ch, a.ring_rows, rec.bytes)
+                                  : ht_fwd_ring_offset(c, i - P, ch, a.ring_rows, rec.bytes);
       for (uint32_t r = st.done[i] + warp; r < st.avail[i]; r += kHTWarps)
         place_row(a, rec, st, i, r, c.local + c.recv_off + ring + ht_ring_slot(r, a.ring_rows, rec.bytes), ch);
     }
     __syncthreads();  // every copy's loads returned before the slots go back
-    if (j < J && st.avail[j] > st.done[j]) {
-      st.done[j] = st.avail[j];
-      release_rows(a, st, j, ch, epoch);
-    }
+    for (int j = threadIdx.x; j < J; j += blockDim.x)
+      if (st.avail[j] > st.done[j]) {
+        st.done[j] = st.avail[j];
+        release_rows(a, st, j, ch, epoch);
+      }
   }
-  if (j < R && j != c.rank && !c.peers[j]) consume_units(c, j, ht_data_stream(c, false, ch), chunks(st.rows[j]));
+  for (int j = threadIdx.x; j < P; j += blockDim.x) {
+    const int s = peer_rank(c, j);
+    if (!peer_is_self(c, j) && !c.peers[s]) consume_units(c, s, ht_data_stream(c, false, ch), chunks(st.rows[j]));
+  }
 }
 
 struct ForwardState {
   uint32_t masks[kHTWarps];         // batch: each warp's row's local destinations
-  uint32_t sent[kHTMaxRanks];       // rows stored into local rank l's forward ring of this channel so far
-  uint32_t of_source[kHTMaxRanks];  // of those, the current source's
-  uint32_t batch[kHTMaxRanks];      // batch: rows per local rank
+  uint32_t sent[kHTMaxNodeRanks];       // rows stored into local rank l's forward ring of this channel so far
+  uint32_t of_source[kHTMaxNodeRanks];  // of those, the current source's
+  uint32_t batch[kHTMaxNodeRanks];      // batch: rows per local rank
   uint32_t avail, credited;         // the current source's rows in place; chunks credited back
   int failed;
 };
@@ -362,7 +391,7 @@ PORTEP_DEVICE void forward_row(const HTDispatchArgs& a, const Record& rec, const
   const uint64_t ring = ht_fwd_ring_offset(c, local_of(c, c.rank), ch, a.ring_rows, rec.bytes);
   const int32_t* h = reinterpret_cast<const int32_t*>(src);
   int32_t my_index = -1;  // lane l's
-  uint4* dsts[kHTMaxRanks];  // the record after its header, at each destination
+  uint4* dsts[kHTMaxNodeRanks];  // the record after its header, at each destination
   int n = 0;
   for (int l = 0; l < L; ++l) {
     if (!(mask >> l & 1)) continue;
@@ -433,7 +462,7 @@ PORTEP_DEVICE void forward_channel(const HTDispatchArgs& a, int ch) {
   const uint64_t epoch = *c.epoch;
   if (int(threadIdx.x) < c.ranks_per_node) st.sent[threadIdx.x] = 0;
   if (threadIdx.x == 0) st.failed = 0;
-  for (int n = 0; n < c.num_ranks / c.ranks_per_node; ++n)
+  for (int n = 0; n < num_nodes(c); ++n)
     if (n != node_of(c, c.rank) && !forward_source(a, rec, st, n, ch, epoch)) return;
 }
 

@@ -3,36 +3,47 @@
 // nowhere else. What the protocol puts in these places, and when: ht_api.h. Plain C++, host and device.
 //
 // One rank's data region (offsets the same on every rank):
-//   [ctrl_off, + kHTCtrlBytes)  control area (table below)
-//   [area_off, + area_bytes)    the normal-mode area: all of it the receive area when every peer is direct; with
-//                               some peer reached through the proxies the receive area is its first half (rounded
-//                               down to kHTAlign) and the staging area the rest (ht_areas)
+//   [ctrl_off, + ht_ctrl(R, L).bytes)  control area (table below), its size a function of the ranks R and the ranks
+//                                      per node L
+//   [area_off, + area_bytes)           the normal-mode area: all of it the receive area when every peer is direct;
+//                                      with some peer reached through the proxies the receive area is its first half
+//                                      (rounded down to kHTAlign) and the staging area the rest (ht_areas)
 //
-// Control area, offsets from ctrl_off:
-//   kHTSlotsOff     notify slots [2 epoch parities][kHTMaxRanks source] x kHTSlotBytes (what each source sent here)
-//   kHTTailsOff     tails [2: dispatch, combine][kHTMaxRanks source][kHTMaxChannels] uint64: rows arrived
-//   kHTOutgoingOff  outgoing slots [2 epoch parities][kHTMaxRanks destination] x kHTSlotBytes (what a proxy WRITE
-//                   carries to that destination's slot)
-//   kHTHeadsOff     heads [2][kHTMaxRanks reader][kHTMaxChannels] uint64: rows of this rank's ring at the reader
-//                   consumed
-//   kHTFwdTailsOff  forward tails [2][kHTMaxRanks writer][kHTMaxChannels] uint64
-//   kHTFwdHeadsOff  forward heads [2][kHTMaxRanks reader][kHTMaxChannels] uint64
-//   kHTScratchOff   16 bytes: source and target of the credit WRITEs
-//   kHTCtrlBytes    the end
+// Peers. A rank exchanges rows with the ranks of its node (direct stores, or the proxies between simulated nodes)
+// and with the rank of its own local index on every other node (through the proxies); nothing else. Seen from a
+// rank of node m, rank r has the peer index ht_peer_slot: local_of(r) on node m, else L + node_of(r); so a rank
+// has L + Nn peer indices (Nn = R / L nodes), itself at two of them (its local index, and L + m). With L = 1 (one
+// GPU per node) every rank is a peer through the second kind, with Nn = 1 (one node) through the first, and with
+// several nodes of several GPUs each (forwarding, ht_api.h) rows of other nodes travel through those peers only.
+// Every per-peer table below has L + Nn entries: at most kHTMaxPeers, never R.
+//
+// Control area, offsets from ctrl_off (HTCtrl, from ht_ctrl(R, L)):
+//   slots      notify slots [2 epoch parities][R source] x kHTSlotBytes (what each source sent here)
+//   tails      tails [2: dispatch, combine][L + Nn source peer][kHTMaxChannels] uint64: rows arrived
+//   outgoing   outgoing slots [2 epoch parities][R destination] x kHTSlotBytes (what a proxy WRITE carries to that
+//              destination's slot)
+//   heads      heads [2][L + Nn reader peer][kHTMaxChannels] uint64: rows of this rank's ring at the reader consumed
+//   fwd_tails  forward tails [2][L writer local index][kHTMaxChannels] uint64
+//   fwd_heads  forward heads [2][L reader local index][kHTMaxChannels] uint64
+//   scratch    16 bytes: source and target of the credit WRITEs
+//   bytes      the end
 // A tail or head word is epoch << 32 | rows (ht_word_value).
 //
 // Notify slot, offsets from the slot (kHTSlotBytes, a multiple of kHTAlign):
 //   kHTSlotFlagOff          uint64 flag: the op's epoch
-//   kHTSlotCountsOff        int32 [kHTMaxRanks]: the source's tokens per destination rank
+//   kHTSlotCountsOff        int32 [kHTMaxNodeRanks]: one node only (R <= kHTMaxNodeRanks): the source's tokens per
+//                           destination rank (DeepEP's intranode handle holds the whole [R][R] matrix)
 //   kHTSlotChannelsOff      int32 [kHTMaxChannels]: its tokens per channel for this rank
 //   kHTSlotNodeChannelsOff  int32 [kHTMaxChannels]: its tokens per channel for this rank's node
 //   kHTSlotExpertsOff       int32 [kHTMaxLocalExperts]: its selections of this rank's experts
 //
 // Receive area, offsets from recv_off, for an op of C channels whose ring rows are row_bytes each:
-//   rings [R - 1: the other ranks ascending, the holder left out][C] x ring_rows rows (ht_ring_offset), then with
+//   rings [L - 1 + Nn - 1: the holder's peers, ht_ring_index][C] x ring_rows rows (ht_ring_offset), then with
 //   forwarding forward rings [L: the other party's local index][C] x ring_rows rows (ht_fwd_ring_offset);
 //   ring_rows: the whole chunks of kHTChunkRows rows that each of the ht_num_rings rings gets (ht_rows_per_ring).
 // Staging area, offsets from stage_off: the same rings, one per destination (proxy peers only).
+// Memory of one rank for C channels, rows of B bytes, Q rows per ring: ht_ctrl(R, L).bytes +
+// (L - 1 + Nn - 1 + (forwarding ? L : 0)) * C * Q * B * (proxy peers ? 2 : 1) (docs/api.md, "Memory").
 //
 // Dispatch row (ht_dispatch_row), offsets from the row:
 //   0                  int32 [4] header: kHTRowToken (source token), kHTRowNodeMask (its destinations on the
@@ -58,7 +69,10 @@
 
 namespace portep::cuda {
 
-constexpr int kHTMaxRanks = 8;  // ranks in all: one NVLink domain, or nodes x ranks per node across nodes
+constexpr int kHTMaxNodeRanks = 8;  // ranks per node (L): one NVLink domain
+constexpr int kHTMaxNodes = 128;    // nodes (Nn = R / L)
+constexpr int kHTMaxRanks = kHTMaxNodeRanks * kHTMaxNodes;
+constexpr int kHTMaxPeers = kHTMaxNodeRanks + kHTMaxNodes;  // peer indices of a rank: L + Nn
 constexpr int kHTMaxChannels = 64;
 constexpr int kHTMaxLocalExperts = 1024;
 constexpr int kHTChunkRows = 32;                  // rows per proxy WRITE
@@ -70,41 +84,67 @@ constexpr uint64_t kHTAlign = 16;  // every area, slot and row: proxy commands c
 // ---- notify slot ----
 constexpr uint64_t kHTSlotFlagOff = 0;
 constexpr uint64_t kHTSlotCountsOff = kHTSlotFlagOff + 8;
-constexpr uint64_t kHTSlotChannelsOff = kHTSlotCountsOff + 4 * kHTMaxRanks;
+constexpr uint64_t kHTSlotChannelsOff = kHTSlotCountsOff + 4 * kHTMaxNodeRanks;
 constexpr uint64_t kHTSlotNodeChannelsOff = kHTSlotChannelsOff + 4 * kHTMaxChannels;
 constexpr uint64_t kHTSlotExpertsOff = kHTSlotNodeChannelsOff + 4 * kHTMaxChannels;
 constexpr uint64_t kHTSlotBytes = (kHTSlotExpertsOff + 4 * kHTMaxLocalExperts + kHTAlign - 1) / kHTAlign * kHTAlign;
 
+// ---- peers (the table at the top) ----
+// The peer index of rank r seen from a rank of node `viewer_node`.
+PORTEP_HD constexpr int ht_peer_slot(int ranks_per_node, int viewer_node, int r) {
+  return r / ranks_per_node == viewer_node ? r % ranks_per_node : ranks_per_node + r / ranks_per_node;
+}
+// The rank at peer index p of rank `me`.
+PORTEP_HD constexpr int ht_peer_rank(int ranks_per_node, int me, int p) {
+  return p < ranks_per_node ? me / ranks_per_node * ranks_per_node + p
+                            : (p - ranks_per_node) * ranks_per_node + me % ranks_per_node;
+}
+// Whether peer index p of rank `me` is `me` itself.
+PORTEP_HD constexpr bool ht_peer_is_self(int ranks_per_node, int me, int p) {
+  return p == me % ranks_per_node || p == ranks_per_node + me / ranks_per_node;
+}
+
 // ---- control area ----
-constexpr uint64_t kHTSlotTableBytes = 2 * kHTMaxRanks * kHTSlotBytes;            // [2 parities][R] slots
-constexpr uint64_t kHTWordTableBytes = 8ull * kHTMaxRanks * kHTMaxChannels;       // one op's [R][C] uint64 words
-constexpr uint64_t kHTSlotsOff = 0;
-constexpr uint64_t kHTTailsOff = kHTSlotsOff + kHTSlotTableBytes;
-constexpr uint64_t kHTOutgoingOff = kHTTailsOff + 2 * kHTWordTableBytes;
-constexpr uint64_t kHTHeadsOff = kHTOutgoingOff + kHTSlotTableBytes;
-constexpr uint64_t kHTFwdTailsOff = kHTHeadsOff + 2 * kHTWordTableBytes;
-constexpr uint64_t kHTFwdHeadsOff = kHTFwdTailsOff + 2 * kHTWordTableBytes;
-constexpr uint64_t kHTScratchOff = kHTFwdHeadsOff + 2 * kHTWordTableBytes;
+struct HTCtrl {  // offsets from ctrl_off
+  uint64_t slots, tails, outgoing, heads, fwd_tails, fwd_heads, scratch, bytes;
+  uint64_t slot_table_bytes;  // [2 parities][R] slots
+  uint64_t word_half_bytes;   // one op's half of tails or heads: [L + Nn][kHTMaxChannels] uint64
+  uint64_t fwd_half_bytes;    // one op's half of forward tails or heads: [L][kHTMaxChannels] uint64
+  int num_ranks;
+};
 constexpr uint64_t kHTScratchBytes = 16;  // one credit WRITE
-constexpr uint64_t kHTCtrlBytes = kHTScratchOff + kHTScratchBytes;
+PORTEP_HD constexpr HTCtrl ht_ctrl(int num_ranks, int ranks_per_node) {
+  HTCtrl t{};
+  t.num_ranks = num_ranks;
+  t.slot_table_bytes = 2ull * uint64_t(num_ranks) * kHTSlotBytes;
+  t.word_half_bytes = 8ull * uint64_t(ranks_per_node + num_ranks / ranks_per_node) * kHTMaxChannels;
+  t.fwd_half_bytes = 8ull * uint64_t(ranks_per_node) * kHTMaxChannels;
+  t.slots = 0;
+  t.tails = t.slots + t.slot_table_bytes;
+  t.outgoing = t.tails + 2 * t.word_half_bytes;
+  t.heads = t.outgoing + t.slot_table_bytes;
+  t.fwd_tails = t.heads + 2 * t.word_half_bytes;
+  t.fwd_heads = t.fwd_tails + 2 * t.fwd_half_bytes;
+  t.scratch = t.fwd_heads + 2 * t.fwd_half_bytes;
+  t.bytes = t.scratch + kHTScratchBytes;
+  return t;
+}
 
 // Slots alternate by the parity of the op's epoch (ht_common.cuh says why).
-PORTEP_HD constexpr uint64_t ht_slot_off(uint64_t epoch, int rank) {
-  return kHTSlotsOff + ((epoch & 1) * kHTMaxRanks + rank) * kHTSlotBytes;
+PORTEP_HD constexpr uint64_t ht_slot_off(const HTCtrl& t, uint64_t epoch, int rank) {
+  return t.slots + ((epoch & 1) * uint64_t(t.num_ranks) + uint64_t(rank)) * kHTSlotBytes;
 }
-// The outgoing slot for `rank`, from `ctrl`: the control area's address, or 0 for the offset. Outgoing slots number
-// on from the notify slots (2 * kHTMaxRanks on), past the tails that lie between.
-template <class T>
-PORTEP_HD constexpr T ht_outgoing_slot(T ctrl, uint64_t epoch, int rank) {
-  return ctrl + (kHTOutgoingOff - kHTSlotTableBytes) + ((2 + (epoch & 1)) * kHTMaxRanks + rank) * kHTSlotBytes;
+// The outgoing slot for destination `rank`.
+PORTEP_HD constexpr uint64_t ht_outgoing_off(const HTCtrl& t, uint64_t epoch, int rank) {
+  return t.outgoing + ((epoch & 1) * uint64_t(t.num_ranks) + uint64_t(rank)) * kHTSlotBytes;
 }
-// A word table (kHTTailsOff, kHTHeadsOff, kHTFwdTailsOff, kHTFwdHeadsOff): its half for the op, and in that half
-// (at `half` in memory) the word of (rank, ch).
-PORTEP_HD constexpr uint64_t ht_word_half(uint64_t table, bool combine) {
-  return table + (combine ? kHTWordTableBytes : 0);
+// A word table (tails, heads, fwd_tails, fwd_heads): its half for the op, and in that half (at `half` in memory)
+// the word of (peer index or local index, ch).
+PORTEP_HD constexpr uint64_t ht_word_half(uint64_t table, uint64_t half_bytes, bool combine) {
+  return table + (combine ? half_bytes : 0);
 }
-PORTEP_HD uint64_t* ht_word(uint8_t* half, int rank, int ch) {
-  return reinterpret_cast<uint64_t*>(half) + rank * kHTMaxChannels + ch;
+PORTEP_HD uint64_t* ht_word(uint8_t* half, int index, int ch) {
+  return reinterpret_cast<uint64_t*>(half) + index * kHTMaxChannels + ch;
 }
 PORTEP_HD constexpr uint64_t ht_word_value(uint64_t epoch, uint32_t rows) { return epoch << 32 | rows; }
 
@@ -118,6 +158,10 @@ struct HTGeometry {
 template <class G>
 PORTEP_HD constexpr bool ht_forwarding(const G& g) {
   return g.ranks_per_node > 1 && g.ranks_per_node < g.num_ranks;
+}
+template <class G>
+PORTEP_HD constexpr int ht_num_peers(const G& g) {  // peer indices: L + Nn
+  return g.ranks_per_node + g.num_ranks / g.ranks_per_node;
 }
 // Blocks per channel of the data kernels: sender and receiver (or reducer), and a forwarder with forwarding.
 template <class G>
@@ -133,25 +177,35 @@ PORTEP_HD constexpr HTAreas ht_areas(uint64_t area_off, uint64_t area_bytes, boo
   const uint64_t recv = proxy ? area_bytes / 2 / kHTAlign * kHTAlign : area_bytes;
   return HTAreas{area_off, recv, area_off + recv, area_bytes - recv};
 }
+// Rings per channel for the holder's peers (all but itself): L - 1 of its node, Nn - 1 of other nodes.
+template <class G>
+PORTEP_HD constexpr int ht_peer_rings(const G& g) {
+  return g.ranks_per_node - 1 + g.num_ranks / g.ranks_per_node - 1;
+}
+// Which of those rings `holder` keeps for peer `other`: node peers by local index, then other nodes' peers by node.
+template <class G>
+PORTEP_HD constexpr int ht_ring_index(const G& g, int holder, int other) {
+  const int L = g.ranks_per_node, hn = holder / L, on = other / L, hl = holder % L, ol = other % L;
+  return on == hn ? (ol < hl ? ol : ol - 1) : L - 1 + (on < hn ? on : on - 1);
+}
 // The ring `holder` keeps for `other` in channel ch (receive area; staging area: the holder's ring for other).
 template <class G>
 PORTEP_HD constexpr uint64_t ht_ring_offset(const G& g, int holder, int other, int ch, uint32_t ring_rows,
                                             uint32_t row_bytes) {
-  const int peer = other < holder ? other : other - 1;
-  return (uint64_t(peer) * g.num_channels + ch) * ring_rows * row_bytes;
+  return (uint64_t(ht_ring_index(g, holder, other)) * g.num_channels + ch) * ring_rows * row_bytes;
 }
 // The forward ring a holder keeps for the other party of local index other_local in channel ch (receive area).
 template <class G>
 PORTEP_HD constexpr uint64_t ht_fwd_ring_offset(const G& g, int other_local, int ch, uint32_t ring_rows,
                                                 uint32_t row_bytes) {
-  return (uint64_t(g.num_ranks - 1 + other_local) * g.num_channels + ch) * ring_rows * row_bytes;
+  return (uint64_t(ht_peer_rings(g) + other_local) * g.num_channels + ch) * ring_rows * row_bytes;
 }
 PORTEP_HD constexpr uint64_t ht_ring_slot(uint32_t i, uint32_t ring_rows, uint32_t row_bytes) {
   return uint64_t(i % ring_rows) * row_bytes;
 }
 template <class G>
 PORTEP_HD constexpr uint64_t ht_num_rings(const G& g) {
-  return uint64_t(g.num_ranks - 1 + (ht_forwarding(g) ? g.ranks_per_node : 0)) * g.num_channels;
+  return uint64_t(ht_peer_rings(g) + (ht_forwarding(g) ? g.ranks_per_node : 0)) * g.num_channels;
 }
 // Rows per ring for rows of row_bytes: whole chunks, as many as recv_bytes holds for each of `rings` rings (one
 // rank alone has no rings: the least valid count).
@@ -178,6 +232,7 @@ struct HTLayout {
     return HTGeometry{num_ranks, ranks_per_node, num_channels, 0};
   }
   constexpr HTAreas areas() const { return ht_areas(area_off, area_bytes, proxy); }
+  constexpr HTCtrl ctrl() const { return ht_ctrl(num_ranks, ranks_per_node); }
   constexpr bool forwarding() const { return ht_forwarding(geometry(0)); }
   constexpr uint64_t rings(int num_channels) const { return ht_num_rings(geometry(num_channels)); }
   constexpr uint32_t rows_per_ring(uint32_t row_bytes, int num_channels) const {
@@ -246,19 +301,26 @@ PORTEP_HD constexpr uint32_t ht_credit_stream(const G& g, bool combine, int ch) 
 static_assert(kHTSlotBytes % kHTAlign == 0 && kHTSlotExpertsOff + 4 * kHTMaxLocalExperts <= kHTSlotBytes,
               "a slot holds its fields and keeps the next slot's flag 8-byte aligned, its WRITE 16-byte aligned");
 static_assert(kHTSlotBytes <= kMaxCmdBytes, "a notify slot travels in one proxy WRITE");
-static_assert(kHTTailsOff % kHTAlign == 0 && kHTOutgoingOff % kHTAlign == 0 && kHTHeadsOff % kHTAlign == 0 &&
-                  kHTFwdTailsOff % kHTAlign == 0 && kHTFwdHeadsOff % kHTAlign == 0 && kHTScratchOff % kHTAlign == 0,
-              "control words are 8-byte aligned, WRITE offsets 16-byte aligned");
-static_assert(kHTCtrlBytes % kHTAlign == 0, "the control area ends on a WRITE boundary");
-static_assert(ht_outgoing_slot(uint64_t(0), 0, 0) == kHTOutgoingOff &&
-                  ht_outgoing_slot(uint64_t(0), 3, kHTMaxRanks - 1) + kHTSlotBytes ==
-                      kHTOutgoingOff + kHTSlotTableBytes &&
-                  ht_slot_off(3, kHTMaxRanks - 1) + kHTSlotBytes == kHTSlotsOff + kHTSlotTableBytes,
-              "each slot table holds [2 parities][kHTMaxRanks] slots");
+constexpr HTCtrl kHTLargestCtrl = ht_ctrl(kHTMaxRanks, kHTMaxNodeRanks);
+static_assert(kHTLargestCtrl.tails % kHTAlign == 0 && kHTLargestCtrl.outgoing % kHTAlign == 0 &&
+                  kHTLargestCtrl.heads % kHTAlign == 0 && kHTLargestCtrl.fwd_tails % kHTAlign == 0 &&
+                  kHTLargestCtrl.fwd_heads % kHTAlign == 0 && kHTLargestCtrl.scratch % kHTAlign == 0 &&
+                  kHTLargestCtrl.bytes % kHTAlign == 0 && ht_ctrl(3, 1).bytes % kHTAlign == 0,
+              "control words are 8-byte aligned, WRITE offsets 16-byte aligned, the area ends on a WRITE boundary");
+static_assert(kHTLargestCtrl.bytes < (64ull << 20), "the largest control area (1024 ranks) stays under 64 MiB");
+static_assert(ht_outgoing_off(kHTLargestCtrl, 3, kHTMaxRanks - 1) + kHTSlotBytes ==
+                      kHTLargestCtrl.outgoing + kHTLargestCtrl.slot_table_bytes &&
+                  ht_slot_off(kHTLargestCtrl, 3, kHTMaxRanks - 1) + kHTSlotBytes == kHTLargestCtrl.tails,
+              "each slot table holds [2 parities][R] slots");
+static_assert(ht_peer_slot(8, 2, 21) == 5 && ht_peer_slot(8, 2, 9) == 9 && ht_peer_rank(8, 21, 5) == 21 &&
+                  ht_peer_rank(8, 21, 9) == 13 && ht_peer_is_self(8, 21, 5) && ht_peer_is_self(8, 21, 10) &&
+                  !ht_peer_is_self(8, 21, 9) && ht_peer_slot(1, 3, 7) == 8 && ht_peer_rank(1, 3, 8) == 7,
+              "peer indices: local ranks by local index, then other nodes by node (the same local index)");
+static_assert(kHTMaxPeers == kHTMaxNodeRanks + kHTMaxNodes && kHTNvlHeadColumns >= kHTMaxNodeRanks &&
+                  kHTMaxNodeRanks <= 8,
+              "node masks are uint8 (a bit per local rank); nvl_head has a column per local rank");
 static_assert(kHTMinRingRows % kHTChunkRows == 0 && kHTMaxRingRows % kHTChunkRows == 0,
               "rings hold whole chunks: a proxy WRITE never wraps");
-static_assert(kHTMaxRanks <= 32 && kHTNvlHeadColumns >= kHTMaxRanks,
-              "rank masks are uint32 words; nvl_head has a column per local rank");
 constexpr HTGeometry kHTSampleGeometry{8, 4, 3, 0};  // 2 nodes of 4 ranks, 3 channels
 static_assert(ht_dispatch_row(HTRowShape{14336, 0, 8, 0}).bytes == 14448 &&
                   ht_dispatch_row(HTRowShape{7168, 56, 0, 0}).topk % 8 == 0 &&

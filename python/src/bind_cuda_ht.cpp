@@ -29,18 +29,28 @@ std::string str(T v) {
   return std::to_string(v);
 }
 
+// The normal mode's limits: ranks per node 1..kHTMaxNodeRanks, nodes 1..kHTMaxNodes.
+void check_ranks(int num_ranks, int ranks_per_node) {
+  if (ranks_per_node < 1 || ranks_per_node > kHTMaxNodeRanks)
+    throw std::invalid_argument("ranks_per_node=" + str(ranks_per_node) + ": the normal mode runs 1 to " +
+                                str(kHTMaxNodeRanks) + " ranks per node");
+  if (num_ranks < 1 || num_ranks % ranks_per_node)
+    throw std::invalid_argument("ranks_per_node=" + str(ranks_per_node) + " must divide num_ranks=" + str(num_ranks));
+  if (num_ranks / ranks_per_node > kHTMaxNodes)
+    throw std::invalid_argument("num_ranks=" + str(num_ranks) + " with ranks_per_node=" + str(ranks_per_node) +
+                                " makes " + str(num_ranks / ranks_per_node) + " nodes; the normal mode runs at most " +
+                                str(kHTMaxNodes) + " nodes");
+}
+
 HTLayout make_layout(int num_ranks, int ranks_per_node, bool proxy, uint64_t ctrl_off, uint64_t area_off,
                      uint64_t area_bytes) {
-  if (num_ranks < 1 || num_ranks > kHTMaxRanks)
-    throw std::invalid_argument("num_ranks=" + str(num_ranks) + ": the CUDA HT kernels store into at most " +
-                                str(kHTMaxRanks) + " ranks");
-  if (ranks_per_node < 1 || num_ranks % ranks_per_node)
-    throw std::invalid_argument("ranks_per_node=" + str(ranks_per_node) + " must divide num_ranks=" + str(num_ranks));
+  check_ranks(num_ranks, ranks_per_node);
   if (ctrl_off % kHTAlign || area_off % kHTAlign || area_bytes % kHTAlign)
     throw std::invalid_argument("ctrl_off=" + str(ctrl_off) + ", area_off=" + str(area_off) + ", area_bytes=" +
                                 str(area_bytes) + " must be multiples of " + str(kHTAlign));
-  if (ctrl_off < area_off + area_bytes && area_off < ctrl_off + kHTCtrlBytes)
-    throw std::invalid_argument("the control area [" + str(ctrl_off) + ", +" + str(kHTCtrlBytes) +
+  const uint64_t ctrl_bytes = ht_ctrl(num_ranks, ranks_per_node).bytes;
+  if (ctrl_off < area_off + area_bytes && area_off < ctrl_off + ctrl_bytes)
+    throw std::invalid_argument("the control area [" + str(ctrl_off) + ", +" + str(ctrl_bytes) +
                                 ") overlaps the normal-mode area [" + str(area_off) + ", +" + str(area_bytes) + ")");
   return HTLayout{num_ranks, ranks_per_node, proxy, ctrl_off, area_off, area_bytes};
 }
@@ -81,6 +91,7 @@ class HTKernels {
     c_.peers = ptr<uint8_t* const>(peers);
     c_.place = ptr<uint8_t* const>(place);
     c_.ctrl_off = layout.ctrl_off;
+    c_.ctrl = layout.ctrl();
     c_.recv_off = areas.recv_off;
     c_.stage_off = areas.stage_off;
     c_.epoch = ptr<uint64_t>(epoch);
@@ -151,7 +162,8 @@ void check_forwarding(const HTCommon& c, bool given, const char* what) {
 }
 
 void notify(const HTKernels& k, int channels, uintptr_t stream, uintptr_t is_token_in_rank, bool count_mode,
-            uintptr_t tokens_per_expert, int num_tokens, int num_experts, uintptr_t rank_prefix,
+            uintptr_t tokens_per_expert, int num_tokens, int num_experts, uintptr_t recv_rank_prefix,
+            uintptr_t rank_prefix,
             uintptr_t channel_prefix, uintptr_t recv_channel_prefix, uintptr_t node_channel_prefix,
             uintptr_t fwd_channel_prefix, uintptr_t fwd_rank_prefix, int64_t max_recv, uint64_t ticket) {
   HTNotifyArgs a{};
@@ -161,6 +173,7 @@ void notify(const HTKernels& k, int channels, uintptr_t stream, uintptr_t is_tok
   a.tokens_per_expert = ptr<const int32_t>(tokens_per_expert);
   a.num_tokens = num_tokens;
   a.num_experts = num_experts;
+  a.recv_rank_prefix = ptr<int32_t>(recv_rank_prefix);
   a.rank_prefix = ptr<int32_t>(rank_prefix);
   a.channel_prefix = ptr<int32_t>(channel_prefix);
   a.recv_channel_prefix = ptr<int32_t>(recv_channel_prefix);
@@ -169,9 +182,12 @@ void notify(const HTKernels& k, int channels, uintptr_t stream, uintptr_t is_tok
   a.fwd_rank_prefix = ptr<int32_t>(fwd_rank_prefix);
   a.max_recv = max_recv;
   a.ticket = ticket;
-  if (count_mode && !(a.tokens_per_expert && a.rank_prefix && a.channel_prefix && a.recv_channel_prefix))
-    throw std::invalid_argument("notify: count mode needs tokens_per_expert, rank_prefix, channel_prefix and "
+  if (count_mode && !(a.tokens_per_expert && a.recv_rank_prefix && a.channel_prefix && a.recv_channel_prefix))
+    throw std::invalid_argument("notify: count mode needs tokens_per_expert, recv_rank_prefix, channel_prefix and "
                                 "recv_channel_prefix");
+  if (count_mode && a.rank_prefix && a.c.num_ranks > a.c.ranks_per_node)
+    throw std::invalid_argument("notify: rank_prefix (the [R][R] matrix) is for one node only, num_ranks=" +
+                                str(a.c.num_ranks) + " ranks_per_node=" + str(a.c.ranks_per_node));
   if (count_mode && ht_forwarding(a.c) != (a.node_channel_prefix && a.fwd_channel_prefix && a.fwd_rank_prefix))
     throw std::invalid_argument("notify: node_channel_prefix, fwd_channel_prefix, fwd_rank_prefix: all with "
                                 "forwarding, none without");
@@ -245,18 +261,21 @@ void combine(const HTKernels& k, int channels, uintptr_t stream, uintptr_t x, in
   check(ht_combine(a), "HT combine");
 }
 
-py::dict ctrl_layout() {
+py::dict ctrl_layout(int num_ranks, int ranks_per_node) {
+  check_ranks(num_ranks, ranks_per_node);
+  const HTCtrl t = ht_ctrl(num_ranks, ranks_per_node);
   py::dict d;
-  d["slots"] = kHTSlotsOff;
-  d["tails"] = kHTTailsOff;
-  d["outgoing"] = kHTOutgoingOff;
-  d["heads"] = kHTHeadsOff;
-  d["fwd_tails"] = kHTFwdTailsOff;
-  d["fwd_heads"] = kHTFwdHeadsOff;
-  d["scratch"] = kHTScratchOff;
-  d["bytes"] = kHTCtrlBytes;
+  d["slots"] = t.slots;
+  d["tails"] = t.tails;
+  d["outgoing"] = t.outgoing;
+  d["heads"] = t.heads;
+  d["fwd_tails"] = t.fwd_tails;
+  d["fwd_heads"] = t.fwd_heads;
+  d["scratch"] = t.scratch;
+  d["bytes"] = t.bytes;
   d["slot_bytes"] = kHTSlotBytes;
-  d["word_table_bytes"] = kHTWordTableBytes;  // one op's half of a tails/heads table
+  d["word_table_bytes"] = t.word_half_bytes;  // one op's half of a tails/heads table
+  d["fwd_table_bytes"] = t.fwd_half_bytes;    // one op's half of a forward tails/heads table
   return d;
 }
 
@@ -293,6 +312,7 @@ void bind_layout(py::module_& m) {
       .def_readonly("area_off", &HTLayout::area_off)
       .def_readonly("area_bytes", &HTLayout::area_bytes)
       .def_property_readonly("forwarding", &HTLayout::forwarding)
+      .def_property_readonly("ctrl_bytes", [](const HTLayout& l) { return l.ctrl().bytes; })
       .def_property_readonly("blocks_per_channel",
                              [](const HTLayout& l) { return ht_blocks_per_channel(l.geometry(0)); })
       .def_property_readonly("recv_off", [](const HTLayout& l) { return l.areas().recv_off; })
@@ -321,14 +341,16 @@ void bind_layout(py::module_& m) {
 }  // namespace
 
 void bind_cuda_ht(py::module_& m) {
-  m.attr("HT_CTRL_BYTES") = kHTCtrlBytes;
-  m.attr("HT_CTRL_LAYOUT") = ctrl_layout();
+  m.def("ht_ctrl_layout", &ctrl_layout, py::arg("num_ranks"), py::arg("ranks_per_node"),
+        "the normal mode's control area for that many ranks (gpu_kernels/cuda/ht_layout.h: ht_ctrl)");
   m.attr("HT_SLOT_LAYOUT") = slot_layout();
   m.attr("HT_STREAMS") = streams();
   m.attr("HT_HOST_COUNTS_BYTES") = sizeof(HTHostCounts);
   m.attr("HT_EPOCH_WORDS") = kHTEpochWords;
   m.attr("HT_ALIGN") = kHTAlign;
   m.attr("HT_MAX_RANKS") = kHTMaxRanks;
+  m.attr("HT_MAX_NODE_RANKS") = kHTMaxNodeRanks;
+  m.attr("HT_MAX_NODES") = kHTMaxNodes;
   m.attr("HT_MAX_CHANNELS") = kHTMaxChannels;
   m.attr("HT_MAX_LOCAL_EXPERTS") = kHTMaxLocalExperts;
   m.attr("HT_NUM_STREAMS") = kHTNumStreams;
@@ -354,7 +376,8 @@ void bind_cuda_ht(py::module_& m) {
       .def("wait_counts", &HTKernels::wait_counts, py::arg("ticket"), py::arg("num_local_experts"))
       .def("notify", &notify, py::kw_only(), py::arg("channels"), py::arg("stream"), py::arg("is_token_in_rank"),
            py::arg("count_mode") = false, py::arg("tokens_per_expert") = 0, py::arg("num_tokens") = 0,
-           py::arg("num_experts") = 0, py::arg("rank_prefix") = 0, py::arg("channel_prefix") = 0,
+           py::arg("num_experts") = 0, py::arg("recv_rank_prefix") = 0, py::arg("rank_prefix") = 0,
+           py::arg("channel_prefix") = 0,
            py::arg("recv_channel_prefix") = 0, py::arg("node_channel_prefix") = 0, py::arg("fwd_channel_prefix") = 0,
            py::arg("fwd_rank_prefix") = 0, py::arg("max_recv") = 0, py::arg("ticket") = 0)
       .def("dispatch", &dispatch, py::kw_only(), py::arg("channels"), py::arg("stream"), py::arg("x"),

@@ -23,6 +23,9 @@ CASES = [
     (4, 4, "shm", 256, 6, 8, [128, 190, 70, 100], 7),
     (8, 2, "shm-unordered", 256, 8, 8, [64, 96, 128, 80, 72, 110, 64, 90], 8),
     (8, 8, "shm", 256, 8, 8, [100, 64, 128, 72, 90, 64, 81, 120], 9),
+    # DeepEP's internode shape of nodes: 2 nodes x 8 ranks (the forwarders of 16 ranks)
+    (16, 8, "shm", 128, 8, 4, [40 + (r * 29) % 50 for r in range(16)], 10),
+    (16, 8, "shm-unordered", 128, 6, 4, [30 + (r * 41) % 60 for r in range(16)], 11),
 ]
 
 

@@ -128,17 +128,29 @@ def _check_same_hashes(ck, hashes):
 # High-throughput (normal) mode
 
 
-def make_ht_inputs(rank, seed, n, hidden, k, num_experts, avoid_rank=None):
-    """avoid_rank: no token selects an expert of that rank (its receive side is empty)."""
+def make_ht_inputs(rank, seed, n, hidden, k, num_experts, avoid_rank=None, avoid_ranks=(), topk_groups=None,
+                   ranks_per_node=None):
+    """avoid_rank, avoid_ranks: no token selects an expert of those ranks (their receive sides are empty);
+    topk_groups: each token's experts lie on at most that many nodes of ranks_per_node ranks (DeepEP's grouped
+    routing: the nodes of the highest group scores)."""
     torch.manual_seed(seed + rank)
     x = torch.randn(n, hidden, dtype=torch.float32).to(BF16)
     scores = torch.randn(n, num_experts).abs() + 1
-    if avoid_rank is not None:
-        e_l = num_experts // dist.get_world_size()
-        scores[:, avoid_rank * e_l:(avoid_rank + 1) * e_l] = 0
+    e_l = num_experts // dist.get_world_size()
+    for r in ([avoid_rank] if avoid_rank is not None else []) + list(avoid_ranks):
+        scores[:, r * e_l:(r + 1) * e_l] = 0
+    if topk_groups:
+        nodes = dist.get_world_size() // ranks_per_node
+        groups = scores.view(n, nodes, -1).amax(-1)
+        keep = torch.zeros(n, nodes, dtype=torch.bool).scatter_(1, torch.topk(groups, topk_groups, dim=-1).indices,
+                                                                 True)
+        scores = scores * keep.repeat_interleave(num_experts // nodes, dim=1)
     idx = torch.topk(scores, k, dim=-1, sorted=False).indices
+    if topk_groups:  # fewer nonzero scores than k: the zeros picked are not of the token's nodes
+        idx = torch.where(scores.gather(1, idx) > 0, idx, -1)
     holes = max(1, n // 8)
-    idx[torch.randint(0, n, (holes,)), torch.randint(0, k, (holes,))] = -1
+    if n:
+        idx[torch.randint(0, n, (holes,)), torch.randint(0, k, (holes,))] = -1
     if n >= 16:
         idx[torch.randint(0, n, (2,))] = -1  # two tokens routed nowhere
     w = torch.randn(n, k, dtype=torch.float32)

@@ -140,15 +140,21 @@ def _same_handle(ck, rpn, world, got, exp):
 
 
 def cross_backend_body(rank, world, rpn, transport, seed, n_tokens, hidden, num_topk, num_experts, num_sms,
-                       gpu_bytes=None):
+                       gpu_bytes=None, avoid_node=None, topk_groups=None):
     """Every output of the CUDA backend equals the host backend's bit for bit on the same inputs; combined_x and
     combined_topk_weights also against their float64 references. gpu_bytes: a small GPU Buffer, whose rings wrap
-    many times (the host backend's Buffer holds every row)."""
+    many times (the host backend's Buffer holds every row); avoid_node: no token goes to that node; topk_groups:
+    each token's experts on at most that many nodes."""
     ck = w.Checker(rank)
     gpu, host = _buffers(rank, world, rpn, transport, gpu_bytes=gpu_bytes)
-    inp = w.make_ht_inputs(rank, seed, n_tokens[rank], hidden, num_topk, num_experts)
+    avoid = range(avoid_node * rpn, (avoid_node + 1) * rpn) if avoid_node is not None else ()
+    inp = w.make_ht_inputs(rank, seed, n_tokens[rank], hidden, num_topk, num_experts, avoid_ranks=avoid,
+                           topk_groups=topk_groups, ranks_per_node=rpn)
     idx, wts = inp["idx"], inp["w"]
     is_in = ref.layout_ref(idx, num_experts, world, rpn)[3]
+    nodes_of_token = is_in.view(-1, world // rpn, rpn).any(2)
+    assert avoid_node is None or not nodes_of_token[:, avoid_node].any()  # the inputs are what the case names
+    assert topk_groups is None or (nodes_of_token.sum(1) <= topk_groups).all()
     cfg = portep.Config(num_sms, 6, 256, 6, 256)
     if gpu_bytes:
         _check_ring_refusal(ck, gpu, num_experts)

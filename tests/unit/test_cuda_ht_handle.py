@@ -53,7 +53,7 @@ def test_internode_handle_matches_deepep_definitions(world, n_tokens, C, seed):
         ht = _ht(me)
         num_recv = int(counts[:, me].sum())
         self_begin = int(counts[:me, me].sum())
-        h = ht._internode_handle(in_rank[me], rank_prefix, channel_prefix, rcp, send_head, num_recv,
+        h = ht._internode_handle(in_rank[me], rank_prefix[:, me].contiguous(), channel_prefix, rcp, send_head, num_recv,
                                  (self_begin, int(counts[me, me])))
         assert len(h) == 10
         assert torch.equal(h[0], in_rank[me])
@@ -78,7 +78,7 @@ def test_internode_handle_with_num_worst_tokens_pads_rows():
     counts, rank_prefix, channel_prefix, rcp, send_head = _kernel_outputs(in_rank, 1, 2)
     ht = _ht(1)
     worst = 40
-    h = ht._internode_handle(in_rank[1], rank_prefix, channel_prefix, rcp, send_head, worst, None)
+    h = ht._internode_handle(in_rank[1], rank_prefix[:, 1].contiguous(), channel_prefix, rcp, send_head, worst, None)
     num_recv = int(counts[:, 1].sum())
     assert h[7].shape == (worst, 8) and h[9].shape == (worst, 8)
     meta = h[7].view(torch.int32)
@@ -105,7 +105,8 @@ def test_forwarding_handle_matches_deepep_definitions(world, rpn, n_tokens, seed
         meta = torch.randint(-1, 9, (int(counts[:, me].sum()), 2), generator=g, dtype=torch.int32)
         nvl_head = torch.randint(-1, 20, (11, 8), generator=g, dtype=torch.int32)
         ht = _ht(me, nodes, rpn)
-        h = ht._forwarding_handle(in_rank[me], rank_prefix, channel_prefix, rcp, fwd, meta, nvl_head)
+        h = ht._forwarding_handle(in_rank[me], rank_prefix[:, me].contiguous(), channel_prefix, rcp, fwd, meta,
+                                  nvl_head)
         assert len(h) == 10
         assert h[0] is in_rank[me] and h[1] is fwd[0] and h[2] is channel_prefix and h[3] is fwd[1]
         assert h[4] is fwd[2] and h[5] is rcp and h[9] is nvl_head
@@ -201,12 +202,14 @@ def test_dispatch_and_combine_name_every_tensor_they_pass():
     rank_prefix, channel_prefix, rcp, src_idx, _, send_head = handle
     assert n == dict(channels=C, stream=1234, is_token_in_rank=in_rank.data_ptr(), count_mode=True,
                      tokens_per_expert=n["tokens_per_expert"], num_tokens=N, num_experts=E,
-                     rank_prefix=rank_prefix.data_ptr(), channel_prefix=channel_prefix.data_ptr(),
+                     recv_rank_prefix=n["recv_rank_prefix"], rank_prefix=rank_prefix.data_ptr(),
+                     channel_prefix=channel_prefix.data_ptr(),
                      recv_channel_prefix=rcp.data_ptr(), node_channel_prefix=0, fwd_channel_prefix=0,
                      fwd_rank_prefix=0, ticket=1)
     assert counts == [3] * (E // R) and recv_x.shape == (30, H) and recv_idx.shape == recv_w.shape == (30, K)
     assert d["x"] == x.data_ptr() and d["row_bytes"] == 2 * H and d["num_tokens"] == N and d["num_topk"] == K
-    assert d["recv_prefix"] == rank_prefix.data_ptr() + 4 * me and d["recv_prefix_stride"] == R
+    assert n["recv_rank_prefix"] not in (0, rank_prefix.data_ptr())  # one node: the vector and the [R][R] matrix
+    assert d["recv_prefix"] == n["recv_rank_prefix"] and d["recv_prefix_stride"] == 1
     assert (d["recv_x"], d["max_recv"], d["recv_topk_idx"], d["recv_topk_weights"]) == \
         (recv_x.data_ptr(), 30, recv_idx.data_ptr(), recv_w.data_ptr())
     assert d["topk_idx"] == idx.data_ptr() and d["num_local_experts"] == E // R and d["scales"] == 0
@@ -247,7 +250,8 @@ def test_forwarding_passes_the_node_matrices_both_ways():
     assert (d["fwd_channel_prefix"], d["fwd_rank_prefix"], d["nvl_head"], d["nvl_rows"]) == \
         (handle[3].data_ptr(), handle[4].data_ptr(), handle[9].data_ptr(), worst * L)
     assert d["recv_src_meta"] == handle[7].data_ptr() and d["recv_src_idx"] == d["send_head"] == 0
-    assert d["recv_prefix"] == n["rank_prefix"] + 4 * me and d["recv_prefix_stride"] == R
+    assert n["rank_prefix"] == 0  # several nodes: no [R][R] matrix, the receive prefix vector is the handle's
+    assert d["recv_prefix"] == n["recv_rank_prefix"] == handle[6].data_ptr() and d["recv_prefix_stride"] == 1
     ht.kernels.calls.clear()
     ht.combine(recv_x, handle, recv_w, ())
     (_, c), = [call for call in ht.kernels.calls if call[0] == "combine"]

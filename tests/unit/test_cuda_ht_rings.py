@@ -27,23 +27,35 @@ def _ht(num_ranks, normal_bytes, proxy, sms=132, ranks_per_node=None):
     return ht
 
 
-def _expected_rows(recv_bytes, R, C, row_bytes):
-    """ht_layout.h: rings [R - 1 peers][C channels] x rows, rows a multiple of HT_CHUNK_ROWS."""
-    per_ring = recv_bytes // ((R - 1) * C * row_bytes)
+def _peers(R, L, rank):
+    """The ranks `rank` exchanges rows with (ht_layout.h, "Peers"): its node's, and its local index's on other
+    nodes; itself left out."""
+    node, local = divmod(rank, L)
+    return {r for r in range(R) if r != rank and (r // L == node or r % L == local)}
+
+
+def _expected_rows(recv_bytes, R, C, row_bytes, L=None):
+    """ht_layout.h: rings [peers][C channels] x rows, rows a multiple of HT_CHUNK_ROWS."""
+    per_ring = recv_bytes // (len(_peers(R, L or R, 0)) * C * row_bytes)
     return per_ring - per_ring % native.HT_CHUNK_ROWS
 
 
-def test_control_area_table_is_contiguous_aligned_and_ends_at_ctrl_bytes():
-    c, slot = native.HT_CTRL_LAYOUT, native.HT_SLOT_LAYOUT
-    R, C = native.HT_MAX_RANKS, native.HT_MAX_CHANNELS
+@pytest.mark.parametrize("R,L", [(2, 2), (8, 8), (8, 4), (16, 8), (32, 8), (12, 4), (128, 1), (1024, 8)])
+def test_control_area_table_is_contiguous_aligned_and_sized_by_peers_not_ranks(R, L):
+    c, slot = native.ht_ctrl_layout(R, L), native.HT_SLOT_LAYOUT
+    C = native.HT_MAX_CHANNELS
     order = ["slots", "tails", "outgoing", "heads", "fwd_tails", "fwd_heads", "scratch", "bytes"]
-    sizes = {"slots": 2 * R * c["slot_bytes"], "outgoing": 2 * R * c["slot_bytes"], "scratch": 16}
-    assert c["word_table_bytes"] == 8 * R * C
+    sizes = {"slots": 2 * R * c["slot_bytes"], "outgoing": 2 * R * c["slot_bytes"], "scratch": 16,
+             "fwd_tails": 2 * 8 * L * C, "fwd_heads": 2 * 8 * L * C}
+    assert c["word_table_bytes"] == 8 * (L + R // L) * C  # a word per (peer index, channel)
     for a, b in zip(order, order[1:]):
         assert c[b] - c[a] == sizes.get(a, 2 * c["word_table_bytes"]), (a, b)
         assert c[a] % native.HT_ALIGN == 0
-    assert c["bytes"] == native.HT_CTRL_BYTES and c["slots"] == 0
-    fields = [("flag", 8), ("counts", 4 * R), ("channels", 4 * C), ("node_channels", 4 * C),
+    assert c["slots"] == 0
+    assert c["bytes"] < 64 << 20
+    lay = native.HTLayout(num_ranks=R, ranks_per_node=L, proxy=R > L, ctrl_off=1 << 30, area_off=0, area_bytes=1 << 20)
+    assert lay.ctrl_bytes == c["bytes"]
+    fields = [("flag", 8), ("counts", 4 * native.HT_MAX_NODE_RANKS), ("channels", 4 * C), ("node_channels", 4 * C),
               ("experts", 4 * native.HT_MAX_LOCAL_EXPERTS)]
     for (a, size), (b, _) in zip(fields, fields[1:] + [("bytes", 0)]):
         assert slot[b] - slot[a] >= size and slot[a] % 4 == 0, (a, b)
@@ -85,7 +97,9 @@ def test_row_sizes_follow_their_definitions():
 
 
 @pytest.mark.parametrize("kwargs,match", [
-    (dict(num_ranks=9, ranks_per_node=9), "at most 8 ranks"),
+    (dict(num_ranks=9, ranks_per_node=9), "1 to 8 ranks per node"),
+    (dict(num_ranks=129, ranks_per_node=1), "129 nodes; the normal mode runs at most 128 nodes"),
+    (dict(num_ranks=1032, ranks_per_node=8), "at most 128 nodes"),
     (dict(num_ranks=6, ranks_per_node=4), "must divide"),
     (dict(ctrl_off=8), "multiples of 16"),
     (dict(area_bytes=1000), "multiples of 16"),
@@ -108,6 +122,20 @@ def test_ring_rows_fill_the_area_in_whole_chunks(R, C, row_bytes, nbytes, proxy)
     assert rows % native.HT_CHUNK_ROWS == 0 and rows >= native.HT_MIN_RING_ROWS
     assert (R - 1) * C * rows * row_bytes <= recv  # and staging is at least as large
     assert (R - 1) * C * (rows + native.HT_CHUNK_ROWS) * row_bytes > recv  # no whole chunk left unused
+
+
+@pytest.mark.parametrize("R,L", [(16, 8), (32, 8), (12, 4), (128, 1), (1024, 8)])
+def test_rings_are_one_per_peer_and_channel_plus_forward_rings(R, L):
+    C, row_bytes = 12, 14448
+    for rank in (0, R - 1, R // 2 + 1):
+        assert len(_peers(R, L, rank)) == len(_peers(R, L, 0))  # every rank has as many peers
+    forward = L if 1 < L < R else 0
+    rings = (len(_peers(R, L, 0)) + forward) * C
+    ht = _ht(R, 1 << 34, True, ranks_per_node=L)
+    assert ht.layout.rings(C) == rings
+    need = native.HT_MIN_RING_ROWS * rings * row_bytes * 2
+    assert ht.layout.area_bytes_for(native.HT_MIN_RING_ROWS, row_bytes, C) == need
+    assert _ht(R, need, True, ranks_per_node=L)._ring_rows(row_bytes, C, "dispatch") == native.HT_MIN_RING_ROWS
 
 
 @pytest.mark.parametrize("proxy", [False, True])
@@ -134,10 +162,11 @@ def test_deepep_hint_buffer_holds_its_test_shape_without_wrapping():
 @pytest.mark.parametrize("R,L,C,row_bytes,nbytes", [(4, 2, 10, 2336, 1 << 28), (8, 4, 6, 28704, 1 << 30),
                                                     (8, 2, 3, 1040, 8 << 20)])
 def test_forwarding_adds_a_forward_ring_per_local_rank_and_channel(R, L, C, row_bytes, nbytes):
-    # ht_layout.h: with forwarding the receive area holds the peer rings [R - 1][C] and the forward rings [L][C]
+    # ht_layout.h: with forwarding the receive area holds the peer rings [L - 1 + Nn - 1][C] and the forward rings
+    # [L][C]
     ht = _ht(R, nbytes, True, ranks_per_node=L)
     rows = ht._ring_rows(row_bytes, C, "dispatch")
-    rings = (R - 1 + L) * C
+    rings = (len(_peers(R, L, 0)) + L) * C
     assert ht.layout.rings(C) == rings
     assert rows % native.HT_CHUNK_ROWS == 0 and rows >= native.HT_MIN_RING_ROWS
     assert rings * rows * row_bytes <= ht.layout.recv_bytes < rings * (rows + native.HT_CHUNK_ROWS) * row_bytes

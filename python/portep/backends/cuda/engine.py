@@ -82,6 +82,16 @@ def _as_tensor(ptr, nbytes, device, owner=None):
     return torch.as_tensor(_Mem(), device=device)
 
 
+def _ht_ctrl_bytes(native, num_ranks, ranks_per_node):
+    """Bytes of the normal mode's control area for these ranks (gpu_kernels/cuda/ht_layout.h, ht_ctrl); 0 where the
+    normal mode's limits refuse them (more than 8 ranks per node): such a Buffer runs the LL mode, and its first
+    normal-mode call raises the limit (backends/cuda/ht.py)."""
+    try:
+        return native.ht_ctrl_layout(num_ranks, ranks_per_node)["bytes"]
+    except ValueError:
+        return 0
+
+
 class CudaEngine(Topology):
     """One per Buffer. Construction is collective over `group`."""
 
@@ -117,7 +127,8 @@ class CudaEngine(Topology):
         self.ht_stream_base = hb.ll_streams_end(max_local_experts)  # and its signal streams
         self.fifos = self.native.DeviceFifoSet(NUM_DEVICE_FIFOS, DEVICE_FIFO_CAPACITY)
         self.status_stream = self.ht_stream_base + self.native.HT_NUM_STREAMS  # peer_watch.h
-        self.channel = Channel(group, self.ht_ctrl_off + self.native.HT_CTRL_BYTES, transport=transport,
+        self.channel = Channel(group, self.ht_ctrl_off + _ht_ctrl_bytes(self.native, self.num_ranks, ranks_per_node),
+                               transport=transport,
                                num_streams=self.status_stream + self.native.NUM_STATUS_EVENTS,
                                num_proxy_threads=num_proxy_threads, timeout_s=timeout_s,
                                device=self.device.index, device_fifos=self.fifos, status_stream=self.status_stream)

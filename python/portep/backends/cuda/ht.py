@@ -56,7 +56,6 @@ class HTMemory:
 def engine_memory(eng, ctrl_off, stream_base):
     """A CudaEngine's HTMemory: its Channel's region, the regions of its same-node peers (CUDA IPC), its proxies'
     signal slots and FIFOs, its kernel error words; the normal-mode area is the engine's normal_off/normal_bytes."""
-    _check_num_ranks(eng.native, eng.num_ranks)
     ch = eng.channel._native
     peers = [ch.peer_data_ptr(d) if eng.node_of(d) == eng.node else 0 for d in range(eng.num_ranks)]
     unmapped = [d for d in range(eng.num_ranks) if eng.node_of(d) == eng.node and not peers[d]]
@@ -71,9 +70,12 @@ def engine_memory(eng, ctrl_off, stream_base):
                     stream_base=stream_base, fifos=eng.fifos, timeout_s=eng.timeout_s)
 
 
-def _check_num_ranks(native, num_ranks):
-    if num_ranks > native.HT_MAX_RANKS:
-        raise NotImplementedError(f"the CUDA HT kernels support at most {native.HT_MAX_RANKS} ranks, got {num_ranks}")
+def _check_ranks(native, num_ranks, ranks_per_node):
+    """The normal mode's limits (ht_layout.h): 1 to HT_MAX_NODE_RANKS ranks per node, 1 to HT_MAX_NODES nodes."""
+    try:
+        native.ht_ctrl_layout(num_ranks, ranks_per_node)
+    except ValueError as e:
+        raise NotImplementedError(f"the CUDA normal mode: {e}") from None
 
 
 class CudaHT:
@@ -97,7 +99,7 @@ class CudaHT:
 
     def _setup(self, owner, m):
         native = self.native = require_native()
-        _check_num_ranks(native, m.num_ranks)
+        _check_ranks(native, m.num_ranks, m.ranks_per_node)
         self.owner, self.memory = owner, m
         self.rank, self.num_ranks, self.ranks_per_node = m.rank, m.num_ranks, m.ranks_per_node
         self.num_nodes = m.num_ranks // m.ranks_per_node
@@ -131,10 +133,10 @@ class CudaHT:
         if self.forward:
             torch.full((1, self.native.HT_NVL_HEAD_COLUMNS), -1, dtype=torch.int32, device=dev)
             meta = torch.empty(1, 2, dtype=torch.int32, device=dev).fill_(-1)
-            self._forwarding_tensors(in_rank, torch.zeros(R, R, dtype=torch.int32, device=dev), None, None,
+            self._forwarding_tensors(in_rank, torch.zeros(R, dtype=torch.int32, device=dev), None, None,
                                      (None, None, None), meta, None)
         elif self.num_nodes > 1:  # one row from every rank to every rank
-            prefix = torch.arange(1, R + 1, dtype=torch.int32, device=dev).repeat_interleave(R).view(R, R)
+            prefix = torch.arange(1, R + 1, dtype=torch.int32, device=dev)
             ones = torch.ones(R, 1, dtype=torch.int32, device=dev)
             head = torch.zeros(1, R, dtype=torch.int32, device=dev)
             for self_rows in ((self.rank, 1), None):
@@ -260,7 +262,8 @@ class CudaHT:
             num_recv = max(num_recv, num_worst_tokens)
         else:
             E = num_tokens_per_expert.numel()
-            rank_prefix = torch.empty(R, R, dtype=torch.int32, device=dev)
+            recv_rank_prefix = torch.empty(R, dtype=torch.int32, device=dev)  # rows from sources 0..s, inclusive
+            rank_prefix = torch.empty(R, R, dtype=torch.int32, device=dev) if self.num_nodes == 1 else None
             channel_prefix = torch.empty(R, num_channels, dtype=torch.int32, device=dev)
             rcp = torch.empty(R, num_channels, dtype=torch.int32, device=dev)
             if self.forward:
@@ -268,9 +271,10 @@ class CudaHT:
                 fwd = (torch.empty(Nn, num_channels, dtype=torch.int32, device=dev),
                        torch.empty(Nn, num_channels, dtype=torch.int32, device=dev),
                        torch.empty(Nn, dtype=torch.int32, device=dev))
-            recv_prefix = (rank_prefix.data_ptr() + rank_prefix.element_size() * me, rank_prefix.stride(0))
+            recv_prefix = (recv_rank_prefix.data_ptr(), 1)
             count = dict(count_mode=True, tokens_per_expert=per_expert.data_ptr(), num_tokens=N, num_experts=E,
-                         rank_prefix=rank_prefix.data_ptr(), channel_prefix=channel_prefix.data_ptr(),
+                         recv_rank_prefix=recv_rank_prefix.data_ptr(), rank_prefix=_ptr(rank_prefix),
+                         channel_prefix=channel_prefix.data_ptr(),
                          recv_channel_prefix=rcp.data_ptr(), node_channel_prefix=_ptr(fwd[0]),
                          fwd_channel_prefix=_ptr(fwd[1]), fwd_rank_prefix=_ptr(fwd[2]))
             if num_worst_tokens > 0:
@@ -315,27 +319,27 @@ class CudaHT:
         if cached:
             return recv_x, recv_scales, None, None, None, None
         if self.forward:
-            new_handle = self._forwarding_handle(is_token_in_rank, rank_prefix, channel_prefix, rcp, fwd, meta,
+            new_handle = self._forwarding_handle(is_token_in_rank, recv_rank_prefix, channel_prefix, rcp, fwd, meta,
                                                  nvl_head)
         elif self.num_nodes > 1:
-            new_handle = self._internode_handle(is_token_in_rank, rank_prefix, channel_prefix, rcp, send_head, rows,
-                                                self_rows)
+            new_handle = self._internode_handle(is_token_in_rank, recv_rank_prefix, channel_prefix, rcp, send_head,
+                                                rows, self_rows)
         else:
             new_handle = (rank_prefix, channel_prefix, rcp, src_idx, is_token_in_rank, send_head)
         return recv_x, recv_scales, recv_idx, recv_w, counts_list, new_handle
 
-    def _forwarding_handle(self, is_token_in_rank, rank_prefix, channel_prefix, rcp, fwd, meta, nvl_head):
+    def _forwarding_handle(self, is_token_in_rank, recv_rank_prefix, channel_prefix, rcp, fwd, meta, nvl_head):
         """DeepEP's 10-tuple with forwarders (ht_api.h). send_nvl_head holds, per row this rank forwards, the row's
         index among its source's rows of its channel to each local rank (-1: not sent there)."""
         with self._on_comm():  # reads what the kernels wrote
-            h = self._forwarding_tensors(is_token_in_rank, rank_prefix, channel_prefix, rcp, fwd, meta, nvl_head)
+            h = self._forwarding_tensors(is_token_in_rank, recv_rank_prefix, channel_prefix, rcp, fwd, meta, nvl_head)
         self._for_caller([h[6], h[8], h[9]])
         return h
 
-    def _forwarding_tensors(self, is_token_in_rank, rank_prefix, channel_prefix, rcp, fwd, meta, nvl_head):
+    def _forwarding_tensors(self, is_token_in_rank, recv_rank_prefix, channel_prefix, rcp, fwd, meta, nvl_head):
         N = is_token_in_rank.size(0)
         to_node = is_token_in_rank.view(N, self.num_nodes, self.ranks_per_node).any(2)
-        return (is_token_in_rank, fwd[0], channel_prefix, fwd[1], fwd[2], rcp, rank_prefix[:, self.rank].contiguous(),
+        return (is_token_in_rank, fwd[0], channel_prefix, fwd[1], fwd[2], rcp, recv_rank_prefix,
                 meta.view(torch.uint8), hb.positions(to_node), nvl_head)
 
     def _wait_counts(self, E_l, expert_alignment):
@@ -348,19 +352,18 @@ class CudaHT:
         a = expert_alignment
         return num_recv, (self_begin, self_rows), forward_rows, [(int(c) + a - 1) // a * a for c in experts]
 
-    def _internode_handle(self, is_token_in_rank, rank_prefix, channel_prefix, rcp, send_head, rows, self_rows):
+    def _internode_handle(self, is_token_in_rank, recv_prefix, channel_prefix, rcp, send_head, rows, self_rows):
         """DeepEP's 10-tuple for one rank per node (node = rank): the forwarder is the destination itself. With
         num_worst_tokens (self_rows None) recv_src_meta and send_nvl_head keep a row per output row: this rank's own
         rows and the padding have -1 in send_nvl_head."""
         with self._on_comm():  # reads what the notify kernel wrote
-            h = self._internode_tensors(is_token_in_rank, rank_prefix, channel_prefix, rcp, send_head, rows,
+            h = self._internode_tensors(is_token_in_rank, recv_prefix, channel_prefix, rcp, send_head, rows,
                                         self_rows)
         self._for_caller([h[4], h[7], h[9]])
         return h
 
-    def _internode_tensors(self, is_token_in_rank, rank_prefix, channel_prefix, rcp, send_head, rows, self_rows):
+    def _internode_tensors(self, is_token_in_rank, recv_prefix, channel_prefix, rcp, send_head, rows, self_rows):
         me, dev = self.rank, self.device
-        recv_prefix = rank_prefix[:, me].contiguous()
         row = torch.arange(rows, dtype=torch.int32, device=dev)
         src = torch.searchsorted(recv_prefix, row, right=True).to(torch.int32)  # the source rank of each row
         begins = torch.cat([torch.zeros(1, dtype=torch.int32, device=dev), recv_prefix])

@@ -1,0 +1,49 @@
+"""The CUDA normal mode across simulated nodes at cluster shapes: 12 ranks (3 nodes x 4), 16 (2 x 8), 32 (4 x 8)
+and 12 nodes of one GPU each, every rank on the GPUs there are (PORTEP_TEST_SHARE_GPU=1: all on one, correctness
+only). Each case runs gpu_ht_workers.cross_backend_body: every output and handle entry of the CUDA backend against
+the host backend's bit for bit (BF16 and FP8 dispatch, cached dispatch, combine with top-k weights and both bias
+tensors), combines also against their float64 references; with a rank that sends nothing, a node that receives
+nothing, and tokens limited to num_topk_groups nodes. Traffic between nodes goes through the proxies over both shm
+transports; inside a node, direct stores and forwarders."""
+
+import os
+
+import pytest
+import torch
+
+import gpu_ht_workers as g
+from ci_expect import gpu_skip_reason
+from deepep_workers import assert_clean
+from dist_util import run_ranks
+from portep import native
+
+SHARE = os.environ.get("PORTEP_TEST_SHARE_GPU") == "1"
+
+
+def _tokens(world, seed):
+    """Tokens per rank: different on every rank, rank 1 sends none."""
+    return [0 if r == 1 else 40 + (seed * 37 + r * 53) % 170 for r in range(world)]
+
+
+# world, ranks per node, transport, experts, extra arguments of cross_backend_body
+CASES = [
+    pytest.param(12, 4, "shm", 96, {}, id="3x4-shm"),
+    pytest.param(12, 4, "shm-unordered", 48, {"topk_groups": 2}, id="3x4-shm-unordered-2-groups"),
+    pytest.param(16, 8, "shm", 64, {}, id="2x8-shm"),
+    pytest.param(16, 8, "shm-unordered", 128, {"avoid_node": 0}, id="2x8-shm-unordered-node-0-empty"),
+    pytest.param(12, 1, "shm-unordered", 48, {}, id="12x1-shm-unordered"),
+    pytest.param(32, 8, "shm", 256, {"avoid_node": 2, "topk_groups": 2}, id="4x8-shm-node-2-empty-2-groups"),
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("world,rpn,transport,experts,extra", CASES)
+def test_ht_nodes_match_host_backend_bitwise(world, rpn, transport, experts, extra):
+    if not (native.build_info()["gpu_built"] and torch.cuda.is_available()
+            and torch.cuda.device_count() >= (1 if SHARE else world)):
+        pytest.skip(gpu_skip_reason(world))
+    seed = world + rpn
+    out = run_ranks(g.cross_backend_body, world, args=(rpn, transport, seed, _tokens(world, seed), 1024, 8, experts,
+                                                       24, None, extra.get("avoid_node"), extra.get("topk_groups")),
+                    timeout=900)
+    assert_clean(out, 20)
