@@ -257,7 +257,7 @@ void combine(const HTKernels& k, int channels, uintptr_t stream, uintptr_t x, in
   a.fwd_rank_prefix = ptr<const int32_t>(fwd_rank_prefix);
   a.nvl_head = ptr<const int32_t>(nvl_head);
   a.ring_rows = ring_rows_for(k.layout_, ht_combine_row_bytes(ht_forwarding(a.c), a), channels);
-  check_forwarding(a.c, a.fwd_channel_prefix && a.fwd_rank_prefix && a.nvl_head, "combine");
+  check_forwarding(a.c, a.fwd_channel_prefix && a.fwd_rank_prefix, "combine");  // (nvl_head: null when empty)
   check(ht_combine(a), "HT combine");
 }
 

@@ -141,7 +141,7 @@ def make_ht_inputs(rank, seed, n, hidden, k, num_experts, avoid_rank=None, avoid
         scores[:, r * e_l:(r + 1) * e_l] = 0
     if topk_groups:
         nodes = dist.get_world_size() // ranks_per_node
-        groups = scores.view(n, nodes, -1).amax(-1)
+        groups = scores.view(n, nodes, num_experts // nodes).amax(-1)
         keep = torch.zeros(n, nodes, dtype=torch.bool).scatter_(1, torch.topk(groups, topk_groups, dim=-1).indices,
                                                                  True)
         scores = scores * keep.repeat_interleave(num_experts // nodes, dim=1)
