@@ -224,6 +224,7 @@ struct ReduceState {
   uint32_t batch[kHTMaxPeers];     // the batch's rows from each peer
   uint32_t have[kHTMaxPeers];      // rows known to be in place
   uint32_t credited[kHTMaxPeers];  // proxy peers: chunks credited back
+  const uint8_t* ring[kHTMaxPeers];  // this rank's ring for each peer in this channel (null: this rank)
   int failed;
 };
 
@@ -257,17 +258,15 @@ struct PeerRow {
   const uint8_t* row;
   const float* weights;
 };
-PORTEP_DEVICE PeerRow peer_row(const HTCombineArgs& a, int p, uint32_t index, int ch) {
+PORTEP_DEVICE PeerRow peer_row(const HTCombineArgs& a, const ReduceState& st, int p, uint32_t index, int ch) {
   const HTCommon& c = a.c;
-  if (peer_is_self(c, p)) {
+  if (!st.ring[p]) {
     const int64_t row = rows_before(a.recv_prefix, a.recv_prefix_stride, c.rank) +
                         a.recv_channel_prefix[c.rank * c.num_channels + ch] + index;
     return {reinterpret_cast<const uint8_t*>(a.x + row * a.hidden),
             a.topk_weights ? a.topk_weights + row * a.num_topk : nullptr};
   }
-  const uint32_t bytes = slot_bytes(a);
-  const uint8_t* row = c.local + c.recv_off + ht_ring_offset(c, c.rank, peer_rank(c, p), ch, a.ring_rows, bytes) +
-                       ht_ring_slot(index, a.ring_rows, bytes);
+  const uint8_t* row = st.ring[p] + ht_ring_slot(index, a.ring_rows, slot_bytes(a));
   const bool partial = ht_forwarding(c) && p >= c.ranks_per_node;  // other nodes' rows are FP32 partials
   return {row, reinterpret_cast<const float*>(row + ht_combine_weights(partial, a.hidden))};
 }
@@ -285,7 +284,7 @@ PORTEP_DEVICE void reduce_token_walk(const HTCombineArgs& a, const ReduceState& 
     if (a.bias1) add_bf16x8(acc, reinterpret_cast<const uint4*>(a.bias1 + base)[j]);
     for (int p = 0; p < ht_num_peers(c); ++p) {
       if (!has_peer(st.tp, warp, p)) continue;
-      const PeerRow r = peer_row(a, p, st.base[p] + rows_with_peer(st.tp, warp, p), ch);
+      const PeerRow r = peer_row(a, st, p, st.base[p] + rows_with_peer(st.tp, warp, p), ch);
       if (partials && p >= L) {
         const float4* q = reinterpret_cast<const float4*>(r.row) + 2 * j;
         const float4 lo = q[0], hi = q[1];
@@ -302,7 +301,7 @@ PORTEP_DEVICE void reduce_token_walk(const HTCombineArgs& a, const ReduceState& 
     float acc = 0.0f;
     for (int p = 0; p < ht_num_peers(c); ++p) {
       if (!has_peer(st.tp, warp, p)) continue;
-      const PeerRow r = peer_row(a, p, st.base[p] + rows_with_peer(st.tp, warp, p), ch);
+      const PeerRow r = peer_row(a, st, p, st.base[p] + rows_with_peer(st.tp, warp, p), ch);
       acc += r.weights ? r.weights[k] : 0.0f;
     }
     a.out_weights[int64_t(t) * a.num_topk + k] = acc;
@@ -328,7 +327,7 @@ PORTEP_DEVICE void reduce_token(const HTCombineArgs& a, const ReduceState& st, i
   for (int p = 0; p < ht_num_peers(c); ++p) {
     if (p == L && partials) set.nb = set.n;  // the BF16 rows end where other nodes' partials begin
     if (!has_peer(st.tp, warp, p)) continue;
-    const PeerRow r = peer_row(a, p, st.base[p] + rows_with_peer(st.tp, warp, p), ch);  // its index among p's rows
+    const PeerRow r = peer_row(a, st, p, st.base[p] + rows_with_peer(st.tp, warp, p), ch);  // its index among p's rows
     add_row(set, r.row, r.weights);
   }
   if (!partials) set.nb = set.n;
@@ -341,7 +340,12 @@ PORTEP_DEVICE void reduce_channel(const HTCombineArgs& a, int ch) {
   const HTCommon& c = a.c;
   const int C = c.num_channels, P = ht_num_peers(c), warp = threadIdx.x / kWarpSize;
   const uint64_t epoch = *c.epoch;
-  for (int p = threadIdx.x; p < P; p += blockDim.x) st.base[p] = st.have[p] = st.credited[p] = 0;
+  for (int p = threadIdx.x; p < P; p += blockDim.x) {
+    st.base[p] = st.have[p] = st.credited[p] = 0;
+    st.ring[p] = peer_is_self(c, p) ? nullptr
+                                    : c.local + c.recv_off +
+                                          ht_ring_offset(c, c.rank, peer_rank(c, p), ch, a.ring_rows, slot_bytes(a));
+  }
   if (threadIdx.x == 0) st.failed = 0;
   const int t0 = channel_begin(a.num_tokens, C, ch), t1 = channel_begin(a.num_tokens, C, ch + 1);
   for (int b = t0; b < t1; b += kHTWarps) {

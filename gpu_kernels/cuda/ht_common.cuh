@@ -92,29 +92,43 @@ PORTEP_DEVICE uint32_t rows_with_peer(const TokenPeers& tp, int n, int p) {
   return k;
 }
 // Warp-wide: token t's node masks and peers from is_token_in_rank [N][R] (t < 0: no token, nothing set); the
-// caller syncs the block before anyone reads them.
+// caller syncs the block before anyone reads them. Lanes take 32 nodes at a time (lane n % 32 loads node n's L
+// flags) and one ballot gives the peer bits of those nodes, so a token costs one round per 32 nodes: no loop over
+// peer indices, and up to 32 ranks (one round) its flags load in parallel as one byte per lane.
 PORTEP_DEVICE void load_token_peers(const HTCommon& c, const bool* is_token_in_rank, int t, int warp,
                                     TokenPeers& tp) {
   const int L = c.ranks_per_node, Nn = num_nodes(c), me = node_of(c, c.rank), lane = lane_id();
-  for (int n = lane; n < Nn; n += kWarpSize) {
-    uint32_t bits = 0;
-    if (t >= 0) {
-      const bool* row = is_token_in_rank + int64_t(t) * c.num_ranks + n * L;
-      for (int l = 0; l < L; ++l) bits |= uint32_t(row[l]) << l;
+  const bool* row = is_token_in_rank + int64_t(t) * c.num_ranks;
+  uint32_t* words = tp.words[warp];
+  if (lane < kHTPeerWords) words[lane] = 0;
+  if (c.num_ranks <= 32) {  // one round: a rank per lane
+    const uint32_t ranks = uint32_t(warp_ballot(t >= 0 && lane < c.num_ranks && row[lane]));
+    const uint32_t bits = lane < Nn ? ranks >> (lane * L) & ((1u << L) - 1) : 0;
+    const uint32_t nodes = uint32_t(warp_ballot(lane < Nn && lane != me && bits != 0));
+    if (lane < Nn) tp.node_bits[warp][lane] = uint8_t(bits);
+    __syncwarp();
+    if (lane == 0) {
+      words[0] = (ranks >> (me * L) & ((1u << L) - 1)) | nodes << L;
+      words[1] = nodes >> (32 - L);  // (L >= 1)
     }
-    tp.node_bits[warp][n] = uint8_t(bits);
+    return;
+  }
+  for (int k = 0; k * 32 < Nn; ++k) {
+    const int n = k * 32 + lane;
+    uint32_t bits = 0;
+    if (t >= 0 && lane < 32 && n < Nn)
+      for (int l = 0; l < L; ++l) bits |= uint32_t(row[n * L + l]) << l;
+    if (lane < 32 && n < Nn) tp.node_bits[warp][n] = uint8_t(bits);
+    const uint32_t nodes = uint32_t(warp_ballot(lane < 32 && n < Nn && n != me && bits != 0));
+    __syncwarp();
+    if (lane == 0) {  // peers L + 32k .. L + 32k + 31
+      const int p = L + k * 32;
+      words[p / 32] |= nodes << (p % 32);
+      if (p % 32) words[p / 32 + 1] |= nodes >> (32 - p % 32);
+    }
   }
   __syncwarp();
-  if (lane < kHTPeerWords) {
-    uint32_t w = 0;
-    for (int b = 0; b < 32; ++b) {
-      const int p = lane * 32 + b;
-      const bool on = p < L ? (tp.node_bits[warp][me] >> p & 1) != 0
-                            : p - L < Nn && p - L != me && tp.node_bits[warp][p - L] != 0;
-      w |= uint32_t(on) << b;
-    }
-    tp.words[warp][lane] = w;
-  }
+  if (lane == 0) words[0] |= tp.node_bits[warp][me];  // this node's ranks: peers 0 .. L - 1
 }
 // The node of the rank at peer index p (its rows' node mask is that node's).
 PORTEP_DEVICE int peer_node(const HTCommon& c, int p) {

@@ -102,6 +102,7 @@ struct SendState {
   uint32_t chan_start[kHTMaxPeers];    // without forwarding: this channel's first row in this rank's block at p
   uint64_t remote_ring[kHTMaxPeers];   // this rank's ring at p (receive area offset)
   uint64_t stage_ring[kHTMaxPeers];    // its staging ring for p (proxy peers)
+  uint8_t* row_base[kHTMaxPeers];      // where this rank stores its ring's rows for p (p's receive area, or staging)
   int64_t self_row0;                   // output row of this channel's first row to this rank
   uint64_t epoch;
   int failed;
@@ -116,6 +117,9 @@ PORTEP_DEVICE void init_send_state(const HTDispatchArgs& a, const Record& rec, S
     st.chan_start[p] = uint32_t(sent_before_channel(a.channel_prefix, C, d, ch));
     st.remote_ring[p] = peer_is_self(c, p) ? 0 : ht_ring_offset(c, d, c.rank, ch, a.ring_rows, rec.bytes);
     st.stage_ring[p] = peer_is_self(c, p) ? 0 : ht_ring_offset(c, c.rank, d, ch, a.ring_rows, rec.bytes);
+    st.row_base[p] = peer_is_self(c, p) ? nullptr
+                     : c.peers[d]       ? c.peers[d] + c.recv_off + st.remote_ring[p]
+                                        : proxy_ring_slot(c, d, st.stage_ring[p], st.remote_ring[p], 0);
   }
   if (threadIdx.x == 0) {
     st.self_row0 = rows_before(a.recv_prefix, a.recv_prefix_stride, c.rank) +
@@ -141,16 +145,11 @@ PORTEP_DEVICE void write_send_head(const HTDispatchArgs& a, const SendState& st,
 // else the record's row after its header. null: past the outputs (num_worst_tokens too small: notify reported it).
 PORTEP_DEVICE uint4* row_at_peer(const HTDispatchArgs& a, const Record& rec, const SendState& st, int p, uint32_t i,
                                  int64_t* self_row) {
-  const HTCommon& c = a.c;
-  if (peer_is_self(c, p)) {
+  if (!st.row_base[p]) {  // this rank
     *self_row = st.self_row0 + i;
     return *self_row < a.max_recv ? reinterpret_cast<uint4*>(a.recv_x + *self_row * a.row_bytes) : nullptr;
   }
-  const int d = peer_rank(c, p);
-  const uint64_t slot = ht_ring_slot(i, a.ring_rows, rec.bytes);
-  uint8_t* at = c.peers[d] ? c.peers[d] + c.recv_off + st.remote_ring[p] + slot
-                           : proxy_ring_slot(c, d, st.stage_ring[p], st.remote_ring[p], slot);
-  return reinterpret_cast<uint4*>(at + kHTRowHeaderBytes);
+  return reinterpret_cast<uint4*>(st.row_base[p] + ht_ring_slot(i, a.ring_rows, rec.bytes) + kHTRowHeaderBytes);
 }
 
 // Warp-wide: token t to every peer of its mask, kCopyGroup destinations per copy (the row loaded once per group).
@@ -169,7 +168,7 @@ PORTEP_DEVICE void send_token(const HTDispatchArgs& a, const Record& rec, SendSt
     warp_copy16_to(rows, num_rows, src, a.row_bytes / 16);
     for (int q = 0; q < num_rows; ++q) {
       const uint32_t bits = st.tp.node_bits[warp][peer_node(c, to[q])];
-      if (peer_is_self(c, to[q]))
+      if (!st.row_base[to[q]])
         write_output_meta(a, self_row, t, m, node_of(c, c.rank), bits);
       else
         write_record_meta(a, rec, reinterpret_cast<uint8_t*>(rows[q]) - kHTRowHeaderBytes, t, bits, m);
@@ -182,7 +181,7 @@ PORTEP_DEVICE void send_token(const HTDispatchArgs& a, const Record& rec, SendSt
     if (!row) continue;
     rows[num_rows] = row;
     to[num_rows++] = p;
-    if (num_rows == kCopyGroup || peer_is_self(c, p)) flush();  // (self_row is this group's)
+    if (num_rows == kCopyGroup) flush();  // (self_row: a token goes to this rank once)
   }
   if (num_rows) flush();
 }
