@@ -106,7 +106,7 @@ PORTEP_DEVICE void load_token_peers(const HTCommon& c, const bool* is_token_in_r
     const uint32_t bits = lane < Nn ? ranks >> (lane * L) & ((1u << L) - 1) : 0;
     const uint32_t nodes = uint32_t(warp_ballot(lane < Nn && lane != me && bits != 0));
     if (lane < Nn) tp.node_bits[warp][lane] = uint8_t(bits);
-    __syncwarp();
+    warp_sync();
     if (lane == 0) {
       words[0] = (ranks >> (me * L) & ((1u << L) - 1)) | nodes << L;
       words[1] = nodes >> (32 - L);  // (L >= 1)
@@ -120,14 +120,14 @@ PORTEP_DEVICE void load_token_peers(const HTCommon& c, const bool* is_token_in_r
       for (int l = 0; l < L; ++l) bits |= uint32_t(row[n * L + l]) << l;
     if (lane < 32 && n < Nn) tp.node_bits[warp][n] = uint8_t(bits);
     const uint32_t nodes = uint32_t(warp_ballot(lane < 32 && n < Nn && n != me && bits != 0));
-    __syncwarp();
+    warp_sync();
     if (lane == 0) {  // peers L + 32k .. L + 32k + 31
       const int p = L + k * 32;
       words[p / 32] |= nodes << (p % 32);
       if (p % 32) words[p / 32 + 1] |= nodes >> (32 - p % 32);
     }
   }
-  __syncwarp();
+  warp_sync();
   if (lane == 0) words[0] |= tp.node_bits[warp][me];  // this node's ranks: peers 0 .. L - 1
 }
 // The node of the rank at peer index p (its rows' node mask is that node's).
