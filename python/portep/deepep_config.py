@@ -111,13 +111,26 @@ def _check_hint_ranks(num_ranks, num_sms, even_sms_above):
         raise ValueError(f"num_sms={num_sms} must be even for num_ranks={num_ranks}")
 
 
+def _table_entry(table, num_ranks):
+    """DeepEP's tuned entry; above its largest EP size (160), for whole nodes of NUM_MAX_NVL_PEERS ranks (portep's
+    normal mode runs up to 1024 ranks), that largest entry: the chunk sizes DeepEP tuned for the most nodes. None
+    for any other size."""
+    if num_ranks in table:
+        return table[num_ranks]
+    largest = max(table)
+    if num_ranks > largest and num_ranks % NUM_MAX_NVL_PEERS == 0:
+        return table[largest]
+    return None
+
+
 def _table_config(table, kind, num_ranks, num_sms):
     check_int("num_ranks", num_ranks)
-    if num_ranks not in table:
+    entry = _table_entry(table, num_ranks)
+    if entry is None:
         supported = ", ".join(str(r) for r in table)
-        raise ValueError(f"no tuned {kind} config for num_ranks={num_ranks}; supported: {supported} "
-                         f"(pass config=Config(...) for other sizes)")
-    return Config(num_sms, *table[num_ranks])
+        raise ValueError(f"no tuned {kind} config for num_ranks={num_ranks}; supported: {supported}, and multiples "
+                         f"of {NUM_MAX_NVL_PEERS} above {max(table)} (pass config=Config(...) for other sizes)")
+    return Config(num_sms, *entry)
 
 
 def dispatch_config(num_ranks, num_sms):
@@ -129,10 +142,10 @@ def combine_config(num_ranks, num_sms):
 
 
 def default_config(table, num_ranks, num_sms):
-    """The tuned config when the EP size has one, else Config's defaults (portep runs sizes DeepEP does not)."""
-    if num_ranks in table:
-        return Config(num_sms, *table[num_ranks])
-    return Config(num_sms)
+    """The tuned config when the EP size has one (_table_entry), else Config's defaults (portep runs sizes DeepEP
+    does not)."""
+    entry = _table_entry(table, num_ranks)
+    return Config(num_sms) if entry is None else Config(num_sms, *entry)
 
 
 def low_latency_rdma_size_hint(num_max_dispatch_tokens_per_rank, hidden, num_ranks, num_experts):

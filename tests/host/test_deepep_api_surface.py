@@ -101,11 +101,20 @@ def test_tuned_configs_match_deepep_table(num_ranks):
     assert Buffer.get_combine_config(num_ranks) == Config(Buffer.num_sms, *COMBINE[num_ranks])
 
 
-@pytest.mark.parametrize("num_ranks", [1, 3, 12, 256])
+@pytest.mark.parametrize("num_ranks", [1, 3, 12, 164, 260])
 def test_untuned_sizes_are_refused_with_the_supported_list(num_ranks):
     for getter in (Buffer.get_dispatch_config, Buffer.get_combine_config):
-        with pytest.raises(ValueError, match=f"num_ranks={num_ranks}; supported: 2, 4, 8, 16, .*, 160"):
+        with pytest.raises(ValueError, match=f"num_ranks={num_ranks}; supported: 2, 4, 8, 16, .*, 160, and "
+                                             "multiples of 8 above 160"):
             getter(num_ranks)
+
+
+@pytest.mark.parametrize("num_ranks", [168, 256, 512, 1024])
+def test_whole_nodes_beyond_deepeps_table_take_its_largest_entry(num_ranks):
+    assert Buffer.get_dispatch_config(num_ranks) == Config(Buffer.num_sms, *DISPATCH[160])
+    assert Buffer.get_combine_config(num_ranks) == Config(Buffer.num_sms, *COMBINE[160])
+    hint = Buffer.get_dispatch_config(num_ranks).get_rdma_buffer_size_hint(7168 * 2, num_ranks)
+    assert hint > Buffer.get_dispatch_config(160).get_rdma_buffer_size_hint(7168 * 2, 160) > 0
 
 
 def test_set_num_sms_feeds_the_tuned_configs(restore_num_sms):
