@@ -151,6 +151,12 @@ def collect():
         return report
     info = native.build_info()
     report["build"] = info
+    if info["gpu_built"]:
+        from .backends.cuda.ll_jit import describe
+
+        info["ll_fast_path"] = describe(info)
+    else:
+        info["ll_fast_path"] = f"not built ({info.get('ll_fast_path_reason')}; LL calls take the Python path)"
     report["backends"].append("host")
     gpu_count, gpu_error = native.cuda_devices()
     gpu_error = gpu_error_text(gpu_error, info["gpu_runtime"], gpu_error == "" or _cuda_driver_loads())
@@ -214,9 +220,7 @@ def format_text(r):
     b = r["build"]
     gpu = f"{b['gpu_runtime'].upper()} for {b['gpu_archs']}" if b["gpu_built"] else "none"
     lines.append(f"  compiler:   {b['compiler']}; GPU kernels: {gpu}")
-    fast = (f"built against torch {b['ll_fast_path_torch']}" if b.get("ll_fast_path_torch")
-            else f"not built ({b.get('ll_fast_path_reason')}; LL calls take the Python path)")
-    lines.append(f"  LL fast path (portep._ll_torch): {fast}")
+    lines.append(f"  LL fast path (portep._ll_torch): {b.get('ll_fast_path', '?')}")
     h = r.get("hip", {})
     if h.get("built"):
         lines.append(f"  HIP:        ROCm {h.get('rocm_version')}, devices: {h.get('devices', '?')} "

@@ -66,8 +66,8 @@ def test_the_ll_fast_path_is_built_where_meant_and_loads_under_its_torch():
 
     assert _ll_torch.TORCH_VERSION == built_for
     module, why_not = fast_path_module(native)
-    if built_for != torch.__version__:
-        assert module is None and built_for in why_not
+    if built_for != torch.__version__:  # compiled at first use instead (backends/cuda/ll_jit.py)
+        assert module is None or module.TORCH_VERSION == torch.__version__, why_not
     elif not hasattr(torch._C, "_cuda_getCurrentRawStream"):  # a CPU-only torch
         assert module is None and "_cuda_getCurrentRawStream" in why_not
     else:

@@ -5,40 +5,59 @@ not take (a new signature, async_finish, a receive hook, shrink mode, a Buffer t
 the full way through Buffer's Python methods and CudaEngine, which give the same results more slowly.
 
 portep._ll_torch links libtorch, so it loads only under the torch it was built against (build_info's
-ll_fast_path_torch), and is not used where torch's CUDA allocator was swapped for another (it calls torch's own
+ll_fast_path_torch); an install without it (pip's build isolation), or built for another torch, compiles it at first
+use (ll_jit.py). It is not used where torch's CUDA allocator was swapped for another (it calls torch's own
 directly); `PORTEP_LL_FAST_PATH=0` turns it off."""
 
 import os
+import warnings
 
 import torch
 
 from ...event import EventOverlap
+from . import ll_jit
 
 FAST_PATH_VAR = "PORTEP_LL_FAST_PATH"
 TORCH_ALLOCATORS = ("native", "cudaMallocAsync")  # torch's own, chosen at start (PYTORCH_CUDA_ALLOC_CONF)
 
 
 def fast_path_module(native):
-    """(portep._ll_torch or None, why not)."""
+    """(portep._ll_torch or None, why not): the module the build made for this torch, else the one compiled at
+    first use (ll_jit.py); a reason that is not the user's choice is also warned once."""
     if os.environ.get(FAST_PATH_VAR, "1") == "0":
         return None, f"{FAST_PATH_VAR}=0"
-    info = native.build_info()
-    built_for = info.get("ll_fast_path_torch", "")
-    if not built_for:
-        return None, f"not built: {info.get('ll_fast_path_reason') or 'unknown reason'}"
-    if built_for != torch.__version__:
-        return None, f"built against torch {built_for}, this is torch {torch.__version__}: rebuild portep"
+    module, why = _fast_path_module(native)
+    if module is None and f"{ll_jit.JIT_VAR}=0" not in why:
+        _warn_once(why)
+    return module, why
+
+
+_warned = set()
+
+
+def _warn_once(why):
+    if why not in _warned:
+        _warned.add(why)
+        warnings.warn(f"portep: LL calls take the Python path (several times the host time of the fast path): "
+                      f"{why}", RuntimeWarning, stacklevel=4)
+
+
+def _fast_path_module(native):
     if not hasattr(torch._C, "_cuda_getCurrentRawStream"):  # a build of torch without CUDA or ROCm
         return None, "this torch has no GPU support (no torch._C._cuda_getCurrentRawStream)"
     backend = torch.cuda.get_allocator_backend()
     if backend not in TORCH_ALLOCATORS:  # the fast path allocates from the one torch registered for CUDA at start
         return None, (f"torch's CUDA allocator is {backend!r} (torch.cuda.memory.change_current_allocator), not "
                       f"one of {TORCH_ALLOCATORS}, and the fast path allocates from torch's own")
-    try:
-        from ... import _ll_torch
-    except (ImportError, OSError) as e:  # e.g. a libtorch that differs under the same version string
-        return None, f"portep._ll_torch does not load: {e}"
-    return _ll_torch, ""
+    if native.build_info().get("ll_fast_path_torch", "") == torch.__version__:
+        try:
+            from ... import _ll_torch
+
+            return _ll_torch, ""
+        except (ImportError, OSError):  # e.g. a libtorch that differs under the same version string: compile
+            pass
+    module, why, _ = ll_jit.load()
+    return module, ("" if module else f"not built into this install, and {why}")
 
 
 def fast_calls(module, engine, buffer, full_dispatch, full_combine):
