@@ -1,5 +1,6 @@
 """DeepEP's `Config`, its tuned per-EP-size defaults and its buffer-size hints, with DeepEP's exact formulas,
-so that code which sizes buffers from them keeps getting the same numbers. Pure Python, no torch."""
+so that code which sizes buffers from them keeps getting the same numbers; across nodes the NVL hint is raised to
+what portep's CUDA normal mode needs where DeepEP's is smaller (normal_mode_bytes). No torch."""
 
 NUM_MAX_NVL_PEERS = 8
 NUM_BUFFER_ALIGNMENT_BYTES = 128
@@ -77,7 +78,16 @@ class Config:
         return "Config(num_sms={}, nvl_send={}, nvl_recv={}, rdma_send={}, rdma_recv={})".format(*self._fields())
 
     def get_nvl_buffer_size_hint(self, hidden_bytes, num_ranks):
-        """Bytes of NVLink buffer DeepEP would need for rows of `hidden_bytes` on `num_ranks` ranks."""
+        """Bytes of NVLink buffer DeepEP would need for rows of `hidden_bytes` on `num_ranks` ranks; across nodes
+        (more than 8 ranks) at least what portep's CUDA normal mode needs (normal_mode_bytes), so that a Buffer
+        sized by the hints runs whether its normal mode keeps to the NVL bytes (low_latency_mode=True with both
+        sizes) or takes both."""
+        deepep = self._deepep_nvl_hint(hidden_bytes, num_ranks)
+        if num_ranks <= NUM_MAX_NVL_PEERS:
+            return deepep
+        return max(deepep, _align(normal_mode_bytes(self, hidden_bytes, num_ranks), NUM_BUFFER_ALIGNMENT_BYTES))
+
+    def _deepep_nvl_hint(self, hidden_bytes, num_ranks):
         check_int("hidden_bytes", hidden_bytes, 0)
         _check_hint_ranks(num_ranks, self.num_sms, NUM_MAX_NVL_PEERS)
         num_rdma_ranks = max(num_ranks // NUM_MAX_NVL_PEERS, 1)
@@ -100,6 +110,23 @@ class Config:
         num_bytes = (slots * (NUM_MAX_NVL_PEERS * 2 + 2) * 2 * 4
                      + slots * self.num_max_rdma_chunked_recv_tokens * per_token)
         return _align(num_bytes, NUM_BUFFER_ALIGNMENT_BYTES)
+
+
+def normal_mode_bytes(config, hidden_bytes, num_ranks, ranks_per_node=NUM_MAX_NVL_PEERS):
+    """Bytes the CUDA normal mode needs for `config`'s channels (num_sms / 2) on `num_ranks` ranks in nodes of
+    ranks_per_node: HT_MIN_RING_ROWS rows per ring of DeepEP's largest rows (MAX_TOPK_HINT top-k, MAX_SCALES_HINT
+    scales; a combine row across nodes is an FP32 partial), by the layout's own formula (gpu_kernels/cuda/ht_layout.h
+    through native.HTLayout; docs/backends.md, "Memory"). 0 where the GPU kernels are not built."""
+    from ._native import native
+
+    if native is None or not hasattr(native, "HTLayout"):
+        return 0
+    L = min(num_ranks, ranks_per_node)
+    layout = native.HTLayout(num_ranks=num_ranks, ranks_per_node=L, proxy=num_ranks > L, ctrl_off=1 << 60,
+                             area_off=0, area_bytes=16)
+    row = max(native.HTLayout.dispatch_row_bytes(hidden_bytes, MAX_SCALES_HINT, MAX_TOPK_HINT),
+              layout.combine_row_bytes(hidden_bytes // 2, MAX_TOPK_HINT))
+    return layout.area_bytes_for(native.HT_MIN_RING_ROWS, row, max(config.num_sms // 2, 1))
 
 
 def _check_hint_ranks(num_ranks, num_sms, even_sms_above):

@@ -66,6 +66,27 @@ def test_nvl_hint_matches_deepep():
     assert hint % 128 == 0
 
 
+@pytest.mark.parametrize("num_ranks", [16, 32, 64, 128, 160, 256, 1024])
+def test_nvl_hint_across_nodes_covers_portep_normal_mode(num_ranks):
+    """Across nodes the NVL hint is DeepEP's, or what the CUDA normal mode needs where that is more (DeepEP's fell
+    short at 16 to 64 ranks: forwarding carries FP32 partial rows in combine): a Buffer sized by the hints runs."""
+    from portep import native
+    from portep.deepep_config import normal_mode_bytes
+
+    for getter in (Buffer.get_dispatch_config, Buffer.get_combine_config):
+        cfg = getter(num_ranks)
+        hint = cfg.get_nvl_buffer_size_hint(7168 * 2, num_ranks)
+        assert hint >= cfg._deepep_nvl_hint(7168 * 2, num_ranks) and hint % 128 == 0
+        if not native.build_info()["gpu_built"]:
+            assert normal_mode_bytes(cfg, 7168 * 2, num_ranks) == 0
+            continue
+        layout = native.HTLayout(num_ranks=num_ranks, ranks_per_node=8, proxy=True, ctrl_off=1 << 60, area_off=0,
+                                 area_bytes=hint // 16 * 16)
+        C = cfg.num_sms // 2
+        for row in (native.HTLayout.dispatch_row_bytes(7168 * 2, 56, 8), layout.combine_row_bytes(7168, 8)):
+            assert layout.rows_per_ring(row, C) >= native.HT_MIN_RING_ROWS, (row, hint)
+
+
 def test_rdma_hint_matches_deepep():
     # EP16, 24 SMs, rdma (send 20, recv 288 -> 300) -> 236.3 MB; 0 within one node
     hint = Config(24, 6, 256, 20, 288).get_rdma_buffer_size_hint(7168 * 2, 16)
