@@ -10,6 +10,7 @@ import contextlib
 import functools
 import os
 import warnings
+from typing import Callable, Optional, Sequence, Tuple, Union
 
 import torch
 
@@ -30,6 +31,13 @@ BACKENDS = ("host", "cuda")
 PLANNED_BACKENDS = ("hip",)
 DEFAULT_RANKS_PER_NODE = 8
 LL_TOPK_NOTE = f" (portep's limit; DeepEP's low-latency kernels allow at most {v.DEEPEP_LL_MAX_TOPK})"
+
+Tensor = torch.Tensor
+# x of a dispatch: BF16 [num_tokens, hidden], or FP8 (float8_e4m3fn [num_tokens, hidden], float32 scales
+# [num_tokens, hidden // 128])
+DispatchX = Union[Tensor, Tuple[Tensor, Tensor]]
+# a normal-mode handle as DeepEP's: 6 tensors on one node, 10 across nodes (docs/api.md)
+NormalHandle = tuple
 
 
 def _host_factories(device):
@@ -80,10 +88,12 @@ class Buffer:
 
     num_sms = 20
 
-    def __init__(self, group, num_nvl_bytes=0, num_rdma_bytes=0, low_latency_mode=False, num_qps_per_rank=24,
-                 allow_nvlink_for_low_latency_mode=True, allow_mnnvl=False, use_fabric=False,
-                 explicitly_destroy=False, enable_shrink=False, comm=None, *, num_ranks_per_node=None,
-                 transport=None, timeout_s=None, backend=None):
+    def __init__(self, group: Optional["torch.distributed.ProcessGroup"], num_nvl_bytes: int = 0,
+                 num_rdma_bytes: int = 0, low_latency_mode: bool = False, num_qps_per_rank: int = 24,
+                 allow_nvlink_for_low_latency_mode: bool = True, allow_mnnvl: bool = False, use_fabric: bool = False,
+                 explicitly_destroy: bool = False, enable_shrink: bool = False, comm: object = None, *,
+                 num_ranks_per_node: Optional[int] = None, transport: Optional[str] = None,
+                 timeout_s: Optional[float] = None, backend: Optional[str] = None) -> None:
         self.runtime = None
         # Signatures of LL calls that passed validation (CUDA tensors only: on the CPU the checks read values).
         self._checked = v.CheckedCalls()
@@ -148,7 +158,7 @@ class Buffer:
         self.low_latency_dispatch, self.low_latency_combine = self._ll_fast.dispatch, self._ll_fast.combine
 
     # ---- lifetime ----
-    def destroy(self):
+    def destroy(self) -> None:
         """Release the engine (requires explicitly_destroy=True, as in DeepEP). Calling it again does nothing."""
         if not self.explicitly_destroy:
             raise RuntimeError("`explicitly_destroy` flag must be set: create the Buffer with "
@@ -204,22 +214,22 @@ class Buffer:
 
     # ---- class and static methods ----
     @staticmethod
-    def is_sm90_compiled():
+    def is_sm90_compiled() -> bool:
         """True when portep's CUDA kernels were built."""
         from ._native import native
 
         return bool(native is not None and native.build_info().get("cuda_built", False))
 
     @staticmethod
-    def set_num_sms(new_num_sms):
-        """Set the SM count that get_dispatch_config / get_combine_config put in their configs."""
+    def set_num_sms(new_num_sms: int) -> None:
+        """Set the SM count that get_dispatch_config / get_combine_config put in their configs (even, > 0)."""
         check_int("new_num_sms", new_num_sms)
         if new_num_sms <= 0 or new_num_sms % 2:
             raise ValueError(f"new_num_sms={new_num_sms} must be even and > 0 (one channel is 2 SMs)")
         Buffer.num_sms = new_num_sms
 
     @staticmethod
-    def capture():
+    def capture() -> EventOverlap:
         """An event on the current stream (without a GPU: an already complete one)."""
         if torch.cuda.is_available() and torch.cuda.is_initialized():
             from .backends.cuda.engine import CudaEvent
@@ -228,28 +238,33 @@ class Buffer:
         return EventOverlap(HostEvent())
 
     @staticmethod
-    def get_low_latency_rdma_size_hint(num_max_dispatch_tokens_per_rank, hidden, num_ranks, num_experts):
+    def get_low_latency_rdma_size_hint(num_max_dispatch_tokens_per_rank: int, hidden: int, num_ranks: int,
+                                       num_experts: int) -> int:
         """DeepEP's minimum RDMA buffer size in bytes for low-latency mode (BF16 sizing)."""
         return low_latency_rdma_size_hint(num_max_dispatch_tokens_per_rank, hidden, num_ranks, num_experts)
 
     @staticmethod
-    def get_dispatch_config(num_ranks):
-        """DeepEP's tuned dispatch config for 2..160 ranks (ValueError for other sizes)."""
+    def get_dispatch_config(num_ranks: int) -> Config:
+        """DeepEP's tuned dispatch config for 2..160 ranks; whole nodes of 8 above 160 take its 160-rank entry
+        (ValueError for other sizes)."""
         return dispatch_config(num_ranks, Buffer.num_sms)
 
     @staticmethod
-    def get_combine_config(num_ranks):
-        """DeepEP's tuned combine config for 2..160 ranks (ValueError for other sizes)."""
+    def get_combine_config(num_ranks: int) -> Config:
+        """DeepEP's tuned combine config for 2..160 ranks; whole nodes of 8 above 160 take its 160-rank entry
+        (ValueError for other sizes)."""
         return combine_config(num_ranks, Buffer.num_sms)
 
-    def get_comm_stream(self):
+    def get_comm_stream(self) -> Optional[torch.cuda.Stream]:
         """The communication stream of the normal-mode operations on the CUDA backend (the low-latency ones run
         on the current stream); None on the host backend, which has no streams."""
         self._engine()
         return self._comm.stream if self._comm is not None else None
 
-    def get_local_buffer_tensor(self, dtype, size=None, offset=0, use_rdma_buffer=False):
-        """A view of this rank's NVL (or RDMA) buffer as `dtype`; `offset` is in bytes (as DeepEP's C++)."""
+    def get_local_buffer_tensor(self, dtype: torch.dtype, size: Optional[Sequence[int]] = None, offset: int = 0,
+                                use_rdma_buffer: bool = False) -> Tensor:
+        """A view of this rank's NVL (or RDMA) buffer as `dtype`, of shape `size` (default: the whole buffer, 1-D);
+        `offset` is in bytes (as DeepEP's C++)."""
         engine = self._engine()
         if not isinstance(dtype, torch.dtype):
             raise TypeError(f"dtype must be a torch.dtype, got {type(dtype).__name__}")
@@ -266,10 +281,23 @@ class Buffer:
         return engine.get_local_buffer_tensor(dtype, size, offset, bool(use_rdma_buffer))
 
     # ---- normal (high-throughput) mode ----
-    def get_dispatch_layout(self, topk_idx, num_experts, previous_event=None, async_finish=False,
-                            allocate_on_comm_stream=False):
-        """Returns (num_tokens_per_rank, num_tokens_per_rdma_rank or None, num_tokens_per_expert,
-        is_token_in_rank, event)."""
+    def get_dispatch_layout(self, topk_idx: Tensor, num_experts: int, previous_event: Optional[EventOverlap] = None,
+                            async_finish: bool = False, allocate_on_comm_stream: bool = False
+                            ) -> Tuple[Tensor, Optional[Tensor], Tensor, Tensor, EventOverlap]:
+        """Where each token goes, from its top-k experts.
+
+        Arguments:
+            topk_idx: [num_tokens, num_topk], topk_idx_t (int64): the experts of each token, -1 for none.
+            num_experts: experts in all (a multiple of the group size).
+            previous_event, async_finish, allocate_on_comm_stream: DeepEP's stream rules (docs/api.md).
+
+        Returns:
+            num_tokens_per_rank: [num_ranks] int32, tokens sent to each rank.
+            num_tokens_per_rdma_rank: [num_nodes] int32, tokens sent to each node; None on one node.
+            num_tokens_per_expert: [num_experts] int32, selections of each expert.
+            is_token_in_rank: [num_tokens, num_ranks] bool.
+            event: an EventOverlap (complete unless async_finish).
+        """
         engine = self._engine()
         v.check_event_args(previous_event, async_finish, allocate_on_comm_stream)
         v.check_num_experts(num_experts, self.group_size)
@@ -280,13 +308,40 @@ class Buffer:
         return _returned(engine, tuple(out) + (event,))
 
     @_collective("dispatch")
-    def dispatch(self, x, handle=None, num_tokens_per_rank=None, num_tokens_per_rdma_rank=None,
-                 is_token_in_rank=None, num_tokens_per_expert=None, topk_idx=None, topk_weights=None,
-                 expert_alignment=1, num_worst_tokens=0, config=None, previous_event=None, async_finish=False,
-                 allocate_on_comm_stream=False):
-        """Send each token once to every rank that holds one of its experts. Returns (recv_x, recv_topk_idx,
-        recv_topk_weights, num_recv_tokens_per_expert_list, handle, event); with a handle (cached mode):
-        (recv_x, None, None, None, None, event)."""
+    def dispatch(self, x: DispatchX, handle: Optional[NormalHandle] = None,
+                 num_tokens_per_rank: Optional[Tensor] = None, num_tokens_per_rdma_rank: Optional[Tensor] = None,
+                 is_token_in_rank: Optional[Tensor] = None, num_tokens_per_expert: Optional[Tensor] = None,
+                 topk_idx: Optional[Tensor] = None, topk_weights: Optional[Tensor] = None, expert_alignment: int = 1,
+                 num_worst_tokens: int = 0, config: Optional[Config] = None,
+                 previous_event: Optional[EventOverlap] = None, async_finish: bool = False,
+                 allocate_on_comm_stream: bool = False
+                 ) -> Tuple[DispatchX, Optional[Tensor], Optional[Tensor], Optional[list], Optional[NormalHandle],
+                            EventOverlap]:
+        """Send each token once to every rank that holds one of its experts (normal mode).
+
+        Arguments:
+            x: BF16 [num_tokens, hidden], or FP8 (float8_e4m3fn [num_tokens, hidden], float32 scales
+                [num_tokens, hidden // 128]); rows a multiple of 16 bytes.
+            handle: a handle from an earlier dispatch of the same routing (cached mode: no count exchange, no
+                top-k).
+            num_tokens_per_rank, num_tokens_per_rdma_rank, num_tokens_per_expert, is_token_in_rank: from
+                get_dispatch_layout (num_tokens_per_rdma_rank only across nodes).
+            topk_idx: [num_tokens, num_topk] topk_idx_t, -1 for none; topk_weights: [num_tokens, num_topk] float32.
+            expert_alignment: each count of num_recv_tokens_per_expert_list is rounded up to a multiple of it.
+            num_worst_tokens: > 0: outputs of exactly that many rows, no CPU wait (CUDA-graph capturable); the
+                per-expert list is then empty.
+            config: chunk sizes and SMs (default: get_dispatch_config for the group size).
+            previous_event, async_finish, allocate_on_comm_stream: DeepEP's stream rules (docs/api.md).
+
+        Returns:
+            recv_x: like x, [num_recv_tokens, hidden] (rows ordered by source rank, then channel, then token).
+            recv_topk_idx: [num_recv_tokens, num_topk] topk_idx_t, local expert ids or -1; None without top-k.
+            recv_topk_weights: [num_recv_tokens, num_topk] float32 (0 where recv_topk_idx is -1); None without.
+            num_recv_tokens_per_expert_list: list of int, one per local expert.
+            handle: DeepEP's tuple (6 tensors on one node, 10 across nodes), for combine and cached dispatch.
+            event: an EventOverlap.
+            In cached mode: (recv_x, None, None, None, None, event).
+        """
         engine = self._engine()
         v.check_event_args(previous_event, async_finish, allocate_on_comm_stream)
         if config is None:
@@ -339,10 +394,24 @@ class Buffer:
         return _returned(engine, (recv, None, None, None, None, event))
 
     @_collective("combine")
-    def combine(self, x, handle, topk_weights=None, bias=None, config=None, previous_event=None,
-                async_finish=False, allocate_on_comm_stream=False):
-        """Sum (without weights) each token's rows back on its source rank, plus bias. Returns (combined_x,
-        combined_topk_weights or None, event)."""
+    def combine(self, x: Tensor, handle: NormalHandle, topk_weights: Optional[Tensor] = None,
+                bias: Union[Tensor, Tuple[Tensor, ...], None] = None, config: Optional[Config] = None,
+                previous_event: Optional[EventOverlap] = None, async_finish: bool = False,
+                allocate_on_comm_stream: bool = False) -> Tuple[Tensor, Optional[Tensor], EventOverlap]:
+        """Sum (without weights) each token's rows back on its source rank, plus bias (normal mode).
+
+        Arguments:
+            x: BF16 [num_recv_tokens, hidden], rows in the order dispatch returned them.
+            handle: the handle of the dispatch.
+            topk_weights: [num_recv_tokens, num_topk] float32, summed like the rows; optional.
+            bias: None, one or two BF16 [num_tokens, hidden] tensors added to each token's sum.
+            config: chunk sizes and SMs (default: get_combine_config for the group size).
+            previous_event, async_finish, allocate_on_comm_stream: DeepEP's stream rules (docs/api.md).
+
+        Returns:
+            combined_x: BF16 [num_tokens, hidden]; combined_topk_weights: [num_tokens, num_topk] float32 or None;
+            event: an EventOverlap.
+        """
         engine = self._engine()
         v.check_event_args(previous_event, async_finish, allocate_on_comm_stream)
         if config is None:
@@ -372,8 +441,9 @@ class Buffer:
                                   "handles multi-node groups")
 
     # ---- low-latency mode ----
-    def clean_low_latency_buffer(self, num_max_dispatch_tokens_per_rank, hidden, num_experts):
-        """Reset the low-latency signal areas (needed after normal operations on a low-latency Buffer)."""
+    def clean_low_latency_buffer(self, num_max_dispatch_tokens_per_rank: int, hidden: int, num_experts: int) -> None:
+        """Reset the low-latency signal areas (needed after normal operations on a low-latency Buffer whose modes
+        share their memory) and resynchronise the ranks; collective."""
         engine = self._ll_engine()
         check_int("num_max_dispatch_tokens_per_rank", num_max_dispatch_tokens_per_rank, 1)
         check_int("hidden", hidden, 1)
@@ -382,13 +452,33 @@ class Buffer:
         with _host_factories(self._device):
             engine.clean_low_latency_buffer(num_max_dispatch_tokens_per_rank, hidden, num_experts)
 
-    def low_latency_dispatch(self, x, topk_idx, num_max_dispatch_tokens_per_rank, num_experts,
-                             cumulative_local_expert_recv_stats=None, dispatch_wait_recv_cost_stats=None,
-                             use_fp8=True, round_scale=False, use_ue8m0=False, async_finish=False,
-                             return_recv_hook=False):
-        """Send one message per (token, selected expert), packed expert-major on the receiver. Returns (recv_x,
-        recv_count, handle, event, hook). (On a CUDA Buffer with the LL fast path, the instance's attribute of this
-        name is the native entry, which hands this method every call it does not take: _install_ll_fast_path.)"""
+    def low_latency_dispatch(self, x: Tensor, topk_idx: Tensor, num_max_dispatch_tokens_per_rank: int,
+                             num_experts: int, cumulative_local_expert_recv_stats: Optional[Tensor] = None,
+                             dispatch_wait_recv_cost_stats: Optional[Tensor] = None, use_fp8: bool = True,
+                             round_scale: bool = False, use_ue8m0: bool = False, async_finish: bool = False,
+                             return_recv_hook: bool = False
+                             ) -> Tuple[DispatchX, Tensor, tuple, EventOverlap, Optional[Callable[[], None]]]:
+        """Send one message per (token, selected expert), packed expert-major on the receiver (low-latency mode).
+
+        Arguments:
+            x: BF16 [num_tokens, hidden], num_tokens <= num_max_dispatch_tokens_per_rank.
+            topk_idx: [num_tokens, num_topk] topk_idx_t, -1 for none.
+            num_max_dispatch_tokens_per_rank: T, the same on every rank and call of this shape.
+            num_experts: experts in all.
+            cumulative_local_expert_recv_stats: [num_local_experts] int32, tokens received added per expert.
+            dispatch_wait_recv_cost_stats: [num_ranks] int64, wait time per source added.
+            use_fp8, round_scale, use_ue8m0: FP8 E4M3 with per-128 scales (power-of-two, packed UE8M0).
+            async_finish, return_recv_hook: DeepEP's (a hook: the call only sends; calling the hook receives).
+
+        Returns:
+            recv_x: BF16 [num_local_experts, num_ranks * T, hidden], or FP8 (float8_e4m3fn of that shape, scales
+                float32 [num_local_experts, num_ranks * T, hidden // 128], or int32 [..., hidden // 512] packed
+                UE8M0).
+            recv_count: [num_local_experts] int32, valid rows per expert.
+            handle: for low_latency_combine. event: an EventOverlap. hook: or None.
+        (On a CUDA Buffer with the LL fast path, the instance's attribute of this name is the native entry, which
+        hands this method every call it does not take: _install_ll_fast_path.)
+        """
         return self._low_latency_dispatch(x, topk_idx, num_max_dispatch_tokens_per_rank, num_experts,
                                           cumulative_local_expert_recv_stats, dispatch_wait_recv_cost_stats, use_fp8,
                                           round_scale, use_ue8m0, async_finish, return_recv_hook)
@@ -433,10 +523,25 @@ class Buffer:
         return _returned(engine, (recv_x, recv_count, handle, self._event(async_finish, extra)),
                          self._call.hook(hook))
 
-    def low_latency_combine(self, x, topk_idx, topk_weights, handle, use_logfmt=False, zero_copy=False,
-                            async_finish=False, return_recv_hook=False, out=None, combine_wait_recv_cost_stats=None):
-        """Weighted sum of each token's expert outputs back on its source rank. Returns (combined_x, event,
-        hook). (The fast path's native entry, where installed, as for low_latency_dispatch.)"""
+    def low_latency_combine(self, x: Tensor, topk_idx: Tensor, topk_weights: Tensor, handle: tuple,
+                            use_logfmt: bool = False, zero_copy: bool = False, async_finish: bool = False,
+                            return_recv_hook: bool = False, out: Optional[Tensor] = None,
+                            combine_wait_recv_cost_stats: Optional[Tensor] = None
+                            ) -> Tuple[Tensor, EventOverlap, Optional[Callable[[], None]]]:
+        """Weighted sum of each token's expert outputs back on its source rank (low-latency mode).
+
+        Arguments:
+            x: BF16 [num_local_experts, num_ranks * T, hidden], the experts' outputs in the dispatch's layout.
+            topk_idx: [num_tokens, num_topk] topk_idx_t and topk_weights: [num_tokens, num_topk] float32, as
+                dispatched.
+            handle: the dispatch's. use_logfmt: not supported (NotImplementedError). zero_copy: x was written
+                into get_next_low_latency_combine_buffer.
+            out: BF16 [num_tokens, hidden] to write into; combine_wait_recv_cost_stats: [num_ranks] int64.
+
+        Returns:
+            combined_x: BF16 [num_tokens, hidden]; event: an EventOverlap; hook: or None.
+        (The fast path's native entry, where installed, as for low_latency_dispatch.)
+        """
         return self._low_latency_combine(x, topk_idx, topk_weights, handle, use_logfmt, zero_copy, async_finish,
                                          return_recv_hook, out, combine_wait_recv_cost_stats)
 
@@ -476,7 +581,7 @@ class Buffer:
         extra = (x, topk_idx, topk_weights, handle[0], handle[1], combined_x) if async_finish else None
         return _returned(engine, (combined_x, self._event(async_finish, extra)), self._call.hook(hook))
 
-    def get_next_low_latency_combine_buffer(self, handle):
+    def get_next_low_latency_combine_buffer(self, handle: tuple) -> Tensor:
         """The BF16 view [num_local_experts, num_ranks * T, hidden] that the next zero-copy combine sends from."""
         engine = self._ll_engine()
         v.check_ll_handle(handle, self.group_size)
@@ -489,7 +594,7 @@ class Buffer:
             raise RuntimeError("shrink mode must be enabled: create the Buffer with enable_shrink=True")
         return engine
 
-    def low_latency_update_mask_buffer(self, rank_to_mask, mask=False):
+    def low_latency_update_mask_buffer(self, rank_to_mask: int, mask: bool = False) -> None:
         """Mask (mask=True: low-latency calls neither send to nor wait for it, its tokens count as absent) or
         unmask a rank. A rank that stops answering in a low-latency call (it left, its process is gone, or it
         timed out) is masked by that call."""
@@ -497,14 +602,14 @@ class Buffer:
         check_int("rank_to_mask", rank_to_mask, 0, self.group_size - 1)
         engine.update_mask(rank_to_mask, bool(mask))
 
-    def low_latency_query_mask_buffer(self, mask_status):
+    def low_latency_query_mask_buffer(self, mask_status: Tensor) -> None:
         """Writes every rank's mask status into mask_status ([num_ranks] int32; 1 = masked)."""
         engine = self._shrink_engine()
         v.check_tensor("mask_status", mask_status, dtypes=(torch.int32,), shape=(("num_ranks", self.group_size),),
                        device=self._device)
         engine.query_mask(mask_status)
 
-    def low_latency_clean_mask_buffer(self):
+    def low_latency_clean_mask_buffer(self) -> None:
         """Unmasks every rank."""
         self._shrink_engine().clean_mask()
 
