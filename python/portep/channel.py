@@ -8,6 +8,8 @@ every transport (ordered ones natively, unordered ones through the ordering prot
 adds 2**32, so `slot >> 32` counts finished streams.
 """
 
+from typing import Optional, Union
+
 from ._native import require_native
 from .bootstrap import all_gather_objects, collective_step, group_rank_and_size
 from .config import DEFAULT_TIMEOUT_S, proxy_spin_us_from_env, timeout_from_env, transport_from_env
@@ -60,10 +62,13 @@ class Channel:
             need).
     """
 
-    def __init__(self, group=None, nbytes=1 << 20, *, transport=None, num_streams=64, num_proxy_threads=4,
-                 num_fifos=32, fifo_capacity=4096, max_inflight_cmds=512, max_inflight_bytes=64 << 20,
-                 timeout_s=None, unordered_window=64, seed=0, device=None, device_fifos=None, idle_spin_us=None,
-                 status_stream=None, _skip_ordering=False):
+    def __init__(self, group: Optional["torch.distributed.ProcessGroup"] = None, nbytes: int = 1 << 20, *,
+                 transport: Optional[str] = None, num_streams: int = 64, num_proxy_threads: int = 4,
+                 num_fifos: int = 32, fifo_capacity: int = 4096, max_inflight_cmds: int = 512,
+                 max_inflight_bytes: int = 64 << 20, timeout_s: Optional[float] = None, unordered_window: int = 64,
+                 seed: int = 0, device: Union[int, str, None] = None, device_fifos: object = None,
+                 idle_spin_us: Optional[int] = None, status_stream: Optional[int] = None,
+                 _skip_ordering: bool = False) -> None:
         native = require_native()
         self.group = group
         self.rank, self.num_ranks = group_rank_and_size(group)
@@ -111,7 +116,7 @@ class Channel:
 
     # ---- memory ----
     @property
-    def buffer(self):
+    def buffer(self) -> "torch.Tensor":
         """This rank's data memory as a torch.uint8 tensor (a view: valid until destroy()); host channels only."""
         if self.device not in (None, "emulated"):
             raise RuntimeError(f"this Channel's data is GPU memory (device {self.device}); it has no host view")
@@ -122,7 +127,7 @@ class Channel:
         return self._buffer
 
     @property
-    def signals(self):
+    def signals(self) -> "torch.Tensor":
         """This rank's signal slots as an int64 tensor [num_ranks, num_streams] (a view)."""
         if self._signals is None:
             import torch
@@ -132,73 +137,76 @@ class Channel:
         return self._signals
 
     # ---- transfers ----
-    def write(self, dst, local_offset, remote_offset, nbytes, stream=0):
+    def write(self, dst: int, local_offset: int, remote_offset: int, nbytes: int, stream: int = 0) -> None:
         """Copy nbytes from this rank's buffer at local_offset to dst's buffer at remote_offset."""
         self._check_peer("dst", dst)
         self._check_range(local_offset, remote_offset, nbytes)
         self._check_stream(stream)
         self._live().write(dst, local_offset, remote_offset, nbytes, stream)
 
-    def signal(self, dst, stream=0, final=False):
+    def signal(self, dst: int, stream: int = 0, final: bool = False) -> None:
         """Make dst's slot (this rank, stream) count the writes issued on stream since the last signal."""
         self._check_peer("dst", dst)
         self._check_stream(stream)
         self._live().signal(dst, stream, bool(final))
 
-    def write_signal(self, dst, local_offset, remote_offset, nbytes, stream=0, final=False):
+    def write_signal(self, dst: int, local_offset: int, remote_offset: int, nbytes: int, stream: int = 0,
+                     final: bool = False) -> None:
+        """write() then signal() on the same stream."""
         self.write(dst, local_offset, remote_offset, nbytes, stream)
         self.signal(dst, stream, final)
 
-    def quiet(self):
+    def quiet(self) -> None:
         """Wait until every command pushed so far has completed at the transport."""
         self._live().quiet()
 
-    def barrier(self):
+    def barrier(self) -> None:
         """quiet() on every rank, then synchronize all ranks through the proxies."""
         self._live().barrier()
 
-    def wait_signal(self, src, stream, count, timeout_s=None):
+    def wait_signal(self, src: int, stream: int, count: int, timeout_s: Optional[float] = None) -> int:
         """Wait until slot (src, stream) counts at least `count` writes; returns the slot's value."""
         self._check_peer("src", src)
         self._check_stream(stream)
         _check_int("count", count, 0, (1 << 32) - 1)
         return self._live().wait_signal(src, stream, count, timeout_from_env(timeout_s) if timeout_s else self.timeout_s)
 
-    def check_error(self):
+    def check_error(self) -> None:
         """Raise the error a proxy thread latched, if any."""
         self._live().check_error()
 
-    def stats(self):
+    def stats(self) -> dict:
+        """The proxies' counters (commands, bytes, waits) as a dict."""
         return self._live().stats()
 
-    def announce(self, kind):
+    def announce(self, kind: int) -> None:
         """Tell every rank, this one included, of a status event of this rank's (native.EVENT_REFUSED / FAILED /
         LEFT); needs status_stream."""
         self._live().announce(kind)
 
-    def peer_status(self, peer):
+    def peer_status(self, peer: int) -> int:
         """native.PEER_OK while `peer` answers, else PEER_REFUSED / PEER_LEFT / PEER_GONE (see status_stream)."""
         self._check_peer("peer", peer)
         return self._live().peer_status(peer)
 
-    def status_events(self, src, kind):
+    def status_events(self, src: int, kind: int) -> int:
         """How many events of `kind` rank `src` announced so far."""
         self._check_peer("src", src)
         return self._live().status_events(src, kind)
 
     @property
-    def placed_writes(self):
+    def placed_writes(self) -> bool:
         """True when a producer may store a WRITE's bytes into a mapped peer region itself and post the WRITE
         placed (the transport then carries only its notification, and on GPUs the proxies make no CUDA call)."""
         return self._live().transport_placed_writes
 
     @property
-    def native_signals(self):
+    def native_signals(self) -> bool:
         """True when signals are native atomics on an ordered transport; False when emulated with immediates."""
         return self._live().native_signals
 
     # ---- lifetime ----
-    def destroy(self):
+    def destroy(self) -> None:
         """Stop the proxies and unmap every region. Tensors from buffer/signals must not be used afterwards."""
         self._buffer = None
         self._signals = None

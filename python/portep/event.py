@@ -1,17 +1,19 @@
 """DeepEP's `EventOverlap`, and the event the host backend hands out. Pure Python, no torch."""
 
+from typing import Optional
+
 
 class HostEvent:
     """An event of the host backend. Host operations finish before they return, so it is always complete;
     it exists so that `async_finish=True` code (current_stream_wait(), `with event:`) runs unchanged."""
 
-    def current_stream_wait(self):
+    def current_stream_wait(self) -> None:
         pass
 
-    def query(self):
+    def query(self) -> bool:
         return True
 
-    def synchronize(self):
+    def synchronize(self) -> None:
         pass
 
     def __repr__(self):
@@ -30,11 +32,11 @@ class EventOverlap:
     event = None  # (class attributes: the LL fast path makes instances without calling __init__)
     extra_tensors = None
 
-    def __init__(self, event=None, extra_tensors=None):
+    def __init__(self, event: object = None, extra_tensors: Optional[tuple] = None) -> None:
         self.event = event
         self.extra_tensors = extra_tensors
 
-    def current_stream_wait(self):
+    def current_stream_wait(self) -> None:
         """Make the current stream wait for the event (DeepEP asserts that there is one)."""
         if self.event is None:
             raise RuntimeError("EventOverlap.current_stream_wait() needs an event; this one has none "
