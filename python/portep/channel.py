@@ -8,11 +8,14 @@ every transport (ordered ones natively, unordered ones through the ordering prot
 adds 2**32, so `slot >> 32` counts finished streams.
 """
 
-from typing import Optional, Union
+from typing import TYPE_CHECKING, Optional, Union
 
 from ._native import require_native
 from .bootstrap import all_gather_objects, collective_step, group_rank_and_size
 from .config import DEFAULT_TIMEOUT_S, proxy_spin_us_from_env, timeout_from_env, transport_from_env
+
+if TYPE_CHECKING:  # torch is imported where a view is made (a Channel needs no torch otherwise)
+    import torch
 
 __all__ = ["Channel", "DEFAULT_TIMEOUT_S"]
 
@@ -169,7 +172,8 @@ class Channel:
         self._check_peer("src", src)
         self._check_stream(stream)
         _check_int("count", count, 0, (1 << 32) - 1)
-        return self._live().wait_signal(src, stream, count, timeout_from_env(timeout_s) if timeout_s else self.timeout_s)
+        timeout = timeout_from_env(timeout_s) if timeout_s else self.timeout_s
+        return self._live().wait_signal(src, stream, count, timeout)
 
     def check_error(self) -> None:
         """Raise the error a proxy thread latched, if any."""

@@ -205,7 +205,8 @@ def format_text(r):
             lines.append(f"    {name:14s} not built: {t['reason']}")
     gpu = r["gpus"]
     lines.append(f"  GPUs:       {gpu['count']}" + (f" ({gpu['error']})" if gpu.get("error") else ""))
-    lines.append(f"  RDMA:       {len(r['rdma_devices'])} device(s)" + (f" ({r['rdma_note']})" if r.get("rdma_note") else ""))
+    note = f" ({r['rdma_note']})" if r.get("rdma_note") else ""
+    lines.append(f"  RDMA:       {len(r['rdma_devices'])} device(s){note}")
     for d in r["rdma_devices"]:
         lines.append(f"    {d['name']}{' (EFA)' if d['efa'] else ''}: {d['ports']}")
     for port in r.get("verbs_ports", []):

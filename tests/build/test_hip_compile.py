@@ -1,8 +1,8 @@
 """The GPU kernel sources compile for AMD GPUs with hipcc, unchanged: everything vendor-specific goes through
-gpu_kernels/portability.cuh (device code) and gpu_kernels/cuda/gpu_runtime.h (runtime calls). Compile only (no AMD GPU), for
-CDNA2 (gfx90a, MI200) and CDNA3 (gfx940 stands in for MI300X's gfx942 where hipcc's clang is too old to know it),
-with unchecked runtime calls as errors. Skips where hipcc is not installed (.ci/run installs it with apt, and expects
-it: tests/support/ci_expect.py's hip)."""
+gpu_kernels/portability.cuh (device code) and gpu_kernels/cuda/gpu_runtime.h (runtime calls). Compile only (no AMD
+GPU), for CDNA2 (gfx90a, MI200) and CDNA3 (gfx940 stands in for MI300X's gfx942 where hipcc's clang is too old to
+know it), with unchecked runtime calls as errors. Skips where hipcc is not installed (.ci/run installs it with apt, and
+expects it: tests/support/ci_expect.py's hip)."""
 
 import os
 import shutil

@@ -92,7 +92,8 @@ def test_the_doctor_says_where_the_fast_path_comes_from(tmp_path, monkeypatch):
     assert ("compiled at the first LL Buffer" in words) == TOOLS
     monkeypatch.setenv(ll_jit.JIT_VAR, "0")
     assert ll_jit.describe(info).endswith("PORTEP_LL_JIT=0: LL calls take the Python path")
-    assert ll_jit.describe(dict(info, ll_fast_path_torch=torch.__version__)) == f"built against torch {torch.__version__}"
+    built_in = dict(info, ll_fast_path_torch=torch.__version__)
+    assert ll_jit.describe(built_in) == f"built against torch {torch.__version__}"
 
 
 @pytest.mark.slow

@@ -1,6 +1,5 @@
 """Multi-process channel tests on the host backend: 2, 4 and 8 ranks over shm in both modes."""
 
-import os
 
 import pytest
 

@@ -31,14 +31,16 @@ def traffic(rank, world, transport, producers, messages, max_bytes, signal_every
 
     def check():
         try:
-            result["check"] = portep_testing.run_checker(ch._native.native_handle, producers, messages, max_bytes, signal_every, seed, 90.0)
+            result["check"] = portep_testing.run_checker(ch._native.native_handle, producers, messages, max_bytes,
+                                                         signal_every, seed, 90.0)
         except Exception as exc:  # noqa: BLE001 - re-raised on the main thread
             result["error"] = exc
 
     checker = threading.Thread(target=check)
     checker.start()
     ch.barrier()
-    produced = portep_testing.run_producers(ch._native.native_handle, producers, messages, max_bytes, signal_every, seed)
+    produced = portep_testing.run_producers(ch._native.native_handle, producers, messages, max_bytes, signal_every,
+                                            seed)
     checker.join()
     if "error" in result:
         raise result["error"]

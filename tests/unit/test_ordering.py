@@ -1,7 +1,6 @@
 """Pure ordering logic: PendingSignalTable, InflightTracker."""
 
 import random
-import re
 
 import pytest
 

@@ -1,7 +1,8 @@
 """Runs inside the soft-RoCE guest: the host-backend DeepEP bodies of deepep_workers (HT and LL, checked against
 deepep_reference) over the verbs transports. HT runs with one rank per node: verbs cannot map a same-node peer's
-memory, which normal mode's intranode path stores into (LL falls back to the proxies, so it runs with 2). Arguments: scenario names (default: all). Prints one JSON line per
-scenario with its failures, check count and seconds."""
+memory, which normal mode's intranode path stores into (LL falls back to the proxies, so it runs with 2).
+Arguments: scenario names (default: all). Prints one JSON line per scenario with its failures, check count and
+seconds."""
 
 import json
 import os

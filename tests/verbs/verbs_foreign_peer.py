@@ -10,7 +10,6 @@ import random
 import re
 import select
 import subprocess
-import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 PYVERBS_PYTHON = os.environ.get("PORTEP_PYVERBS_PYTHON", "/usr/bin/python3")

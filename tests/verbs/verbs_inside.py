@@ -71,7 +71,8 @@ def exact_bytes(_C, rank, world, transport, shared, barrier):
         ch.signal(dst, 1, True)
     slots = [ch.wait_signal(src, 1, 4, 30.0) for src in range(world)]
     ch.barrier()
-    bad = [src for src in range(world) if bytes(mem[world * block + src * block:][:block]) != _pattern(src, rank, block)]
+    bad = [src for src in range(world)
+           if bytes(mem[world * block + src * block:][:block]) != _pattern(src, rank, block)]
     native, placement = ch.native_signals, ch.describe_peer(rank)
     ch.destroy()
     return {"mismatched_sources": bad, "slots": slots, "native_signals": native, "placement": placement}
@@ -79,13 +80,14 @@ def exact_bytes(_C, rank, world, transport, shared, barrier):
 
 def traffic(_C, rank, world, transport, shared, barrier):
     producers, messages, max_bytes, signal_every, seed = 3, 400, 256, 5, 7
-    ch = _channel(_C, rank, world, transport, portep_testing.traffic_region_bytes(producers, messages, max_bytes, world), shared,
-                  barrier)
+    region = portep_testing.traffic_region_bytes(producers, messages, max_bytes, world)
+    ch = _channel(_C, rank, world, transport, region, shared, barrier)
     result = {}
 
     def check():
         try:
-            result["check"] = portep_testing.run_checker(ch.native_handle, producers, messages, max_bytes, signal_every, seed, 120.0)
+            result["check"] = portep_testing.run_checker(ch.native_handle, producers, messages, max_bytes,
+                                                         signal_every, seed, 120.0)
         except Exception as exc:  # noqa: BLE001 - reported
             result["error"] = str(exc)
 

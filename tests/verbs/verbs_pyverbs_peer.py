@@ -180,8 +180,8 @@ class Peer:
         target = self.remote[1][0] + (1 * self.streams + stream) * 8
         fetched = []
         for value in (7, 2 + FINAL_MARK):
-            wr = SendWR(opcode=e.IBV_WR_ATOMIC_FETCH_AND_ADD, num_sge=1, sg=[SGE(self.scratch.buf, 8, self.scratch.lkey)],
-                        send_flags=e.IBV_SEND_SIGNALED)
+            wr = SendWR(opcode=e.IBV_WR_ATOMIC_FETCH_AND_ADD, num_sge=1,
+                        sg=[SGE(self.scratch.buf, 8, self.scratch.lkey)], send_flags=e.IBV_SEND_SIGNALED)
             wr.set_wr_atomic(self.remote[1][1], target, value, 0)
             self.qp_for(stream).post_send(wr)
             self.wait_sends(1, "fetch-and-add")

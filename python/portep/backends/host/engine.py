@@ -5,8 +5,9 @@ commands through the FIFOs, the proxy threads and the transport, whose ordering 
 transports) keeps every signal behind the writes it covers. `portep.Buffer` validates arguments and calls
 this engine; tensors are CPU tensors and results are DeepEP-shaped.
 
-Topology (topology.py): rank r is on node r // ranks_per_node. HT traffic to another node goes to that node's forwarder with
-the sender's local index, which places it for its node peers; LL traffic goes straight to every rank.
+Topology (topology.py): rank r is on node r // ranks_per_node. HT traffic to another node goes to that node's
+forwarder with the sender's local index, which places it for its node peers; LL traffic goes straight to every
+rank.
 
 Every signal slot is consumed exactly (see Channel.consume_signal), so nothing needs zeroing between calls: a
 peer can run at most one call ahead, and the areas it writes in that call are ones this rank has finished

@@ -191,7 +191,8 @@ def dispatch(eng, x, x_scales, topk_idx, topk_weights, num_tokens_per_rank, num_
         is_token_in_rank = handle[0] if eng.num_nodes > 1 else handle[4]
     N, R = x.size(0), eng.num_ranks
     hidden_bytes = x.size(1) * x.element_size()
-    rec = _Record(hidden_bytes, 0 if x_scales is None else x_scales.size(1), 0 if topk_idx is None else topk_idx.size(1))
+    rec = _Record(hidden_bytes, 0 if x_scales is None else x_scales.size(1),
+                  0 if topk_idx is None else topk_idx.size(1))
     rec.scale_dtype = None if x_scales is None else x_scales.dtype
     chan = channel_ids(N, num_channels)
     one_hot = torch.nn.functional.one_hot(chan, num_channels).to(torch.int64)  # [N, C]
@@ -229,7 +230,8 @@ def _unpack(eng, x, rec, recv, counts, all_channel, C, cached, num_worst_tokens,
     recv_scales = None
     if rec.num_scales:
         recv_scales = torch.zeros(rows, rec.num_scales, dtype=rec.scale_dtype)
-        recv_scales[:num_recv] = recv[:, rec.scales:rec.topk].contiguous().view(rec.scale_dtype).view(num_recv, rec.num_scales)
+        scales = recv[:, rec.scales:rec.topk].contiguous().view(rec.scale_dtype)
+        recv_scales[:num_recv] = scales.view(num_recv, rec.num_scales)
     if cached:
         return recv_x, recv_scales, None, None, None, None
     recv_topk_idx = recv_topk_weights = None
