@@ -51,6 +51,17 @@ def test_a_dead_or_departed_peer_fails_the_waiters_within_a_second(path, how):
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("transport", ["shm", "shm-unordered"])
+def test_a_dead_rank_of_another_node_fails_normal_mode_fast_at_16_ranks(transport):
+    # 2 nodes x 8: the last rank (a forwarder of node 1) exits before a normal-mode call; every other rank's call
+    # raises naming it within seconds (16 processes share this machine's cores), not after the 30 s timeout
+    world, rpn = 16, 8
+    out = run_ranks(r.dead_peer_body, world, args=(rpn, transport, "exit", 23, "host", "ht", 6.0), timeout=300,
+                    expect_missing=(world - 1,))
+    assert_clean({k: v for k, v in out.items() if k != world - 1}, 2)
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("path", PATHS, ids=IDS)
 def test_a_rank_without_tokens_and_odd_empty_strides(path):
     world, rpn, transport = path

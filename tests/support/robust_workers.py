@@ -205,13 +205,13 @@ def late_peer_body(rank, world, rpn, transport, mode, seed, timeout_s, late_s):
     return {"failures": ck.failures, "checks": ck.num_checks}
 
 
-def dead_peer_body(rank, world, rpn, transport, how, seed, backend="host"):
-    """The last rank dies (os._exit) or destroys its Buffer instead of making an LL call: every other rank's call
-    raises within a second, naming it, although the timeout is 30 s."""
+def dead_peer_body(rank, world, rpn, transport, how, seed, backend="host", mode="ll", fast_s=1.5):
+    """The last rank dies (os._exit) or destroys its Buffer instead of making a call (mode: LL, or normal mode):
+    every other rank's call raises within fast_s seconds, naming it, although the timeout is 30 s."""
     ck = w.Checker(rank)
     E = 4 * world
     buf = _buffer(world, rpn, transport, 30.0, E, backend=backend)
-    rounds = [LLRound(world, seed + i, E) for i in range(2)]
+    rounds = [LLRound(world, seed + i, E) if mode == "ll" else HTRound(world, rpn, seed + i, E) for i in range(2)]
     rounds[0].run(ck, buf)
     # A call returns once this rank has what it needs; its own last writes may still be in flight through its
     # proxy, and a process that exits loses them. Every rank is past the first round before the last one dies.
@@ -227,7 +227,7 @@ def dead_peer_body(rank, world, rpn, transport, how, seed, backend="host"):
     words = "process gone" if how == "exit" else "destroyed its Buffer"
     ck.true(isinstance(error, RuntimeError) and words in str(error) and f"rank {world - 1}" in str(error),
             f"the call without rank {world - 1} raised {error!r:.300}")
-    ck.true(took < 1.5, f"the call without rank {world - 1} raised after {took:.2f} s (timeout 30 s)")
+    ck.true(took < fast_s, f"the call without rank {world - 1} raised after {took:.2f} s (timeout 30 s)")
     buf.destroy()
     return {"failures": ck.failures, "checks": ck.num_checks}
 
