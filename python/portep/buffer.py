@@ -119,8 +119,17 @@ class Buffer:
         self.enable_shrink = bool(enable_shrink)
         self._device = "cuda" if self.backend == "cuda" else "cpu"
 
+        fast_module, self.ll_fast_path_off = None, "not a low-latency Buffer on the CUDA backend"
         if self.backend == "cuda":
             from .backends.cuda.engine import CudaEngine as Engine
+
+            if self.low_latency_mode and torch.cuda.is_available():
+                # before the collective construction: where the module is compiled at first use (ll_jit.py), this
+                # rank is late here, where its peers wait in the bootstrap's collectives, not in a timed LL kernel
+                from ._native import require_native
+                from .backends.cuda.ll_fast import fast_path_module
+
+                fast_module, self.ll_fast_path_off = fast_path_module(require_native())
         else:
             from .backends.host.engine import HostEngine as Engine
         # CUDA, both modes, both sizes: the normal mode keeps to num_nvl_bytes and LL to num_rdma_bytes, as
@@ -134,12 +143,12 @@ class Buffer:
         self._comm = self._ll_fast = None
         if self.backend == "cuda":
             from .backends.cuda.comm_stream import CommStream
-            from .backends.cuda.ll_fast import fast_path_module
 
             self._comm = CommStream(self.runtime)
-            module, self.ll_fast_path_off = fast_path_module(self.runtime.native)
-            if module is not None and self.low_latency_mode and not self.enable_shrink:
-                self._install_ll_fast_path(module)
+            if fast_module is not None and self.enable_shrink:
+                self.ll_fast_path_off = "enable_shrink=True: shrink-mode calls take the full path"
+            elif fast_module is not None:
+                self._install_ll_fast_path(fast_module)
 
     def _install_ll_fast_path(self, module):
         """This Buffer's low_latency_dispatch / low_latency_combine become portep._ll_torch's native entries
