@@ -17,8 +17,8 @@ import torch
 from . import validation as v
 from .bootstrap import group_rank_and_size
 from .config import timeout_from_env, transport_from_env
-from .deepep_config import (COMBINE_CONFIGS, DISPATCH_CONFIGS, Config, check_int, combine_config, default_config,
-                            dispatch_config, low_latency_rdma_size_hint)
+from .deepep_config import (COMBINE_CONFIGS, DISPATCH_CONFIGS, Config, check_int, check_internode_config,
+                            combine_config, default_config, dispatch_config, low_latency_rdma_size_hint)
 from .errors import DroppedInput
 from .event import EventOverlap, HostEvent
 from .lockstep import AgreedRefusal, OutOfStep
@@ -355,7 +355,7 @@ class Buffer:
         v.check_event_args(previous_event, async_finish, allocate_on_comm_stream)
         if config is None:
             config = default_config(DISPATCH_CONFIGS, self.group_size, Buffer.num_sms)
-        v.check_config(config)
+        check_internode_config(v.check_config(config), engine.num_nodes, engine.ranks_per_node, "dispatch")
         x_data, x_scales = v.check_dispatch_x(x, self._device)
         check_int("expert_alignment", expert_alignment, 1)
         check_int("num_worst_tokens", num_worst_tokens, 0)
@@ -425,7 +425,7 @@ class Buffer:
         v.check_event_args(previous_event, async_finish, allocate_on_comm_stream)
         if config is None:
             config = default_config(COMBINE_CONFIGS, self.group_size, Buffer.num_sms)
-        v.check_config(config)
+        check_internode_config(v.check_config(config), engine.num_nodes, engine.ranks_per_node, "combine")
         handle, num_tokens, num_recv, channels = v.check_normal_handle(handle, self.group_size, engine.num_nodes)
         v.check_handle_channels(channels, config, "combine")
         v.check_tensor("x", x, dtypes=(torch.bfloat16,), shape=(("num_recv_tokens", num_recv), ("hidden", None)),

@@ -140,14 +140,40 @@ def _check_hint_ranks(num_ranks, num_sms, even_sms_above):
 
 def _table_entry(table, num_ranks):
     """DeepEP's tuned entry; above its largest EP size (160), for whole nodes of NUM_MAX_NVL_PEERS ranks (portep's
-    normal mode runs up to 1024 ranks), that largest entry: the chunk sizes DeepEP tuned for the most nodes. None
-    for any other size."""
+    normal mode runs up to 1024 ranks), that largest entry's chunk sizes with the NVL receive chunk raised to what
+    DeepEP's internode checks ask of that many nodes (check_internode_config). None for any other size."""
     if num_ranks in table:
         return table[num_ranks]
     largest = max(table)
-    if num_ranks > largest and num_ranks % NUM_MAX_NVL_PEERS == 0:
-        return table[largest]
-    return None
+    if num_ranks <= largest or num_ranks % NUM_MAX_NVL_PEERS:
+        return None
+    nvl_send, nvl_recv, rdma_send, rdma_recv = table[largest]
+    nodes = num_ranks // NUM_MAX_NVL_PEERS
+    nvl_recv = max(_align(nvl_recv, nodes), nodes * (max(nvl_send, rdma_send) + 1))
+    return nvl_send, nvl_recv, rdma_send, rdma_recv
+
+
+def check_internode_config(config, num_nodes, ranks_per_node, what):
+    """DeepEP's checks of a config across nodes of NUM_MAX_NVL_PEERS ranks (its internode topology; num_rdma_ranks =
+    num_nodes): combine needs num_max_nvl_chunked_recv_tokens to be a multiple of the nodes and
+    num_max_nvl_chunked_send_tokens <= its share per node; dispatch needs that share to exceed both send chunks. The
+    error names the field. Other node sizes (portep's simulated nodes) are shapes DeepEP never runs: not checked."""
+    if num_nodes <= 1 or ranks_per_node != NUM_MAX_NVL_PEERS:
+        return config
+    nvl_send, nvl_recv = config.num_max_nvl_chunked_send_tokens, config.num_max_nvl_chunked_recv_tokens
+    rdma_send, share = config.num_max_rdma_chunked_send_tokens, config.num_max_nvl_chunked_recv_tokens // num_nodes
+    if what == "combine":
+        if nvl_recv % num_nodes:
+            raise ValueError(f"combine: config.num_max_nvl_chunked_recv_tokens={nvl_recv} must be a multiple of the "
+                             f"number of nodes {num_nodes}")
+        if nvl_send > share:
+            raise ValueError(f"combine: config.num_max_nvl_chunked_send_tokens={nvl_send} must be <= "
+                             f"num_max_nvl_chunked_recv_tokens / nodes = {nvl_recv} / {num_nodes} = {share}")
+    elif share <= max(nvl_send, rdma_send):
+        field = "num_max_nvl_chunked_send_tokens" if nvl_send >= rdma_send else "num_max_rdma_chunked_send_tokens"
+        raise ValueError(f"dispatch: config.num_max_nvl_chunked_recv_tokens / nodes = {nvl_recv} / {num_nodes} = "
+                         f"{share} must be > config.{field}={max(nvl_send, rdma_send)}")
+    return config
 
 
 def _table_config(table, kind, num_ranks, num_sms):

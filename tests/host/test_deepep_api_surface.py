@@ -8,6 +8,7 @@ import torch
 import deep_ep
 import portep
 from portep import validation as v
+from portep.deepep_config import check_internode_config
 from portep.event import HostEvent
 
 Buffer, Config, EventOverlap = portep.Buffer, portep.Config, portep.EventOverlap
@@ -131,11 +132,41 @@ def test_untuned_sizes_are_refused_with_the_supported_list(num_ranks):
 
 
 @pytest.mark.parametrize("num_ranks", [168, 256, 512, 1024])
-def test_whole_nodes_beyond_deepeps_table_take_its_largest_entry(num_ranks):
-    assert Buffer.get_dispatch_config(num_ranks) == Config(Buffer.num_sms, *DISPATCH[160])
-    assert Buffer.get_combine_config(num_ranks) == Config(Buffer.num_sms, *COMBINE[160])
+def test_whole_nodes_beyond_deepeps_table_take_its_largest_entry_checked_for_their_nodes(num_ranks):
+    nodes = num_ranks // 8
+    for getter, table, what in ((Buffer.get_dispatch_config, DISPATCH, "dispatch"),
+                                (Buffer.get_combine_config, COMBINE, "combine")):
+        cfg, largest = getter(num_ranks), Config(Buffer.num_sms, *table[160])
+        send, recv, rdma_send = table[160][:3]
+        assert (cfg.num_sms, cfg.num_max_nvl_chunked_send_tokens, cfg.num_max_rdma_chunked_send_tokens,
+                cfg.num_max_rdma_chunked_recv_tokens) == (largest.num_sms, send, rdma_send,
+                                                          largest.num_max_rdma_chunked_recv_tokens)
+        nvl_recv = cfg.num_max_nvl_chunked_recv_tokens
+        assert nvl_recv >= recv and nvl_recv % nodes == 0 and nvl_recv // nodes > max(send, rdma_send)
+        assert check_internode_config(cfg, nodes, 8, what) is cfg  # DeepEP's own checks pass
     hint = Buffer.get_dispatch_config(num_ranks).get_rdma_buffer_size_hint(7168 * 2, num_ranks)
     assert hint > Buffer.get_dispatch_config(160).get_rdma_buffer_size_hint(7168 * 2, 160) > 0
+
+
+@pytest.mark.parametrize("num_ranks", sorted(r for r in DISPATCH if r > 8))
+def test_deepeps_tuned_configs_pass_its_internode_checks(num_ranks):
+    check_internode_config(Buffer.get_dispatch_config(num_ranks), num_ranks // 8, 8, "dispatch")
+    check_internode_config(Buffer.get_combine_config(num_ranks), num_ranks // 8, 8, "combine")
+
+
+@pytest.mark.parametrize("cfg,nodes,what,match", [
+    (Config(24, 8, 513, 16, 128), 2, "combine", r"num_max_nvl_chunked_recv_tokens=513 must be a multiple of the "
+                                                r"number of nodes 2"),
+    (Config(24, 40, 64, 6, 128), 2, "combine", r"num_max_nvl_chunked_send_tokens=40 must be <= "
+                                               r"num_max_nvl_chunked_recv_tokens / nodes = 64 / 2 = 32"),
+    (Config(24, 8, 64, 32, 128), 2, "dispatch", r"64 / 2 = 32 must be > config.num_max_rdma_chunked_send_tokens=32"),
+    (Config(24, 40, 256, 6, 128), 8, "dispatch", r"256 / 8 = 32 must be > config.num_max_nvl_chunked_send_tokens=40"),
+])
+def test_internode_config_checks_name_the_field(cfg, nodes, what, match):
+    with pytest.raises(ValueError, match=match):
+        check_internode_config(cfg, nodes, 8, what)
+    assert check_internode_config(cfg, 1, 8, what) is cfg  # one node: DeepEP's intranode path has no such rule
+    assert check_internode_config(cfg, nodes, 4, what) is cfg  # simulated nodes of 4: a shape DeepEP never runs
 
 
 def test_set_num_sms_feeds_the_tuned_configs(restore_num_sms):
