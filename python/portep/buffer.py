@@ -441,11 +441,13 @@ class Buffer:
                                      async_finish, allocate_on_comm_stream, (x, topk_weights) + biases + tuple(handle))
         return _returned(engine, (out[0], out[1], event))
 
-    def internode_dispatch(self, *args, **kwargs):
+    def internode_dispatch(self, *args: object, **kwargs: object) -> None:
+        """DeepEP-internal; raises NotImplementedError (dispatch handles multi-node groups)."""
         raise NotImplementedError("Buffer.internode_dispatch is DeepEP-internal; call Buffer.dispatch, which "
                                   "handles multi-node groups")
 
-    def internode_combine(self, *args, **kwargs):
+    def internode_combine(self, *args: object, **kwargs: object) -> None:
+        """DeepEP-internal; raises NotImplementedError (combine handles multi-node groups)."""
         raise NotImplementedError("Buffer.internode_combine is DeepEP-internal; call Buffer.combine, which "
                                   "handles multi-node groups")
 

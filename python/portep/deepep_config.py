@@ -2,6 +2,8 @@
 so that code which sizes buffers from them keeps getting the same numbers; across nodes the NVL hint is raised to
 what portep's CUDA normal mode needs where DeepEP's is smaller (normal_mode_bytes). No torch."""
 
+from typing import Optional
+
 NUM_MAX_NVL_PEERS = 8
 NUM_BUFFER_ALIGNMENT_BYTES = 128
 MAX_TOPK_HINT = 128
@@ -22,7 +24,7 @@ COMBINE_CONFIGS = {
 }
 
 
-def check_int(name, value, low=None, high=None):
+def check_int(name: str, value: object, low: Optional[int] = None, high: Optional[int] = None) -> int:
     """`value` as an int, or TypeError/ValueError naming `name`, the value and the limit."""
     if isinstance(value, bool) or not isinstance(value, int):
         raise TypeError(f"{name} must be an int, got {type(value).__name__} {value!r}")
@@ -44,8 +46,9 @@ class Config:
     `num_max_rdma_chunked_send_tokens`. Unlike DeepEP's binding, the fields are readable.
     """
 
-    def __init__(self, num_sms=20, num_max_nvl_chunked_send_tokens=6, num_max_nvl_chunked_recv_tokens=256,
-                 num_max_rdma_chunked_send_tokens=6, num_max_rdma_chunked_recv_tokens=256):
+    def __init__(self, num_sms: int = 20, num_max_nvl_chunked_send_tokens: int = 6,
+                 num_max_nvl_chunked_recv_tokens: int = 256, num_max_rdma_chunked_send_tokens: int = 6,
+                 num_max_rdma_chunked_recv_tokens: int = 256) -> None:
         self.num_sms = check_int("num_sms", num_sms, 0)
         nvl_send = check_int("num_max_nvl_chunked_send_tokens", num_max_nvl_chunked_send_tokens, 1)
         nvl_recv = check_int("num_max_nvl_chunked_recv_tokens", num_max_nvl_chunked_recv_tokens, 1)
@@ -77,7 +80,7 @@ class Config:
     def __repr__(self):
         return "Config(num_sms={}, nvl_send={}, nvl_recv={}, rdma_send={}, rdma_recv={})".format(*self._fields())
 
-    def get_nvl_buffer_size_hint(self, hidden_bytes, num_ranks):
+    def get_nvl_buffer_size_hint(self, hidden_bytes: int, num_ranks: int) -> int:
         """Bytes of NVLink buffer DeepEP would need for rows of `hidden_bytes` on `num_ranks` ranks; across nodes
         (more than 8 ranks) at least what portep's CUDA normal mode needs (normal_mode_bytes), so that a Buffer
         sized by the hints runs whether its normal mode keeps to the NVL bytes (low_latency_mode=True with both
@@ -97,7 +100,7 @@ class Config:
         num_bytes = slots * (2 * num_rdma_ranks + 3) * 4 + slots * self.num_max_nvl_chunked_recv_tokens * per_token
         return _align(num_bytes, NUM_BUFFER_ALIGNMENT_BYTES)
 
-    def get_rdma_buffer_size_hint(self, hidden_bytes, num_ranks):
+    def get_rdma_buffer_size_hint(self, hidden_bytes: int, num_ranks: int) -> int:
         """Bytes of RDMA buffer DeepEP would need; 0 when all ranks fit in one node (<= 8 ranks)."""
         check_int("hidden_bytes", hidden_bytes, 0)
         check_int("num_ranks", num_ranks, 1)
@@ -112,7 +115,8 @@ class Config:
         return _align(num_bytes, NUM_BUFFER_ALIGNMENT_BYTES)
 
 
-def normal_mode_bytes(config, hidden_bytes, num_ranks, ranks_per_node=NUM_MAX_NVL_PEERS):
+def normal_mode_bytes(config: "Config", hidden_bytes: int, num_ranks: int, ranks_per_node: int = NUM_MAX_NVL_PEERS
+                      ) -> int:
     """Bytes the CUDA normal mode needs for `config`'s channels (num_sms / 2) on `num_ranks` ranks in nodes of
     ranks_per_node: HT_MIN_RING_ROWS rows per ring of DeepEP's largest rows (MAX_TOPK_HINT top-k, MAX_SCALES_HINT
     scales; a combine row across nodes is an FP32 partial), by the layout's own formula (gpu_kernels/cuda/ht_layout.h
@@ -153,7 +157,7 @@ def _table_entry(table, num_ranks):
     return nvl_send, nvl_recv, rdma_send, rdma_recv
 
 
-def check_internode_config(config, num_nodes, ranks_per_node, what):
+def check_internode_config(config: "Config", num_nodes: int, ranks_per_node: int, what: str) -> "Config":
     """DeepEP's checks of a config across nodes of NUM_MAX_NVL_PEERS ranks (its internode topology; num_rdma_ranks =
     num_nodes): combine needs num_max_nvl_chunked_recv_tokens to be a multiple of the nodes and
     num_max_nvl_chunked_send_tokens <= its share per node; dispatch needs that share to exceed both send chunks. The
@@ -186,22 +190,23 @@ def _table_config(table, kind, num_ranks, num_sms):
     return Config(num_sms, *entry)
 
 
-def dispatch_config(num_ranks, num_sms):
+def dispatch_config(num_ranks: int, num_sms: int) -> "Config":
     return _table_config(DISPATCH_CONFIGS, "dispatch", num_ranks, num_sms)
 
 
-def combine_config(num_ranks, num_sms):
+def combine_config(num_ranks: int, num_sms: int) -> "Config":
     return _table_config(COMBINE_CONFIGS, "combine", num_ranks, num_sms)
 
 
-def default_config(table, num_ranks, num_sms):
+def default_config(table: dict, num_ranks: int, num_sms: int) -> "Config":
     """The tuned config when the EP size has one (_table_entry), else Config's defaults (portep runs sizes DeepEP
     does not)."""
     entry = _table_entry(table, num_ranks)
     return Config(num_sms) if entry is None else Config(num_sms, *entry)
 
 
-def low_latency_rdma_size_hint(num_max_dispatch_tokens_per_rank, hidden, num_ranks, num_experts):
+def low_latency_rdma_size_hint(num_max_dispatch_tokens_per_rank: int, hidden: int, num_ranks: int,
+                               num_experts: int) -> int:
     """DeepEP's LL buffer size: two halves of send, receive and signalling areas (num_ranks is unused)."""
     tokens = check_int("num_max_dispatch_tokens_per_rank", num_max_dispatch_tokens_per_rank, 1)
     check_int("hidden", hidden, 1)
