@@ -62,6 +62,14 @@ def test_a_dead_rank_of_another_node_fails_normal_mode_fast_at_16_ranks(transpor
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("path", [(4, 2, "shm-unordered"), (16, 8, "shm")], ids=["2x2-shm-unordered", "2x8-shm"])
+def test_normal_mode_then_clean_then_low_latency_on_one_buffer_across_nodes(path):
+    world, rpn, transport = path
+    out = run_ranks(r.modes_in_turn_body, world, args=(rpn, transport, 29), timeout=300)
+    assert_clean(out, 8)
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("path", PATHS, ids=IDS)
 def test_a_rank_without_tokens_and_odd_empty_strides(path):
     world, rpn, transport = path

@@ -232,6 +232,24 @@ def dead_peer_body(rank, world, rpn, transport, how, seed, backend="host", mode=
     return {"failures": ck.failures, "checks": ck.num_checks}
 
 
+def modes_in_turn_body(rank, world, rpn, transport, seed):
+    """DeepEP's --test-ll-compatibility on one Buffer (LL mode, NVL and RDMA bytes): normal-mode rounds across the
+    nodes, then clean_low_latency_buffer, then LL rounds; every result checked against the references."""
+    ck = w.Checker(rank)
+    E = 4 * world
+    buf = _buffer(world, rpn, transport, 30.0, E)
+    for i in range(2):
+        ck.step = f"normal mode, round {i}"
+        HTRound(world, rpn, seed + i, E).run(ck, buf)
+    ck.step = "clean_low_latency_buffer"
+    buf.clean_low_latency_buffer(T, H, E)
+    for i in range(2):
+        ck.step = f"low-latency mode, round {i}"
+        LLRound(world, seed + 10 + i, E).run(ck, buf)
+    buf.destroy()
+    return {"failures": ck.failures, "checks": ck.num_checks}
+
+
 def zero_token_rank_body(rank, world, rpn, transport, seed, defaults=None):
     """The last rank has no tokens and top-1 routing, its empty inputs made with odd strides (an empty tensor is
     contiguous whatever its strides, e.g. [0, 1] with strides (1, 0) from an expression on it): normal-mode and LL
