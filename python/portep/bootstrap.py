@@ -1,7 +1,10 @@
 """Bootstrap over a torch.distributed process group (NCCL or gloo): exchange endpoint descriptions."""
 
+from typing import Callable, Tuple
 
-def group_rank_and_size(group, what="a Channel"):
+
+def group_rank_and_size(group: object, what: str = "a Channel") -> Tuple[int, int]:
+    """(rank, size) of `group` in torch.distributed; raises naming `what` where it is not initialized."""
     import torch.distributed as dist
 
     if not dist.is_initialized():
@@ -9,7 +12,8 @@ def group_rank_and_size(group, what="a Channel"):
     return dist.get_rank(group), dist.get_world_size(group)
 
 
-def all_gather_objects(obj, group):
+def all_gather_objects(obj: object, group: object) -> list:
+    """Every rank's `obj`, by rank (torch.distributed.all_gather_object)."""
     import torch.distributed as dist
 
     try:
@@ -22,7 +26,7 @@ def all_gather_objects(obj, group):
     return out
 
 
-def collective_step(step, group, what):
+def collective_step(step: Callable[[], object], group: object, what: str) -> None:
     """Runs step() on every rank; if it fails anywhere, every rank raises (nobody waits for a dead peer)."""
     try:
         step()

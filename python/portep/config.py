@@ -3,6 +3,7 @@ environment."""
 
 import os
 import sys
+from typing import Optional
 
 DEFAULT_TIMEOUT_S = 100.0
 TRANSPORTS = ("shm", "shm-unordered", "verbs", "verbs-striped")
@@ -22,7 +23,7 @@ def _env_number(name, unit):
         raise ValueError(f"{name}={raw!r} is not a number of {unit}") from None
 
 
-def timeout_from_env(explicit=None):
+def timeout_from_env(explicit: Optional[float] = None) -> float:
     """The explicit value if given, else PORTEP_TIMEOUT_S, else 100 s."""
     if explicit is not None:
         value = float(explicit)
@@ -37,7 +38,7 @@ def timeout_from_env(explicit=None):
     return value
 
 
-def proxy_spin_us_from_env(explicit, on_gpu):
+def proxy_spin_us_from_env(explicit: Optional[float], on_gpu: bool) -> float:
     """How long an idle proxy busy-polls: the explicit value, else PORTEP_PROXY_SPIN_US, else 1000 us on a GPU
     (a sleeping proxy adds its wake-up to every hop of a kernel's command) and 0 on the host (spinning threads
     take the CPUs the ranks need)."""
@@ -49,7 +50,7 @@ def proxy_spin_us_from_env(explicit, on_gpu):
     return float(value)
 
 
-def transport_from_env(explicit=None):
+def transport_from_env(explicit: Optional[str] = None) -> str:
     name = explicit if explicit is not None else os.environ.get("PORTEP_TRANSPORT", "shm")
     if name not in TRANSPORTS:
         raise ValueError(f"transport={name!r} is not available; choose one of {', '.join(TRANSPORTS)}")
@@ -65,7 +66,7 @@ def transport_from_env(explicit=None):
 PROXY_COPIES_VAR = "PORTEP_GPU_PROXY_COPIES"
 
 
-def proxy_copies():
+def proxy_copies() -> bool:
     """Whether PORTEP_GPU_PROXY_COPIES=1 asks for copy-engine copies on the shm proxy path between GPUs."""
     return os.environ.get(PROXY_COPIES_VAR, "0") == "1"
 
@@ -88,7 +89,7 @@ def _cuda_already_initialized():
         return True
 
 
-def widen_cuda_connections():
+def widen_cuda_connections() -> Optional[str]:
     """Set CUDA_DEVICE_MAX_CONNECTIONS to 32 when unset and CUDA is not set up yet; returns why it was not."""
     if CUDA_CONNECTIONS_VAR in os.environ:
         return f"{CUDA_CONNECTIONS_VAR}={os.environ[CUDA_CONNECTIONS_VAR]} was set by the application"
@@ -101,7 +102,7 @@ def widen_cuda_connections():
 CUDA_CONNECTIONS_NOTE = widen_cuda_connections() if proxy_copies() else f"{PROXY_COPIES_VAR} is not set"
 
 
-def check_gpu_copy_connections(what):
+def check_gpu_copy_connections(what: str) -> None:
     """Raise where the proxies' copies would surely queue behind the LL kernels (one hardware queue); warn where
     they may (fewer than 32 queues)."""
     if CUDA_CONNECTIONS_NOTE is None:
@@ -128,7 +129,7 @@ def check_gpu_copy_connections(what):
 LL_GRAPH_LAUNCH_VAR = "PORTEP_LL_GRAPH_LAUNCH"
 
 
-def ll_graph_launch():
+def ll_graph_launch() -> bool:
     """Whether eager low-latency calls on the CUDA backend launch as cached CUDA graphs (PORTEP_LL_GRAPH_LAUNCH,
     default 1; gpu_kernels/cuda/graph_cache.h): half a kernel launch's host time, about 0.3 us more GPU time per
     round trip."""

@@ -5,6 +5,7 @@ import json
 import os
 import platform
 import sys
+from typing import Optional
 
 from ._native import native, native_error
 
@@ -29,7 +30,7 @@ def _rdma_devices():
     return devices, "" if devices else "no RDMA devices found"
 
 
-def gpu_error_text(error, runtime, driver_loads):
+def gpu_error_text(error: str, runtime: str, driver_loads: bool) -> str:
     """What the doctor says of a GPU runtime's error: CUDA answers "driver version is insufficient" also where there
     is no driver at all, which is named as such when the driver library does not load. driver_loads: whether
     libcuda.so.1 (CUDA) loads here."""
@@ -132,7 +133,8 @@ def _runtime_problems(torch_facts):
     return problems
 
 
-def collect():
+def collect() -> dict:
+    """Everything the doctor reports, as a dict (what format_text prints)."""
     report = {
         "version": None,
         "python": sys.version.split()[0],
@@ -189,7 +191,8 @@ def collect():
     return report
 
 
-def format_text(r):
+def format_text(r: dict) -> str:
+    """The report of collect() as the lines the doctor prints."""
     lines = [f"portep {r['version']} (python {r['python']}, {r['platform']})"]
     if not r["native"]:
         lines.append(f"  native module: MISSING: {r.get('native_error')}")
@@ -233,7 +236,8 @@ def format_text(r):
     return "\n".join(lines)
 
 
-def main(argv=None):
+def main(argv: Optional[list] = None) -> int:
+    """python -m portep.doctor [--json]."""
     parser = argparse.ArgumentParser(prog="python -m portep.doctor", description=__doc__)
     parser.add_argument("--json", action="store_true", help="print a JSON object instead of text")
     args = parser.parse_args(argv)

@@ -8,6 +8,6 @@ class DroppedInput(ValueError):
     Buffer is in step and stays usable. `results` holds what the raising call would have returned (None for a
     receive hook), so a caller that handles the error can go on with the matching calls."""
 
-    def __init__(self, message, results=None):
+    def __init__(self, message: str, results: object = None) -> None:
         super().__init__(message)
         self.results = results

@@ -1,11 +1,13 @@
 """Where each rank of an engine's group sits: nodes of `ranks_per_node` consecutive ranks (rank r is on node
 r // ranks_per_node). Shared by the host and CUDA engines."""
 
+from typing import Optional
+
 from .bootstrap import group_rank_and_size
 
 
 class Topology:
-    def __init__(self, group, ranks_per_node, max_local_experts):
+    def __init__(self, group: object, ranks_per_node: int, max_local_experts: int) -> None:
         self.group = group
         self.rank, self.num_ranks = group_rank_and_size(group, "an engine")
         if ranks_per_node < 1 or self.num_ranks % ranks_per_node:
@@ -14,21 +16,21 @@ class Topology:
         self.num_nodes = self.num_ranks // ranks_per_node
         self.max_local_experts = max_local_experts
 
-    def node_of(self, r):
+    def node_of(self, r: int) -> int:
         return r // self.ranks_per_node
 
-    def local_of(self, r):
+    def local_of(self, r: int) -> int:
         return r % self.ranks_per_node
 
     @property
-    def node(self):
+    def node(self) -> int:
         return self.node_of(self.rank)
 
-    def node_ranks(self, node=None):
+    def node_ranks(self, node: Optional[int] = None) -> range:
         node = self.node if node is None else node
         return range(node * self.ranks_per_node, (node + 1) * self.ranks_per_node)
 
-    def forwarder(self, node, local_index=None):
+    def forwarder(self, node: int, local_index: Optional[int] = None) -> int:
         """The rank of `node` that relays HT traffic from ranks with this local index."""
         local_index = self.local_of(self.rank) if local_index is None else local_index
         return node * self.ranks_per_node + local_index
