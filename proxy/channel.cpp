@@ -46,7 +46,7 @@ void Channel::destroy() {
     proxies_->stop();
   }
   proxies_.reset();
-  transport_.reset();  // unmaps and unlinks whatever is still named, unless a memory_owner() holder remains
+  transport_.reset();  // unmaps its segments, unless a memory_owner() holder remains
   data_ = nullptr;
   signals_ = nullptr;
 }

@@ -13,9 +13,35 @@ import portep_testing
 from portep import _C
 
 
-def leftover_shm(pids):
+def leftover_shm(pids, mapped_here=False):
+    """What of portep's shared memory outlives its moment: names in /dev/shm (portep never makes one), memfds the
+    pids still hold open for peers to open (only while a Channel is being built), and with mapped_here, every
+    portep segment this process still maps (only while a Channel lives)."""
     prefixes = tuple(f"portep.{pid}." for pid in pids)
-    return sorted(n for n in os.listdir("/dev/shm") if n.startswith(prefixes))
+    left = sorted(n for n in os.listdir("/dev/shm") if n.startswith(prefixes))
+    left += [f"{pid}: open {name}" for pid in pids for name in shared_memfds(pid)]
+    if mapped_here:
+        with open("/proc/self/maps") as maps:
+            left += sorted({line.split(None, 5)[5].strip() for line in maps if "/memfd:portep." in line})
+    return left
+
+
+def shared_memfds(pid):
+    """The portep memfds pid holds open (names as /proc shows them); [] for a process that is gone."""
+    fd_dir = f"/proc/{pid}/fd"
+    names = []
+    try:
+        fds = os.listdir(fd_dir)
+    except FileNotFoundError:
+        return names
+    for fd in fds:
+        try:
+            target = os.readlink(f"{fd_dir}/{fd}")
+        except OSError:  # closed meanwhile
+            continue
+        if target.startswith("/memfd:portep."):
+            names.append(target)
+    return sorted(names)
 
 
 def traffic(rank, world, transport, producers, messages, max_bytes, signal_every, seed, threads, skip_ordering=False,
@@ -49,7 +75,7 @@ def traffic(rank, world, transport, producers, messages, max_bytes, signal_every
     native = ch.native_signals
     ch.destroy()
     return {"check": result["check"], "produced": produced, "stats": stats, "native_signals": native,
-            "shm_while_running": shm_while_running, "shm_after_destroy": leftover_shm([os.getpid()]),
+            "shm_while_running": shm_while_running, "shm_after_destroy": leftover_shm([os.getpid()], mapped_here=True),
             "live_threads": _C.live_proxy_threads()}
 
 

@@ -320,10 +320,12 @@ def view_after_destroy_body(rank, world, rpn, transport):
 
 
 def killed_while_building_body(rank, world):
-    """The last rank is killed while it builds its Buffer (its segments exist, their names were never exchanged):
-    returns its pid for the test, which checks the names it left and that the next start removes them."""
+    """The last rank is killed while it builds its Buffer (its segments exist, nobody has mapped them yet): returns
+    what that rank held and what /dev/shm had then, for the test."""
     import os
     import signal
+
+    from channel_workers import leftover_shm, shared_memfds
 
     pids = w.all_gather(os.getpid())
     if rank == world - 1:
@@ -332,17 +334,14 @@ def killed_while_building_body(rank, world):
         return None
     victim = pids[world - 1]
     deadline = time.monotonic() + 30
-    while time.monotonic() < deadline and not _segments_of(victim):
+    while time.monotonic() < deadline and not shared_memfds(victim):
         time.sleep(0.05)
-    left = _segments_of(victim)
+    held = shared_memfds(victim)
+    named_then = [n for n in os.listdir("/dev/shm") if n.startswith(f"portep.{victim}.")]
     os.kill(victim, signal.SIGKILL)
-    return {"victim": victim, "segments": left}
-
-
-def _segments_of(pid):
-    import os
-
-    return sorted(n for n in os.listdir("/dev/shm") if n.startswith(f"portep.{pid}."))
+    while os.path.exists(f"/proc/{victim}/fd") and time.monotonic() < deadline + 30:
+        time.sleep(0.05)
+    return {"victim": victim, "held": held, "named_while_building": named_then, "left_after": leftover_shm([victim])}
 
 
 def _gathered_inputs(world, seeds, E):

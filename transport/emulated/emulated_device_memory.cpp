@@ -119,7 +119,7 @@ class EmulatedDeviceMemory final : public DeviceMemory {
     return p;
   }
   void close_peer_region(void* p) override { peers_.erase(p); }
-  void release_names() override { own_.unlink_name(); }
+  void release_names() override { own_.stop_sharing(); }
 
   void* map_host(void* host, size_t) override { return host; }
   void unmap_host(void*) override {}

@@ -1,16 +1,14 @@
 #include "transport/shm/shm_segment.h"
 
-#include <dirent.h>
 #include <errno.h>
 #include <fcntl.h>
-#include <signal.h>
+#include <stdio.h>
 #include <string.h>
 #include <sys/mman.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
 #include <atomic>
-#include <cstdlib>
 #include <random>
 
 #include "transport/transport.h"
@@ -18,27 +16,41 @@
 namespace portep {
 
 namespace {
+constexpr char kNameSeparator = '#';
+constexpr char kMemfdLinkPrefix[] = "/memfd:";
+
 std::string sys_error(const std::string& what, const std::string& name) {
   return what + " '" + name + "' failed: " + strerror(errno);
 }
 
-std::string unique_name(const std::string& tag) {
+// Unique across processes and time: the pid, a counter, and a random salt against pid reuse.
+std::string unique_memfd_name(const std::string& tag) {
   static std::atomic<uint64_t> counter{0};
   static const uint64_t salt = std::random_device{}();
-  return "/portep." + std::to_string(getpid()) + "." + std::to_string(counter.fetch_add(1)) + "." +
-         std::to_string(salt % 100000) + "." + tag;
+  return "portep." + std::to_string(getpid()) + "." + std::to_string(counter.fetch_add(1)) + "." +
+         std::to_string(salt % 1000000) + "." + tag;
 }
 
 void* map_fd(int fd, size_t bytes, const std::string& name) {
   void* p = mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
-  if (p == MAP_FAILED) {
-    std::string msg = sys_error("mmap of shared memory", name);
-    close(fd);
-    throw TransportError(msg);
-  }
-  close(fd);
+  if (p == MAP_FAILED) throw TransportError(sys_error("mmap of shared memory", name));
   return p;
 }
+
+// What /proc/self/fd/<fd> points at ("" when unreadable).
+std::string fd_link(int fd) {
+  char path[64], target[512];
+  snprintf(path, sizeof(path), "/proc/self/fd/%d", fd);
+  const ssize_t n = readlink(path, target, sizeof(target) - 1);
+  return n > 0 ? std::string(target, size_t(n)) : std::string();
+}
+
+struct FdCloser {
+  int fd;
+  ~FdCloser() {
+    if (fd >= 0) close(fd);
+  }
+};
 }  // namespace
 
 ShmSegment::~ShmSegment() { release(); }
@@ -51,82 +63,62 @@ ShmSegment& ShmSegment::operator=(ShmSegment&& o) noexcept {
     addr_ = o.addr_;
     bytes_ = o.bytes_;
     name_ = std::move(o.name_);
-    owner_ = o.owner_;
-    linked_ = o.linked_;
+    fd_ = o.fd_;
     o.addr_ = nullptr;
     o.bytes_ = 0;
-    o.owner_ = o.linked_ = false;
+    o.fd_ = -1;
   }
   return *this;
 }
 
 ShmSegment ShmSegment::create(const std::string& tag, size_t bytes) {
-  static const int swept = sweep_dead_segments();
-  (void)swept;
+  const std::string memfd_name = unique_memfd_name(tag);
   ShmSegment s;
-  s.name_ = unique_name(tag);
   s.bytes_ = bytes;
-  int fd = shm_open(s.name_.c_str(), O_CREAT | O_EXCL | O_RDWR, 0600);
-  if (fd < 0) throw TransportError(sys_error("shm_open(create)", s.name_));
-  s.owner_ = s.linked_ = true;
-  if (ftruncate(fd, off_t(bytes)) != 0) {
-    std::string msg = sys_error("ftruncate to " + std::to_string(bytes) + " bytes of", s.name_);
-    close(fd);
-    throw TransportError(msg);  // s's destructor unlinks the name
-  }
-  s.addr_ = map_fd(fd, bytes, s.name_);
-  return s;
+  s.fd_ = memfd_create(memfd_name.c_str(), MFD_CLOEXEC);
+  if (s.fd_ < 0) throw TransportError(sys_error("memfd_create", memfd_name));
+  s.name_ = "/proc/" + std::to_string(getpid()) + "/fd/" + std::to_string(s.fd_) + kNameSeparator + memfd_name;
+  if (ftruncate(s.fd_, off_t(bytes)) != 0)
+    throw TransportError(sys_error("ftruncate to " + std::to_string(bytes) + " bytes of", memfd_name));
+  s.addr_ = map_fd(s.fd_, bytes, memfd_name);
+  return s;  // s's destructor closes the descriptor if anything above threw
 }
 
 ShmSegment ShmSegment::open(const std::string& name, size_t bytes) {
+  const size_t cut = name.find(kNameSeparator);
+  if (cut == std::string::npos) throw TransportError("peer shared memory name '" + name + "' is malformed");
+  const std::string path = name.substr(0, cut), memfd_name = name.substr(cut + 1);
+  FdCloser fd{::open(path.c_str(), O_RDWR | O_CLOEXEC)};
+  if (fd.fd < 0)
+    throw TransportError(sys_error("opening peer shared memory", path) +
+                         " (the peer has exited, or runs in another PID namespace: same-host peers must see each "
+                         "other's /proc)");
+  // A pid reused after the creator died could hold another file under the same descriptor number.
+  const std::string link = fd_link(fd.fd);
+  const std::string expected = kMemfdLinkPrefix + memfd_name;
+  if (link != expected && link != expected + " (deleted)")
+    throw TransportError("peer shared memory '" + path + "' is '" + link + "', not " + memfd_name +
+                         " (the peer has exited)");
+  struct stat st;
+  if (fstat(fd.fd, &st) != 0 || size_t(st.st_size) < bytes)
+    throw TransportError("peer shared memory '" + memfd_name + "' is smaller than the " + std::to_string(bytes) +
+                         " bytes it announced");
   ShmSegment s;
   s.name_ = name;
   s.bytes_ = bytes;
-  int fd = shm_open(name.c_str(), O_RDWR, 0600);
-  if (fd < 0) throw TransportError(sys_error("shm_open(peer)", name));
-  struct stat st;
-  if (fstat(fd, &st) != 0 || size_t(st.st_size) < bytes) {
-    close(fd);
-    throw TransportError("peer shared memory '" + name + "' is smaller than the " + std::to_string(bytes) +
-                         " bytes it announced");
-  }
-  s.addr_ = map_fd(fd, bytes, name);
+  s.addr_ = map_fd(fd.fd, bytes, memfd_name);
   return s;
 }
 
-void ShmSegment::unlink_name() {
-  if (owner_ && linked_) {
-    shm_unlink(name_.c_str());
-    linked_ = false;
-  }
+void ShmSegment::stop_sharing() {
+  if (fd_ >= 0) close(fd_);
+  fd_ = -1;
 }
 
 void ShmSegment::release() {
   if (addr_) munmap(addr_, bytes_);
-  unlink_name();
+  stop_sharing();
   addr_ = nullptr;
-}
-
-void shm_unlink_quiet(const std::string& name) { shm_unlink(name.c_str()); }
-
-int sweep_dead_segments() {
-  DIR* dir = opendir("/dev/shm");
-  if (!dir) return 0;
-  int removed = 0;
-  const std::string prefix = "portep.";
-  while (dirent* e = readdir(dir)) {
-    const std::string name = e->d_name;
-    if (name.compare(0, prefix.size(), prefix) != 0) continue;
-    char* end = nullptr;
-    const long pid = strtol(name.c_str() + prefix.size(), &end, 10);
-    if (pid <= 0 || !end || *end != '.') continue;
-    if (kill(pid_t(pid), 0) == 0 || errno != ESRCH) continue;  // alive, or not ours to judge
-    struct stat st;
-    if (stat(("/dev/shm/" + name).c_str(), &st) != 0 || st.st_uid != getuid()) continue;
-    if (shm_unlink(("/" + name).c_str()) == 0) ++removed;
-  }
-  closedir(dir);
-  return removed;
 }
 
 }  // namespace portep

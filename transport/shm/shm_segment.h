@@ -1,5 +1,7 @@
-// A POSIX shared-memory object mapped into this process. The creator unlinks its name as soon as every
-// peer has mapped it (unlink_name), so nothing stays in /dev/shm even if a process is killed afterwards.
+// Memory shared between the processes of one host. A segment is an anonymous memfd: it never has a name in
+// /dev/shm, so nothing outlives its processes, whenever they are killed. Peers open it through the creator's
+// /proc/<pid>/fd entry while the creator keeps that descriptor open (until stop_sharing(), once every peer has
+// mapped it); the mapping itself lives until the last process unmaps it.
 #pragma once
 
 #include <stddef.h>
@@ -17,14 +19,16 @@ class ShmSegment {
   ShmSegment(ShmSegment&& o) noexcept;
   ShmSegment& operator=(ShmSegment&& o) noexcept;
 
-  // Creates a new zero-filled object with a unique name derived from tag.
+  // Creates a new zero-filled segment (pages come on first touch, as for any shared memory); tag shows in its name.
   static ShmSegment create(const std::string& tag, size_t bytes);
-  // Maps an existing object created by another process.
+  // Maps a segment another process of this host created, from the name() it published.
   static ShmSegment open(const std::string& name, size_t bytes);
 
-  void unlink_name();  // idempotent; ignores "already gone"
+  // Closes the descriptor peers open the segment through; the mapping stays. Idempotent.
+  void stop_sharing();
   void* data() const { return addr_; }
   size_t size() const { return bytes_; }
+  // "/proc/<pid>/fd/<fd>#<memfd name>": where a peer opens it, and the name it must find there. No whitespace.
   const std::string& name() const { return name_; }
 
  private:
@@ -32,16 +36,7 @@ class ShmSegment {
   void* addr_ = nullptr;
   size_t bytes_ = 0;
   std::string name_;
-  bool owner_ = false;
-  bool linked_ = false;
+  int fd_ = -1;  // open while peers may still open the segment
 };
-
-// Best-effort removal of a name another process created (used when that process may have died).
-void shm_unlink_quiet(const std::string& name);
-
-// Removes the names of portep segments ("portep.<pid>.*" in /dev/shm, owned by this user) whose creating process
-// no longer exists: a process killed before its peers could map (and so unlink) its segments leaves them. Returns
-// how many went. Called once per process, when it first creates a segment.
-int sweep_dead_segments();
 
 }  // namespace portep

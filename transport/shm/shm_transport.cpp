@@ -47,9 +47,6 @@ ShmTransport::~ShmTransport() {
     if (device_signal_) o_.device->unmap_host(regions_[kRegionSignal].data());
     o_.device->free_region(device_data_);
   }
-  // A peer that died before bootstrap finished may have left its names behind: remove them too.
-  for (auto& p : peers_)
-    for (auto& n : p.names) shm_unlink_quiet(n);
 }
 
 TransportProps ShmTransport::props() const {
@@ -101,12 +98,9 @@ void ShmTransport::connect(const std::vector<std::string>& blobs) {
       throw TransportError("shm: rank " + std::to_string(p) + " has its data in " + (peer_on_device ? "GPU" : "host") +
                            " memory and this rank in " + (o_.device ? "GPU" : "host") + " memory; every rank of a "
                            "channel must use the same kind");
-    peer.names = {f[3], f[5]};
-    if (!peer_on_device) peer.names.push_back(f[1]);
     if (p == o_.rank) {
       peer.data = static_cast<char*>(o_.device ? device_data_ : regions_[kRegionData].data());
       peer.signal = static_cast<char*>(regions_[kRegionSignal].data());
-      peer.names.clear();
     } else {
       if (peer_on_device)
         peer.data = static_cast<char*>(o_.device->open_peer_region(hex_decode(f[1].substr(sizeof(kIpcPrefix) - 1), "shm")));
@@ -142,9 +136,8 @@ void ShmTransport::connect(const std::vector<std::string>& blobs) {
 
 void ShmTransport::bootstrap_done() {
   if (o_.device) o_.device->release_names();
-  for (auto& r : regions_) r.unlink_name();
-  inbox_.unlink_name();
-  for (auto& p : peers_) p.names.clear();  // each owner unlinked its own
+  for (auto& r : regions_) r.stop_sharing();
+  inbox_.stop_sharing();
 }
 
 void ShmTransport::check_channel_peer(int channel, int peer) const {

@@ -69,7 +69,6 @@ class ShmTransport final : public Transport {
     char* data = nullptr;
     char* signal = nullptr;
     size_t data_bytes = 0, signal_bytes = 0;
-    std::vector<std::string> names;  // for best-effort cleanup if the peer dies before unlinking
     std::vector<ShmSegment> maps;    // empty for this rank (its own segments are used directly)
   };
   struct Lane {  // one (channel, peer) connection as seen by the sender

@@ -7,7 +7,6 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/mman.h>
-#include <sys/statvfs.h>
 #include <unistd.h>
 
 #include <array>
@@ -162,14 +161,10 @@ class VerbsTransport final : public Transport {
                          IBV_ACCESS_LOCAL_WRITE | IBV_ACCESS_REMOTE_WRITE | IBV_ACCESS_REMOTE_READ, o_.gpudirect);
       return r.addr;
     }
-    // Shared memory, so that ranks on this host can also map it (node views for normal mode), when /dev/shm
-    // has room (a container's may be 64 MiB); else private pages, which only RDMA reaches.
-    if (shm_has_room(r.bytes)) {
-      segments_[region] = ShmSegment::create(region == kRegionData ? "verbs-data" : "verbs-signal", r.bytes);
-      r.addr = segments_[region].data();
-    } else {
-      r.addr = alloc_pages(r.bytes);
-    }
+    // Shared memory, so that ranks on this host can also map it (node views for normal mode). A memfd, so a
+    // container's small /dev/shm (often 64 MiB) does not bound it.
+    segments_[region] = ShmSegment::create(region == kRegionData ? "verbs-data" : "verbs-signal", r.bytes);
+    r.addr = segments_[region].data();
     register_region(pd_, &r, IBV_ACCESS_LOCAL_WRITE | IBV_ACCESS_REMOTE_WRITE | IBV_ACCESS_REMOTE_READ |
                             IBV_ACCESS_REMOTE_ATOMIC);
     if (o_.device && region == kRegionSignal) device_signal_ = o_.device->map_host(r.addr, r.bytes);
@@ -282,9 +277,9 @@ class VerbsTransport final : public Transport {
     return n;
   }
 
-  // Every peer has mapped this rank's segments: their names can go.
+  // Every peer has mapped this rank's segments: they need not be open to peers any longer.
   void bootstrap_done() override {
-    for (auto& seg : segments_) seg.unlink_name();
+    for (auto& seg : segments_) seg.stop_sharing();
   }
 
   void* peer_region(int peer, RegionId region) const override { return mapped(peer, region).first; }
@@ -324,11 +319,6 @@ class VerbsTransport final : public Transport {
     } catch (const TransportError&) {
       peer_maps_[size_t(p)] = {};
     }
-  }
-
-  static bool shm_has_room(size_t bytes) {
-    struct statvfs st {};
-    return statvfs("/dev/shm", &st) == 0 && uint64_t(st.f_bavail) * st.f_frsize >= bytes;
   }
 
   void build_channels() {
