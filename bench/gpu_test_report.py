@@ -80,7 +80,7 @@ def deal(ids: list[str], part: str, index: int, uncollected: bool) -> tuple[list
     uncollected: its collection failed, or everyone's did): see the module docstring."""
     n, m = (1, 1) if part == "all" else (int(x) for x in part.split("/"))
     if ids:
-        return (ids, True) if part == "all" else (ids[n - 1::m], False)
+        return (ids, True) if part == "all" else (ids[n - 1 :: m], False)
     return [], uncollected and index % m == n - 1
 
 
@@ -126,7 +126,7 @@ def junit_key(nodeid: str) -> str:
 
 def _short(text: str | None) -> str:
     text = " ".join((text or "").split())
-    return text if len(text) <= MESSAGE_CHARS else text[:MESSAGE_CHARS - 3] + "..."
+    return text if len(text) <= MESSAGE_CHARS else text[: MESSAGE_CHARS - 3] + "..."
 
 
 def case_result(case: ET.Element) -> dict[str, Any]:
@@ -179,8 +179,13 @@ def read_raw(raw: Path) -> dict[str, Any]:
         runs[_rel(file)] = {"rc": int(rc), "seconds": int(seconds), "limit": int(limit)}
     out: dict[str, Any] = {"version": 1, "meta": meta, "files": {}}
     for file in files:
-        entry: dict[str, Any] = {"collected": collected[file], "planned": None, "run": runs.get(file),
-                                 "junit": None, "results": {}}
+        entry: dict[str, Any] = {
+            "collected": collected[file],
+            "planned": None,
+            "run": runs.get(file),
+            "junit": None,
+            "results": {},
+        }
         if file in planned:
             entry["planned"] = planned[file]["planned"]
         if file in errors:
@@ -223,8 +228,10 @@ def merge(runs: list[dict[str, Any]], planned_only: bool = False) -> dict[str, d
             elif e["junit"] != "ok" or e["run"]["rc"] not in (0, 1, 5):
                 r = e["run"]
                 why = " (the time limit)" if r["rc"] in (124, 137) else ""
-                f["notes"].append(f"part {part}: pytest rc {r['rc']}{why} after {r['seconds']} s of "
-                                  f"{r['limit']}, junit XML {e['junit']}")
+                f["notes"].append(
+                    f"part {part}: pytest rc {r['rc']}{why} after {r['seconds']} s of "
+                    f"{r['limit']}, junit XML {e['junit']}"
+                )
     return files
 
 
@@ -242,8 +249,9 @@ def describe(file: str, f: dict[str, Any]) -> list[str]:
     lines = [f"{file}: " + ", ".join(f"{n} {s}" for s, n in c.items())]
     lines += [f"  note: {n}" for n in f["notes"]]
     order = [*(i for i in f["expected"] if i in f["results"]), *(i for i in f["results"] if i not in f["expected"])]
-    lines += [f"  FAILED {i} - {f['results'][i].get('message', '')}" for i in order
-              if f["results"][i]["status"] == "failed"]
+    lines += [
+        f"  FAILED {i} - {f['results'][i].get('message', '')}" for i in order if f["results"][i]["status"] == "failed"
+    ]
     reasons: dict[str, list[str]] = {}  # skips by reason: a missing GPU skips whole files
     for i in order:
         if f["results"][i]["status"] == "skipped":
@@ -275,8 +283,10 @@ def summary(files: dict[str, dict[str, Any]], runs: list[dict[str, Any]]) -> tup
     trees = sorted({f"commit {r['meta'].get('commit', '?')} tree {r['meta'].get('tree', '?')}" for r in runs})
     where = f"part{'s' * (len(runs) > 1)} {parts}{ks}; {' / '.join(trees)}"
     where += " (DIFFERENT TREES)" if len(trees) > 1 else ""
-    line = (f"gpu tests: {total['passed']} passed, {total['failed']} failed, {total['skipped']} skipped, "
-            f"{total['never ran']} never ran (files: {', '.join(per_file) or 'none'}; {where})")
+    line = (
+        f"gpu tests: {total['passed']} passed, {total['failed']} failed, {total['skipped']} skipped, "
+        f"{total['never ran']} never ran (files: {', '.join(per_file) or 'none'}; {where})"
+    )
     ok = total["passed"] > 0 and total["failed"] == total["skipped"] == total["never ran"] == 0
     return line, ok
 
@@ -306,8 +316,11 @@ def main(argv: list[str]) -> int:
     sub = p.add_subparsers(dest="cmd", required=True)
     r = sub.add_parser("report", help="per file results and the summary line of one run or several")
     r.add_argument("--json", help="save the SOURCEs' runs to this file (what device_session.sh brings back)")
-    r.add_argument("--planned-only", action="store_true",
-                   help="count only the tests the runs planned (the lanes of one call), not every collected one")
+    r.add_argument(
+        "--planned-only",
+        action="store_true",
+        help="count only the tests the runs planned (the lanes of one call), not every collected one",
+    )
     r.add_argument("--quiet", action="store_true", help="print nothing (with --json: just save)")
     r.add_argument("sources", nargs="+", metavar="SOURCE")
     pl = sub.add_parser("plan", help="deal the collected tests of a raw folder to one part")

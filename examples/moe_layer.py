@@ -30,7 +30,7 @@ def check(name, got, ref, bound):
     """BF16 tolerance, in float64: the expert outputs and the result are each rounded to BF16 once (unit roundoff
     2^-8), so an element may be off by 2 * 2^-8 of sum_k |w_k| |y_k|; allow twice that."""
     err = (got.double().cpu() - ref).abs()
-    bad = err > 2 ** -6 * bound + 1e-6
+    bad = err > 2**-6 * bound + 1e-6
     if bad.any():
         raise AssertionError(f"{name}: {int(bad.sum())}/{bad.numel()} elements differ (max error {err.max():.3g})")
 
@@ -47,7 +47,7 @@ def main():
     torch.manual_seed(0)  # the same gate and experts on every rank; this rank keeps experts [rank*E_l, +E_l)
     gate = torch.nn.Linear(HIDDEN, E, bias=False)
     experts = [torch.nn.Linear(HIDDEN, HIDDEN, bias=False) for _ in range(E)]
-    mine = [e.to(dev) for e in experts[rank * E_l:(rank + 1) * E_l]]
+    mine = [e.to(dev) for e in experts[rank * E_l : (rank + 1) * E_l]]
     g = torch.Generator().manual_seed(100 + rank)
     n = T - 8 * (rank % 3)  # ranks send different numbers of tokens
     x = torch.randn(n, HIDDEN, generator=g).to(torch.bfloat16)
@@ -55,17 +55,32 @@ def main():
         ref, bound, idx_cpu, w_cpu = moe_reference(x, gate, experts)
     x, topk_idx, topk_w = x.to(dev), idx_cpu.to(dev), w_cpu.to(dev)
 
-    hint = max(portep.Buffer.get_dispatch_config(world).get_nvl_buffer_size_hint(HIDDEN * 2, world),
-               portep.Buffer.get_combine_config(world).get_nvl_buffer_size_hint(HIDDEN * 2, world))
+    hint = max(
+        portep.Buffer.get_dispatch_config(world).get_nvl_buffer_size_hint(HIDDEN * 2, world),
+        portep.Buffer.get_combine_config(world).get_nvl_buffer_size_hint(HIDDEN * 2, world),
+    )
     ll_bytes = portep.Buffer.get_low_latency_rdma_size_hint(T, HIDDEN, world, E)
-    buf = portep.Buffer(dist.group.WORLD, hint, ll_bytes, low_latency_mode=True, explicitly_destroy=True,
-                        backend="cuda" if cuda else "host", timeout_s=60)
+    buf = portep.Buffer(
+        dist.group.WORLD,
+        hint,
+        ll_bytes,
+        low_latency_mode=True,
+        explicitly_destroy=True,
+        backend="cuda" if cuda else "host",
+        timeout_s=60,
+    )
     with torch.no_grad():
         # ---- normal mode: each token once to every rank that holds one of its experts ----
         per_rank, per_rdma, per_expert, in_rank, _ = buf.get_dispatch_layout(topk_idx, E)
         recv_x, recv_idx, recv_w, _, handle, _ = buf.dispatch(
-            x, num_tokens_per_rank=per_rank, num_tokens_per_rdma_rank=per_rdma, is_token_in_rank=in_rank,
-            num_tokens_per_expert=per_expert, topk_idx=topk_idx, topk_weights=topk_w)
+            x,
+            num_tokens_per_rank=per_rank,
+            num_tokens_per_rdma_rank=per_rdma,
+            is_token_in_rank=in_rank,
+            num_tokens_per_expert=per_expert,
+            topk_idx=topk_idx,
+            topk_weights=topk_w,
+        )
         y = torch.zeros(recv_x.size(0), HIDDEN, device=dev)
         for e, expert in enumerate(mine):  # recv_idx: local expert ids, -1 where another rank's expert
             sel = recv_idx == e

@@ -25,9 +25,9 @@ PORTEP_HOST_DEVICE uint8_t e4m3_from_float(float v) {
   memcpy(&bits, &v, 4);
   const uint32_t mag = bits & 0x7fffffffu;
   const uint8_t sign = uint8_t(bits >> 24) & 0x80;
-  if (mag > 0x7f800000u) return 0x7f;  // NaN, as CUDA's conversion gives it
+  if (mag > 0x7f800000u) return 0x7f;          // NaN, as CUDA's conversion gives it
   if (mag >= 0x43e00000u) return sign | 0x7e;  // >= 448, infinity included
-  if (mag < 0x3c800000u) {  // below 2^-6, the smallest normal: a subnormal m * 2^-9 (m = 8 rounds up to 2^-6)
+  if (mag < 0x3c800000u) {         // below 2^-6, the smallest normal: a subnormal m * 2^-9 (m = 8 rounds up to 2^-6)
     const uint32_t e = mag >> 23;  // |v| = sig * 2^(e - 150), so m = sig * 2^(e - 141), rounded
     if (e < 116) return sign;      // |v| < 2^-11, below a quarter of 2^-9 (float subnormals too)
     const uint32_t sig = (mag & 0x7fffffu) | 0x800000u, s = 141 - e;  // s in 21..25

@@ -52,8 +52,7 @@ void PendingSignalTable::on_signal(uint32_t src, uint32_t stream, uint32_t epoch
   release_ready(src, stream, s, out);
 }
 
-void PendingSignalTable::release_ready(uint32_t src, uint32_t stream, StreamState& s,
-                                       std::vector<SignalRelease>* out) {
+void PendingSignalTable::release_ready(uint32_t src, uint32_t stream, StreamState& s, std::vector<SignalRelease>* out) {
   for (;;) {
     EpochState& e = s.epochs[s.next_epoch];
     if (!e.signal_present || e.arrived != e.units) return;

@@ -34,7 +34,8 @@ inline void backoff(const BackoffPolicy& p, uint64_t round) {
     std::this_thread::yield();
     return;
   }
-  std::this_thread::sleep_for(std::chrono::microseconds(round < p.short_sleep_rounds ? p.short_sleep_us : p.long_sleep_us));
+  std::this_thread::sleep_for(
+      std::chrono::microseconds(round < p.short_sleep_rounds ? p.short_sleep_us : p.long_sleep_us));
 }
 
 // A thread with nothing to do: busy-polls for `spin` of wall time first (a GPU proxy that sleeps adds the

@@ -8,7 +8,6 @@
 
 namespace portep {
 
-
 Channel::Channel(const ChannelOptions& o) : opts_(o) {
   opts_.transport.num_channels = o.proxy.num_threads;
   opts_.transport.rank = o.proxy.rank;
@@ -94,8 +93,8 @@ void Channel::check_peer_stream(const char* peer_name, int peer, uint32_t stream
     throw std::invalid_argument(std::string(peer_name) + "=" + std::to_string(peer) + " must be in 0.." +
                                 std::to_string(opts_.proxy.num_ranks - 1));
   if (stream >= opts_.proxy.num_streams)
-    throw std::invalid_argument("stream=" + std::to_string(stream) + " must be < num_streams=" +
-                                std::to_string(opts_.proxy.num_streams));
+    throw std::invalid_argument("stream=" + std::to_string(stream) +
+                                " must be < num_streams=" + std::to_string(opts_.proxy.num_streams));
 }
 
 uint64_t* Channel::slot(int src, uint32_t stream) const {
@@ -219,11 +218,10 @@ void Channel::direct_signal(int dst, uint32_t stream, uint64_t units, bool final
 
 uint64_t Channel::consume_signal(int src, uint32_t stream, uint64_t min_units, bool need_final, double timeout_s) {
   const uint64_t v = wait_slot(
-      src, stream, timeout_s,
-      [&](uint64_t v) { return need_final ? (v >> 32) >= 1 : (v & 0xffffffffu) >= min_units; },
+      src, stream, timeout_s, [&](uint64_t v) { return need_final ? (v >> 32) >= 1 : (v & 0xffffffffu) >= min_units; },
       [&](uint64_t v) {
-        return "no " + (need_final ? std::string("final signal") : std::to_string(min_units) + " units") +
-               " on (src " + std::to_string(src) + ", stream " + std::to_string(stream) + "), have " +
+        return "no " + (need_final ? std::string("final signal") : std::to_string(min_units) + " units") + " on (src " +
+               std::to_string(src) + ", stream " + std::to_string(stream) + "), have " +
                std::to_string(v & 0xffffffffu) + " units";
       });
   return take(src, stream, v, min_units, need_final);
@@ -256,8 +254,8 @@ uint64_t Channel::status_events(int src, StatusEvent kind) const {
   return w ? w->events(src, kind) : 0;
 }
 
-void Channel::write_rows_streams(int dst, const int64_t* local_offs, const int64_t* remote_offs,
-                                 const int64_t* streams, size_t n, uint64_t row_bytes) {
+void Channel::write_rows_streams(int dst, const int64_t* local_offs, const int64_t* remote_offs, const int64_t* streams,
+                                 size_t n, uint64_t row_bytes) {
   for (size_t i = 0; i < n; ++i)
     write_rows(dst, local_offs + i, remote_offs + i, 1, row_bytes, uint32_t(streams[i]), false);
 }
@@ -290,10 +288,11 @@ void Channel::consume_many(size_t n, const int64_t* srcs, const int64_t* streams
     else if (mask && why != kPeerRefused)  // shrink mode: a rank that left, is gone or timed out is masked
       mask[src] = 1;
     else  // a refusal is not a failed rank but a call the ranks disagree on, which masking cannot mend
-      give_up(src, why, timeout_s, "no final signal on (src " + std::to_string(src) + ", stream " +
-                                       std::to_string(stream) + ")");
+      give_up(src, why, timeout_s,
+              "no final signal on (src " + std::to_string(src) + ", stream " + std::to_string(stream) + ")");
     if (wait_ns_out)
-      wait_ns_out[i] = std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now() - t0).count();
+      wait_ns_out[i] =
+          std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now() - t0).count();
   }
 }
 

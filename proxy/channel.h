@@ -74,7 +74,9 @@ class Channel {
 
   uint8_t* data() const { return data_; }
   // Where kernels address this rank's region (GPU channels), else nullptr.
-  void* device_address(RegionId region) const { return transport_ ? transport_->region_device_address(region) : nullptr; }
+  void* device_address(RegionId region) const {
+    return transport_ ? transport_->region_device_address(region) : nullptr;
+  }
   uint64_t data_bytes() const { return opts_.data_bytes; }
   uint64_t* signals() const { return signals_; }
   uint64_t signal_slots() const { return uint64_t(opts_.proxy.num_ranks) * opts_.proxy.num_streams; }

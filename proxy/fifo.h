@@ -54,8 +54,7 @@ inline bool fifo_host_push(const FifoView& f, const TransferCmd& cmd, uint64_t* 
       if (slot - *cached_tail < f.capacity) break;
       if (++spins < 64) continue;
       std::this_thread::yield();
-      if ((spins & 255) == 0 &&
-          std::chrono::steady_clock::now() - start > std::chrono::nanoseconds(timeout_ns)) {
+      if ((spins & 255) == 0 && std::chrono::steady_clock::now() - start > std::chrono::nanoseconds(timeout_ns)) {
         __atomic_fetch_or(f.error_flag, kFifoErrorProducerTimeout, __ATOMIC_RELEASE);
         return false;
       }

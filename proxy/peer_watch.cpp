@@ -13,11 +13,16 @@ constexpr uint64_t kProcessEvery = 25;  // ticks between checks of the peers' pr
 
 const char* peer_status_text(uint32_t status) {
   switch (status) {
-    case kPeerOk: return "answering";
-    case kPeerRefused: return "refused a call this rank made (its own error says why)";
-    case kPeerFailed: return "had a call fail and is out of step until the ranks resynchronise";
-    case kPeerLeft: return "destroyed its Buffer";
-    case kPeerGone: return "process gone";
+    case kPeerOk:
+      return "answering";
+    case kPeerRefused:
+      return "refused a call this rank made (its own error says why)";
+    case kPeerFailed:
+      return "had a call fail and is out of step until the ranks resynchronise";
+    case kPeerLeft:
+      return "destroyed its Buffer";
+    case kPeerGone:
+      return "process gone";
   }
   return "in an unknown state";
 }

@@ -23,7 +23,6 @@
 
 namespace portep {
 
-
 const char* peer_status_text(uint32_t status);
 
 class PeerWatch {

@@ -76,21 +76,21 @@ class ProxyGroup {
   int num_fifos() const;
   FifoView fifo(int i) const;
   int fifo_for(uint32_t dst, uint32_t stream) const;  // the stream -> FIFO mapping every producer must use
-  bool ordered_protocol() const;                       // true: native atomics, no immediates
+  bool ordered_protocol() const;                      // true: native atomics, no immediates
 
   // Host producer helpers: push (throws on timeout or latched error), quiet/barrier through the FIFOs.
   void push(int fifo, const TransferCmd& cmd, uint64_t* cached_tail);
   void quiet_all();
   void barrier();
 
-  void check_error() const;        // throws std::runtime_error with the latched message
+  void check_error() const;  // throws std::runtime_error with the latched message
   // Set once an error latched: for a caller that must not pay for check_error's call (the LL fast path).
   const std::atomic<bool>* failed_flag() const;
   // The peer watch (peer_watch.h), when cfg.status_stream >= 0, else null.
   const PeerWatch* peer_watch() const;
   PeerWatch* peer_watch();
   std::vector<ProxyThreadStats> stats() const;
-  static int live_threads();       // proxy threads running in this process (all groups)
+  static int live_threads();  // proxy threads running in this process (all groups)
 
  private:
   std::unique_ptr<ProxyGroupImpl> impl_;

@@ -12,7 +12,8 @@ void check_config(const ProxyConfig& c) {
   auto bad = [](const std::string& what) { throw std::invalid_argument(what); };
   if (c.num_ranks < 1 || uint32_t(c.num_ranks) > kMaxRanks)
     bad("num_ranks=" + std::to_string(c.num_ranks) + " must be in 1.." + std::to_string(kMaxRanks));
-  if (c.num_threads < 1 || c.num_threads > 64) bad("num_proxy_threads=" + std::to_string(c.num_threads) + " must be in 1..64");
+  if (c.num_threads < 1 || c.num_threads > 64)
+    bad("num_proxy_threads=" + std::to_string(c.num_threads) + " must be in 1..64");
   if (c.num_fifos < c.num_threads)
     bad("num_fifos=" + std::to_string(c.num_fifos) + " must be >= num_proxy_threads=" + std::to_string(c.num_threads));
   if (c.fifo_capacity < 64 || (c.fifo_capacity & (c.fifo_capacity - 1)))
@@ -72,7 +73,8 @@ void ProxyGroupImpl::wait_acks(const std::vector<std::pair<int, uint64_t>>& tick
       if (iter > 64) std::this_thread::sleep_for(std::chrono::microseconds(iter > 4096 ? 100 : 2));
       if (Clock::now() - start > limit)
         throw std::runtime_error(std::string(what) + " on rank " + std::to_string(cfg.rank) + ": FIFO " +
-                                 std::to_string(fifo) + " was not drained within " + std::to_string(cfg.timeout_s) + " s");
+                                 std::to_string(fifo) + " was not drained within " + std::to_string(cfg.timeout_s) +
+                                 " s");
     }
   }
 }
@@ -115,7 +117,8 @@ int ProxyGroup::num_device_fifos() const { return int(impl_->device_fifos.size()
 void ProxyGroup::start() {
   if (!impl_->threads.empty()) return;
   if (impl_->watch) impl_->watch->start();
-  for (int t = 0; t < impl_->cfg.num_threads; ++t) impl_->workers.push_back(std::make_unique<ProxyThread>(impl_.get(), t));
+  for (int t = 0; t < impl_->cfg.num_threads; ++t)
+    impl_->workers.push_back(std::make_unique<ProxyThread>(impl_.get(), t));
   for (int t = 0; t < impl_->cfg.num_threads; ++t) {
     ProxyThread* w = impl_->workers[t].get();
     g_live_threads.fetch_add(1);
@@ -148,7 +151,8 @@ int ProxyGroup::fifo_for(uint32_t dst, uint32_t stream) const {
 void ProxyGroup::push(int fifo, const TransferCmd& cmd, uint64_t* cached_tail) {
   check_error();
   if (fifo < 0 || fifo >= impl_->cfg.num_fifos)
-    throw std::invalid_argument("fifo=" + std::to_string(fifo) + " must be in 0.." + std::to_string(impl_->cfg.num_fifos - 1));
+    throw std::invalid_argument("fifo=" + std::to_string(fifo) + " must be in 0.." +
+                                std::to_string(impl_->cfg.num_fifos - 1));
   if (!impl_->threads.size()) throw std::runtime_error("proxy group is not running");
   const int64_t timeout_ns = int64_t(impl_->cfg.timeout_s * 1e9);
   if (!fifo_host_push(impl_->view(fifo), cmd, cached_tail, timeout_ns)) {

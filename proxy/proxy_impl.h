@@ -59,6 +59,7 @@ class ProxyThread {
   std::vector<std::chrono::steady_clock::time_point> post_times_;  // by sequence number & post_mask_
   uint64_t post_mask_;
   std::chrono::nanoseconds timeout_;
+
  public:
   ProxyThreadStats stats;
 };
@@ -88,9 +89,9 @@ class ProxyGroupImpl {
   std::atomic<bool> stop_flag{false};
   std::atomic<uint64_t> barrier_arrivals[4] = {};
   std::unique_ptr<PeerWatch> watch;  // cfg.status_stream >= 0
-  uint64_t next_ticket = 1;   // host side only
-  uint64_t barrier_epoch = 0; // host side only
-  std::mutex host_mu;         // serializes host-side quiet/barrier callers
+  uint64_t next_ticket = 1;          // host side only
+  uint64_t barrier_epoch = 0;        // host side only
+  std::mutex host_mu;                // serializes host-side quiet/barrier callers
 
  private:
   mutable std::mutex err_mu_;

@@ -84,14 +84,19 @@ void ProxyThread::handle(const TransferCmd& cmd, int fifo) {
   const CmdFields f = cmd_decode(cmd);
   ++stats.commands;
   switch (f.op) {
-    case kOpWrite: return handle_write(f);
-    case kOpSignal: return handle_signal(f);
-    case kOpQuiet: return handle_quiet(f, fifo);
-    case kOpBarrier: return handle_barrier(f, fifo);
-    case kOpNop: return;
+    case kOpWrite:
+      return handle_write(f);
+    case kOpSignal:
+      return handle_signal(f);
+    case kOpQuiet:
+      return handle_quiet(f, fifo);
+    case kOpBarrier:
+      return handle_barrier(f, fifo);
+    case kOpNop:
+      return;
   }
-  throw std::runtime_error("FIFO " + std::to_string(fifo) + " held an invalid command (opcode " +
-                           std::to_string(f.op) + ")");
+  throw std::runtime_error("FIFO " + std::to_string(fifo) + " held an invalid command (opcode " + std::to_string(f.op) +
+                           ")");
 }
 
 template <class PostFn>
@@ -110,7 +115,10 @@ uint64_t ProxyThread::post_with_retry(uint64_t bytes, const char* what, int peer
         return inflight_.on_post(bytes);
       }
     }
-    if (progress()) idle.reset(); else idle.wait();
+    if (progress())
+      idle.reset();
+    else
+      idle.wait();
     if ((iter & 63) == 0 && Clock::now() - start > timeout_) timeout_error(what, peer);
   }
 }
@@ -223,7 +231,10 @@ void ProxyThread::wait_retired_past(uint64_t seq, const char* what, int peer) {
   const auto start = Clock::now();
   IdleWaiter idle = idle_waiter();
   for (uint64_t iter = 1; inflight_.retired() <= seq; ++iter) {
-    if (progress()) idle.reset(); else idle.wait();
+    if (progress())
+      idle.reset();
+    else
+      idle.wait();
     if ((iter & 63) == 0 && Clock::now() - start > timeout_) timeout_error(what, peer);
   }
 }
@@ -298,8 +309,8 @@ void ProxyThread::apply_notice(const RecvNotice& n) {
 
 void ProxyThread::timeout_error(const char* what, int peer) {
   std::string who = peer >= 0 ? " to " + g_->transport->describe_peer(peer) : std::string();
-  throw std::runtime_error(std::string(what) + who + " made no progress within " +
-                           std::to_string(g_->cfg.timeout_s) + " s (" + std::to_string(inflight_.posted() - inflight_.retired()) +
+  throw std::runtime_error(std::string(what) + who + " made no progress within " + std::to_string(g_->cfg.timeout_s) +
+                           " s (" + std::to_string(inflight_.posted() - inflight_.retired()) +
                            " operations in flight, " + std::to_string(pending_.held()) + " signals held)");
 }
 

@@ -15,9 +15,9 @@
 namespace portep {
 
 struct StreamEpoch {
-  uint64_t epoch = 0;                            // epochs closed so far
-  uint32_t units = 0;                            // writes in the open epoch
-  uint64_t closing_seq[imm::kNumEpochs] = {};    // post sequence of the signal that closed epoch (index mod 16)
+  uint64_t epoch = 0;                          // epochs closed so far
+  uint32_t units = 0;                          // writes in the open epoch
+  uint64_t closing_seq[imm::kNumEpochs] = {};  // post sequence of the signal that closed epoch (index mod 16)
   bool closed_once[imm::kNumEpochs] = {};
 
   // Sequence number that must have retired before the open epoch may post (none: returns false).

@@ -38,9 +38,9 @@ enum CmdOp : uint32_t {
 };
 
 enum CmdFlag : uint32_t {
-  kFlagCombine = 1u << 0,   // combine phase (vs dispatch) of an LL/HT exchange
-  kFlagHalf = 1u << 1,      // LL buffer half 1 (vs 0)
-  kFlagFinal = 1u << 2,     // SIGNAL: also add kSignalFinalMark so the receiver knows the stream ended
+  kFlagCombine = 1u << 0,  // combine phase (vs dispatch) of an LL/HT exchange
+  kFlagHalf = 1u << 1,     // LL buffer half 1 (vs 0)
+  kFlagFinal = 1u << 2,    // SIGNAL: also add kSignalFinalMark so the receiver knows the stream ended
   // WRITE: the producer already stored the bytes at remote_off in dst's region (mapped into it: the transport's
   // peer_region, where props().placed_writes); the proxy moves nothing and carries only the write's unit, so the
   // receiver still learns of it through the stream's signal, in order, as of any other write.
@@ -76,9 +76,9 @@ PORTEP_HD constexpr uint64_t mask(int bits) { return bits >= 64 ? ~0ull : ((1ull
 }  // namespace cmd_bits
 
 // Limits that the encoder refuses to exceed (all above UCCL-EP's 256 ranks / 16 MiB-1 / 1023 experts).
-constexpr uint32_t kMaxRanks = 1u << cmd_bits::kRankBits;                  // 8192
-constexpr uint32_t kMaxCmdBytes = 16u << 20;                               // 16 MiB per command
-constexpr uint32_t kMaxStreams = 1u << cmd_bits::kStreamBits;              // 262144
+constexpr uint32_t kMaxRanks = 1u << cmd_bits::kRankBits;                                        // 8192
+constexpr uint32_t kMaxCmdBytes = 16u << 20;                                                     // 16 MiB per command
+constexpr uint32_t kMaxStreams = 1u << cmd_bits::kStreamBits;                                    // 262144
 constexpr uint64_t kMaxOffset = (1ull << (cmd_bits::kOffBits + cmd_bits::kOffAlignShift)) - 16;  // 64 GiB - 16
 constexpr uint32_t kOffsetAlign = 1u << cmd_bits::kOffAlignShift;
 constexpr uint64_t kSignalFinalMark = 1ull << 32;  // added by a final signal on top of its unit count
@@ -125,14 +125,22 @@ PORTEP_HD CmdFields cmd_decode(const TransferCmd& c) {
 
 inline const char* cmd_encode_status_text(int status) {
   switch (status) {
-    case kEncodeOk: return "ok";
-    case kEncodeBadOp: return "opcode must be one of WRITE, SIGNAL, QUIET, BARRIER, NOP";
-    case kEncodeBadFlags: return "flags must fit in 4 bits";
-    case kEncodeRankTooLarge: return "dst_rank must be < 8192";
-    case kEncodeSizeTooLarge: return "size must be <= 16 MiB (16777216 bytes) per command";
-    case kEncodeStreamTooLarge: return "stream must be < 262144";
-    case kEncodeOffsetTooLarge: return "offset must be <= 64 GiB - 16 (68719476720 bytes)";
-    case kEncodeOffsetMisaligned: return "offsets must be multiples of 16 bytes";
+    case kEncodeOk:
+      return "ok";
+    case kEncodeBadOp:
+      return "opcode must be one of WRITE, SIGNAL, QUIET, BARRIER, NOP";
+    case kEncodeBadFlags:
+      return "flags must fit in 4 bits";
+    case kEncodeRankTooLarge:
+      return "dst_rank must be < 8192";
+    case kEncodeSizeTooLarge:
+      return "size must be <= 16 MiB (16777216 bytes) per command";
+    case kEncodeStreamTooLarge:
+      return "stream must be < 262144";
+    case kEncodeOffsetTooLarge:
+      return "offset must be <= 64 GiB - 16 (68719476720 bytes)";
+    case kEncodeOffsetMisaligned:
+      return "offsets must be multiples of 16 bytes";
   }
   return "unknown encode status";
 }

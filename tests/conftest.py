@@ -24,8 +24,11 @@ import pytest  # noqa: E402
 
 
 def pytest_configure(config):
-    config.addinivalue_line("markers", "ci_missing(message): fails at setup: CI expects a piece this machine lacks "
-                            "(tests/support/ci_expect.py's needs)")
+    config.addinivalue_line(
+        "markers",
+        "ci_missing(message): fails at setup: CI expects a piece this machine lacks "
+        "(tests/support/ci_expect.py's needs)",
+    )
     try:
         ci_expect.expected()
     except ValueError as exc:

@@ -30,7 +30,8 @@ std::unique_ptr<Transport> make_transport(const TransportSpec& s) {
     o.window = s.window;
     o.seed = s.seed;
     if (s.device == kEmulatedDeviceWithoutRdma)
-      throw TransportError(s.name + ": device=" + std::to_string(s.device) + " (emulated GPU memory no NIC can "
+      throw TransportError(s.name + ": device=" + std::to_string(s.device) +
+                           " (emulated GPU memory no NIC can "
                            "register) is for the verbs transports only");
     o.device = device_memory_for(s);
     return std::make_unique<ShmTransport>(o);

@@ -42,9 +42,9 @@ class TransportError : public std::runtime_error {
 
 // Where a channel's posted operations wait, for error messages (read by the channel's own proxy thread).
 struct TransportBacklog {
-  uint64_t queued = 0;        // posted, not yet handed to the wire or the copy engine (unordered windows)
-  uint64_t copying = 0;       // handed to a copy engine, completion not yet seen
-  uint64_t notify_full = 0;   // 1 when the oldest completed copy waits for room in the receiver's ring
+  uint64_t queued = 0;       // posted, not yet handed to the wire or the copy engine (unordered windows)
+  uint64_t copying = 0;      // handed to a copy engine, completion not yet seen
+  uint64_t notify_full = 0;  // 1 when the oldest completed copy waits for room in the receiver's ring
 };
 
 class Transport {

@@ -31,14 +31,23 @@ def default_modes():
 def _add_ep(sub, common):
     from portep_bench.ep import default_ranks
 
-    p = sub.add_parser("ep", parents=[common], formatter_class=FORMATTER,
-                       help="layout, HT and LL dispatch/combine through portep.Buffer on the host backend (a CPU "
-                       "emulation of the protocols, not GPU speed) vs gloo all_to_all_single")
-    p.add_argument("--ranks", type=int, default=default_ranks(), help="rank processes; the default is this "
-                   "machine's core count, 2 to 4")
+    p = sub.add_parser(
+        "ep",
+        parents=[common],
+        formatter_class=FORMATTER,
+        help="layout, HT and LL dispatch/combine through portep.Buffer on the host backend (a CPU "
+        "emulation of the protocols, not GPU speed) vs gloo all_to_all_single",
+    )
+    p.add_argument(
+        "--ranks",
+        type=int,
+        default=default_ranks(),
+        help="rank processes; the default is this machine's core count, 2 to 4",
+    )
     p.add_argument("--ranks-per-node", type=int, default=None, help="ranks per node; None: all ranks on one node")
-    p.add_argument("--transport", choices=["shm", "shm-unordered"], default="shm",
-                   help="host transport (portep.Buffer transport=)")
+    p.add_argument(
+        "--transport", choices=["shm", "shm-unordered"], default="shm", help="host transport (portep.Buffer transport=)"
+    )
     p.add_argument("--ht-tokens", type=int, default=4096, help="tokens per rank, HT (normal) mode")
     p.add_argument("--ll-tokens", type=int, default=128, help="tokens per rank, LL (low-latency) mode")
     p.add_argument("--hidden", type=int, default=7168, help="hidden size (a multiple of 128)")
@@ -50,11 +59,16 @@ def _add_ep(sub, common):
 
 
 def _add_channel(sub, common):
-    p = sub.add_parser("channel", parents=[common], formatter_class=FORMATTER,
-                       help="command rate and write+signal latency through the proxies (host backend)")
+    p = sub.add_parser(
+        "channel",
+        parents=[common],
+        formatter_class=FORMATTER,
+        help="command rate and write+signal latency through the proxies (host backend)",
+    )
     p.add_argument("--ranks", type=int, default=4, help="local ranks (processes)")
-    p.add_argument("--transport", action="append", choices=["shm", "shm-unordered"],
-                   help="repeat to run several; None: both")
+    p.add_argument(
+        "--transport", action="append", choices=["shm", "shm-unordered"], help="repeat to run several; None: both"
+    )
     p.add_argument("--proxy-threads", type=int, default=4, help="proxy threads per rank")
     p.add_argument("--producers", type=int, default=4, help="host producer threads per rank")
     p.add_argument("--messages", type=int, default=20000, help="writes per producer")
@@ -65,31 +79,60 @@ def _add_channel(sub, common):
 
 
 def _add_gpu(sub, common):
-    sub.add_parser("gpu-fifo", parents=[common], formatter_class=FORMATTER,
-                   help="GPU -> host command channel: commands/s and round trip (needs a GPU)")
-    p = sub.add_parser("gpu-ll", parents=[common], formatter_class=FORMATTER,
-                       help="LL dispatch/combine on GPUs, direct and proxy paths, vs NCCL (needs 2 GPUs)")
+    sub.add_parser(
+        "gpu-fifo",
+        parents=[common],
+        formatter_class=FORMATTER,
+        help="GPU -> host command channel: commands/s and round trip (needs a GPU)",
+    )
+    p = sub.add_parser(
+        "gpu-ll",
+        parents=[common],
+        formatter_class=FORMATTER,
+        help="LL dispatch/combine on GPUs, direct and proxy paths, vs NCCL (needs 2 GPUs)",
+    )
     _shape_arguments(p, tokens=128, experts=288, iterations=50)
-    p.add_argument("--proxy-transport", choices=["shm", "shm-unordered"], default="shm",
-                   help="transport of the forced proxy path")
+    p.add_argument(
+        "--proxy-transport", choices=["shm", "shm-unordered"], default="shm", help="transport of the forced proxy path"
+    )
     p.add_argument("--no-proxy", action="store_true", help="measure the direct NVLink path only")
-    p = sub.add_parser("gpu-ht", parents=[common], formatter_class=FORMATTER,
-                       help="HT (normal) dispatch/combine on GPUs of one node vs NCCL (needs 2 GPUs)")
+    p = sub.add_parser(
+        "gpu-ht",
+        parents=[common],
+        formatter_class=FORMATTER,
+        help="HT (normal) dispatch/combine on GPUs of one node vs NCCL (needs 2 GPUs)",
+    )
     _shape_arguments(p, tokens=4096, experts=256, iterations=20)
     p.add_argument("--sms", type=int, nargs="+", default=[24, 8, 16, 32], help="config.num_sms values to run")
-    sub.add_parser("gpu", parents=[common], formatter_class=FORMATTER,
-                   help="gpu-ll, then gpu-ht, with their defaults (the default with two GPUs)")
-    p = sub.add_parser("gpu-ht-loopback", parents=[common], formatter_class=FORMATTER,
-                       help="HT kernels' own throughput, both EP2 ranks on one GPU (peer stores go to that GPU's "
-                       "memory, not NVLink; the default with one GPU, then ll-host)")
+    sub.add_parser(
+        "gpu",
+        parents=[common],
+        formatter_class=FORMATTER,
+        help="gpu-ll, then gpu-ht, with their defaults (the default with two GPUs)",
+    )
+    p = sub.add_parser(
+        "gpu-ht-loopback",
+        parents=[common],
+        formatter_class=FORMATTER,
+        help="HT kernels' own throughput, both EP2 ranks on one GPU (peer stores go to that GPU's "
+        "memory, not NVLink; the default with one GPU, then ll-host)",
+    )
     p.add_argument("--sms", type=int, nargs="+", default=[8, 16, 24, 32, 48, 64], help="config.num_sms per rank")
     p.add_argument("--iterations", type=int, default=20, help="timed launches per op")
-    p.add_argument("--masks", nargs="*", default=[], choices=["self", "peer", "none"],
-                   help="also time BF16 dispatch with every token sent to its own rank only, the peer only, nowhere")
+    p.add_argument(
+        "--masks",
+        nargs="*",
+        default=[],
+        choices=["self", "peer", "none"],
+        help="also time BF16 dispatch with every token sent to its own rank only, the peer only, nowhere",
+    )
     p.add_argument("--no-check", action="store_true", help="report outputs that differ instead of stopping")
-    p = sub.add_parser("ll-host", parents=[common], formatter_class=FORMATTER,
-                       help="host (CPU) time of the LL dispatch/combine calls on one GPU, next to a baseline "
-                       "(needs a GPU)")
+    p = sub.add_parser(
+        "ll-host",
+        parents=[common],
+        formatter_class=FORMATTER,
+        help="host (CPU) time of the LL dispatch/combine calls on one GPU, next to a baseline (needs a GPU)",
+    )
     p.add_argument("--calls", type=int, default=1000, help="timed calls per row")
 
 
@@ -103,12 +146,17 @@ def _shape_arguments(p, tokens, experts, iterations):
 
 def build_parser():
     common = argparse.ArgumentParser(add_help=False)
-    common.add_argument("--json", metavar="PATH", help="write every table, its raw samples and the machine's facts "
-                        "as JSON")
+    common.add_argument(
+        "--json", metavar="PATH", help="write every table, its raw samples and the machine's facts as JSON"
+    )
     common.add_argument("--plot", metavar="DIR", help=f"write one PNG per table (needs matplotlib: {plot.HOW_TO_GET})")
-    parser = argparse.ArgumentParser(prog="python -m portep_bench", description=__doc__, formatter_class=FORMATTER,
-                                     epilog=f"default here: {' then '.join(default_modes())}; 'python -m portep_bench "
-                                     "MODE --help' shows a mode's options and their defaults")
+    parser = argparse.ArgumentParser(
+        prog="python -m portep_bench",
+        description=__doc__,
+        formatter_class=FORMATTER,
+        epilog=f"default here: {' then '.join(default_modes())}; 'python -m portep_bench "
+        "MODE --help' shows a mode's options and their defaults",
+    )
     sub = parser.add_subparsers(dest="mode", metavar="MODE")
     _add_ep(sub, common)
     _add_channel(sub, common)
@@ -136,18 +184,37 @@ def parse(argv):
 def run_ep(args, report):
     from portep_bench import ep
 
-    ep.run(report, ranks=args.ranks, ranks_per_node=args.ranks_per_node, transport=args.transport,
-           ht_tokens=args.ht_tokens, ll_tokens=args.ll_tokens, hidden=args.hidden, topk=args.topk,
-           ht_experts=args.ht_experts, ll_experts=args.ll_experts, iterations=args.iterations, warmup=args.warmup)
+    ep.run(
+        report,
+        ranks=args.ranks,
+        ranks_per_node=args.ranks_per_node,
+        transport=args.transport,
+        ht_tokens=args.ht_tokens,
+        ll_tokens=args.ll_tokens,
+        hidden=args.hidden,
+        topk=args.topk,
+        ht_experts=args.ht_experts,
+        ll_experts=args.ll_experts,
+        iterations=args.iterations,
+        warmup=args.warmup,
+    )
 
 
 def run_channel(args, report):
     from portep_bench import channel
 
-    channel.run(report, ranks=args.ranks, transports=tuple(args.transport or ("shm", "shm-unordered")),
-                threads=args.proxy_threads, producers=args.producers, messages=args.messages,
-                msg_bytes=args.message_bytes, signal_every=args.signal_every, sizes=tuple(args.sizes),
-                iterations=args.iterations)
+    channel.run(
+        report,
+        ranks=args.ranks,
+        transports=tuple(args.transport or ("shm", "shm-unordered")),
+        threads=args.proxy_threads,
+        producers=args.producers,
+        messages=args.messages,
+        msg_bytes=args.message_bytes,
+        signal_every=args.signal_every,
+        sizes=tuple(args.sizes),
+        iterations=args.iterations,
+    )
 
 
 def run_gpu_fifo(args, report):
@@ -159,16 +226,31 @@ def run_gpu_fifo(args, report):
 def run_gpu_ll(args, report):
     from portep_bench import ll_gpu
 
-    ll_gpu.run(report, tokens=args.tokens, hidden=args.hidden, topk=args.topk, experts=args.experts,
-               iterations=args.iterations, proxy_transport=args.proxy_transport, with_proxy=not args.no_proxy)
+    ll_gpu.run(
+        report,
+        tokens=args.tokens,
+        hidden=args.hidden,
+        topk=args.topk,
+        experts=args.experts,
+        iterations=args.iterations,
+        proxy_transport=args.proxy_transport,
+        with_proxy=not args.no_proxy,
+    )
     ll_gpu.run_channel(report)
 
 
 def run_gpu_ht(args, report):
     from portep_bench import ht_gpu
 
-    ht_gpu.run(report, tokens=args.tokens, hidden=args.hidden, topk=args.topk, experts=args.experts,
-               iterations=args.iterations, sms_list=tuple(args.sms))
+    ht_gpu.run(
+        report,
+        tokens=args.tokens,
+        hidden=args.hidden,
+        topk=args.topk,
+        experts=args.experts,
+        iterations=args.iterations,
+        sms_list=tuple(args.sms),
+    )
 
 
 def run_gpu(args, report):
@@ -182,8 +264,9 @@ def run_gpu(args, report):
 def run_loopback(args, report):
     from portep_bench import ht_loopback
 
-    ht_loopback.run(report, sms_list=tuple(args.sms), iterations=args.iterations, masks=tuple(args.masks),
-                    check=not args.no_check)
+    ht_loopback.run(
+        report, sms_list=tuple(args.sms), iterations=args.iterations, masks=tuple(args.masks), check=not args.no_check
+    )
 
 
 def run_ll_host(args, report):
@@ -201,8 +284,16 @@ def run_ll_host(args, report):
     report.add(t)
 
 
-RUNNERS = {"ep": run_ep, "channel": run_channel, "gpu-fifo": run_gpu_fifo, "gpu-ll": run_gpu_ll,
-           "gpu-ht": run_gpu_ht, "gpu": run_gpu, "gpu-ht-loopback": run_loopback, "ll-host": run_ll_host}
+RUNNERS = {
+    "ep": run_ep,
+    "channel": run_channel,
+    "gpu-fifo": run_gpu_fifo,
+    "gpu-ll": run_gpu_ll,
+    "gpu-ht": run_gpu_ht,
+    "gpu": run_gpu,
+    "gpu-ht-loopback": run_loopback,
+    "ll-host": run_ll_host,
+}
 
 
 def finish(report, json_path, plot_dir):
@@ -221,8 +312,11 @@ def main(argv=None):
     runs = parse(argv)
     json_path, plot_dir = runs[0].json, runs[0].plot
     if plot_dir and not plot.available():
-        print(f"--plot: matplotlib is not installed, so this run writes no plots ({plot.HOW_TO_GET} for them); "
-              "the tables and --json are written as usual", file=sys.stderr)
+        print(
+            f"--plot: matplotlib is not installed, so this run writes no plots ({plot.HOW_TO_GET} for them); "
+            "the tables and --json are written as usual",
+            file=sys.stderr,
+        )
     progress = Progress()
     modes = [a.mode for a in runs]
     report = Report(" ".join(["python -m portep_bench"] + [shlex.quote(a) for a in argv]), modes, progress)

@@ -33,8 +33,9 @@ def _gloo_pingpong(rank, nbytes, iterations):
     return lat
 
 
-def _rank_body(rank, world, transport, threads, producers, messages, msg_bytes, signal_every, sizes, iterations,
-               progress):
+def _rank_body(
+    rank, world, transport, threads, producers, messages, msg_bytes, signal_every, sizes, iterations, progress
+):
     import torch.distributed as dist
 
     import portep
@@ -44,8 +45,15 @@ def _rank_body(rank, world, transport, threads, producers, messages, msg_bytes, 
     nbytes = max(portep_testing.traffic_region_bytes(producers, messages, msg_bytes, world), 2 * max(sizes) + 4096)
     nbytes = (nbytes + 15) // 16 * 16
     out = {}
-    with portep.Channel(None, nbytes, transport=transport, num_streams=max(producers, 1), num_proxy_threads=threads,
-                        num_fifos=max(32, threads), seed=rank + 1) as ch:
+    with portep.Channel(
+        None,
+        nbytes,
+        transport=transport,
+        num_streams=max(producers, 1),
+        num_proxy_threads=threads,
+        num_fifos=max(32, threads),
+        seed=rank + 1,
+    ) as ch:
         if rank == 0:
             say(f"channel {transport}: baseline, the FIFO alone ({FIFO_ALONE_REPEATS} runs)")
             runs = [portep_testing.fifo_selftest(producers, messages, 4096, 60.0) for _ in range(FIFO_ALONE_REPEATS)]
@@ -62,8 +70,9 @@ def _rank_body(rank, world, transport, threads, producers, messages, msg_bytes, 
             base = int(ch.signals[1 - rank, 0]) & 0xFFFFFFFF if rank < 2 else 0
             ch.barrier()
             if rank < 2:
-                lat = portep_testing.run_pingpong(ch._native.native_handle, 1 - rank, rank == 0, iterations, size,
-                                                  base, 60.0)
+                lat = portep_testing.run_pingpong(
+                    ch._native.native_handle, 1 - rank, rank == 0, iterations, size, base, 60.0
+                )
                 if rank == 0:
                     out["latency"][size] = lat
             ch.barrier()
@@ -78,32 +87,70 @@ def _rank_body(rank, world, transport, threads, producers, messages, msg_bytes, 
     return out
 
 
-def run(report, ranks=4, transports=("shm", "shm-unordered"), threads=4, producers=4, messages=20000, msg_bytes=64,
-        signal_every=8, sizes=(8, 4096), iterations=2000):
+def run(
+    report,
+    ranks=4,
+    transports=("shm", "shm-unordered"),
+    threads=4,
+    producers=4,
+    messages=20000,
+    msg_bytes=64,
+    signal_every=8,
+    sizes=(8, 4096),
+    iterations=2000,
+):
     if ranks < 2:
         raise ValueError(f"ranks={ranks} must be >= 2 for the channel benchmark")
-    setup = (f"{ranks} ranks (processes) on this host, {threads} proxy threads and {producers} producer threads per "
-             f"rank, {messages} writes of <= {msg_bytes} B per producer to random peers, a signal after 1 in "
-             f"{signal_every} writes; latency: {iterations} round trips rank 0 <-> 1")
+    setup = (
+        f"{ranks} ranks (processes) on this host, {threads} proxy threads and {producers} producer threads per "
+        f"rank, {messages} writes of <= {msg_bytes} B per producer to random peers, a signal after 1 in "
+        f"{signal_every} writes; latency: {iterations} round trips rank 0 <-> 1"
+    )
     report.say(f"channel: {setup}; {EMULATION}")
-    rates = Table(f"channel: command rate, {ranks} ranks, {threads} proxy threads per rank", "M cmd/s",
-                  f"{EMULATION}. {setup}. Samples: each process's commands per second (median over the processes "
-                  f"= the old single figure); baseline: the FIFO alone (same producer threads, no proxy or transport), "
-                  f"{FIFO_ALONE_REPEATS} runs on rank 0.", extra_columns=("M cmd/s per proxy thread at median",))
-    latency = Table(f"channel: write+signal round trip, ranks 0 <-> 1 of {ranks}", "us",
-                    f"{EMULATION}. Samples: {iterations} round trips of a write with a signal, rank 0 <-> 1; "
-                    "baseline: gloo send/recv of the same bytes, same run.", p99=True)
+    rates = Table(
+        f"channel: command rate, {ranks} ranks, {threads} proxy threads per rank",
+        "M cmd/s",
+        f"{EMULATION}. {setup}. Samples: each process's commands per second (median over the processes "
+        f"= the old single figure); baseline: the FIFO alone (same producer threads, no proxy or transport), "
+        f"{FIFO_ALONE_REPEATS} runs on rank 0.",
+        extra_columns=("M cmd/s per proxy thread at median",),
+    )
+    latency = Table(
+        f"channel: write+signal round trip, ranks 0 <-> 1 of {ranks}",
+        "us",
+        f"{EMULATION}. Samples: {iterations} round trips of a write with a signal, rank 0 <-> 1; "
+        "baseline: gloo send/recv of the same bytes, same run.",
+        p99=True,
+    )
     for transport in transports:
         report.progress(f"channel {transport}: starting {ranks} rank processes")
-        out = run_ranks(_rank_body, ranks, args=(transport, threads, producers, messages, msg_bytes, signal_every,
-                                                 tuple(sizes), iterations, report.progress), timeout=600)
+        out = run_ranks(
+            _rank_body,
+            ranks,
+            args=(
+                transport,
+                threads,
+                producers,
+                messages,
+                msg_bytes,
+                signal_every,
+                tuple(sizes),
+                iterations,
+                report.progress,
+            ),
+            timeout=600,
+        )
         per_process = [out[r]["rate"] / 1e6 for r in range(ranks)]
-        rates.add(f"{transport}, per process", per_process,
-                  extra={"M cmd/s per proxy thread at median": f"{median(per_process) / threads:.3f}"})
+        rates.add(
+            f"{transport}, per process",
+            per_process,
+            extra={"M cmd/s per proxy thread at median": f"{median(per_process) / threads:.3f}"},
+        )
         rates.add(f"baseline: FIFO alone ({transport} run)", [v / 1e6 for v in out[0]["fifo_alone_rates"]])
         for size in sizes:
             latency.add(f"{transport}, {size} B", [v / 1e3 for v in out[0]["latency"][size]])
-            latency.add(f"baseline: gloo send/recv, {size} B ({transport} run)",
-                        [v / 1e3 for v in out[0]["gloo_latency"][size]])
+            latency.add(
+                f"baseline: gloo send/recv, {size} B ({transport} run)", [v / 1e3 for v in out[0]["gloo_latency"][size]]
+            )
     report.add(rates)
     report.add(latency)

@@ -15,9 +15,11 @@ from .report import Table
 from .spawn import run_ranks
 
 EMULATION = "host backend: a CPU emulation of the protocols over shared memory, not GPU speed"
-NOTE = (f"{EMULATION}. Every rank is a process on this machine's CPUs; the figures compare portep versions on one "
-        "machine, and portep with gloo's all_to_all_single of the same rows (with the index_select pack a user would "
-        "need) measured in the same run.")
+NOTE = (
+    f"{EMULATION}. Every rank is a process on this machine's CPUs; the figures compare portep versions on one "
+    "machine, and portep with gloo's all_to_all_single of the same rows (with the index_select pack a user would "
+    "need) measured in the same run."
+)
 
 
 def default_ranks():
@@ -70,8 +72,21 @@ def _baseline_a2a(x, is_token_in_rank, world):
     return recv
 
 
-def _rank_body(rank, world, rpn, transport, ht_tokens, ll_tokens, hidden, topk, ht_experts, ll_experts, iterations,
-               warmup, progress):
+def _rank_body(
+    rank,
+    world,
+    rpn,
+    transport,
+    ht_tokens,
+    ll_tokens,
+    hidden,
+    topk,
+    ht_experts,
+    ll_experts,
+    iterations,
+    warmup,
+    progress,
+):
     import torch
     import torch.distributed as dist
 
@@ -83,20 +98,26 @@ def _rank_body(rank, world, rpn, transport, ht_tokens, ll_tokens, hidden, topk, 
     if progress:
         progress(f"ep: {world} ranks up; making the HT Buffer")
     res = {}
-    buf = portep.Buffer(dist.group.WORLD, 3 << 30, 0, num_ranks_per_node=rpn, transport=transport,
-                        explicitly_destroy=True)
+    buf = portep.Buffer(
+        dist.group.WORLD, 3 << 30, 0, num_ranks_per_node=rpn, transport=transport, explicitly_destroy=True
+    )
     x, idx, w = _inputs(rank, ht_tokens, hidden, topk, ht_experts, 1)
     layout, res["layout"] = timed(lambda: buf.get_dispatch_layout(idx, ht_experts), "get_dispatch_layout")
     per_rank, per_rdma, per_expert, in_rank, _ = layout
-    kw = dict(num_tokens_per_rank=per_rank, num_tokens_per_rdma_rank=per_rdma, is_token_in_rank=in_rank,
-              num_tokens_per_expert=per_expert)
+    kw = dict(
+        num_tokens_per_rank=per_rank,
+        num_tokens_per_rdma_rank=per_rdma,
+        is_token_in_rank=in_rank,
+        num_tokens_per_expert=per_expert,
+    )
     d, res["ht_dispatch"] = timed(lambda: buf.dispatch(x, topk_idx=idx, topk_weights=w, **kw), "HT dispatch BF16")
     recv_rows = d[0].size(0)
     _, res["ht_combine"] = timed(lambda: buf.combine(d[0], d[4], topk_weights=d[2]), "HT combine BF16")
     x_fp8 = x.float().clamp(-448, 448).to(torch.float8_e4m3fn)
     scales = torch.ones(ht_tokens, hidden // 128)
-    _, res["ht_dispatch_fp8"] = timed(lambda: buf.dispatch((x_fp8, scales), topk_idx=idx, topk_weights=w, **kw),
-                                      "HT dispatch FP8")
+    _, res["ht_dispatch_fp8"] = timed(
+        lambda: buf.dispatch((x_fp8, scales), topk_idx=idx, topk_weights=w, **kw), "HT dispatch FP8"
+    )
     _, res["a2a"] = timed(lambda: _baseline_a2a(x, in_rank, world), "baseline gloo all_to_all_single")
     buf.destroy()
     res["ht_bytes"] = recv_rows * hidden * 2
@@ -105,8 +126,15 @@ def _rank_body(rank, world, rpn, transport, ht_tokens, ll_tokens, hidden, topk, 
     if progress:
         progress("ep: making the LL Buffer")
     ll_bytes = portep.Buffer.get_low_latency_rdma_size_hint(T, hidden, world, ll_experts)
-    buf = portep.Buffer(dist.group.WORLD, 0, ll_bytes, low_latency_mode=True,
-                        num_ranks_per_node=rpn, transport=transport, explicitly_destroy=True)
+    buf = portep.Buffer(
+        dist.group.WORLD,
+        0,
+        ll_bytes,
+        low_latency_mode=True,
+        num_ranks_per_node=rpn,
+        transport=transport,
+        explicitly_destroy=True,
+    )
     xl, idxl, wl = _inputs(rank, T, hidden, topk, ll_experts, 2)
     state = {}
 
@@ -117,8 +145,9 @@ def _rank_body(rank, world, rpn, transport, ht_tokens, ll_tokens, hidden, topk, 
     ll_dispatch()
     recv_bf16 = torch.zeros(state["d"][0][0].shape, dtype=torch.bfloat16)
     _, res["ll_dispatch"] = timed(ll_dispatch, "LL dispatch FP8")
-    _, res["ll_combine"] = timed(lambda: (ll_dispatch(), buf.low_latency_combine(recv_bf16, idxl, wl, state["d"][2])),
-                                 "LL dispatch + combine")
+    _, res["ll_combine"] = timed(
+        lambda: (ll_dispatch(), buf.low_latency_combine(recv_bf16, idxl, wl, state["d"][2])), "LL dispatch + combine"
+    )
     buf.destroy()
     selections = int((idxl >= 0).sum())
     res["ll_dispatch_bytes"] = selections * (hidden + hidden // 128 * 4 + 16)
@@ -126,21 +155,54 @@ def _rank_body(rank, world, rpn, transport, ht_tokens, ll_tokens, hidden, topk, 
     return res
 
 
-def run(report, ranks=default_ranks(), ranks_per_node=None, transport="shm", ht_tokens=4096, ll_tokens=128,
-        hidden=7168, topk=8, ht_experts=256, ll_experts=288, iterations=10, warmup=1):
+def run(
+    report,
+    ranks=default_ranks(),
+    ranks_per_node=None,
+    transport="shm",
+    ht_tokens=4096,
+    ll_tokens=128,
+    hidden=7168,
+    topk=8,
+    ht_experts=256,
+    ll_experts=288,
+    iterations=10,
+    warmup=1,
+):
     rpn = ranks_per_node or ranks
-    shape = (f"{ranks} ranks ({rpn} per node), transport {transport}; HT {ht_tokens} tokens, LL {ll_tokens} tokens, "
-             f"hidden {hidden}, top-{topk}, {ht_experts} (HT) / {ll_experts} (LL) experts")
+    shape = (
+        f"{ranks} ranks ({rpn} per node), transport {transport}; HT {ht_tokens} tokens, LL {ll_tokens} tokens, "
+        f"hidden {hidden}, top-{topk}, {ht_experts} (HT) / {ll_experts} (LL) experts"
+    )
     report.say(f"ep: {shape}; {EMULATION}")
     report.progress(f"ep: starting {ranks} rank processes (each imports torch and portep)")
-    out = run_ranks(_rank_body, ranks, args=(rpn, transport, ht_tokens, ll_tokens, hidden, topk, ht_experts,
-                                             ll_experts, iterations, warmup, report.progress), timeout=1800)
+    out = run_ranks(
+        _rank_body,
+        ranks,
+        args=(
+            rpn,
+            transport,
+            ht_tokens,
+            ll_tokens,
+            hidden,
+            topk,
+            ht_experts,
+            ll_experts,
+            iterations,
+            warmup,
+            report.progress,
+        ),
+        timeout=1800,
+    )
     r0 = out[0]
     ht_bytes = r0["ht_bytes"]  # DeepEP prints each rank's received bytes
-    t = Table(f"ep: host backend, {ranks} ranks, HT {ht_tokens} / LL {ll_tokens} tokens, hidden {hidden}", "ms",
-              f"{NOTE} Each sample is one call, from a barrier to the slowest rank's return; {warmup} untimed "
-              "warm-up call(s) before each op. GB/s: rank 0's bytes as DeepEP counts them, at the "
-              "median.")
+    t = Table(
+        f"ep: host backend, {ranks} ranks, HT {ht_tokens} / LL {ll_tokens} tokens, hidden {hidden}",
+        "ms",
+        f"{NOTE} Each sample is one call, from a barrier to the slowest rank's return; {warmup} untimed "
+        "warm-up call(s) before each op. GB/s: rank 0's bytes as DeepEP counts them, at the "
+        "median.",
+    )
     t.add("get_dispatch_layout", r0["layout"])
     t.add("HT dispatch BF16", r0["ht_dispatch"], ht_bytes)
     t.add("baseline: gloo all_to_all_single + pack, HT BF16 rows", r0["a2a"], ht_bytes)

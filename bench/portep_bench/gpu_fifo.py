@@ -9,41 +9,58 @@ layout."""
 from .report import MissingHardware, Table
 from .stats import median, percentile
 
-NOTE = ("one GPU and this host's CPUs: probe kernels push commands into FIFOs in mapped host memory (across PCIe), "
-        "host consumer threads pop and check them (no transport, no peer). Samples: one per repeat of a "
-        "configuration.")
-QUOTED = ("quoted baseline, not this run: the untuned probe on the H200 machine (reference/gpu-machine.md) gave 21.0 "
-          "M cmd/s with 1 FIFO and 1 thread, 42.8 with 8 and 1, 57.3 with 32 and 4, 83.9 with 128 and 16; round "
-          "trip 3.3 us")
+NOTE = (
+    "one GPU and this host's CPUs: probe kernels push commands into FIFOs in mapped host memory (across PCIe), "
+    "host consumer threads pop and check them (no transport, no peer). Samples: one per repeat of a "
+    "configuration."
+)
+QUOTED = (
+    "quoted baseline, not this run: the untuned probe on the H200 machine (reference/gpu-machine.md) gave 21.0 "
+    "M cmd/s with 1 FIFO and 1 thread, 42.8 with 8 and 1, 57.3 with 32 and 4, 83.9 with 128 and 16; round "
+    "trip 3.3 us"
+)
 
 
-def run(report, configs=((1, 1, 64, 20000), (8, 1, 256, 5000), (32, 4, 1024, 2000), (128, 16, 4096, 500)),
-        rtt_iterations=20000, repeats=5):
+def run(
+    report,
+    configs=((1, 1, 64, 20000), (8, 1, 256, 5000), (32, 4, 1024, 2000), (128, 16, 4096, 500)),
+    rtt_iterations=20000,
+    repeats=5,
+):
     import portep_testing
     from portep import native
 
     if not native.build_info()["gpu_built"] or native.cuda_devices()[0] == 0:
         raise MissingHardware(f"gpu-fifo needs a CUDA GPU and portep's CUDA kernels: {native.cuda_devices()[1]}")
     report.say(f"gpu-fifo: {NOTE}")
-    t = Table("gpu-fifo: command rate, probe kernels -> host consumer threads", "M cmd/s", NOTE,
-              extra_columns=("commands per run", "all in order"))
+    t = Table(
+        "gpu-fifo: command rate, probe kernels -> host consumer threads",
+        "M cmd/s",
+        NOTE,
+        extra_columns=("commands per run", "all in order"),
+    )
     for fifos, threads, warps, per_warp in configs:
         report.progress(f"gpu-fifo: {fifos} FIFOs, {threads} consumer threads, {warps} warps, {repeats} runs")
         portep_testing.cuda_fifo_probe(fifos, threads, warps, min(per_warp, 100))  # warm-up
         runs = [portep_testing.cuda_fifo_probe(fifos, threads, warps, per_warp) for _ in range(repeats)]
         bad = [r for r in runs if r["popped"] != warps * per_warp or r["out_of_order"] or r["producer_timeout"]]
-        t.add(f"{fifos} FIFOs, {threads} consumer threads, {warps} warps",
-              [r["popped"] / r["seconds"] / 1e6 for r in runs],
-              extra={"commands per run": warps * per_warp, "all in order": "yes" if not bad else f"NO ({bad[0]})"})
+        t.add(
+            f"{fifos} FIFOs, {threads} consumer threads, {warps} warps",
+            [r["popped"] / r["seconds"] / 1e6 for r in runs],
+            extra={"commands per run": warps * per_warp, "all in order": "yes" if not bad else f"NO ({bad[0]})"},
+        )
     report.progress(f"gpu-fifo: {rtt_iterations} single-command round trips")
     for line in command_latency_lines(portep_testing.cuda_fifo_rtt(rtt_iterations)):
         t.line(line)
     t.line(QUOTED)
     report.add(t)
     report.progress("gpu-fifo: get_dispatch_layout kernel")
-    layout = Table("gpu-fifo: get_dispatch_layout kernel, 4096 tokens, top-8, 256 experts, EP2", "us",
-                   "one GPU: the layout kernel alone, CUDA events around each launch (the output memsets included); "
-                   "baseline: torch ops computing the same counts and mask, same run.")
+    layout = Table(
+        "gpu-fifo: get_dispatch_layout kernel, 4096 tokens, top-8, 256 experts, EP2",
+        "us",
+        "one GPU: the layout kernel alone, CUDA events around each launch (the output memsets included); "
+        "baseline: torch ops computing the same counts and mask, same run.",
+    )
     kernel, with_torch = _layout_times_us()
     layout.add("get_dispatch_layout kernel", kernel)
     layout.add("baseline: the same layout from torch ops (scatter_, sum, bincount)", with_torch)
@@ -69,26 +86,39 @@ def command_latency_lines(t, skip=100):
     lo_c, hi_c = median(fwd_raw) - min(fwd_raw), median(fwd_raw) + min(back_raw)
     lo_r, hi_r = max(base - 1.5 * read, 0), base - 0.5 * read
     if lo_c <= hi_c:
-        lo, hi, how = max(lo_c, lo_r), min(hi_c, hi_r), ("causality bounds the leg exactly, the read time only if a "
-                                                         "read's return half takes at least half a read")
+        lo, hi, how = (
+            max(lo_c, lo_r),
+            min(hi_c, hi_r),
+            ("causality bounds the leg exactly, the read time only if a read's return half takes at least half a read"),
+        )
     else:  # the offset moved during the run (the clocks drift or step): only the read-time bounds are left
-        lo, hi, how = lo_r, hi_r, (f"the causality bounds came out empty ({lo_c / 1e3:.2f} > {hi_c / 1e3:.2f} us: "
-                                   f"the clocks' offset moved during the run), so these are the read-time bounds")
+        lo, hi, how = (
+            lo_r,
+            hi_r,
+            (
+                f"the causality bounds came out empty ({lo_c / 1e3:.2f} > {hi_c / 1e3:.2f} us: "
+                f"the clocks' offset moved during the run), so these are the read-time bounds"
+            ),
+        )
     p99_hi = percentile([x - h for x, h in zip(rtt, host)], 99) - 0.5 * read
     lines = []
     if t.get("host_clock_before_ns"):  # one clock: the host's, read by the GPU just before each publish
         upper = [o - c for o, c in zip(pop, t["host_clock_before_ns"][skip:])]
-        lines.append(f"publish -> the proxy loop pops it, on the host clock alone: median at most "
-                     f"{median(upper) / 1e3:.2f} us, p99 at most {percentile(upper, 99) / 1e3:.2f} us (pop time minus "
-                     f"the host clock the GPU read just before publishing, which was older than the publish; an upper "
-                     f"bound by that read's return leg; target median <= 1.5 us)")
-    return lines + [f"round trip of one command (GPU publish -> proxy loop pops it -> tail seen by the GPU): median "
-            f"{median(rtt) / 1e3:.2f} us, p99 {percentile(rtt, 99) / 1e3:.2f} us over {len(rtt)} commands (baseline "
-            f"probe on this machine: 3.3 us); host pop -> tail published {median(host) / 1e3:.2f} us; one GPU read "
-            f"of host memory {read / 1e3:.2f} us",
-            f"publish -> the proxy loop sees the command: median between {lo / 1e3:.2f} and {hi / 1e3:.2f} us, p99 "
-            f"about {p99_hi / 1e3:.2f} us at most (round trip - host part - return leg; {how}; target median "
-            f"<= 1.5 us)"]
+        lines.append(
+            f"publish -> the proxy loop pops it, on the host clock alone: median at most "
+            f"{median(upper) / 1e3:.2f} us, p99 at most {percentile(upper, 99) / 1e3:.2f} us (pop time minus "
+            f"the host clock the GPU read just before publishing, which was older than the publish; an upper "
+            f"bound by that read's return leg; target median <= 1.5 us)"
+        )
+    return lines + [
+        f"round trip of one command (GPU publish -> proxy loop pops it -> tail seen by the GPU): median "
+        f"{median(rtt) / 1e3:.2f} us, p99 {percentile(rtt, 99) / 1e3:.2f} us over {len(rtt)} commands (baseline "
+        f"probe on this machine: 3.3 us); host pop -> tail published {median(host) / 1e3:.2f} us; one GPU read "
+        f"of host memory {read / 1e3:.2f} us",
+        f"publish -> the proxy loop sees the command: median between {lo / 1e3:.2f} and {hi / 1e3:.2f} us, p99 "
+        f"about {p99_hi / 1e3:.2f} us at most (round trip - host part - return leg; {how}; target median "
+        f"<= 1.5 us)",
+    ]
 
 
 def _event_times_us(fn, iterations, warmup=20):
@@ -124,9 +154,22 @@ def _layout_times_us(tokens=4096, topk=8, experts=256, ranks=2, iterations=200):
     errors = KernelErrors(native, torch.device("cuda"))
 
     def kernel():
-        native.cuda_dispatch_layout(idx.data_ptr(), tokens, topk, experts, ranks, ranks, per_rank.data_ptr(), 0,
-                                    per_expert.data_ptr(), in_rank.data_ptr(), stream, 0, errors.words.data_ptr(),
-                                    errors.records)
+        native.cuda_dispatch_layout(
+            idx.data_ptr(),
+            tokens,
+            topk,
+            experts,
+            ranks,
+            ranks,
+            per_rank.data_ptr(),
+            0,
+            per_expert.data_ptr(),
+            in_rank.data_ptr(),
+            stream,
+            0,
+            errors.words.data_ptr(),
+            errors.records,
+        )
 
     def with_torch():
         mask = torch.zeros(tokens, ranks, dtype=torch.bool, device="cuda")

@@ -12,9 +12,11 @@ from .ll_gpu import _timed, ll_inputs
 from .report import MissingHardware, Table
 from .spawn import run_ranks
 
-NOTE = ("GPUs of one node: the ranks' kernels store into each other's buffers over NVLink (with "
-        "PORTEP_TEST_SHARE_GPU=1 the ranks time-slice one GPU: correctness, not speed). Rank 0; samples in us, CUDA "
-        "events around each call, which waits for the GPU.")
+NOTE = (
+    "GPUs of one node: the ranks' kernels store into each other's buffers over NVLink (with "
+    "PORTEP_TEST_SHARE_GPU=1 the ranks time-slice one GPU: correctness, not speed). Rank 0; samples in us, CUDA "
+    "events around each call, which waits for the GPU."
+)
 
 DEEPEP = {"dispatch BF16": 345.0, "dispatch FP8": 245.0, "combine": 408.0, "layout": 52.0}  # 24 SMs, gpu-machine.md
 
@@ -35,8 +37,15 @@ def _portep_times(buf, x, idx, w, fp8, E, num_sms, iterations):
 
     cfg = portep.Config(num_sms, 6, 256, 6, 256)
     lay = buf.get_dispatch_layout(idx, E)
-    args = dict(num_tokens_per_rank=lay[0], num_tokens_per_rdma_rank=lay[1], num_tokens_per_expert=lay[2],
-                is_token_in_rank=lay[3], topk_idx=idx, topk_weights=w, config=cfg)
+    args = dict(
+        num_tokens_per_rank=lay[0],
+        num_tokens_per_rdma_rank=lay[1],
+        num_tokens_per_expert=lay[2],
+        is_token_in_rank=lay[3],
+        topk_idx=idx,
+        topk_weights=w,
+        config=cfg,
+    )
     recv = buf.dispatch(x, **args)
     handle = recv[4]
     y = recv[0]
@@ -44,11 +53,13 @@ def _portep_times(buf, x, idx, w, fp8, E, num_sms, iterations):
         buf.dispatch(x, handle=handle, config=cfg)
         buf.combine(y, handle, config=cfg)
         buf.dispatch(fp8, handle=handle, config=cfg)
-    return {"rows": y.size(0),
-            "dispatch BF16": _timed(lambda: buf.dispatch(x, handle=handle, config=cfg), iterations),
-            "dispatch FP8": _timed(lambda: buf.dispatch(fp8, handle=handle, config=cfg), iterations),
-            "combine": _timed(lambda: buf.combine(y, handle, config=cfg), iterations),
-            "dispatch BF16, non-cached": _timed(lambda: buf.dispatch(x, **args), iterations)}
+    return {
+        "rows": y.size(0),
+        "dispatch BF16": _timed(lambda: buf.dispatch(x, handle=handle, config=cfg), iterations),
+        "dispatch FP8": _timed(lambda: buf.dispatch(fp8, handle=handle, config=cfg), iterations),
+        "combine": _timed(lambda: buf.combine(y, handle, config=cfg), iterations),
+        "dispatch BF16, non-cached": _timed(lambda: buf.dispatch(x, **args), iterations),
+    }
 
 
 def _nccl_times(x, idx, world, E, iterations, group):
@@ -89,8 +100,9 @@ def _rank_body(rank, world, N, H, K, E, iterations, sms_list, nvl_bytes, progres
     torch.cuda.set_device(rank % torch.cuda.device_count())  # PORTEP_TEST_SHARE_GPU=1: ranks share one GPU
     nccl = dist.new_group(backend="nccl") if torch.cuda.device_count() >= world else None
     x, idx, w, fp8 = ht_inputs(rank, N, H, K, E)
-    buf = portep.Buffer(dist.group.WORLD, nvl_bytes, 0, num_ranks_per_node=world, explicitly_destroy=True,
-                        backend="cuda")
+    buf = portep.Buffer(
+        dist.group.WORLD, nvl_bytes, 0, num_ranks_per_node=world, explicitly_destroy=True, backend="cuda"
+    )
     say = progress if rank == 0 else (lambda what: None)
     for _ in range(5):
         buf.get_dispatch_layout(idx, E)
@@ -122,8 +134,12 @@ def run(report, ranks=2, tokens=4096, hidden=7168, topk=8, experts=256, iteratio
     shape = f"EP{ranks}, {tokens} tokens per rank, hidden {hidden}, top-{topk}, {experts} experts"
     report.say(f"gpu-ht: {shape}; num_nvl_bytes {nvl_bytes} (DeepEP's size hint for 24 SMs); {NOTE}")
     report.progress(f"gpu-ht: starting {ranks} rank processes")
-    out = run_ranks(_rank_body, ranks, args=(tokens, hidden, topk, experts, iterations, tuple(sms_list), nvl_bytes,
-                                             report.progress), timeout=600)
+    out = run_ranks(
+        _rank_body,
+        ranks,
+        args=(tokens, hidden, topk, experts, iterations, tuple(sms_list), nvl_bytes, report.progress),
+        timeout=600,
+    )
     for t in ht_tables(out[0], shape, hidden, iterations, sms_list):
         report.add(t)
     return out
@@ -131,9 +147,11 @@ def run(report, ranks=2, tokens=4096, hidden=7168, topk=8, experts=256, iteratio
 
 def ht_tables(r0, shape, hidden, iterations, sms_list):
     """One table per SM count, each with the same run's NCCL rows; get_dispatch_layout in the first."""
-    note = (f"{NOTE} {iterations} calls per row; dispatch and combine reuse a handle (cached dispatch, no CPU wait) as "
-            "in DeepEP's tuning runs, the non-cached dispatch waits on the CPU for the count exchange. GB/s at the "
-            "median, counted as DeepEP does (rows received x row bytes, own rows included).")
+    note = (
+        f"{NOTE} {iterations} calls per row; dispatch and combine reuse a handle (cached dispatch, no CPU wait) as "
+        "in DeepEP's tuning runs, the non-cached dispatch waits on the CPU for the count exchange. GB/s at the "
+        "median, counted as DeepEP does (rows received x row bytes, own rows included)."
+    )
     nccl = r0["NCCL"]
     tables = []
     for sms in sms_list:
@@ -141,8 +159,12 @@ def ht_tables(r0, shape, hidden, iterations, sms_list):
         bf16 = r["rows"] * hidden * 2
         fp8 = r["rows"] * (hidden + hidden // 128 * 4)
         t = Table(f"gpu-ht: {sms} SMs, {shape}", "us", note, extra_columns=("DeepEP V1 us (quoted)",))
-        for key, nbytes in (("dispatch BF16", bf16), ("dispatch FP8", fp8), ("combine", bf16),
-                            ("dispatch BF16, non-cached", bf16)):
+        for key, nbytes in (
+            ("dispatch BF16", bf16),
+            ("dispatch FP8", fp8),
+            ("combine", bf16),
+            ("dispatch BF16, non-cached", bf16),
+        ):
             ref = DEEPEP.get(key) if sms == 24 else None
             t.add(key, r[key], nbytes, {"DeepEP V1 us (quoted)": "-" if ref is None else f"{ref:.1f}"})
         if not tables:
@@ -151,7 +173,10 @@ def ht_tables(r0, shape, hidden, iterations, sms_list):
             t.line("no NCCL baseline: the ranks share one GPU, which NCCL refuses")
         else:
             t.add("baseline: NCCL all_to_all_single, BF16 rows (transfer)", nccl["transfer"], bf16)
-            t.add("baseline: NCCL all_to_all_single, BF16 rows (index_select pack + transfer)", nccl["pack + transfer"],
-                  bf16)
+            t.add(
+                "baseline: NCCL all_to_all_single, BF16 rows (index_select pack + transfer)",
+                nccl["pack + transfer"],
+                bf16,
+            )
         tables.append(t)
     return tables

@@ -11,21 +11,36 @@ tensors. Every output is checked against a torch reference first.
 `python -m portep_bench gpu-ht-loopback [--sms 8 16 24 32 48 64] [--masks self peer none]` (the default of
 `python -m portep_bench` with one GPU, before ll-host). SM counts whose 2 x 2 x num_sms blocks do not fit on the GPU
 at once are left out (the kernels need every block resident). One table per SM count, each with the device copy."""
+
 import torch
 
 from portep import native
 
 from .ht_gpu import ht_inputs
-from .ht_loopback_ranks import (E, H, K, N, R, cached_dispatch, combine, ctypes_u32, first_dispatch,
-                                layout, make_ranks, notify_flags)
+from .ht_loopback_ranks import (
+    E,
+    H,
+    K,
+    N,
+    R,
+    cached_dispatch,
+    combine,
+    ctypes_u32,
+    first_dispatch,
+    layout,
+    make_ranks,
+    notify_flags,
+)
 from .report import MissingHardware, Table
 
-NOTE = ("loopback: both EP2 ranks on one GPU, so the peer's stores go to this GPU's own memory (HBM), not over "
-        "NVLink: the kernels' own throughput when the link is not the limit, not the two-GPU figure. Samples in us: "
-        "CUDA events from a common start to the later rank's end; rows without 'launch incl.' have both ranks' "
-        "launches queued behind a GPU sleep first (the CPU's launch time left out). GB/s per rank at the median, as "
-        "DeepEP counts (rows received x row bytes). Baseline: a device-to-device copy of one rank's BF16 dispatch "
-        "bytes by both ranks at once, same run.")
+NOTE = (
+    "loopback: both EP2 ranks on one GPU, so the peer's stores go to this GPU's own memory (HBM), not over "
+    "NVLink: the kernels' own throughput when the link is not the limit, not the two-GPU figure. Samples in us: "
+    "CUDA events from a common start to the later rank's end; rows without 'launch incl.' have both ranks' "
+    "launches queued behind a GPU sleep first (the CPU's launch time left out). GB/s per rank at the median, as "
+    "DeepEP counts (rows received x row bytes). Baseline: a device-to-device copy of one rank's BF16 dispatch "
+    "bytes by both ranks at once, same run."
+)
 
 STRICT = True  # --no-check: report differing outputs instead of stopping (diagnostic builds)
 
@@ -127,15 +142,19 @@ def run(report, sms_list=(8, 16, 24, 32, 48, 64), iterations=20, masks=(), check
     STRICT = check
     SLEEP_TOO_SHORT.clear()  # a count per run
     if not torch.cuda.is_available() or not native.build_info()["cuda_built"]:
-        raise MissingHardware("gpu-ht-loopback needs a CUDA GPU and portep's CUDA kernels (built with nvcc); "
-                              f"here: GPU visible {torch.cuda.is_available()}, kernels built "
-                              f"{native.build_info()['cuda_built']}")
+        raise MissingHardware(
+            "gpu-ht-loopback needs a CUDA GPU and portep's CUDA kernels (built with nvcc); "
+            f"here: GPU visible {torch.cuda.is_available()}, kernels built "
+            f"{native.build_info()['cuda_built']}"
+        )
     gpu_sms = torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count
     fitting = [s for s in sms_list if 2 * 2 * (s // 2) + 2 <= gpu_sms]  # both ranks' blocks and notifies at once
     if not fitting:
         raise ValueError(f"sms_list={list(sms_list)}: none fits this GPU's {gpu_sms} SMs twice (two ranks)")
-    report.say(f"gpu-ht-loopback: EP2 as two ranks in one process, {N} tokens per rank, hidden {H}, top-{K}, {E} "
-               f"experts, SMs per rank {fitting}; {NOTE}")
+    report.say(
+        f"gpu-ht-loopback: EP2 as two ranks in one process, {N} tokens per rank, hidden {H}, top-{K}, {E} "
+        f"experts, SMs per rank {fitting}; {NOTE}"
+    )
     left_out = sorted(set(sms_list) - set(fitting))
     if left_out:
         report.say(f"gpu-ht-loopback: left out (more blocks than this GPU runs at once): {left_out} SMs per rank")
@@ -147,8 +166,9 @@ def run(report, sms_list=(8, 16, 24, 32, 48, 64), iterations=20, masks=(), check
         in_rank, per_expert = layout(idx, E)
         inputs.append((x, idx, w.float(), in_rank, per_expert, (fp8[0].contiguous(), fp8[1].contiguous())))
     gen = torch.Generator(device="cuda").manual_seed(7)
-    biases = [tuple(torch.randn(N, H, generator=gen, device="cuda").to(torch.bfloat16) for _ in range(2))
-              for _ in range(R)]
+    biases = [
+        tuple(torch.randn(N, H, generator=gen, device="cuda").to(torch.bfloat16) for _ in range(2)) for _ in range(R)
+    ]
     streams = [torch.cuda.Stream() for _ in range(R)]
     torch.cuda.synchronize()
     rows = sum(int(inputs[s][3][:, 0].sum()) for s in range(R))  # rank 0's received rows, its own included
@@ -159,8 +179,10 @@ def run(report, sms_list=(8, 16, 24, 32, 48, 64), iterations=20, masks=(), check
         _measure(t, report.progress, ranks, inputs, biases, streams, sms, iterations, masks)
         t.add("baseline: device copy, same bytes as BF16 dispatch (both ranks at once)", copy, rows * 2 * H)
         if SLEEP_TOO_SHORT:
-            t.line(f"WARNING: in {len(SLEEP_TOO_SHORT)} queued timings so far the GPU's sleep ended before the last "
-                   "launch was queued: those include launch time")
+            t.line(
+                f"WARNING: in {len(SLEEP_TOO_SHORT)} queued timings so far the GPU's sleep ended before the last "
+                "launch was queued: those include launch time"
+            )
         report.add(t)
 
 
@@ -172,12 +194,15 @@ def _measure(t, progress, ranks, inputs, biases, streams, sms, iterations, masks
     check_outputs(ranks, inputs, handles, f"first dispatch, {sms} SMs")
     rows = handles[0]["rows"]
     progress(f"gpu-ht-loopback: {sms} SMs: notify, dispatch BF16 / FP8, combine, combine + bias")
-    t.add("notify alone (flags)", timed_pair(lambda r, s: notify_flags(ranks[r], inputs[r][:5], C, s), streams,
-                                             iterations))
+    t.add(
+        "notify alone (flags)",
+        timed_pair(lambda r, s: notify_flags(ranks[r], inputs[r][:5], C, s), streams, iterations),
+    )
     launches = {
         "dispatch BF16": lambda r, s: cached_dispatch(ranks[r], r, inputs[r][:5], handles[r], C, s, None),
         "dispatch FP8": lambda r, s: cached_dispatch(ranks[r], r, inputs[r][:5], handles[r], C, s, inputs[r][5]),
-        "combine": lambda r, s: combine(ranks[r], r, inputs[r][:5], handles[r], C, s)}
+        "combine": lambda r, s: combine(ranks[r], r, inputs[r][:5], handles[r], C, s),
+    }
     nbytes = {"dispatch BF16": rows * 2 * H, "dispatch FP8": rows * (H + H // 128 * 4), "combine": rows * 2 * H}
     timed = lambda name: t.add(name, timed_pair(launches[name], streams, iterations), nbytes[name])  # noqa: E731
     timed("dispatch BF16")
@@ -211,8 +236,9 @@ def _measure(t, progress, ranks, inputs, biases, streams, sms, iterations, masks
         mi = masked_inputs(inputs, mask)
         mh = first_dispatch(ranks, [i[:5] for i in mi], E, C, streams)
         check_outputs(ranks, mi, mh, f"first dispatch, mask {mask}, {sms} SMs")
-        samples = timed_pair(lambda r, s: cached_dispatch(ranks[r], r, mi[r][:5], mh[r], C, s, None), streams,
-                             iterations)
+        samples = timed_pair(
+            lambda r, s: cached_dispatch(ranks[r], r, mi[r][:5], mh[r], C, s, None), streams, iterations
+        )
         check_outputs(ranks, mi, mh, f"cached dispatch, mask {mask}, {sms} SMs")
         t.add(f"dispatch BF16, tokens to {mask} only ({mh[0]['rows']} rows)", samples, mh[0]["rows"] * 2 * H or None)
 
@@ -227,4 +253,3 @@ def _device_copy_us(nbytes, streams, iterations):
 def _copy_on(dst, src, stream):
     with torch.cuda.stream(stream):
         dst.copy_(src)
-

@@ -3,6 +3,7 @@ rank is a CudaHT (portep/backends/cuda/ht.py) built from an explicit HTMemory, i
 GPU and its peer the other rank's buffer (direct stores, no proxies). The ops (notify + dispatch, cached dispatch,
 combine) are CudaHT's own methods, each on one rank's stream; none waits for the GPU, so ht_loopback.py can queue
 both ranks' kernels behind a sleep on the GPU (the first dispatch excepted: it waits for the counts)."""
+
 import ctypes
 import types
 from concurrent.futures import ThreadPoolExecutor
@@ -77,12 +78,26 @@ class LoopbackRank:
         self.seen = torch.zeros_like(self.signals)
         self.fifos = native.DeviceFifoSet(1, 64)
         memory = HTMemory(
-            rank=rank, num_ranks=R, ranks_per_node=R, device=dev,
-            device_sms=torch.cuda.get_device_properties(dev).multi_processor_count, local=self.region.data_ptr(),
-            peers=[t.data_ptr() for t in regions], place=torch.zeros(R, dtype=torch.int64, device=dev), ctrl_off=0,
-            area_off=area_off, area_bytes=AREA_BYTES, errors=self.errors, peer_status=0,
-            host_signals=self.signals.data_ptr(), signal_seen=self.seen.data_ptr(), num_streams=native.HT_NUM_STREAMS,
-            stream_base=0, fifos=self.fifos, timeout_s=10.0)
+            rank=rank,
+            num_ranks=R,
+            ranks_per_node=R,
+            device=dev,
+            device_sms=torch.cuda.get_device_properties(dev).multi_processor_count,
+            local=self.region.data_ptr(),
+            peers=[t.data_ptr() for t in regions],
+            place=torch.zeros(R, dtype=torch.int64, device=dev),
+            ctrl_off=0,
+            area_off=area_off,
+            area_bytes=AREA_BYTES,
+            errors=self.errors,
+            peer_status=0,
+            host_signals=self.signals.data_ptr(),
+            signal_seen=self.seen.data_ptr(),
+            num_streams=native.HT_NUM_STREAMS,
+            stream_base=0,
+            fifos=self.fifos,
+            timeout_s=10.0,
+        )
         self.ht = CudaHT.from_memory(_Owner(self.errors), memory)
         self.kernels = self.ht.kernels = _Kernels(self.ht.kernels)
 
@@ -107,6 +122,7 @@ def layout(idx, E):
 def first_dispatch(ranks, inputs, E, C, streams):
     """CudaHT.dispatch in count mode on both ranks at once, one thread each (a rank's CPU waits for the counts, which
     need the other rank's notify): the handles the timed calls reuse."""
+
     def dispatch(r):
         x, idx, w, in_rank, per_expert = inputs[r]
         with torch.cuda.stream(streams[r]):
@@ -115,8 +131,10 @@ def first_dispatch(ranks, inputs, E, C, streams):
     with ThreadPoolExecutor(R) as pool:
         results = list(pool.map(dispatch, range(R)))
     torch.cuda.synchronize()
-    return [{"handle": handle, "rows": recv_x.size(0), "recv_x": recv_x, "recv_idx": recv_idx, "recv_w": recv_w}
-            for recv_x, _, recv_idx, recv_w, _, handle in results]
+    return [
+        {"handle": handle, "rows": recv_x.size(0), "recv_x": recv_x, "recv_idx": recv_idx, "recv_w": recv_w}
+        for recv_x, _, recv_idx, recv_w, _, handle in results
+    ]
 
 
 def ctypes_u32(addr):

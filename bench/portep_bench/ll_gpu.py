@@ -16,12 +16,20 @@ from .report import MissingHardware, Table
 from .spawn import run_ranks
 from .stats import median
 
-NOTE = ("two GPUs of one node: the direct path stores over NVLink, the forced proxy path (num_ranks_per_node=1) "
-        "through the proxies and a host transport. Rank 0's figures; samples in us.")
+NOTE = (
+    "two GPUs of one node: the direct path stores over NVLink, the forced proxy path (num_ranks_per_node=1) "
+    "through the proxies and a host transport. Rank 0's figures; samples in us."
+)
 
-DEEPEP = {"round trip, back to back": 90.0, "dispatch kernel": 29.5, "combine kernel": 40.5,
-          "dispatch send kernel": 20.0, "dispatch recv kernel": 8.2, "combine send kernel": 32.5,
-          "combine recv kernel": 9.7}  # reference/gpu-machine.md, same machine
+DEEPEP = {
+    "round trip, back to back": 90.0,
+    "dispatch kernel": 29.5,
+    "combine kernel": 40.5,
+    "dispatch send kernel": 20.0,
+    "dispatch recv kernel": 8.2,
+    "combine send kernel": 32.5,
+    "combine recv kernel": 9.7,
+}  # reference/gpu-machine.md, same machine
 
 
 def _once(fn):
@@ -90,8 +98,16 @@ def cuda_ll_buffer(world, T, H, E, ranks_per_node, transport):
     import portep
 
     nbytes = portep.Buffer.get_low_latency_rdma_size_hint(T, H, world, E)
-    return portep.Buffer(dist.group.WORLD, 0, nbytes, low_latency_mode=True, num_ranks_per_node=ranks_per_node,
-                         transport=transport, explicitly_destroy=True, backend="cuda")
+    return portep.Buffer(
+        dist.group.WORLD,
+        0,
+        nbytes,
+        low_latency_mode=True,
+        num_ranks_per_node=ranks_per_node,
+        transport=transport,
+        explicitly_destroy=True,
+        backend="cuda",
+    )
 
 
 def _path_times(buf, x, idx, w, T, E, iterations, hook_kernels, say):
@@ -120,8 +136,13 @@ def _path_times(buf, x, idx, w, T, E, iterations, hook_kernels, say):
     torch.cuda.current_stream().synchronize()
     dist.barrier()
     say("round trip, dispatch, combine, each call waited for")
-    out.update({"round trip": _timed(round_trip, iterations), "dispatch": _timed(dispatch, iterations),
-                "combine": _timed(combine, iterations)})
+    out.update(
+        {
+            "round trip": _timed(round_trip, iterations),
+            "dispatch": _timed(dispatch, iterations),
+            "combine": _timed(combine, iterations),
+        }
+    )
     say("CUDA graph replay and CPU time per round trip")
     out.update(_graph_and_cpu_times(round_trip, iterations))
 
@@ -134,15 +155,23 @@ def _path_times(buf, x, idx, w, T, E, iterations, hook_kernels, say):
     say("kernel times from the profiler")
     out.update(kernel_times(round_trip, ("dispatch kernel", "combine kernel"), iterations))
     if hook_kernels:
-        out.update(kernel_times(hooked, ("dispatch send kernel", "dispatch recv kernel", "combine send kernel",
-                                         "combine recv kernel"), iterations))
+        out.update(
+            kernel_times(
+                hooked,
+                ("dispatch send kernel", "dispatch recv kernel", "combine send kernel", "combine recv kernel"),
+                iterations,
+            )
+        )
     return out
 
 
 def kernel_durations(prof):
     """Microseconds of every LL kernel the profiler saw, in start order."""
-    kernels = [e for e in prof.events() if e.device_type.name == "CUDA" and
-               ("dispatch_kernel" in e.name or "combine_kernel" in e.name)]
+    kernels = [
+        e
+        for e in prof.events()
+        if e.device_type.name == "CUDA" and ("dispatch_kernel" in e.name or "combine_kernel" in e.name)
+    ]
     kernels.sort(key=lambda e: e.time_range.start)
     return [e.time_range.elapsed_us() for e in kernels]
 
@@ -170,7 +199,7 @@ def kernel_times(fn, labels, iterations):
     durations = kernel_durations(prof)
     if len(durations) != len(labels) * iterations:
         raise RuntimeError(f"the profiler saw {len(durations)} LL kernels, expected {len(labels) * iterations}")
-    return {label: durations[i + 2 * len(labels)::len(labels)] for i, label in enumerate(labels)}
+    return {label: durations[i + 2 * len(labels) :: len(labels)] for i, label in enumerate(labels)}
 
 
 def _graph_and_cpu_times(round_trip, iterations):
@@ -222,18 +251,23 @@ def _nccl_times(x, idx, world, E, H, iterations, group):
     recv_c = torch.empty(int(counts.sum()) * msg_bf16, dtype=torch.uint8, device="cuda")
 
     def disp():
-        dist.all_to_all_single(recv_d, send_d, (recv_counts * msg_fp8).tolist(), (counts * msg_fp8).tolist(),
-                               group=group)
+        dist.all_to_all_single(
+            recv_d, send_d, (recv_counts * msg_fp8).tolist(), (counts * msg_fp8).tolist(), group=group
+        )
 
     def comb():
-        dist.all_to_all_single(recv_c, send_c, (counts * msg_bf16).tolist(), (recv_counts * msg_bf16).tolist(),
-                               group=group)
+        dist.all_to_all_single(
+            recv_c, send_c, (counts * msg_bf16).tolist(), (recv_counts * msg_bf16).tolist(), group=group
+        )
 
     for _ in range(10):
         disp()
         comb()
-    return {"dispatch": _timed(disp, iterations), "combine": _timed(comb, iterations),
-            "round trip": _timed(lambda: (disp(), comb()), iterations)}
+    return {
+        "dispatch": _timed(disp, iterations),
+        "combine": _timed(comb, iterations),
+        "round trip": _timed(lambda: (disp(), comb()), iterations),
+    }
 
 
 def _rank_body(rank, world, T, H, K, E, iterations, proxy_transport, with_proxy, progress):
@@ -244,8 +278,9 @@ def _rank_body(rank, world, T, H, K, E, iterations, proxy_transport, with_proxy,
     nccl = dist.new_group(backend="nccl")
     x, idx, w = ll_inputs(rank, T, H, K, E)
     results = {"selections": int((idx >= 0).sum())}
-    paths = [("direct NVLink", world, "shm")] + ([(f"proxy ({proxy_transport})", 1, proxy_transport)] if with_proxy
-                                                 else [])
+    paths = [("direct NVLink", world, "shm")] + (
+        [(f"proxy ({proxy_transport})", 1, proxy_transport)] if with_proxy else []
+    )
     for name, rpn, transport in paths:
         say = (lambda what, name=name: progress(f"gpu-ll {name}: {what}")) if rank == 0 else (lambda what: None)
         buf = cuda_ll_buffer(world, T, H, E, rpn, transport)
@@ -288,13 +323,25 @@ def _channel_body(rank, world, warps, per_warp, threads, repeats):
     return rates, [p["popped"] / p["seconds"] / 1e6 for p in probe], portep_testing.cuda_fifo_rtt(20000)
 
 
-ROWS = ("round trip, back to back", "round trip", "dispatch", "combine", "dispatch kernel", "combine kernel",
-        "dispatch send kernel", "dispatch recv kernel", "combine send kernel", "combine recv kernel",
-        "graph round trip", "CPU per round trip")
+ROWS = (
+    "round trip, back to back",
+    "round trip",
+    "dispatch",
+    "combine",
+    "dispatch kernel",
+    "combine kernel",
+    "dispatch send kernel",
+    "dispatch recv kernel",
+    "combine send kernel",
+    "combine recv kernel",
+    "graph round trip",
+    "CPU per round trip",
+)
 
 
-def run(report, ranks=2, tokens=128, hidden=7168, topk=8, experts=288, iterations=50, proxy_transport="shm",
-        with_proxy=True):
+def run(
+    report, ranks=2, tokens=128, hidden=7168, topk=8, experts=288, iterations=50, proxy_transport="shm", with_proxy=True
+):
     import torch
 
     if torch.cuda.device_count() < ranks:
@@ -302,8 +349,12 @@ def run(report, ranks=2, tokens=128, hidden=7168, topk=8, experts=288, iteration
     shape = f"EP{ranks}, {tokens} tokens, hidden {hidden}, top-{topk}, {experts} experts, FP8 dispatch, BF16 combine"
     report.say(f"gpu-ll: {shape}; {NOTE}")
     report.progress(f"gpu-ll: starting {ranks} rank processes")
-    out = run_ranks(_rank_body, ranks, args=(tokens, hidden, topk, experts, iterations, proxy_transport, with_proxy,
-                                             report.progress), timeout=600)
+    out = run_ranks(
+        _rank_body,
+        ranks,
+        args=(tokens, hidden, topk, experts, iterations, proxy_transport, with_proxy, report.progress),
+        timeout=600,
+    )
     for t in ll_tables(out, ranks, shape, hidden, iterations):
         report.add(t)
     return out
@@ -315,14 +366,22 @@ def ll_tables(out, ranks, shape, hidden, iterations):
     sel = sum(o["selections"] for o in out.values()) / ranks
     fp8_bytes = sel * (hidden + hidden // 128 * 4 + 16)
     bf16_bytes = sel * 2 * hidden
-    nbytes = {"dispatch": fp8_bytes, "combine": bf16_bytes, "round trip": fp8_bytes + bf16_bytes,
-              "round trip, back to back": fp8_bytes + bf16_bytes, "dispatch kernel": fp8_bytes,
-              "combine kernel": bf16_bytes, "graph round trip": fp8_bytes + bf16_bytes}
-    note = (f"{NOTE} 'round trip, back to back' is DeepEP's bench() (calls issued without waiting, events around "
-            f"each; DeepEP prints the mean, the method behind its 90 us); 'round trip', 'dispatch', 'combine' wait for "
-            f"each call, so they add the host's launch time to the GPU's; kernel rows as DeepEP's bench_kineto "
-            f"(launches queued behind a GPU sleep, profiler durations); 'CPU per round trip': host time of each eager "
-            f"call. {iterations} calls per row. GB/s at the median with DeepEP's bytes.")
+    nbytes = {
+        "dispatch": fp8_bytes,
+        "combine": bf16_bytes,
+        "round trip": fp8_bytes + bf16_bytes,
+        "round trip, back to back": fp8_bytes + bf16_bytes,
+        "dispatch kernel": fp8_bytes,
+        "combine kernel": bf16_bytes,
+        "graph round trip": fp8_bytes + bf16_bytes,
+    }
+    note = (
+        f"{NOTE} 'round trip, back to back' is DeepEP's bench() (calls issued without waiting, events around "
+        f"each; DeepEP prints the mean, the method behind its 90 us); 'round trip', 'dispatch', 'combine' wait for "
+        f"each call, so they add the host's launch time to the GPU's; kernel rows as DeepEP's bench_kineto "
+        f"(launches queued behind a GPU sleep, profiler durations); 'CPU per round trip': host time of each eager "
+        f"call. {iterations} calls per row. GB/s at the median with DeepEP's bytes."
+    )
     direct = r0["direct NVLink"]
     nccl = r0["NCCL all_to_all_single"]
     tables = []
@@ -344,20 +403,27 @@ def run_channel(report, warps=1024, per_warp=2000, threads=4, repeats=5):
     try:
         import portep_testing  # noqa: F401  (the probe kernels: a build with PORTEP_BUILD_TESTING=ON)
     except ImportError:
-        report.progress("gpu-ll: command channel skipped: it needs the test hooks, a build with "
-                        "pip install . -Ccmake.define.PORTEP_BUILD_TESTING=ON")
+        report.progress(
+            "gpu-ll: command channel skipped: it needs the test hooks, a build with "
+            "pip install . -Ccmake.define.PORTEP_BUILD_TESTING=ON"
+        )
         return
     report.progress(f"gpu-ll: command channel, {warps} warps push {per_warp} NOP commands each, {repeats} runs")
     rates, probe, latency = run_ranks(_channel_body, 1, args=(warps, per_warp, threads, repeats), timeout=600)[0]
-    t = Table(f"gpu-ll: command channel through the real proxy threads, {threads} proxy threads", "M cmd/s",
-              f"one GPU and this host's CPUs: {warps} warps push {per_warp} NOP commands each into 32 device FIFOs "
-              f"(mapped host memory), {threads} proxy threads pop and handle them. Samples: one rate per run. "
-              f"Baseline: the same commands popped by {threads} bare consumer threads (gpu-fifo's probe: no proxy, no "
-              "Channel).")
+    t = Table(
+        f"gpu-ll: command channel through the real proxy threads, {threads} proxy threads",
+        "M cmd/s",
+        f"one GPU and this host's CPUs: {warps} warps push {per_warp} NOP commands each into 32 device FIFOs "
+        f"(mapped host memory), {threads} proxy threads pop and handle them. Samples: one rate per run. "
+        f"Baseline: the same commands popped by {threads} bare consumer threads (gpu-fifo's probe: no proxy, no "
+        "Channel).",
+    )
     t.add("NOP commands through the proxies", rates)
     t.add("baseline: FIFO probe, bare consumer threads", probe)
-    t.line("quoted, not this run: the untuned probe on the H200 machine (reference/gpu-machine.md): 57.3 M cmd/s "
-           "with 32 FIFOs and 4 threads")
+    t.line(
+        "quoted, not this run: the untuned probe on the H200 machine (reference/gpu-machine.md): 57.3 M cmd/s "
+        "with 32 FIFOs and 4 threads"
+    )
     for line in command_latency_lines(latency):  # the proxies' FIFO consumer loop, in a thread of its own
         t.line(line)
     report.add(t)

@@ -8,6 +8,7 @@ the same run: the same round trip launching kernels instead of cached CUDA graph
 trip through the full Python path (PORTEP_LL_FAST_PATH=0's route), each call alone,
 and the baseline, one torch.empty plus one empty kernel launch (torch.cuda._sleep(0)), and for scale two empty
 launches. The outputs of the fast path are checked bit for bit against the full path's first."""
+
 import contextlib
 import datetime
 import time
@@ -23,8 +24,13 @@ def _group():
     from .spawn import free_port
 
     if not dist.is_initialized():
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1,
-                                timeout=datetime.timedelta(seconds=60))
+        dist.init_process_group(
+            "gloo",
+            init_method=f"tcp://127.0.0.1:{free_port()}",
+            rank=0,
+            world_size=1,
+            timeout=datetime.timedelta(seconds=60),
+        )
     return dist.group.WORLD
 
 
@@ -70,7 +76,7 @@ def _interleaved(rows, calls, torch, progress):
         progress(f"ll-host: round {r + 1} of {rounds} (one batch of {BATCH} calls per row)")
         n = min(BATCH, calls - r * BATCH)
         for (_, fn, cycles, *around), row in zip(rows, out):
-            with (around[0]() if around else contextlib.nullcontext()):
+            with around[0]() if around else contextlib.nullcontext():
                 samples, short = _held_batch(fn, n, cycles, torch)
             row["samples_us"] += samples
             row["short"] += short
@@ -101,8 +107,10 @@ def _graph_note(graphs_on, counts):
     hit the graphs built first, so builds stay at a few and re-parameterisations at none."""
     if not graphs_on:
         return "graph launches off (PORTEP_LL_GRAPH_LAUNCH=0, or a build without them)"
-    note = (f"{counts['launches']} graph launches of {counts['builds']} cached graphs "
-            f"({counts['updates']} re-parameterised)")
+    note = (
+        f"{counts['launches']} graph launches of {counts['builds']} cached graphs "
+        f"({counts['updates']} re-parameterised)"
+    )
     return note + (f"; graph launches turned off by error {counts['error']}" if counts["error"] else "")
 
 
@@ -112,8 +120,10 @@ def measure(calls=1000, progress=print):
     import portep
 
     if not torch.cuda.is_available() or not portep.native.build_info()["gpu_built"]:
-        raise RuntimeError("ll-host needs a GPU and portep's GPU kernels (GPU visible: "
-                           f"{torch.cuda.is_available()}, kernels built: {portep.native.build_info()['gpu_built']})")
+        raise RuntimeError(
+            "ll-host needs a GPU and portep's GPU kernels (GPU visible: "
+            f"{torch.cuda.is_available()}, kernels built: {portep.native.build_info()['gpu_built']})"
+        )
     torch.cuda.set_device(0)
     group = _group()
     nbytes = portep.Buffer.get_low_latency_rdma_size_hint(T, H, 1, E)
@@ -150,23 +160,41 @@ def measure(calls=1000, progress=print):
             finally:
                 kernels.graph_launch = graphs_on
 
-        rows = _interleaved([
-            ("portep LL round trip (dispatch + combine), one native call per phase", round_trip, HOLD_CYCLES),
-            ("portep LL round trip launching kernels instead of cached graphs", round_trip, HOLD_CYCLES,
-             kernel_launches),
-            ("portep LL dispatch alone", lambda: buf.low_latency_dispatch(x, idx, T, E, use_fp8=True), HOLD_CYCLES),
-            ("portep LL combine alone", lambda: buf.low_latency_combine(y, idx, weights, handle), HOLD_CYCLES),
-            ("portep LL round trip through the full Python path (checks cached)", full_round_trip, 8 * HOLD_CYCLES),
-            ("baseline: torch.empty + one empty kernel launch (torch.cuda._sleep(0))",
-             lambda: (torch.empty(E, dtype=torch.int32, device="cuda"), torch.cuda._sleep(0)), HOLD_CYCLES),
-            ("for scale: two empty kernel launches (torch.cuda._sleep(0) twice; a round trip launches two kernels)",
-             lambda: (torch.cuda._sleep(0), torch.cuda._sleep(0)), HOLD_CYCLES),
-        ], calls, torch, progress)
+        rows = _interleaved(
+            [
+                ("portep LL round trip (dispatch + combine), one native call per phase", round_trip, HOLD_CYCLES),
+                (
+                    "portep LL round trip launching kernels instead of cached graphs",
+                    round_trip,
+                    HOLD_CYCLES,
+                    kernel_launches,
+                ),
+                ("portep LL dispatch alone", lambda: buf.low_latency_dispatch(x, idx, T, E, use_fp8=True), HOLD_CYCLES),
+                ("portep LL combine alone", lambda: buf.low_latency_combine(y, idx, weights, handle), HOLD_CYCLES),
+                ("portep LL round trip through the full Python path (checks cached)", full_round_trip, 8 * HOLD_CYCLES),
+                (
+                    "baseline: torch.empty + one empty kernel launch (torch.cuda._sleep(0))",
+                    lambda: (torch.empty(E, dtype=torch.int32, device="cuda"), torch.cuda._sleep(0)),
+                    HOLD_CYCLES,
+                ),
+                (
+                    "for scale: two empty kernel launches"
+                    " (torch.cuda._sleep(0) twice; a round trip launches two kernels)",
+                    lambda: (torch.cuda._sleep(0), torch.cuda._sleep(0)),
+                    HOLD_CYCLES,
+                ),
+            ],
+            calls,
+            torch,
+            progress,
+        )
         graphs = _graph_note(graphs_on, kernels.graph_counts)
     finally:
         torch.cuda.synchronize()
         buf.destroy()
-    note = (f"host time per call on {torch.cuda.get_device_name()}, 1 rank, {T} tokens, hidden {H}, top-{K}, "
-            f"{E} experts, FP8 dispatch; calls in batches of {BATCH} behind a GPU sleep (host time only), one batch "
-            f"per row in turn; {graphs}")
+    note = (
+        f"host time per call on {torch.cuda.get_device_name()}, 1 rank, {T} tokens, hidden {H}, top-{K}, "
+        f"{E} experts, FP8 dispatch; calls in batches of {BATCH} behind a GPU sleep (host time only), one batch "
+        f"per row in turn; {graphs}"
+    )
     return {"rows": rows, "note": note}

@@ -1,5 +1,6 @@
 """--plot DIR: one PNG per table, each row's median as a bar with its min..max as error bars, the same run's
 baseline rows in grey next to portep's. matplotlib is an optional extra (pip install 'portep[plot]')."""
+
 import importlib.util
 import os
 import re
@@ -45,17 +46,29 @@ def _figure(plt, t):
     below = [r.spread["median"] - r.spread["min"] for r in rows]
     above = [r.spread["max"] - r.spread["median"] for r in rows]
     fig, ax = plt.subplots(figsize=(9, 1.3 + 0.42 * len(rows)))
-    ax.barh(range(len(rows)), medians, xerr=[below, above], capsize=3,
-            color=[BASELINE_COLOR if r.baseline else PORTEP_COLOR for r in rows])
+    ax.barh(
+        range(len(rows)),
+        medians,
+        xerr=[below, above],
+        capsize=3,
+        color=[BASELINE_COLOR if r.baseline else PORTEP_COLOR for r in rows],
+    )
     ax.set_yticks(range(len(rows)), [textwrap.shorten(r.what, 64, placeholder="...") for r in rows], fontsize=8)
     ax.invert_yaxis()
     for y, (m, r) in enumerate(zip(medians, rows)):
-        ax.annotate(f"{m:.4g} (n={r.spread['n']})", (r.spread["max"], y), xytext=(5, 0), textcoords="offset points",
-                    va="center", fontsize=7)
+        ax.annotate(
+            f"{m:.4g} (n={r.spread['n']})",
+            (r.spread["max"], y),
+            xytext=(5, 0),
+            textcoords="offset points",
+            va="center",
+            fontsize=7,
+        )
     scale = _scale_axis(ax, rows)
     better = "lower" if t.unit in TIME_UNITS else "higher"
-    ax.set_xlabel(f"{t.unit} ({better} is better{scale}): median, error bars min..max; grey: the baseline, same run",
-                  fontsize=8)
+    ax.set_xlabel(
+        f"{t.unit} ({better} is better{scale}): median, error bars min..max; grey: the baseline, same run", fontsize=8
+    )
     what_it_measures = t.note.split(". ")[0]  # the note's first sentence names the backend and what it stands for
     ax.set_title(textwrap.fill(t.title, 90) + "\n" + textwrap.fill(what_it_measures, 110), fontsize=8)
     fig.tight_layout()

@@ -81,10 +81,24 @@ class Table:
         return "\n".join([f"## {self.title}", note, "", table(self.columns(), self.cells())] + self.lines)
 
     def as_json(self):
-        return {"title": self.title, "unit": self.unit, "note": self.note, "columns": self.columns(),
-                "rows": [[str(c) for c in row] for row in self.cells()], "lines": self.lines,
-                "samples": [{"what": r.what, "baseline": r.baseline, "samples": r.samples, "nbytes": r.nbytes,
-                             "extra": {k: str(v) for k, v in r.extra.items()}} for r in self.rows]}
+        return {
+            "title": self.title,
+            "unit": self.unit,
+            "note": self.note,
+            "columns": self.columns(),
+            "rows": [[str(c) for c in row] for row in self.cells()],
+            "lines": self.lines,
+            "samples": [
+                {
+                    "what": r.what,
+                    "baseline": r.baseline,
+                    "samples": r.samples,
+                    "nbytes": r.nbytes,
+                    "extra": {k: str(v) for k, v in r.extra.items()},
+                }
+                for r in self.rows
+            ],
+        }
 
 
 def machine_facts():
@@ -93,11 +107,17 @@ def machine_facts():
 
     import portep
 
-    gpus = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())] if torch.cuda.is_available() \
-        else []
-    return {"cpu_count": os.cpu_count(), "load_average_1min": round(os.getloadavg()[0], 2),
-            "python": platform.python_version(), "torch": torch.__version__, "gpus": gpus,
-            "portep": portep.__version__}
+    gpus = (
+        [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())] if torch.cuda.is_available() else []
+    )
+    return {
+        "cpu_count": os.cpu_count(),
+        "load_average_1min": round(os.getloadavg()[0], 2),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "gpus": gpus,
+        "portep": portep.__version__,
+    }
 
 
 class Report:
@@ -120,12 +140,19 @@ class Report:
     def machine_line(self):
         m = self.machine
         gpus = ", ".join(m["gpus"]) or "no GPU"
-        return (f"machine: {m['cpu_count']} CPUs (load average {m['load_average_1min']} at the start: other work on "
-                f"this machine slows the figures), {gpus}; torch {m['torch']}, portep {m['portep']}")
+        return (
+            f"machine: {m['cpu_count']} CPUs (load average {m['load_average_1min']} at the start: other work on "
+            f"this machine slows the figures), {gpus}; torch {m['torch']}, portep {m['portep']}"
+        )
 
     def as_json(self):
-        return {"command": self.command, "modes": self.modes, "machine": self.machine, "lines": self.lines,
-                "tables": [t.as_json() for t in self.tables]}
+        return {
+            "command": self.command,
+            "modes": self.modes,
+            "machine": self.machine,
+            "lines": self.lines,
+            "tables": [t.as_json() for t in self.tables],
+        }
 
     def write_json(self, path):
         with open(path, "w") as f:

@@ -24,8 +24,13 @@ def _entry(fn, rank, world, port, args, results, env):
     import torch.distributed as dist
 
     try:
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
-                                timeout=datetime.timedelta(seconds=60))
+        dist.init_process_group(
+            "gloo",
+            init_method=f"tcp://127.0.0.1:{port}",
+            rank=rank,
+            world_size=world,
+            timeout=datetime.timedelta(seconds=60),
+        )
         value = fn(rank, world, *args)
         results.put((rank, "ok", value))
     except BaseException:  # noqa: BLE001 - forwarded to the test
@@ -51,8 +56,10 @@ def run_ranks(fn, world, args=(), timeout=180, env=None, expect_missing=()):
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
     port = free_port()
-    procs = [ctx.Process(target=_entry, args=(fn, r, world, port, args, results, dict(env or {})), daemon=True)
-             for r in range(world)]
+    procs = [
+        ctx.Process(target=_entry, args=(fn, r, world, port, args, results, dict(env or {})), daemon=True)
+        for r in range(world)
+    ]
     for p in procs:
         p.start()
     out, errors = {}, {}

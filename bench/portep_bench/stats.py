@@ -21,8 +21,13 @@ def spread(values):
     """n, min, median, mean and max of the samples."""
     if not values:
         raise ValueError("spread of no values")
-    return {"n": len(values), "min": min(values), "median": median(values), "mean": sum(values) / len(values),
-            "max": max(values)}
+    return {
+        "n": len(values),
+        "min": min(values),
+        "median": median(values),
+        "mean": sum(values) / len(values),
+        "max": max(values),
+    }
 
 
 def figure(value):
@@ -35,7 +40,11 @@ def table(headers, rows):
     """A Markdown table: the first column (what each row is) aligned left, the figures right."""
     cells = [[str(h) for h in headers]] + [[str(c) for c in r] for r in rows]
     widths = [max(len(row[i]) for row in cells) for i in range(len(headers))]
-    line = lambda row: "| " + " | ".join(c.ljust(w) if i == 0 else c.rjust(w)  # noqa: E731
-                                        for i, (c, w) in enumerate(zip(row, widths))) + " |"
+
+    def line(row):
+        return (
+            "| " + " | ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(row, widths))) + " |"
+        )
+
     sep = "|" + "|".join("-" * (w + 2) for w in widths) + "|"
     return "\n".join([line(cells[0]), sep] + [line(r) for r in cells[1:]])

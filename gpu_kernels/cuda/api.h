@@ -16,15 +16,15 @@ namespace portep::cuda {
 struct LayoutArgs {
   const int64_t* topk_idx;  // [num_tokens, num_topk], -1 = no expert
   int num_tokens, num_topk, num_experts, num_ranks, ranks_per_node;
-  int32_t* per_rank;        // [num_ranks]
-  int32_t* per_node;        // [num_ranks / ranks_per_node] or null
-  int32_t* per_expert;      // [num_experts]
-  bool* is_token_in_rank;   // [num_tokens, num_ranks]
+  int32_t* per_rank;       // [num_ranks]
+  int32_t* per_node;       // [num_ranks / ranks_per_node] or null
+  int32_t* per_expert;     // [num_experts]
+  bool* is_token_in_rank;  // [num_tokens, num_ranks]
   void* stream;
   // an entry outside [-1, num_experts) is left out and reported as a notice (kErrBadExpert, kernel_errors.h)
   int rank;
-  uint32_t* failed;         // device [kNumErrorWords]
-  KernelError* error;       // mapped host [kNumErrorWords]
+  uint32_t* failed;    // device [kNumErrorWords]
+  KernelError* error;  // mapped host [kNumErrorWords]
 };
 int launch_dispatch_layout(const LayoutArgs& a);
 int load_layout_kernels();

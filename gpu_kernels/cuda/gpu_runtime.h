@@ -107,7 +107,7 @@ inline DriverLaunch driver_launch() {
 }
 
 template <auto K>
-std::atomic<CUfunction>& handle_slot(int device) {  // K's handle on each device, null until looked up
+std::atomic<CUfunction>& handle_slot(int device) {      // K's handle on each device, null until looked up
   static std::atomic<CUfunction> handles[kMaxDevices];  // zero-initialised; racing writers store the same handle
   return handles[device];
 }

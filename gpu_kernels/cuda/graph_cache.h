@@ -3,8 +3,9 @@
 // a kernel launch (cuLaunchKernel prepares the launch on every call; the graph was prepared when it was built). A
 // call whose parameters and launch configuration match a cached graph launches it; a new block takes a free entry
 // (a graph built and instantiated, some tens of microseconds, once) or re-parameterises the least recently used
-// one, which costs about what a kernel launch does. Launches already queued keep the parameters they were launched with (CUDA's rule for
-// cudaGraphExecKernelNodeSetParams). Not thread-safe: its owner (an LLPlanTable) is used under the GIL. CUDA only.
+// one, which costs about what a kernel launch does. Launches already queued keep the parameters they were launched with
+// (CUDA's rule for cudaGraphExecKernelNodeSetParams). Not thread-safe: its owner (an LLPlanTable) is used under the
+// GIL. CUDA only.
 #pragma once
 
 #if !defined(__HIPCC__)

@@ -62,8 +62,8 @@ constexpr int kHTEpochWords = 2;  // HTCommon::epoch
 struct HTHostCounts {  // mapped host memory, written by a notify kernel that has a ticket
   uint64_t ticket;     // written last: the fields below belong to the notify of this ticket
   int64_t num_recv;
-  int64_t self_begin, self_rows;  // where this rank's rows to itself begin among its received rows, how many
-  int64_t forward_rows;           // forwarding: rows this rank receives from other nodes to forward
+  int64_t self_begin, self_rows;       // where this rank's rows to itself begin among its received rows, how many
+  int64_t forward_rows;                // forwarding: rows this rank receives from other nodes to forward
   int32_t expert[kHTMaxLocalExperts];  // this rank's local experts: selections received, not aligned
 };
 
@@ -76,12 +76,12 @@ struct HTCommon {
   uint8_t* const* place;  // device array [R]: a proxy peer's region where the kernels store their WRITEs' bytes
                           // themselves (placed WRITEs), else null
   uint64_t ctrl_off, recv_off, stage_off;  // the control, receive and staging areas (ht_layout.h)
-  HTCtrl ctrl;            // the control area's table: ht_ctrl(num_ranks, ranks_per_node)
-  uint64_t* epoch;        // device [kHTEpochWords]: ops so far; whether this op's data kernel does nothing (set by
-                          // notify)
-  HTHostCounts* host;     // device address of the mapped host counts
+  HTCtrl ctrl;                             // the control area's table: ht_ctrl(num_ranks, ranks_per_node)
+  uint64_t* epoch;     // device [kHTEpochWords]: ops so far; whether this op's data kernel does nothing (set by
+                       // notify)
+  HTHostCounts* host;  // device address of the mapped host counts
   const uint32_t* peer_status;  // as LLCommon's
-  KernelError* error;     // as LLCommon's
+  KernelError* error;           // as LLCommon's
   uint32_t* failed;
   uint64_t timeout_ns;
   // the proxy path
@@ -96,64 +96,64 @@ struct HTCommon {
 
 struct HTNotifyArgs {
   HTCommon c;
-  bool count_mode;                 // dispatch without a handle; else the slots carry only their flags
-  const bool* is_token_in_rank;    // [N][R] (count mode)
+  bool count_mode;                   // dispatch without a handle; else the slots carry only their flags
+  const bool* is_token_in_rank;      // [N][R] (count mode)
   const int32_t* tokens_per_expert;  // [E] (count mode)
   int num_tokens, num_experts;
   // count mode: outputs (the handle's matrices)
-  int32_t* recv_rank_prefix;       // [R] inclusive over sources: rows from sources 0..s to this rank
-  int32_t* rank_prefix;            // one node only (else null): [R][R] inclusive over sources, every destination
-  int32_t* channel_prefix;         // [R][C] inclusive over channels, this rank's sends
-  int32_t* recv_channel_prefix;    // [R][C] exclusive over channels, rows from each source
+  int32_t* recv_rank_prefix;     // [R] inclusive over sources: rows from sources 0..s to this rank
+  int32_t* rank_prefix;          // one node only (else null): [R][R] inclusive over sources, every destination
+  int32_t* channel_prefix;       // [R][C] inclusive over channels, this rank's sends
+  int32_t* recv_channel_prefix;  // [R][C] exclusive over channels, rows from each source
   // count mode with forwarding (else null), Nn = R / L nodes; "served source" of node n: rank n * L + this local
-  int32_t* node_channel_prefix;    // [Nn][C] inclusive over channels: this rank's tokens to each node (shared by
-                                   // the notify kernel as its node counts)
-  int32_t* fwd_channel_prefix;     // [Nn][C] exclusive over channels: rows from node n's served source
-  int32_t* fwd_rank_prefix;        // [Nn] inclusive over nodes: rows from each node's served source
-  int64_t max_recv;                // rows the outputs can hold (num_worst_tokens), 0: no limit
-  uint64_t ticket;                 // != 0: publish the counts in host memory under this number (the CPU waits)
+  int32_t* node_channel_prefix;  // [Nn][C] inclusive over channels: this rank's tokens to each node (shared by
+                                 // the notify kernel as its node counts)
+  int32_t* fwd_channel_prefix;   // [Nn][C] exclusive over channels: rows from node n's served source
+  int32_t* fwd_rank_prefix;      // [Nn] inclusive over nodes: rows from each node's served source
+  int64_t max_recv;              // rows the outputs can hold (num_worst_tokens), 0: no limit
+  uint64_t ticket;               // != 0: publish the counts in host memory under this number (the CPU waits)
 };
 
 struct HTDispatchArgs {
   HTCommon c;
-  const uint8_t* x;           // [N][row_bytes]
-  const float* scales;        // [N][S] 4-byte scales (float32 or packed int32), contiguous; may be null
-  const int64_t* topk_idx;    // [N][K] global expert ids; may be null
-  const float* topk_weights;  // [N][K]; may be null
+  const uint8_t* x;              // [N][row_bytes]
+  const float* scales;           // [N][S] 4-byte scales (float32 or packed int32), contiguous; may be null
+  const int64_t* topk_idx;       // [N][K] global expert ids; may be null
+  const float* topk_weights;     // [N][K]; may be null
   const bool* is_token_in_rank;  // [N][R]
   const int32_t* recv_prefix;    // [R] (stride recv_prefix_stride): rows from sources 0..s to this rank, inclusive
   int recv_prefix_stride;
-  const int32_t* channel_prefix, * recv_channel_prefix;
+  const int32_t *channel_prefix, *recv_channel_prefix;
   int num_tokens, row_bytes, num_scales, num_topk, num_local_experts;
-  uint32_t ring_rows;         // rows per ring (ht_layout.h)
-  int64_t max_recv;           // rows of the outputs
-  uint8_t* recv_x;            // [max_recv][row_bytes]
-  float* recv_scales;         // [max_recv][S] or null
-  int64_t* recv_topk_idx;     // [max_recv][K] local ids or -1; may be null
-  float* recv_topk_weights;   // [max_recv][K]; may be null
-  int32_t* recv_src_idx;      // [max_recv] or null (cached dispatch, forwarding)
-  int32_t* send_head;         // [N][R] or null (cached dispatch, forwarding)
+  uint32_t ring_rows;        // rows per ring (ht_layout.h)
+  int64_t max_recv;          // rows of the outputs
+  uint8_t* recv_x;           // [max_recv][row_bytes]
+  float* recv_scales;        // [max_recv][S] or null
+  int64_t* recv_topk_idx;    // [max_recv][K] local ids or -1; may be null
+  float* recv_topk_weights;  // [max_recv][K]; may be null
+  int32_t* recv_src_idx;     // [max_recv] or null (cached dispatch, forwarding)
+  int32_t* send_head;        // [N][R] or null (cached dispatch, forwarding)
   // forwarding
-  const int32_t* fwd_channel_prefix, * fwd_rank_prefix;  // as in HTNotifyArgs
-  int32_t* recv_src_meta;     // [max_recv][2]: source node, its node mask for this node; null: cached
-  int32_t* nvl_head;          // [nvl_rows][kHTNvlHeadColumns]: per row from another node, its index among the
-  int64_t nvl_rows;           //   source's rows of the channel to each local rank, or -1; null: cached
+  const int32_t *fwd_channel_prefix, *fwd_rank_prefix;  // as in HTNotifyArgs
+  int32_t* recv_src_meta;  // [max_recv][2]: source node, its node mask for this node; null: cached
+  int32_t* nvl_head;       // [nvl_rows][kHTNvlHeadColumns]: per row from another node, its index among the
+  int64_t nvl_rows;        //   source's rows of the channel to each local rank, or -1; null: cached
 };
 
 struct HTCombineArgs {
   HTCommon c;
   const uint16_t* x;              // [num_recv][H] bf16
   const float* topk_weights;      // [num_recv][K] or null
-  const uint16_t* bias0, * bias1;  // [N][H] bf16 or null
+  const uint16_t *bias0, *bias1;  // [N][H] bf16 or null
   const bool* is_token_in_rank;   // [N][R]
   const int32_t* recv_prefix;     // as in HTDispatchArgs
   int recv_prefix_stride;
   const int32_t* recv_channel_prefix;
-  const int32_t* fwd_channel_prefix, * fwd_rank_prefix, * nvl_head;  // forwarding: as dispatch made them
+  const int32_t *fwd_channel_prefix, *fwd_rank_prefix, *nvl_head;  // forwarding: as dispatch made them
   int num_tokens, hidden, num_topk;
-  uint32_t ring_rows;             // rows per ring (ht_layout.h)
-  uint16_t* out;                  // [N][H] bf16
-  float* out_weights;             // [N][K] or null
+  uint32_t ring_rows;  // rows per ring (ht_layout.h)
+  uint16_t* out;       // [N][H] bf16
+  float* out_weights;  // [N][K] or null
 };
 
 // Each returns the launch's cudaError_t (0 = success).

@@ -10,9 +10,7 @@ namespace portep::cuda {
 namespace {
 
 // Row stride of every combine ring (ht_layout.h).
-PORTEP_DEVICE uint32_t slot_bytes(const HTCombineArgs& a) {
-  return ht_combine_row_bytes(ht_forwarding(a.c), a);
-}
+PORTEP_DEVICE uint32_t slot_bytes(const HTCombineArgs& a) { return ht_combine_row_bytes(ht_forwarding(a.c), a); }
 
 // Warp-wide: x's row `row` (and its weights) as one contribution at dst.
 PORTEP_DEVICE void write_contribution(const HTCombineArgs& a, uint8_t* dst, int64_t row) {
@@ -40,7 +38,7 @@ PORTEP_DEVICE bool send_to(const HTCombineArgs& a, int ch, int s, uint64_t epoch
   const int64_t begin = a.recv_channel_prefix[s * C + ch];
   const uint32_t n = uint32_t(received_end(a.recv_channel_prefix, a.recv_prefix, stride, C, s, ch) - begin);
   const int64_t local_row0 = rows_before(a.recv_prefix, stride, s) + begin;  // in x
-  __syncthreads();  // the previous source's bookkeeping is done
+  __syncthreads();                                                         // the previous source's bookkeeping is done
   const uint32_t first = via_forwarder ? st.fwd_sent[local_of(c, s)] : 0;  // ring index of the first row
   const uint64_t remote_ring = via_forwarder ? ht_fwd_ring_offset(c, local_of(c, c.rank), ch, Q, bytes)
                                              : ht_ring_offset(c, s, c.rank, ch, Q, bytes);
@@ -186,12 +184,21 @@ PORTEP_DEVICE void sum_rows(const RowSet& set, int words, uint8_t* out_row, bool
 template <bool kOutF32, bool kAssignFirst>
 PORTEP_DEVICE bool sum_bf16_rows_fast(const RowSet& set, int words, uint8_t* out_row) {
   switch (set.n) {
-#define PORTEP_SUM_CASE(k) \
-  case k: sum_bf16_rows<k, kOutF32, kAssignFirst>(set, words, out_row); return true;
-    PORTEP_SUM_CASE(1) PORTEP_SUM_CASE(2) PORTEP_SUM_CASE(3) PORTEP_SUM_CASE(4)
-    PORTEP_SUM_CASE(5) PORTEP_SUM_CASE(6) PORTEP_SUM_CASE(7) PORTEP_SUM_CASE(8)
+#define PORTEP_SUM_CASE(k)                                        \
+  case k:                                                         \
+    sum_bf16_rows<k, kOutF32, kAssignFirst>(set, words, out_row); \
+    return true
+    PORTEP_SUM_CASE(1);
+    PORTEP_SUM_CASE(2);
+    PORTEP_SUM_CASE(3);
+    PORTEP_SUM_CASE(4);
+    PORTEP_SUM_CASE(5);
+    PORTEP_SUM_CASE(6);
+    PORTEP_SUM_CASE(7);
+    PORTEP_SUM_CASE(8);
 #undef PORTEP_SUM_CASE
-    default: return false;
+    default:
+      return false;
   }
 }
 
@@ -219,11 +226,11 @@ PORTEP_DEVICE void reduce_rows(const RowSet& set, int hidden, int num_topk, uint
 
 // ---- the reducer (the source's tokens) ----
 struct ReduceState {
-  TokenPeers tp;                   // batch: the peers each warp's token has rows from, its node masks
-  uint32_t base[kHTMaxPeers];      // rows of this channel from each peer reduced before this batch
-  uint32_t batch[kHTMaxPeers];     // the batch's rows from each peer
-  uint32_t have[kHTMaxPeers];      // rows known to be in place
-  uint32_t credited[kHTMaxPeers];  // proxy peers: chunks credited back
+  TokenPeers tp;                     // batch: the peers each warp's token has rows from, its node masks
+  uint32_t base[kHTMaxPeers];        // rows of this channel from each peer reduced before this batch
+  uint32_t batch[kHTMaxPeers];       // the batch's rows from each peer
+  uint32_t have[kHTMaxPeers];        // rows known to be in place
+  uint32_t credited[kHTMaxPeers];    // proxy peers: chunks credited back
   const uint8_t* ring[kHTMaxPeers];  // this rank's ring for each peer in this channel (null: this rank)
   int failed;
 };
@@ -372,7 +379,7 @@ PORTEP_DEVICE void reduce_channel(const HTCombineArgs& a, int ch) {
 
 // ---- the forwarder (forwarding only) ----
 struct PartialState {
-  uint32_t masks[kHTWarps];     // batch: each warp's token's local ranks (from nvl_head)
+  uint32_t masks[kHTWarps];         // batch: each warp's token's local ranks (from nvl_head)
   uint32_t used[kHTMaxNodeRanks];   // rows of local rank l's forward ring of this channel consumed so far
   uint32_t batch[kHTMaxNodeRanks];  // the batch's rows per local rank
   int failed;
@@ -475,8 +482,6 @@ int ht_combine(const HTCombineArgs& a) {
   return int(launch_kernel<ht_combine_kernel>(blocks, kHTThreads, 0, static_cast<cudaStream_t>(a.c.stream), a));
 }
 
-int load_ht_combine_kernels() {
-  return int(load_kernel(ht_combine_kernel));
-}
+int load_ht_combine_kernels() { return int(load_kernel(ht_combine_kernel)); }
 
 }  // namespace portep::cuda

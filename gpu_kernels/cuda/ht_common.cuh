@@ -9,7 +9,7 @@
 
 namespace portep::cuda {
 
-constexpr int kHTThreads = 1024;  // per data block
+constexpr int kHTThreads = 1024;                  // per data block
 constexpr int kHTWarps = kHTThreads / kWarpSize;  // one token (or row) per warp per batch: 32 on CUDA, 16 on CDNA
 // A proxy reader credits whole chunks only, so a sender always regains room for kHTChunkRows more rows than it
 // flushed whole chunks of, in a ring of kHTMinRingRows = 2 chunks: a batch must not need more.
@@ -35,9 +35,7 @@ PORTEP_DEVICE uint8_t* outgoing_slot(const HTCommon& c, int dst, uint64_t epoch)
 }
 PORTEP_DEVICE uint64_t* slot_flag(uint8_t* slot) { return reinterpret_cast<uint64_t*>(slot + kHTSlotFlagOff); }
 PORTEP_DEVICE int32_t* slot_counts(uint8_t* slot) { return reinterpret_cast<int32_t*>(slot + kHTSlotCountsOff); }
-PORTEP_DEVICE int32_t* slot_channels(uint8_t* slot) {
-  return reinterpret_cast<int32_t*>(slot + kHTSlotChannelsOff);
-}
+PORTEP_DEVICE int32_t* slot_channels(uint8_t* slot) { return reinterpret_cast<int32_t*>(slot + kHTSlotChannelsOff); }
 PORTEP_DEVICE int32_t* slot_node_channels(uint8_t* slot) {
   return reinterpret_cast<int32_t*>(slot + kHTSlotNodeChannelsOff);
 }
@@ -95,8 +93,7 @@ PORTEP_DEVICE uint32_t rows_with_peer(const TokenPeers& tp, int n, int p) {
 // caller syncs the block before anyone reads them. Lanes take 32 nodes at a time (lane n % 32 loads node n's L
 // flags) and one ballot gives the peer bits of those nodes, so a token costs one round per 32 nodes: no loop over
 // peer indices, and up to 32 ranks (one round) its flags load in parallel as one byte per lane.
-PORTEP_DEVICE void load_token_peers(const HTCommon& c, const bool* is_token_in_rank, int t, int warp,
-                                    TokenPeers& tp) {
+PORTEP_DEVICE void load_token_peers(const HTCommon& c, const bool* is_token_in_rank, int t, int warp, TokenPeers& tp) {
   const int L = c.ranks_per_node, Nn = num_nodes(c), me = node_of(c, c.rank), lane = lane_id();
   const bool* row = is_token_in_rank + int64_t(t) * c.num_ranks;
   uint32_t* words = tp.words[warp];
@@ -151,15 +148,15 @@ PORTEP_DEVICE uint64_t* fwd_head_word(const HTCommon& c, uint8_t* region, bool c
 }
 // Rows from node n's served source (fwd prefixes of a handle) in channel ch, and where the first sits among the
 // rows this rank forwards (those of other nodes, nodes ascending, channels ascending).
-PORTEP_DEVICE uint32_t served_rows(const HTCommon& c, const int32_t* fwd_channel_prefix,
-                                   const int32_t* fwd_rank_prefix, int n, int ch) {
+PORTEP_DEVICE uint32_t served_rows(const HTCommon& c, const int32_t* fwd_channel_prefix, const int32_t* fwd_rank_prefix,
+                                   int n, int ch) {
   const int C = c.num_channels;
   const int32_t total = fwd_rank_prefix[n] - (n > 0 ? fwd_rank_prefix[n - 1] : 0);
   const int32_t end = ch + 1 < C ? fwd_channel_prefix[n * C + ch + 1] : total;
   return uint32_t(end - fwd_channel_prefix[n * C + ch]);
 }
-PORTEP_DEVICE int64_t served_row0(const HTCommon& c, const int32_t* fwd_channel_prefix,
-                                  const int32_t* fwd_rank_prefix, int n, int ch) {
+PORTEP_DEVICE int64_t served_row0(const HTCommon& c, const int32_t* fwd_channel_prefix, const int32_t* fwd_rank_prefix,
+                                  int n, int ch) {
   const int me = node_of(c, c.rank);
   const int64_t own = fwd_rank_prefix[me] - (me > 0 ? fwd_rank_prefix[me - 1] : 0);
   return (n > 0 ? fwd_rank_prefix[n - 1] : 0) - (me < n ? own : 0) + fwd_channel_prefix[n * c.num_channels + ch];
@@ -200,8 +197,8 @@ PORTEP_DEVICE bool peer_down(const HTCommon& c, int src) {
 // A wait on src ended short (end): the op fails (the normal mode has no shrink mode).
 PORTEP_DEVICE void report_lost(const HTCommon& c, int src, uint32_t end, uint32_t index) {
   if (end == kWaitPeerDown)
-    report_error(c, kErrPeerDown, uint32_t(c.rank), uint32_t(src), *reinterpret_cast<const volatile uint32_t*>(
-                                                                         c.peer_status + src));
+    report_error(c, kErrPeerDown, uint32_t(c.rank), uint32_t(src),
+                 *reinterpret_cast<const volatile uint32_t*>(c.peer_status + src));
   else if (end == kWaitTimedOut)
     report_error(c, kErrWaitTimeout, uint32_t(c.rank), uint32_t(src), index);
 }
@@ -216,8 +213,7 @@ PORTEP_DEVICE bool await_word(const HTCommon& c, const uint64_t* word, uint64_t 
   return end == kWaitDone;
 }
 // The tail word reaches (epoch, rows).
-PORTEP_DEVICE bool await_tail(const HTCommon& c, const uint64_t* word, uint64_t epoch, uint32_t rows, int src,
-                              int ch) {
+PORTEP_DEVICE bool await_tail(const HTCommon& c, const uint64_t* word, uint64_t epoch, uint32_t rows, int src, int ch) {
   return await_word(c, word, ht_word_value(epoch, rows), src, uint32_t(ch));
 }
 
@@ -263,9 +259,9 @@ PORTEP_DEVICE int64_t await_units(const HTCommon& c, int src, uint32_t stream, u
   const uint64_t i = uint64_t(src) * c.num_streams + stream;
   const uint32_t seen = uint32_t(c.signal_seen[i]);
   uint64_t v = 0, waited = 0;
-  const uint32_t end = wait_until([&] { return ld_acquire_sys_u64(c.host_signals + i); },
-                                  [&](uint64_t x) { return uint32_t(x) - seen >= need; }, limits_for(c, src), &v,
-                                  &waited, kProxyPollNs);
+  const uint32_t end =
+      wait_until([&] { return ld_acquire_sys_u64(c.host_signals + i); },
+                 [&](uint64_t x) { return uint32_t(x) - seen >= need; }, limits_for(c, src), &v, &waited, kProxyPollNs);
   if (end == kWaitDone) return uint32_t(v) - seen;
   report_lost(c, src, end, stream);
   return -1;
@@ -338,7 +334,8 @@ PORTEP_DEVICE void return_rows(const HTCommon& c, bool combine, int s, int ch, u
   const uint64_t scratch = c.ctrl_off + c.ctrl.scratch;
   for (; *credited < due; ++*credited)
     if (!push_cmd(f, CmdFields{kOpWrite, write_flags(f, s), uint32_t(s), uint32_t(kHTScratchBytes), stream, scratch,
-                               scratch})) return;
+                               scratch}))
+      return;
   push_cmd(f, CmdFields{kOpSignal, 0, uint32_t(s), 0, stream, 0, 0});
 }
 

@@ -67,8 +67,8 @@ PORTEP_DEVICE void write_output_meta(const HTDispatchArgs& a, int64_t row, int s
 
 // Warp-wide: the row (src_x) and write_output_meta. src_* point at the token's parts in a record.
 PORTEP_DEVICE void write_output_row(const HTDispatchArgs& a, int64_t row, int src_token, const uint8_t* src_x,
-                                    const float* src_scales, const int64_t* src_idx, const float* src_w,
-                                    int src_node, uint32_t node_bits) {
+                                    const float* src_scales, const int64_t* src_idx, const float* src_w, int src_node,
+                                    uint32_t node_bits) {
   if (row >= a.max_recv) return;  // num_worst_tokens too small: the notify kernel reported it
   const TokenMeta m = load_meta(a, src_scales, src_idx, src_w);
   warp_copy16(reinterpret_cast<uint4*>(a.recv_x + row * a.row_bytes), reinterpret_cast<const uint4*>(src_x),
@@ -95,15 +95,15 @@ PORTEP_DEVICE void write_record_meta(const HTDispatchArgs& a, const Record& rec,
 }
 
 struct SendState {
-  TokenPeers tp;                       // batch: each warp's token's peers and node masks
-  uint32_t batch[kHTMaxPeers];         // batch: rows per peer
-  uint32_t sent[kHTMaxPeers];          // rows of this channel stored per peer so far
-  uint32_t flushed[kHTMaxPeers];       // proxy peers: rows of this channel handed to WRITEs
-  uint32_t chan_start[kHTMaxPeers];    // without forwarding: this channel's first row in this rank's block at p
-  uint64_t remote_ring[kHTMaxPeers];   // this rank's ring at p (receive area offset)
-  uint64_t stage_ring[kHTMaxPeers];    // its staging ring for p (proxy peers)
-  uint8_t* row_base[kHTMaxPeers];      // where this rank stores its ring's rows for p (p's receive area, or staging)
-  int64_t self_row0;                   // output row of this channel's first row to this rank
+  TokenPeers tp;                      // batch: each warp's token's peers and node masks
+  uint32_t batch[kHTMaxPeers];        // batch: rows per peer
+  uint32_t sent[kHTMaxPeers];         // rows of this channel stored per peer so far
+  uint32_t flushed[kHTMaxPeers];      // proxy peers: rows of this channel handed to WRITEs
+  uint32_t chan_start[kHTMaxPeers];   // without forwarding: this channel's first row in this rank's block at p
+  uint64_t remote_ring[kHTMaxPeers];  // this rank's ring at p (receive area offset)
+  uint64_t stage_ring[kHTMaxPeers];   // its staging ring for p (proxy peers)
+  uint8_t* row_base[kHTMaxPeers];     // where this rank stores its ring's rows for p (p's receive area, or staging)
+  int64_t self_row0;                  // output row of this channel's first row to this rank
   uint64_t epoch;
   int failed;
 };
@@ -122,8 +122,8 @@ PORTEP_DEVICE void init_send_state(const HTDispatchArgs& a, const Record& rec, S
                                         : proxy_ring_slot(c, d, st.stage_ring[p], st.remote_ring[p], 0);
   }
   if (threadIdx.x == 0) {
-    st.self_row0 = rows_before(a.recv_prefix, a.recv_prefix_stride, c.rank) +
-                   sent_before_channel(a.channel_prefix, C, c.rank, ch);
+    st.self_row0 =
+        rows_before(a.recv_prefix, a.recv_prefix_stride, c.rank) + sent_before_channel(a.channel_prefix, C, c.rank, ch);
     st.epoch = *c.epoch;
     st.failed = 0;
   }
@@ -157,9 +157,9 @@ constexpr int kCopyGroup = 8;
 PORTEP_DEVICE void send_token(const HTDispatchArgs& a, const Record& rec, SendState& st, int t, int warp) {
   const HTCommon& c = a.c;
   if (a.send_head) write_send_head(a, st, t, warp);
-  const TokenMeta m = load_meta(a, a.scales + int64_t(t) * a.num_scales,
-                                 a.topk_idx ? a.topk_idx + int64_t(t) * a.num_topk : nullptr,
-                                 a.topk_weights ? a.topk_weights + int64_t(t) * a.num_topk : nullptr);
+  const TokenMeta m =
+      load_meta(a, a.scales + int64_t(t) * a.num_scales, a.topk_idx ? a.topk_idx + int64_t(t) * a.num_topk : nullptr,
+                a.topk_weights ? a.topk_weights + int64_t(t) * a.num_topk : nullptr);
   const uint4* src = reinterpret_cast<const uint4*>(a.x + int64_t(t) * a.row_bytes);
   uint4* rows[kCopyGroup];
   int to[kCopyGroup], num_rows = 0;
@@ -187,8 +187,8 @@ PORTEP_DEVICE void send_token(const HTDispatchArgs& a, const Record& rec, SendSt
 }
 
 // Thread p after a batch: announce peer p's rows of this channel so far (last: the channel is done).
-PORTEP_DEVICE void announce(const HTDispatchArgs& a, const Record& rec, SendState& st, int p, int ch,
-                            uint32_t added, bool last) {
+PORTEP_DEVICE void announce(const HTDispatchArgs& a, const Record& rec, SendState& st, int p, int ch, uint32_t added,
+                            bool last) {
   const HTCommon& c = a.c;
   if (peer_is_self(c, p)) return;
   const int d = peer_rank(c, p);
@@ -216,8 +216,7 @@ PORTEP_DEVICE void send_channel(const HTDispatchArgs& a, int ch) {
     for (int p = threadIdx.x; p < P; p += blockDim.x) {  // room in p's ring for this batch
       const uint32_t n = rows_with_peer(st.tp, kHTWarps, p);
       st.batch[p] = n;
-      if (n && !peer_is_self(c, p) &&
-          !await_room(c, false, peer_rank(c, p), ch, st.epoch, st.sent[p] + n, a.ring_rows))
+      if (n && !peer_is_self(c, p) && !await_room(c, false, peer_rank(c, p), ch, st.epoch, st.sent[p] + n, a.ring_rows))
         st.failed = 1;
     }
     __syncthreads();
@@ -246,9 +245,7 @@ struct RecvState {
   int all_done, failed;
 };
 
-PORTEP_DEVICE int num_inputs(const HTCommon& c) {
-  return ht_num_peers(c) + (ht_forwarding(c) ? c.ranks_per_node : 0);
-}
+PORTEP_DEVICE int num_inputs(const HTCommon& c) { return ht_num_peers(c) + (ht_forwarding(c) ? c.ranks_per_node : 0); }
 // The rank that writes input j.
 PORTEP_DEVICE int input_rank(const HTCommon& c, int j) {
   const int P = ht_num_peers(c);
@@ -292,10 +289,10 @@ PORTEP_DEVICE void place_row(const HTDispatchArgs& a, const Record& rec, const R
                              const uint8_t* src, int ch) {
   const HTCommon& c = a.c;
   const int32_t* h = reinterpret_cast<const int32_t*>(src);
-  const int64_t row = j < ht_num_peers(c) ? st.first[j] + r
-                                          : rows_before(a.recv_prefix, a.recv_prefix_stride, h[kHTRowSource]) +
-                                                a.recv_channel_prefix[h[kHTRowSource] * c.num_channels + ch] +
-                                                h[kHTRowIndex];
+  const int64_t row = j < ht_num_peers(c)
+                          ? st.first[j] + r
+                          : rows_before(a.recv_prefix, a.recv_prefix_stride, h[kHTRowSource]) +
+                                a.recv_channel_prefix[h[kHTRowSource] * c.num_channels + ch] + h[kHTRowIndex];
   write_output_row(a, row, h[kHTRowToken], src + kHTRowHeaderBytes, reinterpret_cast<const float*>(src + rec.scales),
                    reinterpret_cast<const int64_t*>(src + rec.topk), reinterpret_cast<const float*>(src + rec.weights),
                    node_of(c, h[kHTRowSource]), uint32_t(h[kHTRowNodeMask]));
@@ -372,11 +369,11 @@ PORTEP_DEVICE void receive_channel(const HTDispatchArgs& a, int ch) {
 }
 
 struct ForwardState {
-  uint32_t masks[kHTWarps];         // batch: each warp's row's local destinations
+  uint32_t masks[kHTWarps];             // batch: each warp's row's local destinations
   uint32_t sent[kHTMaxNodeRanks];       // rows stored into local rank l's forward ring of this channel so far
   uint32_t of_source[kHTMaxNodeRanks];  // of those, the current source's
   uint32_t batch[kHTMaxNodeRanks];      // batch: rows per local rank
-  uint32_t avail, credited;         // the current source's rows in place; chunks credited back
+  uint32_t avail, credited;             // the current source's rows in place; chunks credited back
   int failed;
 };
 
@@ -389,7 +386,7 @@ PORTEP_DEVICE void forward_row(const HTDispatchArgs& a, const Record& rec, const
   const uint32_t mask = st.masks[warp];
   const uint64_t ring = ht_fwd_ring_offset(c, local_of(c, c.rank), ch, a.ring_rows, rec.bytes);
   const int32_t* h = reinterpret_cast<const int32_t*>(src);
-  int32_t my_index = -1;  // lane l's
+  int32_t my_index = -1;         // lane l's
   uint4* dsts[kHTMaxNodeRanks];  // the record after its header, at each destination
   int n = 0;
   for (int l = 0; l < L; ++l) {
@@ -483,8 +480,6 @@ int ht_dispatch(const HTDispatchArgs& a) {
   return int(launch_kernel<ht_dispatch_kernel>(blocks, kHTThreads, 0, static_cast<cudaStream_t>(a.c.stream), a));
 }
 
-int load_ht_dispatch_kernels() {
-  return int(load_kernel(ht_dispatch_kernel));
-}
+int load_ht_dispatch_kernels() { return int(load_kernel(ht_dispatch_kernel)); }
 
 }  // namespace portep::cuda

@@ -202,7 +202,7 @@ __global__ void __launch_bounds__(kNotifyThreads, 1) ht_notify_kernel(HTNotifyAr
   publish_slot(c, epoch);
   const bool arrived = await_slots(c, epoch, &ok);
   if (arrived && a.count_mode) derive_counts(a, epoch, from);
-  __syncthreads();  // every thread's error reports of this notify before the verdict
+  __syncthreads();         // every thread's error reports of this notify before the verdict
   if (threadIdx.x == 0) {  // the op's data kernel, next on the stream, reads both
     c.epoch[0] = epoch;
     c.epoch[1] = !arrived || error_stops_data(c);
@@ -215,8 +215,6 @@ int ht_notify(const HTNotifyArgs& a) {
   return int(launch_kernel<ht_notify_kernel>(1, kNotifyThreads, 0, static_cast<cudaStream_t>(a.c.stream), a));
 }
 
-int load_ht_notify_kernels() {
-  return int(load_kernel(ht_notify_kernel));
-}
+int load_ht_notify_kernels() { return int(load_kernel(ht_notify_kernel)); }
 
 }  // namespace portep::cuda

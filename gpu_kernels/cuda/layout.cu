@@ -74,8 +74,8 @@ __global__ void dispatch_layout_kernel(LayoutArgs a) {
 }  // namespace
 
 int launch_dispatch_layout(const LayoutArgs& a) {
-  if (a.num_tokens < 0 || a.num_topk < 1 || a.num_ranks < 1 || a.ranks_per_node < 1 ||
-      a.num_ranks % a.ranks_per_node || a.num_experts % a.num_ranks || !a.failed || !a.error)
+  if (a.num_tokens < 0 || a.num_topk < 1 || a.num_ranks < 1 || a.ranks_per_node < 1 || a.num_ranks % a.ranks_per_node ||
+      a.num_experts % a.num_ranks || !a.failed || !a.error)
     return int(cudaErrorInvalidValue);
   cudaStream_t s = static_cast<cudaStream_t>(a.stream);
   cudaError_t err;
@@ -90,8 +90,6 @@ int launch_dispatch_layout(const LayoutArgs& a) {
   return int(launch_kernel<dispatch_layout_kernel>(blocks, kLayoutThreads, shared, s, a));
 }
 
-int load_layout_kernels() {
-  return int(load_kernel(dispatch_layout_kernel));
-}
+int load_layout_kernels() { return int(load_kernel(dispatch_layout_kernel)); }
 
 }  // namespace portep::cuda

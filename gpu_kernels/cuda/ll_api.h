@@ -12,15 +12,16 @@
 //                          receive kernel's relay, see ll_common.cuh).
 // The slot of selection (t, k) is its rank among all selections of that expert in row-major (t, k) order, so
 // every layout is deterministic. A dispatch message is a 16-byte header (int32 source token, int32 number of
-// messages for that expert from this source, uint32 share, uint32 the call's sequence number) and the payload: BF16 row, or FP8 row +
-// float32 scales. Direct peers get a token's payload once: share = 0 in the message that holds it; the token's
-// other messages to that rank carry no payload and share = 1 + the index of that message in [R][E_l][T].
+// messages for that expert from this source, uint32 share, uint32 the call's sequence number) and the payload: BF16
+// row, or FP8 row + float32 scales. Direct peers get a token's payload once: share = 0 in the message that holds it;
+// the token's other messages to that rank carry no payload and share = 1 + the index of that message in [R][E_l][T].
 //
 // Proxy peers get data per chunk of kChunkExperts consecutive local experts: WRITE commands (<= 16 MiB each) and
 // one final SIGNAL on signal stream stream_base + chunk, so a NIC moves a few large blocks, not one per expert.
 // Where the peer's region is mapped (place[dst]: shm on one host), the kernels store the chunk's bytes at their
-// place in it instead of in the staging area, and the WRITEs are placed: the proxies carry only their units. A chunk's data is packed, expert after expert, into the region its experts have in the receiver's
-// layout (dispatch: [src][first .. first + n)[T]; combine: [first expert .. + n)[T]):
+// place in it instead of in the staging area, and the WRITEs are placed: the proxies carry only their units. A chunk's
+// data is packed, expert after expert, into the region its experts have in the receiver's layout (dispatch: [src][first
+// .. first + n)[T]; combine: [first expert .. + n)[T]):
 //   dispatch: message 0 is a table (header int32 -1, int32 total messages, 0, 0; payload int32 count per expert)
 //             and the messages follow; when every slot of the chunk is taken (each count = T) there is no room
 //             for it and none is sent (message 0 is then a real message, header >= 0).
@@ -73,27 +74,26 @@ static_assert(kMetaStride % 16 == 0, "meta blocks hold 16-byte aligned headers")
 static_assert(LLRegion{1 << 20, 2, 144}.flag_off(1, 1) + 4 * 2 * 144 == LLRegion{1 << 20, 2, 144}.meta_base(),
               "the meta blocks follow the last flags");
 
-
 struct LLCommon {
   int rank, num_ranks, num_experts, num_local_experts, T, hidden;
   uint64_t send_off, recv_off, flag_off;  // this half, bytes into the data region
   uint32_t disp_bytes, comb_pitch;
-  uint8_t* local;               // this rank's data region (device)
-  uint8_t* const* peers;        // device array [R]: peer data region when stored into directly, else null
-  uint8_t* const* place;        // device array [R]: a proxy peer's data region where the kernels store the bytes of
-                                //   their WRITEs themselves (placed WRITEs, the transport's placed_writes), else null
-  uint64_t* host_signals;       // device address of this rank's signal slots [R][num_streams] (host-written)
-  uint64_t* signal_seen;        // device [R][num_streams]: each slot's value when a kernel last consumed it
+  uint8_t* local;          // this rank's data region (device)
+  uint8_t* const* peers;   // device array [R]: peer data region when stored into directly, else null
+  uint8_t* const* place;   // device array [R]: a proxy peer's data region where the kernels store the bytes of
+                           //   their WRITEs themselves (placed WRITEs, the transport's placed_writes), else null
+  uint64_t* host_signals;  // device address of this rank's signal slots [R][num_streams] (host-written)
+  uint64_t* signal_seen;   // device [R][num_streams]: each slot's value when a kernel last consumed it
   uint32_t num_streams, stream_base;
-  const FifoView* fifos;        // device array of device-side views
-  uint64_t* fifo_tails;         // device array [num_fifos]: shared cached tails
+  const FifoView* fifos;  // device array of device-side views
+  uint64_t* fifo_tails;   // device array [num_fifos]: shared cached tails
   int num_fifos;
-  uint32_t* finish;             // device scratch, zero between calls: [E] (dispatch) / [E_l] (combine)
-                                //   + [E]: blocks of the combine's receive kernel done
-  uint32_t* chunk_done;         // device scratch, zero between calls: [R][max_chunks] experts of a chunk ready
-  uint32_t* proxy_begin;        // device [E]: where a proxy source's messages / rows of an expert begin in its chunk
-  int max_chunks;               // chunks of kChunkExperts local experts the scratch has room for, per rank
-  uint32_t* dest_done;          // device scratch, zero between calls: [R] combine blocks done with a partial peer
+  uint32_t* finish;                // device scratch, zero between calls: [E] (dispatch) / [E_l] (combine)
+                                   //   + [E]: blocks of the combine's receive kernel done
+  uint32_t* chunk_done;            // device scratch, zero between calls: [R][max_chunks] experts of a chunk ready
+  uint32_t* proxy_begin;           // device [E]: where a proxy source's messages / rows of an expert begin in its chunk
+  int max_chunks;                  // chunks of kChunkExperts local experts the scratch has room for, per rank
+  uint32_t* dest_done;             // device scratch, zero between calls: [R] combine blocks done with a partial peer
   uint64_t meta_off, meta_stride;  // combine partials (see above); meta_off 0: every peer gets rows
   const uint32_t* peer_status;  // mapped host memory [R]: the peer watch's word for each peer (peer_status.h), or null
   uint32_t* mask;               // device [R] (1: masked) in shrink mode, else null: receive sides read (and set) it
@@ -106,28 +106,28 @@ struct LLCommon {
   uint32_t* failed;             // device [kNumErrorWords]: the reported codes (kernels test these, not the host's)
   uint64_t timeout_ns;
   int num_sms;
-  void* stream;                 // cudaStream_t
+  void* stream;  // cudaStream_t
 };
 
 struct LLDispatchArgs {
   LLCommon c;
-  const void* x;                // [N][H] bf16
-  const int64_t* topk_idx;      // [N][K]
+  const void* x;            // [N][H] bf16
+  const int64_t* topk_idx;  // [N][K]
   int num_tokens, num_topk;
   bool use_fp8, round_scale, use_ue8m0;
   // receive phase outputs
-  void* recv_x;                 // [E_l][R*T][H] bf16 or fp8
-  void* recv_scales;            // [E_l][S][R*T] float32 (S = H/128) or int32 (S = H/512, UE8M0); may be null
-  int32_t* recv_count;          // [E_l]
-  int32_t* src_info;            // [E_l][R*T]
-  int64_t* layout_range;        // [E_l][R]
-  int32_t* cumulative_stats;    // [E_l] or null
-  int64_t* wait_stats;          // [R] or null (nanoseconds waited per source)
+  void* recv_x;               // [E_l][R*T][H] bf16 or fp8
+  void* recv_scales;          // [E_l][S][R*T] float32 (S = H/128) or int32 (S = H/512, UE8M0); may be null
+  int32_t* recv_count;        // [E_l]
+  int32_t* src_info;          // [E_l][R*T]
+  int64_t* layout_range;      // [E_l][R]
+  int32_t* cumulative_stats;  // [E_l] or null
+  int64_t* wait_stats;        // [R] or null (nanoseconds waited per source)
 };
 
 struct LLCombineArgs {
   LLCommon c;
-  const void* x;                // [E_l][R*T][H] bf16 rows, row pitch x_pitch bytes (the send area when zero-copy)
+  const void* x;  // [E_l][R*T][H] bf16 rows, row pitch x_pitch bytes (the send area when zero-copy)
   uint64_t x_pitch;
   bool zero_copy;
   const int32_t* src_info;      // [E_l][R*T]
@@ -135,10 +135,10 @@ struct LLCombineArgs {
   const int64_t* topk_idx;      // [N][K]
   const float* topk_weights;    // [N][K]
   int num_tokens, num_topk;
-  void* out;                    // [N][H] bf16, row pitch out_pitch bytes
+  void* out;  // [N][H] bf16, row pitch out_pitch bytes
   uint64_t out_pitch;
-  int64_t* wait_stats;          // [R] or null
-  bool own_rows_in_input;       // set by ll_combine: rows for this rank are read from x, not copied
+  int64_t* wait_stats;     // [R] or null
+  bool own_rows_in_input;  // set by ll_combine: rows for this rank are read from x, not copied
 };
 
 // Each returns the launch's cudaError_t (0 = success); kernels run asynchronously on c.stream. phases: the send
@@ -183,9 +183,9 @@ int load_ll_combine_kernels();
 // a device array of device views and a device array of shared cached tails for kernels.
 struct DeviceFifoSet {
   int count = 0;
-  FifoView* host_views = nullptr;     // host array [count]
-  FifoView* device_views = nullptr;   // device array [count]
-  uint64_t* device_tails = nullptr;   // device array [count], zeroed
+  FifoView* host_views = nullptr;    // host array [count]
+  FifoView* device_views = nullptr;  // device array [count]
+  uint64_t* device_tails = nullptr;  // device array [count], zeroed
 };
 int alloc_device_fifo_set(int count, uint32_t capacity, DeviceFifoSet* out);
 int free_device_fifo_set(DeviceFifoSet* set);

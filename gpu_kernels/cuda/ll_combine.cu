@@ -158,8 +158,7 @@ PORTEP_DEVICE bool wait_expert_rows(const LLCombineArgs& a, int e, bool timed = 
   if (masked(a.c, src)) return false;
   uint64_t v = 0, waited = 0;
   const bool ok = await_flag(a.c, src, e, &v, &waited);
-  if (timed && waited)
-    atomicAdd(reinterpret_cast<unsigned long long*>(a.wait_stats + src), (unsigned long long)waited);
+  if (timed && waited) atomicAdd(reinterpret_cast<unsigned long long*>(a.wait_stats + src), (unsigned long long)waited);
   return ok;
 }
 
@@ -370,7 +369,7 @@ PORTEP_DEVICE void combine_reduce(const LLCombineArgs& a) {
 // are two launches of it). At most one block per SM in every grid: the reduce needs more than half an SM's
 // registers, and every block of a receiving grid must be resident (for_my_relay_chunks).
 __global__ void __launch_bounds__(kLLThreads, 1) combine_kernel(LLCombineArgs a, int parts, int phases) {
-  extern __shared__ uint32_t shared[];  // begins [R], counts [R]
+  extern __shared__ uint32_t shared[];       // begins [R], counts [R]
   if (a.c.seq_mode) (void)ll_call_seq(a.c);  // combine carries no number, but advances the chain
   if (phases & kPhaseSend) {
     const LLCommon& c = a.c;

@@ -70,8 +70,7 @@ PORTEP_DEVICE void add_bf16x8(float* acc, const uint4& v) {
 // one and no NaN is involved (a ninth of the instructions).
 PORTEP_DEVICE uint32_t pack_bf16x2(float lo, float hi) {
   uint32_t v;
-  if (lo != lo || hi != hi || !bf16x2_rne(lo, hi, &v))
-    v = uint32_t(f32_to_bf16(lo)) | uint32_t(f32_to_bf16(hi)) << 16;
+  if (lo != lo || hi != hi || !bf16x2_rne(lo, hi, &v)) v = uint32_t(f32_to_bf16(lo)) | uint32_t(f32_to_bf16(hi)) << 16;
   return v;
 }
 
@@ -167,8 +166,8 @@ struct WaitClock {
 // backoff_ns spaces the loads out (polls of host memory cross PCIe; hundreds of tight pollers slow the proxies'
 // traffic).
 template <class Load, class Pred>
-PORTEP_DEVICE uint32_t wait_until(Load load, Pred pred, const WaitLimits& limits, uint64_t* value,
-                                  uint64_t* waited_ns, uint32_t backoff_ns = 0) {
+PORTEP_DEVICE uint32_t wait_until(Load load, Pred pred, const WaitLimits& limits, uint64_t* value, uint64_t* waited_ns,
+                                  uint32_t backoff_ns = 0) {
   uint64_t v = load();
   *waited_ns = 0;
   if (pred(v)) {
@@ -291,8 +290,8 @@ PORTEP_DEVICE void lost_peer(const LLCommon& c, int src, uint32_t end, uint32_t 
 // reported). *value is the flag read last, *waited the nanoseconds spent.
 PORTEP_DEVICE bool await_flag(const LLCommon& c, int src, int flag_index, uint64_t* value, uint64_t* waited) {
   const uint32_t* flag = signal_flag(c, flag_index);
-  const uint32_t end = wait_until([&] { return uint64_t(ld_acquire_sys_u32(flag)); },
-                                  [](uint64_t x) { return x != 0; }, limits_for(c, src), value, waited);
+  const uint32_t end = wait_until([&] { return uint64_t(ld_acquire_sys_u32(flag)); }, [](uint64_t x) { return x != 0; },
+                                  limits_for(c, src), value, waited);
   if (end != kWaitDone) lost_peer(c, src, end, uint32_t(flag_index));
   return end == kWaitDone;
 }

@@ -53,7 +53,8 @@ PORTEP_DEVICE void write_combine_meta(const LLCombineArgs& a) {
   if (threadIdx.x != 0) return;
   fence_sys();
   for (int d = 0; d < c.num_ranks; ++d)
-    if (partial_peer(c, d)) st_release_sys_u32(&reinterpret_cast<MetaHeader*>(meta_block(c, c.peers[d], c.rank))->ready, 1u);
+    if (partial_peer(c, d))
+      st_release_sys_u32(&reinterpret_cast<MetaHeader*>(meta_block(c, c.peers[d], c.rank))->ready, 1u);
 }
 
 // Position of token t's nth row among the rows this rank received from src for local expert le (they are in
@@ -65,7 +66,10 @@ PORTEP_DEVICE int find_row(const LLCombineArgs& a, int le, int src, int t, int n
   int lo = 0, hi = int(uint32_t(lr));
   while (lo < hi) {
     const int mid = (lo + hi) / 2;
-    if (tokens[mid] < t) lo = mid + 1; else hi = mid;
+    if (tokens[mid] < t)
+      lo = mid + 1;
+    else
+      hi = mid;
   }
   lo += nth;
   return lo < int(uint32_t(lr)) && tokens[lo] == t ? lo : -1;

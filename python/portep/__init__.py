@@ -15,8 +15,20 @@ from .lockstep import AgreedRefusal, OutOfStep
 
 __version__ = "0.1.0"
 
-__all__ = ["AgreedRefusal", "Buffer", "Channel", "Config", "DEFAULT_TIMEOUT_S", "DroppedInput", "EventOverlap",
-           "OutOfStep", "native", "native_error", "topk_idx_t", "__version__"]
+__all__ = [
+    "AgreedRefusal",
+    "Buffer",
+    "Channel",
+    "Config",
+    "DEFAULT_TIMEOUT_S",
+    "DroppedInput",
+    "EventOverlap",
+    "OutOfStep",
+    "native",
+    "native_error",
+    "topk_idx_t",
+    "__version__",
+]
 
 
 def __getattr__(name):

@@ -2,6 +2,7 @@
 
 try:
     from . import _C as native  # noqa: N812
+
     native_error = None
 except ImportError as exc:  # pragma: no cover - only on a broken install
     native = None

@@ -19,8 +19,10 @@ def all_gather_objects(obj: object, group: object) -> list:
     try:
         import numpy  # noqa: F401  (torch's object collectives convert through numpy)
     except ImportError as exc:
-        raise RuntimeError(f"portep's bootstrap uses torch.distributed.all_gather_object, which needs numpy ({exc}); "
-                           f"pip install numpy (python -m portep.doctor lists what is missing)") from exc
+        raise RuntimeError(
+            f"portep's bootstrap uses torch.distributed.all_gather_object, which needs numpy ({exc}); "
+            f"pip install numpy (python -m portep.doctor lists what is missing)"
+        ) from exc
     out = [None] * dist.get_world_size(group)
     dist.all_gather_object(out, obj, group=group)
     return out

@@ -17,8 +17,17 @@ import torch
 from . import validation as v
 from .bootstrap import group_rank_and_size
 from .config import timeout_from_env, transport_from_env
-from .deepep_config import (COMBINE_CONFIGS, DISPATCH_CONFIGS, Config, check_int, check_internode_config,
-                            combine_config, default_config, dispatch_config, low_latency_rdma_size_hint)
+from .deepep_config import (
+    COMBINE_CONFIGS,
+    DISPATCH_CONFIGS,
+    Config,
+    check_int,
+    check_internode_config,
+    combine_config,
+    default_config,
+    dispatch_config,
+    low_latency_rdma_size_hint,
+)
 from .errors import DroppedInput
 from .event import EventOverlap, HostEvent
 from .lockstep import AgreedRefusal, OutOfStep
@@ -88,12 +97,25 @@ class Buffer:
 
     num_sms = 20
 
-    def __init__(self, group: Optional["torch.distributed.ProcessGroup"], num_nvl_bytes: int = 0,
-                 num_rdma_bytes: int = 0, low_latency_mode: bool = False, num_qps_per_rank: int = 24,
-                 allow_nvlink_for_low_latency_mode: bool = True, allow_mnnvl: bool = False, use_fabric: bool = False,
-                 explicitly_destroy: bool = False, enable_shrink: bool = False, comm: object = None, *,
-                 num_ranks_per_node: Optional[int] = None, transport: Optional[str] = None,
-                 timeout_s: Optional[float] = None, backend: Optional[str] = None) -> None:
+    def __init__(
+        self,
+        group: Optional["torch.distributed.ProcessGroup"],
+        num_nvl_bytes: int = 0,
+        num_rdma_bytes: int = 0,
+        low_latency_mode: bool = False,
+        num_qps_per_rank: int = 24,
+        allow_nvlink_for_low_latency_mode: bool = True,
+        allow_mnnvl: bool = False,
+        use_fabric: bool = False,
+        explicitly_destroy: bool = False,
+        enable_shrink: bool = False,
+        comm: object = None,
+        *,
+        num_ranks_per_node: Optional[int] = None,
+        transport: Optional[str] = None,
+        timeout_s: Optional[float] = None,
+        backend: Optional[str] = None,
+    ) -> None:
         self.runtime = None
         # Signatures of LL calls that passed validation (CUDA tensors only: on the CPU the checks read values).
         self._checked = v.CheckedCalls()
@@ -101,8 +123,10 @@ class Buffer:
         if group is None:
             if comm is None:
                 raise ValueError("Either 'group' or 'comm' must be provided.")
-            raise NotImplementedError("Buffer(comm=...) (mpi4py bootstrap) is not supported by portep yet; pass a "
-                                      "torch.distributed process group as `group`")
+            raise NotImplementedError(
+                "Buffer(comm=...) (mpi4py bootstrap) is not supported by portep yet; pass a "
+                "torch.distributed process group as `group`"
+            )
         _check_buffer_bytes("num_nvl_bytes", num_nvl_bytes)
         _check_buffer_bytes("num_rdma_bytes", num_rdma_bytes)
         check_int("num_qps_per_rank", num_qps_per_rank, 1 if low_latency_mode else 0)
@@ -136,10 +160,16 @@ class Buffer:
         # DeepEP's NVL and RDMA buffers, so switching modes needs no clean_low_latency_buffer in between
         split = self.backend == "cuda" and self.low_latency_mode and num_nvl_bytes > 0 and num_rdma_bytes > 0
         with _host_factories(self._device):
-            self.runtime = Engine(group, num_nvl_bytes + num_rdma_bytes, ranks_per_node, transport=transport,
-                                  timeout_s=timeout_s, allow_direct_ll=bool(allow_nvlink_for_low_latency_mode),
-                                  shrink=self.enable_shrink,
-                                  **({"normal_bytes": num_nvl_bytes} if split else {}))
+            self.runtime = Engine(
+                group,
+                num_nvl_bytes + num_rdma_bytes,
+                ranks_per_node,
+                transport=transport,
+                timeout_s=timeout_s,
+                allow_direct_ll=bool(allow_nvlink_for_low_latency_mode),
+                shrink=self.enable_shrink,
+                **({"normal_bytes": num_nvl_bytes} if split else {}),
+            )
         self._comm = self._ll_fast = None
         if self.backend == "cuda":
             from .backends.cuda.comm_stream import CommStream
@@ -158,20 +188,23 @@ class Buffer:
         from .backends.cuda.ll_fast import fast_calls
 
         cls = type(self)
-        if (cls.low_latency_dispatch is not Buffer.low_latency_dispatch or
-                cls.low_latency_combine is not Buffer.low_latency_combine):
+        if (
+            cls.low_latency_dispatch is not Buffer.low_latency_dispatch
+            or cls.low_latency_combine is not Buffer.low_latency_combine
+        ):
             self.ll_fast_path_off = f"{cls.__name__} overrides Buffer's low-latency methods"
             return
-        self._ll_fast = fast_calls(module, self.runtime, self, Buffer.low_latency_dispatch,
-                                   Buffer.low_latency_combine)
+        self._ll_fast = fast_calls(module, self.runtime, self, Buffer.low_latency_dispatch, Buffer.low_latency_combine)
         self.low_latency_dispatch, self.low_latency_combine = self._ll_fast.dispatch, self._ll_fast.combine
 
     # ---- lifetime ----
     def destroy(self) -> None:
         """Release the engine (requires explicitly_destroy=True, as in DeepEP). Calling it again does nothing."""
         if not self.explicitly_destroy:
-            raise RuntimeError("`explicitly_destroy` flag must be set: create the Buffer with "
-                               "explicitly_destroy=True to call destroy(); otherwise it is released on deletion")
+            raise RuntimeError(
+                "`explicitly_destroy` flag must be set: create the Buffer with "
+                "explicitly_destroy=True to call destroy(); otherwise it is released on deletion"
+            )
         runtime, self.runtime, self._ll_fast = self.runtime, None, None
         for entry in ("low_latency_dispatch", "low_latency_combine"):  # the fast path's, where installed
             vars(self).pop(entry, None)
@@ -185,9 +218,12 @@ class Buffer:
             return
         if getattr(self, "explicitly_destroy", False):
             # RuntimeWarning, not ResourceWarning: Python hides the latter by default, and DeepEP prints this
-            warnings.warn("destroy() was not called before a portep Buffer created with explicitly_destroy=True was "
-                          "deleted: its communication memory and proxy threads stay until the process exits",
-                          RuntimeWarning, stacklevel=2)
+            warnings.warn(
+                "destroy() was not called before a portep Buffer created with explicitly_destroy=True was "
+                "deleted: its communication memory and proxy threads stay until the process exits",
+                RuntimeWarning,
+                stacklevel=2,
+            )
             return
         try:
             runtime.destroy()
@@ -247,8 +283,9 @@ class Buffer:
         return EventOverlap(HostEvent())
 
     @staticmethod
-    def get_low_latency_rdma_size_hint(num_max_dispatch_tokens_per_rank: int, hidden: int, num_ranks: int,
-                                       num_experts: int) -> int:
+    def get_low_latency_rdma_size_hint(
+        num_max_dispatch_tokens_per_rank: int, hidden: int, num_ranks: int, num_experts: int
+    ) -> int:
         """DeepEP's minimum RDMA buffer size in bytes for low-latency mode (BF16 sizing)."""
         return low_latency_rdma_size_hint(num_max_dispatch_tokens_per_rank, hidden, num_ranks, num_experts)
 
@@ -270,8 +307,9 @@ class Buffer:
         self._engine()
         return self._comm.stream if self._comm is not None else None
 
-    def get_local_buffer_tensor(self, dtype: torch.dtype, size: Optional[Sequence[int]] = None, offset: int = 0,
-                                use_rdma_buffer: bool = False) -> Tensor:
+    def get_local_buffer_tensor(
+        self, dtype: torch.dtype, size: Optional[Sequence[int]] = None, offset: int = 0, use_rdma_buffer: bool = False
+    ) -> Tensor:
         """A view of this rank's NVL (or RDMA) buffer as `dtype`, of shape `size` (default: the whole buffer, 1-D);
         `offset` is in bytes (as DeepEP's C++)."""
         engine = self._engine()
@@ -285,14 +323,21 @@ class Buffer:
             size = torch.Size(size)
             need += size.numel() * dtype.itemsize
         if need > num_bytes:
-            raise ValueError(f"offset={offset} and size={None if size is None else list(size)} of {dtype} need "
-                             f"{need} bytes; the buffer has {which}={num_bytes}")
+            raise ValueError(
+                f"offset={offset} and size={None if size is None else list(size)} of {dtype} need "
+                f"{need} bytes; the buffer has {which}={num_bytes}"
+            )
         return engine.get_local_buffer_tensor(dtype, size, offset, bool(use_rdma_buffer))
 
     # ---- normal (high-throughput) mode ----
-    def get_dispatch_layout(self, topk_idx: Tensor, num_experts: int, previous_event: Optional[EventOverlap] = None,
-                            async_finish: bool = False, allocate_on_comm_stream: bool = False
-                            ) -> Tuple[Tensor, Optional[Tensor], Tensor, Tensor, EventOverlap]:
+    def get_dispatch_layout(
+        self,
+        topk_idx: Tensor,
+        num_experts: int,
+        previous_event: Optional[EventOverlap] = None,
+        async_finish: bool = False,
+        allocate_on_comm_stream: bool = False,
+    ) -> Tuple[Tensor, Optional[Tensor], Tensor, Tensor, EventOverlap]:
         """Where each token goes, from its top-k experts.
 
         Arguments:
@@ -312,20 +357,33 @@ class Buffer:
         v.check_num_experts(num_experts, self.group_size)
         v.check_topk_idx("topk_idx", topk_idx, num_experts, device=self._device)
         with _host_factories(self._device):
-            out, event = self._normal_op(lambda: engine.get_dispatch_layout(topk_idx, num_experts), previous_event,
-                                         async_finish, allocate_on_comm_stream, (topk_idx,))
+            out, event = self._normal_op(
+                lambda: engine.get_dispatch_layout(topk_idx, num_experts),
+                previous_event,
+                async_finish,
+                allocate_on_comm_stream,
+                (topk_idx,),
+            )
         return _returned(engine, tuple(out) + (event,))
 
     @_collective("dispatch")
-    def dispatch(self, x: DispatchX, handle: Optional[NormalHandle] = None,
-                 num_tokens_per_rank: Optional[Tensor] = None, num_tokens_per_rdma_rank: Optional[Tensor] = None,
-                 is_token_in_rank: Optional[Tensor] = None, num_tokens_per_expert: Optional[Tensor] = None,
-                 topk_idx: Optional[Tensor] = None, topk_weights: Optional[Tensor] = None, expert_alignment: int = 1,
-                 num_worst_tokens: int = 0, config: Optional[Config] = None,
-                 previous_event: Optional[EventOverlap] = None, async_finish: bool = False,
-                 allocate_on_comm_stream: bool = False
-                 ) -> Tuple[DispatchX, Optional[Tensor], Optional[Tensor], Optional[list], Optional[NormalHandle],
-                            EventOverlap]:
+    def dispatch(
+        self,
+        x: DispatchX,
+        handle: Optional[NormalHandle] = None,
+        num_tokens_per_rank: Optional[Tensor] = None,
+        num_tokens_per_rdma_rank: Optional[Tensor] = None,
+        is_token_in_rank: Optional[Tensor] = None,
+        num_tokens_per_expert: Optional[Tensor] = None,
+        topk_idx: Optional[Tensor] = None,
+        topk_weights: Optional[Tensor] = None,
+        expert_alignment: int = 1,
+        num_worst_tokens: int = 0,
+        config: Optional[Config] = None,
+        previous_event: Optional[EventOverlap] = None,
+        async_finish: bool = False,
+        allocate_on_comm_stream: bool = False,
+    ) -> Tuple[DispatchX, Optional[Tensor], Optional[Tensor], Optional[list], Optional[NormalHandle], EventOverlap]:
         """Send each token once to every rank that holds one of its experts (normal mode).
 
         Arguments:
@@ -362,21 +420,50 @@ class Buffer:
         v.check_topk_pair(topk_idx, topk_weights)
         if handle is not None:
             if topk_idx is not None:
-                raise ValueError("dispatch with a handle (cached mode) reuses the handle's routing: topk_idx and "
-                                 "topk_weights must be None")
-            return self._cached_dispatch(engine, x_data, x_scales, handle, expert_alignment, num_worst_tokens,
-                                         config, (previous_event, async_finish, allocate_on_comm_stream))
-        num_experts = v.check_layout_tensors(num_tokens_per_rank, num_tokens_per_rdma_rank, is_token_in_rank,
-                                             num_tokens_per_expert, x_data.size(0), self.group_size,
-                                             engine.num_nodes, self._device)
+                raise ValueError(
+                    "dispatch with a handle (cached mode) reuses the handle's routing: topk_idx and "
+                    "topk_weights must be None"
+                )
+            return self._cached_dispatch(
+                engine,
+                x_data,
+                x_scales,
+                handle,
+                expert_alignment,
+                num_worst_tokens,
+                config,
+                (previous_event, async_finish, allocate_on_comm_stream),
+            )
+        num_experts = v.check_layout_tensors(
+            num_tokens_per_rank,
+            num_tokens_per_rdma_rank,
+            is_token_in_rank,
+            num_tokens_per_expert,
+            x_data.size(0),
+            self.group_size,
+            engine.num_nodes,
+            self._device,
+        )
         self._check_dispatch_topk(topk_idx, topk_weights, num_experts, x_data.size(0), num_worst_tokens)
         per_rdma_rank = num_tokens_per_rdma_rank if engine.num_nodes > 1 else None
-        inputs = (x_data, x_scales, topk_idx, topk_weights, num_tokens_per_rank, per_rdma_rank, is_token_in_rank,
-                  num_tokens_per_expert)
+        inputs = (
+            x_data,
+            x_scales,
+            topk_idx,
+            topk_weights,
+            num_tokens_per_rank,
+            per_rdma_rank,
+            is_token_in_rank,
+            num_tokens_per_expert,
+        )
         self._call.start()
-        out, event = self._normal_op(lambda: engine.dispatch(*inputs, expert_alignment, num_worst_tokens,
-                                                             config.num_sms // 2, None),
-                                     previous_event, async_finish, allocate_on_comm_stream, inputs)
+        out, event = self._normal_op(
+            lambda: engine.dispatch(*inputs, expert_alignment, num_worst_tokens, config.num_sms // 2, None),
+            previous_event,
+            async_finish,
+            allocate_on_comm_stream,
+            inputs,
+        )
         recv_x, recv_scales, recv_topk_idx, recv_topk_weights, counts, handle = out
         recv = (recv_x, recv_scales) if x_scales is not None else recv_x
         return _returned(engine, (recv, recv_topk_idx, recv_topk_weights, counts, handle, event))
@@ -395,18 +482,29 @@ class Buffer:
             raise ValueError(f"x has {x.size(0)} tokens; the handle was made by a dispatch of {num_tokens}")
         v.check_handle_channels(channels, config, "cached dispatch")
         self._call.start()
-        out, event = self._normal_op(lambda: engine.dispatch(x, x_scales, None, None, None, None, None, None,
-                                                             expert_alignment, num_worst_tokens, channels, handle)[:2],
-                                     *stream_args, (x, x_scales) + tuple(handle))
+        out, event = self._normal_op(
+            lambda: engine.dispatch(
+                x, x_scales, None, None, None, None, None, None, expert_alignment, num_worst_tokens, channels, handle
+            )[:2],
+            *stream_args,
+            (x, x_scales) + tuple(handle),
+        )
         recv_x, recv_scales = out
         recv = (recv_x, recv_scales) if x_scales is not None else recv_x
         return _returned(engine, (recv, None, None, None, None, event))
 
     @_collective("combine")
-    def combine(self, x: Tensor, handle: NormalHandle, topk_weights: Optional[Tensor] = None,
-                bias: Union[Tensor, Tuple[Tensor, ...], None] = None, config: Optional[Config] = None,
-                previous_event: Optional[EventOverlap] = None, async_finish: bool = False,
-                allocate_on_comm_stream: bool = False) -> Tuple[Tensor, Optional[Tensor], EventOverlap]:
+    def combine(
+        self,
+        x: Tensor,
+        handle: NormalHandle,
+        topk_weights: Optional[Tensor] = None,
+        bias: Union[Tensor, Tuple[Tensor, ...], None] = None,
+        config: Optional[Config] = None,
+        previous_event: Optional[EventOverlap] = None,
+        async_finish: bool = False,
+        allocate_on_comm_stream: bool = False,
+    ) -> Tuple[Tensor, Optional[Tensor], EventOverlap]:
         """Sum (without weights) each token's rows back on its source rank, plus bias (normal mode).
 
         Arguments:
@@ -428,28 +526,47 @@ class Buffer:
         check_internode_config(v.check_config(config), engine.num_nodes, engine.ranks_per_node, "combine")
         handle, num_tokens, num_recv, channels = v.check_normal_handle(handle, self.group_size, engine.num_nodes)
         v.check_handle_channels(channels, config, "combine")
-        v.check_tensor("x", x, dtypes=(torch.bfloat16,), shape=(("num_recv_tokens", num_recv), ("hidden", None)),
-                       device=self._device)
+        v.check_tensor(
+            "x",
+            x,
+            dtypes=(torch.bfloat16,),
+            shape=(("num_recv_tokens", num_recv), ("hidden", None)),
+            device=self._device,
+        )
         if x.size(1) * x.element_size() % v.ROW_ALIGN_BYTES:
-            raise ValueError(f"x rows are {x.size(1) * x.element_size()} bytes (hidden={x.size(1)}); they must be "
-                             f"a multiple of {v.ROW_ALIGN_BYTES} bytes")
-        v.check_optional_tensor("topk_weights", topk_weights, dtypes=(torch.float32,),
-                                shape=(("num_recv_tokens", num_recv), ("num_topk", None)), device=self._device)
+            raise ValueError(
+                f"x rows are {x.size(1) * x.element_size()} bytes (hidden={x.size(1)}); they must be "
+                f"a multiple of {v.ROW_ALIGN_BYTES} bytes"
+            )
+        v.check_optional_tensor(
+            "topk_weights",
+            topk_weights,
+            dtypes=(torch.float32,),
+            shape=(("num_recv_tokens", num_recv), ("num_topk", None)),
+            device=self._device,
+        )
         biases = v.check_bias(bias, num_tokens, x.size(1), x.dtype, self._device)
         self._call.start()
-        out, event = self._normal_op(lambda: engine.combine(x, handle, topk_weights, biases), previous_event,
-                                     async_finish, allocate_on_comm_stream, (x, topk_weights) + biases + tuple(handle))
+        out, event = self._normal_op(
+            lambda: engine.combine(x, handle, topk_weights, biases),
+            previous_event,
+            async_finish,
+            allocate_on_comm_stream,
+            (x, topk_weights) + biases + tuple(handle),
+        )
         return _returned(engine, (out[0], out[1], event))
 
     def internode_dispatch(self, *args: object, **kwargs: object) -> None:
         """DeepEP-internal; raises NotImplementedError (dispatch handles multi-node groups)."""
-        raise NotImplementedError("Buffer.internode_dispatch is DeepEP-internal; call Buffer.dispatch, which "
-                                  "handles multi-node groups")
+        raise NotImplementedError(
+            "Buffer.internode_dispatch is DeepEP-internal; call Buffer.dispatch, which handles multi-node groups"
+        )
 
     def internode_combine(self, *args: object, **kwargs: object) -> None:
         """DeepEP-internal; raises NotImplementedError (combine handles multi-node groups)."""
-        raise NotImplementedError("Buffer.internode_combine is DeepEP-internal; call Buffer.combine, which "
-                                  "handles multi-node groups")
+        raise NotImplementedError(
+            "Buffer.internode_combine is DeepEP-internal; call Buffer.combine, which handles multi-node groups"
+        )
 
     # ---- low-latency mode ----
     def clean_low_latency_buffer(self, num_max_dispatch_tokens_per_rank: int, hidden: int, num_experts: int) -> None:
@@ -463,12 +580,20 @@ class Buffer:
         with _host_factories(self._device):
             engine.clean_low_latency_buffer(num_max_dispatch_tokens_per_rank, hidden, num_experts)
 
-    def low_latency_dispatch(self, x: Tensor, topk_idx: Tensor, num_max_dispatch_tokens_per_rank: int,
-                             num_experts: int, cumulative_local_expert_recv_stats: Optional[Tensor] = None,
-                             dispatch_wait_recv_cost_stats: Optional[Tensor] = None, use_fp8: bool = True,
-                             round_scale: bool = False, use_ue8m0: bool = False, async_finish: bool = False,
-                             return_recv_hook: bool = False
-                             ) -> Tuple[DispatchX, Tensor, tuple, EventOverlap, Optional[Callable[[], None]]]:
+    def low_latency_dispatch(
+        self,
+        x: Tensor,
+        topk_idx: Tensor,
+        num_max_dispatch_tokens_per_rank: int,
+        num_experts: int,
+        cumulative_local_expert_recv_stats: Optional[Tensor] = None,
+        dispatch_wait_recv_cost_stats: Optional[Tensor] = None,
+        use_fp8: bool = True,
+        round_scale: bool = False,
+        use_ue8m0: bool = False,
+        async_finish: bool = False,
+        return_recv_hook: bool = False,
+    ) -> Tuple[DispatchX, Tensor, tuple, EventOverlap, Optional[Callable[[], None]]]:
         """Send one message per (token, selected expert), packed expert-major on the receiver (low-latency mode).
 
         Arguments:
@@ -490,55 +615,119 @@ class Buffer:
         (On a CUDA Buffer with the LL fast path, the instance's attribute of this name is the native entry, which
         hands this method every call it does not take: _install_ll_fast_path.)
         """
-        return self._low_latency_dispatch(x, topk_idx, num_max_dispatch_tokens_per_rank, num_experts,
-                                          cumulative_local_expert_recv_stats, dispatch_wait_recv_cost_stats, use_fp8,
-                                          round_scale, use_ue8m0, async_finish, return_recv_hook)
+        return self._low_latency_dispatch(
+            x,
+            topk_idx,
+            num_max_dispatch_tokens_per_rank,
+            num_experts,
+            cumulative_local_expert_recv_stats,
+            dispatch_wait_recv_cost_stats,
+            use_fp8,
+            round_scale,
+            use_ue8m0,
+            async_finish,
+            return_recv_hook,
+        )
 
     @_collective("low_latency_dispatch")
-    def _low_latency_dispatch(self, x, topk_idx, num_max_dispatch_tokens_per_rank, num_experts,
-                              cumulative_local_expert_recv_stats, dispatch_wait_recv_cost_stats, use_fp8,
-                              round_scale, use_ue8m0, async_finish, return_recv_hook):
+    def _low_latency_dispatch(
+        self,
+        x,
+        topk_idx,
+        num_max_dispatch_tokens_per_rank,
+        num_experts,
+        cumulative_local_expert_recv_stats,
+        dispatch_wait_recv_cost_stats,
+        use_fp8,
+        round_scale,
+        use_ue8m0,
+        async_finish,
+        return_recv_hook,
+    ):
         engine = self._ll_engine()
         key = None
         if self._device == "cuda":
-            key = v.call_key("dispatch", v.tensor_key(x), v.tensor_key(topk_idx),
-                             type(num_max_dispatch_tokens_per_rank), num_max_dispatch_tokens_per_rank,
-                             type(num_experts), num_experts, v.tensor_key(cumulative_local_expert_recv_stats),
-                             v.tensor_key(dispatch_wait_recv_cost_stats), bool(use_fp8), bool(round_scale),
-                             bool(use_ue8m0), bool(async_finish), bool(return_recv_hook))
+            key = v.call_key(
+                "dispatch",
+                v.tensor_key(x),
+                v.tensor_key(topk_idx),
+                type(num_max_dispatch_tokens_per_rank),
+                num_max_dispatch_tokens_per_rank,
+                type(num_experts),
+                num_experts,
+                v.tensor_key(cumulative_local_expert_recv_stats),
+                v.tensor_key(dispatch_wait_recv_cost_stats),
+                bool(use_fp8),
+                bool(round_scale),
+                bool(use_ue8m0),
+                bool(async_finish),
+                bool(return_recv_hook),
+            )
         if not self._checked.seen(key):
             v.check_ll_flags(async_finish, return_recv_hook)
             v.check_fp8_flags(use_fp8, round_scale, use_ue8m0)
             tokens = check_int("num_max_dispatch_tokens_per_rank", num_max_dispatch_tokens_per_rank, 1)
             v.check_num_experts(num_experts, self.group_size)
             v.check_ll_x(x, tokens, use_ue8m0, self._device)
-            v.check_topk_idx("topk_idx", topk_idx, num_experts, num_tokens=x.size(0), limit_note=LL_TOPK_NOTE,
-                             device=self._device)
-            v.check_stats("cumulative_local_expert_recv_stats", cumulative_local_expert_recv_stats,
-                          num_experts // self.group_size, torch.int32, "num_local_experts", self._device)
-            v.check_stats("dispatch_wait_recv_cost_stats", dispatch_wait_recv_cost_stats,
-                          self.group_size, torch.int64, "num_ranks", self._device)
+            v.check_topk_idx(
+                "topk_idx", topk_idx, num_experts, num_tokens=x.size(0), limit_note=LL_TOPK_NOTE, device=self._device
+            )
+            v.check_stats(
+                "cumulative_local_expert_recv_stats",
+                cumulative_local_expert_recv_stats,
+                num_experts // self.group_size,
+                torch.int32,
+                "num_local_experts",
+                self._device,
+            )
+            v.check_stats(
+                "dispatch_wait_recv_cost_stats",
+                dispatch_wait_recv_cost_stats,
+                self.group_size,
+                torch.int64,
+                "num_ranks",
+                self._device,
+            )
             self._checked.add(key)
-        tokens, recv_stats, wait_stats = (num_max_dispatch_tokens_per_rank, cumulative_local_expert_recv_stats,
-                                          dispatch_wait_recv_cost_stats)
+        tokens, recv_stats, wait_stats = (
+            num_max_dispatch_tokens_per_rank,
+            cumulative_local_expert_recv_stats,
+            dispatch_wait_recv_cost_stats,
+        )
         self._call.start()
         recv_x, recv_count, handle, hook = engine.low_latency_dispatch(
-            x, topk_idx, tokens, num_experts, bool(use_fp8), bool(round_scale), bool(use_ue8m0), recv_stats,
-            wait_stats, bool(return_recv_hook))
+            x,
+            topk_idx,
+            tokens,
+            num_experts,
+            bool(use_fp8),
+            bool(round_scale),
+            bool(use_ue8m0),
+            recv_stats,
+            wait_stats,
+            bool(return_recv_hook),
+        )
         if key is not None:  # checked and launched: the fast path may take this signature from now on
             engine.mark_checked(tokens, x.size(1), num_experts, (bool(use_fp8), bool(round_scale), bool(use_ue8m0)))
         extra = None
         if async_finish:
             data, scales = recv_x if isinstance(recv_x, tuple) else (recv_x, None)
             extra = (x, topk_idx, data, scales, recv_count, handle[0], handle[1], recv_stats)
-        return _returned(engine, (recv_x, recv_count, handle, self._event(async_finish, extra)),
-                         self._call.hook(hook))
+        return _returned(engine, (recv_x, recv_count, handle, self._event(async_finish, extra)), self._call.hook(hook))
 
-    def low_latency_combine(self, x: Tensor, topk_idx: Tensor, topk_weights: Tensor, handle: tuple,
-                            use_logfmt: bool = False, zero_copy: bool = False, async_finish: bool = False,
-                            return_recv_hook: bool = False, out: Optional[Tensor] = None,
-                            combine_wait_recv_cost_stats: Optional[Tensor] = None
-                            ) -> Tuple[Tensor, EventOverlap, Optional[Callable[[], None]]]:
+    def low_latency_combine(
+        self,
+        x: Tensor,
+        topk_idx: Tensor,
+        topk_weights: Tensor,
+        handle: tuple,
+        use_logfmt: bool = False,
+        zero_copy: bool = False,
+        async_finish: bool = False,
+        return_recv_hook: bool = False,
+        out: Optional[Tensor] = None,
+        combine_wait_recv_cost_stats: Optional[Tensor] = None,
+    ) -> Tuple[Tensor, EventOverlap, Optional[Callable[[], None]]]:
         """Weighted sum of each token's expert outputs back on its source rank (low-latency mode).
 
         Arguments:
@@ -553,24 +742,61 @@ class Buffer:
             combined_x: BF16 [num_tokens, hidden]; event: an EventOverlap; hook: or None.
         (The fast path's native entry, where installed, as for low_latency_dispatch.)
         """
-        return self._low_latency_combine(x, topk_idx, topk_weights, handle, use_logfmt, zero_copy, async_finish,
-                                         return_recv_hook, out, combine_wait_recv_cost_stats)
+        return self._low_latency_combine(
+            x,
+            topk_idx,
+            topk_weights,
+            handle,
+            use_logfmt,
+            zero_copy,
+            async_finish,
+            return_recv_hook,
+            out,
+            combine_wait_recv_cost_stats,
+        )
 
     @_collective("low_latency_combine")
-    def _low_latency_combine(self, x, topk_idx, topk_weights, handle, use_logfmt, zero_copy, async_finish,
-                             return_recv_hook, out, combine_wait_recv_cost_stats):
+    def _low_latency_combine(
+        self,
+        x,
+        topk_idx,
+        topk_weights,
+        handle,
+        use_logfmt,
+        zero_copy,
+        async_finish,
+        return_recv_hook,
+        out,
+        combine_wait_recv_cost_stats,
+    ):
         engine = self._ll_engine()
         if use_logfmt:
-            raise NotImplementedError("use_logfmt=True (LogFMT-10 combine) is not supported by portep yet; "
-                                      "use use_logfmt=False (BF16)")
+            raise NotImplementedError(
+                "use_logfmt=True (LogFMT-10 combine) is not supported by portep yet; use use_logfmt=False (BF16)"
+            )
         key = None
         if self._device == "cuda" and isinstance(handle, tuple) and len(handle) == v.LL_HANDLE_LEN:
             _, _, tokens, hidden, experts = handle
-            key = v.call_key("combine", v.tensor_key(x), v.tensor_key(topk_idx), v.tensor_key(topk_weights),
-                             v.tensor_key(handle[0]), v.tensor_key(handle[1]), type(tokens), tokens, type(hidden),
-                             hidden, type(experts), experts, v.tensor_key(out),
-                             v.tensor_key(combine_wait_recv_cost_stats), bool(zero_copy),
-                             bool(async_finish), bool(return_recv_hook), bool(use_logfmt))
+            key = v.call_key(
+                "combine",
+                v.tensor_key(x),
+                v.tensor_key(topk_idx),
+                v.tensor_key(topk_weights),
+                v.tensor_key(handle[0]),
+                v.tensor_key(handle[1]),
+                type(tokens),
+                tokens,
+                type(hidden),
+                hidden,
+                type(experts),
+                experts,
+                v.tensor_key(out),
+                v.tensor_key(combine_wait_recv_cost_stats),
+                bool(zero_copy),
+                bool(async_finish),
+                bool(return_recv_hook),
+                bool(use_logfmt),
+            )
         if not self._checked.seen(key):
             v.check_ll_flags(async_finish, return_recv_hook)
             tokens, hidden, num_experts = v.check_ll_handle(handle, self.group_size)
@@ -579,14 +805,21 @@ class Buffer:
             v.check_ll_num_tokens("topk_idx", topk_idx.size(0), tokens)
             v.check_topk_weights("topk_weights", topk_weights, tuple(topk_idx.shape), self._device)
             v.check_ll_out(out, topk_idx.size(0), hidden, self._device)
-            v.check_stats("combine_wait_recv_cost_stats", combine_wait_recv_cost_stats, self.group_size,
-                          torch.int64, "num_ranks", self._device)
+            v.check_stats(
+                "combine_wait_recv_cost_stats",
+                combine_wait_recv_cost_stats,
+                self.group_size,
+                torch.int64,
+                "num_ranks",
+                self._device,
+            )
             self._checked.add(key)
         wait_stats = combine_wait_recv_cost_stats
         handle = tuple(handle)
         self._call.start()
-        combined_x, hook = engine.low_latency_combine(x, topk_idx, topk_weights, handle, bool(zero_copy), out,
-                                                      bool(return_recv_hook), wait_stats)
+        combined_x, hook = engine.low_latency_combine(
+            x, topk_idx, topk_weights, handle, bool(zero_copy), out, bool(return_recv_hook), wait_stats
+        )
         if key is not None:
             engine.mark_checked(*handle[2:])
         extra = (x, topk_idx, topk_weights, handle[0], handle[1], combined_x) if async_finish else None
@@ -616,8 +849,13 @@ class Buffer:
     def low_latency_query_mask_buffer(self, mask_status: Tensor) -> None:
         """Writes every rank's mask status into mask_status ([num_ranks] int32; 1 = masked)."""
         engine = self._shrink_engine()
-        v.check_tensor("mask_status", mask_status, dtypes=(torch.int32,), shape=(("num_ranks", self.group_size),),
-                       device=self._device)
+        v.check_tensor(
+            "mask_status",
+            mask_status,
+            dtypes=(torch.int32,),
+            shape=(("num_ranks", self.group_size),),
+            device=self._device,
+        )
         engine.query_mask(mask_status)
 
     def low_latency_clean_mask_buffer(self) -> None:
@@ -705,8 +943,10 @@ def _select_backend(explicit):
     source = "backend" if explicit is not None else "PORTEP_BACKEND"
     name = explicit if explicit is not None else (os.environ.get("PORTEP_BACKEND") or _default_backend())
     if name in PLANNED_BACKENDS:
-        raise NotImplementedError(f"{source}={name!r}: the {name} backend is not available yet; use "
-                                  f"backend='cuda' (NVIDIA GPUs) or backend='host' (CPU tensors)")
+        raise NotImplementedError(
+            f"{source}={name!r}: the {name} backend is not available yet; use "
+            f"backend='cuda' (NVIDIA GPUs) or backend='host' (CPU tensors)"
+        )
     if name not in BACKENDS:
         raise ValueError(f"{source}={name!r} is not a backend; choose one of {', '.join(BACKENDS)}")
     return name
@@ -727,6 +967,8 @@ def _ranks_per_node(explicit, group_size):
         source = f"num_ranks_per_node (default min({DEFAULT_RANKS_PER_NODE}, group size))"
     check_int(source, value, 1, group_size)
     if group_size % value:
-        raise ValueError(f"{source}={value} must divide the group size {group_size}; pass num_ranks_per_node= "
-                         f"or set PORTEP_RANKS_PER_NODE")
+        raise ValueError(
+            f"{source}={value} must divide the group size {group_size}; pass num_ranks_per_node= "
+            f"or set PORTEP_RANKS_PER_NODE"
+        )
     return value

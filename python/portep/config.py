@@ -113,17 +113,22 @@ def check_gpu_copy_connections(what: str) -> None:
     except ValueError:
         value = 8
     if value < 2:
-        raise ValueError(f"{what} copies on the copy engines from the proxy threads' streams, but "
-                         f"{CUDA_CONNECTIONS_VAR}={raw} puts every stream in one hardware queue, where those copies "
-                         f"wait behind the LL kernels that wait for them (a hang until the timeout); set it to "
-                         f"{CUDA_MAX_CONNECTIONS} before CUDA starts, or give every peer the direct path")
+        raise ValueError(
+            f"{what} copies on the copy engines from the proxy threads' streams, but "
+            f"{CUDA_CONNECTIONS_VAR}={raw} puts every stream in one hardware queue, where those copies "
+            f"wait behind the LL kernels that wait for them (a hang until the timeout); set it to "
+            f"{CUDA_MAX_CONNECTIONS} before CUDA starts, or give every peer the direct path"
+        )
     if value < CUDA_MAX_CONNECTIONS:
         import warnings
 
-        warnings.warn(f"{what}: {CUDA_CONNECTIONS_NOTE}, so CUDA uses {value} hardware queues; a proxy copy that "
-                      f"shares one with the LL kernel's stream waits behind the kernel and the call times out. Set "
-                      f"{CUDA_CONNECTIONS_VAR}={CUDA_MAX_CONNECTIONS} before CUDA starts (importing portep first does)",
-                      RuntimeWarning, stacklevel=3)
+        warnings.warn(
+            f"{what}: {CUDA_CONNECTIONS_NOTE}, so CUDA uses {value} hardware queues; a proxy copy that "
+            f"shares one with the LL kernel's stream waits behind the kernel and the call times out. Set "
+            f"{CUDA_CONNECTIONS_VAR}={CUDA_MAX_CONNECTIONS} before CUDA starts (importing portep first does)",
+            RuntimeWarning,
+            stacklevel=3,
+        )
 
 
 LL_GRAPH_LAUNCH_VAR = "PORTEP_LL_GRAPH_LAUNCH"

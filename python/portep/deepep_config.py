@@ -13,14 +13,32 @@ INT4_BYTES = 16
 
 # (nvl_send, nvl_recv, rdma_send, rdma_recv) per EP size, as in DeepEP V1's Buffer.get_*_config.
 DISPATCH_CONFIGS = {
-    2: (24, 256, 6, 128), 4: (6, 256, 6, 128), 8: (6, 256, 6, 128), 16: (36, 288, 20, 128),
-    24: (32, 288, 8, 128), 32: (32, 288, 8, 128), 48: (32, 288, 8, 128), 64: (32, 288, 8, 128),
-    96: (20, 480, 12, 128), 128: (20, 560, 12, 128), 144: (32, 720, 12, 128), 160: (28, 720, 12, 128),
+    2: (24, 256, 6, 128),
+    4: (6, 256, 6, 128),
+    8: (6, 256, 6, 128),
+    16: (36, 288, 20, 128),
+    24: (32, 288, 8, 128),
+    32: (32, 288, 8, 128),
+    48: (32, 288, 8, 128),
+    64: (32, 288, 8, 128),
+    96: (20, 480, 12, 128),
+    128: (20, 560, 12, 128),
+    144: (32, 720, 12, 128),
+    160: (28, 720, 12, 128),
 }
 COMBINE_CONFIGS = {
-    2: (10, 256, 6, 128), 4: (9, 256, 6, 128), 8: (4, 256, 6, 128), 16: (4, 288, 12, 128),
-    24: (1, 288, 8, 128), 32: (1, 288, 8, 128), 48: (1, 288, 8, 128), 64: (1, 288, 8, 128),
-    96: (1, 480, 8, 128), 128: (1, 560, 8, 128), 144: (2, 720, 8, 128), 160: (2, 720, 8, 128),
+    2: (10, 256, 6, 128),
+    4: (9, 256, 6, 128),
+    8: (4, 256, 6, 128),
+    16: (4, 288, 12, 128),
+    24: (1, 288, 8, 128),
+    32: (1, 288, 8, 128),
+    48: (1, 288, 8, 128),
+    64: (1, 288, 8, 128),
+    96: (1, 480, 8, 128),
+    128: (1, 560, 8, 128),
+    144: (2, 720, 8, 128),
+    160: (2, 720, 8, 128),
 }
 
 
@@ -46,30 +64,43 @@ class Config:
     `num_max_rdma_chunked_send_tokens`. Unlike DeepEP's binding, the fields are readable.
     """
 
-    def __init__(self, num_sms: int = 20, num_max_nvl_chunked_send_tokens: int = 6,
-                 num_max_nvl_chunked_recv_tokens: int = 256, num_max_rdma_chunked_send_tokens: int = 6,
-                 num_max_rdma_chunked_recv_tokens: int = 256) -> None:
+    def __init__(
+        self,
+        num_sms: int = 20,
+        num_max_nvl_chunked_send_tokens: int = 6,
+        num_max_nvl_chunked_recv_tokens: int = 256,
+        num_max_rdma_chunked_send_tokens: int = 6,
+        num_max_rdma_chunked_recv_tokens: int = 256,
+    ) -> None:
         self.num_sms = check_int("num_sms", num_sms, 0)
         nvl_send = check_int("num_max_nvl_chunked_send_tokens", num_max_nvl_chunked_send_tokens, 1)
         nvl_recv = check_int("num_max_nvl_chunked_recv_tokens", num_max_nvl_chunked_recv_tokens, 1)
         rdma_send = check_int("num_max_rdma_chunked_send_tokens", num_max_rdma_chunked_send_tokens, 1)
         rdma_recv = check_int("num_max_rdma_chunked_recv_tokens", num_max_rdma_chunked_recv_tokens, 1)
         if nvl_send >= nvl_recv:
-            raise ValueError(f"num_max_nvl_chunked_send_tokens={nvl_send} must be < "
-                             f"num_max_nvl_chunked_recv_tokens={nvl_recv}")
+            raise ValueError(
+                f"num_max_nvl_chunked_send_tokens={nvl_send} must be < num_max_nvl_chunked_recv_tokens={nvl_recv}"
+            )
         rdma_recv = _align(rdma_recv, rdma_send)
         if rdma_send > rdma_recv // 2:
-            raise ValueError(f"num_max_rdma_chunked_send_tokens={rdma_send} must be <= half of "
-                             f"num_max_rdma_chunked_recv_tokens={rdma_recv} (after rounding up to a multiple "
-                             f"of the send chunk)")
+            raise ValueError(
+                f"num_max_rdma_chunked_send_tokens={rdma_send} must be <= half of "
+                f"num_max_rdma_chunked_recv_tokens={rdma_recv} (after rounding up to a multiple "
+                f"of the send chunk)"
+            )
         self.num_max_nvl_chunked_send_tokens = nvl_send
         self.num_max_nvl_chunked_recv_tokens = nvl_recv
         self.num_max_rdma_chunked_send_tokens = rdma_send
         self.num_max_rdma_chunked_recv_tokens = rdma_recv
 
     def _fields(self):
-        return (self.num_sms, self.num_max_nvl_chunked_send_tokens, self.num_max_nvl_chunked_recv_tokens,
-                self.num_max_rdma_chunked_send_tokens, self.num_max_rdma_chunked_recv_tokens)
+        return (
+            self.num_sms,
+            self.num_max_nvl_chunked_send_tokens,
+            self.num_max_nvl_chunked_recv_tokens,
+            self.num_max_rdma_chunked_send_tokens,
+            self.num_max_rdma_chunked_recv_tokens,
+        )
 
     def __eq__(self, other):
         return isinstance(other, Config) and self._fields() == other._fields()
@@ -96,7 +127,7 @@ class Config:
         num_rdma_ranks = max(num_ranks // NUM_MAX_NVL_PEERS, 1)
         num_nvl_ranks = min(num_ranks, NUM_MAX_NVL_PEERS)
         slots = (self.num_sms // 2) * num_nvl_ranks
-        per_token = (hidden_bytes + SOURCE_META_BYTES + MAX_TOPK_HINT * 8 + MAX_TOPK_HINT * 4 + MAX_SCALES_HINT * 4)
+        per_token = hidden_bytes + SOURCE_META_BYTES + MAX_TOPK_HINT * 8 + MAX_TOPK_HINT * 4 + MAX_SCALES_HINT * 4
         num_bytes = slots * (2 * num_rdma_ranks + 3) * 4 + slots * self.num_max_nvl_chunked_recv_tokens * per_token
         return _align(num_bytes, NUM_BUFFER_ALIGNMENT_BYTES)
 
@@ -108,15 +139,18 @@ class Config:
             return 0
         _check_hint_ranks(num_ranks, self.num_sms, 1)
         slots = (self.num_sms // 2) * (num_ranks // NUM_MAX_NVL_PEERS)
-        per_token = 2 * (hidden_bytes + SOURCE_META_BYTES + MAX_TOPK_HINT * 8 + MAX_TOPK_HINT * 4
-                         + MAX_SCALES_HINT * 4 + INT4_BYTES)
-        num_bytes = (slots * (NUM_MAX_NVL_PEERS * 2 + 2) * 2 * 4
-                     + slots * self.num_max_rdma_chunked_recv_tokens * per_token)
+        per_token = 2 * (
+            hidden_bytes + SOURCE_META_BYTES + MAX_TOPK_HINT * 8 + MAX_TOPK_HINT * 4 + MAX_SCALES_HINT * 4 + INT4_BYTES
+        )
+        num_bytes = (
+            slots * (NUM_MAX_NVL_PEERS * 2 + 2) * 2 * 4 + slots * self.num_max_rdma_chunked_recv_tokens * per_token
+        )
         return _align(num_bytes, NUM_BUFFER_ALIGNMENT_BYTES)
 
 
-def normal_mode_bytes(config: "Config", hidden_bytes: int, num_ranks: int, ranks_per_node: int = NUM_MAX_NVL_PEERS
-                      ) -> int:
+def normal_mode_bytes(
+    config: "Config", hidden_bytes: int, num_ranks: int, ranks_per_node: int = NUM_MAX_NVL_PEERS
+) -> int:
     """Bytes the CUDA normal mode needs for `config`'s channels (num_sms / 2) on `num_ranks` ranks in nodes of
     ranks_per_node: HT_MIN_RING_ROWS rows per ring of DeepEP's largest rows (MAX_TOPK_HINT top-k, MAX_SCALES_HINT
     scales; a combine row across nodes is an FP32 partial), by the layout's own formula (gpu_kernels/cuda/ht_layout.h
@@ -126,18 +160,23 @@ def normal_mode_bytes(config: "Config", hidden_bytes: int, num_ranks: int, ranks
     if native is None or not hasattr(native, "HTLayout"):
         return 0
     L = min(num_ranks, ranks_per_node)
-    layout = native.HTLayout(num_ranks=num_ranks, ranks_per_node=L, proxy=num_ranks > L, ctrl_off=1 << 60,
-                             area_off=0, area_bytes=16)
-    row = max(native.HTLayout.dispatch_row_bytes(hidden_bytes, MAX_SCALES_HINT, MAX_TOPK_HINT),
-              layout.combine_row_bytes(hidden_bytes // 2, MAX_TOPK_HINT))
+    layout = native.HTLayout(
+        num_ranks=num_ranks, ranks_per_node=L, proxy=num_ranks > L, ctrl_off=1 << 60, area_off=0, area_bytes=16
+    )
+    row = max(
+        native.HTLayout.dispatch_row_bytes(hidden_bytes, MAX_SCALES_HINT, MAX_TOPK_HINT),
+        layout.combine_row_bytes(hidden_bytes // 2, MAX_TOPK_HINT),
+    )
     return layout.area_bytes_for(native.HT_MIN_RING_ROWS, row, max(config.num_sms // 2, 1))
 
 
 def _check_hint_ranks(num_ranks, num_sms, even_sms_above):
     check_int("num_ranks", num_ranks, 1)
     if num_ranks > NUM_MAX_NVL_PEERS and num_ranks % NUM_MAX_NVL_PEERS:
-        raise ValueError(f"num_ranks={num_ranks} must be < {NUM_MAX_NVL_PEERS} or a multiple of "
-                         f"{NUM_MAX_NVL_PEERS} (DeepEP's size hints assume {NUM_MAX_NVL_PEERS} ranks per node)")
+        raise ValueError(
+            f"num_ranks={num_ranks} must be < {NUM_MAX_NVL_PEERS} or a multiple of "
+            f"{NUM_MAX_NVL_PEERS} (DeepEP's size hints assume {NUM_MAX_NVL_PEERS} ranks per node)"
+        )
     if num_ranks > even_sms_above and num_sms % 2:
         raise ValueError(f"num_sms={num_sms} must be even for num_ranks={num_ranks}")
 
@@ -168,15 +207,21 @@ def check_internode_config(config: "Config", num_nodes: int, ranks_per_node: int
     rdma_send, share = config.num_max_rdma_chunked_send_tokens, config.num_max_nvl_chunked_recv_tokens // num_nodes
     if what == "combine":
         if nvl_recv % num_nodes:
-            raise ValueError(f"combine: config.num_max_nvl_chunked_recv_tokens={nvl_recv} must be a multiple of the "
-                             f"number of nodes {num_nodes}")
+            raise ValueError(
+                f"combine: config.num_max_nvl_chunked_recv_tokens={nvl_recv} must be a multiple of the "
+                f"number of nodes {num_nodes}"
+            )
         if nvl_send > share:
-            raise ValueError(f"combine: config.num_max_nvl_chunked_send_tokens={nvl_send} must be <= "
-                             f"num_max_nvl_chunked_recv_tokens / nodes = {nvl_recv} / {num_nodes} = {share}")
+            raise ValueError(
+                f"combine: config.num_max_nvl_chunked_send_tokens={nvl_send} must be <= "
+                f"num_max_nvl_chunked_recv_tokens / nodes = {nvl_recv} / {num_nodes} = {share}"
+            )
     elif share <= max(nvl_send, rdma_send):
         field = "num_max_nvl_chunked_send_tokens" if nvl_send >= rdma_send else "num_max_rdma_chunked_send_tokens"
-        raise ValueError(f"dispatch: config.num_max_nvl_chunked_recv_tokens / nodes = {nvl_recv} / {num_nodes} = "
-                         f"{share} must be > config.{field}={max(nvl_send, rdma_send)}")
+        raise ValueError(
+            f"dispatch: config.num_max_nvl_chunked_recv_tokens / nodes = {nvl_recv} / {num_nodes} = "
+            f"{share} must be > config.{field}={max(nvl_send, rdma_send)}"
+        )
     return config
 
 
@@ -185,8 +230,10 @@ def _table_config(table, kind, num_ranks, num_sms):
     entry = _table_entry(table, num_ranks)
     if entry is None:
         supported = ", ".join(str(r) for r in table)
-        raise ValueError(f"no tuned {kind} config for num_ranks={num_ranks}; supported: {supported}, and multiples "
-                         f"of {NUM_MAX_NVL_PEERS} above {max(table)} (pass config=Config(...) for other sizes)")
+        raise ValueError(
+            f"no tuned {kind} config for num_ranks={num_ranks}; supported: {supported}, and multiples "
+            f"of {NUM_MAX_NVL_PEERS} above {max(table)} (pass config=Config(...) for other sizes)"
+        )
     return Config(num_sms, *entry)
 
 
@@ -205,8 +252,9 @@ def default_config(table: dict, num_ranks: int, num_sms: int) -> "Config":
     return Config(num_sms) if entry is None else Config(num_sms, *entry)
 
 
-def low_latency_rdma_size_hint(num_max_dispatch_tokens_per_rank: int, hidden: int, num_ranks: int,
-                               num_experts: int) -> int:
+def low_latency_rdma_size_hint(
+    num_max_dispatch_tokens_per_rank: int, hidden: int, num_ranks: int, num_experts: int
+) -> int:
     """DeepEP's LL buffer size: two halves of send, receive and signalling areas (num_ranks is unused)."""
     tokens = check_int("num_max_dispatch_tokens_per_rank", num_max_dispatch_tokens_per_rank, 1)
     check_int("hidden", hidden, 1)

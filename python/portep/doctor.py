@@ -19,12 +19,14 @@ def _rdma_devices():
         ports = os.path.join(root, name, "ports")
         port_info = {}
         for port in sorted(os.listdir(ports)) if os.path.isdir(ports) else []:
+
             def read(field, port=port):
                 try:
                     with open(os.path.join(ports, port, field)) as f:
                         return f.read().strip()
                 except OSError:
                     return None
+
             port_info[port] = {"state": read("state"), "link_layer": read("link_layer")}
         devices.append({"name": name, "ports": port_info, "efa": name.startswith("efa")})
     return devices, "" if devices else "no RDMA devices found"
@@ -54,8 +56,13 @@ def _torch_facts():
         import torch
     except ImportError:
         return {"installed": False}
-    facts = {"installed": True, "version": torch.__version__, "cuda_available": torch.cuda.is_available(),
-             "cuda": torch.version.cuda, "hip": getattr(torch.version, "hip", None)}
+    facts = {
+        "installed": True,
+        "version": torch.__version__,
+        "cuda_available": torch.cuda.is_available(),
+        "cuda": torch.version.cuda,
+        "hip": getattr(torch.version, "hip", None),
+    }
     try:
         import torch.distributed as dist
 
@@ -74,8 +81,11 @@ def _torch_facts():
 
 def _hip_facts(info):
     """The HIP build and ROCm's view of the GPUs (through hip-python, the optional `hip` extra, when installed)."""
-    facts = {"built": info["hip_built"], "rocm_version": info["hip_version"] or None,
-             "architectures": info["gpu_archs"] if info["hip_built"] else None}
+    facts = {
+        "built": info["hip_built"],
+        "rocm_version": info["hip_version"] or None,
+        "architectures": info["gpu_archs"] if info["hip_built"] else None,
+    }
     try:
         from hip import hip
     except ImportError:
@@ -101,11 +111,15 @@ def _build_problems(info, torch_facts):
         return []
     torch_hip = torch_facts.get("hip")
     if info["gpu_runtime"] == "hip" and not torch_hip and torch_facts.get("cuda"):
-        return ["portep's GPU kernels were built for HIP (ROCm) but torch is a CUDA build: rebuild portep where nvcc "
-                "is found (or with -Ccmake.define.PORTEP_GPU=cuda), or install a ROCm torch"]
+        return [
+            "portep's GPU kernels were built for HIP (ROCm) but torch is a CUDA build: rebuild portep where nvcc "
+            "is found (or with -Ccmake.define.PORTEP_GPU=cuda), or install a ROCm torch"
+        ]
     if info["gpu_runtime"] == "cuda" and torch_hip:
-        return ["portep's GPU kernels were built for CUDA but torch is a ROCm build: rebuild portep with "
-                "-Ccmake.define.PORTEP_GPU=hip"]
+        return [
+            "portep's GPU kernels were built for CUDA but torch is a ROCm build: rebuild portep with "
+            "-Ccmake.define.PORTEP_GPU=hip"
+        ]
     return []
 
 
@@ -113,15 +127,19 @@ def _runtime_problems(torch_facts):
     """What portep needs at run time and cannot use here, one line each (empty: nothing missing)."""
     problems = []
     if not torch_facts.get("installed"):
-        problems.append("torch is not installed: install the build for this machine (CPU: pip install torch; CUDA: "
-                        "see pytorch.org), portep uses torch.distributed to bootstrap and torch tensors for data")
+        problems.append(
+            "torch is not installed: install the build for this machine (CPU: pip install torch; CUDA: "
+            "see pytorch.org), portep uses torch.distributed to bootstrap and torch tensors for data"
+        )
     elif not torch_facts.get("gloo"):
         problems.append("torch.distributed has no gloo backend: Channel and the host backend bootstrap over gloo")
     try:
         import numpy  # noqa: F401
     except ImportError as exc:
-        problems.append(f"numpy cannot be imported ({exc}): torch.distributed's object collectives, which portep's "
-                        f"bootstrap uses, need it: pip install numpy")
+        problems.append(
+            f"numpy cannot be imported ({exc}): torch.distributed's object collectives, which portep's "
+            f"bootstrap uses, need it: pip install numpy"
+        )
     else:
         if torch_facts.get("installed"):
             try:
@@ -169,8 +187,9 @@ def collect() -> dict:
     if info["gpu_built"] and gpu_count > 0:
         report["backends"].append("cuda")
     elif info["gpu_built"]:
-        report["backends_unavailable"]["cuda"] = (f"{runtime} kernels built, but no usable GPU: "
-                                                  f"{gpu_error or 'no device'}")
+        report["backends_unavailable"]["cuda"] = (
+            f"{runtime} kernels built, but no usable GPU: {gpu_error or 'no device'}"
+        )
     else:
         report["backends_unavailable"]["cuda"] = f"kernels not built: {info['gpu_reason']}"
     if not info["hip_built"]:
@@ -217,8 +236,9 @@ def format_text(r: dict) -> str:
     t = r["torch"]
     if t.get("installed"):
         extra = f", NCCL {t['nccl_version']}" if t.get("nccl_version") else ""
-        lines.append(f"  torch:      {t['version']} cuda={t['cuda_available']} gloo={t.get('gloo')} "
-                     f"nccl={t.get('nccl')}{extra}")
+        lines.append(
+            f"  torch:      {t['version']} cuda={t['cuda_available']} gloo={t.get('gloo')} nccl={t.get('nccl')}{extra}"
+        )
     else:
         lines.append("  torch:      not installed (needed for Channel bootstrap over torch.distributed)")
     b = r["build"]
@@ -227,8 +247,10 @@ def format_text(r: dict) -> str:
     lines.append(f"  LL fast path (portep._ll_torch): {b.get('ll_fast_path', '?')}")
     h = r.get("hip", {})
     if h.get("built"):
-        lines.append(f"  HIP:        ROCm {h.get('rocm_version')}, devices: {h.get('devices', '?')} "
-                     f"(hip-python: {h.get('hip_python')})")
+        lines.append(
+            f"  HIP:        ROCm {h.get('rocm_version')}, devices: {h.get('devices', '?')} "
+            f"(hip-python: {h.get('hip_python')})"
+        )
     for p in r["problems"]:
         lines.append(f"  PROBLEM:    {p}")
     if not r["problems"]:

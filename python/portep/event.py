@@ -39,8 +39,10 @@ class EventOverlap:
     def current_stream_wait(self) -> None:
         """Make the current stream wait for the event (DeepEP asserts that there is one)."""
         if self.event is None:
-            raise RuntimeError("EventOverlap.current_stream_wait() needs an event; this one has none "
-                               "(the operation was not called with async_finish=True)")
+            raise RuntimeError(
+                "EventOverlap.current_stream_wait() needs an event; this one has none "
+                "(the operation was not called with async_finish=True)"
+            )
         self.event.current_stream_wait()
 
     def __call__(self):

@@ -17,8 +17,10 @@ data. So:
 
 import time
 
-CLEAN_HINT = ("call clean_low_latency_buffer(...) on every rank to resynchronise (a normal-mode Buffer: destroy it "
-              "and create a new one on every rank)")
+CLEAN_HINT = (
+    "call clean_low_latency_buffer(...) on every rank to resynchronise (a normal-mode Buffer: destroy it "
+    "and create a new one on every rank)"
+)
 
 
 class OutOfStep(RuntimeError):
@@ -42,12 +44,12 @@ class Lockstep:
     def __init__(self, channel, native, rank, num_ranks, timeout_s):
         self.channel, self.native = channel, native
         self.rank, self.num_ranks, self.timeout_s = rank, num_ranks, timeout_s
-        self.seq = 0           # collective calls this rank made or refused since the last resync
-        self.sent = False      # whether the current call sent anything yet (sending())
-        self.broken = None     # why this rank is out of step (None: in step)
-        self._refused = 0      # this rank's refusals
-        self._resolved = 0     # ... of which every peer is known to have refused too
-        self.mask = None       # shrink mode: the engine's uint8 [R] mask (1 = masked), whose ranks are not waited for
+        self.seq = 0  # collective calls this rank made or refused since the last resync
+        self.sent = False  # whether the current call sent anything yet (sending())
+        self.broken = None  # why this rank is out of step (None: in step)
+        self._refused = 0  # this rank's refusals
+        self._resolved = 0  # ... of which every peer is known to have refused too
+        self.mask = None  # shrink mode: the engine's uint8 [R] mask (1 = masked), whose ranks are not waited for
 
     # ---- the call protocol ----
     def begin(self):
@@ -60,8 +62,9 @@ class Lockstep:
         call's sequence number."""
         if self.broken is not None:
             self.refuse()
-            raise OutOfStep(f"rank {self.rank}: {what} refused: this Buffer is out of step ({self.broken}); "
-                            f"{CLEAN_HINT}")
+            raise OutOfStep(
+                f"rank {self.rank}: {what} refused: this Buffer is out of step ({self.broken}); {CLEAN_HINT}"
+            )
         if self._refused > self._resolved:
             self._settle_refusals(what)
         return self.seq
@@ -98,8 +101,10 @@ class Lockstep:
                 return
             got = int(got[got != self.seq][0])
         if got != self.seq:
-            raise OutOfStep(f"rank {self.rank}: {what} #{self.seq} received data of rank {src}'s call #{got}: the "
-                            f"ranks are out of step")
+            raise OutOfStep(
+                f"rank {self.rank}: {what} #{self.seq} received data of rank {src}'s call #{got}: the "
+                f"ranks are out of step"
+            )
 
     def resynced(self):
         """After every rank zeroed its REFUSED and FAILED status slots between two synchronisations."""
@@ -119,17 +124,21 @@ class Lockstep:
                 if status in (n.PEER_LEFT, n.PEER_GONE) and self.mask is not None:
                     pending.discard(p)
                 elif status in (n.PEER_LEFT, n.PEER_GONE) or ch.status_events(p, n.EVENT_FAILED):
-                    self.broken = f"rank {p} {n.peer_status_text(max(status, n.PEER_FAILED))} after this rank " \
-                                  f"refused a call"
+                    self.broken = (
+                        f"rank {p} {n.peer_status_text(max(status, n.PEER_FAILED))} after this rank refused a call"
+                    )
                 elif ch.status_events(p, n.EVENT_REFUSED) >= self._refused:  # read after FAILED: see fail()
                     pending.discard(p)
             if self.broken is None and pending and time.monotonic() > deadline:
-                self.broken = (f"ranks {sorted(pending)} neither refused the call this rank refused nor reported "
-                               f"failing it within {self.timeout_s} s")
+                self.broken = (
+                    f"ranks {sorted(pending)} neither refused the call this rank refused nor reported "
+                    f"failing it within {self.timeout_s} s"
+                )
             if self.broken is not None:
                 self.fail(what, self.broken)
-                raise OutOfStep(f"rank {self.rank}: {what} refused: this Buffer is out of step ({self.broken}); "
-                                f"{CLEAN_HINT}")
+                raise OutOfStep(
+                    f"rank {self.rank}: {what} refused: this Buffer is out of step ({self.broken}); {CLEAN_HINT}"
+                )
             if pending:
                 time.sleep(0.0005)
         self._resolved = self._refused

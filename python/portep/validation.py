@@ -56,8 +56,9 @@ def check_tensor(name, tensor, *, dtypes=None, shape=None, contiguous=True, devi
     if shape is not None:
         _check_shape(name, tensor, shape)
     if contiguous and not tensor.is_contiguous():
-        raise ValueError(f"{name} must be contiguous; it has shape {list(tensor.shape)} and strides "
-                         f"{list(tensor.stride())}")
+        raise ValueError(
+            f"{name} must be contiguous; it has shape {list(tensor.shape)} and strides {list(tensor.stride())}"
+        )
     if device is not None and tensor.device.type != device:
         raise ValueError(f"{name} is on {tensor.device}; this backend needs {device} tensors")
     return tensor
@@ -72,15 +73,16 @@ def check_event_args(previous_event, async_finish, allocate_on_comm_stream):
     if previous_event is not None and not isinstance(previous_event, EventOverlap):
         raise TypeError(f"previous_event must be an EventOverlap or None, got {type(previous_event).__name__}")
     if allocate_on_comm_stream and (previous_event is None or not async_finish):
-        raise ValueError(f"allocate_on_comm_stream=True requires previous_event (got "
-                         f"{'None' if previous_event is None else 'an EventOverlap'}) and async_finish=True "
-                         f"(got {async_finish!r})")
+        raise ValueError(
+            f"allocate_on_comm_stream=True requires previous_event (got "
+            f"{'None' if previous_event is None else 'an EventOverlap'}) and async_finish=True "
+            f"(got {async_finish!r})"
+        )
 
 
 def check_ll_flags(async_finish, return_recv_hook):
     if async_finish and return_recv_hook:
-        raise ValueError("async_finish=True and return_recv_hook=True are mutually exclusive in low-latency "
-                         "operations")
+        raise ValueError("async_finish=True and return_recv_hook=True are mutually exclusive in low-latency operations")
 
 
 def check_fp8_flags(use_fp8, round_scale, use_ue8m0):
@@ -103,17 +105,19 @@ def check_num_experts(num_experts, num_ranks, max_local_experts=MAX_LOCAL_EXPERT
     if num_experts % num_ranks:
         raise ValueError(f"num_experts={num_experts} must be a multiple of the number of ranks {num_ranks}")
     if num_experts // num_ranks > max_local_experts:
-        raise ValueError(f"num_experts={num_experts} gives {num_experts // num_ranks} experts per rank; "
-                         f"the limit is {max_local_experts}")
+        raise ValueError(
+            f"num_experts={num_experts} gives {num_experts // num_ranks} experts per rank; "
+            f"the limit is {max_local_experts}"
+        )
     return num_experts
 
 
 # ---- routing ----
-def check_topk_idx(name, topk_idx, num_experts, *, num_tokens=None, max_topk=MAX_TOPK, limit_note="",
-                   device=CPU):
+def check_topk_idx(name, topk_idx, num_experts, *, num_tokens=None, max_topk=MAX_TOPK, limit_note="", device=CPU):
     """topk_idx_t (int64) [num_tokens, num_topk], entries in [-1, num_experts)."""
-    check_tensor(name, topk_idx, dtypes=(torch.int64,), shape=(("num_tokens", num_tokens), ("num_topk", None)),
-                 device=device)
+    check_tensor(
+        name, topk_idx, dtypes=(torch.int64,), shape=(("num_tokens", num_tokens), ("num_topk", None)), device=device
+    )
     num_topk = topk_idx.size(1)
     if not 1 <= num_topk <= max_topk:
         raise ValueError(f"{name} has num_topk={num_topk} columns; it must be in 1..{max_topk}{limit_note}")
@@ -123,15 +127,18 @@ def check_topk_idx(name, topk_idx, num_experts, *, num_tokens=None, max_topk=MAX
         low, high = int(topk_idx.min()), int(topk_idx.max())
         if low < -1 or high >= num_experts:
             bad = low if low < -1 else high
-            raise ValueError(f"{name} holds expert index {bad}; entries must be in [-1, {num_experts}) "
-                             f"(num_experts={num_experts}, -1 = no expert)")
+            raise ValueError(
+                f"{name} holds expert index {bad}; entries must be in [-1, {num_experts}) "
+                f"(num_experts={num_experts}, -1 = no expert)"
+            )
     return topk_idx
 
 
 def check_topk_weights(name, topk_weights, topk_shape, device=CPU):
     rows, cols = topk_shape
-    return check_tensor(name, topk_weights, dtypes=(torch.float32,),
-                        shape=(("num_tokens", rows), ("num_topk", cols)), device=device)
+    return check_tensor(
+        name, topk_weights, dtypes=(torch.float32,), shape=(("num_tokens", rows), ("num_topk", cols)), device=device
+    )
 
 
 def check_topk_pair(topk_idx, topk_weights):
@@ -152,12 +159,16 @@ def check_dispatch_x(x, device=CPU):
         raise TypeError(f"x must be a torch.Tensor or an (x, x_scales) tuple, got {type(x).__name__}")
     check_tensor("x", x, shape=(("num_tokens", None), ("hidden", None)), device=device)
     if x.element_size() not in (1, 2):
-        raise TypeError(f"x has dtype {x.dtype} ({x.element_size()} bytes per element); dispatch moves 1-byte "
-                        f"(float8_e4m3fn) or 2-byte (bfloat16) elements")
+        raise TypeError(
+            f"x has dtype {x.dtype} ({x.element_size()} bytes per element); dispatch moves 1-byte "
+            f"(float8_e4m3fn) or 2-byte (bfloat16) elements"
+        )
     row_bytes = x.size(1) * x.element_size()
     if row_bytes % ROW_ALIGN_BYTES:
-        raise ValueError(f"x rows are {row_bytes} bytes (hidden={x.size(1)} x {x.element_size()}); they must be "
-                         f"a multiple of {ROW_ALIGN_BYTES} bytes")
+        raise ValueError(
+            f"x rows are {row_bytes} bytes (hidden={x.size(1)} x {x.element_size()}); they must be "
+            f"a multiple of {ROW_ALIGN_BYTES} bytes"
+        )
     if scales is not None:
         _check_scales(x, scales, device)
     return x, scales
@@ -166,30 +177,59 @@ def check_dispatch_x(x, device=CPU):
 def _check_scales(x, scales, device):
     if x.element_size() != 1:
         raise TypeError(f"x with scales must have 1-byte elements (float8_e4m3fn), got {x.dtype}")
-    check_tensor("x_scales", scales, dtypes=(torch.float32, torch.int32),
-                 shape=(("num_tokens", x.size(0)), ("num_scales", None)), contiguous=False, device=device)
+    check_tensor(
+        "x_scales",
+        scales,
+        dtypes=(torch.float32, torch.int32),
+        shape=(("num_tokens", x.size(0)), ("num_scales", None)),
+        contiguous=False,
+        device=device,
+    )
 
 
-def check_layout_tensors(num_tokens_per_rank, num_tokens_per_rdma_rank, is_token_in_rank, num_tokens_per_expert,
-                         num_tokens, num_ranks, num_nodes, device=CPU):
+def check_layout_tensors(
+    num_tokens_per_rank,
+    num_tokens_per_rdma_rank,
+    is_token_in_rank,
+    num_tokens_per_expert,
+    num_tokens,
+    num_ranks,
+    num_nodes,
+    device=CPU,
+):
     """The non-cached dispatch inputs from get_dispatch_layout; returns num_experts."""
-    required = {"num_tokens_per_rank": num_tokens_per_rank, "is_token_in_rank": is_token_in_rank,
-                "num_tokens_per_expert": num_tokens_per_expert}
+    required = {
+        "num_tokens_per_rank": num_tokens_per_rank,
+        "is_token_in_rank": is_token_in_rank,
+        "num_tokens_per_expert": num_tokens_per_expert,
+    }
     if num_nodes > 1:
         required["num_tokens_per_rdma_rank"] = num_tokens_per_rdma_rank
     missing = [name for name, value in required.items() if value is None]
     if missing:
         raise ValueError(f"dispatch without a handle needs {', '.join(missing)} (from get_dispatch_layout)")
     int32 = (torch.int32,)
-    check_tensor("num_tokens_per_rank", num_tokens_per_rank, dtypes=int32, shape=(("num_ranks", num_ranks),),
-                 device=device)
+    check_tensor(
+        "num_tokens_per_rank", num_tokens_per_rank, dtypes=int32, shape=(("num_ranks", num_ranks),), device=device
+    )
     if num_nodes > 1:
-        check_tensor("num_tokens_per_rdma_rank", num_tokens_per_rdma_rank, dtypes=int32,
-                     shape=(("num_nodes", num_nodes),), device=device)
-    check_tensor("is_token_in_rank", is_token_in_rank, dtypes=(torch.bool,),
-                 shape=(("num_tokens", num_tokens), ("num_ranks", num_ranks)), device=device)
-    check_tensor("num_tokens_per_expert", num_tokens_per_expert, dtypes=int32, shape=(("num_experts", None),),
-                 device=device)
+        check_tensor(
+            "num_tokens_per_rdma_rank",
+            num_tokens_per_rdma_rank,
+            dtypes=int32,
+            shape=(("num_nodes", num_nodes),),
+            device=device,
+        )
+    check_tensor(
+        "is_token_in_rank",
+        is_token_in_rank,
+        dtypes=(torch.bool,),
+        shape=(("num_tokens", num_tokens), ("num_ranks", num_ranks)),
+        device=device,
+    )
+    check_tensor(
+        "num_tokens_per_expert", num_tokens_per_expert, dtypes=int32, shape=(("num_experts", None),), device=device
+    )
     return check_num_experts(num_tokens_per_expert.size(0), num_ranks)
 
 
@@ -199,8 +239,10 @@ def check_normal_handle(handle, num_ranks, num_nodes):
     if not isinstance(handle, (tuple, list)):
         raise TypeError(f"handle must be the tuple returned by dispatch, got {type(handle).__name__}")
     if len(handle) != expected:
-        raise ValueError(f"handle has {len(handle)} elements; a dispatch handle of this Buffer has {expected} "
-                         f"({'one node' if num_nodes == 1 else f'{num_nodes} nodes'})")
+        raise ValueError(
+            f"handle has {len(handle)} elements; a dispatch handle of this Buffer has {expected} "
+            f"({'one node' if num_nodes == 1 else f'{num_nodes} nodes'})"
+        )
     for i, item in enumerate(handle):
         if not isinstance(item, torch.Tensor):
             raise TypeError(f"handle[{i}] must be a torch.Tensor, got {type(item).__name__}")
@@ -208,17 +250,30 @@ def check_normal_handle(handle, num_ranks, num_nodes):
         is_token_in_rank, channel_matrix, recv_rows = handle[4], handle[1], handle[3]
     else:
         is_token_in_rank, channel_matrix, recv_rows = handle[0], handle[2], handle[7]
-    check_tensor("handle's is_token_in_rank", is_token_in_rank, dtypes=(torch.bool,),
-                 shape=(("num_tokens", None), ("num_ranks", num_ranks)), contiguous=False, device=None)
-    check_tensor("handle's channel prefix matrix", channel_matrix,
-                 shape=(("num_ranks", num_ranks), ("num_channels", None)), contiguous=False, device=None)
+    check_tensor(
+        "handle's is_token_in_rank",
+        is_token_in_rank,
+        dtypes=(torch.bool,),
+        shape=(("num_tokens", None), ("num_ranks", num_ranks)),
+        contiguous=False,
+        device=None,
+    )
+    check_tensor(
+        "handle's channel prefix matrix",
+        channel_matrix,
+        shape=(("num_ranks", num_ranks), ("num_channels", None)),
+        contiguous=False,
+        device=None,
+    )
     return tuple(handle), is_token_in_rank.size(0), recv_rows.size(0), channel_matrix.size(1)
 
 
 def check_handle_channels(handle_channels, config, what):
     if handle_channels != config.num_sms // 2:
-        raise ValueError(f"{what}: config.num_sms={config.num_sms} gives {config.num_sms // 2} channels but the "
-                         f"handle was made with {handle_channels} (num_sms={2 * handle_channels})")
+        raise ValueError(
+            f"{what}: config.num_sms={config.num_sms} gives {config.num_sms // 2} channels but the "
+            f"handle was made with {handle_channels} (num_sms={2 * handle_channels})"
+        )
 
 
 def check_bias(bias, num_tokens, hidden, dtype, device=CPU):
@@ -235,15 +290,20 @@ def check_bias(bias, num_tokens, hidden, dtype, device=CPU):
         raise TypeError(f"bias must be a tensor, a 2-tuple of tensors, or None, got {type(bias).__name__}")
     shape = (("num_tokens", num_tokens), ("hidden", hidden))
     names = ("bias",) if len(items) == 1 else ("bias[0]", "bias[1]")
-    return tuple(check_tensor(name, item, dtypes=(dtype,), shape=shape, device=device)
-                 for name, item in zip(names, items) if item is not None)
+    return tuple(
+        check_tensor(name, item, dtypes=(dtype,), shape=shape, device=device)
+        for name, item in zip(names, items)
+        if item is not None
+    )
 
 
 # ---- low-latency mode ----
 def check_ll_hidden(hidden, use_ue8m0=False):
     if hidden % 512:
-        raise ValueError(f"hidden={hidden} must be a multiple of 512 in low-latency mode (DeepEP supports 2048..8192 "
-                         f"in steps of 512; the per-row layout of the combine buffer needs 16-byte rows)")
+        raise ValueError(
+            f"hidden={hidden} must be a multiple of 512 in low-latency mode (DeepEP supports 2048..8192 "
+            f"in steps of 512; the per-row layout of the combine buffer needs 16-byte rows)"
+        )
 
 
 def check_ll_x(x, num_max_dispatch_tokens_per_rank, use_ue8m0, device=CPU):
@@ -255,8 +315,10 @@ def check_ll_x(x, num_max_dispatch_tokens_per_rank, use_ue8m0, device=CPU):
 
 def check_ll_num_tokens(name, num_tokens, num_max_dispatch_tokens_per_rank):
     if num_tokens > num_max_dispatch_tokens_per_rank:
-        raise ValueError(f"{name} has {num_tokens} tokens; the limit is num_max_dispatch_tokens_per_rank="
-                         f"{num_max_dispatch_tokens_per_rank}")
+        raise ValueError(
+            f"{name} has {num_tokens} tokens; the limit is num_max_dispatch_tokens_per_rank="
+            f"{num_max_dispatch_tokens_per_rank}"
+        )
 
 
 def check_stats(name, stats, length, dtype, label, device=CPU):
@@ -274,22 +336,36 @@ def check_ll_handle(handle, num_ranks):
     check_int("handle's hidden", hidden, 1)
     check_num_experts(num_experts, num_ranks)
     num_local = num_experts // num_ranks
-    check_tensor("handle's src_info", src_info, dtypes=(torch.int32,),
-                 shape=(("num_local_experts", num_local), ("num_ranks*T", num_ranks * tokens)), device=None)
-    check_tensor("handle's layout_range", layout_range, dtypes=(torch.int64,),
-                 shape=(("num_local_experts", num_local), ("num_ranks", num_ranks)), device=None)
+    check_tensor(
+        "handle's src_info",
+        src_info,
+        dtypes=(torch.int32,),
+        shape=(("num_local_experts", num_local), ("num_ranks*T", num_ranks * tokens)),
+        device=None,
+    )
+    check_tensor(
+        "handle's layout_range",
+        layout_range,
+        dtypes=(torch.int64,),
+        shape=(("num_local_experts", num_local), ("num_ranks", num_ranks)),
+        device=None,
+    )
     return tokens, hidden, num_experts
 
 
 def check_ll_combine_x(x, num_ranks, tokens, hidden, num_experts, device=CPU):
-    shape = (("num_local_experts", num_experts // num_ranks), ("num_ranks*T", num_ranks * tokens),
-             ("hidden", hidden))
+    shape = (("num_local_experts", num_experts // num_ranks), ("num_ranks*T", num_ranks * tokens), ("hidden", hidden))
     return check_tensor("x", x, dtypes=(torch.bfloat16,), shape=shape, device=device)
 
 
 def check_ll_out(out, num_tokens, hidden, device=CPU):
-    return check_optional_tensor("out", out, dtypes=(torch.bfloat16,),
-                                 shape=(("num_combined_tokens", num_tokens), ("hidden", hidden)), device=device)
+    return check_optional_tensor(
+        "out",
+        out,
+        dtypes=(torch.bfloat16,),
+        shape=(("num_combined_tokens", num_tokens), ("hidden", hidden)),
+        device=device,
+    )
 
 
 # ---- signatures of calls that passed validation ----

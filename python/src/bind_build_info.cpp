@@ -38,7 +38,8 @@ void bind_build_info(py::module_& m) {
 #ifdef PORTEP_WITH_GPU
     int count = 0;
     int err = portep::cuda::cuda_device_count(&count);
-    return py::make_tuple(err == 0 ? count : 0, err == 0 ? std::string() : std::string(portep::cuda::cuda_error_string(err)));
+    return py::make_tuple(err == 0 ? count : 0,
+                          err == 0 ? std::string() : std::string(portep::cuda::cuda_error_string(err)));
 #else
     return py::make_tuple(0, std::string("GPU kernels not built: ") + PORTEP_GPU_REASON);
 #endif
@@ -49,10 +50,18 @@ void bind_build_info(py::module_& m) {
       [](uintptr_t topk_idx, int num_tokens, int num_topk, int num_experts, int num_ranks, int ranks_per_node,
          uintptr_t per_rank, uintptr_t per_node, uintptr_t per_expert, uintptr_t is_token_in_rank, uintptr_t stream,
          int rank, uintptr_t failed, uintptr_t error) {
-        portep::cuda::LayoutArgs a{reinterpret_cast<const int64_t*>(topk_idx), num_tokens, num_topk, num_experts,
-                                   num_ranks, ranks_per_node, reinterpret_cast<int32_t*>(per_rank),
-                                   reinterpret_cast<int32_t*>(per_node), reinterpret_cast<int32_t*>(per_expert),
-                                   reinterpret_cast<bool*>(is_token_in_rank), reinterpret_cast<void*>(stream), rank,
+        portep::cuda::LayoutArgs a{reinterpret_cast<const int64_t*>(topk_idx),
+                                   num_tokens,
+                                   num_topk,
+                                   num_experts,
+                                   num_ranks,
+                                   ranks_per_node,
+                                   reinterpret_cast<int32_t*>(per_rank),
+                                   reinterpret_cast<int32_t*>(per_node),
+                                   reinterpret_cast<int32_t*>(per_expert),
+                                   reinterpret_cast<bool*>(is_token_in_rank),
+                                   reinterpret_cast<void*>(stream),
+                                   rank,
                                    reinterpret_cast<uint32_t*>(failed),
                                    reinterpret_cast<portep::cuda::KernelError*>(error)};
         if (int err = portep::cuda::launch_dispatch_layout(a))
@@ -62,8 +71,9 @@ void bind_build_info(py::module_& m) {
       py::arg("ranks_per_node"), py::arg("per_rank"), py::arg("per_node"), py::arg("per_expert"),
       py::arg("is_token_in_rank"), py::arg("stream"), py::arg("rank"), py::arg("failed"), py::arg("error"));
 #endif
-  m.def("verbs_devices", [] { return portep::verbs_device_summary(); },
-        "libibverbs devices and ports, one line each ('none: ...' when there are none)");
+  m.def(
+      "verbs_devices", [] { return portep::verbs_device_summary(); },
+      "libibverbs devices and ports, one line each ('none: ...' when there are none)");
   m.def("transport_catalog", [] {
     py::list out;
     for (auto& t : portep::transport_catalog()) {

@@ -12,10 +12,10 @@ using namespace portep;
 
 namespace {
 std::unique_ptr<Channel> make_channel(int rank, int num_ranks, uint64_t nbytes, const std::string& transport,
-                                      int num_proxy_threads, int num_fifos, uint32_t fifo_capacity, uint32_t num_streams,
-                                      uint32_t max_inflight_cmds, uint64_t max_inflight_bytes, double timeout_s,
-                                      uint32_t unordered_window, uint64_t seed, bool skip_ordering, int device,
-                                      double idle_spin_us, int status_stream) {
+                                      int num_proxy_threads, int num_fifos, uint32_t fifo_capacity,
+                                      uint32_t num_streams, uint32_t max_inflight_cmds, uint64_t max_inflight_bytes,
+                                      double timeout_s, uint32_t unordered_window, uint64_t seed, bool skip_ordering,
+                                      int device, double idle_spin_us, int status_stream) {
   ChannelOptions o;
   o.transport.device = device;
   o.data_bytes = nbytes;
@@ -89,23 +89,26 @@ void bind_channel(py::module_& m) {
            py::arg("idle_spin_us") = 0.0, py::arg("status_stream") = -1)
       // The C++ object's address, for native test hooks built from the same sources (portep_testing).
       .def_property_readonly("native_handle", [](Channel& c) { return reinterpret_cast<uintptr_t>(&c); })
-      .def("attach_device_fifos",
-           [](Channel& c, uintptr_t host_views, int count) {
-             auto* v = reinterpret_cast<const FifoView*>(host_views);
-             c.proxies().attach_device_fifos(std::vector<FifoView>(v, v + count));
-           },
-           py::arg("host_views"), py::arg("count"))
+      .def(
+          "attach_device_fifos",
+          [](Channel& c, uintptr_t host_views, int count) {
+            auto* v = reinterpret_cast<const FifoView*>(host_views);
+            c.proxies().attach_device_fifos(std::vector<FifoView>(v, v + count));
+          },
+          py::arg("host_views"), py::arg("count"))
       .def("device_data_ptr", [](Channel& c) { return reinterpret_cast<uintptr_t>(c.device_address(kRegionData)); })
       .def("device_signals_ptr",
            [](Channel& c) { return reinterpret_cast<uintptr_t>(c.device_address(kRegionSignal)); })
-      .def("peer_data_ptr", [](Channel& c, int dst) { return reinterpret_cast<uintptr_t>(c.peer_data(dst)); },
-           py::arg("dst"))
+      .def(
+          "peer_data_ptr", [](Channel& c, int dst) { return reinterpret_cast<uintptr_t>(c.peer_data(dst)); },
+          py::arg("dst"))
       .def("endpoint_blob", [](Channel& c) { return py::bytes(c.endpoint_blob()); })
-      .def("connect", [](Channel& c, const std::vector<py::bytes>& blobs) {
-        std::vector<std::string> v;
-        for (auto& b : blobs) v.push_back(std::string(b));
-        c.connect(v);
-      })
+      .def("connect",
+           [](Channel& c, const std::vector<py::bytes>& blobs) {
+             std::vector<std::string> v;
+             for (auto& b : blobs) v.push_back(std::string(b));
+             c.connect(v);
+           })
       .def("bootstrap_done", &Channel::bootstrap_done)
       .def("destroy", &Channel::destroy, py::call_guard<py::gil_scoped_release>())
       .def("write", &Channel::write, py::arg("dst"), py::arg("local_offset"), py::arg("remote_offset"),
@@ -153,20 +156,31 @@ void bind_channel(py::module_& m) {
           },
           py::arg("n"), py::arg("srcs"), py::arg("streams"), py::arg("units_out"), py::arg("wait_out"),
           py::arg("timeout_s"), py::arg("mask") = 0, py::call_guard<py::gil_scoped_release>())
-      .def("announce", [](Channel& c, int kind) {
-        if (kind < 0 || kind >= kNumStatusEvents) throw std::invalid_argument("announce: kind " + std::to_string(kind));
-        c.announce(StatusEvent(kind));
-      }, py::arg("kind"))
+      .def(
+          "announce",
+          [](Channel& c, int kind) {
+            if (kind < 0 || kind >= kNumStatusEvents)
+              throw std::invalid_argument("announce: kind " + std::to_string(kind));
+            c.announce(StatusEvent(kind));
+          },
+          py::arg("kind"))
       .def("peer_status", &Channel::peer_status, py::arg("peer"))
-      .def("status_events", [](Channel& c, int src, int kind) {
-        if (kind < 0 || kind >= kNumStatusEvents) throw std::invalid_argument("status_events: kind " + std::to_string(kind));
-        return c.status_events(src, StatusEvent(kind));
-      }, py::arg("src"), py::arg("kind"))
-      .def("mirror_peer_status", [](Channel& c, uintptr_t words) {
-        PeerWatch* w = c.proxies().peer_watch();
-        if (!w) throw std::logic_error("mirror_peer_status: this Channel has no status streams");
-        w->mirror_to(reinterpret_cast<uint32_t*>(words));
-      }, py::arg("words"))
+      .def(
+          "status_events",
+          [](Channel& c, int src, int kind) {
+            if (kind < 0 || kind >= kNumStatusEvents)
+              throw std::invalid_argument("status_events: kind " + std::to_string(kind));
+            return c.status_events(src, StatusEvent(kind));
+          },
+          py::arg("src"), py::arg("kind"))
+      .def(
+          "mirror_peer_status",
+          [](Channel& c, uintptr_t words) {
+            PeerWatch* w = c.proxies().peer_watch();
+            if (!w) throw std::logic_error("mirror_peer_status: this Channel has no status streams");
+            w->mirror_to(reinterpret_cast<uint32_t*>(words));
+          },
+          py::arg("words"))
       .def("peer_data_view",
            [](Channel& c, int dst) -> py::object {
              uint8_t* p = c.peer_data(dst);
@@ -200,19 +214,18 @@ void bind_channel(py::module_& m) {
                        row_bytes);
       },
       py::call_guard<py::gil_scoped_release>());
-  m.def(
-      "reduce_rows",
-      // sources: list of (base_ptr, pitch_bytes, dtype, index_ptr, weight_ptr or 0)
-      [](uintptr_t out, int64_t out_pitch, int out_dtype, int64_t n, int64_t width,
-         const std::vector<std::tuple<uintptr_t, int64_t, int, uintptr_t, uintptr_t>>& sources, uintptr_t init) {
-        std::vector<ReduceSource> v;
-        for (auto& [base, pitch, dtype, index, weight] : sources)
-          v.push_back(ReduceSource{reinterpret_cast<const uint8_t*>(base), pitch, dtype,
-                                   reinterpret_cast<const int64_t*>(index), reinterpret_cast<const float*>(weight)});
-        py::gil_scoped_release nogil;
-        host_reduce_rows(reinterpret_cast<uint8_t*>(out), out_pitch, out_dtype, n, width, v.data(), int(v.size()),
-                         reinterpret_cast<const float*>(init));
-      });
+  m.def("reduce_rows",
+        // sources: list of (base_ptr, pitch_bytes, dtype, index_ptr, weight_ptr or 0)
+        [](uintptr_t out, int64_t out_pitch, int out_dtype, int64_t n, int64_t width,
+           const std::vector<std::tuple<uintptr_t, int64_t, int, uintptr_t, uintptr_t>>& sources, uintptr_t init) {
+          std::vector<ReduceSource> v;
+          for (auto& [base, pitch, dtype, index, weight] : sources)
+            v.push_back(ReduceSource{reinterpret_cast<const uint8_t*>(base), pitch, dtype,
+                                     reinterpret_cast<const int64_t*>(index), reinterpret_cast<const float*>(weight)});
+          py::gil_scoped_release nogil;
+          host_reduce_rows(reinterpret_cast<uint8_t*>(out), out_pitch, out_dtype, n, width, v.data(), int(v.size()),
+                           reinterpret_cast<const float*>(init));
+        });
   // The wire formats' limits, which Channel's argument checks name.
   m.attr("MAX_RANKS") = kMaxRanks;
   m.attr("MAX_STREAMS") = kMaxStreams;

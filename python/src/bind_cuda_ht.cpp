@@ -46,8 +46,8 @@ HTLayout make_layout(int num_ranks, int ranks_per_node, bool proxy, uint64_t ctr
                      uint64_t area_bytes) {
   check_ranks(num_ranks, ranks_per_node);
   if (ctrl_off % kHTAlign || area_off % kHTAlign || area_bytes % kHTAlign)
-    throw std::invalid_argument("ctrl_off=" + str(ctrl_off) + ", area_off=" + str(area_off) + ", area_bytes=" +
-                                str(area_bytes) + " must be multiples of " + str(kHTAlign));
+    throw std::invalid_argument("ctrl_off=" + str(ctrl_off) + ", area_off=" + str(area_off) +
+                                ", area_bytes=" + str(area_bytes) + " must be multiples of " + str(kHTAlign));
   const uint64_t ctrl_bytes = ht_ctrl(num_ranks, ranks_per_node).bytes;
   if (ctrl_off < area_off + area_bytes && area_off < ctrl_off + ctrl_bytes)
     throw std::invalid_argument("the control area [" + str(ctrl_off) + ", +" + str(ctrl_bytes) +
@@ -68,11 +68,13 @@ uint32_t ring_rows_for(const HTLayout& l, uint32_t row_bytes, int num_channels) 
 // The per-Buffer constants of HTCommon; each call adds its channels and stream.
 class HTKernels {
  public:
-  HTKernels(const HTLayout& layout, const PyFifoSet& fifos, int rank, uintptr_t local, uintptr_t peers,
-            uintptr_t place, uintptr_t epoch, uintptr_t host_counts, uintptr_t host_counts_device, uintptr_t error,
-            uintptr_t error_host, uintptr_t failed, uintptr_t peer_status, uintptr_t host_signals,
-            uintptr_t signal_seen, uint32_t num_streams, uint32_t stream_base, double timeout_s)
-      : layout_(layout), host_(ptr<HTHostCounts>(host_counts)), error_host_(ptr<KernelError>(error_host)),
+  HTKernels(const HTLayout& layout, const PyFifoSet& fifos, int rank, uintptr_t local, uintptr_t peers, uintptr_t place,
+            uintptr_t epoch, uintptr_t host_counts, uintptr_t host_counts_device, uintptr_t error, uintptr_t error_host,
+            uintptr_t failed, uintptr_t peer_status, uintptr_t host_signals, uintptr_t signal_seen,
+            uint32_t num_streams, uint32_t stream_base, double timeout_s)
+      : layout_(layout),
+        host_(ptr<HTHostCounts>(host_counts)),
+        error_host_(ptr<KernelError>(error_host)),
         timeout_s_(timeout_s) {
     if (rank < 0 || rank >= layout.num_ranks)
       throw std::invalid_argument("rank=" + str(rank) + " must be in [0, " + str(layout.num_ranks) + ")");
@@ -157,15 +159,15 @@ void check_forwarding(const HTCommon& c, bool given, const char* what) {
   if (forwarding != given)
     throw std::invalid_argument(std::string(what) + ": the forwarding arguments (fwd_channel_prefix, fwd_rank_prefix" +
                                 (forwarding ? ") are required with " : ") must be null without ") +
-                                "forwarding (num_ranks=" + str(c.num_ranks) + ", ranks_per_node=" +
-                                str(c.ranks_per_node) + ")");
+                                "forwarding (num_ranks=" + str(c.num_ranks) +
+                                ", ranks_per_node=" + str(c.ranks_per_node) + ")");
 }
 
 void notify(const HTKernels& k, int channels, uintptr_t stream, uintptr_t is_token_in_rank, bool count_mode,
             uintptr_t tokens_per_expert, int num_tokens, int num_experts, uintptr_t recv_rank_prefix,
-            uintptr_t rank_prefix,
-            uintptr_t channel_prefix, uintptr_t recv_channel_prefix, uintptr_t node_channel_prefix,
-            uintptr_t fwd_channel_prefix, uintptr_t fwd_rank_prefix, int64_t max_recv, uint64_t ticket) {
+            uintptr_t rank_prefix, uintptr_t channel_prefix, uintptr_t recv_channel_prefix,
+            uintptr_t node_channel_prefix, uintptr_t fwd_channel_prefix, uintptr_t fwd_rank_prefix, int64_t max_recv,
+            uint64_t ticket) {
   HTNotifyArgs a{};
   a.c = k.common(channels, stream);
   a.count_mode = count_mode;
@@ -183,24 +185,26 @@ void notify(const HTKernels& k, int channels, uintptr_t stream, uintptr_t is_tok
   a.max_recv = max_recv;
   a.ticket = ticket;
   if (count_mode && !(a.tokens_per_expert && a.recv_rank_prefix && a.channel_prefix && a.recv_channel_prefix))
-    throw std::invalid_argument("notify: count mode needs tokens_per_expert, recv_rank_prefix, channel_prefix and "
-                                "recv_channel_prefix");
+    throw std::invalid_argument(
+        "notify: count mode needs tokens_per_expert, recv_rank_prefix, channel_prefix and "
+        "recv_channel_prefix");
   if (count_mode && a.rank_prefix && a.c.num_ranks > a.c.ranks_per_node)
     throw std::invalid_argument("notify: rank_prefix (the [R][R] matrix) is for one node only, num_ranks=" +
                                 str(a.c.num_ranks) + " ranks_per_node=" + str(a.c.ranks_per_node));
   if (count_mode && ht_forwarding(a.c) != (a.node_channel_prefix && a.fwd_channel_prefix && a.fwd_rank_prefix))
-    throw std::invalid_argument("notify: node_channel_prefix, fwd_channel_prefix, fwd_rank_prefix: all with "
-                                "forwarding, none without");
+    throw std::invalid_argument(
+        "notify: node_channel_prefix, fwd_channel_prefix, fwd_rank_prefix: all with "
+        "forwarding, none without");
   check(ht_notify(a), "HT notify");
 }
 
 void dispatch(const HTKernels& k, int channels, uintptr_t stream, uintptr_t x, int row_bytes, int num_tokens,
               uintptr_t is_token_in_rank, uintptr_t recv_prefix, int recv_prefix_stride, uintptr_t channel_prefix,
               uintptr_t recv_channel_prefix, int64_t max_recv, uintptr_t recv_x, uintptr_t scales, int num_scales,
-              uintptr_t recv_scales, uintptr_t topk_idx, uintptr_t topk_weights, int num_topk,
-              int num_local_experts, uintptr_t recv_topk_idx, uintptr_t recv_topk_weights, uintptr_t recv_src_idx,
-              uintptr_t send_head, uintptr_t fwd_channel_prefix, uintptr_t fwd_rank_prefix, uintptr_t recv_src_meta,
-              uintptr_t nvl_head, int64_t nvl_rows) {
+              uintptr_t recv_scales, uintptr_t topk_idx, uintptr_t topk_weights, int num_topk, int num_local_experts,
+              uintptr_t recv_topk_idx, uintptr_t recv_topk_weights, uintptr_t recv_src_idx, uintptr_t send_head,
+              uintptr_t fwd_channel_prefix, uintptr_t fwd_rank_prefix, uintptr_t recv_src_meta, uintptr_t nvl_head,
+              int64_t nvl_rows) {
   HTDispatchArgs a{};
   a.c = k.common(channels, stream);
   a.x = ptr<const uint8_t>(x);
@@ -368,18 +372,18 @@ void bind_cuda_ht(py::module_& m) {
                     uintptr_t, uintptr_t, uintptr_t, uintptr_t, uintptr_t, uintptr_t, uintptr_t, uint32_t, uint32_t,
                     double>(),
            py::arg("layout"), py::arg("fifos"), py::kw_only(), py::arg("rank"), py::arg("local"), py::arg("peers"),
-           py::arg("place"), py::arg("epoch"), py::arg("host_counts"), py::arg("host_counts_device"),
-           py::arg("error"), py::arg("error_host"), py::arg("failed"), py::arg("peer_status") = 0,
-           py::arg("host_signals"), py::arg("signal_seen"), py::arg("num_streams"), py::arg("stream_base"),
-           py::arg("timeout_s"), py::keep_alive<1, 3>())
+           py::arg("place"), py::arg("epoch"), py::arg("host_counts"), py::arg("host_counts_device"), py::arg("error"),
+           py::arg("error_host"), py::arg("failed"), py::arg("peer_status") = 0, py::arg("host_signals"),
+           py::arg("signal_seen"), py::arg("num_streams"), py::arg("stream_base"), py::arg("timeout_s"),
+           py::keep_alive<1, 3>())
       .def_property_readonly("layout", [](const HTKernels& k) { return k.layout_; })
       .def("wait_counts", &HTKernels::wait_counts, py::arg("ticket"), py::arg("num_local_experts"))
       .def("notify", &notify, py::kw_only(), py::arg("channels"), py::arg("stream"), py::arg("is_token_in_rank"),
            py::arg("count_mode") = false, py::arg("tokens_per_expert") = 0, py::arg("num_tokens") = 0,
            py::arg("num_experts") = 0, py::arg("recv_rank_prefix") = 0, py::arg("rank_prefix") = 0,
-           py::arg("channel_prefix") = 0,
-           py::arg("recv_channel_prefix") = 0, py::arg("node_channel_prefix") = 0, py::arg("fwd_channel_prefix") = 0,
-           py::arg("fwd_rank_prefix") = 0, py::arg("max_recv") = 0, py::arg("ticket") = 0)
+           py::arg("channel_prefix") = 0, py::arg("recv_channel_prefix") = 0, py::arg("node_channel_prefix") = 0,
+           py::arg("fwd_channel_prefix") = 0, py::arg("fwd_rank_prefix") = 0, py::arg("max_recv") = 0,
+           py::arg("ticket") = 0)
       .def("dispatch", &dispatch, py::kw_only(), py::arg("channels"), py::arg("stream"), py::arg("x"),
            py::arg("row_bytes"), py::arg("num_tokens"), py::arg("is_token_in_rank"), py::arg("recv_prefix"),
            py::arg("recv_prefix_stride"), py::arg("channel_prefix"), py::arg("recv_channel_prefix"),
@@ -389,10 +393,10 @@ void bind_cuda_ht(py::module_& m) {
            py::arg("recv_src_idx") = 0, py::arg("send_head") = 0, py::arg("fwd_channel_prefix") = 0,
            py::arg("fwd_rank_prefix") = 0, py::arg("recv_src_meta") = 0, py::arg("nvl_head") = 0,
            py::arg("nvl_rows") = 0)
-      .def("combine", &combine, py::kw_only(), py::arg("channels"), py::arg("stream"), py::arg("x"),
-           py::arg("hidden"), py::arg("num_tokens"), py::arg("is_token_in_rank"), py::arg("recv_prefix"),
-           py::arg("recv_prefix_stride"), py::arg("recv_channel_prefix"), py::arg("out"), py::arg("topk_weights") = 0,
-           py::arg("num_topk") = 0, py::arg("out_weights") = 0, py::arg("bias0") = 0, py::arg("bias1") = 0,
-           py::arg("fwd_channel_prefix") = 0, py::arg("fwd_rank_prefix") = 0, py::arg("nvl_head") = 0);
+      .def("combine", &combine, py::kw_only(), py::arg("channels"), py::arg("stream"), py::arg("x"), py::arg("hidden"),
+           py::arg("num_tokens"), py::arg("is_token_in_rank"), py::arg("recv_prefix"), py::arg("recv_prefix_stride"),
+           py::arg("recv_channel_prefix"), py::arg("out"), py::arg("topk_weights") = 0, py::arg("num_topk") = 0,
+           py::arg("out_weights") = 0, py::arg("bias0") = 0, py::arg("bias1") = 0, py::arg("fwd_channel_prefix") = 0,
+           py::arg("fwd_rank_prefix") = 0, py::arg("nvl_head") = 0);
 }
 #endif

@@ -22,11 +22,11 @@ using namespace portep::cuda;
 
 namespace {
 
+using portep::ll_half_layout;
+using portep::LLHalfLayout;
 using portep::bind::check;
 using portep::bind::ptr;
 using portep::bind::PyFifoSet;
-using portep::LLHalfLayout;
-using portep::ll_half_layout;
 
 // A Buffer's LL kernels: the per-Buffer constants (LLCommon) and the table of prepared call signatures
 // (ll_plan.h), which the torch fast path reads through table_address.
@@ -34,8 +34,8 @@ class LLKernels {
  public:
   struct Setup {
     int rank, num_ranks, max_local_experts, num_direct;
-    uint64_t num_bytes;     // the LL buffer and the normal mode's area; LLRegion's flags and meta blocks follow
-    uint32_t stream_base;   // the first LL signal stream
+    uint64_t num_bytes;    // the LL buffer and the normal mode's area; LLRegion's flags and meta blocks follow
+    uint32_t stream_base;  // the first LL signal stream
     int device;
   };
 
@@ -162,10 +162,12 @@ LLCommon common_from(const py::kwargs& kw) {
 }
 
 const char* const kLLKernelsKeywords[] = {
-    "rank", "num_ranks", "max_local_experts", "num_direct", "num_bytes", "stream_base", "device", "channel",
-    "local", "peers", "place", "host_signals", "signal_seen", "num_streams", "fifos", "finish", "chunk_done",
-    "proxy_begin", "max_chunks", "dest_done", "seq_chain", "error", "error_host", "failed", "peer_status", "mask",
-    "send_mask", "timeout_s", "num_sms"};
+    "rank",        "num_ranks",    "max_local_experts", "num_direct",  "num_bytes",
+    "stream_base", "device",       "channel",           "local",       "peers",
+    "place",       "host_signals", "signal_seen",       "num_streams", "fifos",
+    "finish",      "chunk_done",   "proxy_begin",       "max_chunks",  "dest_done",
+    "seq_chain",   "error",        "error_host",        "failed",      "peer_status",
+    "mask",        "send_mask",    "timeout_s",         "num_sms"};
 
 std::unique_ptr<LLKernels> make_ll_kernels(const py::kwargs& kw) {
   for (const char* k : kLLKernelsKeywords)
@@ -173,9 +175,10 @@ std::unique_ptr<LLKernels> make_ll_kernels(const py::kwargs& kw) {
   if (kw.size() != std::size(kLLKernelsKeywords))
     throw std::invalid_argument("LLKernels: unexpected keyword arguments (takes " +
                                 std::to_string(std::size(kLLKernelsKeywords)) + ")");
-  LLKernels::Setup s{kw["rank"].cast<int>(),      kw["num_ranks"].cast<int>(),     kw["max_local_experts"].cast<int>(),
-                     kw["num_direct"].cast<int>(), kw["num_bytes"].cast<uint64_t>(), kw["stream_base"].cast<uint32_t>(),
-                     kw["device"].cast<int>()};
+  LLKernels::Setup s{
+      kw["rank"].cast<int>(),       kw["num_ranks"].cast<int>(),      kw["max_local_experts"].cast<int>(),
+      kw["num_direct"].cast<int>(), kw["num_bytes"].cast<uint64_t>(), kw["stream_base"].cast<uint32_t>(),
+      kw["device"].cast<int>()};
   const auto* error_host = ptr<const KernelError>(kw["error_host"].cast<uintptr_t>());
   if (!error_host) throw std::invalid_argument("error_host: the host view of the kernels' error records, not null");
   return std::make_unique<LLKernels>(s, common_from(kw), error_host, kw["channel"].cast<portep::Channel&>());
@@ -261,8 +264,7 @@ void bind_cuda_ll(py::module_& m) {
   py::class_<LLKernels>(m, "LLKernels")
       .def(py::init(&make_ll_kernels), "keyword arguments only: see kLLKernelsKeywords in bind_cuda_ll.cpp")
       .def(
-          "prepare",
-          [](LLKernels& k, int T, int hidden, int num_experts) { k.plan(T, hidden, num_experts); },
+          "prepare", [](LLKernels& k, int T, int hidden, int num_experts) { k.plan(T, hidden, num_experts); },
           py::arg("T"), py::arg("hidden"), py::arg("num_experts"))
       .def(
           "mark_checked",
@@ -294,16 +296,18 @@ void bind_cuda_ll(py::module_& m) {
           },
           py::arg("T"), py::arg("hidden"), py::arg("num_experts"), py::arg("half"), py::arg("phases"),
           py::arg("stream"), py::arg("seq"))
-      .def_property_readonly("half", [](LLKernels& k) { return k.table().half; },
-                             "the buffer half the next LL call uses")
-      .def("take_half", [](LLKernels& k) { return k.table().take_half(); }, "the next call's half (then flipped)")
+      .def_property_readonly(
+          "half", [](LLKernels& k) { return k.table().half; }, "the buffer half the next LL call uses")
+      .def(
+          "take_half", [](LLKernels& k) { return k.table().take_half(); }, "the next call's half (then flipped)")
       .def("reset_half", [](LLKernels& k) { k.table().reset_half(); })
       .def_property("graph_launch", &LLKernels::graph_launch, &LLKernels::set_graph_launch,
                     "whether eager LL calls launch as cached CUDA graphs (gpu_kernels/cuda/graph_cache.h)")
       .def_property_readonly("graph_counts", &LLKernels::graph_counts,
                              "graph launches, builds and updates, and the error that turned them off (0: none)")
-      .def("close", [](LLKernels& k) { k.close(); },
-           "the Buffer's memory goes away: the fast path finds no plan and reads nothing any more")
+      .def(
+          "close", [](LLKernels& k) { k.close(); },
+          "the Buffer's memory goes away: the fast path finds no plan and reads nothing any more")
       .def_property_readonly("table_address", [](LLKernels& k) { return reinterpret_cast<uintptr_t>(&k.table()); });
 
   m.def("cuda_device_alloc", [](uint64_t bytes) {

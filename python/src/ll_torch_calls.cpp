@@ -36,20 +36,29 @@ struct Signature {
 };
 
 Signature kDispatch = {
-    "low_latency_dispatch", lt::kDispatchArgCount, 4,
+    "low_latency_dispatch",
+    lt::kDispatchArgCount,
+    4,
     {"x", "topk_idx", "num_max_dispatch_tokens_per_rank", "num_experts", "cumulative_local_expert_recv_stats",
      "dispatch_wait_recv_cost_stats", "use_fp8", "round_scale", "use_ue8m0", "async_finish", "return_recv_hook"},
     {Signature::kNone, Signature::kNone, Signature::kNone, Signature::kNone, Signature::kNone, Signature::kNone,
      Signature::kTrue, Signature::kFalse, Signature::kFalse, Signature::kFalse, Signature::kFalse},
-    {}, &lt::run_dispatch, nullptr, {}};
+    {},
+    &lt::run_dispatch,
+    nullptr,
+    {}};
 
-Signature kCombine = {
-    "low_latency_combine", lt::kCombineArgCount, 4,
-    {"x", "topk_idx", "topk_weights", "handle", "use_logfmt", "zero_copy", "async_finish", "return_recv_hook", "out",
-     "combine_wait_recv_cost_stats"},
-    {Signature::kNone, Signature::kNone, Signature::kNone, Signature::kNone, Signature::kFalse, Signature::kFalse,
-     Signature::kFalse, Signature::kFalse, Signature::kNone, Signature::kNone},
-    {}, &lt::run_combine, nullptr, {}};
+Signature kCombine = {"low_latency_combine",
+                      lt::kCombineArgCount,
+                      4,
+                      {"x", "topk_idx", "topk_weights", "handle", "use_logfmt", "zero_copy", "async_finish",
+                       "return_recv_hook", "out", "combine_wait_recv_cost_stats"},
+                      {Signature::kNone, Signature::kNone, Signature::kNone, Signature::kNone, Signature::kFalse,
+                       Signature::kFalse, Signature::kFalse, Signature::kFalse, Signature::kNone, Signature::kNone},
+                      {},
+                      &lt::run_combine,
+                      nullptr,
+                      {}};
 
 static_assert(lt::kDispatchArgCount <= kMaxParams && lt::kCombineArgCount <= kMaxParams);
 
@@ -91,8 +100,7 @@ bool bind(const Signature& sig, PyObject* const* args, Py_ssize_t nargs, PyObjec
 PyObject *s_seq, *s_sent, *s_broken, *s_refused, *s_resolved, *s_made_call, *s_fail, *s_table_address;
 
 struct LLCalls {
-  PyObject_HEAD
-  PyObject* kernels;        // portep._C's LLKernels: owns the plan table (kept alive while this is)
+  PyObject_HEAD PyObject* kernels;  // portep._C's LLKernels: owns the plan table (kept alive while this is)
   LLPlanTable* table;
   PyObject* lockstep;       // the engine's Lockstep
   PyObject* lockstep_vars;  // its __dict__: seq, sent, broken, _refused, _resolved are read and written there
@@ -148,9 +156,8 @@ PyObject* failed(LLCalls* c, const Signature& sig) {
   PyErr_Fetch(&type, &value, &trace);
   PyErr_NormalizeException(&type, &value, &trace);
   PyObject* made = PyObject_CallMethodNoArgs(c->lockstep, s_made_call);
-  PyObject* fail = made ? PyObject_CallMethodObjArgs(c->lockstep, s_fail, sig.what_str, value ? value : Py_None,
-                                                     nullptr)
-                        : nullptr;
+  PyObject* fail =
+      made ? PyObject_CallMethodObjArgs(c->lockstep, s_fail, sig.what_str, value ? value : Py_None, nullptr) : nullptr;
   if (!fail) PyErr_WriteUnraisable(c->lockstep);  // the call's own error is the one to raise
   Py_XDECREF(made);
   Py_XDECREF(fail);
@@ -236,15 +243,16 @@ PyObject* calls_combine(PyObject* self, PyObject* const* args, Py_ssize_t nargsf
 // LLCalls(kernels, lockstep, buffer, event_type, raise_notice, full_dispatch, full_combine)
 PyObject* calls_new(PyTypeObject* type, PyObject* args, PyObject* kwargs) {
   PyObject *kernels, *lockstep, *buffer, *event_type, *raise_notice, *full_dispatch, *full_combine;
-  static const char* kw[] = {"kernels", "lockstep", "buffer", "event_type", "raise_notice", "full_dispatch",
-                             "full_combine", nullptr};
+  static const char* kw[] = {"kernels",      "lockstep",      "buffer",       "event_type",
+                             "raise_notice", "full_dispatch", "full_combine", nullptr};
   if (!PyArg_ParseTupleAndKeywords(args, kwargs, "OOOOOOO:LLCalls", const_cast<char**>(kw), &kernels, &lockstep,
                                    &buffer, &event_type, &raise_notice, &full_dispatch, &full_combine))
     return nullptr;
   if (!PyType_Check(event_type) || !PyCallable_Check(raise_notice) || !PyCallable_Check(full_dispatch) ||
       !PyCallable_Check(full_combine)) {
-    PyErr_SetString(PyExc_TypeError, "LLCalls: event_type must be a class; raise_notice, full_dispatch and "
-                                     "full_combine callables");
+    PyErr_SetString(PyExc_TypeError,
+                    "LLCalls: event_type must be a class; raise_notice, full_dispatch and "
+                    "full_combine callables");
     return nullptr;
   }
   PyObject* address = PyObject_GetAttr(kernels, s_table_address);
@@ -279,8 +287,8 @@ PyObject* calls_new(PyTypeObject* type, PyObject* args, PyObject* kwargs) {
 
 // The references an LLCalls owns (the one list its traverse and clear walk).
 std::array<PyObject**, 8> owned_refs(LLCalls* c) {
-  return {&c->kernels, &c->lockstep, &c->lockstep_vars, &c->buffer, &c->event_type, &c->raise_notice, &c->full[0],
-          &c->full[1]};
+  return {&c->kernels,    &c->lockstep,     &c->lockstep_vars, &c->buffer,
+          &c->event_type, &c->raise_notice, &c->full[0],       &c->full[1]};
 }
 
 int calls_traverse(PyObject* self, visitproc visit, void* arg) {
@@ -356,9 +364,14 @@ bool prepare_signatures() {
   struct {
     PyObject** slot;
     const char* name;
-  } names[] = {{&s_seq, "seq"},         {&s_sent, "sent"},           {&s_broken, "broken"},
-               {&s_refused, "_refused"}, {&s_resolved, "_resolved"}, {&s_made_call, "made_call"},
-               {&s_fail, "fail"},       {&s_table_address, "table_address"}};
+  } names[] = {{&s_seq, "seq"},
+               {&s_sent, "sent"},
+               {&s_broken, "broken"},
+               {&s_refused, "_refused"},
+               {&s_resolved, "_resolved"},
+               {&s_made_call, "made_call"},
+               {&s_fail, "fail"},
+               {&s_table_address, "table_address"}};
   for (auto& n : names)
     if (!(*n.slot = PyUnicode_InternFromString(n.name))) return false;
   return true;

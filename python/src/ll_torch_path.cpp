@@ -170,8 +170,7 @@ bool all_false(std::initializer_list<PyObject*> flags) {
   return true;
 }
 
-PyObject* dispatch_call(LLPlanTable* table, PyObject* const* args, uint32_t seq, PyObject* event_type,
-                        bool* launched) {
+PyObject* dispatch_call(LLPlanTable* table, PyObject* const* args, uint32_t seq, PyObject* event_type, bool* launched) {
   using namespace portep::ll_torch;
   long T, E;
   bool fp8, round_scale, ue8m0;
@@ -239,8 +238,7 @@ PyObject* dispatch_call(LLPlanTable* table, PyObject* const* args, uint32_t seq,
   return returned(*table, tuple_of({out_x, wrap(recv_count), handle, new_event(event_type), new_ref(Py_None)}));
 }
 
-PyObject* combine_call(LLPlanTable* table, PyObject* const* args, uint32_t seq, PyObject* event_type,
-                       bool* launched) {
+PyObject* combine_call(LLPlanTable* table, PyObject* const* args, uint32_t seq, PyObject* event_type, bool* launched) {
   using namespace portep::ll_torch;
   PyObject* handle = args[kCombineHandle];
   long T, H, E;

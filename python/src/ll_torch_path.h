@@ -16,15 +16,33 @@ namespace portep::ll_torch {
 
 // Buffer.low_latency_dispatch's parameters after self, in order.
 enum DispatchArg {
-  kDispatchX, kDispatchTopkIdx, kDispatchTokens, kDispatchExperts, kDispatchRecvStats, kDispatchWaitStats,
-  kDispatchUseFp8, kDispatchRoundScale, kDispatchUseUe8m0, kDispatchAsyncFinish, kDispatchRecvHook,
+  kDispatchX,
+  kDispatchTopkIdx,
+  kDispatchTokens,
+  kDispatchExperts,
+  kDispatchRecvStats,
+  kDispatchWaitStats,
+  kDispatchUseFp8,
+  kDispatchRoundScale,
+  kDispatchUseUe8m0,
+  kDispatchAsyncFinish,
+  kDispatchRecvHook,
   kDispatchArgCount
 };
 
 // Buffer.low_latency_combine's parameters after self, in order.
 enum CombineArg {
-  kCombineX, kCombineTopkIdx, kCombineWeights, kCombineHandle, kCombineLogfmt, kCombineZeroCopy,
-  kCombineAsyncFinish, kCombineRecvHook, kCombineOut, kCombineWaitStats, kCombineArgCount
+  kCombineX,
+  kCombineTopkIdx,
+  kCombineWeights,
+  kCombineHandle,
+  kCombineLogfmt,
+  kCombineZeroCopy,
+  kCombineAsyncFinish,
+  kCombineRecvHook,
+  kCombineOut,
+  kCombineWaitStats,
+  kCombineArgCount
 };
 
 // seq: the call's sequence number as the kernels carry it (lockstep.wire_seq); event_type: the class whose new

@@ -16,8 +16,10 @@ def test_the_build_is_the_one_this_run_means():
     if expect is None:
         pytest.skip("PORTEP_EXPECT_GPU_RUNTIME not set (CI sets it)")
     info = native.build_info()
-    assert info["gpu_runtime"] == expect, (f"expected GPU kernels for {expect or 'none'}, the build has "
-                                           f"{info['gpu_runtime'] or 'none'}: {info['gpu_reason']}")
+    assert info["gpu_runtime"] == expect, (
+        f"expected GPU kernels for {expect or 'none'}, the build has "
+        f"{info['gpu_runtime'] or 'none'}: {info['gpu_reason']}"
+    )
 
 
 def test_the_build_report_is_consistent():
@@ -80,8 +82,11 @@ def test_the_ll_fast_path_is_off_where_torchs_cuda_allocator_was_swapped(monkeyp
     torch.cuda.memory.change_current_allocator ("pluggable") would be bypassed, so the Buffer takes the full path."""
     torch = pytest.importorskip("torch")
     built_for = native.build_info()["ll_fast_path_torch"]
-    ci_expect.require_or_skip("ll-fast-path", built_for == torch.__version__,
-                              f"built against torch {built_for or '(none)'}, this is {torch.__version__}")
+    ci_expect.require_or_skip(
+        "ll-fast-path",
+        built_for == torch.__version__,
+        f"built against torch {built_for or '(none)'}, this is {torch.__version__}",
+    )
     from portep import _ll_torch
     from portep.backends.cuda.ll_fast import fast_path_module
 
@@ -91,4 +96,3 @@ def test_the_ll_fast_path_is_off_where_torchs_cuda_allocator_was_swapped(monkeyp
         module, why_not = fast_path_module(native)
         assert module is expected, (backend, why_not)
         assert (why_not == "") == (expected is not None) and (expected is not None or "'pluggable'" in why_not)
-

@@ -43,11 +43,20 @@ def test_a_misspelt_piece_is_an_error(monkeypatch):
     with pytest.raises(ValueError, match=r"PORTEP_CI_EXPECT: unknown pieces \['verb'\]"):
         ci_expect.expected()
     env = dict(os.environ, PORTEP_CI_ALLOW_MISSING="hip,pyverb")
-    r = subprocess.run([sys.executable, str(ROOT / "tests/support/ci_expect.py"), "PORTEP_CI_ALLOW_MISSING"], env=env,
-                       capture_output=True, text=True)
+    r = subprocess.run(
+        [sys.executable, str(ROOT / "tests/support/ci_expect.py"), "PORTEP_CI_ALLOW_MISSING"],
+        env=env,
+        capture_output=True,
+        text=True,
+    )
     assert r.returncode != 0 and "PORTEP_CI_ALLOW_MISSING: unknown pieces ['pyverb']" in r.stderr, r.stderr
-    r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--co", __file__], cwd=ROOT,
-                       env=dict(os.environ, PORTEP_CI_EXPECT="verbs-gust"), capture_output=True, text=True)
+    r = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--co", __file__],
+        cwd=ROOT,
+        env=dict(os.environ, PORTEP_CI_EXPECT="verbs-gust"),
+        capture_output=True,
+        text=True,
+    )
     assert r.returncode == 4 and "unknown pieces ['verbs-gust']" in r.stdout + r.stderr, r.stdout + r.stderr
 
 

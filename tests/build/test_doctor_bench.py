@@ -46,8 +46,10 @@ def test_a_missing_nvidia_driver_is_named_as_such():
     cuda_says = "CUDA driver version is insufficient for CUDA runtime version"
     assert gpu_error_text(cuda_says, "cuda", driver_loads=False).startswith("no NVIDIA driver / no GPU found")
     assert gpu_error_text(cuda_says, "cuda", driver_loads=True) == cuda_says  # a driver too old: CUDA's words
-    assert gpu_error_text("no ROCm-capable device is detected", "hip", driver_loads=False) == \
-        "no ROCm-capable device is detected"
+    assert (
+        gpu_error_text("no ROCm-capable device is detected", "hip", driver_loads=False)
+        == "no ROCm-capable device is detected"
+    )
     assert gpu_error_text("", "cuda", driver_loads=False) == ""
 
 
@@ -89,9 +91,11 @@ def test_doctor_says_the_run_time_dependencies_are_usable():
 
 
 def test_bootstrap_names_the_missing_numpy():
-    code = ("import sys; sys.modules['numpy'] = None\n"
-            "from portep.bootstrap import all_gather_objects\n"
-            "try:\n    all_gather_objects(1, None)\nexcept RuntimeError as e:\n    print(e)\n")
+    code = (
+        "import sys; sys.modules['numpy'] = None\n"
+        "from portep.bootstrap import all_gather_objects\n"
+        "try:\n    all_gather_objects(1, None)\nexcept RuntimeError as e:\n    print(e)\n"
+    )
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert "needs numpy" in proc.stdout and "pip install numpy" in proc.stdout, proc.stdout + proc.stderr
 
@@ -104,7 +108,7 @@ def table_rows(stdout, title_start):
     lines = stdout.splitlines()
     start = next(i for i, line in enumerate(lines) if line.startswith("## " + title_start))
     body = []
-    for line in lines[start + 1:]:
+    for line in lines[start + 1 :]:
         if line.startswith("|"):
             body.append([c.strip() for c in line.strip("|").split("|")])
         elif body:
@@ -116,7 +120,7 @@ def table_rows(stdout, title_start):
 def printed_equals(cell, value):
     """The printed figure is value rounded to the cell's decimals."""
     decimals = len(cell.split(".")[1]) if "." in cell else 0
-    return abs(float(cell) - value) <= 0.5 * 10 ** -decimals + 1e-12
+    return abs(float(cell) - value) <= 0.5 * 10**-decimals + 1e-12
 
 
 def median(values):
@@ -134,8 +138,14 @@ def test_help_lists_the_modes_and_shows_every_default():
     assert f"default here: {' then '.join(default_modes())}" in " ".join(top.stdout.split())
     ep_help = build_parser()[1]["ep"].format_help()
     text = " ".join(ep_help.split())
-    for option, default in (("--ht-tokens", 4096), ("--hidden", 7168), ("--iterations", 10), ("--warmup", 1),
-                            ("--transport", "shm"), ("--ll-experts", 288)):
+    for option, default in (
+        ("--ht-tokens", 4096),
+        ("--hidden", 7168),
+        ("--iterations", 10),
+        ("--warmup", 1),
+        ("--transport", "shm"),
+        ("--ll-experts", 288),
+    ):
         assert re.search(rf"{option} \S+ (?:(?!\(default).)*\(default: {default}\)", text), (option, ep_help)
     assert text.count("(default:") == len(re.findall(r"^\s+--", ep_help, re.M)), ep_help  # every option
 
@@ -153,8 +163,15 @@ def test_ep_benchmark_reports_spread_baseline_note_progress_and_json(tmp_path):
     assert "a CPU emulation of the protocols over shared memory, not GPU speed" in proc.stdout
     rows = table_rows(proc.stdout, "ep: host backend, 2 ranks")
     baseline = "baseline: gloo all_to_all_single + pack, HT BF16 rows"
-    assert set(rows) == {"get_dispatch_layout", "HT dispatch BF16", baseline, "HT dispatch FP8", "HT combine BF16",
-                         "LL dispatch FP8", "LL dispatch + combine"}, rows
+    assert set(rows) == {
+        "get_dispatch_layout",
+        "HT dispatch BF16",
+        baseline,
+        "HT dispatch FP8",
+        "HT combine BF16",
+        "LL dispatch FP8",
+        "LL dispatch + combine",
+    }, rows
     report = json.loads(path.read_text())
     assert report["modes"] == ["ep"] and "--ranks 2" in report["command"]
     assert set(report["machine"]) == {"cpu_count", "load_average_1min", "python", "torch", "gpus", "portep"}
@@ -204,9 +221,13 @@ def test_ll_host_table_has_median_mean_and_the_baseline(monkeypatch, capsys, tmp
     def measure(calls=1000, progress=print):
         asked.append(calls)
         progress("ll-host: timing")
-        return {"rows": [{"what": "Buffer LL round trip", "samples_us": [40.0, 38.0, 90.0, 41.0]},
-                         {"what": "baseline: six torch.empty", "samples_us": [12.0, 13.0, 11.0, 30.0]}],
-                "note": "host time of each call on one GPU"}
+        return {
+            "rows": [
+                {"what": "Buffer LL round trip", "samples_us": [40.0, 38.0, 90.0, 41.0]},
+                {"what": "baseline: six torch.empty", "samples_us": [12.0, 13.0, 11.0, 30.0]},
+            ],
+            "note": "host time of each call on one GPU",
+        }
 
     fake_ll_host_time(monkeypatch, measure)
     path = tmp_path / "ll.json"
@@ -236,8 +257,9 @@ def test_plots_without_matplotlib_say_how_to_get_them_and_json_is_still_written(
     from portep_bench import __main__ as cli
     from portep_bench import plot
 
-    fake_ll_host_time(monkeypatch, lambda calls, progress: {"rows": [{"what": "baseline: x", "samples_us": [1.0]}],
-                                                            "note": "n"})
+    fake_ll_host_time(
+        monkeypatch, lambda calls, progress: {"rows": [{"what": "baseline: x", "samples_us": [1.0]}], "note": "n"}
+    )
     monkeypatch.setattr(plot, "available", lambda: False)
     assert cli.main(["ll-host", "--json", str(tmp_path / "r.json"), "--plot", str(tmp_path / "plots")]) == 0
     err = capsys.readouterr().err
@@ -262,16 +284,34 @@ def test_plots_are_one_png_per_table(tmp_path):
 
 
 def test_channel_benchmark_prints_rates_latencies_and_baselines():
-    proc = run_module("portep_bench", "channel", "--ranks", "2", "--messages", "2000", "--iterations", "200",
-                      "--proxy-threads", "2", "--producers", "2", "--transport", "shm")
+    proc = run_module(
+        "portep_bench",
+        "channel",
+        "--ranks",
+        "2",
+        "--messages",
+        "2000",
+        "--iterations",
+        "200",
+        "--proxy-threads",
+        "2",
+        "--producers",
+        "2",
+        "--transport",
+        "shm",
+    )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "not GPU speed" in proc.stdout and "] channel shm: baseline, the FIFO alone" in proc.stderr
     rates = table_rows(proc.stdout, "channel: command rate")
     assert set(rates) == {"shm, per process", "baseline: FIFO alone (shm run)"}, rates
     assert rates["shm, per process"]["n"] == "2" and rates["baseline: FIFO alone (shm run)"]["n"] == "3"
     latency = table_rows(proc.stdout, "channel: write+signal round trip")
-    assert set(latency) == {"shm, 8 B", "shm, 4096 B", "baseline: gloo send/recv, 8 B (shm run)",
-                            "baseline: gloo send/recv, 4096 B (shm run)"}, latency
+    assert set(latency) == {
+        "shm, 8 B",
+        "shm, 4096 B",
+        "baseline: gloo send/recv, 8 B (shm run)",
+        "baseline: gloo send/recv, 4096 B (shm run)",
+    }, latency
     for row in list(rates.values()) + list(latency.values()):
         figures = [float(v) for k, v in row.items() if k.split()[0] in ("min", "median", "mean", "max", "p99")]
         assert len(figures) >= 4 and all(f > 0 for f in figures), row
@@ -307,9 +347,16 @@ def test_command_latency_upper_bound_uses_the_host_clock_alone():
     assert f"median at most {(true_median + 400) / 1e3:.2f} us" in bound[0], bound[0]
 
 
-@pytest.mark.parametrize("cuda_built,available,count,modes", [
-    (True, True, 2, ("gpu",)), (True, True, 8, ("gpu",)), (True, True, 1, ("gpu-ht-loopback", "ll-host")),
-    (True, False, 0, ("ep",)), (False, True, 2, ("ep",))])
+@pytest.mark.parametrize(
+    "cuda_built,available,count,modes",
+    [
+        (True, True, 2, ("gpu",)),
+        (True, True, 8, ("gpu",)),
+        (True, True, 1, ("gpu-ht-loopback", "ll-host")),
+        (True, False, 0, ("ep",)),
+        (False, True, 2, ("ep",)),
+    ],
+)
 def test_main_benchmark_picks_the_best_backend_here(monkeypatch, cuda_built, available, count, modes):
     import torch
 
@@ -322,8 +369,13 @@ def test_main_benchmark_picks_the_best_backend_here(monkeypatch, cuda_built, ava
     assert default_modes() == modes
 
 
-@pytest.mark.parametrize("args,reason", [(["gpu-ht-loopback", "--sms", "8"], "gpu-ht-loopback needs a CUDA GPU"),
-                                         (["ll-host", "--calls", "5"], "ll-host needs a GPU")])
+@pytest.mark.parametrize(
+    "args,reason",
+    [
+        (["gpu-ht-loopback", "--sms", "8"], "gpu-ht-loopback needs a CUDA GPU"),
+        (["ll-host", "--calls", "5"], "ll-host needs a GPU"),
+    ],
+)
 def test_gpu_benchmarks_without_a_gpu_say_what_they_need(args, reason):
     import torch
 

@@ -16,8 +16,16 @@ def test_the_moe_layer_example_runs_and_checks_out():
     from dist_util import free_port
 
     env = dict(os.environ, OMP_NUM_THREADS="1", PORTEP_BACKEND="host")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port",
-           str(free_port()), str(ROOT / "examples" / "moe_layer.py")]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc-per-node",
+        "2",
+        "--master-port",
+        str(free_port()),
+        str(ROOT / "examples" / "moe_layer.py"),
+    ]
     r = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     assert r.stdout.count(": OK") == 2, r.stdout[-2000:]

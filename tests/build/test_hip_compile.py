@@ -22,8 +22,21 @@ pytestmark = ci_expect.needs("hip", shutil.which("hipcc") is not None, "hipcc is
 
 def _hipcc(source, out, extra=()):
     includes = [f"-I{ROOT}"]  # one include tree: sources include others by their path from the root
-    cmd = ["hipcc", "-x", "hip", *[f"--offload-arch={a}" for a in ARCHS], "-std=c++17", "-O2", "-c", str(source),
-           *includes, "-Werror=unused-result", *extra, "-o", str(out)]
+    cmd = [
+        "hipcc",
+        "-x",
+        "hip",
+        *[f"--offload-arch={a}" for a in ARCHS],
+        "-std=c++17",
+        "-O2",
+        "-c",
+        str(source),
+        *includes,
+        "-Werror=unused-result",
+        *extra,
+        "-o",
+        str(out),
+    ]
     env = dict(os.environ, HIP_PLATFORM="amd")  # else hipcc takes the NVIDIA path when nvcc is on PATH
     return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
 

@@ -57,16 +57,21 @@ def upward_includes(root):
         for lineno, target in _quoted_includes(path):
             own, theirs = _layer(rel), _layer(target)
             if theirs is not None and theirs > own:
-                found.append(f"{rel}:{lineno}: layer {NATIVE_LAYERS[own]}/ includes {target} of the higher layer "
-                             f"{NATIVE_LAYERS[theirs]}/")
+                found.append(
+                    f"{rel}:{lineno}: layer {NATIVE_LAYERS[own]}/ includes {target} of the higher layer "
+                    f"{NATIVE_LAYERS[theirs]}/"
+                )
     return found
 
 
 def native_includes_of_test_code(root):
     """Product native files that include anything under tests/."""
-    return [f"{path.relative_to(root).as_posix()}:{lineno}: includes test code {target}"
-            for path in _native_files(root, NATIVE_LAYERS)
-            for lineno, target in _quoted_includes(path) if target.startswith("tests/")]
+    return [
+        f"{path.relative_to(root).as_posix()}:{lineno}: includes test code {target}"
+        for path in _native_files(root, NATIVE_LAYERS)
+        for lineno, target in _quoted_includes(path)
+        if target.startswith("tests/")
+    ]
 
 
 def includes_not_from_the_root(root):
@@ -86,6 +91,7 @@ def includes_not_from_the_root(root):
 
 # ---- CMake ----
 
+
 def _cmake_commands(path):
     """(line, name, arguments) of every command of a CMake file, comments dropped, parentheses balanced."""
     text = "\n".join(re.sub(r"#.*", "", line) for line in path.read_text().splitlines())
@@ -95,7 +101,7 @@ def _cmake_commands(path):
         while depth and i < len(text):
             depth += {"(": 1, ")": -1}.get(text[i], 0)
             i += 1
-        yield text.count("\n", 0, m.start()) + 1, m.group(1).lower(), text[m.end():i - 1].split()
+        yield text.count("\n", 0, m.start()) + 1, m.group(1).lower(), text[m.end() : i - 1].split()
 
 
 def _cmake_files(root):
@@ -117,8 +123,11 @@ def include_dirs_besides_the_root(root):
                 continue
             for d in args[1:] if name == "target_include_directories" else args:
                 in_tree = not d.startswith("${") or re.match(r"\$\{\w*SOURCE_DIR\}", d)
-                if d not in keywords and in_tree and d not in (root_spelling, "${CMAKE_SOURCE_DIR}",
-                                                                "${PROJECT_SOURCE_DIR}"):
+                if (
+                    d not in keywords
+                    and in_tree
+                    and d not in (root_spelling, "${CMAKE_SOURCE_DIR}", "${PROJECT_SOURCE_DIR}")
+                ):
                     found.append(f"{rel}:{lineno}: include directory {d} besides the repository root")
     return found
 
@@ -160,8 +169,11 @@ def _cmake_build(root):
                 if name == "target_link_libraries":
                     target["links"] += args[1:]
                 else:
-                    target["sources"] += [(path.parent / a).relative_to(root).as_posix() for a in args[1:]
-                                          if Path(a).suffix in NATIVE_SUFFIXES and not a.startswith(("$", "/"))]
+                    target["sources"] += [
+                        (path.parent / a).relative_to(root).as_posix()
+                        for a in args[1:]
+                        if Path(a).suffix in NATIVE_SUFFIXES and not a.startswith(("$", "/"))
+                    ]
             commands.append((f"{rel}:{lineno}", name, args, testing or any(stack)))
             subdir = path.parent / args[0] / "CMakeLists.txt" if name == "add_subdirectory" else None
             if subdir and subdir.is_file():
@@ -196,17 +208,39 @@ def installed_test_code(root):
         if name == "add_subdirectory" and args[0].startswith("tests"):
             found.append(f"{where}: add_subdirectory({args[0]}) outside if(PORTEP_BUILD_TESTING)")
         elif name == "install" and args[0] == "TARGETS":
-            found += [f"{where}: install(TARGETS {t}) outside if(PORTEP_BUILD_TESTING), but {why}"
-                      for t in args[1:] if t not in INSTALL_KEYWORDS for why in [_test_code_in_target(targets, t)]
-                      if why]
+            found += [
+                f"{where}: install(TARGETS {t}) outside if(PORTEP_BUILD_TESTING), but {why}"
+                for t in args[1:]
+                if t not in INSTALL_KEYWORDS
+                for why in [_test_code_in_target(targets, t)]
+                if why
+            ]
         elif name == "install":
-            found += [f"{where}: install({args[0]} {a}) outside if(PORTEP_BUILD_TESTING)"
-                      for a in args[1:] if a.startswith("tests/") or "/tests/" in a]
+            found += [
+                f"{where}: install({args[0]} {a}) outside if(PORTEP_BUILD_TESTING)"
+                for a in args[1:]
+                if a.startswith("tests/") or "/tests/" in a
+            ]
     return found
 
 
-INSTALL_KEYWORDS = {"EXPORT", "ARCHIVE", "LIBRARY", "RUNTIME", "OBJECTS", "FRAMEWORK", "BUNDLE", "PUBLIC_HEADER",
-                    "PRIVATE_HEADER", "RESOURCE", "FILE_SET", "DESTINATION", "COMPONENT", "OPTIONAL", "INCLUDES"}
+INSTALL_KEYWORDS = {
+    "EXPORT",
+    "ARCHIVE",
+    "LIBRARY",
+    "RUNTIME",
+    "OBJECTS",
+    "FRAMEWORK",
+    "BUNDLE",
+    "PUBLIC_HEADER",
+    "PRIVATE_HEADER",
+    "RESOURCE",
+    "FILE_SET",
+    "DESTINATION",
+    "COMPONENT",
+    "OPTIONAL",
+    "INCLUDES",
+}
 
 
 def installed_targets(root, testing=False):
@@ -229,11 +263,15 @@ def wheel_packages(root):
 
 
 def wheel_packages_with_tests(root):
-    return [f"pyproject.toml: wheel.packages lists {p}" for p in wheel_packages(root)
-            if "tests" in Path(p).parts or Path(p).name in ("conftest", "portep_testing")]
+    return [
+        f"pyproject.toml: wheel.packages lists {p}"
+        for p in wheel_packages(root)
+        if "tests" in Path(p).parts or Path(p).name in ("conftest", "portep_testing")
+    ]
 
 
 # ---- Python ----
+
 
 @functools.lru_cache(maxsize=None)
 def _parse(path):
@@ -263,7 +301,7 @@ def _imported_names(path, module):
             base = node.module or ""
             if node.level:
                 package = module.split(".") if is_package else module.split(".")[:-1]
-                package = package[:len(package) - (node.level - 1)]
+                package = package[: len(package) - (node.level - 1)]
                 base = ".".join(package + ([node.module] if node.module else []))
             for alias in node.names:
                 yield node.lineno, f"{base}.{alias.name}"
@@ -279,8 +317,9 @@ def import_graph(root, folder, package):
         edges = []
         for lineno, name in _imported_names(path, module):
             parts = name.split(".")
-            target = next((".".join(parts[:n]) for n in range(len(parts), 0, -1) if ".".join(parts[:n]) in modules),
-                          None)
+            target = next(
+                (".".join(parts[:n]) for n in range(len(parts), 0, -1) if ".".join(parts[:n]) in modules), None
+            )
             if target and target != module and not module.startswith(target + "."):
                 edges.append((target, f"{path.relative_to(root).as_posix()}:{lineno}"))
         graph[module] = edges
@@ -317,23 +356,46 @@ def _within(module, prefix):
 
 def forbidden_imports(graph, rules):
     """Imports from a module under `importer` of one under `imported`, for each (importer, imported) rule."""
-    return [f"{where}: {module} imports {target} ({importer} must not import {imported})"
-            for module, edges in sorted(graph.items()) for target, where in edges
-            for importer, imported in rules if _within(module, importer) and _within(target, imported)]
+    return [
+        f"{where}: {module} imports {target} ({importer} must not import {imported})"
+        for module, edges in sorted(graph.items())
+        for target, where in edges
+        for importer, imported in rules
+        if _within(module, importer) and _within(target, imported)
+    ]
 
 
-LOWER_MODULES = ["channel", "bootstrap", "config", "lockstep", "topology", "errors", "event", "deepep_config",
-                 "validation", "_native"]
-PORTEP_RULES = [("portep.backends.host", "portep.backends.cuda"), ("portep.backends.cuda", "portep.backends.host"),
-                ("portep.backends.common", "portep.backends.host"), ("portep.backends.common", "portep.backends.cuda"),
-                ("portep.backends", "portep.buffer")]
+LOWER_MODULES = [
+    "channel",
+    "bootstrap",
+    "config",
+    "lockstep",
+    "topology",
+    "errors",
+    "event",
+    "deepep_config",
+    "validation",
+    "_native",
+]
+PORTEP_RULES = [
+    ("portep.backends.host", "portep.backends.cuda"),
+    ("portep.backends.cuda", "portep.backends.host"),
+    ("portep.backends.common", "portep.backends.host"),
+    ("portep.backends.common", "portep.backends.cuda"),
+    ("portep.backends", "portep.buffer"),
+]
 PORTEP_RULES += [(f"portep.{m}", upper) for m in LOWER_MODULES for upper in ("portep.buffer", "portep.backends")]
 
 
 def _string_constants(tree):
-    docstrings = {id(n.body[0].value) for n in ast.walk(tree)
-                  if isinstance(n, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)) and n.body
-                  and isinstance(n.body[0], ast.Expr) and isinstance(n.body[0].value, ast.Constant)}
+    docstrings = {
+        id(n.body[0].value)
+        for n in ast.walk(tree)
+        if isinstance(n, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef))
+        and n.body
+        and isinstance(n.body[0], ast.Expr)
+        and isinstance(n.body[0].value, ast.Constant)
+    }
     for node in ast.walk(tree):
         if isinstance(node, ast.Constant) and isinstance(node.value, str) and id(node) not in docstrings:
             yield node.lineno, node.value
@@ -371,6 +433,7 @@ PRODUCT_PYTHON = ["python/portep", "python/deep_ep", "bench/portep_bench"]
 
 
 # ---- the tree as it is ----
+
 
 def _report(violations):
     return "\n".join(violations)
@@ -452,6 +515,7 @@ def test_the_wheel_packages_hold_no_tests():
 
 # ---- the checkers find what they look for (synthetic trees) ----
 
+
 def _tree(tmp_path, files):
     for rel, text in files.items():
         (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
@@ -460,79 +524,140 @@ def _tree(tmp_path, files):
 
 
 def test_checker_finds_an_upward_include(tmp_path):
-    root = _tree(tmp_path, {"ordering/imm.h": "", "transport/t.h": '#include "ordering/imm.h"\n',
-                            "proxy/p.cpp": '#include "transport/t.h"\n\n#include "python/src/bind_util.h"\n',
-                            "python/src/bind_util.h": '#include "proxy/p.h"\n'})
-    assert upward_includes(root) == ["proxy/p.cpp:3: layer proxy/ includes python/src/bind_util.h of the higher "
-                                     "layer python/src/"]
+    root = _tree(
+        tmp_path,
+        {
+            "ordering/imm.h": "",
+            "transport/t.h": '#include "ordering/imm.h"\n',
+            "proxy/p.cpp": '#include "transport/t.h"\n\n#include "python/src/bind_util.h"\n',
+            "python/src/bind_util.h": '#include "proxy/p.h"\n',
+        },
+    )
+    assert upward_includes(root) == [
+        "proxy/p.cpp:3: layer proxy/ includes python/src/bind_util.h of the higher layer python/src/"
+    ]
 
 
 def test_checker_finds_includes_not_from_the_root(tmp_path):
-    root = _tree(tmp_path, {"proxy/fifo.h": "", "proxy/a.cpp": '#include "../proxy/fifo.h"\n',
-                            "proxy/b.cpp": '#include "fifo.h"\n', "gpu_kernels/c.cu": '# include "portep/fifo.h"\n',
-                            "tests/native/d.cpp": '#include "proxy/fifo.h"\n#include "proxy/gone.h"\n'})
+    root = _tree(
+        tmp_path,
+        {
+            "proxy/fifo.h": "",
+            "proxy/a.cpp": '#include "../proxy/fifo.h"\n',
+            "proxy/b.cpp": '#include "fifo.h"\n',
+            "gpu_kernels/c.cu": '# include "portep/fifo.h"\n',
+            "tests/native/d.cpp": '#include "proxy/fifo.h"\n#include "proxy/gone.h"\n',
+        },
+    )
     assert includes_not_from_the_root(root) == [
         "proxy/a.cpp:1: relative or absolute include ../proxy/fifo.h",
         "proxy/b.cpp:1: include fifo.h is no file from the repository root",
         "gpu_kernels/c.cu:1: include portep/fifo.h from the old portep/ include folders",
-        "tests/native/d.cpp:2: include proxy/gone.h is no file from the repository root"]
+        "tests/native/d.cpp:2: include proxy/gone.h is no file from the repository root",
+    ]
 
 
 def test_checker_finds_a_product_include_of_test_code(tmp_path):
-    root = _tree(tmp_path, {"tests/native/probe.h": "", "gpu_kernels/k.cu": '#include "tests/native/probe.h"\n',
-                            "tests/native/x.cpp": '#include "tests/native/probe.h"\n'})
+    root = _tree(
+        tmp_path,
+        {
+            "tests/native/probe.h": "",
+            "gpu_kernels/k.cu": '#include "tests/native/probe.h"\n',
+            "tests/native/x.cpp": '#include "tests/native/probe.h"\n',
+        },
+    )
     assert native_includes_of_test_code(root) == ["gpu_kernels/k.cu:1: includes test code tests/native/probe.h"]
 
 
 def test_checker_finds_an_include_directory_besides_the_root(tmp_path):
-    root = _tree(tmp_path, {"CMakeLists.txt": "target_include_directories(a PUBLIC ${CMAKE_CURRENT_SOURCE_DIR})\n"
-                                              "target_include_directories(b PRIVATE ${PORTEP_IBVERBS_INCLUDE})\n"
-                                              "target_include_directories(c PUBLIC proxy/include)\n",
-                            "tests/native/CMakeLists.txt": "include_directories(${CMAKE_CURRENT_SOURCE_DIR})\n"})
+    root = _tree(
+        tmp_path,
+        {
+            "CMakeLists.txt": "target_include_directories(a PUBLIC ${CMAKE_CURRENT_SOURCE_DIR})\n"
+            "target_include_directories(b PRIVATE ${PORTEP_IBVERBS_INCLUDE})\n"
+            "target_include_directories(c PUBLIC proxy/include)\n",
+            "tests/native/CMakeLists.txt": "include_directories(${CMAKE_CURRENT_SOURCE_DIR})\n",
+        },
+    )
     assert include_dirs_besides_the_root(root) == [
         "CMakeLists.txt:3: include directory proxy/include besides the repository root",
-        "tests/native/CMakeLists.txt:1: include directory ${CMAKE_CURRENT_SOURCE_DIR} besides the repository root"]
+        "tests/native/CMakeLists.txt:1: include directory ${CMAKE_CURRENT_SOURCE_DIR} besides the repository root",
+    ]
 
 
 def test_checker_finds_an_import_cycle_through_a_function(tmp_path):
-    pkg = _tree(tmp_path, {"pkg/__init__.py": "from . import a\n", "pkg/a.py": "from .b import x\n",
-                           "pkg/b.py": "def f():\n    from pkg import a\n", "pkg/c.py": "from . import __version__\n"})
+    pkg = _tree(
+        tmp_path,
+        {
+            "pkg/__init__.py": "from . import a\n",
+            "pkg/a.py": "from .b import x\n",
+            "pkg/b.py": "def f():\n    from pkg import a\n",
+            "pkg/c.py": "from . import __version__\n",
+        },
+    )
     assert import_cycles(import_graph(pkg, "pkg", "pkg")) == ["pkg.a (pkg/a.py:1) -> pkg.b (pkg/b.py:2) -> pkg.a"]
 
 
 def test_checker_finds_an_import_against_the_rules(tmp_path):
-    pkg = _tree(tmp_path, {"portep/__init__.py": "", "portep/buffer.py": "",
-                           "portep/backends/__init__.py": "", "portep/backends/common.py": "",
-                           "portep/backends/host/__init__.py": "", "portep/backends/host/engine.py":
-                           "from ...channel import Channel\nfrom ..common import X\nfrom ..cuda import engine\n",
-                           "portep/backends/cuda/__init__.py": "", "portep/backends/cuda/engine.py": "",
-                           "portep/channel.py": "def late():\n    import portep.backends.common as hb\n"})
+    pkg = _tree(
+        tmp_path,
+        {
+            "portep/__init__.py": "",
+            "portep/buffer.py": "",
+            "portep/backends/__init__.py": "",
+            "portep/backends/common.py": "",
+            "portep/backends/host/__init__.py": "",
+            "portep/backends/host/engine.py": (
+                "from ...channel import Channel\nfrom ..common import X\nfrom ..cuda import engine\n"
+            ),
+            "portep/backends/cuda/__init__.py": "",
+            "portep/backends/cuda/engine.py": "",
+            "portep/channel.py": "def late():\n    import portep.backends.common as hb\n",
+        },
+    )
     assert forbidden_imports(import_graph(pkg, "portep", "portep"), PORTEP_RULES) == [
         "portep/backends/host/engine.py:3: portep.backends.host.engine imports portep.backends.cuda.engine "
         "(portep.backends.host must not import portep.backends.cuda)",
         "portep/channel.py:2: portep.channel imports portep.backends.common (portep.channel must not import "
-        "portep.backends)"]
+        "portep.backends)",
+    ]
 
 
 def test_checker_finds_uses_of_the_benchmarks_and_the_test_hooks(tmp_path):
-    root = _tree(tmp_path, {"python/portep/a.py": '"""portep_testing is not used here."""\nimport portep_bench.spawn\n',
-                            "python/portep/b.py": 'import importlib\nimportlib.import_module("portep_testing")\n',
-                            "python/portep/c.py": 'def f():\n    from portep_testing import wire\n'})
+    root = _tree(
+        tmp_path,
+        {
+            "python/portep/a.py": '"""portep_testing is not used here."""\nimport portep_bench.spawn\n',
+            "python/portep/b.py": 'import importlib\nimportlib.import_module("portep_testing")\n',
+            "python/portep/c.py": "def f():\n    from portep_testing import wire\n",
+        },
+    )
     assert uses_of_modules(root / "python" / "portep", {"portep_bench", "portep_testing"}, root) == [
         "python/portep/a.py:2: imports portep_bench.spawn",
         "python/portep/b.py:2: names 'portep_testing'",
-        "python/portep/c.py:2: imports portep_testing"]
+        "python/portep/c.py:2: imports portep_testing",
+    ]
 
 
 def test_checker_finds_product_python_reaching_test_code(tmp_path):
-    root = _tree(tmp_path, {"tests/support/dist_util.py": "", "bench/portep_bench/x.py":
-                            'import sys\nsys.path.insert(0, "tests/support")\nfrom dist_util import spawn\n'})
+    root = _tree(
+        tmp_path,
+        {
+            "tests/support/dist_util.py": "",
+            "bench/portep_bench/x.py": 'import sys\nsys.path.insert(0, "tests/support")\nfrom dist_util import spawn\n',
+        },
+    )
     assert uses_of_modules(root / "bench", names_of_test_modules(root), root) == [
-        "bench/portep_bench/x.py:3: imports dist_util", "bench/portep_bench/x.py:2: names 'tests/support'"]
+        "bench/portep_bench/x.py:3: imports dist_util",
+        "bench/portep_bench/x.py:2: names 'tests/support'",
+    ]
 
 
 def test_checker_finds_installed_test_code(tmp_path):
-    root = _tree(tmp_path, {"CMakeLists.txt": """
+    root = _tree(
+        tmp_path,
+        {
+            "CMakeLists.txt": """
 add_library(core STATIC proxy/a.cpp)
 set(SOURCES python/src/module.cpp)
 list(APPEND SOURCES tests/native/hooks.cpp)
@@ -546,29 +671,42 @@ else()
   install(TARGETS probes LIBRARY DESTINATION portep)
 endif()
 add_subdirectory(tests/other)
-""", "tests/native/CMakeLists.txt": "add_library(probes STATIC probe.cu)\ninstall(TARGETS probes DESTINATION .)\n",
-                            "tests/other/CMakeLists.txt": "install(FILES tests/other/hooks.py DESTINATION portep)\n"})
+""",
+            "tests/native/CMakeLists.txt": (
+                "add_library(probes STATIC probe.cu)\ninstall(TARGETS probes DESTINATION .)\n"
+            ),
+            "tests/other/CMakeLists.txt": "install(FILES tests/other/hooks.py DESTINATION portep)\n",
+        },
+    )
     assert installed_test_code(root) == [
         "CMakeLists.txt:8: install(TARGETS _C) outside if(PORTEP_BUILD_TESTING), but _C is built from "
         "tests/native/hooks.cpp",
         "CMakeLists.txt:12: install(TARGETS probes) outside if(PORTEP_BUILD_TESTING), but probes is defined in "
         "tests/native/CMakeLists.txt",
         "CMakeLists.txt:14: add_subdirectory(tests/other) outside if(PORTEP_BUILD_TESTING)",
-        "tests/other/CMakeLists.txt:1: install(FILES tests/other/hooks.py) outside if(PORTEP_BUILD_TESTING)"]
+        "tests/other/CMakeLists.txt:1: install(FILES tests/other/hooks.py) outside if(PORTEP_BUILD_TESTING)",
+    ]
     assert installed_targets(root, testing=True) == [("probes", ".")]
 
 
 def test_checker_finds_test_code_linked_into_an_installed_target(tmp_path):
-    root = _tree(tmp_path, {"CMakeLists.txt": "add_library(hooks STATIC tests/native/h.cpp)\n"
-                                              "pybind11_add_module(_C python/src/m.cpp)\n"
-                                              "target_link_libraries(_C PRIVATE hooks)\n"
-                                              "install(TARGETS _C LIBRARY DESTINATION portep)\n"})
+    root = _tree(
+        tmp_path,
+        {
+            "CMakeLists.txt": "add_library(hooks STATIC tests/native/h.cpp)\n"
+            "pybind11_add_module(_C python/src/m.cpp)\n"
+            "target_link_libraries(_C PRIVATE hooks)\n"
+            "install(TARGETS _C LIBRARY DESTINATION portep)\n"
+        },
+    )
     assert installed_test_code(root) == [
         "CMakeLists.txt:4: install(TARGETS _C) outside if(PORTEP_BUILD_TESTING), but hooks is built from "
-        "tests/native/h.cpp"]
+        "tests/native/h.cpp"
+    ]
 
 
 def test_checker_finds_tests_in_the_wheel_packages(tmp_path):
-    root = _tree(tmp_path, {"pyproject.toml": '[tool.scikit-build]\nwheel.packages = ["python/portep", '
-                                              '"tests/support"]\n'})
+    root = _tree(
+        tmp_path, {"pyproject.toml": '[tool.scikit-build]\nwheel.packages = ["python/portep", "tests/support"]\n'}
+    )
     assert wheel_packages_with_tests(root) == ["pyproject.toml: wheel.packages lists tests/support"]

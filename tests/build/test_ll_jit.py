@@ -38,8 +38,14 @@ print(json.dumps({"module": m is not None, "why": why, "compiled": compiled, "to
 def _probe(python, cache, **env):
     """ll_jit.load() in a new process of `python` with cache folder `cache`: (its report, its stderr)."""
     cache.mkdir(parents=True, exist_ok=True)
-    p = subprocess.run([str(python), "-c", PROBE], capture_output=True, text=True, timeout=1200, cwd=cache,
-                       env={**os.environ, ll_jit.CACHE_VAR: str(cache), **env})
+    p = subprocess.run(
+        [str(python), "-c", PROBE],
+        capture_output=True,
+        text=True,
+        timeout=1200,
+        cwd=cache,
+        env={**os.environ, ll_jit.CACHE_VAR: str(cache), **env},
+    )
     assert p.returncode == 0, p.stderr[-4000:]
     return json.loads(p.stdout.strip().splitlines()[-1]), p.stderr
 
@@ -58,7 +64,7 @@ def test_compiled_once_then_loaded_from_the_cache_and_rebuilt_when_broken(tmp_pa
     assert Path(first["root"]).name == "_ll_torch_src" or Path(first["root"]) == REPO  # installed, or editable
     second, err = _probe(sys.executable, cache)
     assert second["module"] and not second["compiled"] and "compiling" not in err, second
-    built, = cache.glob("ll_torch-*/_ll_torch.so")
+    (built,) = cache.glob("ll_torch-*/_ll_torch.so")
     built.write_bytes(b"not a shared object")  # a partial write, say
     third, err = _probe(sys.executable, cache)
     assert third["module"] and third["compiled"] and third["calls"] and "compiling" in err, third
@@ -109,8 +115,13 @@ def test_an_isolated_install_in_a_fresh_venv_compiles_the_fast_path_at_first_use
     venv.create(env_dir, with_pip=True)
     python = env_dir / "bin" / "python"
     for args in (["torch==2.13.0"], [str(REPO)]):
-        p = subprocess.run([str(python), "-m", "pip", "install", "-q", *args], capture_output=True, text=True,
-                           timeout=2400, cwd=tmp_path)
+        p = subprocess.run(
+            [str(python), "-m", "pip", "install", "-q", *args],
+            capture_output=True,
+            text=True,
+            timeout=2400,
+            cwd=tmp_path,
+        )
         assert p.returncode == 0, p.stderr[-4000:]
     report, err = _probe(python, tmp_path / "cache", PATH="/usr/bin:/bin")  # the venv not activated
     if "no GPU kernels" in report["reason"]:  # no GPU compiler here: the build never looks for torch

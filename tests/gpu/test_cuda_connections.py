@@ -35,12 +35,15 @@ def _probe(value, copies=True):
     return out.stdout.split()
 
 
-@pytest.mark.parametrize("value, expected", [
-    (None, ["32", "True", "quiet"]),      # unset: portep sets 32 and has nothing to say
-    ("32", ["32", "False", "quiet"]),     # the application's 32: kept
-    ("8", ["8", "False", "warned"]),      # fewer queues: kept, with a warning
-    ("1", ["1", "False", "raised", "True"]),  # one queue: the copies surely wait behind the kernels
-])
+@pytest.mark.parametrize(
+    "value, expected",
+    [
+        (None, ["32", "True", "quiet"]),  # unset: portep sets 32 and has nothing to say
+        ("32", ["32", "False", "quiet"]),  # the application's 32: kept
+        ("8", ["8", "False", "warned"]),  # fewer queues: kept, with a warning
+        ("1", ["1", "False", "raised", "True"]),  # one queue: the copies surely wait behind the kernels
+    ],
+)
 def test_import_widens_cuda_connections_unless_chosen(value, expected):
     assert _probe(value) == expected
 

@@ -6,8 +6,9 @@ from ci_expect import gpu_skip_reason
 import portep_testing
 from portep import native
 
-needs_gpu = pytest.mark.skipif(not native.build_info()["gpu_built"] or native.cuda_devices()[0] == 0,
-                               reason=gpu_skip_reason(1))
+needs_gpu = pytest.mark.skipif(
+    not native.build_info()["gpu_built"] or native.cuda_devices()[0] == 0, reason=gpu_skip_reason(1)
+)
 
 
 @pytest.mark.gpu

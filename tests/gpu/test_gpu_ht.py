@@ -22,21 +22,28 @@ SHARE = os.environ.get("PORTEP_TEST_SHARE_GPU") == "1"
 
 
 def _gpus(n):
-    return pytest.mark.skipif(not native.build_info()["gpu_built"] or not torch.cuda.is_available()
-                              or torch.cuda.device_count() < (1 if SHARE else n),
-                              reason=gpu_skip_reason(n))
+    return pytest.mark.skipif(
+        not native.build_info()["gpu_built"]
+        or not torch.cuda.is_available()
+        or torch.cuda.device_count() < (1 if SHARE else n),
+        reason=gpu_skip_reason(n),
+    )
 
 
 two_gpus = _gpus(2)
 four_gpus = _gpus(4)
 
 # (name, num_ranks_per_node, transport)
-PATHS = [pytest.param(("direct-nvlink", 2, "shm"), id="direct-nvlink"),
-         pytest.param(("proxy-shm", 1, "shm"), id="proxy-shm"),
-         pytest.param(("proxy-shm-unordered", 1, "shm-unordered"), id="proxy-shm-unordered")]
+PATHS = [
+    pytest.param(("direct-nvlink", 2, "shm"), id="direct-nvlink"),
+    pytest.param(("proxy-shm", 1, "shm"), id="proxy-shm"),
+    pytest.param(("proxy-shm-unordered", 1, "shm-unordered"), id="proxy-shm-unordered"),
+]
 # 2 nodes of 2 ranks: (name, num_ranks_per_node, transport) between the nodes
-FORWARD_PATHS = [pytest.param(("forward-shm", 2, "shm"), id="forward-shm"),
-                 pytest.param(("forward-shm-unordered", 2, "shm-unordered"), id="forward-shm-unordered")]
+FORWARD_PATHS = [
+    pytest.param(("forward-shm", 2, "shm"), id="forward-shm"),
+    pytest.param(("forward-shm-unordered", 2, "shm-unordered"), id="forward-shm-unordered"),
+]
 # graph_body launches torch kernels of its own (the experts' outputs) while a num_worst_tokens dispatch still runs:
 # with CUDA's lazy module loading such a first launch waits for the running kernels and holds up the shm proxies'
 # copies they wait for (the README's rule for applications on the shm-GPU proxy path)
@@ -65,8 +72,12 @@ def _run_suite(world, path, case, timeout, pressure_runs=2):
     """The host backend's HT suite (deepep_workers.ht_body) on `world` GPU ranks."""
     _, rpn, transport = path
     hidden, topk, experts, n_tokens, seed, starve = case
-    out = run_ranks(w.ht_body, world, args=(rpn, transport, seed, n_tokens, hidden, topk, experts, pressure_runs,
-                                            starve, "cuda"), timeout=timeout)
+    out = run_ranks(
+        w.ht_body,
+        world,
+        args=(rpn, transport, seed, n_tokens, hidden, topk, experts, pressure_runs, starve, "cuda"),
+        timeout=timeout,
+    )
     assert_clean(out, 60)
 
 
@@ -76,8 +87,9 @@ def _run_suite(world, path, case, timeout, pressure_runs=2):
 @pytest.mark.parametrize("num_sms", [24, 2, 128])
 def test_ht_cuda_matches_host_backend_bitwise(path, num_sms):
     _, rpn, transport = path
-    out = run_ranks(g.cross_backend_body, 2, args=(rpn, transport, 11 + num_sms, [333, 150], 1024, 8, 32, num_sms),
-                    timeout=400)
+    out = run_ranks(
+        g.cross_backend_body, 2, args=(rpn, transport, 11 + num_sms, [333, 150], 1024, 8, 32, num_sms), timeout=400
+    )
     assert_clean(out, 30)
 
 
@@ -88,8 +100,7 @@ def test_ht_small_buffer_rings_wrap_bitwise(path):
     # 600064 bytes, 2 channels: rings of 64-128 rows; ~700 rows per channel wrap them many times (direct: a sender
     # waits for the reader's head; proxy: for its credits). Also the refusal of rows too large for any ring.
     _, rpn, transport = path
-    out = run_ranks(g.cross_backend_body, 2, args=(rpn, transport, 9, [1500, 900], 1024, 8, 32, 4, 600064),
-                    timeout=400)
+    out = run_ranks(g.cross_backend_body, 2, args=(rpn, transport, 9, [1500, 900], 1024, 8, 32, 4, 600064), timeout=400)
     assert_clean(out, 30)
 
 
@@ -134,8 +145,12 @@ def test_ht_forwarding_suite(path, case):
 @pytest.mark.parametrize("num_sms", [24, 2])
 def test_ht_forwarding_matches_host_backend_bitwise(path, num_sms):
     _, rpn, transport = path
-    out = run_ranks(g.cross_backend_body, 4, args=(rpn, transport, 51 + num_sms, [333, 150, 5, 271], 1024, 8, 32,
-                                                   num_sms), timeout=500)
+    out = run_ranks(
+        g.cross_backend_body,
+        4,
+        args=(rpn, transport, 51 + num_sms, [333, 150, 5, 271], 1024, 8, 32, num_sms),
+        timeout=500,
+    )
     assert_clean(out, 30)
 
 
@@ -143,8 +158,12 @@ def test_ht_forwarding_matches_host_backend_bitwise(path, num_sms):
 @four_gpus
 def test_ht_forwarding_small_buffer_rings_wrap_bitwise():
     # 6 MiB, 2 channels: forward and proxy rings of 64-128 rows, wrapped many times by blocks of 700-1500 rows
-    out = run_ranks(g.cross_backend_body, 4, args=(2, "shm-unordered", 19, [1500, 900, 1200, 700], 1024, 8, 32, 4,
-                                                   6 << 20), timeout=500)
+    out = run_ranks(
+        g.cross_backend_body,
+        4,
+        args=(2, "shm-unordered", 19, [1500, 900, 1200, 700], 1024, 8, 32, 4, 6 << 20),
+        timeout=500,
+    )
     assert_clean(out, 30)
 
 

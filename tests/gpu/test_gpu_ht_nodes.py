@@ -39,11 +39,29 @@ CASES = [
 @pytest.mark.gpu
 @pytest.mark.parametrize("world,rpn,transport,experts,extra", CASES)
 def test_ht_nodes_match_host_backend_bitwise(world, rpn, transport, experts, extra):
-    if not (native.build_info()["gpu_built"] and torch.cuda.is_available()
-            and torch.cuda.device_count() >= (1 if SHARE else world)):
+    if not (
+        native.build_info()["gpu_built"]
+        and torch.cuda.is_available()
+        and torch.cuda.device_count() >= (1 if SHARE else world)
+    ):
         pytest.skip(gpu_skip_reason(world))
     seed = world + rpn
-    out = run_ranks(g.cross_backend_body, world, args=(rpn, transport, seed, _tokens(world, seed), 1024, 8, experts,
-                                                       24, None, extra.get("avoid_node"), extra.get("topk_groups")),
-                    timeout=900)
+    out = run_ranks(
+        g.cross_backend_body,
+        world,
+        args=(
+            rpn,
+            transport,
+            seed,
+            _tokens(world, seed),
+            1024,
+            8,
+            experts,
+            24,
+            None,
+            extra.get("avoid_node"),
+            extra.get("topk_groups"),
+        ),
+        timeout=900,
+    )
     assert_clean(out, 20)

@@ -10,8 +10,10 @@ from portep import native
 from portep.backends.host import ht as host_ht
 from portep.backends.cuda.kernel_errors import KernelErrors
 
-needs_gpu = pytest.mark.skipif(not native.build_info()["gpu_built"] or native.cuda_devices()[0] == 0
-                               or not torch.cuda.is_available(), reason=gpu_skip_reason(1))
+needs_gpu = pytest.mark.skipif(
+    not native.build_info()["gpu_built"] or native.cuda_devices()[0] == 0 or not torch.cuda.is_available(),
+    reason=gpu_skip_reason(1),
+)
 
 
 def cuda_layout(topk_idx, num_experts, num_ranks, ranks_per_node, errors=None):
@@ -23,18 +25,37 @@ def cuda_layout(topk_idx, num_experts, num_ranks, ranks_per_node, errors=None):
     per_node = torch.empty(nodes, dtype=torch.int32, device=dev) if nodes > 1 else None
     per_expert = torch.empty(num_experts, dtype=torch.int32, device=dev)
     in_rank = torch.empty(N, num_ranks, dtype=torch.bool, device=dev)
-    native.cuda_dispatch_layout(topk_idx.data_ptr(), N, K, num_experts, num_ranks, ranks_per_node,
-                                per_rank.data_ptr(), 0 if per_node is None else per_node.data_ptr(),
-                                per_expert.data_ptr(), in_rank.data_ptr(), torch.cuda.current_stream().cuda_stream,
-                                0, errors.words.data_ptr(), errors.records)
+    native.cuda_dispatch_layout(
+        topk_idx.data_ptr(),
+        N,
+        K,
+        num_experts,
+        num_ranks,
+        ranks_per_node,
+        per_rank.data_ptr(),
+        0 if per_node is None else per_node.data_ptr(),
+        per_expert.data_ptr(),
+        in_rank.data_ptr(),
+        torch.cuda.current_stream().cuda_stream,
+        0,
+        errors.words.data_ptr(),
+        errors.records,
+    )
     return per_rank, per_node, per_expert, in_rank
 
 
 @pytest.mark.gpu
 @needs_gpu
-@pytest.mark.parametrize("tokens,topk,experts,ranks,per_node,seed", [
-    (4096, 8, 256, 2, 2, 0), (333, 6, 64, 8, 2, 1), (1000, 8, 512, 16, 8, 2), (257, 4, 16384, 16, 4, 3),
-    (0, 8, 64, 8, 8, 4)])
+@pytest.mark.parametrize(
+    "tokens,topk,experts,ranks,per_node,seed",
+    [
+        (4096, 8, 256, 2, 2, 0),
+        (333, 6, 64, 8, 2, 1),
+        (1000, 8, 512, 16, 8, 2),
+        (257, 4, 16384, 16, 4, 3),
+        (0, 8, 64, 8, 8, 4),
+    ],
+)
 def test_cuda_layout_matches_host_backend(tokens, topk, experts, ranks, per_node, seed):
     g = torch.Generator().manual_seed(seed)
     idx = torch.topk(torch.rand(tokens, experts, generator=g), topk, dim=1).indices
@@ -75,4 +96,3 @@ def test_cuda_layout_reports_out_of_range_experts(bad):
     torch.cuda.synchronize()
     assert errors.take_notice() is None
     errors.free()
-

@@ -17,9 +17,10 @@ from portep import native
 
 # PORTEP_TEST_SHARE_GPU=1 lets both ranks share one GPU (their kernels time-slice: correctness only, slowly)
 GPUS_NEEDED = 1 if os.environ.get("PORTEP_TEST_SHARE_GPU") == "1" else 2
-two_gpus = pytest.mark.skipif(not native.build_info()["gpu_built"] or not torch.cuda.is_available()
-                              or torch.cuda.device_count() < GPUS_NEEDED,
-                              reason=gpu_skip_reason(2))
+two_gpus = pytest.mark.skipif(
+    not native.build_info()["gpu_built"] or not torch.cuda.is_available() or torch.cuda.device_count() < GPUS_NEEDED,
+    reason=gpu_skip_reason(2),
+)
 
 # (name, num_ranks_per_node, transport, allow_nvlink_for_low_latency_mode)
 PATHS = [
@@ -34,19 +35,24 @@ SHAPES = [(64, 512, 16, 8, 31), (48, 2048, 12, 6, 32)]  # T, hidden, experts, to
 # and hidden 4096 with 160 (80 local at EP2)
 PROD_SHAPES = [(128, 7168, 288, 8, 71), (128, 7168, 256, 8, 72), (128, 4096, 160, 8, 73)]
 GPUS_FOR_4 = 1 if GPUS_NEEDED == 1 else 4
-four_gpus = pytest.mark.skipif(not native.build_info()["gpu_built"] or not torch.cuda.is_available()
-                               or torch.cuda.device_count() < GPUS_FOR_4,
-                               reason=gpu_skip_reason(4))
+four_gpus = pytest.mark.skipif(
+    not native.build_info()["gpu_built"] or not torch.cuda.is_available() or torch.cuda.device_count() < GPUS_FOR_4,
+    reason=gpu_skip_reason(4),
+)
 # 4 ranks: (name, num_ranks_per_node, transport, allow_nvlink_for_low_latency_mode)
-PATHS_4 = [("direct-nvlink", 4, "shm", True), ("proxy-shm", 1, "shm", True),
-           ("proxy-nvlink-off", 4, "shm-unordered", False)]
+PATHS_4 = [
+    ("direct-nvlink", 4, "shm", True),
+    ("proxy-shm", 1, "shm", True),
+    ("proxy-nvlink-off", 4, "shm-unordered", False),
+]
 
 
 def _run_ll_suite(path, shape, ranks, rounds, timeout, min_checks):
     _, rpn, transport, nvlink = path
     T, H, E, K, seed = shape
-    out = run_ranks(w.ll_body, ranks, args=(rpn, transport, seed, T, H, E, K, False, rounds, "cuda", nvlink),
-                    timeout=timeout)
+    out = run_ranks(
+        w.ll_body, ranks, args=(rpn, transport, seed, T, H, E, K, False, rounds, "cuda", nvlink), timeout=timeout
+    )
     assert_clean(out, min_checks)
 
 
@@ -88,8 +94,9 @@ def test_cuda_matches_host_backend_bitwise_at_deepep_shape(path):
 @pytest.mark.parametrize("hidden", [2048, 2560, 3072, 4096, 5120, 6144, 7168, 8192])
 def test_cuda_matches_host_backend_bitwise_for_every_deepep_hidden_size(hidden):
     # DeepEP's LL kernels take these hidden sizes; 33 local experts: a full proxy chunk and one of a single expert
-    out = run_ranks(g.cross_backend_body, 2, args=(1, "shm-unordered", True, hidden % 97, 24, hidden, 66, 8),
-                    timeout=300)
+    out = run_ranks(
+        g.cross_backend_body, 2, args=(1, "shm-unordered", True, hidden % 97, 24, hidden, 66, 8), timeout=300
+    )
     assert_clean(out, 20)
 
 
@@ -136,8 +143,7 @@ def test_missing_peer_times_out_and_raises(nvlink):
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not native.build_info()["gpu_built"] or not torch.cuda.is_available(),
-                    reason=gpu_skip_reason(1))
+@pytest.mark.skipif(not native.build_info()["gpu_built"] or not torch.cuda.is_available(), reason=gpu_skip_reason(1))
 def test_validation_cache_still_rejects_changed_calls():
     out = run_ranks(g.validation_cache_body, 1, timeout=120)
     assert out[0] == [], out[0]

@@ -14,9 +14,11 @@ from portep import native
 
 GPUS_FOR_2 = 1 if os.environ.get("PORTEP_TEST_SHARE_GPU") == "1" else 2
 fast_path = pytest.mark.skipif(
-    not native.build_info()["gpu_built"] or not torch.cuda.is_available() or
-    native.build_info().get("ll_fast_path_torch") != torch.__version__,
-    reason=gpu_skip_reason(1, "portep._ll_torch built against this torch"))
+    not native.build_info()["gpu_built"]
+    or not torch.cuda.is_available()
+    or native.build_info().get("ll_fast_path_torch") != torch.__version__,
+    reason=gpu_skip_reason(1, "portep._ll_torch built against this torch"),
+)
 
 # (ranks, name, num_ranks_per_node, transport); the GPUs each case needs follow from ranks
 CASES = [(1, "one-rank", 1, "shm"), (2, "direct-nvlink", 2, "shm"), (2, "proxy-shm-unordered", 1, "shm-unordered")]

@@ -17,9 +17,10 @@ from dist_util import run_ranks
 from portep import native
 
 GPUS_NEEDED = 1 if os.environ.get("PORTEP_TEST_SHARE_GPU") == "1" else 2
-two_gpus = pytest.mark.skipif(not native.build_info()["gpu_built"] or not torch.cuda.is_available()
-                              or torch.cuda.device_count() < GPUS_NEEDED,
-                              reason=gpu_skip_reason(2))
+two_gpus = pytest.mark.skipif(
+    not native.build_info()["gpu_built"] or not torch.cuda.is_available() or torch.cuda.device_count() < GPUS_NEEDED,
+    reason=gpu_skip_reason(2),
+)
 
 # (name, num_ranks_per_node, transport, allow_nvlink_for_low_latency_mode)
 PATHS = [("direct", 2, "shm", True), ("proxy-shm", 1, "shm", True), ("proxy-nvlink-off", 2, "shm-unordered", False)]
@@ -33,8 +34,13 @@ SHAPE = (128, 7168, 288, 8)
 @pytest.mark.parametrize("path", PATHS, ids=[p[0] for p in PATHS])
 def test_ll_with_application_habits(path, connections):
     _, rpn, transport, nvlink = path
-    out = run_ranks(h.application_habits_body, 2, args=(rpn, transport, nvlink, 61, *SHAPE, 4), timeout=300,
-                    env={"CUDA_DEVICE_MAX_CONNECTIONS": connections})
+    out = run_ranks(
+        h.application_habits_body,
+        2,
+        args=(rpn, transport, nvlink, 61, *SHAPE, 4),
+        timeout=300,
+        env={"CUDA_DEVICE_MAX_CONNECTIONS": connections},
+    )
     assert_clean(out, 4)
 
 

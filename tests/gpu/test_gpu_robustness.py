@@ -19,9 +19,12 @@ SHARE = os.environ.get("PORTEP_TEST_SHARE_GPU") == "1"
 
 
 def _gpus(n):
-    return pytest.mark.skipif(not native.build_info()["gpu_built"] or not torch.cuda.is_available()
-                              or torch.cuda.device_count() < (1 if SHARE else n),
-                              reason=gpu_skip_reason(n))
+    return pytest.mark.skipif(
+        not native.build_info()["gpu_built"]
+        or not torch.cuda.is_available()
+        or torch.cuda.device_count() < (1 if SHARE else n),
+        reason=gpu_skip_reason(n),
+    )
 
 
 # world, ranks_per_node, transport
@@ -44,8 +47,13 @@ def test_cuda_one_sided_refusal_fails_fast_until_resynchronised(path):
 @pytest.mark.parametrize("path", PATHS[:2], ids=IDS[:2])
 def test_cuda_dead_or_departed_peer_fails_the_waiters_within_a_second(path, how):
     world, rpn, transport = path
-    out = run_ranks(r.dead_peer_body, world, args=(rpn, transport, how, 9, "cuda"), timeout=180,
-                    expect_missing=(world - 1,) if how == "exit" else ())
+    out = run_ranks(
+        r.dead_peer_body,
+        world,
+        args=(rpn, transport, how, 9, "cuda"),
+        timeout=180,
+        expect_missing=(world - 1,) if how == "exit" else (),
+    )
     assert_clean({k: v for k, v in out.items() if k != world - 1}, 2)
 
 

@@ -1,6 +1,5 @@
 """Multi-process channel tests on the host backend: 2, 4 and 8 ranks over shm in both modes."""
 
-
 import pytest
 
 import channel_workers as w
@@ -31,8 +30,9 @@ def test_every_signal_covers_its_writes(world, transport):
     commands = sum(r["produced"]["commands"] for r in out.values())
     assert commands >= world * producers * (messages + world)
     if transport == "shm-unordered":
-        assert sum(s["signals_delayed"] for r in out.values() for s in r["stats"]) > 0, \
+        assert sum(s["signals_delayed"] for r in out.values() for s in r["stats"]) > 0, (
             "the unordered transport never delivered a signal ahead of its writes: the test would prove nothing"
+        )
 
 
 @pytest.mark.slow
@@ -42,8 +42,7 @@ def test_checker_detects_signals_released_early():
     # runs are made; in measurements each run caught some (2..15 violations) about 3 times in 4.
     caught = []
     for attempt in range(4):
-        out = run_ranks(w.traffic, 4, args=("shm-unordered", 4, 3000, 512, 4, 11 + attempt, 2, True, 1024),
-                        timeout=240)
+        out = run_ranks(w.traffic, 4, args=("shm-unordered", 4, 3000, 512, 4, 11 + attempt, 2, True, 1024), timeout=240)
         caught.append(sum(r["check"]["violations"] for r in out.values()))
         if caught[-1]:
             break
@@ -95,4 +94,3 @@ def test_a_peer_that_left_and_then_exited_reads_left_not_gone():
     seen = out[0]["seen"]
     assert seen[-1] == _C.PEER_LEFT, f"statuses of the departed peer: {seen}"
     assert _C.PEER_GONE not in seen, f"statuses of the departed peer: {seen}"
-

@@ -14,8 +14,12 @@ from dist_util import run_ranks
 @pytest.mark.parametrize("world", [2, 4])
 def test_every_signal_covers_its_copies(world, transport):
     producers, messages = 4, 1200
-    out = run_ranks(w.traffic, world, args=(transport, producers, messages, 300, 5, 41 + world, 2, False, 48,
-                                            "emulated"), timeout=240)
+    out = run_ranks(
+        w.traffic,
+        world,
+        args=(transport, producers, messages, 300, 5, 41 + world, 2, False, 48, "emulated"),
+        timeout=240,
+    )
     total_checked = 0
     for rank, r in out.items():
         check = r["check"]
@@ -56,6 +60,20 @@ def test_unregistrable_emulated_device_memory_is_refused_outside_verbs(transport
     from portep import native
 
     with pytest.raises(RuntimeError, match=r"device=-3 .* is for the verbs transports only"):
-        native.Channel(rank=0, num_ranks=1, nbytes=4096, transport=transport, num_proxy_threads=1, num_fifos=1,
-                       fifo_capacity=64, num_streams=1, max_inflight_cmds=8, max_inflight_bytes=1 << 20,
-                       timeout_s=5.0, unordered_window=8, seed=0, skip_ordering=False, device=-3)
+        native.Channel(
+            rank=0,
+            num_ranks=1,
+            nbytes=4096,
+            transport=transport,
+            num_proxy_threads=1,
+            num_fifos=1,
+            fifo_capacity=64,
+            num_streams=1,
+            max_inflight_cmds=8,
+            max_inflight_bytes=1 << 20,
+            timeout_s=5.0,
+            unordered_window=8,
+            seed=0,
+            skip_ordering=False,
+            device=-3,
+        )

@@ -45,16 +45,22 @@ def test_config_defaults_and_rdma_rounding():
     assert Config(24, 8, 256).num_sms == 24
 
 
-@pytest.mark.parametrize("args,exc,match", [
-    ((-2,), ValueError, "num_sms=-2 must be >= 0"),
-    ((20, 0), ValueError, "num_max_nvl_chunked_send_tokens=0 must be >= 1"),
-    ((20, 8, 8), ValueError, "num_max_nvl_chunked_send_tokens=8 must be < num_max_nvl_chunked_recv_tokens=8"),
-    ((20, 6, 256, 0), ValueError, "num_max_rdma_chunked_send_tokens=0 must be >= 1"),
-    ((20, 6, 256, 128, 100), ValueError, "num_max_rdma_chunked_send_tokens=128 must be <= half of "
-                                         "num_max_rdma_chunked_recv_tokens=128"),
-    ((20.0,), TypeError, "num_sms must be an int"),
-    ((True,), TypeError, "num_sms must be an int"),
-])
+@pytest.mark.parametrize(
+    "args,exc,match",
+    [
+        ((-2,), ValueError, "num_sms=-2 must be >= 0"),
+        ((20, 0), ValueError, "num_max_nvl_chunked_send_tokens=0 must be >= 1"),
+        ((20, 8, 8), ValueError, "num_max_nvl_chunked_send_tokens=8 must be < num_max_nvl_chunked_recv_tokens=8"),
+        ((20, 6, 256, 0), ValueError, "num_max_rdma_chunked_send_tokens=0 must be >= 1"),
+        (
+            (20, 6, 256, 128, 100),
+            ValueError,
+            "num_max_rdma_chunked_send_tokens=128 must be <= half of num_max_rdma_chunked_recv_tokens=128",
+        ),
+        ((20.0,), TypeError, "num_sms must be an int"),
+        ((True,), TypeError, "num_sms must be an int"),
+    ],
+)
 def test_config_constraints_name_the_field(args, exc, match):
     with pytest.raises(exc, match=match):
         Config(*args)
@@ -81,8 +87,9 @@ def test_nvl_hint_across_nodes_covers_portep_normal_mode(num_ranks):
         if not native.build_info()["gpu_built"]:
             assert normal_mode_bytes(cfg, 7168 * 2, num_ranks) == 0
             continue
-        layout = native.HTLayout(num_ranks=num_ranks, ranks_per_node=8, proxy=True, ctrl_off=1 << 60, area_off=0,
-                                 area_bytes=hint // 16 * 16)
+        layout = native.HTLayout(
+            num_ranks=num_ranks, ranks_per_node=8, proxy=True, ctrl_off=1 << 60, area_off=0, area_bytes=hint // 16 * 16
+        )
         C = cfg.num_sms // 2
         for row in (native.HTLayout.dispatch_row_bytes(7168 * 2, 56, 8), layout.combine_row_bytes(7168, 8)):
             assert layout.rows_per_ring(row, C) >= native.HT_MIN_RING_ROWS, (row, hint)
@@ -96,25 +103,50 @@ def test_rdma_hint_matches_deepep():
     assert Config(24).get_rdma_buffer_size_hint(7168 * 2, 2) == 0
 
 
-@pytest.mark.parametrize("call,match", [
-    (lambda: Config(24).get_nvl_buffer_size_hint(14336, 12), "num_ranks=12 must be < 8 or a multiple of 8"),
-    (lambda: Config(23, 6, 256).get_nvl_buffer_size_hint(14336, 16), "num_sms=23 must be even for num_ranks=16"),
-    (lambda: Config(23, 6, 256).get_rdma_buffer_size_hint(14336, 16), "num_sms=23 must be even"),
-    (lambda: Config(24).get_rdma_buffer_size_hint(14336, 20), "num_ranks=20 must be < 8 or a multiple of 8"),
-    (lambda: Config(24).get_nvl_buffer_size_hint(-1, 8), "hidden_bytes=-1 must be >= 0"),
-])
+@pytest.mark.parametrize(
+    "call,match",
+    [
+        (lambda: Config(24).get_nvl_buffer_size_hint(14336, 12), "num_ranks=12 must be < 8 or a multiple of 8"),
+        (lambda: Config(23, 6, 256).get_nvl_buffer_size_hint(14336, 16), "num_sms=23 must be even for num_ranks=16"),
+        (lambda: Config(23, 6, 256).get_rdma_buffer_size_hint(14336, 16), "num_sms=23 must be even"),
+        (lambda: Config(24).get_rdma_buffer_size_hint(14336, 20), "num_ranks=20 must be < 8 or a multiple of 8"),
+        (lambda: Config(24).get_nvl_buffer_size_hint(-1, 8), "hidden_bytes=-1 must be >= 0"),
+    ],
+)
 def test_hints_refuse_what_deepep_refuses(call, match):
     with pytest.raises(ValueError, match=match):
         call()
 
 
 # ---- tuned configs ----
-DISPATCH = {2: (24, 256, 6, 128), 4: (6, 256, 6, 128), 8: (6, 256, 6, 128), 16: (36, 288, 20, 128),
-            24: (32, 288, 8, 128), 32: (32, 288, 8, 128), 48: (32, 288, 8, 128), 64: (32, 288, 8, 128),
-            96: (20, 480, 12, 128), 128: (20, 560, 12, 128), 144: (32, 720, 12, 128), 160: (28, 720, 12, 128)}
-COMBINE = {2: (10, 256, 6, 128), 4: (9, 256, 6, 128), 8: (4, 256, 6, 128), 16: (4, 288, 12, 128),
-           24: (1, 288, 8, 128), 32: (1, 288, 8, 128), 48: (1, 288, 8, 128), 64: (1, 288, 8, 128),
-           96: (1, 480, 8, 128), 128: (1, 560, 8, 128), 144: (2, 720, 8, 128), 160: (2, 720, 8, 128)}
+DISPATCH = {
+    2: (24, 256, 6, 128),
+    4: (6, 256, 6, 128),
+    8: (6, 256, 6, 128),
+    16: (36, 288, 20, 128),
+    24: (32, 288, 8, 128),
+    32: (32, 288, 8, 128),
+    48: (32, 288, 8, 128),
+    64: (32, 288, 8, 128),
+    96: (20, 480, 12, 128),
+    128: (20, 560, 12, 128),
+    144: (32, 720, 12, 128),
+    160: (28, 720, 12, 128),
+}
+COMBINE = {
+    2: (10, 256, 6, 128),
+    4: (9, 256, 6, 128),
+    8: (4, 256, 6, 128),
+    16: (4, 288, 12, 128),
+    24: (1, 288, 8, 128),
+    32: (1, 288, 8, 128),
+    48: (1, 288, 8, 128),
+    64: (1, 288, 8, 128),
+    96: (1, 480, 8, 128),
+    128: (1, 560, 8, 128),
+    144: (2, 720, 8, 128),
+    160: (2, 720, 8, 128),
+}
 
 
 @pytest.mark.parametrize("num_ranks", sorted(DISPATCH))
@@ -126,21 +158,27 @@ def test_tuned_configs_match_deepep_table(num_ranks):
 @pytest.mark.parametrize("num_ranks", [1, 3, 12, 164, 260])
 def test_untuned_sizes_are_refused_with_the_supported_list(num_ranks):
     for getter in (Buffer.get_dispatch_config, Buffer.get_combine_config):
-        with pytest.raises(ValueError, match=f"num_ranks={num_ranks}; supported: 2, 4, 8, 16, .*, 160, and "
-                                             "multiples of 8 above 160"):
+        with pytest.raises(
+            ValueError, match=f"num_ranks={num_ranks}; supported: 2, 4, 8, 16, .*, 160, and multiples of 8 above 160"
+        ):
             getter(num_ranks)
 
 
 @pytest.mark.parametrize("num_ranks", [168, 256, 512, 1024])
 def test_whole_nodes_beyond_deepeps_table_take_its_largest_entry_checked_for_their_nodes(num_ranks):
     nodes = num_ranks // 8
-    for getter, table, what in ((Buffer.get_dispatch_config, DISPATCH, "dispatch"),
-                                (Buffer.get_combine_config, COMBINE, "combine")):
+    for getter, table, what in (
+        (Buffer.get_dispatch_config, DISPATCH, "dispatch"),
+        (Buffer.get_combine_config, COMBINE, "combine"),
+    ):
         cfg, largest = getter(num_ranks), Config(Buffer.num_sms, *table[160])
         send, recv, rdma_send = table[160][:3]
-        assert (cfg.num_sms, cfg.num_max_nvl_chunked_send_tokens, cfg.num_max_rdma_chunked_send_tokens,
-                cfg.num_max_rdma_chunked_recv_tokens) == (largest.num_sms, send, rdma_send,
-                                                          largest.num_max_rdma_chunked_recv_tokens)
+        assert (
+            cfg.num_sms,
+            cfg.num_max_nvl_chunked_send_tokens,
+            cfg.num_max_rdma_chunked_send_tokens,
+            cfg.num_max_rdma_chunked_recv_tokens,
+        ) == (largest.num_sms, send, rdma_send, largest.num_max_rdma_chunked_recv_tokens)
         nvl_recv = cfg.num_max_nvl_chunked_recv_tokens
         assert nvl_recv >= recv and nvl_recv % nodes == 0 and nvl_recv // nodes > max(send, rdma_send)
         assert check_internode_config(cfg, nodes, 8, what) is cfg  # DeepEP's own checks pass
@@ -154,14 +192,37 @@ def test_deepeps_tuned_configs_pass_its_internode_checks(num_ranks):
     check_internode_config(Buffer.get_combine_config(num_ranks), num_ranks // 8, 8, "combine")
 
 
-@pytest.mark.parametrize("cfg,nodes,what,match", [
-    (Config(24, 8, 513, 16, 128), 2, "combine", r"num_max_nvl_chunked_recv_tokens=513 must be a multiple of the "
-                                                r"number of nodes 2"),
-    (Config(24, 40, 64, 6, 128), 2, "combine", r"num_max_nvl_chunked_send_tokens=40 must be <= "
-                                               r"num_max_nvl_chunked_recv_tokens / nodes = 64 / 2 = 32"),
-    (Config(24, 8, 64, 32, 128), 2, "dispatch", r"64 / 2 = 32 must be > config.num_max_rdma_chunked_send_tokens=32"),
-    (Config(24, 40, 256, 6, 128), 8, "dispatch", r"256 / 8 = 32 must be > config.num_max_nvl_chunked_send_tokens=40"),
-])
+@pytest.mark.parametrize(
+    "cfg,nodes,what,match",
+    [
+        (
+            Config(24, 8, 513, 16, 128),
+            2,
+            "combine",
+            r"num_max_nvl_chunked_recv_tokens=513 must be a multiple of the "
+            r"number of nodes 2",
+        ),
+        (
+            Config(24, 40, 64, 6, 128),
+            2,
+            "combine",
+            r"num_max_nvl_chunked_send_tokens=40 must be <= "
+            r"num_max_nvl_chunked_recv_tokens / nodes = 64 / 2 = 32",
+        ),
+        (
+            Config(24, 8, 64, 32, 128),
+            2,
+            "dispatch",
+            r"64 / 2 = 32 must be > config.num_max_rdma_chunked_send_tokens=32",
+        ),
+        (
+            Config(24, 40, 256, 6, 128),
+            8,
+            "dispatch",
+            r"256 / 8 = 32 must be > config.num_max_nvl_chunked_send_tokens=40",
+        ),
+    ],
+)
 def test_internode_config_checks_name_the_field(cfg, nodes, what, match):
     with pytest.raises(ValueError, match=match):
         check_internode_config(cfg, nodes, 8, what)
@@ -183,11 +244,14 @@ def test_set_num_sms_refuses_odd_or_non_positive(restore_num_sms, value, exc):
 
 
 # ---- low-latency size hint ----
-@pytest.mark.parametrize("tokens,experts,exact,mb", [
-    (128, 288, 2_146_961_792, 2146.96),
-    (128, 256, 1_908_410_496, 1908.41),
-    (256, 256, 3_816_818_816, 3816.82),
-])
+@pytest.mark.parametrize(
+    "tokens,experts,exact,mb",
+    [
+        (128, 288, 2_146_961_792, 2146.96),
+        (128, 256, 1_908_410_496, 1908.41),
+        (256, 256, 3_816_818_816, 3816.82),
+    ],
+)
 def test_low_latency_size_hint_matches_deepep(tokens, experts, exact, mb):
     hint = Buffer.get_low_latency_rdma_size_hint(tokens, 7168, 8, experts)
     assert hint == exact and round(hint / MB, 2) == mb
@@ -229,18 +293,21 @@ def test_capture_returns_a_waitable_event():
 
 
 # ---- constructor refusals (all raised before any engine or process group is touched) ----
-@pytest.mark.parametrize("kwargs,exc,match", [
-    ({"group": None}, ValueError, "Either 'group' or 'comm' must be provided"),
-    ({"group": None, "comm": object()}, NotImplementedError, "mpi4py"),
-    ({"num_nvl_bytes": 1000}, ValueError, "num_nvl_bytes=1000 must be a multiple of 128"),
-    ({"num_rdma_bytes": 130}, ValueError, "num_rdma_bytes=130 must be a multiple of 128"),
-    ({"num_nvl_bytes": -128}, ValueError, "num_nvl_bytes=-128 must be >= 0"),
-    ({"low_latency_mode": True, "num_qps_per_rank": 0}, ValueError, "num_qps_per_rank=0 must be >= 1"),
-    ({"backend": "hip"}, NotImplementedError, "backend='hip': the hip backend is not available yet"),
-    ({"backend": "tpu"}, ValueError, "backend='tpu' is not a backend"),
-    ({"transport": "ib"}, ValueError, "transport='ib' is not available"),
-    ({"timeout_s": 0}, ValueError, "timeout_s=0.0 must be > 0"),
-])
+@pytest.mark.parametrize(
+    "kwargs,exc,match",
+    [
+        ({"group": None}, ValueError, "Either 'group' or 'comm' must be provided"),
+        ({"group": None, "comm": object()}, NotImplementedError, "mpi4py"),
+        ({"num_nvl_bytes": 1000}, ValueError, "num_nvl_bytes=1000 must be a multiple of 128"),
+        ({"num_rdma_bytes": 130}, ValueError, "num_rdma_bytes=130 must be a multiple of 128"),
+        ({"num_nvl_bytes": -128}, ValueError, "num_nvl_bytes=-128 must be >= 0"),
+        ({"low_latency_mode": True, "num_qps_per_rank": 0}, ValueError, "num_qps_per_rank=0 must be >= 1"),
+        ({"backend": "hip"}, NotImplementedError, "backend='hip': the hip backend is not available yet"),
+        ({"backend": "tpu"}, ValueError, "backend='tpu' is not a backend"),
+        ({"transport": "ib"}, ValueError, "transport='ib' is not available"),
+        ({"timeout_s": 0}, ValueError, "timeout_s=0.0 must be > 0"),
+    ],
+)
 def test_constructor_refusals(kwargs, exc, match):
     args = {"group": object()}
     args.update(kwargs)
@@ -259,18 +326,21 @@ def idx(rows, cols, high=8, dtype=torch.int64):
     return torch.randint(-1, high, (rows, cols)).to(dtype)
 
 
-@pytest.mark.parametrize("tensor,kwargs,exc,match", [
-    (idx(4, 2, dtype=torch.int32), {}, TypeError, "topk_idx has dtype torch.int32; it must be torch.int64"),
-    (torch.full((4, 2), 8), {}, ValueError, r"expert index 8; entries must be in \[-1, 8\)"),
-    (torch.full((4, 2), -2), {}, ValueError, r"expert index -2; entries must be in \[-1, 8\)"),
-    (idx(4, 33), {}, ValueError, "num_topk=33 columns; it must be in 1..32"),
-    (idx(4, 12), {"max_topk": 11}, ValueError, "num_topk=12 columns; it must be in 1..11"),
-    (idx(4, 2), {"num_tokens": 5}, ValueError, r"shape \[4, 2\]; it must be \[num_tokens=5, num_topk\]"),
-    (idx(2, 4).T, {}, ValueError, "topk_idx must be contiguous"),
-    (torch.zeros(4, dtype=torch.int64), {}, ValueError, "it must be 2-D"),
-    (idx(4, 2).to("meta"), {}, ValueError, "topk_idx is on meta; this backend needs cpu tensors"),
-    ([[0, 1]], {}, TypeError, "topk_idx must be a torch.Tensor, got list"),
-])
+@pytest.mark.parametrize(
+    "tensor,kwargs,exc,match",
+    [
+        (idx(4, 2, dtype=torch.int32), {}, TypeError, "topk_idx has dtype torch.int32; it must be torch.int64"),
+        (torch.full((4, 2), 8), {}, ValueError, r"expert index 8; entries must be in \[-1, 8\)"),
+        (torch.full((4, 2), -2), {}, ValueError, r"expert index -2; entries must be in \[-1, 8\)"),
+        (idx(4, 33), {}, ValueError, "num_topk=33 columns; it must be in 1..32"),
+        (idx(4, 12), {"max_topk": 11}, ValueError, "num_topk=12 columns; it must be in 1..11"),
+        (idx(4, 2), {"num_tokens": 5}, ValueError, r"shape \[4, 2\]; it must be \[num_tokens=5, num_topk\]"),
+        (idx(2, 4).T, {}, ValueError, "topk_idx must be contiguous"),
+        (torch.zeros(4, dtype=torch.int64), {}, ValueError, "it must be 2-D"),
+        (idx(4, 2).to("meta"), {}, ValueError, "topk_idx is on meta; this backend needs cpu tensors"),
+        ([[0, 1]], {}, TypeError, "topk_idx must be a torch.Tensor, got list"),
+    ],
+)
 def test_check_topk_idx(tensor, kwargs, exc, match):
     with pytest.raises(exc, match=match):
         v.check_topk_idx("topk_idx", tensor, 8, **kwargs)
@@ -292,12 +362,15 @@ def test_check_topk_weights_and_pair():
         v.check_topk_pair(None, torch.zeros(4, 2))
 
 
-@pytest.mark.parametrize("num_experts,exc,match", [
-    (0, ValueError, "num_experts=0 must be >= 1"),
-    (10, ValueError, "num_experts=10 must be a multiple of the number of ranks 4"),
-    (4 * 1025, ValueError, "1025 experts per rank; the limit is 1024"),
-    (8.0, TypeError, "num_experts must be an int"),
-])
+@pytest.mark.parametrize(
+    "num_experts,exc,match",
+    [
+        (0, ValueError, "num_experts=0 must be >= 1"),
+        (10, ValueError, "num_experts=10 must be a multiple of the number of ranks 4"),
+        (4 * 1025, ValueError, "1025 experts per rank; the limit is 1024"),
+        (8.0, TypeError, "num_experts must be an int"),
+    ],
+)
 def test_check_num_experts(num_experts, exc, match):
     with pytest.raises(exc, match=match):
         v.check_num_experts(num_experts, 4)
@@ -312,29 +385,40 @@ def test_check_dispatch_x_accepts_deepep_inputs():
     v.check_dispatch_x((fp8, torch.zeros(4, 1, dtype=torch.int32)))
 
 
-@pytest.mark.parametrize("x,exc,match", [
-    (torch.zeros(4, 256), TypeError, "torch.float32 .4 bytes per element.; dispatch moves 1-byte"),
-    (torch.zeros(4, 4, dtype=torch.bfloat16), ValueError, r"rows are 8 bytes \(hidden=4 x 2\); .* multiple of 16"),
-    (torch.zeros(4, 256, dtype=torch.bfloat16)[:, :128], ValueError, "x must be contiguous"),
-    (torch.zeros(256, dtype=torch.bfloat16), ValueError, "x has shape .256.; it must be 2-D"),
-    ((torch.zeros(4, 256, dtype=torch.bfloat16), torch.ones(4, 2)), TypeError, "x with scales must have 1-byte"),
-    ((torch.zeros(4, 256, dtype=torch.float8_e4m3fn), torch.ones(3, 2)), ValueError,
-     r"x_scales has shape \[3, 2\]; it must be \[num_tokens=4, num_scales\]"),
-    ((torch.zeros(4, 256, dtype=torch.float8_e4m3fn), torch.ones(4, 2, dtype=torch.float64)), TypeError,
-     "x_scales has dtype torch.float64; it must be torch.float32 or torch.int32"),
-    ((torch.zeros(4, 256, dtype=torch.float8_e4m3fn),), ValueError, "must be .x, x_scales., got 1 elements"),
-    ([torch.zeros(4, 256, dtype=torch.bfloat16)], TypeError, "x must be a torch.Tensor or an .x, x_scales. tuple"),
-])
+@pytest.mark.parametrize(
+    "x,exc,match",
+    [
+        (torch.zeros(4, 256), TypeError, "torch.float32 .4 bytes per element.; dispatch moves 1-byte"),
+        (torch.zeros(4, 4, dtype=torch.bfloat16), ValueError, r"rows are 8 bytes \(hidden=4 x 2\); .* multiple of 16"),
+        (torch.zeros(4, 256, dtype=torch.bfloat16)[:, :128], ValueError, "x must be contiguous"),
+        (torch.zeros(256, dtype=torch.bfloat16), ValueError, "x has shape .256.; it must be 2-D"),
+        ((torch.zeros(4, 256, dtype=torch.bfloat16), torch.ones(4, 2)), TypeError, "x with scales must have 1-byte"),
+        (
+            (torch.zeros(4, 256, dtype=torch.float8_e4m3fn), torch.ones(3, 2)),
+            ValueError,
+            r"x_scales has shape \[3, 2\]; it must be \[num_tokens=4, num_scales\]",
+        ),
+        (
+            (torch.zeros(4, 256, dtype=torch.float8_e4m3fn), torch.ones(4, 2, dtype=torch.float64)),
+            TypeError,
+            "x_scales has dtype torch.float64; it must be torch.float32 or torch.int32",
+        ),
+        ((torch.zeros(4, 256, dtype=torch.float8_e4m3fn),), ValueError, "must be .x, x_scales., got 1 elements"),
+        ([torch.zeros(4, 256, dtype=torch.bfloat16)], TypeError, "x must be a torch.Tensor or an .x, x_scales. tuple"),
+    ],
+)
 def test_check_dispatch_x_refusals(x, exc, match):
     with pytest.raises(exc, match=match):
         v.check_dispatch_x(x)
 
 
 def layout(num_tokens=4, num_ranks=2, num_experts=8, num_nodes=1):
-    return dict(num_tokens_per_rank=torch.zeros(num_ranks, dtype=torch.int32),
-                num_tokens_per_rdma_rank=torch.zeros(num_nodes, dtype=torch.int32) if num_nodes > 1 else None,
-                is_token_in_rank=torch.zeros(num_tokens, num_ranks, dtype=torch.bool),
-                num_tokens_per_expert=torch.zeros(num_experts, dtype=torch.int32))
+    return dict(
+        num_tokens_per_rank=torch.zeros(num_ranks, dtype=torch.int32),
+        num_tokens_per_rdma_rank=torch.zeros(num_nodes, dtype=torch.int32) if num_nodes > 1 else None,
+        is_token_in_rank=torch.zeros(num_tokens, num_ranks, dtype=torch.bool),
+        num_tokens_per_expert=torch.zeros(num_experts, dtype=torch.int32),
+    )
 
 
 def test_check_layout_tensors():
@@ -391,9 +475,14 @@ def test_check_config():
 
 def intranode_handle(num_tokens=4, num_recv=5, num_ranks=2, channels=10):
     i32 = torch.int32
-    return (torch.zeros(num_ranks, num_ranks, dtype=i32), torch.zeros(num_ranks, channels, dtype=i32),
-            torch.zeros(num_ranks, channels, dtype=i32), torch.zeros(num_recv, dtype=i32),
-            torch.zeros(num_tokens, num_ranks, dtype=torch.bool), torch.zeros(num_tokens, num_ranks, dtype=i32))
+    return (
+        torch.zeros(num_ranks, num_ranks, dtype=i32),
+        torch.zeros(num_ranks, channels, dtype=i32),
+        torch.zeros(num_ranks, channels, dtype=i32),
+        torch.zeros(num_recv, dtype=i32),
+        torch.zeros(num_tokens, num_ranks, dtype=torch.bool),
+        torch.zeros(num_tokens, num_ranks, dtype=i32),
+    )
 
 
 def test_check_normal_handle():
@@ -440,8 +529,13 @@ def test_check_ll_x():
 
 
 def ll_handle(num_local=2, num_ranks=2, tokens=4, hidden=256):
-    return (torch.zeros(num_local, num_ranks * tokens, dtype=torch.int32),
-            torch.zeros(num_local, num_ranks, dtype=torch.int64), tokens, hidden, num_local * num_ranks)
+    return (
+        torch.zeros(num_local, num_ranks * tokens, dtype=torch.int32),
+        torch.zeros(num_local, num_ranks, dtype=torch.int64),
+        tokens,
+        hidden,
+        num_local * num_ranks,
+    )
 
 
 def test_check_ll_handle_and_combine_inputs():
@@ -449,13 +543,19 @@ def test_check_ll_handle_and_combine_inputs():
     with pytest.raises(ValueError, match="handle has 6 elements; a low-latency handle has 5"):
         v.check_ll_handle(intranode_handle(), 2)
     short_src_info = (torch.zeros(2, 4, dtype=torch.int32),) + ll_handle()[1:]
-    with pytest.raises(ValueError, match=r"handle's src_info has shape \[2, 4\]; it must be "
-                                         r"\[num_local_experts=2, num_ranks\*T=8\]"):
+    with pytest.raises(
+        ValueError,
+        match=r"handle's src_info has shape \[2, 4\]; it must be "
+        r"\[num_local_experts=2, num_ranks\*T=8\]",
+    ):
         v.check_ll_handle(short_src_info, 2)
     x = torch.zeros(2, 8, 256, dtype=torch.bfloat16)
     v.check_ll_combine_x(x, 2, 4, 256, 4)
-    with pytest.raises(ValueError, match=r"x has shape \[2, 8, 256\]; it must be \[num_local_experts=2, "
-                                         r"num_ranks\*T=8, hidden=512\]"):
+    with pytest.raises(
+        ValueError,
+        match=r"x has shape \[2, 8, 256\]; it must be \[num_local_experts=2, "
+        r"num_ranks\*T=8, hidden=512\]",
+    ):
         v.check_ll_combine_x(x, 2, 4, 512, 4)
     with pytest.raises(ValueError, match="out has shape .3, 256.; it must be .num_combined_tokens=4, hidden=256."):
         v.check_ll_out(torch.zeros(3, 256, dtype=torch.bfloat16), 4, 256)
@@ -465,14 +565,20 @@ def test_check_ll_handle_and_combine_inputs():
 
 def test_check_stats():
     assert v.check_stats("s", None, 4, torch.int32, "num_local_experts") is None
-    with pytest.raises(TypeError, match="cumulative_local_expert_recv_stats has dtype torch.int64; it must be "
-                                        "torch.int32"):
-        v.check_stats("cumulative_local_expert_recv_stats", torch.zeros(4, dtype=torch.int64), 4, torch.int32,
-                      "num_local_experts")
-    with pytest.raises(ValueError, match=r"dispatch_wait_recv_cost_stats has shape \[2, 2\]; it must be 1-D "
-                                         r"\[num_ranks=2\]"):
-        v.check_stats("dispatch_wait_recv_cost_stats", torch.zeros(2, 2, dtype=torch.int64), 2, torch.int64,
-                      "num_ranks")
+    with pytest.raises(
+        TypeError, match="cumulative_local_expert_recv_stats has dtype torch.int64; it must be torch.int32"
+    ):
+        v.check_stats(
+            "cumulative_local_expert_recv_stats", torch.zeros(4, dtype=torch.int64), 4, torch.int32, "num_local_experts"
+        )
+    with pytest.raises(
+        ValueError,
+        match=r"dispatch_wait_recv_cost_stats has shape \[2, 2\]; it must be 1-D "
+        r"\[num_ranks=2\]",
+    ):
+        v.check_stats(
+            "dispatch_wait_recv_cost_stats", torch.zeros(2, 2, dtype=torch.int64), 2, torch.int64, "num_ranks"
+        )
 
 
 def test_a_buffer_deleted_without_destroy_warns_visibly():
@@ -482,11 +588,13 @@ def test_a_buffer_deleted_without_destroy_warns_visibly():
 
     from dist_util import free_port
 
-    probe = ("import gc, torch.distributed as dist, portep\n"
-             f"dist.init_process_group('gloo', init_method='tcp://127.0.0.1:{free_port()}', rank=0, world_size=1)\n"
-             "b = portep.Buffer(dist.group.WORLD, 1 << 20, explicitly_destroy=True, backend='host')\n"
-             "del b; gc.collect()\n"
-             "print('deleted', flush=True)\n")
+    probe = (
+        "import gc, torch.distributed as dist, portep\n"
+        f"dist.init_process_group('gloo', init_method='tcp://127.0.0.1:{free_port()}', rank=0, world_size=1)\n"
+        "b = portep.Buffer(dist.group.WORLD, 1 << 20, explicitly_destroy=True, backend='host')\n"
+        "del b; gc.collect()\n"
+        "print('deleted', flush=True)\n"
+    )
     r = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120)
     assert r.returncode == 0 and "deleted" in r.stdout, r.stderr[-2000:]
     assert "destroy() was not called" in r.stderr and "RuntimeWarning" in r.stderr, r.stderr[-2000:]

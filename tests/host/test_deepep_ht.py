@@ -35,8 +35,12 @@ def test_ht_layout_dispatch_combine(case):
     world, rpn, transport, hidden, topk, per_rank, n_tokens, seed = case
     # In the (4, 2, shm) case no rank routes anything to rank 3; elsewhere only rank 0 avoids the last rank.
     starve = (world, rpn, transport) == (4, 2, "shm")
-    out = run_ranks(w.ht_body, world, args=(rpn, transport, seed, n_tokens, hidden, topk, per_rank * world, 3, starve),
-                    timeout=150 + 30 * world)
+    out = run_ranks(
+        w.ht_body,
+        world,
+        args=(rpn, transport, seed, n_tokens, hidden, topk, per_rank * world, 3, starve),
+        timeout=150 + 30 * world,
+    )
     _assert_clean(out, 60)
 
 
@@ -45,6 +49,11 @@ def test_ht_layout_dispatch_combine(case):
 def test_ht_over_the_transports_gpu_path(case):
     # Emulated device memory: the proxies' copies complete later, on worker threads (the CUDA-IPC code path).
     world, rpn, transport, hidden, topk, per_rank, n_tokens, seed = case
-    out = run_ranks(w.ht_body, world, args=(rpn, transport, seed, n_tokens, hidden, topk, per_rank * world, 1),
-                    timeout=150 + 30 * world, env={"PORTEP_EMULATE_DEVICE_MEMORY": "1"})
+    out = run_ranks(
+        w.ht_body,
+        world,
+        args=(rpn, transport, seed, n_tokens, hidden, topk, per_rank * world, 1),
+        timeout=150 + 30 * world,
+        env={"PORTEP_EMULATE_DEVICE_MEMORY": "1"},
+    )
     _assert_clean(out, 60)

@@ -15,14 +15,20 @@ def _assert_records(out):
     for rank in sorted(out):
         for rec in out[rank]["records"]:
             if rec["raised"] is None:
-                problems.append(f"rank {rank} {rec['case']}: no error raised (expected {'/'.join(rec['allowed'])} "
-                                f"naming {' or '.join(rec['names'])})")
+                problems.append(
+                    f"rank {rank} {rec['case']}: no error raised (expected {'/'.join(rec['allowed'])} "
+                    f"naming {' or '.join(rec['names'])})"
+                )
             elif not rec["type_ok"]:
-                problems.append(f"rank {rank} {rec['case']}: raised {rec['raised']}, expected "
-                                f"{'/'.join(rec['allowed'])}: {rec['message']}")
+                problems.append(
+                    f"rank {rank} {rec['case']}: raised {rec['raised']}, expected "
+                    f"{'/'.join(rec['allowed'])}: {rec['message']}"
+                )
             elif not any(name in rec["message"] for name in rec["names"]):
-                problems.append(f"rank {rank} {rec['case']}: {rec['raised']} does not name "
-                                f"{' or '.join(rec['names'])}: {rec['message']}")
+                problems.append(
+                    f"rank {rank} {rec['case']}: {rec['raised']} does not name "
+                    f"{' or '.join(rec['names'])}: {rec['message']}"
+                )
     failures = [f for r in sorted(out) for f in out[r]["failures"]]
     assert not problems and not failures, "\n".join(problems + failures)
 

@@ -27,8 +27,7 @@ CASES = [
 @pytest.mark.parametrize("case", CASES, ids=[_id(c) for c in CASES])
 def test_ll_dispatch_combine(case):
     world, rpn, transport, T, hidden, experts, topk, seed = case
-    out = run_ranks(w.ll_body, world, args=(rpn, transport, seed, T, hidden, experts, topk),
-                    timeout=150 + 30 * world)
+    out = run_ranks(w.ll_body, world, args=(rpn, transport, seed, T, hidden, experts, topk), timeout=150 + 30 * world)
     _assert_clean(out, 100)
 
 
@@ -37,8 +36,13 @@ def test_ll_dispatch_combine(case):
 def test_ll_over_the_transports_gpu_path(case):
     # Emulated device memory: the proxies' copies complete later, on worker threads (the CUDA-IPC code path).
     world, rpn, transport, T, hidden, experts, topk, seed = case
-    out = run_ranks(w.ll_body, world, args=(rpn, transport, seed, T, hidden, experts, topk),
-                    timeout=150 + 30 * world, env={"PORTEP_EMULATE_DEVICE_MEMORY": "1"})
+    out = run_ranks(
+        w.ll_body,
+        world,
+        args=(rpn, transport, seed, T, hidden, experts, topk),
+        timeout=150 + 30 * world,
+        env={"PORTEP_EMULATE_DEVICE_MEMORY": "1"},
+    )
     _assert_clean(out, 100)
 
 
@@ -62,10 +66,19 @@ def _deepep_size_hint(T, H, E):
 def test_low_latency_rdma_size_hint_matches_deepep():
     import portep
 
-    assert [round(_deepep_size_hint(T, 7168, E) / 1e6, 1) for T, E in ((128, 288), (128, 256), (256, 256))] == \
-        [2147.0, 1908.4, 3816.8]  # the documented examples (2146.96, 1908.4, 3816.8 MB)
-    for T, H, E, R in ((128, 7168, 288, 8), (128, 7168, 256, 16), (256, 4096, 64, 4), (64, 512, 16, 2),
-                       (32, 512, 64, 8), (1, 2048, 3, 3)):
+    assert [round(_deepep_size_hint(T, 7168, E) / 1e6, 1) for T, E in ((128, 288), (128, 256), (256, 256))] == [
+        2147.0,
+        1908.4,
+        3816.8,
+    ]  # the documented examples (2146.96, 1908.4, 3816.8 MB)
+    for T, H, E, R in (
+        (128, 7168, 288, 8),
+        (128, 7168, 256, 16),
+        (256, 4096, 64, 4),
+        (64, 512, 16, 2),
+        (32, 512, 64, 8),
+        (1, 2048, 3, 3),
+    ):
         assert portep.Buffer.get_low_latency_rdma_size_hint(T, H, R, E) == _deepep_size_hint(T, H, E), (T, H, E, R)
 
 

@@ -24,17 +24,18 @@ LL_SHAPES = [
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("case", LL_SHAPES,
-                         ids=[f"{c[0]}ranks-{c[1]}pernode-{c[2]}-H{c[4]}-E{c[5]}" for c in LL_SHAPES])
+@pytest.mark.parametrize(
+    "case", LL_SHAPES, ids=[f"{c[0]}ranks-{c[1]}pernode-{c[2]}-H{c[4]}-E{c[5]}" for c in LL_SHAPES]
+)
 def test_ll_at_production_shapes(case):
     world, rpn, transport, T, hidden, experts, topk, seed = case
-    out = run_ranks(w.ll_body, world, args=(rpn, transport, seed, T, hidden, experts, topk, False, 1),
-                    timeout=600)
+    out = run_ranks(w.ll_body, world, args=(rpn, transport, seed, T, hidden, experts, topk, False, 1), timeout=600)
     assert_clean(out, 5000)
 
 
 @pytest.mark.slow
 def test_ht_at_deepep_shape():
-    out = run_ranks(w.ht_body, 2, args=(1, "shm-unordered", 44, [4096, 4096], 7168, 8, 256, 1, False, "host",
-                                        int(2e9)), timeout=600)
+    out = run_ranks(
+        w.ht_body, 2, args=(1, "shm-unordered", 44, [4096, 4096], 7168, 8, 256, 1, False, "host", int(2e9)), timeout=600
+    )
     assert_clean(out, 150)

@@ -45,8 +45,13 @@ def test_a_peer_late_past_the_timeout_never_gives_wrong_data(path, mode):
 @pytest.mark.parametrize("path", PATHS, ids=IDS)
 def test_a_dead_or_departed_peer_fails_the_waiters_within_a_second(path, how):
     world, rpn, transport = path
-    out = run_ranks(r.dead_peer_body, world, args=(rpn, transport, how, 9), timeout=120,
-                    expect_missing=(world - 1,) if how == "exit" else ())
+    out = run_ranks(
+        r.dead_peer_body,
+        world,
+        args=(rpn, transport, how, 9),
+        timeout=120,
+        expect_missing=(world - 1,) if how == "exit" else (),
+    )
     assert_clean({k: v for k, v in out.items() if k != world - 1}, 2)
 
 
@@ -56,8 +61,13 @@ def test_a_dead_rank_of_another_node_fails_normal_mode_fast_at_16_ranks(transpor
     # 2 nodes x 8: the last rank (a forwarder of node 1) exits before a normal-mode call; every other rank's call
     # raises naming it within seconds (16 processes share this machine's cores), not after the 30 s timeout
     world, rpn = 16, 8
-    out = run_ranks(r.dead_peer_body, world, args=(rpn, transport, "exit", 23, "host", "ht", 6.0), timeout=300,
-                    expect_missing=(world - 1,))
+    out = run_ranks(
+        r.dead_peer_body,
+        world,
+        args=(rpn, transport, "exit", 23, "host", "ht", 6.0),
+        timeout=300,
+        expect_missing=(world - 1,),
+    )
     assert_clean({k: v for k, v in out.items() if k != world - 1}, 2)
 
 
@@ -103,8 +113,11 @@ def test_a_rank_killed_while_building_leaves_no_segment_behind():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("path", [(6, 6, "shm"), (6, 1, "shm-unordered"), (4, 2, "shm")],
-                         ids=["6ranks-direct", "6ranks-proxies-unordered", "4ranks-2pernode"])
+@pytest.mark.parametrize(
+    "path",
+    [(6, 6, "shm"), (6, 1, "shm-unordered"), (4, 2, "shm")],
+    ids=["6ranks-direct", "6ranks-proxies-unordered", "4ranks-2pernode"],
+)
 def test_shrink_masks_the_ranks_that_leave(path):
     world, rpn, transport = path
     defaults = "meta" if transport == "shm-unordered" else None  # as test_calls_ignore_the_callers_default_device

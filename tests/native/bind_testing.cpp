@@ -126,20 +126,22 @@ void bind_wire(py::module_& m) {
   w.def("decode_imm", &decode_imm, py::arg("imm"));
   w.def("e4m3_from_float32", &e4m3_from_float32, py::arg("values"));
 
-  py::module_ o = m.def_submodule("ordering",
-                                  "pure ordering logic (docs/design.md §5, Ordering on unordered transports)");
+  py::module_ o =
+      m.def_submodule("ordering", "pure ordering logic (docs/design.md §5, Ordering on unordered transports)");
   py::class_<PendingSignalTable>(o, "PendingSignalTable")
       .def(py::init<uint32_t, uint32_t>(), py::arg("num_sources"), py::arg("num_streams"))
-      .def("on_write", [](PendingSignalTable& t, uint32_t src, uint32_t stream, uint32_t epoch) {
-        std::vector<SignalRelease> out;
-        t.on_write(src, stream, epoch, &out);
-        return to_list(out);
-      })
-      .def("on_signal", [](PendingSignalTable& t, uint32_t src, uint32_t stream, uint32_t epoch, uint32_t units, bool fin) {
-        std::vector<SignalRelease> out;
-        t.on_signal(src, stream, epoch, units, fin, &out);
-        return to_list(out);
-      })
+      .def("on_write",
+           [](PendingSignalTable& t, uint32_t src, uint32_t stream, uint32_t epoch) {
+             std::vector<SignalRelease> out;
+             t.on_write(src, stream, epoch, &out);
+             return to_list(out);
+           })
+      .def("on_signal",
+           [](PendingSignalTable& t, uint32_t src, uint32_t stream, uint32_t epoch, uint32_t units, bool fin) {
+             std::vector<SignalRelease> out;
+             t.on_signal(src, stream, epoch, units, fin, &out);
+             return to_list(out);
+           })
       .def_property_readonly("held", &PendingSignalTable::held)
       .def_property_readonly("released", &PendingSignalTable::released);
   py::class_<InflightTracker>(o, "InflightTracker")
@@ -193,7 +195,8 @@ void bind_wire(py::module_& m) {
         CheckResult r;
         {
           py::gil_scoped_release nogil;
-          r = run_checker(channel_at(channel), make_plan(producers, messages, max_bytes, signal_every, seed), timeout_s);
+          r = run_checker(channel_at(channel), make_plan(producers, messages, max_bytes, signal_every, seed),
+                          timeout_s);
         }
         py::dict d;
         d["observations"] = r.observations;
@@ -209,8 +212,9 @@ void bind_wire(py::module_& m) {
       "run_pingpong",
       [](uintptr_t channel, int peer, bool initiator, int iterations, uint32_t bytes, uint64_t base, double timeout_s) {
         return run_pingpong(channel_at(channel), peer, initiator, iterations, bytes, base, timeout_s);
-      }, py::arg("channel"), py::arg("peer"), py::arg("initiator"),
-        py::arg("iterations"), py::arg("nbytes"), py::arg("base"), py::arg("timeout_s"), py::call_guard<py::gil_scoped_release>());
+      },
+      py::arg("channel"), py::arg("peer"), py::arg("initiator"), py::arg("iterations"), py::arg("nbytes"),
+      py::arg("base"), py::arg("timeout_s"), py::call_guard<py::gil_scoped_release>());
 }
 
 #ifdef PORTEP_TESTING_WITH_GPU
@@ -271,11 +275,18 @@ void bind_fifo_probes(py::module_& m) {
   m.def(
       "cuda_push_nops",
       [](uintptr_t fifo_views, int num_fifos, int warps, int commands_per_warp, double timeout_s, uintptr_t stream) {
-        portep::cuda::FifoProbeArgs a{reinterpret_cast<portep::FifoView*>(fifo_views), num_fifos, commands_per_warp, warps, 1,
-                        uint64_t(timeout_s * 1e9), reinterpret_cast<void*>(stream), true};
+        portep::cuda::FifoProbeArgs a{reinterpret_cast<portep::FifoView*>(fifo_views),
+                                      num_fifos,
+                                      commands_per_warp,
+                                      warps,
+                                      1,
+                                      uint64_t(timeout_s * 1e9),
+                                      reinterpret_cast<void*>(stream),
+                                      true};
         check_cuda(portep::cuda::launch_fifo_probe(a), "cuda_push_nops");
       },
-      py::arg("fifo_views"), py::arg("num_fifos"), py::arg("warps"), py::arg("commands_per_warp"), py::arg("timeout_s"), py::arg("stream"));
+      py::arg("fifo_views"), py::arg("num_fifos"), py::arg("warps"), py::arg("commands_per_warp"), py::arg("timeout_s"),
+      py::arg("stream"));
 }
 #endif
 

@@ -35,25 +35,30 @@ struct Geometry {
 uint64_t message_key(const TrafficPlan& plan, int src, int p, int dst, int m) {
   return mix(plan.seed ^ mix((uint64_t(src) << 48) ^ (uint64_t(p) << 32) ^ (uint64_t(dst) << 20) ^ uint64_t(m)));
 }
-uint32_t message_len(const TrafficPlan& plan, uint64_t key) { return 1 + uint32_t(mix(key ^ 0xA5A5) % plan.max_message_bytes); }
+uint32_t message_len(const TrafficPlan& plan, uint64_t key) {
+  return 1 + uint32_t(mix(key ^ 0xA5A5) % plan.max_message_bytes);
+}
 uint8_t message_byte(uint64_t key, uint32_t i) { return uint8_t(mix(key ^ (uint64_t(i / 8) << 8)) >> (8 * (i % 8))); }
 int dst_of(const TrafficPlan& plan, int src, int p, int k, int n) {
-  return int(mix(plan.seed ^ mix(0xD57ull << 52 ^ uint64_t(src) << 32 ^ uint64_t(p) << 24 ^ uint64_t(k))) % uint64_t(n));
+  return int(mix(plan.seed ^ mix(0xD57ull << 52 ^ uint64_t(src) << 32 ^ uint64_t(p) << 24 ^ uint64_t(k))) %
+             uint64_t(n));
 }
 bool signal_after(const TrafficPlan& plan, int src, int p, int k) {
   return mix(plan.seed ^ mix(0x5167ull << 48 ^ uint64_t(src) << 32 ^ uint64_t(p) << 24 ^ uint64_t(k))) %
-             plan.signal_every == 0;
+             plan.signal_every ==
+         0;
 }
 
 void check_plan(const Channel& ch, const TrafficPlan& plan) {
   const ChannelOptions& o = ch.options();
   if (plan.producers < 1 || uint32_t(plan.producers) > o.proxy.num_streams)
-    throw std::invalid_argument("producers=" + std::to_string(plan.producers) + " must be in 1..num_streams=" +
-                                std::to_string(o.proxy.num_streams));
+    throw std::invalid_argument("producers=" + std::to_string(plan.producers) +
+                                " must be in 1..num_streams=" + std::to_string(o.proxy.num_streams));
   if (plan.messages_per_producer < 1 || plan.max_message_bytes < 1 || plan.signal_every < 1)
     throw std::invalid_argument("messages_per_producer, max_message_bytes and signal_every must be >= 1");
   if (traffic_region_bytes(plan, o.proxy.num_ranks) > ch.data_bytes())
-    throw std::invalid_argument("the traffic plan needs " + std::to_string(traffic_region_bytes(plan, o.proxy.num_ranks)) +
+    throw std::invalid_argument("the traffic plan needs " +
+                                std::to_string(traffic_region_bytes(plan, o.proxy.num_ranks)) +
                                 " bytes of data region, the channel has " + std::to_string(ch.data_bytes()));
 }
 
@@ -85,7 +90,8 @@ void produce(Channel& ch, const TrafficPlan& plan, const Geometry& geo, int p, u
     const uint32_t len = message_len(plan, key);
     uint8_t* src = ch.data() + geo.send_off(p, dst, m);
     for (uint32_t i = 0; i < len; ++i) src[i] = message_byte(key, i);
-    pusher.push(CmdFields{kOpWrite, 0, uint32_t(dst), len, uint32_t(p), geo.recv_off(me, p, m), geo.send_off(p, dst, m)});
+    pusher.push(
+        CmdFields{kOpWrite, 0, uint32_t(dst), len, uint32_t(p), geo.recv_off(me, p, m), geo.send_off(p, dst, m)});
     ++*commands;
     if (signal_after(plan, me, p, k)) {
       pusher.push(CmdFields{kOpSignal, 0, uint32_t(dst), 0, uint32_t(p), 0, 0});
@@ -194,7 +200,8 @@ CheckResult run_checker(Channel& ch, const TrafficPlan& plan, double timeout_s) 
     if (std::chrono::duration<double>(Clock::now() - start).count() > timeout_s) {
       ch.proxies().check_error();
       throw std::runtime_error("checker on rank " + std::to_string(me) + ": only " + std::to_string(r.streams_final) +
-                               " of " + std::to_string(num_pairs) + " streams ended within " + std::to_string(timeout_s) + " s");
+                               " of " + std::to_string(num_pairs) + " streams ended within " +
+                               std::to_string(timeout_s) + " s");
     }
     std::this_thread::yield();
   }
@@ -207,10 +214,11 @@ CheckResult run_checker(Channel& ch, const TrafficPlan& plan, double timeout_s) 
   return r;
 }
 
-std::vector<double> run_pingpong(Channel& ch, int peer, bool initiator, int iterations, uint32_t bytes,
-                                 uint64_t base, double timeout_s) {
+std::vector<double> run_pingpong(Channel& ch, int peer, bool initiator, int iterations, uint32_t bytes, uint64_t base,
+                                 double timeout_s) {
   const uint64_t half = ch.data_bytes() / 2 / 16 * 16;
-  if (bytes > half) throw std::invalid_argument("bytes=" + std::to_string(bytes) + " must be <= " + std::to_string(half));
+  if (bytes > half)
+    throw std::invalid_argument("bytes=" + std::to_string(bytes) + " must be <= " + std::to_string(half));
   std::vector<double> lat;
   for (int i = 0; i < iterations; ++i) {
     const auto t0 = Clock::now();

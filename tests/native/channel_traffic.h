@@ -40,7 +40,7 @@ ProducerResult run_producers(Channel& ch, const TrafficPlan& plan);
 struct CheckResult {
   uint64_t observations = 0;  // signal increases observed (each one verified on the spot)
   uint64_t messages_checked = 0;
-  uint64_t violations = 0;    // messages not (fully) in place when a signal covering them was visible
+  uint64_t violations = 0;  // messages not (fully) in place when a signal covering them was visible
   uint64_t streams_final = 0;
   std::string first_violation;
 };
@@ -53,7 +53,7 @@ CheckResult run_checker(Channel& ch, const TrafficPlan& plan, double timeout_s);
 // slot (peer, stream 0) read by the caller before a barrier that both ranks pass before calling (reading it
 // here could race with the peer's first message). The initiator returns one latency (ns) per iteration; the
 // responder returns an empty vector.
-std::vector<double> run_pingpong(Channel& ch, int peer, bool initiator, int iterations, uint32_t bytes,
-                                 uint64_t base, double timeout_s);
+std::vector<double> run_pingpong(Channel& ch, int peer, bool initiator, int iterations, uint32_t bytes, uint64_t base,
+                                 double timeout_s);
 
 }  // namespace portep

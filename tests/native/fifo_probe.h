@@ -17,7 +17,7 @@ struct FifoProbeArgs {
   int warps;
   int dst_rank_modulo;
   uint64_t timeout_ns;
-  void* stream;  // cudaStream_t; nullptr = default stream
+  void* stream;      // cudaStream_t; nullptr = default stream
   bool nop = false;  // push NOP commands (a real proxy acknowledges them without moving bytes)
 };
 
@@ -48,7 +48,7 @@ int run_fifo_probe(const FifoProbeConfig& cfg, FifoProbeResult* out);
 // from the host's real-time clock, so pop - publish is the one-way latency up to the clocks' offset).
 struct FifoRttTimes {
   std::vector<uint64_t> publish_ns, pop_ns, release_ns, seen_ns;
-  std::vector<uint64_t> host_read_ns;  // GPU clock alone: single acquire loads of the host-resident tail
+  std::vector<uint64_t> host_read_ns;          // GPU clock alone: single acquire loads of the host-resident tail
   std::vector<uint64_t> host_clock_before_ns;  // per command: the host clock as the GPU read it before publishing
 };
 int run_fifo_rtt(int iterations, double timeout_s, FifoRttTimes* out);

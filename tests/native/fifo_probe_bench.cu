@@ -112,8 +112,13 @@ int run_fifo_probe(const FifoProbeConfig& cfg, FifoProbeResult* out) {
   std::vector<std::thread> threads;
   for (int t = 0; t < cfg.consumer_threads; ++t)
     threads.emplace_back(consume, std::ref(fifos), t, cfg.consumer_threads, total, &popped, &bad, &stop);
-  FifoProbeArgs a{fifos.device_array, cfg.num_fifos, cfg.commands_per_warp, cfg.warps, 1 << 12,
-                  uint64_t(cfg.timeout_s * 1e9), nullptr};
+  FifoProbeArgs a{fifos.device_array,
+                  cfg.num_fifos,
+                  cfg.commands_per_warp,
+                  cfg.warps,
+                  1 << 12,
+                  uint64_t(cfg.timeout_s * 1e9),
+                  nullptr};
   const auto start = std::chrono::steady_clock::now();
   int err = launch_fifo_probe(a);
   if (!err) err = int(cudaDeviceSynchronize());

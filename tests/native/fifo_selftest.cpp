@@ -11,7 +11,8 @@ namespace portep {
 
 FifoSelftestResult fifo_selftest(int producers, uint64_t per_producer, uint32_t capacity, double timeout_s) {
   if (producers < 1 || producers > 4096) throw std::invalid_argument("producers must be in 1..4096");
-  if (capacity < 64 || (capacity & (capacity - 1))) throw std::invalid_argument("capacity must be a power of two >= 64");
+  if (capacity < 64 || (capacity & (capacity - 1)))
+    throw std::invalid_argument("capacity must be a power of two >= 64");
   std::vector<TransferCmd> entries(capacity, TransferCmd{0, 0});
   alignas(64) uint64_t head = 0;
   alignas(64) uint64_t tail = 0;
@@ -44,8 +45,7 @@ FifoSelftestResult fifo_selftest(int producers, uint64_t per_producer, uint32_t 
       consumer.flush();
       if (__atomic_load_n(&error_flag, __ATOMIC_ACQUIRE)) break;
       if (++idle > 1000) std::this_thread::yield();
-      if ((idle & 1023) == 0 &&
-          std::chrono::steady_clock::now() - start > std::chrono::nanoseconds(timeout_ns)) break;
+      if ((idle & 1023) == 0 && std::chrono::steady_clock::now() - start > std::chrono::nanoseconds(timeout_ns)) break;
       continue;
     }
     idle = 0;

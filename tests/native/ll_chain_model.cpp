@@ -54,7 +54,7 @@ int kernel_launch(const Args& a, int) {
 
 template <class Args>
 int graph_launch(LLGraphs*, const Args& a) {
-  if (g_model->graph_fails) return 3;  // cudaErrorInitializationError: nothing queued
+  if (g_model->graph_fails) return 3;                  // cudaErrorInitializationError: nothing queued
   if (g_model->graph_declines) return kGraphDeclined;  // another GPU current: nothing wrong, nothing queued
   record("graph", a.c);
   return 0;

@@ -44,29 +44,53 @@ def shared_memfds(pid):
     return sorted(names)
 
 
-def traffic(rank, world, transport, producers, messages, max_bytes, signal_every, seed, threads, skip_ordering=False,
-            window=48, device=None):
+def traffic(
+    rank,
+    world,
+    transport,
+    producers,
+    messages,
+    max_bytes,
+    signal_every,
+    seed,
+    threads,
+    skip_ordering=False,
+    window=48,
+    device=None,
+):
     """Producers push random writes+signals to random peers; a checker validates each signal on arrival.
     device="emulated": the data region takes the GPU path of the transport (copies on worker threads)."""
     nbytes = portep_testing.traffic_region_bytes(producers, messages, max_bytes, world)
-    ch = portep.Channel(None, nbytes, transport=transport, num_streams=producers, num_proxy_threads=threads,
-                        num_fifos=8 * threads, timeout_s=60, seed=seed + rank, unordered_window=window,
-                        device=device, _skip_ordering=skip_ordering)
+    ch = portep.Channel(
+        None,
+        nbytes,
+        transport=transport,
+        num_streams=producers,
+        num_proxy_threads=threads,
+        num_fifos=8 * threads,
+        timeout_s=60,
+        seed=seed + rank,
+        unordered_window=window,
+        device=device,
+        _skip_ordering=skip_ordering,
+    )
     shm_while_running = leftover_shm([os.getpid()])
     result = {}
 
     def check():
         try:
-            result["check"] = portep_testing.run_checker(ch._native.native_handle, producers, messages, max_bytes,
-                                                         signal_every, seed, 90.0)
+            result["check"] = portep_testing.run_checker(
+                ch._native.native_handle, producers, messages, max_bytes, signal_every, seed, 90.0
+            )
         except Exception as exc:  # noqa: BLE001 - re-raised on the main thread
             result["error"] = exc
 
     checker = threading.Thread(target=check)
     checker.start()
     ch.barrier()
-    produced = portep_testing.run_producers(ch._native.native_handle, producers, messages, max_bytes, signal_every,
-                                            seed)
+    produced = portep_testing.run_producers(
+        ch._native.native_handle, producers, messages, max_bytes, signal_every, seed
+    )
     checker.join()
     if "error" in result:
         raise result["error"]
@@ -74,9 +98,15 @@ def traffic(rank, world, transport, producers, messages, max_bytes, signal_every
     stats = ch.stats()
     native = ch.native_signals
     ch.destroy()
-    return {"check": result["check"], "produced": produced, "stats": stats, "native_signals": native,
-            "shm_while_running": shm_while_running, "shm_after_destroy": leftover_shm([os.getpid()], mapped_here=True),
-            "live_threads": _C.live_proxy_threads()}
+    return {
+        "check": result["check"],
+        "produced": produced,
+        "stats": stats,
+        "native_signals": native,
+        "shm_while_running": shm_while_running,
+        "shm_after_destroy": leftover_shm([os.getpid()], mapped_here=True),
+        "live_threads": _C.live_proxy_threads(),
+    }
 
 
 def _payload(seed, src, dst, nbytes):
@@ -96,8 +126,16 @@ def python_api(rank, world, transport, seed, device=None):
     """Each rank writes a seeded random block to every peer with write_signal; receivers compare with a
     torch reference regenerated from the seed, and check the slot counts and final marks."""
     block = 4096
-    ch = portep.Channel(None, 2 * world * block, transport=transport, num_streams=2, num_proxy_threads=2,
-                        timeout_s=30, seed=seed, device=device)
+    ch = portep.Channel(
+        None,
+        2 * world * block,
+        transport=transport,
+        num_streams=2,
+        num_proxy_threads=2,
+        timeout_s=30,
+        seed=seed,
+        device=device,
+    )
     send = ch.buffer[: world * block].view(world, block)
     for dst in range(world):
         send[dst] = _payload(seed, rank, dst, block)
@@ -111,7 +149,7 @@ def python_api(rank, world, transport, seed, device=None):
     for src in range(world):
         ch.wait_signal(src, 1, expected[src])
     ch.barrier()
-    recv = ch.buffer[world * block:].view(world, block)
+    recv = ch.buffer[world * block :].view(world, block)
     mismatches = [src for src in range(world) if not torch.equal(recv[src], _payload(seed, src, rank, block))]
     slots = ch.signals[:, 1].tolist()
     ch.destroy()
@@ -165,8 +203,9 @@ def peer_left_then_exited(rank, world, timeout_s):
     """Rank 1 announces that it left, waits until that is delivered, and ends its process at once; rank 0 watches
     its status for a while past the moment the process is gone: it must stay "left" (the announced cause), not
     turn into "process gone". Returns rank 0's statuses in the order seen."""
-    ch = portep.Channel(None, 1 << 16, transport="shm", timeout_s=timeout_s, num_proxy_threads=1, num_streams=16,
-                        status_stream=8)
+    ch = portep.Channel(
+        None, 1 << 16, transport="shm", timeout_s=timeout_s, num_proxy_threads=1, num_streams=16, status_stream=8
+    )
     ch.barrier()
     if rank == 1:
         ch.announce(_C.EVENT_LEFT)
@@ -180,4 +219,3 @@ def peer_left_then_exited(rank, world, timeout_s):
         time.sleep(0.005)
     ch.destroy()
     return {"seen": seen}
-

@@ -17,6 +17,7 @@ PIECES = {  # name: what it means
     "verbs": "portep built with libibverbs: the verbs transports",
     "verbs-guest": "the qemu guest with soft-RoCE up (tests/verbs/guest_vm.py): the verbs transports for real",
     "pyverbs": "pyverbs in the guest, for the independent verbs peer (tests/verbs/verbs_pyverbs_peer.py)",
+    "style": "ruff and clang-format at the versions pyproject.toml's test extra pins (tests/build/test_style.py)",
 }
 
 
@@ -35,8 +36,10 @@ def expected():
 
 
 def _failure(piece, reason):
-    return (f"CI expects {piece} but it is missing: {reason}\n{piece}: {PIECES[piece]}. PORTEP_CI_EXPECT names it; "
-            f"a machine that truly lacks it runs .ci/run with PORTEP_CI_ALLOW_MISSING={piece}")
+    return (
+        f"CI expects {piece} but it is missing: {reason}\n{piece}: {PIECES[piece]}. PORTEP_CI_EXPECT names it; "
+        f"a machine that truly lacks it runs .ci/run with PORTEP_CI_ALLOW_MISSING={piece}"
+    )
 
 
 def require_or_skip(piece, available, reason):

@@ -102,8 +102,8 @@ def e4m3_rounding_mismatch(q, x, multiplier):
     past 448 must be +-448; NaN always mismatches. x: [N, H]; multiplier: float32 [N, H/128]."""
     n, h = x.shape
     v = (x.double().reshape(n, h // 128, 128) * multiplier.double().unsqueeze(2)).reshape(n, h)
-    exp = torch.floor(torch.log2(v.abs().clamp(min=2.0 ** -6)))
-    half_step = torch.ldexp(torch.ones_like(v), exp - 4) * (1 + 2.0 ** -20)
+    exp = torch.floor(torch.log2(v.abs().clamp(min=2.0**-6)))
+    half_step = torch.ldexp(torch.ones_like(v), exp - 4) * (1 + 2.0**-20)
     target = v.clamp(-FP8_MAX, FP8_MAX)
     return ~((q.double() - target).abs() <= half_step)
 
@@ -316,7 +316,7 @@ def ll_expert_outputs(recv_x, layout_range, rank):
         for j in range(layout_range.size(1)):
             b, c = int(layout_range[e, j]) >> 32, int(layout_range[e, j]) & 0xFFFFFFFF
             if c:
-                out[e, b:b + c] = expert_output(recv_x[e, b:b + c], rank * e_l + e, j)
+                out[e, b : b + c] = expert_output(recv_x[e, b : b + c], rank * e_l + e, j)
     return out
 
 
@@ -371,7 +371,7 @@ def ht_combine_expert_ref(x, is_token_in_rank, rank, bias=None):
             ref[got] += y
             absref[got] += y.abs()
     if bias is not None:
-        for b in (bias if isinstance(bias, tuple) else (bias,)):
+        for b in bias if isinstance(bias, tuple) else (bias,):
             ref += b.double()
             absref += b.double().abs()
     return ref, absref
@@ -382,8 +382,8 @@ def combine_mismatch(got, ref64, absref64, num_terms):
     (2^(floor(log2 |ref64|) - 8)), plus what an FP32 accumulation of num_terms terms may add (each rounding at most
     2^-24 of the sum of the terms' magnitudes, absref64). NaN or infinite elements always mismatch."""
     _, e = torch.frexp(ref64)  # |ref64| = m * 2^e, m in [0.5, 1): floor(log2 |ref64|) = e - 1
-    half_step = torch.ldexp(torch.ones_like(ref64), e - 9) * (1 + 2.0 ** -20)
-    tol = half_step + absref64 * (num_terms + 1) * 2.0 ** -23 + 1e-30
+    half_step = torch.ldexp(torch.ones_like(ref64), e - 9) * (1 + 2.0**-20)
+    tol = half_step + absref64 * (num_terms + 1) * 2.0**-23 + 1e-30
     return ~((got.double() - ref64).abs() <= tol)
 
 

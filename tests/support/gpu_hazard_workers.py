@@ -21,9 +21,18 @@ def _all_idx(idx):
 
 def _buffer(portep, T, H, E, rpn, transport, allow_nvlink, timeout_s):
     nbytes = portep.Buffer.get_low_latency_rdma_size_hint(T, H, dist.get_world_size(), E)
-    return portep.Buffer(dist.group.WORLD, 0, nbytes, low_latency_mode=True, num_ranks_per_node=rpn,
-                         allow_nvlink_for_low_latency_mode=allow_nvlink, transport=transport, timeout_s=timeout_s,
-                         explicitly_destroy=True, backend="cuda")
+    return portep.Buffer(
+        dist.group.WORLD,
+        0,
+        nbytes,
+        low_latency_mode=True,
+        num_ranks_per_node=rpn,
+        allow_nvlink_for_low_latency_mode=allow_nvlink,
+        transport=transport,
+        timeout_s=timeout_s,
+        explicitly_destroy=True,
+        backend="cuda",
+    )
 
 
 class _Tally:
@@ -65,8 +74,11 @@ def _check_combined(tally, what, got, x, idx, w):
     if bad.any():
         i, j = bad.nonzero()[0].tolist()
         where = f"; first at [{i}, {j}]: got {got[i, j].item()}, expected {ref64[i, j].item():.6g}"
-    tally.true(not bool(bad.any()), f"{what}: {int(bad.sum())}/{bad.numel()} elements of combined_x are not the "
-               f"weighted sum of the experts' outputs{where}")
+    tally.true(
+        not bool(bad.any()),
+        f"{what}: {int(bad.sum())}/{bad.numel()} elements of combined_x are not the "
+        f"weighted sum of the experts' outputs{where}",
+    )
 
 
 def application_habits_body(rank, world, rpn, transport, allow_nvlink, seed, T, H, E, K, rounds):
@@ -85,8 +97,13 @@ def application_habits_body(rank, world, rpn, transport, allow_nvlink, seed, T, 
     g = torch.Generator().manual_seed(seed + rank)
     buf = _buffer(portep, T, H, E, rpn, transport, allow_nvlink, 30)
     E_l = E // world
-    fresh = [lambda t: torch.special.i0e(t), lambda t: torch.special.erfcx(t), lambda t: torch.special.ndtri(t),
-             lambda t: torch.special.log_ndtr(t), lambda t: torch.special.spherical_bessel_j0(t)]
+    fresh = [
+        lambda t: torch.special.i0e(t),
+        lambda t: torch.special.erfcx(t),
+        lambda t: torch.special.ndtri(t),
+        lambda t: torch.special.log_ndtr(t),
+        lambda t: torch.special.spherical_bessel_j0(t),
+    ]
     for r in range(rounds):
         idx = torch.topk(torch.rand(T, E, generator=g), K, dim=1).indices
         idx[torch.randint(0, T, (6,), generator=g), torch.randint(0, K, (6,), generator=g)] = -1
@@ -95,7 +112,8 @@ def application_habits_body(rank, world, rpn, transport, allow_nvlink, seed, T, 
         all_idx = [t.cpu() for t in _all_idx(idx.cuda())]
         hook_round = r % 2 == 1
         recv_x, count, handle, event, hook = buf.low_latency_dispatch(
-            x.cuda(), idx.cuda(), T, E, use_fp8=False, async_finish=not hook_round, return_recv_hook=hook_round)
+            x.cuda(), idx.cuda(), T, E, use_fp8=False, async_finish=not hook_round, return_recv_hook=hook_round
+        )
         if hook_round:
             fresh[r % len(fresh)](torch.rand(64, device="cuda"))  # first launch of this kernel mid-exchange
             hook()
@@ -104,8 +122,9 @@ def application_habits_body(rank, world, rpn, transport, allow_nvlink, seed, T, 
         counts = [count[i].item() for i in range(E_l)]  # pageable copies, the receive possibly still running
         _check_counts(tally, counts, all_idx, E_l, f"round {r}: ")
         y = _expert_outputs(recv_x, handle, rank)  # only now: the reads above stay right behind the call
-        combined, event, hook = buf.low_latency_combine(y, idx.cuda(), w.cuda(), handle,
-                                                        async_finish=not hook_round, return_recv_hook=hook_round)
+        combined, event, hook = buf.low_latency_combine(
+            y, idx.cuda(), w.cuda(), handle, async_finish=not hook_round, return_recv_hook=hook_round
+        )
         if hook_round:
             hook()
         else:
@@ -163,8 +182,9 @@ def bad_expert_body(rank, world, rpn, transport, allow_nvlink, seed, T, H, E, K)
     expect_one_notice("get_dispatch_layout with the entry, then a clean dispatch")
     want = ref.layout_ref(clean, E, world, world)[2]
     tally.true(torch.equal(layout[2].cpu(), want), "num_tokens_per_expert counts the out-of-range entry")
-    recv_x, count, handle, _, _ = call(lambda: buf.low_latency_dispatch(x.cuda(), bad.cuda(), T, E, use_fp8=False),
-                                       "the dispatch with the entry")
+    recv_x, count, handle, _, _ = call(
+        lambda: buf.low_latency_dispatch(x.cuda(), bad.cuda(), T, E, use_fp8=False), "the dispatch with the entry"
+    )
     torch.cuda.synchronize()
     _check_counts(tally, count.cpu().tolist(), all_clean, E_l, "the dispatch with the entry: ")
     y = _expert_outputs(recv_x, handle, rank)
@@ -173,8 +193,9 @@ def bad_expert_body(rank, world, rpn, transport, allow_nvlink, seed, T, H, E, K)
     expect_one_notice("a dispatch with the entry, then its combine")
     _check_combined(tally, "the combine of the dispatch with the entry", out[0].cpu(), x, clean, w)
     for hook in (False, True):  # usable afterwards, on both ranks
-        recv_x, count, handle, _, h = buf.low_latency_dispatch(x.cuda(), clean.cuda(), T, E, use_fp8=False,
-                                                               return_recv_hook=hook)
+        recv_x, count, handle, _, h = buf.low_latency_dispatch(
+            x.cuda(), clean.cuda(), T, E, use_fp8=False, return_recv_hook=hook
+        )
         if hook:
             h()
         y = _expert_outputs(recv_x, handle, rank)
@@ -203,9 +224,11 @@ def profile_body(rank, world, rpn, transport, allow_nvlink, seed, T, H, E, K, it
     w = torch.rand(T, K, generator=g).cuda()
     tally = _Tally(rank)
     for hook_mode in (False, True):
+
         def step():
-            recv_x, _, handle, _, hook = buf.low_latency_dispatch(x, idx, T, E, use_fp8=True,
-                                                                  return_recv_hook=hook_mode)
+            recv_x, _, handle, _, hook = buf.low_latency_dispatch(
+                x, idx, T, E, use_fp8=True, return_recv_hook=hook_mode
+            )
             if hook_mode:
                 hook()
             sim = recv_x[0].float().mul(recv_x[1].repeat_interleave(128, dim=2)).to(BF16)
@@ -228,9 +251,11 @@ def profile_body(rank, world, rpn, transport, allow_nvlink, seed, T, H, E, K, it
             names = [n for n in launches if word in n]
             per_call = 2 if hook_mode else 1
             if tally.true(len(names) == 1, f"hook={hook_mode}: {len(names)} kernel names contain {word!r}: {names}"):
-                tally.true(launches[names[0]] == per_call * iterations,
-                           f"hook={hook_mode}: {names[0]} launched {launches[names[0]]} times in {iterations} calls, "
-                           f"expected {per_call * iterations}")
+                tally.true(
+                    launches[names[0]] == per_call * iterations,
+                    f"hook={hook_mode}: {names[0]} launched {launches[names[0]]} times in {iterations} calls, "
+                    f"expected {per_call * iterations}",
+                )
     torch.cuda.synchronize()
     buf.destroy()
     return tally.result()

@@ -45,8 +45,9 @@ class CudaHTAdapter:
         return _cpu(recv_x), _cpu(idx), _cpu(w), lst, self._keep(h), event
 
     def combine(self, x, handle, topk_weights=None, bias=None, **kw):
-        out, weights, event = self.buf.combine(x.cuda(), self._gpu_handle(handle), topk_weights=_gpu(topk_weights),
-                                               bias=_gpu(bias), **kw)
+        out, weights, event = self.buf.combine(
+            x.cuda(), self._gpu_handle(handle), topk_weights=_gpu(topk_weights), bias=_gpu(bias), **kw
+        )
         torch.cuda.synchronize()
         return _cpu(out), _cpu(weights), event
 

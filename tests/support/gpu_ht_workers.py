@@ -20,10 +20,30 @@ BF16 = torch.bfloat16
 
 def _buffers(rank, world, rpn, transport, with_host=True, gpu_bytes=None):
     torch.cuda.set_device(rank % torch.cuda.device_count())
-    gpu = portep.Buffer(dist.group.WORLD, gpu_bytes or w.HT_NVL_BYTES, 0, num_ranks_per_node=rpn, transport=transport,
-                        timeout_s=60, explicitly_destroy=True, backend="cuda")
-    host = portep.Buffer(dist.group.WORLD, w.HT_NVL_BYTES, 0, num_ranks_per_node=rpn, transport=transport,
-                         timeout_s=60, explicitly_destroy=True, backend="host") if with_host else None
+    gpu = portep.Buffer(
+        dist.group.WORLD,
+        gpu_bytes or w.HT_NVL_BYTES,
+        0,
+        num_ranks_per_node=rpn,
+        transport=transport,
+        timeout_s=60,
+        explicitly_destroy=True,
+        backend="cuda",
+    )
+    host = (
+        portep.Buffer(
+            dist.group.WORLD,
+            w.HT_NVL_BYTES,
+            0,
+            num_ranks_per_node=rpn,
+            transport=transport,
+            timeout_s=60,
+            explicitly_destroy=True,
+            backend="host",
+        )
+        if with_host
+        else None
+    )
     return gpu, host
 
 
@@ -53,10 +73,16 @@ def _same(ck, name, got, exp):
         ck.true(got == exp, f"{name}: {got!r:.120} != {exp!r:.120}")
         return
     g = _cpu(got)
-    if ck.true(g.shape == exp.shape and g.dtype == exp.dtype, f"{name}: {g.dtype}{tuple(g.shape)} vs "
-               f"{exp.dtype}{tuple(exp.shape)}"):
-        ck.true(torch.equal(ref.dense(g).contiguous().view(torch.uint8), ref.dense(exp).contiguous().view(torch.uint8))
-                if g.numel() else True, f"{name}: not bitwise equal to the host backend's")
+    if ck.true(
+        g.shape == exp.shape and g.dtype == exp.dtype,
+        f"{name}: {g.dtype}{tuple(g.shape)} vs {exp.dtype}{tuple(exp.shape)}",
+    ):
+        ck.true(
+            torch.equal(ref.dense(g).contiguous().view(torch.uint8), ref.dense(exp).contiguous().view(torch.uint8))
+            if g.numel()
+            else True,
+            f"{name}: not bitwise equal to the host backend's",
+        )
 
 
 def _expert_outputs(recv_x, handle, rank):
@@ -88,8 +114,10 @@ def _check_combined_x(ck, name, got, x, is_in, rank, bias=None):
     if got.shape != ref64.shape:
         return ck.true(False, f"{name}: shape {tuple(got.shape)}, expected {tuple(ref64.shape)}")
     bad = ref.combine_mismatch(got, ref64, abs64, num_terms=is_in.size(1) + 2)
-    return ck.true(not bool(bad.any()), f"{name}: {describe_mismatch(bad, got, ref64)} elements are not the sum of "
-                   "the experts' outputs")
+    return ck.true(
+        not bool(bad.any()),
+        f"{name}: {describe_mismatch(bad, got, ref64)} elements are not the sum of the experts' outputs",
+    )
 
 
 def _check_combined_weights(ck, name, got, idx, weights, is_in, num_local_experts):
@@ -99,9 +127,11 @@ def _check_combined_weights(ck, name, got, idx, weights, is_in, num_local_expert
     if got is None or got.shape != want.shape:
         return ck.true(False, f"{name}: not a {tuple(want.shape)} tensor")
     bound = ref.ht_combine_weights_ref(idx, weights.abs(), is_in, num_local_experts, fill_by_rank=True)
-    bad = (got.double() - want).abs() > bound * (is_in.size(1) + 1) * 2.0 ** -23
-    return ck.true(not bool(bad.any()), f"{name}: {describe_mismatch(bad, got, want)} weights are not the sum of the "
-                   "receiving ranks' echoes")
+    bad = (got.double() - want).abs() > bound * (is_in.size(1) + 1) * 2.0**-23
+    return ck.true(
+        not bool(bad.any()),
+        f"{name}: {describe_mismatch(bad, got, want)} weights are not the sum of the receiving ranks' echoes",
+    )
 
 
 def _check_ring_refusal(ck, gpu, num_experts):
@@ -112,9 +142,16 @@ def _check_ring_refusal(ck, gpu, num_experts):
     idx = torch.randint(0, num_experts, (64, 8), device="cuda")
     lay = gpu.get_dispatch_layout(idx, num_experts)
     try:
-        gpu.dispatch(x, topk_idx=idx, topk_weights=torch.rand(64, 8, device="cuda"), num_tokens_per_rank=lay[0],
-                     num_tokens_per_rdma_rank=lay[1], is_token_in_rank=lay[3], num_tokens_per_expert=lay[2],
-                     config=portep.Config(24, 6, 256, 6, 256))
+        gpu.dispatch(
+            x,
+            topk_idx=idx,
+            topk_weights=torch.rand(64, 8, device="cuda"),
+            num_tokens_per_rank=lay[0],
+            num_tokens_per_rdma_rank=lay[1],
+            is_token_in_rank=lay[3],
+            num_tokens_per_expert=lay[2],
+            config=portep.Config(24, 6, 256, 6, 256),
+        )
         ck.true(False, "a dispatch of 7168-wide rows with 12 channels on a small buffer was not refused")
     except ValueError as exc:
         ck.true("bytes" in str(exc) and "num_nvl_bytes" in str(exc), f"the refusal does not name the bytes: {exc}")
@@ -139,8 +176,21 @@ def _same_handle(ck, rpn, world, got, exp):
             _same(ck, f"handle[{i}]", hg, hh)
 
 
-def cross_backend_body(rank, world, rpn, transport, seed, n_tokens, hidden, num_topk, num_experts, num_sms,
-                       gpu_bytes=None, avoid_node=None, topk_groups=None):
+def cross_backend_body(
+    rank,
+    world,
+    rpn,
+    transport,
+    seed,
+    n_tokens,
+    hidden,
+    num_topk,
+    num_experts,
+    num_sms,
+    gpu_bytes=None,
+    avoid_node=None,
+    topk_groups=None,
+):
     """Every output of the CUDA backend equals the host backend's bit for bit on the same inputs; combined_x and
     combined_topk_weights also against their float64 references. gpu_bytes: a small GPU Buffer, whose rings wrap
     many times (the host backend's Buffer holds every row); avoid_node: no token goes to that node; topk_groups:
@@ -148,8 +198,17 @@ def cross_backend_body(rank, world, rpn, transport, seed, n_tokens, hidden, num_
     ck = w.Checker(rank)
     gpu, host = _buffers(rank, world, rpn, transport, gpu_bytes=gpu_bytes)
     avoid = range(avoid_node * rpn, (avoid_node + 1) * rpn) if avoid_node is not None else ()
-    inp = w.make_ht_inputs(rank, seed, n_tokens[rank], hidden, num_topk, num_experts, avoid_ranks=avoid,
-                           topk_groups=topk_groups, ranks_per_node=rpn)
+    inp = w.make_ht_inputs(
+        rank,
+        seed,
+        n_tokens[rank],
+        hidden,
+        num_topk,
+        num_experts,
+        avoid_ranks=avoid,
+        topk_groups=topk_groups,
+        ranks_per_node=rpn,
+    )
     idx, wts = inp["idx"], inp["w"]
     is_in = ref.layout_ref(idx, num_experts, world, rpn)[3]
     nodes_of_token = is_in.view(-1, world // rpn, rpn).any(2)
@@ -178,8 +237,12 @@ def cross_backend_body(rank, world, rpn, transport, seed, n_tokens, hidden, num_
             ck.true(len(dg[4]) == len(dh[4]), f"handle has {len(dg[4])} entries, the host's {len(dh[4])}")
             _same_handle(ck, rpn, world, dg[4], dh[4])
             ck.step = f"cached dispatch {kind}"
-            _same(ck, "cached recv_x", gpu.dispatch(_gpu(x), handle=dg[4], config=cfg)[0],
-                  host.dispatch(x, handle=dh[4], config=cfg)[0])
+            _same(
+                ck,
+                "cached recv_x",
+                gpu.dispatch(_gpu(x), handle=dg[4], config=cfg)[0],
+                host.dispatch(x, handle=dh[4], config=cfg)[0],
+            )
             if kind == "fp8":
                 continue
             y = _expert_outputs(dh[0], dh[4], rank)
@@ -193,18 +256,27 @@ def cross_backend_body(rank, world, rpn, transport, seed, n_tokens, hidden, num_
                 got_x, got_w = _cpu(cg[:2])
                 _check_combined_x(ck, "combined_x", got_x, x, is_in, rank, bias)
                 if with_topk:
-                    _check_combined_weights(ck, "combined_topk_weights", got_w, idx, wts, is_in,
-                                            num_experts // world)
+                    _check_combined_weights(ck, "combined_topk_weights", got_w, idx, wts, is_in, num_experts // world)
     ck.step = "stream rules: previous_event, async_finish, allocate_on_comm_stream"
     comm = gpu.get_comm_stream()
-    ck.true(isinstance(comm, torch.cuda.Stream) and comm != torch.cuda.current_stream(),
-            f"get_comm_stream() returned {comm!r}, not a stream of its own")
+    ck.true(
+        isinstance(comm, torch.cuda.Stream) and comm != torch.cuda.current_stream(),
+        f"get_comm_stream() returned {comm!r}, not a stream of its own",
+    )
     dh = host.dispatch(inp["x"], topk_idx=idx, topk_weights=wts, config=cfg, **lay_h)
     torch.cuda._sleep(200_000_000)  # the current stream is busy for a while: x below is produced after that
     x_late = inp["x"].cuda() + 0
     prev = portep.Buffer.capture()
-    dg = gpu.dispatch(x_late, topk_idx=idx.cuda(), topk_weights=wts.cuda(), config=cfg, previous_event=prev,
-                      async_finish=True, allocate_on_comm_stream=True, **lay_g)
+    dg = gpu.dispatch(
+        x_late,
+        topk_idx=idx.cuda(),
+        topk_weights=wts.cuda(),
+        config=cfg,
+        previous_event=prev,
+        async_finish=True,
+        allocate_on_comm_stream=True,
+        **lay_g,
+    )
     dg[5].current_stream_wait()
     _same(ck, "recv_x after previous_event", dg[0], dh[0])
     y = _expert_outputs(dh[0], dh[4], rank)
@@ -237,8 +309,9 @@ def graph_body(rank, world, rpn, transport, seed, n, hidden, num_topk, num_exper
     factor, offset = (t.cuda() for t in _expert_coefficients(rank, torch.zeros(0, dtype=torch.int64), worst))
 
     def step():
-        d = gpu.dispatch(static["x"], topk_idx=static["idx"], topk_weights=static["w"], num_worst_tokens=worst,
-                         **static_lay)
+        d = gpu.dispatch(
+            static["x"], topk_idx=static["idx"], topk_weights=static["w"], num_worst_tokens=worst, **static_lay
+        )
         y = (d[0].float() * factor + offset).to(BF16)  # the test experts' outputs, once factor and offset are set
         c = gpu.combine(y, d[4], topk_weights=_filled_weights(d[2], d[1], rank))
         return d, c
@@ -264,8 +337,9 @@ def graph_body(rank, world, rpn, transport, seed, n, hidden, num_topk, num_exper
             if v is not None:
                 static_lay[k].copy_(v)
         graph.replay()
-        ch = host.combine(ref.ht_expert_outputs(dh[0], rank, src_ranks), dh[4],
-                          topk_weights=_filled_weights(dh[2], dh[1], rank))
+        ch = host.combine(
+            ref.ht_expert_outputs(dh[0], rank, src_ranks), dh[4], topk_weights=_filled_weights(dh[2], dh[1], rank)
+        )
         _same(ck, "recv_x[:num_recv]", d[0][:m], dh[0])
         _same(ck, "recv_topk_idx[:num_recv]", d[1][:m], dh[1])
         _same(ck, "recv_topk_weights[:num_recv]", d[2][:m], dh[2])
@@ -298,8 +372,12 @@ def mixed_modes_body(rank, world, seed, rounds, split=True):
     host_ll = portep.Buffer(dist.group.WORLD, 0, ll_bytes, low_latency_mode=True, backend="host", **opts)
     hin = w.make_ht_inputs(rank, seed, [300, 211][rank % 2], 1024, 8, 32)
     lin = w.make_ll_inputs(rank, seed + 1, T, H, K, E)
-    lay = dict(zip(["num_tokens_per_rank", "num_tokens_per_rdma_rank", "num_tokens_per_expert", "is_token_in_rank"],
-                   host_ht.get_dispatch_layout(hin["idx"], 32)[:4]))
+    lay = dict(
+        zip(
+            ["num_tokens_per_rank", "num_tokens_per_rdma_rank", "num_tokens_per_expert", "is_token_in_rank"],
+            host_ht.get_dispatch_layout(hin["idx"], 32)[:4],
+        )
+    )
     dh = host_ht.dispatch(hin["x"], topk_idx=hin["idx"], topk_weights=hin["w"], **lay)
     y = _expert_outputs(dh[0], dh[4], rank)
     filled = _filled_weights(dh[2], dh[1], rank)  # the GPU's recv_topk_weights equal these (checked bitwise)
@@ -344,8 +422,16 @@ def missing_peer_body(rank, world, rpn, transport, timeout_s):
     import time
 
     torch.cuda.set_device(rank % torch.cuda.device_count())
-    buf = portep.Buffer(dist.group.WORLD, w.HT_NVL_BYTES, 0, num_ranks_per_node=rpn, transport=transport,
-                        timeout_s=timeout_s, explicitly_destroy=True, backend="cuda")
+    buf = portep.Buffer(
+        dist.group.WORLD,
+        w.HT_NVL_BYTES,
+        0,
+        num_ranks_per_node=rpn,
+        transport=transport,
+        timeout_s=timeout_s,
+        explicitly_destroy=True,
+        backend="cuda",
+    )
     message, took = "", 0.0
     if rank == 0:
         N, H, E, K = 64, 512, 8, 2
@@ -357,14 +443,31 @@ def missing_peer_body(rank, world, rpn, transport, timeout_s):
         cfg = portep.Config(8, 6, 256, 6, 128)
         torch.cuda.synchronize()
         start = time.monotonic()
-        buf.dispatch(x, num_tokens_per_rank=lay[0], num_tokens_per_rdma_rank=lay[1], num_tokens_per_expert=lay[2],
-                     is_token_in_rank=lay[3], topk_idx=idx, topk_weights=weights, num_worst_tokens=2 * N, config=cfg)
+        buf.dispatch(
+            x,
+            num_tokens_per_rank=lay[0],
+            num_tokens_per_rdma_rank=lay[1],
+            num_tokens_per_expert=lay[2],
+            is_token_in_rank=lay[3],
+            topk_idx=idx,
+            topk_weights=weights,
+            num_worst_tokens=2 * N,
+            config=cfg,
+        )
         torch.cuda.synchronize()
         took = time.monotonic() - start
         try:
-            buf.dispatch(x, num_tokens_per_rank=lay[0], num_tokens_per_rdma_rank=lay[1],
-                         num_tokens_per_expert=lay[2], is_token_in_rank=lay[3], topk_idx=idx, topk_weights=weights,
-                         num_worst_tokens=2 * N, config=cfg)
+            buf.dispatch(
+                x,
+                num_tokens_per_rank=lay[0],
+                num_tokens_per_rdma_rank=lay[1],
+                num_tokens_per_expert=lay[2],
+                is_token_in_rank=lay[3],
+                topk_idx=idx,
+                topk_weights=weights,
+                num_worst_tokens=2 * N,
+                config=cfg,
+            )
         except RuntimeError as e:
             message = str(e)
     dist.barrier()

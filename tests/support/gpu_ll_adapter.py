@@ -34,18 +34,35 @@ class CudaLLAdapter:
     def _gpu_handle(self, handle):
         return self._handles[id(handle[0])][0]
 
-    def low_latency_dispatch(self, x, topk_idx, T, E, cumulative_local_expert_recv_stats=None,
-                             dispatch_wait_recv_cost_stats=None, return_recv_hook=False, **kw):
+    def low_latency_dispatch(
+        self,
+        x,
+        topk_idx,
+        T,
+        E,
+        cumulative_local_expert_recv_stats=None,
+        dispatch_wait_recv_cost_stats=None,
+        return_recv_hook=False,
+        **kw,
+    ):
         stats, wait = cumulative_local_expert_recv_stats, dispatch_wait_recv_cost_stats
         stats_g, wait_g = _gpu(stats), _gpu(wait)
         recv_x, recv_count, handle, event, hook = self.buf.low_latency_dispatch(
-            x.cuda(), topk_idx.cuda(), T, E, cumulative_local_expert_recv_stats=stats_g,
-            dispatch_wait_recv_cost_stats=wait_g, return_recv_hook=return_recv_hook, **kw)
+            x.cuda(),
+            topk_idx.cuda(),
+            T,
+            E,
+            cumulative_local_expert_recv_stats=stats_g,
+            dispatch_wait_recv_cost_stats=wait_g,
+            return_recv_hook=return_recv_hook,
+            **kw,
+        )
         gpu_parts = list(recv_x) if isinstance(recv_x, tuple) else [recv_x]
         cpu_parts = [torch.empty_like(t, device="cpu") for t in gpu_parts]
         cpu_count = torch.empty_like(recv_count, device="cpu")
-        cpu_handle = (torch.empty_like(handle[0], device="cpu"), torch.empty_like(handle[1], device="cpu")) + \
-            tuple(handle[2:])
+        cpu_handle = (torch.empty_like(handle[0], device="cpu"), torch.empty_like(handle[1], device="cpu")) + tuple(
+            handle[2:]
+        )
         self._handles[id(cpu_handle[0])] = (handle, cpu_handle)
 
         def fetch():
@@ -72,12 +89,28 @@ class CudaLLAdapter:
     def get_next_low_latency_combine_buffer(self, handle):
         return self.buf.get_next_low_latency_combine_buffer(self._gpu_handle(handle))
 
-    def low_latency_combine(self, x, topk_idx, topk_weights, handle, out=None, combine_wait_recv_cost_stats=None,
-                            return_recv_hook=False, **kw):
+    def low_latency_combine(
+        self,
+        x,
+        topk_idx,
+        topk_weights,
+        handle,
+        out=None,
+        combine_wait_recv_cost_stats=None,
+        return_recv_hook=False,
+        **kw,
+    ):
         out_g, wait_g = _gpu(out), _gpu(combine_wait_recv_cost_stats)
         combined, event, hook = self.buf.low_latency_combine(
-            x.cuda(), topk_idx.cuda(), topk_weights.cuda(), self._gpu_handle(handle), out=out_g,
-            combine_wait_recv_cost_stats=wait_g, return_recv_hook=return_recv_hook, **kw)
+            x.cuda(),
+            topk_idx.cuda(),
+            topk_weights.cuda(),
+            self._gpu_handle(handle),
+            out=out_g,
+            combine_wait_recv_cost_stats=wait_g,
+            return_recv_hook=return_recv_hook,
+            **kw,
+        )
         result = out if out is not None else torch.empty_like(combined, device="cpu")
 
         def fetch():

@@ -26,8 +26,9 @@ class Calls:
         """Every output of one dispatch + combine, copied (FP8 as bytes)."""
         use_fp8, round_scale, use_ue8m0 = flags
         idx = self.idx if idx is None else idx
-        recv_x, count, handle, _, _ = self.buf.low_latency_dispatch(self.x, idx, self.T, self.E, use_fp8=use_fp8,
-                                                                    round_scale=round_scale, use_ue8m0=use_ue8m0)
+        recv_x, count, handle, _, _ = self.buf.low_latency_dispatch(
+            self.x, idx, self.T, self.E, use_fp8=use_fp8, round_scale=round_scale, use_ue8m0=use_ue8m0
+        )
         if zero_copy:
             self.buf.get_next_low_latency_combine_buffer(handle)[:] = self.y
         out = torch.empty(self.x.shape, dtype=BF16, device="cuda") if with_out else None
@@ -44,8 +45,9 @@ class Calls:
         use_fp8, round_scale, use_ue8m0 = flags
         enabled, self.buf._ll_fast.enabled = self.buf._ll_fast.enabled, False
         try:
-            recv_x, _, handle, _, _ = self.buf.low_latency_dispatch(self.x, self.idx, self.T, self.E, use_fp8=use_fp8,
-                                                                    round_scale=round_scale, use_ue8m0=use_ue8m0)
+            recv_x, _, handle, _, _ = self.buf.low_latency_dispatch(
+                self.x, self.idx, self.T, self.E, use_fp8=use_fp8, round_scale=round_scale, use_ue8m0=use_ue8m0
+            )
             self.buf.low_latency_combine(self.y, self.idx, self.weights, handle)
         finally:
             self.buf._ll_fast.enabled = enabled
@@ -101,8 +103,17 @@ def _not_the_experts_sum(combined, ref64, abs64, num_topk):
 def _setup(rank, world, rpn, transport, seed, T, H, E, K):
     torch.cuda.set_device(rank % torch.cuda.device_count())
     nbytes = portep.Buffer.get_low_latency_rdma_size_hint(T, H, world, E)
-    buf = portep.Buffer(dist.group.WORLD, 0, nbytes, low_latency_mode=True, num_ranks_per_node=rpn,
-                        transport=transport, timeout_s=60, explicitly_destroy=True, backend="cuda")
+    buf = portep.Buffer(
+        dist.group.WORLD,
+        0,
+        nbytes,
+        low_latency_mode=True,
+        num_ranks_per_node=rpn,
+        transport=transport,
+        timeout_s=60,
+        explicitly_destroy=True,
+        backend="cuda",
+    )
     if buf._ll_fast is None:
         raise AssertionError(f"the fast path is off: {buf.ll_fast_path_off}")
     if buf.low_latency_dispatch != buf._ll_fast.dispatch or buf.low_latency_combine != buf._ll_fast.combine:
@@ -149,6 +160,7 @@ def _deterministic_mode_round_trip(calls, counter):
 def _outputs_outlive_each_other(calls):
     """The dispatch outputs share one allocation: each stays valid while any lives. recv_x kept alone, then the
     handle kept alone, across a later round trip whose fresh outputs would reuse freed memory."""
+
     def dispatch():
         out = calls.buf.low_latency_dispatch(calls.x, calls.idx, calls.T, calls.E, use_fp8=False)
         calls.buf.low_latency_combine(calls.y, calls.idx, calls.weights, out[2])
@@ -211,8 +223,10 @@ def fast_path_body(rank, world, rpn, transport, seed, T, H, E, K):
     calls.buf._ll_fast.enabled = False
     full = calls.round_trip(FLAGS[1])
     calls.buf._ll_fast.enabled = True
-    for what, check in (("on a side stream", lambda: _side_stream_round_trip(calls, counter, x2)),
-                        ("in deterministic mode", lambda: _deterministic_mode_round_trip(calls, counter))):
+    for what, check in (
+        ("on a side stream", lambda: _side_stream_round_trip(calls, counter, x2)),
+        ("in deterministic mode", lambda: _deterministic_mode_round_trip(calls, counter)),
+    ):
         more, parts = check()
         errors += more
         if any(not torch.equal(a, b) for a, b in zip(full, parts)):
@@ -221,9 +235,11 @@ def fast_path_body(rank, world, rpn, transport, seed, T, H, E, K):
 
     taken = counter.taken
     x, idx = calls.x, calls.idx
-    bad = {"x has dtype": lambda: calls.buf.low_latency_dispatch(x.float(), idx, T, E),
-           "topk_idx has dtype": lambda: calls.buf.low_latency_dispatch(x, idx.int(), T, E),
-           "num_max_dispatch_tokens_per_rank": lambda: calls.buf.low_latency_dispatch(x, idx, float(T), E)}
+    bad = {
+        "x has dtype": lambda: calls.buf.low_latency_dispatch(x.float(), idx, T, E),
+        "topk_idx has dtype": lambda: calls.buf.low_latency_dispatch(x, idx.int(), T, E),
+        "num_max_dispatch_tokens_per_rank": lambda: calls.buf.low_latency_dispatch(x, idx, float(T), E),
+    }
     errors += [e for e in (_refused(call, expect) for expect, call in bad.items()) if e]
     if counter.taken != taken:
         errors.append(f"the fast path launched {counter.taken - taken} of the {len(bad)} bad calls")
@@ -331,8 +347,9 @@ def graph_launch_body(rank, world, rpn, transport, seed, T, H, E, K):
     if kernels.graph_counts["updates"] == 0:
         errors.append(f"the cache churn re-parameterised no graph: {kernels.graph_counts}")
 
-    recv_x, count, handle, _, hook = calls.buf.low_latency_dispatch(calls.x, calls.idx, T, E, use_fp8=False,
-                                                                    return_recv_hook=True)
+    recv_x, count, handle, _, hook = calls.buf.low_latency_dispatch(
+        calls.x, calls.idx, T, E, use_fp8=False, return_recv_hook=True
+    )
     hook()
     calls.buf.low_latency_combine(calls.y, calls.idx, calls.weights, handle)
     if _differs(baseline, calls.round_trip(flags=FLAGS[1])):

@@ -14,12 +14,33 @@ BF16 = torch.bfloat16
 def _buffers(rank, world, rpn, transport, T, H, E, allow_nvlink=True, with_host=True, timeout_s=60):
     torch.cuda.set_device(rank % torch.cuda.device_count())
     nbytes = portep.Buffer.get_low_latency_rdma_size_hint(T, H, world, E)
-    gpu = portep.Buffer(dist.group.WORLD, 0, nbytes, low_latency_mode=True, num_ranks_per_node=rpn,
-                        allow_nvlink_for_low_latency_mode=allow_nvlink, transport=transport, timeout_s=timeout_s,
-                        explicitly_destroy=True, backend="cuda")
-    host = portep.Buffer(dist.group.WORLD, 0, nbytes, low_latency_mode=True, num_ranks_per_node=rpn,
-                         transport=transport, timeout_s=timeout_s, explicitly_destroy=True,
-                         backend="host") if with_host else None
+    gpu = portep.Buffer(
+        dist.group.WORLD,
+        0,
+        nbytes,
+        low_latency_mode=True,
+        num_ranks_per_node=rpn,
+        allow_nvlink_for_low_latency_mode=allow_nvlink,
+        transport=transport,
+        timeout_s=timeout_s,
+        explicitly_destroy=True,
+        backend="cuda",
+    )
+    host = (
+        portep.Buffer(
+            dist.group.WORLD,
+            0,
+            nbytes,
+            low_latency_mode=True,
+            num_ranks_per_node=rpn,
+            transport=transport,
+            timeout_s=timeout_s,
+            explicitly_destroy=True,
+            backend="host",
+        )
+        if with_host
+        else None
+    )
     return gpu, host
 
 
@@ -47,8 +68,10 @@ def check_ll_combined(ck, name, got, x_seen, idx, weights, rank):
     if got.shape != ref64.shape:
         return ck.true(False, f"{name}: shape {tuple(got.shape)}, expected {tuple(ref64.shape)}")
     bad = ref.combine_mismatch(got, ref64, abs64, num_terms=idx.size(1))
-    return ck.true(not bool(bad.any()), f"{name}: {describe_mismatch(bad, got, ref64)} elements are not the weighted "
-                   "sum of the experts' outputs")
+    return ck.true(
+        not bool(bad.any()),
+        f"{name}: {describe_mismatch(bad, got, ref64)} elements are not the weighted sum of the experts' outputs",
+    )
 
 
 def describe_mismatch(bad, got, ref64):
@@ -56,8 +79,10 @@ def describe_mismatch(bad, got, ref64):
     if not bad.any():
         return "0"
     i, j = bad.nonzero()[0].tolist()
-    return (f"{int(bad.sum())}/{bad.numel()} (first at [{i}, {j}]: got {got[i, j].item()}, expected "
-            f"{ref64[i, j].item():.6g})")
+    return (
+        f"{int(bad.sum())}/{bad.numel()} (first at [{i}, {j}]: got {got[i, j].item()}, expected "
+        f"{ref64[i, j].item():.6g})"
+    )
 
 
 def expert_coefficients(layout_range, rank, num_rows):
@@ -69,8 +94,8 @@ def expert_coefficients(layout_range, rank, num_rows):
     for e in range(e_l):
         for j in range(layout_range.size(1)):
             begin, count = int(layout_range[e, j]) >> 32, int(layout_range[e, j]) & 0xFFFFFFFF
-            factor[e, begin:begin + count] = ref.expert_factor(rank * e_l + e)
-            offset[e, begin:begin + count] = ref.expert_offset(rank * e_l + e, j)
+            factor[e, begin : begin + count] = ref.expert_factor(rank * e_l + e)
+            offset[e, begin : begin + count] = ref.expert_offset(rank * e_l + e, j)
     return factor, offset
 
 
@@ -157,8 +182,9 @@ def graph_body(rank, world, rpn, transport, allow_nvlink, seed, T, H, E, K):
 def missing_peer_body(rank, world, transport, allow_nvlink):
     """Rank 1 never dispatches: rank 0's kernel gives up after the timeout and the next call raises."""
     T, H, E = 8, 512, 4
-    gpu, _ = _buffers(rank, world, 1 if not allow_nvlink else world, transport, T, H, E, allow_nvlink,
-                      with_host=False, timeout_s=2)
+    gpu, _ = _buffers(
+        rank, world, 1 if not allow_nvlink else world, transport, T, H, E, allow_nvlink, with_host=False, timeout_s=2
+    )
     message = ""
     if rank == 0:
         x = torch.randn(T, H).to(BF16).cuda()
@@ -186,12 +212,14 @@ def validation_cache_body(rank, world):
         gpu.low_latency_dispatch(x, idx, T, E, use_fp8=False)
     bad_calls = {
         "float32 x": lambda: gpu.low_latency_dispatch(x.float(), idx, T, E, use_fp8=False),
-        "too many tokens": lambda: gpu.low_latency_dispatch(torch.cat([x, x]), torch.cat([idx, idx]), T, E,
-                                                            use_fp8=False),
+        "too many tokens": lambda: gpu.low_latency_dispatch(
+            torch.cat([x, x]), torch.cat([idx, idx]), T, E, use_fp8=False
+        ),
         "int32 topk_idx": lambda: gpu.low_latency_dispatch(x, idx.int(), T, E, use_fp8=False),
         "float T": lambda: gpu.low_latency_dispatch(x, idx, float(T), E, use_fp8=False),
-        "strided x": lambda: gpu.low_latency_dispatch(torch.randn(T, 2 * H).to(BF16).cuda()[:, ::2], idx, T, E,
-                                                      use_fp8=False),
+        "strided x": lambda: gpu.low_latency_dispatch(
+            torch.randn(T, 2 * H).to(BF16).cuda()[:, ::2], idx, T, E, use_fp8=False
+        ),
     }
     for name, call in bad_calls.items():
         try:

@@ -32,8 +32,16 @@ def reference_combine(x, idx, w, E_l, grouped, rank):
 def combine_order_body(rank, world, rpn, transport, seed, T, H, E, K):
     ck = Checker(rank)
     nbytes = portep.Buffer.get_low_latency_rdma_size_hint(T, H, world, E)
-    buf = portep.Buffer(dist.group.WORLD, 0, nbytes, low_latency_mode=True, num_ranks_per_node=rpn,
-                        transport=transport, explicitly_destroy=True, backend="host")
+    buf = portep.Buffer(
+        dist.group.WORLD,
+        0,
+        nbytes,
+        low_latency_mode=True,
+        num_ranks_per_node=rpn,
+        transport=transport,
+        explicitly_destroy=True,
+        backend="host",
+    )
     inp = make_ll_inputs(rank, seed, T, H, K, E)
     x, idx = inp["x_rand"], inp["idx"]
     # weights of alternating sign that nearly cancel: the result is small against its terms, so the order of the

@@ -48,9 +48,18 @@ def _buffer(world, rpn, transport, timeout_s, E, shrink=False, backend="host", d
         torch.cuda.set_device(dist.get_rank() % torch.cuda.device_count())
 
     def make():
-        return portep.Buffer(dist.group.WORLD, 64 * MiB, ll, low_latency_mode=True, num_ranks_per_node=rpn,
-                             transport=transport, timeout_s=timeout_s, explicitly_destroy=True,
-                             enable_shrink=shrink, backend=backend)
+        return portep.Buffer(
+            dist.group.WORLD,
+            64 * MiB,
+            ll,
+            low_latency_mode=True,
+            num_ranks_per_node=rpn,
+            transport=transport,
+            timeout_s=timeout_s,
+            explicitly_destroy=True,
+            enable_shrink=shrink,
+            backend=backend,
+        )
 
     buf = make() if defaults is None else CallerDefaults(make, defaults)
     if backend == "cuda":
@@ -77,8 +86,7 @@ class LLRound:
         w._check_ll_dispatch(ck, res, self.lref, self.xs, "struct", False, False, False, False, True)
         sim = w._ll_expert_y(res, dist.get_rank(), False, False)
         comb = buf.low_latency_combine(sim, self.inp["idx"], self.inp["w"], res[2])
-        w._check_ll_combine(ck, comb[0], None, self.inp["x_struct"], None, self.inp["idx"], self.inp["w"], False,
-                            False)
+        w._check_ll_combine(ck, comb[0], None, self.inp["x_struct"], None, self.inp["idx"], self.inp["w"], False, False)
 
 
 class HTRound:
@@ -95,15 +103,28 @@ class HTRound:
     def run(self, ck, buf, bad=False):
         ntpr, rdma, ntpe, itir = self.layout
         idx = self.inp["idx"].to(torch.int32) if bad else self.inp["idx"]  # int32 topk_idx: refused
-        out = buf.dispatch(self.inp["x"], num_tokens_per_rank=ntpr, num_tokens_per_rdma_rank=rdma,
-                           is_token_in_rank=itir, num_tokens_per_expert=ntpe, topk_idx=idx,
-                           topk_weights=self.inp["w"])
+        out = buf.dispatch(
+            self.inp["x"],
+            num_tokens_per_rank=ntpr,
+            num_tokens_per_rdma_rank=rdma,
+            is_token_in_rank=itir,
+            num_tokens_per_expert=ntpe,
+            topk_idx=idx,
+            topk_weights=self.inp["w"],
+        )
         ck.equal("recv_x", out[0], ref.gather_rows(self.all_x, self.rd["src_rank"], self.rd["src_token"]))
         ck.equal("recv_topk_idx", out[1], self.rd["recv_topk_idx"].to(torch.int64))
         y = ref.ht_expert_outputs(out[0], dist.get_rank(), self.rd["src_rank"])
         c = buf.combine(y, out[4], topk_weights=out[2])
-        w._check_ht_combine(ck, c, self.inp["x"], itir, None, True,
-                            ref.ht_combine_weights_ref(self.inp["idx"], self.inp["w"], itir, self.E // self.world))
+        w._check_ht_combine(
+            ck,
+            c,
+            self.inp["x"],
+            itir,
+            None,
+            True,
+            ref.ht_combine_weights_ref(self.inp["idx"], self.inp["w"], itir, self.E // self.world),
+        )
 
 
 def _attempt(ck, what, fn):
@@ -123,8 +144,13 @@ def _expect_out_of_step(ck, what, fn, fast_s):
     if error is None:
         ck.fail(f"{what}: returned a result while the ranks are out of step")
         return
-    ck.true("clean_low_latency_buffer" in str(error) or "out of step" in str(error) or "refused" in str(error)
-            or "failed" in str(error), f"{what}: raised without saying the ranks are out of step: {error!r:.300}")
+    ck.true(
+        "clean_low_latency_buffer" in str(error)
+        or "out of step" in str(error)
+        or "refused" in str(error)
+        or "failed" in str(error),
+        f"{what}: raised without saying the ranks are out of step: {error!r:.300}",
+    )
     ck.true(took < fast_s, f"{what}: raised after {took:.2f} s, not within {fast_s} s")
 
 
@@ -144,8 +170,10 @@ def one_sided_refusal_body(rank, world, rpn, transport, mode, seed, backend="hos
     if rank == 0:
         ck.true(isinstance(error, (TypeError, ValueError)), f"rank 0's bad input gave {error!r:.300}")
     else:
-        ck.true(isinstance(error, RuntimeError) and "rank 0" in str(error) and "refused" in str(error),
-                f"a peer of the refusing rank raised {error!r:.300}")
+        ck.true(
+            isinstance(error, RuntimeError) and "rank 0" in str(error) and "refused" in str(error),
+            f"a peer of the refusing rank raised {error!r:.300}",
+        )
         ck.true(took < 2.0, f"a peer of the refusing rank raised after {took:.2f} s (timeout {timeout_s} s)")
     for i in range(2, 4):
         ck.step = f"call {i} after the refusal"
@@ -225,8 +253,10 @@ def dead_peer_body(rank, world, rpn, transport, how, seed, backend="host", mode=
         return {"failures": ck.failures, "checks": ck.num_checks}
     error, took = _attempt(ck, "call without the last rank", lambda: rounds[1].run(ck, buf))
     words = "process gone" if how == "exit" else "destroyed its Buffer"
-    ck.true(isinstance(error, RuntimeError) and words in str(error) and f"rank {world - 1}" in str(error),
-            f"the call without rank {world - 1} raised {error!r:.300}")
+    ck.true(
+        isinstance(error, RuntimeError) and words in str(error) and f"rank {world - 1}" in str(error),
+        f"the call without rank {world - 1} raised {error!r:.300}",
+    )
     ck.true(took < fast_s, f"the call without rank {world - 1} raised after {took:.2f} s (timeout 30 s)")
     buf.destroy()
     return {"failures": ck.failures, "checks": ck.num_checks}
@@ -271,13 +301,27 @@ def zero_token_rank_body(rank, world, rpn, transport, seed, defaults=None):
     ck.step = "normal mode"
     ntpr, rdma, ntpe, itir = ref.layout_ref(idx.contiguous(), E, world, rpn)
     rd = ref.ht_dispatch_ref(rank, world, E, all_idx, all_w)
-    out = buf.dispatch(x, num_tokens_per_rank=ntpr, num_tokens_per_rdma_rank=rdma, is_token_in_rank=itir,
-                       num_tokens_per_expert=ntpe, topk_idx=idx, topk_weights=wts)
+    out = buf.dispatch(
+        x,
+        num_tokens_per_rank=ntpr,
+        num_tokens_per_rdma_rank=rdma,
+        is_token_in_rank=itir,
+        num_tokens_per_expert=ntpe,
+        topk_idx=idx,
+        topk_weights=wts,
+    )
     ck.equal("recv_x", out[0], ref.gather_rows(all_x, rd["src_rank"], rd["src_token"]))
     ck.equal("recv_topk_weights", out[2], rd["recv_topk_weights"])
     c = buf.combine(ref.ht_expert_outputs(out[0], rank, rd["src_rank"]), out[4], topk_weights=out[2])
-    w._check_ht_combine(ck, c, x.contiguous(), itir, None, True,
-                        ref.ht_combine_weights_ref(idx.contiguous(), wts.contiguous(), itir, E // world))
+    w._check_ht_combine(
+        ck,
+        c,
+        x.contiguous(),
+        itir,
+        None,
+        True,
+        ref.ht_combine_weights_ref(idx.contiguous(), wts.contiguous(), itir, E // world),
+    )
     ck.step = "low-latency mode"
     lref = w.LLRef(rank, world, T, H, E, all_idx)
     xs = [ref.ll_struct_x(j, int(all_idx[j].size(0)), H) for j in range(world)]
@@ -296,8 +340,10 @@ def view_after_destroy_body(rank, world, rpn, transport):
     keep the memory mapped (reads give what was written, writes land), never a SIGSEGV."""
     ck = w.Checker(rank)
     buf = _buffer(world, rpn, transport, 20.0, 4 * world)
-    views = [buf.get_local_buffer_tensor(torch.int32, (1024,)),
-             buf.get_local_buffer_tensor(torch.float32, (8, 16), offset=4096, use_rdma_buffer=True)]
+    views = [
+        buf.get_local_buffer_tensor(torch.int32, (1024,)),
+        buf.get_local_buffer_tensor(torch.float32, (8, 16), offset=4096, use_rdma_buffer=True),
+    ]
     for i, v in enumerate(views):
         v.fill_(7 + i)
     raw = buf.runtime.channel.buffer[8192:8256]  # past both views

@@ -25,17 +25,20 @@ def channel(group):
     ch.destroy()
 
 
-@pytest.mark.parametrize("kwargs,match", [
-    ({"nbytes": 100}, "nbytes=100 must be a multiple of 16"),
-    ({"nbytes": (64 << 30) + 16}, "nbytes=.* must be in 16..68719476736"),
-    ({"num_streams": 8193, "transport": "shm-unordered"}, "num_streams=8193 must be in 1..8192"),
-    ({"num_streams": 0}, "num_streams=0 must be in 1..262144"),
-    ({"fifo_capacity": 1000}, "fifo_capacity=1000 must be a power of two"),
-    ({"num_proxy_threads": 0}, "num_proxy_threads=0 must be in 1..64"),
-    ({"num_fifos": 2, "num_proxy_threads": 4}, "num_fifos=2 must be in 4..4096"),
-    ({"timeout_s": -1}, "timeout_s=-1.0 must be > 0"),
-    ({"transport": "ib"}, "transport='ib' is not available"),
-])
+@pytest.mark.parametrize(
+    "kwargs,match",
+    [
+        ({"nbytes": 100}, "nbytes=100 must be a multiple of 16"),
+        ({"nbytes": (64 << 30) + 16}, "nbytes=.* must be in 16..68719476736"),
+        ({"num_streams": 8193, "transport": "shm-unordered"}, "num_streams=8193 must be in 1..8192"),
+        ({"num_streams": 0}, "num_streams=0 must be in 1..262144"),
+        ({"fifo_capacity": 1000}, "fifo_capacity=1000 must be a power of two"),
+        ({"num_proxy_threads": 0}, "num_proxy_threads=0 must be in 1..64"),
+        ({"num_fifos": 2, "num_proxy_threads": 4}, "num_fifos=2 must be in 4..4096"),
+        ({"timeout_s": -1}, "timeout_s=-1.0 must be > 0"),
+        ({"transport": "ib"}, "transport='ib' is not available"),
+    ],
+)
 def test_bad_configuration_is_refused_with_the_limit(group, kwargs, match):
     args = {"nbytes": 1 << 16}
     args.update(kwargs)
@@ -49,17 +52,20 @@ def test_timeout_from_environment_is_checked(group, monkeypatch):
         portep.Channel(group, 1 << 16)
 
 
-@pytest.mark.parametrize("call,exc,match", [
-    (lambda ch: ch.write(1, 0, 0, 16), ValueError, "dst=1 must be in 0..0"),
-    (lambda ch: ch.write(0, 8, 0, 16), ValueError, "local_offset=8 must be a multiple of 16"),
-    (lambda ch: ch.write(0, 0, 24, 16), ValueError, "remote_offset=24 must be a multiple of 16"),
-    (lambda ch: ch.write(0, 0, 0, (16 << 20) + 1), ValueError, "nbytes=16777217 must be in 0..16777216"),
-    (lambda ch: ch.write(0, 65520, 0, 32), ValueError, "local_offset=65520 \\+ nbytes=32 exceeds"),
-    (lambda ch: ch.write(0, 0, 0, 16, stream=4), ValueError, "stream=4 must be in 0..3"),
-    (lambda ch: ch.write(0, 0, 0, 16.0), TypeError, "nbytes must be an int"),
-    (lambda ch: ch.signal(-1), ValueError, "dst=-1 must be in 0..0"),
-    (lambda ch: ch.wait_signal(0, 9, 1), ValueError, "stream=9 must be in 0..3"),
-])
+@pytest.mark.parametrize(
+    "call,exc,match",
+    [
+        (lambda ch: ch.write(1, 0, 0, 16), ValueError, "dst=1 must be in 0..0"),
+        (lambda ch: ch.write(0, 8, 0, 16), ValueError, "local_offset=8 must be a multiple of 16"),
+        (lambda ch: ch.write(0, 0, 24, 16), ValueError, "remote_offset=24 must be a multiple of 16"),
+        (lambda ch: ch.write(0, 0, 0, (16 << 20) + 1), ValueError, "nbytes=16777217 must be in 0..16777216"),
+        (lambda ch: ch.write(0, 65520, 0, 32), ValueError, "local_offset=65520 \\+ nbytes=32 exceeds"),
+        (lambda ch: ch.write(0, 0, 0, 16, stream=4), ValueError, "stream=4 must be in 0..3"),
+        (lambda ch: ch.write(0, 0, 0, 16.0), TypeError, "nbytes must be an int"),
+        (lambda ch: ch.signal(-1), ValueError, "dst=-1 must be in 0..0"),
+        (lambda ch: ch.wait_signal(0, 9, 1), ValueError, "stream=9 must be in 0..3"),
+    ],
+)
 def test_bad_transfer_arguments_are_refused_and_channel_stays_usable(channel, call, exc, match):
     with pytest.raises(exc, match=match):
         call(channel)
@@ -83,8 +89,8 @@ def test_self_writes_match_reference(channel, seed):
     assert value & 0xFFFFFFFF == len(lengths) and value >> 32 == 1
     expected = torch.zeros(8192, dtype=torch.uint8)
     for start, length in lengths.items():
-        expected[start:start + length] = src[start:start + length]
-    assert torch.equal(channel.buffer[32768:32768 + 8192], expected)
+        expected[start : start + length] = src[start : start + length]
+    assert torch.equal(channel.buffer[32768 : 32768 + 8192], expected)
 
 
 def test_wait_signal_times_out_with_a_clear_error(channel):

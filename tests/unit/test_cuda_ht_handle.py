@@ -44,8 +44,9 @@ def _kernel_outputs(in_rank, me, C):
     return counts, rank_prefix, channel_prefix, rcp, send_head
 
 
-@pytest.mark.parametrize("world,n_tokens,C,seed", [(2, [37, 21], 3, 1), (4, [16, 40, 9, 25], 5, 2),
-                                                     (3, [0, 12, 30], 2, 3)])
+@pytest.mark.parametrize(
+    "world,n_tokens,C,seed", [(2, [37, 21], 3, 1), (4, [16, 40, 9, 25], 5, 2), (3, [0, 12, 30], 2, 3)]
+)
 def test_internode_handle_matches_deepep_definitions(world, n_tokens, C, seed):
     in_rank = _routing(seed, world, n_tokens)
     for me in range(world):
@@ -53,8 +54,15 @@ def test_internode_handle_matches_deepep_definitions(world, n_tokens, C, seed):
         ht = _ht(me)
         num_recv = int(counts[:, me].sum())
         self_begin = int(counts[:me, me].sum())
-        h = ht._internode_handle(in_rank[me], rank_prefix[:, me].contiguous(), channel_prefix, rcp, send_head, num_recv,
-                                 (self_begin, int(counts[me, me])))
+        h = ht._internode_handle(
+            in_rank[me],
+            rank_prefix[:, me].contiguous(),
+            channel_prefix,
+            rcp,
+            send_head,
+            num_recv,
+            (self_begin, int(counts[me, me])),
+        )
         assert len(h) == 10
         assert torch.equal(h[0], in_rank[me])
         assert torch.equal(h[1], channel_prefix) and torch.equal(h[2], channel_prefix)
@@ -89,8 +97,9 @@ def test_internode_handle_with_num_worst_tokens_pads_rows():
     assert bool((head[from0:num_recv] == -1).all())  # rank 1's own rows are not forwarded
 
 
-@pytest.mark.parametrize("world,rpn,n_tokens,seed", [(4, 2, [37, 21, 0, 15], 4),
-                                                     (8, 4, [9, 30, 12, 5, 22, 0, 17, 8], 5)])
+@pytest.mark.parametrize(
+    "world,rpn,n_tokens,seed", [(4, 2, [37, 21, 0, 15], 4), (8, 4, [9, 30, 12, 5, 22, 0, 17, 8], 5)]
+)
 def test_forwarding_handle_matches_deepep_definitions(world, rpn, n_tokens, seed):
     """With forwarders (CudaHT._forwarding_handle): the kernels' matrices pass through in DeepEP's slots, the receive
     prefix is this rank's column of the rank prefix, recv_src_meta is the kernels' (node, mask) pairs as bytes, and
@@ -100,13 +109,15 @@ def test_forwarding_handle_matches_deepep_definitions(world, rpn, n_tokens, seed
     g = torch.Generator().manual_seed(seed + 100)
     for me in range(world):
         counts, rank_prefix, channel_prefix, rcp, _ = _kernel_outputs(in_rank, me, 3)
-        fwd = tuple(torch.randint(0, 50, shape, generator=g, dtype=torch.int32) for shape in ((nodes, 3),) * 2 +
-                    ((nodes,),))
+        fwd = tuple(
+            torch.randint(0, 50, shape, generator=g, dtype=torch.int32) for shape in ((nodes, 3),) * 2 + ((nodes,),)
+        )
         meta = torch.randint(-1, 9, (int(counts[:, me].sum()), 2), generator=g, dtype=torch.int32)
         nvl_head = torch.randint(-1, 20, (11, 8), generator=g, dtype=torch.int32)
         ht = _ht(me, nodes, rpn)
-        h = ht._forwarding_handle(in_rank[me], rank_prefix[:, me].contiguous(), channel_prefix, rcp, fwd, meta,
-                                  nvl_head)
+        h = ht._forwarding_handle(
+            in_rank[me], rank_prefix[:, me].contiguous(), channel_prefix, rcp, fwd, meta, nvl_head
+        )
         assert len(h) == 10
         assert h[0] is in_rank[me] and h[1] is fwd[0] and h[2] is channel_prefix and h[3] is fwd[1]
         assert h[4] is fwd[2] and h[5] is rcp and h[9] is nvl_head
@@ -117,7 +128,7 @@ def test_forwarding_handle_matches_deepep_definitions(world, rpn, n_tokens, seed
         for n in range(nodes):
             k = 0
             for t in range(n_tokens[me]):
-                if bool(in_rank[me][t, n * rpn:(n + 1) * rpn].any()):
+                if bool(in_rank[me][t, n * rpn : (n + 1) * rpn].any()):
                     expected[t, n] = k
                     k += 1
         assert torch.equal(h[8], expected)
@@ -129,7 +140,7 @@ def _signature(method):
     from portep import native
 
     text = getattr(native.HTKernels, method).__doc__.splitlines()[0]
-    params = text[text.index("*, ") + 3:text.rindex(") ->")].split(", ")
+    params = text[text.index("*, ") + 3 : text.rindex(") ->")].split(", ")
     names = [p.split(":")[0] for p in params]
     return set(names), {n for n, p in zip(names, params) if " = " not in p}
 
@@ -167,8 +178,9 @@ def _recording_ht(R, L, rank, counts=None):
     assert native.HT_NVL_HEAD_COLUMNS == ht.native.HT_NVL_HEAD_COLUMNS
     ht.native, ht.num_ranks, ht.device_sms, ht.timeout_s, ht.ticket = native, R, 132, 1.0, 0
     ht.proxy = L < R
-    ht.layout = native.HTLayout(num_ranks=R, ranks_per_node=L, proxy=ht.proxy, ctrl_off=1 << 30, area_off=0,
-                                area_bytes=1 << 28)
+    ht.layout = native.HTLayout(
+        num_ranks=R, ranks_per_node=L, proxy=ht.proxy, ctrl_off=1 << 30, area_off=0, area_bytes=1 << 28
+    )
     ht.forward = ht.layout.forwarding
     ht.owner.raw_stream = lambda: 1234
     ht.owner.lockstep = types.SimpleNamespace(sending=lambda: None)
@@ -200,18 +212,33 @@ def test_dispatch_and_combine_name_every_tensor_they_pass():
     recv_x, _, recv_idx, recv_w, counts, handle = ht.dispatch(x, None, idx, w, in_rank, per_expert, 1, 0, C, None)
     (_, n), (_, d) = ht.kernels.calls
     rank_prefix, channel_prefix, rcp, src_idx, _, send_head = handle
-    assert n == dict(channels=C, stream=1234, is_token_in_rank=in_rank.data_ptr(), count_mode=True,
-                     tokens_per_expert=n["tokens_per_expert"], num_tokens=N, num_experts=E,
-                     recv_rank_prefix=n["recv_rank_prefix"], rank_prefix=rank_prefix.data_ptr(),
-                     channel_prefix=channel_prefix.data_ptr(),
-                     recv_channel_prefix=rcp.data_ptr(), node_channel_prefix=0, fwd_channel_prefix=0,
-                     fwd_rank_prefix=0, ticket=1)
+    assert n == dict(
+        channels=C,
+        stream=1234,
+        is_token_in_rank=in_rank.data_ptr(),
+        count_mode=True,
+        tokens_per_expert=n["tokens_per_expert"],
+        num_tokens=N,
+        num_experts=E,
+        recv_rank_prefix=n["recv_rank_prefix"],
+        rank_prefix=rank_prefix.data_ptr(),
+        channel_prefix=channel_prefix.data_ptr(),
+        recv_channel_prefix=rcp.data_ptr(),
+        node_channel_prefix=0,
+        fwd_channel_prefix=0,
+        fwd_rank_prefix=0,
+        ticket=1,
+    )
     assert counts == [3] * (E // R) and recv_x.shape == (30, H) and recv_idx.shape == recv_w.shape == (30, K)
     assert d["x"] == x.data_ptr() and d["row_bytes"] == 2 * H and d["num_tokens"] == N and d["num_topk"] == K
     assert n["recv_rank_prefix"] not in (0, rank_prefix.data_ptr())  # one node: the vector and the [R][R] matrix
     assert d["recv_prefix"] == n["recv_rank_prefix"] and d["recv_prefix_stride"] == 1
-    assert (d["recv_x"], d["max_recv"], d["recv_topk_idx"], d["recv_topk_weights"]) == \
-        (recv_x.data_ptr(), 30, recv_idx.data_ptr(), recv_w.data_ptr())
+    assert (d["recv_x"], d["max_recv"], d["recv_topk_idx"], d["recv_topk_weights"]) == (
+        recv_x.data_ptr(),
+        30,
+        recv_idx.data_ptr(),
+        recv_w.data_ptr(),
+    )
     assert d["topk_idx"] == idx.data_ptr() and d["num_local_experts"] == E // R and d["scales"] == 0
     assert (d["recv_src_idx"], d["send_head"], d["nvl_head"]) == (src_idx.data_ptr(), send_head.data_ptr(), 0)
 
@@ -220,8 +247,11 @@ def test_dispatch_and_combine_name_every_tensor_they_pass():
     recv, recv_scales = ht.dispatch(x, scales, None, None, None, None, 1, 0, C, handle)[:2]
     (_, n), (_, d) = ht.kernels.calls
     assert n == dict(channels=C, stream=1234, is_token_in_rank=in_rank.data_ptr())
-    assert (d["channel_prefix"], d["recv_channel_prefix"], d["max_recv"]) == \
-        (channel_prefix.data_ptr(), rcp.data_ptr(), src_idx.size(0))
+    assert (d["channel_prefix"], d["recv_channel_prefix"], d["max_recv"]) == (
+        channel_prefix.data_ptr(),
+        rcp.data_ptr(),
+        src_idx.size(0),
+    )
     assert (d["scales"], d["num_scales"], d["recv_scales"]) == (scales.data_ptr(), 4, recv_scales.data_ptr())
     assert d["recv_x"] == recv.data_ptr() and d["topk_idx"] == d["num_topk"] == d["recv_topk_idx"] == 0
 
@@ -232,8 +262,11 @@ def test_dispatch_and_combine_name_every_tensor_they_pass():
     assert n == dict(channels=C, stream=1234, is_token_in_rank=in_rank.data_ptr())
     assert (c["x"], c["hidden"], c["num_tokens"], c["num_topk"]) == (recv_x.data_ptr(), H, N, K)
     assert (c["out"], c["out_weights"], c["topk_weights"]) == (out.data_ptr(), out_w.data_ptr(), recv_w.data_ptr())
-    assert (c["bias0"], c["bias1"], c["recv_channel_prefix"]) == (bias[0].data_ptr(), bias[1].data_ptr(),
-                                                                  rcp.data_ptr())
+    assert (c["bias0"], c["bias1"], c["recv_channel_prefix"]) == (
+        bias[0].data_ptr(),
+        bias[1].data_ptr(),
+        rcp.data_ptr(),
+    )
     assert c["fwd_channel_prefix"] == c["fwd_rank_prefix"] == c["nvl_head"] == 0
 
 
@@ -245,17 +278,27 @@ def test_forwarding_passes_the_node_matrices_both_ways():
     recv_x, _, _, recv_w, _, handle = ht.dispatch(x, None, idx, w, in_rank, per_expert, 1, worst, C, None)
     (_, n), (_, d) = ht.kernels.calls
     assert n["max_recv"] == worst and "ticket" not in n
-    assert (n["node_channel_prefix"], n["fwd_channel_prefix"], n["fwd_rank_prefix"]) == \
-        (handle[1].data_ptr(), handle[3].data_ptr(), handle[4].data_ptr())
-    assert (d["fwd_channel_prefix"], d["fwd_rank_prefix"], d["nvl_head"], d["nvl_rows"]) == \
-        (handle[3].data_ptr(), handle[4].data_ptr(), handle[9].data_ptr(), worst * L)
+    assert (n["node_channel_prefix"], n["fwd_channel_prefix"], n["fwd_rank_prefix"]) == (
+        handle[1].data_ptr(),
+        handle[3].data_ptr(),
+        handle[4].data_ptr(),
+    )
+    assert (d["fwd_channel_prefix"], d["fwd_rank_prefix"], d["nvl_head"], d["nvl_rows"]) == (
+        handle[3].data_ptr(),
+        handle[4].data_ptr(),
+        handle[9].data_ptr(),
+        worst * L,
+    )
     assert d["recv_src_meta"] == handle[7].data_ptr() and d["recv_src_idx"] == d["send_head"] == 0
     assert n["rank_prefix"] == 0  # several nodes: no [R][R] matrix, the receive prefix vector is the handle's
     assert d["recv_prefix"] == n["recv_rank_prefix"] == handle[6].data_ptr() and d["recv_prefix_stride"] == 1
     ht.kernels.calls.clear()
     ht.combine(recv_x, handle, recv_w, ())
-    (_, c), = [call for call in ht.kernels.calls if call[0] == "combine"]
-    assert (c["fwd_channel_prefix"], c["fwd_rank_prefix"], c["nvl_head"]) == \
-        (handle[3].data_ptr(), handle[4].data_ptr(), handle[9].data_ptr())
+    ((_, c),) = [call for call in ht.kernels.calls if call[0] == "combine"]
+    assert (c["fwd_channel_prefix"], c["fwd_rank_prefix"], c["nvl_head"]) == (
+        handle[3].data_ptr(),
+        handle[4].data_ptr(),
+        handle[9].data_ptr(),
+    )
     assert c["recv_prefix"] == handle[6].data_ptr() and c["recv_prefix_stride"] == 1
     assert c["recv_channel_prefix"] == handle[5].data_ptr() and c["is_token_in_rank"] == handle[0].data_ptr()

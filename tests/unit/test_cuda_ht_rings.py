@@ -14,8 +14,14 @@ pytestmark = ci_expect.needs("cuda-kernels", native.build_info()["gpu_built"], "
 
 
 def _layout(num_ranks, area_bytes, proxy, ranks_per_node):
-    return native.HTLayout(num_ranks=num_ranks, ranks_per_node=ranks_per_node, proxy=proxy, ctrl_off=area_bytes,
-                           area_off=0, area_bytes=area_bytes)
+    return native.HTLayout(
+        num_ranks=num_ranks,
+        ranks_per_node=ranks_per_node,
+        proxy=proxy,
+        ctrl_off=area_bytes,
+        area_off=0,
+        area_bytes=area_bytes,
+    )
 
 
 def _ht(num_ranks, normal_bytes, proxy, sms=132, ranks_per_node=None):
@@ -45,8 +51,13 @@ def test_control_area_table_is_contiguous_aligned_and_sized_by_peers_not_ranks(R
     c, slot = native.ht_ctrl_layout(R, L), native.HT_SLOT_LAYOUT
     C = native.HT_MAX_CHANNELS
     order = ["slots", "tails", "outgoing", "heads", "fwd_tails", "fwd_heads", "scratch", "bytes"]
-    sizes = {"slots": 2 * R * c["slot_bytes"], "outgoing": 2 * R * c["slot_bytes"], "scratch": 16,
-             "fwd_tails": 2 * 8 * L * C, "fwd_heads": 2 * 8 * L * C}
+    sizes = {
+        "slots": 2 * R * c["slot_bytes"],
+        "outgoing": 2 * R * c["slot_bytes"],
+        "scratch": 16,
+        "fwd_tails": 2 * 8 * L * C,
+        "fwd_heads": 2 * 8 * L * C,
+    }
     assert c["word_table_bytes"] == 8 * (L + R // L) * C  # a word per (peer index, channel)
     for a, b in zip(order, order[1:]):
         assert c[b] - c[a] == sizes.get(a, 2 * c["word_table_bytes"]), (a, b)
@@ -55,8 +66,13 @@ def test_control_area_table_is_contiguous_aligned_and_sized_by_peers_not_ranks(R
     assert c["bytes"] == 4 * R * slot["bytes"] + 2048 * (L + R // L) + 2048 * L + 16 < 64 << 20  # docs/backends.md
     lay = native.HTLayout(num_ranks=R, ranks_per_node=L, proxy=R > L, ctrl_off=1 << 30, area_off=0, area_bytes=1 << 20)
     assert lay.ctrl_bytes == c["bytes"]
-    fields = [("flag", 8), ("counts", 4 * native.HT_MAX_NODE_RANKS), ("channels", 4 * C), ("node_channels", 4 * C),
-              ("experts", 4 * native.HT_MAX_LOCAL_EXPERTS)]
+    fields = [
+        ("flag", 8),
+        ("counts", 4 * native.HT_MAX_NODE_RANKS),
+        ("channels", 4 * C),
+        ("node_channels", 4 * C),
+        ("experts", 4 * native.HT_MAX_LOCAL_EXPERTS),
+    ]
     for (a, size), (b, _) in zip(fields, fields[1:] + [("bytes", 0)]):
         assert slot[b] - slot[a] >= size and slot[a] % 4 == 0, (a, b)
     assert slot["bytes"] == c["slot_bytes"] and slot["bytes"] % native.HT_ALIGN == 0
@@ -66,15 +82,21 @@ def test_control_area_table_is_contiguous_aligned_and_sized_by_peers_not_ranks(R
 def test_signal_streams_are_consecutive_from_the_base():
     s = native.HT_STREAMS
     C = native.HT_MAX_CHANNELS
-    assert [s[k] for k in ("notify", "dispatch_data", "combine_data", "dispatch_credits", "combine_credits")] == \
-        [0, 1, 1 + C, 1 + 2 * C, 1 + 3 * C]
+    assert [s[k] for k in ("notify", "dispatch_data", "combine_data", "dispatch_credits", "combine_credits")] == [
+        0,
+        1,
+        1 + C,
+        1 + 2 * C,
+        1 + 3 * C,
+    ]
     assert native.HT_NUM_STREAMS == 1 + 4 * C
 
 
 @pytest.mark.parametrize("proxy", [False, True])
 def test_areas_split_for_staging_only_with_proxy_peers(proxy):
-    lay = native.HTLayout(num_ranks=4, ranks_per_node=2 if proxy else 4, proxy=proxy, ctrl_off=0, area_off=1 << 20,
-                          area_bytes=1000016)
+    lay = native.HTLayout(
+        num_ranks=4, ranks_per_node=2 if proxy else 4, proxy=proxy, ctrl_off=0, area_off=1 << 20, area_bytes=1000016
+    )
     assert lay.recv_off == 1 << 20
     if proxy:
         assert lay.recv_bytes == 1000016 // 2 // 16 * 16 and lay.stage_off == lay.recv_off + lay.recv_bytes
@@ -96,23 +118,33 @@ def test_row_sizes_follow_their_definitions():
     assert native.HTLayout.chunk_bytes(4112) == native.HT_CHUNK_ROWS * 4112
 
 
-@pytest.mark.parametrize("kwargs,match", [
-    (dict(num_ranks=9, ranks_per_node=9), "1 to 8 ranks per node"),
-    (dict(num_ranks=129, ranks_per_node=1), "129 nodes; the normal mode runs at most 128 nodes"),
-    (dict(num_ranks=1032, ranks_per_node=8), "at most 128 nodes"),
-    (dict(num_ranks=6, ranks_per_node=4), "must divide"),
-    (dict(ctrl_off=8), "multiples of 16"),
-    (dict(area_bytes=1000), "multiples of 16"),
-    (dict(ctrl_off=1 << 20), "overlaps"),
-])
+@pytest.mark.parametrize(
+    "kwargs,match",
+    [
+        (dict(num_ranks=9, ranks_per_node=9), "1 to 8 ranks per node"),
+        (dict(num_ranks=129, ranks_per_node=1), "129 nodes; the normal mode runs at most 128 nodes"),
+        (dict(num_ranks=1032, ranks_per_node=8), "at most 128 nodes"),
+        (dict(num_ranks=6, ranks_per_node=4), "must divide"),
+        (dict(ctrl_off=8), "multiples of 16"),
+        (dict(area_bytes=1000), "multiples of 16"),
+        (dict(ctrl_off=1 << 20), "overlaps"),
+    ],
+)
 def test_layout_refuses_what_the_kernels_cannot_address(kwargs, match):
     args = dict(num_ranks=4, ranks_per_node=4, proxy=False, ctrl_off=0, area_off=1 << 20, area_bytes=1 << 20)
     with pytest.raises(ValueError, match=match):
         native.HTLayout(**{**args, **kwargs})
 
 
-@pytest.mark.parametrize("R,C,row_bytes,nbytes,proxy", [(2, 12, 14448, 100712960, False), (8, 10, 7264, 1 << 28, False),
-                                                         (2, 2, 2160, 600064, True), (4, 64, 2080, 3 << 27, True)])
+@pytest.mark.parametrize(
+    "R,C,row_bytes,nbytes,proxy",
+    [
+        (2, 12, 14448, 100712960, False),
+        (8, 10, 7264, 1 << 28, False),
+        (2, 2, 2160, 600064, True),
+        (4, 64, 2080, 3 << 27, True),
+    ],
+)
 def test_ring_rows_fill_the_area_in_whole_chunks(R, C, row_bytes, nbytes, proxy):
     ht = _ht(R, nbytes, proxy)
     rows = ht._ring_rows(row_bytes, C, "dispatch")
@@ -159,8 +191,9 @@ def test_deepep_hint_buffer_holds_its_test_shape_without_wrapping():
     assert rows >= -(-4096 // 12)  # a channel's rows from the peer fit in its ring: no sender ever waits
 
 
-@pytest.mark.parametrize("R,L,C,row_bytes,nbytes", [(4, 2, 10, 2336, 1 << 28), (8, 4, 6, 28704, 1 << 30),
-                                                    (8, 2, 3, 1040, 8 << 20)])
+@pytest.mark.parametrize(
+    "R,L,C,row_bytes,nbytes", [(4, 2, 10, 2336, 1 << 28), (8, 4, 6, 28704, 1 << 30), (8, 2, 3, 1040, 8 << 20)]
+)
 def test_forwarding_adds_a_forward_ring_per_local_rank_and_channel(R, L, C, row_bytes, nbytes):
     # ht_layout.h: with forwarding the receive area holds the peer rings [L - 1 + Nn - 1][C] and the forward rings
     # [L][C]

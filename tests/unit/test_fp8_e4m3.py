@@ -31,15 +31,17 @@ def _e4m3_values():
 
 def test_every_float32_pattern_below_448_matches_torch_on_a_dense_sweep():
     # Every 61st bit pattern from 2^-13 up to 448 (a prime stride, so every mantissa residue is hit), both signs.
-    lo = torch.tensor([2.0 ** -13], dtype=torch.float32).view(torch.int32).item()
+    lo = torch.tensor([2.0**-13], dtype=torch.float32).view(torch.int32).item()
     hi = torch.tensor([MAX_E4M3], dtype=torch.float32).view(torch.int32).item()
     bits = torch.arange(lo, hi, 61, dtype=torch.int32)
     values = bits.view(torch.float32)
     values = torch.cat([values, -values])
     got, want = _native(values), _torch(values)
     bad = torch.nonzero(got != want)[:, 0]
-    assert bad.numel() == 0, (f"{bad.numel()} of {values.numel()} differ, e.g. {values[bad[:5]].tolist()}: "
-                              f"{got[bad[:5]].tolist()} vs torch {want[bad[:5]].tolist()}")
+    assert bad.numel() == 0, (
+        f"{bad.numel()} of {values.numel()} differ, e.g. {values[bad[:5]].tolist()}: "
+        f"{got[bad[:5]].tolist()} vs torch {want[bad[:5]].tolist()}"
+    )
 
 
 def test_halfway_points_round_to_even_and_their_neighbours_round_to_nearest():
@@ -69,15 +71,31 @@ def test_random_values_in_every_binade_match_torch():
 
 
 def test_tiny_values_and_zeros_keep_their_sign():
-    values = torch.tensor([0.0, -0.0, 1e-45, -1e-45, 2.0 ** -11, -(2.0 ** -11), 2.0 ** -10, 2.0 ** -10 * 1.0001,
-                           2.0 ** -9, 3 * 2.0 ** -10, -3 * 2.0 ** -10, 2.0 ** -6 - 2.0 ** -20], dtype=torch.float32)
+    values = torch.tensor(
+        [
+            0.0,
+            -0.0,
+            1e-45,
+            -1e-45,
+            2.0**-11,
+            -(2.0**-11),
+            2.0**-10,
+            2.0**-10 * 1.0001,
+            2.0**-9,
+            3 * 2.0**-10,
+            -3 * 2.0**-10,
+            2.0**-6 - 2.0**-20,
+        ],
+        dtype=torch.float32,
+    )
     assert _native(values).tolist() == [0x00, 0x80, 0x00, 0x80, 0x00, 0x80, 0x00, 0x01, 0x01, 0x02, 0x82, 0x08]
     assert torch.equal(_native(values), _torch(values))
 
 
 def test_saturation_and_nan_as_cuda_satfinite():
-    values = torch.tensor([448.0, 449.0, 463.99, 464.0, 480.0, 1e30, math.inf, -448.0, -500.0, -math.inf],
-                          dtype=torch.float32)
+    values = torch.tensor(
+        [448.0, 449.0, 463.99, 464.0, 480.0, 1e30, math.inf, -448.0, -500.0, -math.inf], dtype=torch.float32
+    )
     assert _native(values).tolist() == [0x7E] * 7 + [0xFE] * 3
     nan = _native(torch.tensor([math.nan, -math.nan], dtype=torch.float32))
     assert torch.isnan(nan.view(torch.float8_e4m3fn).to(torch.float32)).all()

@@ -31,7 +31,15 @@ NATIVE = {
 KIND_MASK = 0b11 << 30
 WORD_MASK = 0xFFFFFFFF
 DECODED_DEFAULTS = {
-    "stream": 0, "epoch": 0, "units": 0, "final": False, "slot": 0, "seq": 0, "value": 0, "op": 0, "arg": 0,
+    "stream": 0,
+    "epoch": 0,
+    "units": 0,
+    "final": False,
+    "slot": 0,
+    "seq": 0,
+    "value": 0,
+    "op": 0,
+    "arg": 0,
 }
 
 

@@ -15,8 +15,11 @@ from portep import native
 
 torch = pytest.importorskip("torch")
 BUILT = native.build_info().get("ll_fast_path_torch")
-pytestmark = ci_expect.needs("ll-fast-path", BUILT == torch.__version__,
-                             f"portep._ll_torch is built against torch {BUILT or '(none)'}, not {torch.__version__}")
+pytestmark = ci_expect.needs(
+    "ll-fast-path",
+    BUILT == torch.__version__,
+    f"portep._ll_torch is built against torch {BUILT or '(none)'}, not {torch.__version__}",
+)
 _ll_torch = importlib.import_module("portep._ll_torch") if BUILT == torch.__version__ else None
 
 NO_TABLE = types.SimpleNamespace(table_address=0)
@@ -42,8 +45,9 @@ class Recorder:
 
 def _calls(buffer, lockstep=None):
     full_dispatch, full_combine = Recorder("full dispatch"), Recorder("full combine")
-    calls = _ll_torch.LLCalls(NO_TABLE, lockstep or Lockstep(), buffer, object, lambda results: None, full_dispatch,
-                              full_combine)
+    calls = _ll_torch.LLCalls(
+        NO_TABLE, lockstep or Lockstep(), buffer, object, lambda results: None, full_dispatch, full_combine
+    )
     return calls, full_dispatch, full_combine
 
 
@@ -64,8 +68,12 @@ def test_declined_calls_reach_the_python_methods_with_their_arguments_as_they_ca
     cases = [
         (calls.dispatch, full_dispatch, (x, idx, 8, 16), {}),
         (calls.dispatch, full_dispatch, (x, idx, 8, 16, stats), {"use_fp8": False, "round_scale": True}),
-        (calls.dispatch, full_dispatch, (x,), {"num_experts": 16, "topk_idx": idx, "async_finish": True,
-                                               "num_max_dispatch_tokens_per_rank": 8}),
+        (
+            calls.dispatch,
+            full_dispatch,
+            (x,),
+            {"num_experts": 16, "topk_idx": idx, "async_finish": True, "num_max_dispatch_tokens_per_rank": 8},
+        ),
         (calls.combine, full_combine, (x, idx, weights, handle), {"zero_copy": True, "out": x}),
         (calls.combine, full_combine, (x, idx, weights, handle, False, False, False, True), {}),
     ]
@@ -80,9 +88,20 @@ def test_declined_calls_reach_the_python_methods_with_their_arguments_as_they_ca
 
 
 def test_arguments_python_cannot_bind_are_left_to_the_python_method():
-    def full_dispatch(self, x, topk_idx, num_max_dispatch_tokens_per_rank, num_experts,
-                      cumulative_local_expert_recv_stats=None, dispatch_wait_recv_cost_stats=None, use_fp8=True,
-                      round_scale=False, use_ue8m0=False, async_finish=False, return_recv_hook=False):
+    def full_dispatch(
+        self,
+        x,
+        topk_idx,
+        num_max_dispatch_tokens_per_rank,
+        num_experts,
+        cumulative_local_expert_recv_stats=None,
+        dispatch_wait_recv_cost_stats=None,
+        use_fp8=True,
+        round_scale=False,
+        use_ue8m0=False,
+        async_finish=False,
+        return_recv_hook=False,
+    ):
         return "bound"
 
     buffer = FakeBuffer()

@@ -18,13 +18,13 @@ def _edge_rows():
     rows = [torch.randn(H, generator=g) * 0.01 for _ in range(6)]
     for group in range(H // 128):
         k = group - 2  # amax = 448 * 2^k, k in -2..1: stored scale exactly 2^k
-        rows[0][group * 128] = 448.0 * 2.0 ** k
+        rows[0][group * 128] = 448.0 * 2.0**k
     rows[1] = torch.full((H,), 3e-5) * torch.sign(torch.randn(H, generator=g))  # amax below the clamp
     rows[2][::128] = 448.0  # the others scale to E4M3 subnormals (below 2^-6)
-    rows[2][1::128] = -2.0 ** -8
+    rows[2][1::128] = -(2.0**-8)
     rows[3] = -rows[3].abs()  # all negative
-    rows[4][::64] = 1.0 + 2.0 ** -7  # amax just above a power of two
-    rows[5][::64] = 448.0 * (1 - 2.0 ** -8)  # amax just below 448
+    rows[4][::64] = 1.0 + 2.0**-7  # amax just above a power of two
+    rows[5][::64] = 448.0 * (1 - 2.0**-8)  # amax just below 448
     random = torch.randn(64, H, generator=g) * torch.logspace(-3, 3, 64).unsqueeze(1)
     return torch.cat([torch.stack(rows), random]).to(BF16)
 

@@ -86,9 +86,7 @@ class SignalModel:
             units, final = plan[e]
             if not (self.signalled[key][e] and self.arrived[key][e] == units):
                 break
-            assert all(self.signalled[key][:e]) and all(
-                self.arrived[key][j] == plan[j][0] for j in range(e)
-            )
+            assert all(self.signalled[key][:e]) and all(self.arrived[key][j] == plan[j][0] for j in range(e))
             out.append((key[0], key[1], units, final))
             self.next_release[key] += 1
             self.held -= 1

@@ -226,8 +226,15 @@ def test_random_out_of_range_values_never_encode(seed):
 
 @pytest.mark.parametrize(
     "field,value",
-    [("op", 1 << 32), ("flags", 1 << 32), ("dst_rank", -1), ("size", -16), ("stream", -1),
-     ("remote_off", 1 << 64), ("local_off", -16)],
+    [
+        ("op", 1 << 32),
+        ("flags", 1 << 32),
+        ("dst_rank", -1),
+        ("size", -16),
+        ("stream", -1),
+        ("remote_off", 1 << 64),
+        ("local_off", -16),
+    ],
 )
 def test_unrepresentable_values_are_refused_not_wrapped(field, value):
     fields = dict(valid_base(), **{field: value})

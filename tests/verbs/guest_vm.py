@@ -18,9 +18,25 @@ from pathlib import Path
 
 VERIFIED_KERNEL = "linux-image-6.1.0-"
 CACHE = Path(os.environ.get("PORTEP_GUEST_CACHE", Path.home() / ".cache" / "portep-guest"))
-MODULES = ["virtio_ring", "virtio", "virtio_pci_modern_dev", "virtio_pci_legacy_dev", "virtio_pci", "netfs",
-           "fscache", "9pnet", "9p", "9pnet_virtio", "crc32_generic", "udp_tunnel", "ip6_udp_tunnel", "ib_core",
-           "ib_uverbs", "rdma_rxe", "veth"]
+MODULES = [
+    "virtio_ring",
+    "virtio",
+    "virtio_pci_modern_dev",
+    "virtio_pci_legacy_dev",
+    "virtio_pci",
+    "netfs",
+    "fscache",
+    "9pnet",
+    "9p",
+    "9pnet_virtio",
+    "crc32_generic",
+    "udp_tunnel",
+    "ip6_udp_tunnel",
+    "ib_core",
+    "ib_uverbs",
+    "rdma_rxe",
+    "veth",
+]
 PACKAGES = {"qemu-system-x86_64": "qemu-system-x86", "busybox": "busybox-static", "cpio": "cpio", "rdma": "iproute2"}
 
 INIT = """#!/bin/busybox sh
@@ -75,10 +91,13 @@ def _kernel_dir():
     CACHE.mkdir(parents=True, exist_ok=True)
     debs = sorted(CACHE.glob("linux-image-*-amd64_*.deb"), key=lambda p: _version_key(p.name))
     if not debs:
-        names = subprocess.run(["apt-cache", "search", "--names-only", r"^linux-image-[0-9][0-9.]*-[0-9]+-amd64$"],
-                               capture_output=True, text=True, check=True).stdout.split()
-        pkgs = sorted((n for n in names if re.fullmatch(r"linux-image-[0-9][0-9.]*-[0-9]+-amd64", n)),
-                      key=_version_key)
+        names = subprocess.run(
+            ["apt-cache", "search", "--names-only", r"^linux-image-[0-9][0-9.]*-[0-9]+-amd64$"],
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout.split()
+        pkgs = sorted((n for n in names if re.fullmatch(r"linux-image-[0-9][0-9.]*-[0-9]+-amd64", n)), key=_version_key)
         preferred = [n for n in pkgs if n.startswith(VERIFIED_KERNEL)] or pkgs
         if not preferred:
             raise RuntimeError("apt offers no linux-image-*-amd64 package for the verbs guest")
@@ -133,8 +152,9 @@ def _initramfs(modules):
         init.write_text(INIT.format(modules=" ".join(present)))
         init.chmod(0o755)
         files = subprocess.run("find . -print0", shell=True, cwd=d, capture_output=True, check=True).stdout
-        cpio = subprocess.run(["cpio", "--null", "-o", "-H", "newc", "--quiet"], input=files, cwd=d,
-                              capture_output=True, check=True).stdout
+        cpio = subprocess.run(
+            ["cpio", "--null", "-o", "-H", "newc", "--quiet"], input=files, cwd=d, capture_output=True, check=True
+        ).stdout
         out.write_bytes(gzip.compress(cpio))
     return out
 
@@ -151,13 +171,34 @@ def run_in_guest(command, cwd, timeout=900):
     initrd = _initramfs(modules)
     with tempfile.TemporaryDirectory(prefix="portep-guest-") as out:
         out = Path(out)
-        (out / "guest.sh").write_text(GUEST_SH.format(path=os.environ.get("PATH", "/usr/bin:/bin"), cwd=cwd,
-                                                      command=command))
-        qemu = ["qemu-system-x86_64", "-accel", "tcg,thread=multi", "-cpu", "max", "-m", "3072", "-smp", "2",
-                "-nographic", "-no-reboot", "-nic", "none", "-kernel", str(vmlinuz), "-initrd", str(initrd),
-                "-append", "console=ttyS0 quiet panic=-1",
-                "-virtfs", "local,path=/,mount_tag=hostroot,security_model=none,readonly=on,multidevs=remap",
-                "-virtfs", f"local,path={out},mount_tag=out,security_model=none"]
+        (out / "guest.sh").write_text(
+            GUEST_SH.format(path=os.environ.get("PATH", "/usr/bin:/bin"), cwd=cwd, command=command)
+        )
+        qemu = [
+            "qemu-system-x86_64",
+            "-accel",
+            "tcg,thread=multi",
+            "-cpu",
+            "max",
+            "-m",
+            "3072",
+            "-smp",
+            "2",
+            "-nographic",
+            "-no-reboot",
+            "-nic",
+            "none",
+            "-kernel",
+            str(vmlinuz),
+            "-initrd",
+            str(initrd),
+            "-append",
+            "console=ttyS0 quiet panic=-1",
+            "-virtfs",
+            "local,path=/,mount_tag=hostroot,security_model=none,readonly=on,multidevs=remap",
+            "-virtfs",
+            f"local,path={out},mount_tag=out,security_model=none",
+        ]
         start = time.monotonic()
         try:
             console = subprocess.run(qemu, capture_output=True, text=True, timeout=timeout).stdout
@@ -171,7 +212,9 @@ def run_in_guest(command, cwd, timeout=900):
         if not rc_file.exists():
             output += f"\n[the guest wrote no exit status; console tail]\n{console[-4000:]}"
         if "portep-guest: rxe0 is up" not in output and not modules.name.startswith("6.1.0-"):
-            raise GuestUnavailable(f"soft-RoCE did not come up in a guest with kernel {modules.name} (the recipe is "
-                                   f"verified with Debian's 6.1 kernels, which this machine's apt does not offer):\n"
-                                   f"{output[-2000:]}")
+            raise GuestUnavailable(
+                f"soft-RoCE did not come up in a guest with kernel {modules.name} (the recipe is "
+                f"verified with Debian's 6.1 kernels, which this machine's apt does not offer):\n"
+                f"{output[-2000:]}"
+            )
         return rc, output, seconds

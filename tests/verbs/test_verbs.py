@@ -28,9 +28,16 @@ needs_verbs = ci_expect.needs("verbs", verbs_built, VERBS.get("reason", ""))
 
 def in_guest(test):
     """Marks of the tests that boot the soft-RoCE guest."""
-    marks = [pytest.mark.verbs, pytest.mark.slow, needs_verbs,
-             ci_expect.needs("verbs-guest", os.geteuid() == 0 or shutil.which("qemu-system-x86_64") is not None,
-                             "no qemu-system-x86_64 (the guest installs it with apt when run as root)")]
+    marks = [
+        pytest.mark.verbs,
+        pytest.mark.slow,
+        needs_verbs,
+        ci_expect.needs(
+            "verbs-guest",
+            os.geteuid() == 0 or shutil.which("qemu-system-x86_64") is not None,
+            "no qemu-system-x86_64 (the guest installs it with apt when run as root)",
+        ),
+    ]
     for mark in reversed(marks):
         test = mark(test)
     return test
@@ -47,8 +54,7 @@ def run_script_in_guest(script, timeout):
 
     if not _guest_unavailable:
         try:
-            rc, output, seconds = guest_vm.run_in_guest(f"{sys.executable} {HERE}/{script}", cwd=HERE,
-                                                        timeout=timeout)
+            rc, output, seconds = guest_vm.run_in_guest(f"{sys.executable} {HERE}/{script}", cwd=HERE, timeout=timeout)
         except guest_vm.GuestUnavailable as exc:
             _guest_unavailable.append(str(exc))
     if _guest_unavailable:
@@ -72,9 +78,22 @@ def test_no_rdma_device_is_a_clean_error():
     if os.path.isdir("/sys/class/infiniband") and os.listdir("/sys/class/infiniband"):
         pytest.skip("this machine has RDMA devices")
     with pytest.raises(RuntimeError, match="verbs: (no RDMA devices|this build has no libibverbs)"):
-        native.Channel(rank=0, num_ranks=1, nbytes=4096, transport="verbs", num_proxy_threads=1, num_fifos=1,
-                       fifo_capacity=64, num_streams=1, max_inflight_cmds=8, max_inflight_bytes=1 << 20,
-                       timeout_s=5.0, unordered_window=8, seed=0, skip_ordering=False)
+        native.Channel(
+            rank=0,
+            num_ranks=1,
+            nbytes=4096,
+            transport="verbs",
+            num_proxy_threads=1,
+            num_fifos=1,
+            fifo_capacity=64,
+            num_streams=1,
+            max_inflight_cmds=8,
+            max_inflight_bytes=1 << 20,
+            timeout_s=5.0,
+            unordered_window=8,
+            seed=0,
+            skip_ordering=False,
+        )
 
 
 _inside_run = {}
@@ -89,15 +108,31 @@ def inside_run():
 
 @needs_verbs
 def test_inflight_caps_are_parsed_strictly(monkeypatch):
-    for name, value, allowed in (("PORTEP_IB_MAX_INFLIGHT_BYTES", "1.5M", "1..1099511627776"),
-                                 ("PORTEP_IB_MAX_INFLIGHT_MSGS", "0", "1..65536"),
-                                 ("PORTEP_IB_MAX_INFLIGHT_MSGS", "-3", "1..65536"),
-                                 ("PORTEP_IB_GID_INDEX", "x", "0..255"), ("PORTEP_IB_RETRY_CNT", "8", "0..7")):
+    for name, value, allowed in (
+        ("PORTEP_IB_MAX_INFLIGHT_BYTES", "1.5M", "1..1099511627776"),
+        ("PORTEP_IB_MAX_INFLIGHT_MSGS", "0", "1..65536"),
+        ("PORTEP_IB_MAX_INFLIGHT_MSGS", "-3", "1..65536"),
+        ("PORTEP_IB_GID_INDEX", "x", "0..255"),
+        ("PORTEP_IB_RETRY_CNT", "8", "0..7"),
+    ):
         monkeypatch.setenv(name, value)
         with pytest.raises(RuntimeError, match=f"{name}='{value}' must be a decimal integer in {allowed}"):
-            native.Channel(rank=0, num_ranks=1, nbytes=4096, transport="verbs", num_proxy_threads=1, num_fifos=1,
-                           fifo_capacity=64, num_streams=1, max_inflight_cmds=8, max_inflight_bytes=1 << 20,
-                           timeout_s=5.0, unordered_window=8, seed=0, skip_ordering=False)
+            native.Channel(
+                rank=0,
+                num_ranks=1,
+                nbytes=4096,
+                transport="verbs",
+                num_proxy_threads=1,
+                num_fifos=1,
+                fifo_capacity=64,
+                num_streams=1,
+                max_inflight_cmds=8,
+                max_inflight_bytes=1 << 20,
+                timeout_s=5.0,
+                unordered_window=8,
+                seed=0,
+                skip_ordering=False,
+            )
         monkeypatch.delenv(name)
 
 
@@ -131,10 +166,13 @@ def test_verbs_in_soft_roce_guest():
         for rank, v in enumerate(r["ranks"]):
             assert "exception" not in v, f"{name} rank {rank}:\n{v['exception']}"
     # transport -> (native signals, where the data region went: None for host memory)
-    expected = {"verbs": (True, None), "verbs-striped": (False, None),
-                "verbs+gpu": (False, "GPU data region: peer memory"),
-                "verbs+gpu-no-rdma": (False, "ibv_reg_mr on the device pointer: Bad address"),
-                "verbs-striped+gpu-staged": (False, "GPU memory: GPUDirect RDMA turned off (PORTEP_IB_GPUDIRECT=0)")}
+    expected = {
+        "verbs": (True, None),
+        "verbs-striped": (False, None),
+        "verbs+gpu": (False, "GPU data region: peer memory"),
+        "verbs+gpu-no-rdma": (False, "ibv_reg_mr on the device pointer: Bad address"),
+        "verbs-striped+gpu-staged": (False, "GPU memory: GPUDirect RDMA turned off (PORTEP_IB_GPUDIRECT=0)"),
+    }
     for transport, (native_signals, placement) in expected.items():
         for v in results[f"exact_bytes/{transport}"]["ranks"] + results[f"traffic/{transport}"]["ranks"]:
             assert v["native_signals"] == native_signals
@@ -161,8 +199,9 @@ def test_deepep_suite_over_verbs_in_soft_roce_guest():
     import verbs_deepep_inside
 
     rc, results, output, seconds = run_script_in_guest("verbs_deepep_inside.py", 2400)
-    assert rc == 0 and set(results) == set(verbs_deepep_inside.SCENARIOS), \
+    assert rc == 0 and set(results) == set(verbs_deepep_inside.SCENARIOS), (
         f"guest rc {rc} after {seconds:.0f} s:\n{output[-6000:]}"
+    )
     for name, r in results.items():
         assert "exception" not in r, f"{name}:\n{r['exception']}"
         assert not r["failures"], f"{name}: " + "\n".join(r["failures"])
@@ -186,8 +225,9 @@ def test_incast_under_inflight_caps(transport):
     moves on to the next QP, so deferrals there depend on timing)."""
     receiver, *senders = guest_results(f"incast/{transport}")
     assert receiver["bad"] == [], receiver["bad"]
-    assert len(receiver["slots"]) == 3 * 4 and all(got == want for got, want in receiver["slots"].values()), \
-        receiver["slots"]
+    assert len(receiver["slots"]) == 3 * 4 and all(got == want for got, want in receiver["slots"].values()), receiver[
+        "slots"
+    ]
     for v in senders:
         assert "PORTEP_IB_MAX_INFLIGHT_BYTES=65536, PORTEP_IB_MAX_INFLIGHT_MSGS=2" in v["describe"], v["describe"]
         assert v["deferred"] > 0 or transport == "verbs-striped", v["describe"]

@@ -33,8 +33,13 @@ def pyverbs_missing():
 
 class PeerProcess:
     def __init__(self):
-        self.p = subprocess.Popen([PYVERBS_PYTHON, os.path.join(HERE, "verbs_pyverbs_peer.py")],
-                                  stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        self.p = subprocess.Popen(
+            [PYVERBS_PYTHON, os.path.join(HERE, "verbs_pyverbs_peer.py")],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
 
     def send(self, obj):
         self.p.stdin.write(json.dumps(obj) + "\n")
@@ -45,8 +50,10 @@ class PeerProcess:
         line = self.p.stdout.readline() if ready else ""
         if not line:
             self.p.kill()
-            raise RuntimeError(f"the pyverbs peer said nothing within {timeout} s (exit {self.p.poll()}): "
-                               f"{self.p.stderr.read()[-2000:]}")
+            raise RuntimeError(
+                f"the pyverbs peer said nothing within {timeout} s (exit {self.p.poll()}): "
+                f"{self.p.stderr.read()[-2000:]}"
+            )
         msg = json.loads(line)
         if "error" in msg:
             raise RuntimeError(f"pyverbs peer: {msg['error']}\n{msg.get('traceback', '')}")
@@ -64,20 +71,50 @@ def pyverbs_peer(_C, rank, world, transport, shared, barrier):
     missing = pyverbs_missing()
     if missing:
         return {"skipped": missing}
-    ch = _C.Channel(rank=0, num_ranks=2, nbytes=DATA, transport=transport, num_proxy_threads=CHANNELS, num_fifos=4,
-                    fifo_capacity=1024, num_streams=STREAMS, max_inflight_cmds=64, max_inflight_bytes=1 << 22,
-                    timeout_s=30.0, unordered_window=64, seed=0, skip_ordering=False)
+    ch = _C.Channel(
+        rank=0,
+        num_ranks=2,
+        nbytes=DATA,
+        transport=transport,
+        num_proxy_threads=CHANNELS,
+        num_fifos=4,
+        fifo_capacity=1024,
+        num_streams=STREAMS,
+        max_inflight_cmds=64,
+        max_inflight_bytes=1 << 22,
+        timeout_s=30.0,
+        unordered_window=64,
+        seed=0,
+        skip_ordering=False,
+    )
     qps = int(os.environ.get("PORTEP_IB_QPS_PER_PEER", "4" if transport == "verbs-striped" else "1"))
     gid = re.search(r"GID index (\d+)", ch.describe_peer(1))
     # (stream, epoch, offset, size, signal after it: None, False (not final) or True (final)), in posting order
-    plan_a = [(0, 0, 0, 4096, None), (0, 0, 4096, 100, None), (0, 0, 8192, 3000, False),
-              (0, 1, 12288, 65536, None), (0, 1, 80000, 16, True),
-              (1, 0, 90000, 2048, None), (1, 0, 100000, 7, None), (1, 0, 110000, 1, None), (1, 0, 120000, 512, True)]
+    plan_a = [
+        (0, 0, 0, 4096, None),
+        (0, 0, 4096, 100, None),
+        (0, 0, 8192, 3000, False),
+        (0, 1, 12288, 65536, None),
+        (0, 1, 80000, 16, True),
+        (1, 0, 90000, 2048, None),
+        (1, 0, 100000, 7, None),
+        (1, 0, 110000, 1, None),
+        (1, 0, 120000, 512, True),
+    ]
     peer = PeerProcess()
     try:
-        peer.send({"blob": ch.endpoint_blob().decode("latin-1"), "channels": CHANNELS, "qps_per_peer": qps,
-                   "num_streams": STREAMS, "data_bytes": DATA, "gid_index": int(gid.group(1)) if gid else 0,
-                   "plan_a": plan_a, "atomic_stream": 2})
+        peer.send(
+            {
+                "blob": ch.endpoint_blob().decode("latin-1"),
+                "channels": CHANNELS,
+                "qps_per_peer": qps,
+                "num_streams": STREAMS,
+                "data_bytes": DATA,
+                "gid_index": int(gid.group(1)) if gid else 0,
+                "plan_a": plan_a,
+                "atomic_stream": 2,
+            }
+        )
         hello = peer.recv()
         ch.connect([ch.endpoint_blob(), hello["blob"].encode("latin-1")])
         ch.bootstrap_done()
@@ -86,14 +123,14 @@ def pyverbs_peer(_C, rank, world, transport, shared, barrier):
         mem = memoryview(ch.data_view())
         # (a) signals from the peer's immediates: stream 0 had epochs of 3 and 2 writes, stream 1 one of 4
         slots = {s: ch.wait_signal(1, s, n, 30.0) for s, n in ((0, 5), (1, 4))}
-        bad_a = [off for _, _, off, size, _ in plan_a if bytes(mem[off:off + size]) != pattern(off, size)]
+        bad_a = [off for _, _, off, size, _ in plan_a if bytes(mem[off : off + size]) != pattern(off, size)]
         # (c) the peer's fetch-and-adds of 7, then 2 + the final mark, into slot (src 1, stream 2)
         atomic_slot = ch.wait_signal(1, 2, 9, 30.0) if hello["atomics"] else None
         # (b) portep writes into the peer: streams 3 and 4, mixed sizes, each closed by a final signal
         expect = {3: [(0, 4096), (8192, 1), (16384, 20000)], 4: [(65536, 100), (80000, 40000)]}
         for stream, items in expect.items():
             for off, size in items:
-                mem[DATA // 2 + off:DATA // 2 + off + size] = pattern(100000 + off, size)
+                mem[DATA // 2 + off : DATA // 2 + off + size] = pattern(100000 + off, size)
         peer.send({"expect": expect, "native": ch.native_signals})
         for stream, items in expect.items():
             for off, size in items:
@@ -102,8 +139,15 @@ def pyverbs_peer(_C, rank, world, transport, shared, barrier):
         ch.quiet()
         received = peer.recv()["received"]
         peer.send({"done": True})
-        result = {"slots": slots, "bad_offsets_a": bad_a, "atomic_slot": atomic_slot, "fetched": sent["fetched"],
-                  "received": received, "native_signals": ch.native_signals, "describe": ch.describe_peer(1)}
+        result = {
+            "slots": slots,
+            "bad_offsets_a": bad_a,
+            "atomic_slot": atomic_slot,
+            "fetched": sent["fetched"],
+            "received": received,
+            "native_signals": ch.native_signals,
+            "describe": ch.describe_peer(1),
+        }
         ch.destroy()
         return result
     finally:

@@ -39,10 +39,23 @@ def _channel(_C, rank, world, transport, nbytes, shared, barrier, tamper=None):
     if gpu == "gpu-staged":
         os.environ["PORTEP_IB_GPUDIRECT"] = "0"  # this rank's process only
     device = {"": -1, "gpu-no-rdma": EMULATED_GPU_WITHOUT_RDMA}.get(gpu, EMULATED_GPU)
-    ch = _C.Channel(rank=rank, num_ranks=world, nbytes=nbytes, transport=name, num_proxy_threads=2, num_fifos=8,
-                    fifo_capacity=4096, num_streams=8, max_inflight_cmds=256, max_inflight_bytes=1 << 24,
-                    timeout_s=30.0, unordered_window=64, seed=rank, skip_ordering=False,
-                    device=device)
+    ch = _C.Channel(
+        rank=rank,
+        num_ranks=world,
+        nbytes=nbytes,
+        transport=name,
+        num_proxy_threads=2,
+        num_fifos=8,
+        fifo_capacity=4096,
+        num_streams=8,
+        max_inflight_cmds=256,
+        max_inflight_bytes=1 << 24,
+        timeout_s=30.0,
+        unordered_window=64,
+        seed=rank,
+        skip_ordering=False,
+        device=device,
+    )
     shared[rank] = ch.endpoint_blob()
     barrier.wait()
     blobs = [shared[r] for r in range(world)]
@@ -64,15 +77,16 @@ def exact_bytes(_C, rank, world, transport, shared, barrier):
     ch = _channel(_C, rank, world, transport, 2 * world * block, shared, barrier)
     mem = memoryview(ch.data_view())
     for dst in range(world):
-        mem[dst * block:(dst + 1) * block] = _pattern(rank, dst, block)
+        mem[dst * block : (dst + 1) * block] = _pattern(rank, dst, block)
     for dst in range(world):
         for start in range(0, block, 1024):  # 4 writes per peer, then the final signal
             ch.write(dst, dst * block + start, world * block + rank * block + start, 1024, 1)
         ch.signal(dst, 1, True)
     slots = [ch.wait_signal(src, 1, 4, 30.0) for src in range(world)]
     ch.barrier()
-    bad = [src for src in range(world)
-           if bytes(mem[world * block + src * block:][:block]) != _pattern(src, rank, block)]
+    bad = [
+        src for src in range(world) if bytes(mem[world * block + src * block :][:block]) != _pattern(src, rank, block)
+    ]
     native, placement = ch.native_signals, ch.describe_peer(rank)
     ch.destroy()
     return {"mismatched_sources": bad, "slots": slots, "native_signals": native, "placement": placement}
@@ -86,8 +100,9 @@ def traffic(_C, rank, world, transport, shared, barrier):
 
     def check():
         try:
-            result["check"] = portep_testing.run_checker(ch.native_handle, producers, messages, max_bytes,
-                                                         signal_every, seed, 120.0)
+            result["check"] = portep_testing.run_checker(
+                ch.native_handle, producers, messages, max_bytes, signal_every, seed, 120.0
+            )
         except Exception as exc:  # noqa: BLE001 - reported
             result["error"] = str(exc)
 
@@ -101,10 +116,16 @@ def traffic(_C, rank, world, transport, shared, barrier):
     delayed = sum(s["signals_delayed"] for s in ch.stats())
     ch.destroy()
     check = result.get("check", {})
-    return {"error": result.get("error"), "violations": check.get("violations"),
-            "messages_checked": check.get("messages_checked"), "streams_final": check.get("streams_final"),
-            "commands": produced.get("commands"), "native_signals": native, "signals_delayed": delayed,
-            "placement": placement}
+    return {
+        "error": result.get("error"),
+        "violations": check.get("violations"),
+        "messages_checked": check.get("messages_checked"),
+        "streams_final": check.get("streams_final"),
+        "commands": produced.get("commands"),
+        "native_signals": native,
+        "signals_delayed": delayed,
+        "placement": placement,
+    }
 
 
 def _bad_rkey(rank, blobs):
@@ -168,7 +189,7 @@ def incast(_C, rank, world, transport, shared, barrier):
         base = rank * slice_bytes
         units = [0] * 4
         for i, (off, size, stream) in enumerate(_incast_plan(rank)):
-            mem[base + off:base + off + size] = _incast_bytes(rank, off, size)
+            mem[base + off : base + off + size] = _incast_bytes(rank, off, size)
             ch.write(0, base + off, base + off, size, stream)
             units[stream] += 1
             if i % 7 == 6:
@@ -187,8 +208,11 @@ def incast(_C, rank, world, transport, shared, barrier):
                 ch.wait_signal(src, stream, units, 60.0)
                 slots[f"{src}/{stream}"] = [_final_slot(ch, src, stream, units + (1 << 32)), units + (1 << 32)]
             base = src * slice_bytes
-            bad += [[src, off] for off, size, _ in plan if bytes(mem[base + off:base + off + size]) !=
-                    _incast_bytes(src, off, size)]
+            bad += [
+                [src, off]
+                for off, size, _ in plan
+                if bytes(mem[base + off : base + off + size]) != _incast_bytes(src, off, size)
+            ]
         result = {"slots": slots, "bad": bad}
     ch.barrier()
     ch.destroy()
@@ -223,9 +247,22 @@ def retry_exceeded(_C, rank, world, transport, shared, barrier):
 def bad_gid_index(_C, rank, world, transport, shared, barrier):
     os.environ["PORTEP_IB_GID_INDEX"] = "200"  # an empty entry of rxe's table
     try:
-        _C.Channel(rank=0, num_ranks=1, nbytes=4096, transport=transport, num_proxy_threads=1, num_fifos=1,
-                   fifo_capacity=64, num_streams=1, max_inflight_cmds=8, max_inflight_bytes=1 << 20, timeout_s=5.0,
-                   unordered_window=8, seed=0, skip_ordering=False)
+        _C.Channel(
+            rank=0,
+            num_ranks=1,
+            nbytes=4096,
+            transport=transport,
+            num_proxy_threads=1,
+            num_fifos=1,
+            fifo_capacity=64,
+            num_streams=1,
+            max_inflight_cmds=8,
+            max_inflight_bytes=1 << 20,
+            timeout_s=5.0,
+            unordered_window=8,
+            seed=0,
+            skip_ordering=False,
+        )
         return {"error": None}
     except RuntimeError as exc:
         return {"error": str(exc)}
@@ -246,8 +283,9 @@ def run(fn, transport, world=2, timeout=240):
         shared = manager.dict()
         barrier = ctx.Barrier(world)
         out = ctx.Queue()
-        procs = [ctx.Process(target=_rank_main, args=(fn, r, world, transport, shared, barrier, out))
-                 for r in range(world)]
+        procs = [
+            ctx.Process(target=_rank_main, args=(fn, r, world, transport, shared, barrier, out)) for r in range(world)
+        ]
         start = time.monotonic()
         for p in procs:
             p.start()
@@ -263,21 +301,31 @@ def run(fn, transport, world=2, timeout=240):
             p.join(5)
             if p.is_alive():
                 p.kill()
-        return [results.get(r, {"exception": "no result (timeout or crash)"}) for r in range(world)], \
-            time.monotonic() - start
+        return [
+            results.get(r, {"exception": "no result (timeout or crash)"}) for r in range(world)
+        ], time.monotonic() - start
 
 
 def main():
-    scenarios = [("exact_bytes", exact_bytes, "verbs"), ("traffic", traffic, "verbs"),
-                 ("exact_bytes", exact_bytes, "verbs-striped"), ("traffic", traffic, "verbs-striped"),
-                 ("exact_bytes", exact_bytes, "verbs+gpu"), ("traffic", traffic, "verbs+gpu"),
-                 ("exact_bytes", exact_bytes, "verbs+gpu-no-rdma"), ("traffic", traffic, "verbs+gpu-no-rdma"),
-                 ("exact_bytes", exact_bytes, "verbs-striped+gpu-staged"),
-                 ("traffic", traffic, "verbs-striped+gpu-staged"),
-                 ("bad_remote_key", bad_remote_key, "verbs"),
-                 ("incast", incast, "verbs", 4), ("incast", incast, "verbs-striped", 4),
-                 ("retry_exceeded", retry_exceeded, "verbs"), ("bad_gid_index", bad_gid_index, "verbs", 1),
-                 ("pyverbs_peer", pyverbs_peer, "verbs", 1), ("pyverbs_peer", pyverbs_peer, "verbs-striped", 1)]
+    scenarios = [
+        ("exact_bytes", exact_bytes, "verbs"),
+        ("traffic", traffic, "verbs"),
+        ("exact_bytes", exact_bytes, "verbs-striped"),
+        ("traffic", traffic, "verbs-striped"),
+        ("exact_bytes", exact_bytes, "verbs+gpu"),
+        ("traffic", traffic, "verbs+gpu"),
+        ("exact_bytes", exact_bytes, "verbs+gpu-no-rdma"),
+        ("traffic", traffic, "verbs+gpu-no-rdma"),
+        ("exact_bytes", exact_bytes, "verbs-striped+gpu-staged"),
+        ("traffic", traffic, "verbs-striped+gpu-staged"),
+        ("bad_remote_key", bad_remote_key, "verbs"),
+        ("incast", incast, "verbs", 4),
+        ("incast", incast, "verbs-striped", 4),
+        ("retry_exceeded", retry_exceeded, "verbs"),
+        ("bad_gid_index", bad_gid_index, "verbs", 1),
+        ("pyverbs_peer", pyverbs_peer, "verbs", 1),
+        ("pyverbs_peer", pyverbs_peer, "verbs-striped", 1),
+    ]
     only = sys.argv[1:]
     for name, fn, transport, *world in scenarios:
         if only and f"{name}/{transport}" not in only:

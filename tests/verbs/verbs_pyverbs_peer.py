@@ -50,8 +50,13 @@ def decode_imm(v):
     if kind == 0:
         return {"kind": "write", "epoch": (v >> 26) & 15, "stream": (v >> 13) & 0x1FFF, "reserved": v & 0x1FFF}
     if kind == 1:
-        return {"kind": "signal", "final": bool((v >> 29) & 1), "epoch": (v >> 25) & 15,
-                "stream": (v >> 12) & 0x1FFF, "units": v & 0xFFF}
+        return {
+            "kind": "signal",
+            "final": bool((v >> 29) & 1),
+            "epoch": (v >> 25) & 15,
+            "stream": (v >> 12) & 0x1FFF,
+            "units": v & 0xFFF,
+        }
     return {"kind": ["write", "signal", "seq_add", "control"][kind], "raw": v}
 
 
@@ -81,8 +86,9 @@ class Peer:
         self.gid_index = cfg["gid_index"]
         self.gid = self.ctx.query_gid(self.port, self.gid_index)
         self.pd = PD(self.ctx)
-        remote = e.IBV_ACCESS_LOCAL_WRITE | e.IBV_ACCESS_REMOTE_WRITE | e.IBV_ACCESS_REMOTE_READ | \
-            e.IBV_ACCESS_REMOTE_ATOMIC
+        remote = (
+            e.IBV_ACCESS_LOCAL_WRITE | e.IBV_ACCESS_REMOTE_WRITE | e.IBV_ACCESS_REMOTE_READ | e.IBV_ACCESS_REMOTE_ATOMIC
+        )
         self.data = MR(self.pd, cfg["data_bytes"], remote)
         self.signals = MR(self.pd, 2 * self.streams * 8, remote)
         self.data.write(bytes(cfg["data_bytes"]), cfg["data_bytes"], 0)
@@ -91,8 +97,12 @@ class Peer:
         self.cq = CQ(self.ctx, 4096)
         self.qps = []  # [channel * q + stripe]
         for _ in range(self.channels * self.q):
-            init = QPInitAttr(qp_type=e.IBV_QPT_RC, scq=self.cq, rcq=self.cq,
-                              cap=QPCap(max_send_wr=128, max_recv_wr=RECVS, max_send_sge=1, max_recv_sge=1))
+            init = QPInitAttr(
+                qp_type=e.IBV_QPT_RC,
+                scq=self.cq,
+                rcq=self.cq,
+                cap=QPCap(max_send_wr=128, max_recv_wr=RECVS, max_send_sge=1, max_recv_sge=1),
+            )
             self.qps.append(QP(self.pd, init))
         self.by_qpn = {qp.qp_num: i for i, qp in enumerate(self.qps)}
 
@@ -113,7 +123,7 @@ class Peer:
         f = blob.split("\n")
         lid, gid_hex = int(f[0]), f[1]
         self.remote = [tuple(int(x) for x in f[2 + r].split()) for r in range(2)]  # (addr, rkey, bytes)
-        dgid = GID(":".join(gid_hex[i:i + 4] for i in range(0, 32, 4)))
+        dgid = GID(":".join(gid_hex[i : i + 4] for i in range(0, 32, 4)))
         for c in range(self.channels):
             for s in range(self.q):
                 qp = self.qps[c * self.q + s]
@@ -128,12 +138,27 @@ class Peer:
                 a.dest_qp_num, a.rq_psn, a.max_dest_rd_atomic, a.min_rnr_timer = remote_qpn, 0, 1, 12
                 gr = GlobalRoute(dgid=dgid, sgid_index=self.gid_index, hop_limit=64)
                 a.ah_attr = AHAttr(dlid=lid, is_global=1, port_num=self.port, gr=gr)
-                qp.modify(a, e.IBV_QP_STATE | e.IBV_QP_AV | e.IBV_QP_PATH_MTU | e.IBV_QP_DEST_QPN |
-                          e.IBV_QP_RQ_PSN | e.IBV_QP_MAX_DEST_RD_ATOMIC | e.IBV_QP_MIN_RNR_TIMER)
+                qp.modify(
+                    a,
+                    e.IBV_QP_STATE
+                    | e.IBV_QP_AV
+                    | e.IBV_QP_PATH_MTU
+                    | e.IBV_QP_DEST_QPN
+                    | e.IBV_QP_RQ_PSN
+                    | e.IBV_QP_MAX_DEST_RD_ATOMIC
+                    | e.IBV_QP_MIN_RNR_TIMER,
+                )
                 a = QPAttr(qp_state=e.IBV_QPS_RTS)
                 a.timeout, a.retry_cnt, a.rnr_retry, a.sq_psn, a.max_rd_atomic = 14, 7, 7, 0, 1
-                qp.modify(a, e.IBV_QP_STATE | e.IBV_QP_TIMEOUT | e.IBV_QP_RETRY_CNT | e.IBV_QP_RNR_RETRY |
-                          e.IBV_QP_SQ_PSN | e.IBV_QP_MAX_QP_RD_ATOMIC)
+                qp.modify(
+                    a,
+                    e.IBV_QP_STATE
+                    | e.IBV_QP_TIMEOUT
+                    | e.IBV_QP_RETRY_CNT
+                    | e.IBV_QP_RNR_RETRY
+                    | e.IBV_QP_SQ_PSN
+                    | e.IBV_QP_MAX_QP_RD_ATOMIC,
+                )
 
     def qp_for(self, stream):
         return self.qps[(stream % self.channels) * self.q]  # stripe 0 of the stream's channel
@@ -152,8 +177,13 @@ class Peer:
                 raise RuntimeError(f"{what}: {done} of {n} completions within {TIMEOUT} s")
 
     def write_imm(self, stream, off, size, imm):
-        wr = SendWR(opcode=e.IBV_WR_RDMA_WRITE_WITH_IMM, num_sge=1, sg=[SGE(self.data.buf + off, size, self.data.lkey)],
-                    imm_data=socket.htonl(imm), send_flags=e.IBV_SEND_SIGNALED)
+        wr = SendWR(
+            opcode=e.IBV_WR_RDMA_WRITE_WITH_IMM,
+            num_sge=1,
+            sg=[SGE(self.data.buf + off, size, self.data.lkey)],
+            imm_data=socket.htonl(imm),
+            send_flags=e.IBV_SEND_SIGNALED,
+        )
         if not size:
             no_sge(wr)
         wr.set_wr_rdma(self.remote[0][1], self.remote[0][0] + off)
@@ -180,8 +210,12 @@ class Peer:
         target = self.remote[1][0] + (1 * self.streams + stream) * 8
         fetched = []
         for value in (7, 2 + FINAL_MARK):
-            wr = SendWR(opcode=e.IBV_WR_ATOMIC_FETCH_AND_ADD, num_sge=1,
-                        sg=[SGE(self.scratch.buf, 8, self.scratch.lkey)], send_flags=e.IBV_SEND_SIGNALED)
+            wr = SendWR(
+                opcode=e.IBV_WR_ATOMIC_FETCH_AND_ADD,
+                num_sge=1,
+                sg=[SGE(self.scratch.buf, 8, self.scratch.lkey)],
+                send_flags=e.IBV_SEND_SIGNALED,
+            )
             wr.set_wr_atomic(self.remote[1][1], target, value, 0)
             self.qp_for(stream).post_send(wr)
             self.wait_sends(1, "fetch-and-add")
@@ -199,8 +233,10 @@ class Peer:
                 want = len(items) + FINAL_MARK
                 while int.from_bytes(self.signals.read(8, stream * 8), "little") != want:
                     if time.monotonic() > deadline:
-                        problems.append(f"stream {stream}: slot "
-                                        f"{int.from_bytes(self.signals.read(8, stream * 8), 'little'):#x} != {want:#x}")
+                        problems.append(
+                            f"stream {stream}: slot "
+                            f"{int.from_bytes(self.signals.read(8, stream * 8), 'little'):#x} != {want:#x}"
+                        )
                         break
                     time.sleep(0.001)
         while not native and any(not signals.get(s) or not signals[s][-1]["final"] for s in expect):
@@ -230,16 +266,20 @@ class Peer:
                 if len(got) != 1 or got[0]["epoch"] != 0 or got[0]["units"] != len(items):
                     problems.append(f"stream {stream}: signals {got}, expected one final of {len(items)} units")
                 if writes.get((stream, 0), 0) != len(items):
-                    problems.append(f"stream {stream}: {writes.get((stream, 0), 0)} write immediates, "
-                                    f"expected {len(items)}")
+                    problems.append(
+                        f"stream {stream}: {writes.get((stream, 0), 0)} write immediates, expected {len(items)}"
+                    )
                 if sorted(lengths.get(stream, [])) != sorted(size for _, size in items):
                     problems.append(f"stream {stream}: lengths {sorted(lengths.get(stream, []))}")
         for stream, items in expect.items():
             for off, size in items:
                 if self.data.read(size, off) != pattern(100000 + off, size):
                     problems.append(f"stream {stream}: bytes at {off} (+{size}) differ from the pattern")
-        return {"problems": problems, "writes_seen": sum(writes.values()),
-                "signals_seen": sum(len(v) for v in signals.values())}
+        return {
+            "problems": problems,
+            "writes_seen": sum(writes.values()),
+            "signals_seen": sum(len(v) for v in signals.values()),
+        }
 
 
 def main():

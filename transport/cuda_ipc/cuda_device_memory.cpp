@@ -152,8 +152,9 @@ class CudaDeviceMemory final : public DeviceMemory {
     bool found = false;
 #if CUDART_VERSION >= 12050
     cudaDriverEntryPointQueryResult status{};
-    found = cudaGetDriverEntryPointByVersion("cuMemGetHandleForAddressRange", &fn, 11070, cudaEnableDefault,
-                                             &status) == cudaSuccess && status == cudaDriverEntryPointSuccess;
+    found = cudaGetDriverEntryPointByVersion("cuMemGetHandleForAddressRange", &fn, 11070, cudaEnableDefault, &status) ==
+                cudaSuccess &&
+            status == cudaDriverEntryPointSuccess;
 #elif CUDART_VERSION >= 12000
     cudaDriverEntryPointQueryResult status{};
     found = cudaGetDriverEntryPoint("cuMemGetHandleForAddressRange", &fn, cudaEnableDefault, &status) == cudaSuccess &&
@@ -194,7 +195,8 @@ class CudaDeviceMemory final : public DeviceMemory {
     if (mode == RdmaFlush::kUnknown) rdma_flush_.store(mode = rdma_flush_mode(), std::memory_order_relaxed);
     if (mode == RdmaFlush::kNotNeeded) return;
     if (mode == RdmaFlush::kUnsupported)
-      throw TransportError("cuda-ipc: GPU " + std::to_string(device_) + " neither orders GPUDirect RDMA writes for "
+      throw TransportError("cuda-ipc: GPU " + std::to_string(device_) +
+                           " neither orders GPUDirect RDMA writes for "
                            "its kernels nor supports cudaDeviceFlushGPUDirectRDMAWrites");
     check(cudaDeviceFlushGPUDirectRDMAWrites(cudaFlushGPUDirectRDMAWritesTargetCurrentDevice,
                                              cudaFlushGPUDirectRDMAWritesToOwner),
@@ -332,9 +334,9 @@ class CudaDeviceMemory final : public DeviceMemory {
 
   int device_;
   std::vector<CopyChannel> channels_;
-  void* scratch_ = nullptr;                   // 16 bytes for the peer warm-up copies
+  void* scratch_ = nullptr;                                 // 16 bytes for the peer warm-up copies
   std::atomic<RdmaFlush> rdma_flush_{RdmaFlush::kUnknown};  // decided by the first proxy publishing NIC writes
-  std::atomic<bool> batch_supported_{true};  // proxy threads clear it on a driver without batched copies
+  std::atomic<bool> batch_supported_{true};                 // proxy threads clear it on a driver without batched copies
 };
 
 }  // namespace

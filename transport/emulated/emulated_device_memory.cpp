@@ -87,8 +87,7 @@ class CopyWorker {
 
 class EmulatedDeviceMemory final : public DeviceMemory {
  public:
-  EmulatedDeviceMemory(int channels, uint64_t seed, bool nic_can_register)
-      : nic_can_register_(nic_can_register) {
+  EmulatedDeviceMemory(int channels, uint64_t seed, bool nic_can_register) : nic_can_register_(nic_can_register) {
     for (int c = 0; c < channels; ++c) workers_.push_back(std::make_unique<CopyWorker>(seed * 7919u + uint64_t(c)));
   }
   ~EmulatedDeviceMemory() override { synchronize(); }

@@ -134,8 +134,9 @@ class HipDeviceMemory final : public DeviceMemory {
   // host memory), and no flush: NIC writes into AMD GPU memory are not yet known to be ordered for kernels that
   // saw a host-memory signal, so a transport that would need that refuses clearly.
   void flush_remote_writes() override {
-    throw TransportError("hip-ipc: NIC writes into AMD GPU memory are not verified to be visible in order to kernels "
-                         "(no flush); set PORTEP_IB_GPUDIRECT=0 to stage them in host memory");
+    throw TransportError(
+        "hip-ipc: NIC writes into AMD GPU memory are not verified to be visible in order to kernels "
+        "(no flush); set PORTEP_IB_GPUDIRECT=0 to stage them in host memory");
   }
 
   void copy_async(int channel, void* dst, const void* src, size_t bytes) override {

@@ -96,14 +96,16 @@ void ShmTransport::connect(const std::vector<std::string>& blobs) {
     const bool peer_on_device = f[1].rfind(kIpcPrefix, 0) == 0;
     if (peer_on_device != bool(o_.device))
       throw TransportError("shm: rank " + std::to_string(p) + " has its data in " + (peer_on_device ? "GPU" : "host") +
-                           " memory and this rank in " + (o_.device ? "GPU" : "host") + " memory; every rank of a "
+                           " memory and this rank in " + (o_.device ? "GPU" : "host") +
+                           " memory; every rank of a "
                            "channel must use the same kind");
     if (p == o_.rank) {
       peer.data = static_cast<char*>(o_.device ? device_data_ : regions_[kRegionData].data());
       peer.signal = static_cast<char*>(regions_[kRegionSignal].data());
     } else {
       if (peer_on_device)
-        peer.data = static_cast<char*>(o_.device->open_peer_region(hex_decode(f[1].substr(sizeof(kIpcPrefix) - 1), "shm")));
+        peer.data =
+            static_cast<char*>(o_.device->open_peer_region(hex_decode(f[1].substr(sizeof(kIpcPrefix) - 1), "shm")));
       else
         peer.maps.push_back(ShmSegment::open(f[1], std::stoull(f[2])));
       peer.maps.push_back(ShmSegment::open(f[3], std::stoull(f[4])));
@@ -149,8 +151,8 @@ void ShmTransport::check_channel_peer(int channel, int peer) const {
 }
 
 void ShmTransport::check_range(int peer, bool signal_region, uint64_t off, uint64_t bytes, const char* what) const {
-  const size_t limit = peer == -1 ? local_data_bytes()
-                                  : (signal_region ? peers_[peer].signal_bytes : peers_[peer].data_bytes);
+  const size_t limit =
+      peer == -1 ? local_data_bytes() : (signal_region ? peers_[peer].signal_bytes : peers_[peer].data_bytes);
   if (off > limit || bytes > limit - off)
     throw TransportError(std::string("shm: ") + what + " [" + std::to_string(off) + ", +" + std::to_string(bytes) +
                          ") is outside the registered region of " + std::to_string(limit) + " bytes" +
@@ -173,14 +175,13 @@ bool ShmTransport::post_write(int channel, int peer, uint64_t local_off, uint64_
 bool ShmTransport::post_atomic_add(int channel, int peer, uint64_t remote_off, uint64_t value, uint64_t wr_id) {
   check_channel_peer(channel, peer);
   if (!o_.ordered) throw TransportError("shm-unordered has no remote atomics; the proxy must emulate them");
-  if (remote_off % 8) throw TransportError("shm: atomic target offset " + std::to_string(remote_off) + " is not 8-byte aligned");
+  if (remote_off % 8)
+    throw TransportError("shm: atomic target offset " + std::to_string(remote_off) + " is not 8-byte aligned");
   check_range(peer, true, remote_off, 8, "atomic target");
   return deliver(channel, peer, Op{true, false, 0, 8, 0, remote_off, value, wr_id});
 }
 
-size_t ShmTransport::local_data_bytes() const {
-  return o_.device ? device_data_bytes_ : regions_[kRegionData].size();
-}
+size_t ShmTransport::local_data_bytes() const { return o_.device ? device_data_bytes_ : regions_[kRegionData].size(); }
 
 bool ShmTransport::deliver(int channel, int peer, const Op& op) {
   // GPU memory: a copy goes to the copy engine, and so does whatever follows a copy still in flight (in issue

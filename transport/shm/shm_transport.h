@@ -29,8 +29,8 @@ struct ShmOptions {
   int num_ranks = 1;
   int num_channels = 1;
   bool ordered = true;
-  uint32_t window = 64;  // unordered: posts held per (channel, peer) before one must be delivered
-  uint64_t seed = 0;     // unordered: delivery order
+  uint32_t window = 64;                  // unordered: posts held per (channel, peer) before one must be delivered
+  uint64_t seed = 0;                     // unordered: delivery order
   std::shared_ptr<DeviceMemory> device;  // set: the data region is GPU memory
 };
 
@@ -69,7 +69,7 @@ class ShmTransport final : public Transport {
     char* data = nullptr;
     char* signal = nullptr;
     size_t data_bytes = 0, signal_bytes = 0;
-    std::vector<ShmSegment> maps;    // empty for this rank (its own segments are used directly)
+    std::vector<ShmSegment> maps;  // empty for this rank (its own segments are used directly)
   };
   struct Lane {  // one (channel, peer) connection as seen by the sender
     NotifyRingProducer ring;
@@ -102,9 +102,9 @@ class ShmTransport final : public Transport {
 
   ShmOptions o_;
   ShmSegment regions_[kNumRegions];
-  void* device_data_ = nullptr;     // GPU memory: this rank's data region
+  void* device_data_ = nullptr;  // GPU memory: this rank's data region
   size_t device_data_bytes_ = 0;
-  void* device_signal_ = nullptr;   // GPU memory: the signal region's address for kernels
+  void* device_signal_ = nullptr;  // GPU memory: the signal region's address for kernels
   ShmSegment inbox_;
   std::vector<Peer> peers_;
   std::vector<Channel> channels_;

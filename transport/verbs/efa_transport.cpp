@@ -149,8 +149,9 @@ class EfaTransport final : public Transport {
   }
 
   bool post_atomic_add(int, int, uint64_t, uint64_t, uint64_t) override {
-    throw TransportError("efa: SRD has no remote atomics; the proxy must emulate them (props().remote_atomics "
-                         "is false)");
+    throw TransportError(
+        "efa: SRD has no remote atomics; the proxy must emulate them (props().remote_atomics "
+        "is false)");
   }
 
   int poll_send(int channel, uint64_t* wr_ids, int max) override {

@@ -25,8 +25,8 @@ inline uint64_t env_strict(const char* name, uint64_t lo, uint64_t hi, uint64_t 
   errno = 0;
   const unsigned long long x = digits ? strtoull(v, nullptr, 10) : 0;
   if (!digits || errno == ERANGE || x < lo || x > hi)
-    throw TransportError(std::string(name) + "='" + v + "' must be a decimal integer in " + std::to_string(lo) +
-                         ".." + std::to_string(hi));
+    throw TransportError(std::string(name) + "='" + v + "' must be a decimal integer in " + std::to_string(lo) + ".." +
+                         std::to_string(hi));
   return x;
 }
 
@@ -52,8 +52,8 @@ struct GidChoice {
 
 // The GID's type from sysfs ("RoCE v2", "IB/RoCE v1"), or "" where the kernel does not say.
 inline std::string gid_type(const std::string& dev, int port, int index) {
-  const std::string path = "/sys/class/infiniband/" + dev + "/ports/" + std::to_string(port) + "/gid_attrs/types/" +
-                           std::to_string(index);
+  const std::string path =
+      "/sys/class/infiniband/" + dev + "/ports/" + std::to_string(port) + "/gid_attrs/types/" + std::to_string(index);
   char buf[64] = {};
   FILE* f = fopen(path.c_str(), "r");
   if (!f) return "";
@@ -78,8 +78,8 @@ inline bool ipv4_mapped(const ibv_gid& g) {
 
 // The configured index when it is usable; an explicit one that is not is an error. Otherwise the usable GID of the
 // port that RoCE v2 and an IPv4-mapped address prefer (lowest index among equals).
-inline GidChoice choose_gid(ibv_context* ctx, const std::string& dev, int port, const ibv_port_attr& pa,
-                            int configured, bool explicit_index) {
+inline GidChoice choose_gid(ibv_context* ctx, const std::string& dev, int port, const ibv_port_attr& pa, int configured,
+                            bool explicit_index) {
   GidChoice c;
   c.index = configured;
   const std::string problem = gid_problem(ctx, port, configured, &c.gid);

@@ -104,11 +104,10 @@ inline void check_send_completion(const ibv_wc& wc, const char* transport, const
 // A receive completion must be a successful RDMA write with immediate.
 inline void check_imm_receive(const ibv_wc& wc, const char* transport, const char* from, int id) {
   if (wc.status != IBV_WC_SUCCESS)
-    throw TransportError(std::string(transport) + ": a receive " + from + " " + std::to_string(id) + " failed: " +
-                         ibv_wc_status_str(wc.status));
+    throw TransportError(std::string(transport) + ": a receive " + from + " " + std::to_string(id) +
+                         " failed: " + ibv_wc_status_str(wc.status));
   if (wc.opcode != IBV_WC_RECV_RDMA_WITH_IMM || !(wc.wc_flags & IBV_WC_WITH_IMM))
-    throw TransportError(std::string(transport) + ": unexpected receive completion " + from + " " +
-                         std::to_string(id));
+    throw TransportError(std::string(transport) + ": unexpected receive completion " + from + " " + std::to_string(id));
 }
 
 inline void check_range(const Region& local, const RemoteRegions& remote, int region, int peer, uint64_t local_off,

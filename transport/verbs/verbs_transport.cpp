@@ -37,7 +37,7 @@ std::string host_identity() {
     fclose(f);
   }
   boot[strcspn(boot, "\r\n")] = 0;  // the id must stay one line of the endpoint blob
-  char ipc_ns[128] = {};  // containers on one host with separate IPC namespaces cannot share memory
+  char ipc_ns[128] = {};            // containers on one host with separate IPC namespaces cannot share memory
   const ssize_t n = readlink("/proc/self/ns/ipc", ipc_ns, sizeof(ipc_ns) - 1);
   if (n > 0) ipc_ns[n] = 0;
   std::string id = std::string(host) + "/" + boot + "/" + ipc_ns;
@@ -87,8 +87,8 @@ int env_int(const char* name, int fallback) {
 
 struct Qp {
   ibv_qp* qp = nullptr;
-  uint32_t outstanding = 0;  // signaled sends not yet completed
-  uint64_t bytes = 0;        // their bytes
+  uint32_t outstanding = 0;     // signaled sends not yet completed
+  uint64_t bytes = 0;           // their bytes
   std::vector<uint32_t> sizes;  // ring of the outstanding sends' bytes, oldest at `first` (RC completes in order)
   uint32_t first = 0;
 };
@@ -165,8 +165,8 @@ class VerbsTransport final : public Transport {
     // container's small /dev/shm (often 64 MiB) does not bound it.
     segments_[region] = ShmSegment::create(region == kRegionData ? "verbs-data" : "verbs-signal", r.bytes);
     r.addr = segments_[region].data();
-    register_region(pd_, &r, IBV_ACCESS_LOCAL_WRITE | IBV_ACCESS_REMOTE_WRITE | IBV_ACCESS_REMOTE_READ |
-                            IBV_ACCESS_REMOTE_ATOMIC);
+    register_region(
+        pd_, &r, IBV_ACCESS_LOCAL_WRITE | IBV_ACCESS_REMOTE_WRITE | IBV_ACCESS_REMOTE_READ | IBV_ACCESS_REMOTE_ATOMIC);
     if (o_.device && region == kRegionSignal) device_signal_ = o_.device->map_host(r.addr, r.bytes);
     return r.addr;
   }
@@ -195,7 +195,8 @@ class VerbsTransport final : public Transport {
     for (int p = 0; p < o_.num_ranks; ++p) {
       const std::vector<std::string> f = split_lines(blobs[p]);
       const size_t qps = size_t(o_.num_channels) * o_.num_ranks * o_.qps_per_peer;
-      if (f.size() != 6 + qps) throw TransportError("verbs: malformed endpoint description from rank " + std::to_string(p));
+      if (f.size() != 6 + qps)
+        throw TransportError("verbs: malformed endpoint description from rank " + std::to_string(p));
       const uint16_t lid = uint16_t(std::stoul(f[0]));
       ibv_gid gid;
       unhex(f[1], &gid, sizeof(gid));
@@ -216,7 +217,8 @@ class VerbsTransport final : public Transport {
     check_range(peer, kRegionData, local_off, remote_off, bytes);
     Qp& q = pick(channel, peer);
     if (!room(q, bytes)) return false;
-    ibv_sge sge{reinterpret_cast<uintptr_t>(regions_[kRegionData].addr) + local_off, bytes, regions_[kRegionData].mr->lkey};
+    ibv_sge sge{reinterpret_cast<uintptr_t>(regions_[kRegionData].addr) + local_off, bytes,
+                regions_[kRegionData].mr->lkey};
     ibv_send_wr wr{};
     wr.wr_id = wr_id;
     wr.sg_list = bytes ? &sge : nullptr;
@@ -231,9 +233,11 @@ class VerbsTransport final : public Transport {
 
   bool post_atomic_add(int channel, int peer, uint64_t remote_off, uint64_t value, uint64_t wr_id) override {
     if (!props().remote_atomics)
-      throw TransportError("verbs: " + props().name + " on " + dev_name_ + " has no remote atomics here; the proxy "
+      throw TransportError("verbs: " + props().name + " on " + dev_name_ +
+                           " has no remote atomics here; the proxy "
                            "must emulate them");
-    if (remote_off % 8) throw TransportError("verbs: atomic target offset " + std::to_string(remote_off) + " is not 8-byte aligned");
+    if (remote_off % 8)
+      throw TransportError("verbs: atomic target offset " + std::to_string(remote_off) + " is not 8-byte aligned");
     check_range(peer, kRegionSignal, 0, remote_off, 8);
     Qp& q = pick(channel, peer);
     if (!room(q, 8)) return false;
@@ -310,7 +314,8 @@ class VerbsTransport final : public Transport {
   // memory cannot be mapped here stays reachable through RDMA only (normal mode then says what is missing).
   void map_peer(int p, const std::string& names) {
     const size_t space = names.find(' ');
-    if (space == std::string::npos) throw TransportError("verbs: malformed segment names from rank " + std::to_string(p));
+    if (space == std::string::npos)
+      throw TransportError("verbs: malformed segment names from rank " + std::to_string(p));
     const std::string data = names.substr(0, space), signal = names.substr(space + 1);
     if (data == kNoSegment || signal == kNoSegment) return;
     try {
@@ -379,8 +384,9 @@ class VerbsTransport final : public Transport {
       a.ah_attr.grh.hop_limit = 64;
       a.ah_attr.grh.traffic_class = uint8_t(o_.traffic_class);
     }
-    if (int e = ibv_modify_qp(qp, &a, IBV_QP_STATE | IBV_QP_AV | IBV_QP_PATH_MTU | IBV_QP_DEST_QPN | IBV_QP_RQ_PSN |
-                                          IBV_QP_MAX_DEST_RD_ATOMIC | IBV_QP_MIN_RNR_TIMER))
+    if (int e = ibv_modify_qp(qp, &a,
+                              IBV_QP_STATE | IBV_QP_AV | IBV_QP_PATH_MTU | IBV_QP_DEST_QPN | IBV_QP_RQ_PSN |
+                                  IBV_QP_MAX_DEST_RD_ATOMIC | IBV_QP_MIN_RNR_TIMER))
       fail("ibv_modify_qp to RTR", e);
     a = ibv_qp_attr{};
     a.qp_state = IBV_QPS_RTS;
@@ -389,8 +395,9 @@ class VerbsTransport final : public Transport {
     a.rnr_retry = 7;  // receiver not ready: retry forever (the proxies' timeouts bound the wait)
     a.sq_psn = 0;
     a.max_rd_atomic = uint8_t(rd_atomic);
-    if (int e = ibv_modify_qp(qp, &a, IBV_QP_STATE | IBV_QP_TIMEOUT | IBV_QP_RETRY_CNT | IBV_QP_RNR_RETRY |
-                                          IBV_QP_SQ_PSN | IBV_QP_MAX_QP_RD_ATOMIC))
+    if (int e = ibv_modify_qp(qp, &a,
+                              IBV_QP_STATE | IBV_QP_TIMEOUT | IBV_QP_RETRY_CNT | IBV_QP_RNR_RETRY | IBV_QP_SQ_PSN |
+                                  IBV_QP_MAX_QP_RD_ATOMIC))
       fail("ibv_modify_qp to RTS", e);
   }
 
@@ -418,8 +425,8 @@ class VerbsTransport final : public Transport {
   }
 
   std::string caps() const {
-    const std::string bytes = o_.max_inflight_bytes == kUnlimitedBytes ? "unlimited"
-                                                                        : std::to_string(o_.max_inflight_bytes);
+    const std::string bytes =
+        o_.max_inflight_bytes == kUnlimitedBytes ? "unlimited" : std::to_string(o_.max_inflight_bytes);
     return "per-QP in-flight caps: PORTEP_IB_MAX_INFLIGHT_BYTES=" + bytes +
            ", PORTEP_IB_MAX_INFLIGHT_MSGS=" + std::to_string(o_.max_inflight_msgs);
   }
@@ -428,9 +435,10 @@ class VerbsTransport final : public Transport {
     throw TransportError("verbs: a write or atomic to rank " + std::to_string(peer) +
                          " failed: transport retry counter exceeded (IBV_WC_RETRY_EXC_ERR, vendor error " +
                          std::to_string(wc.vendor_err) + ", PORTEP_IB_RETRY_CNT=" + std::to_string(o_.retry_cnt) +
-                         ", PORTEP_IB_TIMEOUT=" + std::to_string(o_.ack_timeout) + ": the peer stopped acknowledging, "
-                         "it is gone or the fabric dropped too much, as under incast); lower the " + caps() + " on " +
-                         dev_name_);
+                         ", PORTEP_IB_TIMEOUT=" + std::to_string(o_.ack_timeout) +
+                         ": the peer stopped acknowledging, "
+                         "it is gone or the fabric dropped too much, as under incast); lower the " +
+                         caps() + " on " + dev_name_);
   }
 
   Qp& pick(int channel, int peer) {
@@ -470,9 +478,9 @@ class VerbsTransport final : public Transport {
   bool atomics_ = false;
   ibv_pd* pd_ = nullptr;
   Region regions_[kNumRegions];
-  ShmSegment segments_[kNumRegions];                       // this rank's regions
+  ShmSegment segments_[kNumRegions];                            // this rank's regions
   std::vector<std::array<ShmSegment, kNumRegions>> peer_maps_;  // same-host peers' regions, mapped here
-  Region scratch_;  // where fetch-and-add results land (never read)
+  Region scratch_;                                              // where fetch-and-add results land (never read)
   void* device_signal_ = nullptr;  // the signal region as kernels address it (GPU data only)
   GpuDataRegion gpu_data_;         // how the data region is placed and registered (GPU data only)
   std::vector<VerbsChannel> channels_;
@@ -501,7 +509,8 @@ ibv_context* open_device(const std::string& hca, int* port, std::string* name, s
       for (int p = 1; p <= attr.phys_port_cnt && !found; ++p) {
         ibv_port_attr pa{};
         if (ibv_query_port(ctx, uint8_t(p), &pa) || !hca_allows(filter, dev, p)) continue;
-        seen += (seen.empty() ? "" : ", ") + dev + ":" + std::to_string(p) + (pa.state == IBV_PORT_ACTIVE ? "" : " (down)");
+        seen +=
+            (seen.empty() ? "" : ", ") + dev + ":" + std::to_string(p) + (pa.state == IBV_PORT_ACTIVE ? "" : " (down)");
         if (pa.state == IBV_PORT_ACTIVE) found = ctx, *port = p, *name = dev;
       }
     if (!found) ibv_close_device(ctx);

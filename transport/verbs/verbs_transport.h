@@ -15,7 +15,8 @@
 // PORTEP_IB_MAX_INFLIGHT_BYTES / PORTEP_IB_MAX_INFLIGHT_MSGS (per-QP caps on bytes and work requests in flight;
 // defaults from the device: Broadcom 1.5 MiB and 4, else unlimited bytes and PORTEP_IB_MAX_SEND_WR; a message
 // larger than the byte cap goes alone), PORTEP_IB_RETRY_CNT / PORTEP_IB_TIMEOUT (RC retries, default 7, and ACK
-// timeout exponent, default 14, as NCCL_IB_RETRY_CNT / NCCL_IB_TIMEOUT), PORTEP_IB_GPUDIRECT (0: stage GPU data in host memory).
+// timeout exponent, default 14, as NCCL_IB_RETRY_CNT / NCCL_IB_TIMEOUT), PORTEP_IB_GPUDIRECT (0: stage GPU data in host
+// memory).
 //
 // GPU memory (VerbsOptions::device): see that field and gpu_data_region.h (dma-buf, then peer memory, then host
 // staging). PORTEP_IB_GPUDIRECT=0 skips the first two.
@@ -37,7 +38,7 @@ struct VerbsOptions {
   int num_ranks = 1;
   int num_channels = 1;
   int qps_per_peer = 1;
-  std::string hca;    // NCCL_IB_HCA syntax; empty: the first active port of the first device
+  std::string hca;  // NCCL_IB_HCA syntax; empty: the first active port of the first device
   int gid_index = 0;
   bool gid_index_explicit = false;  // PORTEP_IB_GID_INDEX was set: an unusable index is an error, no fallback
   int service_level = 0;
@@ -45,9 +46,9 @@ struct VerbsOptions {
   uint32_t max_send_wr = 256;
   uint64_t max_inflight_bytes = 0;  // per QP (RC transport); 0: chosen from the device
   uint32_t max_inflight_msgs = 0;   // per QP (RC transport); 0: chosen from the device
-  int retry_cnt = 7;     // RC transport retries before IBV_WC_RETRY_EXC_ERR (PORTEP_IB_RETRY_CNT, 0..7)
-  int ack_timeout = 14;  // RC local ACK timeout, 4.096 us * 2^value (PORTEP_IB_TIMEOUT, 1..31)
-  uint32_t recv_depth = 512;  // receives kept posted per QP (write-with-immediate notifications)
+  int retry_cnt = 7;                // RC transport retries before IBV_WC_RETRY_EXC_ERR (PORTEP_IB_RETRY_CNT, 0..7)
+  int ack_timeout = 14;             // RC local ACK timeout, 4.096 us * 2^value (PORTEP_IB_TIMEOUT, 1..31)
+  uint32_t recv_depth = 512;        // receives kept posted per QP (write-with-immediate notifications)
   // The GPU whose kernels use the data region (null: a host-memory data region). Registered with
   // ibv_reg_dmabuf_mr on the GPU's dma-buf, else with ibv_reg_mr on the GPU pointer (nvidia-peermem / amdgpu
   // peer memory), else staged in pinned host memory mapped for kernels (gpu_data_region.h). The signal region

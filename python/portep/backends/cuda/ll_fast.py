@@ -38,8 +38,11 @@ _warned = set()
 def _warn_once(why):
     if why not in _warned:
         _warned.add(why)
-        warnings.warn(f"portep: LL calls take the Python path (several times the host time of the fast path): "
-                      f"{why}", RuntimeWarning, stacklevel=4)
+        warnings.warn(
+            f"portep: LL calls take the Python path (several times the host time of the fast path): {why}",
+            RuntimeWarning,
+            stacklevel=4,
+        )
 
 
 def _fast_path_module(native):
@@ -47,8 +50,10 @@ def _fast_path_module(native):
         return None, "this torch has no GPU support (no torch._C._cuda_getCurrentRawStream)"
     backend = torch.cuda.get_allocator_backend()
     if backend not in TORCH_ALLOCATORS:  # the fast path allocates from the one torch registered for CUDA at start
-        return None, (f"torch's CUDA allocator is {backend!r} (torch.cuda.memory.change_current_allocator), not "
-                      f"one of {TORCH_ALLOCATORS}, and the fast path allocates from torch's own")
+        return None, (
+            f"torch's CUDA allocator is {backend!r} (torch.cuda.memory.change_current_allocator), not "
+            f"one of {TORCH_ALLOCATORS}, and the fast path allocates from torch's own"
+        )
     if native.build_info().get("ll_fast_path_torch", "") == torch.__version__:
         try:
             from ... import _ll_torch
@@ -66,5 +71,6 @@ def fast_calls(module, engine, buffer, full_dispatch, full_combine):
     methods, called with the buffer and the arguments as they came). They read and advance the engine's lockstep state
     as Lockstep.made_call does (lockstep.py), launch on torch's current stream when the Buffer's GPU is the current
     one, and raise a kernel's notice with the call's results as the full path does (engine.raise_notice)."""
-    return module.LLCalls(engine.kernels, engine.lockstep, buffer, EventOverlap, engine.raise_notice, full_dispatch,
-                          full_combine)
+    return module.LLCalls(
+        engine.kernels, engine.lockstep, buffer, EventOverlap, engine.raise_notice, full_dispatch, full_combine
+    )

@@ -22,8 +22,14 @@ from pathlib import Path
 JIT_VAR = "PORTEP_LL_JIT"
 CACHE_VAR = "PORTEP_CACHE_DIR"
 SOURCES = ("python/src/ll_torch_path.cpp", "python/src/ll_torch_calls.cpp")
-HEADERS = ("python/src/ll_torch_path.h", "gpu_kernels/cuda/ll_plan.h", "gpu_kernels/cuda/ll_api.h",
-           "gpu_kernels/cuda/kernel_errors.h", "proxy/fifo.h", "proxy/transfer_cmd.h")
+HEADERS = (
+    "python/src/ll_torch_path.h",
+    "gpu_kernels/cuda/ll_plan.h",
+    "gpu_kernels/cuda/ll_api.h",
+    "gpu_kernels/cuda/kernel_errors.h",
+    "proxy/fifo.h",
+    "proxy/transfer_cmd.h",
+)
 MODULE = "_ll_torch"  # the name its PyInit function carries
 
 _loaded = None  # this process's module, once loaded
@@ -70,8 +76,11 @@ def describe(build_info):
         return f"built against torch {built_for}" if built_for else "not built (no torch installed)"
     if built_for == torch.__version__:
         return f"built against torch {built_for}"
-    why = (f"built against torch {built_for}, this is {torch.__version__}" if built_for
-           else f"not built ({build_info.get('ll_fast_path_reason')})")
+    why = (
+        f"built against torch {built_for}, this is {torch.__version__}"
+        if built_for
+        else f"not built ({build_info.get('ll_fast_path_reason')})"
+    )
     if os.environ.get(JIT_VAR, "1") == "0":
         return f"{why}; {JIT_VAR}=0: LL calls take the Python path"
     root = source_root()
@@ -82,8 +91,10 @@ def describe(build_info):
         return f"{why}; compiled at first use against torch {torch.__version__} (cached in {build_dir})"
     missing = [tool for tool, found in (("c++", shutil.which("c++")), ("ninja", ninja_on_path())) if not found]
     if missing:
-        return (f"{why}; cannot be compiled at first use: no {' and no '.join(missing)} on PATH: LL calls take the "
-                "Python path")
+        return (
+            f"{why}; cannot be compiled at first use: no {' and no '.join(missing)} on PATH: LL calls take the "
+            "Python path"
+        )
     return f"{why}; compiled at the first LL Buffer (about a minute, once; cached in {build_dir})"
 
 
@@ -112,13 +123,22 @@ def _compile(root, build_dir, torch):
     from torch.utils import cpp_extension
 
     ninja_on_path()
-    print(f"portep: compiling the LL fast path against torch {torch.__version__} (once; cached in {build_dir})",
-          file=sys.stderr, flush=True)
+    print(
+        f"portep: compiling the LL fast path against torch {torch.__version__} (once; cached in {build_dir})",
+        file=sys.stderr,
+        flush=True,
+    )
     # the version is a C string literal: its quotes escaped for the build file's shell
     cflags = ["-O2", "-std=c++20", "-fvisibility=hidden", f'-DPORTEP_TORCH_VERSION=\\"{torch.__version__}\\"']
-    return cpp_extension.load(name=MODULE, sources=[str(root / f) for f in SOURCES], extra_include_paths=[str(root)],
-                              extra_cflags=cflags, build_directory=str(build_dir), verbose=False,
-                              is_python_module=True)
+    return cpp_extension.load(
+        name=MODULE,
+        sources=[str(root / f) for f in SOURCES],
+        extra_include_paths=[str(root)],
+        extra_cflags=cflags,
+        build_directory=str(build_dir),
+        verbose=False,
+        is_python_module=True,
+    )
 
 
 def load():
@@ -157,7 +177,13 @@ def _load_locked(root, build_dir, torch):
     try:
         _loaded = _compile(root, build_dir, torch)
     except Exception as e:  # noqa: BLE001 - no compiler, no ninja, a failed compile: the Python path still works
-        return None, (f"compiling it at first use failed ({type(e).__name__}: {str(e).strip().splitlines()[-1:]}); "
-                      "install a C++ compiler and ninja, or build portep with "
-                      "`pip install --no-build-isolation .` where torch is installed"), False
+        return (
+            None,
+            (
+                f"compiling it at first use failed ({type(e).__name__}: {str(e).strip().splitlines()[-1:]}); "
+                "install a C++ compiler and ninja, or build portep with "
+                "`pip install --no-build-isolation .` where torch is installed"
+            ),
+            False,
+        )
     return _loaded, "", True

@@ -69,12 +69,14 @@ class _RecordParts:
         tail = torch.zeros(N, rec.bytes - rec.scales, dtype=torch.uint8)
         o = 0
         if rec.num_scales:
-            tail[:, :4 * rec.num_scales] = x_scales.contiguous().view(torch.uint8).view(N, 4 * rec.num_scales)
+            tail[:, : 4 * rec.num_scales] = x_scales.contiguous().view(torch.uint8).view(N, 4 * rec.num_scales)
             o = 4 * rec.num_scales
         if rec.num_topk:
             K = rec.num_topk
-            tail[:, o:o + 8 * K] = topk_idx.to(torch.int64).contiguous().view(torch.uint8).view(N, 8 * K)
-            tail[:, o + 8 * K:o + 12 * K] = topk_weights.to(torch.float32).contiguous().view(torch.uint8).view(N, 4 * K)
+            tail[:, o : o + 8 * K] = topk_idx.to(torch.int64).contiguous().view(torch.uint8).view(N, 8 * K)
+            tail[:, o + 8 * K : o + 12 * K] = (
+                topk_weights.to(torch.float32).contiguous().view(torch.uint8).view(N, 4 * K)
+            )
         self.tail = tail
 
     def write(self, eng, dst, rows, node_mask):
@@ -83,14 +85,14 @@ class _RecordParts:
         self.header[:, 1] = node_mask
         header = self.header.view(torch.uint8).view(-1, HEADER)
         eng.copy_rows(dst, rec.bytes, None, header, HEADER, rows, HEADER)
-        eng.copy_rows(dst[rec.x:], rec.bytes, None, self.x, rec.hidden_bytes, rows, rec.hidden_bytes)
-        eng.copy_rows(dst[rec.scales:], rec.bytes, None, self.tail, self.tail.size(1), rows, self.tail.size(1))
+        eng.copy_rows(dst[rec.x :], rec.bytes, None, self.x, rec.hidden_bytes, rows, rec.hidden_bytes)
+        eng.copy_rows(dst[rec.scales :], rec.bytes, None, self.tail, self.tail.size(1), rows, self.tail.size(1))
 
 
 def _node_masks(eng, is_token_in_rank):
     """[N, num_nodes] int32: bit l set when local rank l of that node receives the token."""
     N = is_token_in_rank.size(0)
-    bits = (1 << torch.arange(eng.ranks_per_node, dtype=torch.int32))
+    bits = 1 << torch.arange(eng.ranks_per_node, dtype=torch.int32)
     per_node = is_token_in_rank.view(N, eng.num_nodes, eng.ranks_per_node).to(torch.int32)
     return (per_node * bits).sum(2, dtype=torch.int32)
 
@@ -100,7 +102,7 @@ class _Plan:
 
     def __init__(self, eng, counts, rec_bytes):
         R, Nn, rpn = eng.num_ranks, eng.num_nodes, eng.ranks_per_node
-        self.cnt = counts["rank"]       # [R src, R dst]
+        self.cnt = counts["rank"]  # [R src, R dst]
         self.node_cnt = counts["node"]  # [R src, Nn]
         self.rec = rec_bytes
         start = eng.data_start
@@ -138,7 +140,7 @@ def _exchange_counts(eng, is_token_in_rank, extra=None):
     parts = [rank_cnt, node_cnt] + ([extra.flatten().to(torch.int64)] if extra is not None else [])
     row = torch.cat(parts)
     table = eng.exchange_rows(row)
-    counts = {"rank": table[:, :R], "node": table[:, R:R + eng.num_nodes], "extra": table[:, R + eng.num_nodes:]}
+    counts = {"rank": table[:, :R], "node": table[:, R : R + eng.num_nodes], "extra": table[:, R + eng.num_nodes :]}
     return counts
 
 
@@ -146,7 +148,7 @@ def _send_and_forward(eng, plan, parts, is_token_in_rank, node_masks):
     me, rec = eng.rank, plan.rec
     for d in eng.node_ranks():
         rows = torch.nonzero(is_token_in_rank[:, d])[:, 0]
-        parts.write(eng, eng.peer_view(d)[plan.nvl[d][me]:], rows, node_masks[:, eng.node])
+        parts.write(eng, eng.peer_view(d)[plan.nvl[d][me] :], rows, node_masks[:, eng.node])
     for n in range(eng.num_nodes):
         if n == eng.node:
             continue
@@ -171,35 +173,53 @@ def _forward(eng, plan):
         eng.consume(s, hb.STREAM_HT_TO_FORWARDER)
         n_rows = int(plan.node_cnt[s, eng.node])
         off = plan.rdma[me][s]
-        block = eng.region[off:off + n_rows * rec].view(n_rows, rec)
+        block = eng.region[off : off + n_rows * rec].view(n_rows, rec)
         masks = block[:, 4:8].contiguous().view(torch.int32).view(-1)
         head = torch.full((n_rows, max(8, eng.ranks_per_node)), -1, dtype=torch.int32)
         for local, d in enumerate(eng.node_ranks()):
             rows = (masks >> local) & 1 == 1
             head[rows, local] = torch.arange(int(rows.sum()), dtype=torch.int32)
-            eng.copy_rows(eng.peer_view(d)[plan.nvl[d][s]:], rec, None, block, rec, torch.nonzero(rows)[:, 0], rec)
+            eng.copy_rows(eng.peer_view(d)[plan.nvl[d][s] :], rec, None, block, rec, torch.nonzero(rows)[:, 0], rec)
         heads.append(head)
     if not heads:
         return torch.empty(0, max(8, eng.ranks_per_node), dtype=torch.int32)
     return torch.cat(heads)
 
 
-def dispatch(eng, x, x_scales, topk_idx, topk_weights, num_tokens_per_rank, num_tokens_per_rdma_rank,
-             is_token_in_rank, num_tokens_per_expert, expert_alignment, num_worst_tokens, num_channels, handle):
+def dispatch(
+    eng,
+    x,
+    x_scales,
+    topk_idx,
+    topk_weights,
+    num_tokens_per_rank,
+    num_tokens_per_rdma_rank,
+    is_token_in_rank,
+    num_tokens_per_expert,
+    expert_alignment,
+    num_worst_tokens,
+    num_channels,
+    handle,
+):
     cached = handle is not None
     if cached:
         is_token_in_rank = handle[0] if eng.num_nodes > 1 else handle[4]
     N, R = x.size(0), eng.num_ranks
     hidden_bytes = x.size(1) * x.element_size()
-    rec = _Record(hidden_bytes, 0 if x_scales is None else x_scales.size(1),
-                  0 if topk_idx is None else topk_idx.size(1))
+    rec = _Record(
+        hidden_bytes, 0 if x_scales is None else x_scales.size(1), 0 if topk_idx is None else topk_idx.size(1)
+    )
     rec.scale_dtype = None if x_scales is None else x_scales.dtype
     chan = channel_ids(N, num_channels)
     one_hot = torch.nn.functional.one_hot(chan, num_channels).to(torch.int64)  # [N, C]
     per_channel = is_token_in_rank.to(torch.int64).T @ one_hot  # [R, C]
     E = 0 if cached else num_tokens_per_expert.numel()
-    extra = torch.cat([per_channel.flatten(),
-                       num_tokens_per_expert.to(torch.int64) if not cached else torch.zeros(0, dtype=torch.int64)])
+    extra = torch.cat(
+        [
+            per_channel.flatten(),
+            num_tokens_per_expert.to(torch.int64) if not cached else torch.zeros(0, dtype=torch.int64),
+        ]
+    )
     counts = _exchange_counts(eng, is_token_in_rank, extra)
     plan = _Plan(eng, counts, rec.bytes)
     eng.require_bytes(plan.needed(), f"this dispatch ({rec.bytes}-byte rows)")
@@ -210,14 +230,44 @@ def dispatch(eng, x, x_scales, topk_idx, topk_weights, num_tokens_per_rank, num_
         eng.consume(w, hb.STREAM_HT_PLACED)
     num_recv = int(counts["rank"][:, eng.rank].sum())
     off = plan.nvl[eng.rank][0]
-    recv = eng.region[off:off + num_recv * rec.bytes].view(num_recv, rec.bytes)
-    all_channel = counts["extra"][:, :R * num_channels].view(R, R, num_channels)
-    return _unpack(eng, x, rec, recv, counts, all_channel, num_channels, cached, num_worst_tokens,
-                   expert_alignment, E, is_token_in_rank, chan, nvl_head, handle)
+    recv = eng.region[off : off + num_recv * rec.bytes].view(num_recv, rec.bytes)
+    all_channel = counts["extra"][:, : R * num_channels].view(R, R, num_channels)
+    return _unpack(
+        eng,
+        x,
+        rec,
+        recv,
+        counts,
+        all_channel,
+        num_channels,
+        cached,
+        num_worst_tokens,
+        expert_alignment,
+        E,
+        is_token_in_rank,
+        chan,
+        nvl_head,
+        handle,
+    )
 
 
-def _unpack(eng, x, rec, recv, counts, all_channel, C, cached, num_worst_tokens, expert_alignment, E,
-            is_token_in_rank, chan, nvl_head, handle):
+def _unpack(
+    eng,
+    x,
+    rec,
+    recv,
+    counts,
+    all_channel,
+    C,
+    cached,
+    num_worst_tokens,
+    expert_alignment,
+    E,
+    is_token_in_rank,
+    chan,
+    nvl_head,
+    handle,
+):
     me, R = eng.rank, eng.num_ranks
     num_recv = recv.size(0)
     rows = num_worst_tokens if num_worst_tokens > 0 else num_recv
@@ -226,28 +276,28 @@ def _unpack(eng, x, rec, recv, counts, all_channel, C, cached, num_worst_tokens,
     H = x.size(1)
     recv_x = torch.empty(rows, H, dtype=x.dtype)
     recv_x[num_recv:] = 0
-    recv_x[:num_recv].view(torch.uint8).view(num_recv, rec.hidden_bytes).copy_(recv[:, rec.x:rec.scales])
+    recv_x[:num_recv].view(torch.uint8).view(num_recv, rec.hidden_bytes).copy_(recv[:, rec.x : rec.scales])
     recv_scales = None
     if rec.num_scales:
         recv_scales = torch.zeros(rows, rec.num_scales, dtype=rec.scale_dtype)
-        scales = recv[:, rec.scales:rec.topk].contiguous().view(rec.scale_dtype)
+        scales = recv[:, rec.scales : rec.topk].contiguous().view(rec.scale_dtype)
         recv_scales[:num_recv] = scales.view(num_recv, rec.num_scales)
     if cached:
         return recv_x, recv_scales, None, None, None, None
     recv_topk_idx = recv_topk_weights = None
     if rec.num_topk:
         K = rec.num_topk
-        gidx = recv[:, rec.topk:rec.weights].contiguous().view(torch.int64).view(num_recv, K)
-        w = recv[:, rec.weights:rec.weights + 4 * K].contiguous().view(torch.float32).view(num_recv, K)
+        gidx = recv[:, rec.topk : rec.weights].contiguous().view(torch.int64).view(num_recv, K)
+        w = recv[:, rec.weights : rec.weights + 4 * K].contiguous().view(torch.float32).view(num_recv, K)
         E_l = E // R
         local = (gidx >= me * E_l) & (gidx < (me + 1) * E_l)
         recv_topk_idx = torch.full((rows, K), -1, dtype=torch.int64)
         recv_topk_idx[:num_recv] = torch.where(local, gidx - me * E_l, torch.full_like(gidx, -1))
         recv_topk_weights = torch.zeros(rows, K, dtype=torch.float32)
         recv_topk_weights[:num_recv] = torch.where(local, w, torch.zeros_like(w))
-    expert_counts = counts["extra"][:, R * C:R * C + E].sum(0)
+    expert_counts = counts["extra"][:, R * C : R * C + E].sum(0)
     E_l = E // R
-    mine = expert_counts[me * E_l:(me + 1) * E_l]
+    mine = expert_counts[me * E_l : (me + 1) * E_l]
     aligned = ((mine + expert_alignment - 1) // expert_alignment * expert_alignment).tolist()
     recv_list = [] if num_worst_tokens > 0 else [int(v) for v in aligned]
     src_idx = recv[:, 0:4].contiguous().view(torch.int32).view(-1)
@@ -284,12 +334,22 @@ def _make_handle(eng, counts, all_channel, C, is_token_in_rank, chan, recv, src_
     meta[:, 1] = header[:, 1]
     recv_src_meta = meta.view(torch.uint8).view(-1, 8)
     send_rdma_head = hb.positions(to_node)
-    return (is_token_in_rank, rdma_channel_prefix, channel_prefix, recv_rdma_channel_prefix,
-            recv_rdma_rank_prefix_sum, recv_channel_prefix, recv_gbl_rank_prefix_sum, recv_src_meta,
-            send_rdma_head, nvl_head)
+    return (
+        is_token_in_rank,
+        rdma_channel_prefix,
+        channel_prefix,
+        recv_rdma_channel_prefix,
+        recv_rdma_rank_prefix_sum,
+        recv_channel_prefix,
+        recv_gbl_rank_prefix_sum,
+        recv_src_meta,
+        send_rdma_head,
+        nvl_head,
+    )
 
 
 # ---------------------------------------------------------------- combine
+
 
 def _combine_plan(eng, is_token_in_rank, crec, prec):
     """Layout of the combine areas: direct area at the source (same-node contributions, ranks ascending), the
@@ -351,14 +411,14 @@ def combine(eng, x, handle, topk_weights, bias):
     for s in range(R):
         b, e = int(starts[s]), int(starts[s + 1])
         if eng.node_of(s) == eng.node:
-            dst = eng.peer_view(s)[plan["direct"][s][me]:]
+            dst = eng.peer_view(s)[plan["direct"][s][me] :]
         else:
             f = eng.forwarder(eng.node, eng.local_of(s))
-            dst = eng.peer_view(f)[plan["to_fwd"][f][(s, me)]:]
+            dst = eng.peer_view(f)[plan["to_fwd"][f][(s, me)] :]
         rows = torch.arange(b, e)
         eng.copy_rows(dst, crec, None, x_rows, 2 * H, rows, 2 * H)
         if K:
-            eng.copy_rows(dst[2 * H:], crec, None, w_rows, 4 * K, rows, 4 * K)
+            eng.copy_rows(dst[2 * H :], crec, None, w_rows, 4 * K, rows, 4 * K)
     for d in eng.node_ranks():
         eng.signal(d, hb.STREAM_HT_COMBINE_DIRECT)
         if eng.num_nodes > 1:
@@ -378,15 +438,18 @@ def _forward_partials(eng, plan, handle, H, K, crec, prec):
     row0 = 0
     for s in sorted(plan["staging"][me]):
         n_rows = int(plan["node_cnt"][s, eng.node])
-        head = nvl_head[row0:row0 + n_rows]
+        head = nvl_head[row0 : row0 + n_rows]
         row0 += n_rows
         off = plan["staging"][me][s]
         out = eng.region[off:]
-        blocks = [(eng.region[plan["to_fwd"][me][(s, d)]:], head[:, local]) for local, d in enumerate(eng.node_ranks())]
+        blocks = [
+            (eng.region[plan["to_fwd"][me][(s, d)] :], head[:, local]) for local, d in enumerate(eng.node_ranks())
+        ]
         eng.reduce_rows(out, prec, hb.F32, n_rows, H, [(b, crec, hb.BF16, i, None) for b, i in blocks])
         if K:
-            eng.reduce_rows(out[4 * H:], prec, hb.F32, n_rows, K,
-                            [(b[2 * H:], crec, hb.F32, i, None) for b, i in blocks])
+            eng.reduce_rows(
+                out[4 * H :], prec, hb.F32, n_rows, K, [(b[2 * H :], crec, hb.F32, i, None) for b, i in blocks]
+            )
         eng.put_block(s, off, plan["partial"][s][eng.node], n_rows * prec, hb.STREAM_HT_COMBINE_PARTIAL)
         eng.signal(s, hb.STREAM_HT_COMBINE_PARTIAL)
 
@@ -400,11 +463,14 @@ def _reduce_at_source(eng, plan, is_token_in_rank, handle, H, K, crec, prec, bia
         if n != eng.node:
             eng.consume(eng.forwarder(n), hb.STREAM_HT_COMBINE_PARTIAL)
     pos = hb.positions(is_token_in_rank).to(torch.int64)
-    rows = [(eng.region[plan["direct"][me][d]:], crec, 2 * H, hb.BF16, pos[:, d]) for d in eng.node_ranks()]
+    rows = [(eng.region[plan["direct"][me][d] :], crec, 2 * H, hb.BF16, pos[:, d]) for d in eng.node_ranks()]
     if eng.num_nodes > 1:
         rdma_head = handle[8].to(torch.int64)
-        rows += [(eng.region[plan["partial"][me][n]:], prec, 4 * H, hb.F32, rdma_head[:, n])
-                 for n in range(eng.num_nodes) if n != eng.node]
+        rows += [
+            (eng.region[plan["partial"][me][n] :], prec, 4 * H, hb.F32, rdma_head[:, n])
+            for n in range(eng.num_nodes)
+            if n != eng.node
+        ]
     init = None
     if bias:
         init = bias[0].float() if len(bias) == 1 else bias[0].float() + bias[1].float()
@@ -413,6 +479,12 @@ def _reduce_at_source(eng, plan, is_token_in_rank, handle, H, K, crec, prec, bia
     weights = None
     if K:
         weights = torch.empty(N, K, dtype=torch.float32)
-        eng.reduce_rows(weights.view(torch.uint8), 4 * K, hb.F32, N, K,
-                        [(b[w_off:], p, hb.F32, i, None) for b, p, w_off, _, i in rows])
+        eng.reduce_rows(
+            weights.view(torch.uint8),
+            4 * K,
+            hb.F32,
+            N,
+            K,
+            [(b[w_off:], p, hb.F32, i, None) for b, p, w_off, _, i in rows],
+        )
     return out, weights

@@ -10,7 +10,6 @@ expert) stream per source carries one final signal per call whose unit count is 
 sequence numbers must be the receiver's own (lockstep.py). Shrink mode: masked ranks get nothing and give nothing.
 """
 
-
 import torch
 
 from .. import common as hb
@@ -59,10 +58,10 @@ def _pack_messages(x, use_fp8, round_scale, lay, seq):
     msgs[:, 4:8] = torch.full((N, 1), seq, dtype=torch.int32).view(torch.uint8)
     if use_fp8:
         q, scale = per_token_cast(x, round_scale)
-        msgs[:, 16:16 + H] = q.view(torch.uint8)
-        msgs[:, 16 + H:16 + H + H // 128 * 4] = scale.view(torch.uint8).view(N, H // 128 * 4)
+        msgs[:, 16 : 16 + H] = q.view(torch.uint8)
+        msgs[:, 16 + H : 16 + H + H // 128 * 4] = scale.view(torch.uint8).view(N, H // 128 * 4)
     else:
-        msgs[:, 16:16 + 2 * H] = x.contiguous().view(torch.uint8).view(N, 2 * H)
+        msgs[:, 16 : 16 + 2 * H] = x.contiguous().view(torch.uint8).view(N, 2 * H)
     return msgs
 
 
@@ -80,8 +79,7 @@ def _slots(topk_idx, num_experts):
     return tokens, experts, slot, counts
 
 
-def dispatch(eng, x, topk_idx, T, E, use_fp8, round_scale, use_ue8m0, cumulative_stats, wait_stats,
-             return_recv_hook):
+def dispatch(eng, x, topk_idx, T, E, use_fp8, round_scale, use_ue8m0, cumulative_stats, wait_stats, return_recv_hook):
     lay = hb.LLLayout(eng, T, x.size(1), E)
     R, me, E_l = eng.num_ranks, eng.rank, lay.E_l
     half = eng.ll_half
@@ -90,7 +88,7 @@ def dispatch(eng, x, topk_idx, T, E, use_fp8, round_scale, use_ue8m0, cumulative
     send, recv = lay.send_off(half), lay.recv_off(half)
     N = x.size(0)
     if not all(eng.direct(d, low_latency=True) for d in range(R)):  # proxies copy from registered memory
-        eng.region[send:send + N * lay.disp].view(N, lay.disp).copy_(msgs)
+        eng.region[send : send + N * lay.disp].view(N, lay.disp).copy_(msgs)
     tokens, experts, slot, counts = _slots(topk_idx, E)
     dst = experts // E_l
     for d in range(R):
@@ -102,8 +100,9 @@ def dispatch(eng, x, topk_idx, T, E, use_fp8, round_scale, use_ue8m0, cumulative
         if eng.direct(d, low_latency=True):
             eng.copy_rows(eng.peer_view(d)[recv:], lay.disp, rows, msgs, lay.disp, tokens[sel], lay.disp)
         else:
-            eng.put_rows_streams(d, send + tokens[sel] * lay.disp, recv + rows * lay.disp,
-                                 _stream(eng, half, 0, le), lay.disp)
+            eng.put_rows_streams(
+                d, send + tokens[sel] * lay.disp, recv + rows * lay.disp, _stream(eng, half, 0, le), lay.disp
+            )
     all_experts = torch.arange(E)
     live = _unmasked(eng, all_experts // E_l)
     eng.signal_many(all_experts[live] // E_l, _stream(eng, half, 0, all_experts[live] % E_l), counts[live])
@@ -114,8 +113,20 @@ def dispatch(eng, x, topk_idx, T, E, use_fp8, round_scale, use_ue8m0, cumulative
     layout_range = torch.zeros(E_l, R, dtype=torch.int64)
 
     def receive():
-        _dispatch_receive(eng, lay, half, use_fp8, use_ue8m0, recv_x, recv_scales, recv_count, src_info,
-                          layout_range, cumulative_stats, wait_stats)
+        _dispatch_receive(
+            eng,
+            lay,
+            half,
+            use_fp8,
+            use_ue8m0,
+            recv_x,
+            recv_scales,
+            recv_count,
+            src_info,
+            layout_range,
+            cumulative_stats,
+            wait_stats,
+        )
 
     handle = (src_info, layout_range, T, x.size(1), E)
     out_x = (recv_x, recv_scales) if use_fp8 else recv_x
@@ -141,8 +152,20 @@ def _alloc_recv_x(lay, use_fp8, use_ue8m0):
     return x, scales
 
 
-def _dispatch_receive(eng, lay, half, use_fp8, use_ue8m0, recv_x, recv_scales, recv_count, src_info, layout_range,
-                      cumulative_stats, wait_stats):
+def _dispatch_receive(
+    eng,
+    lay,
+    half,
+    use_fp8,
+    use_ue8m0,
+    recv_x,
+    recv_scales,
+    recv_count,
+    src_info,
+    layout_range,
+    cumulative_stats,
+    wait_stats,
+):
     R, T, H, E_l, M = eng.num_ranks, lay.T, lay.H, lay.E_l, lay.M
     le = torch.arange(E_l).repeat_interleave(R)
     src = torch.arange(R).repeat(E_l)
@@ -166,7 +189,7 @@ def _dispatch_receive(eng, lay, half, use_fp8, use_ue8m0, recv_x, recv_scales, r
     row_bytes = H if use_fp8 else 2 * H
     eng.copy_rows(recv_x.view(torch.uint8), row_bytes, packed_rows, slots[16:], lay.disp, slot_rows, row_bytes)
     if use_fp8:
-        scale = slots[:E_l * R * T * lay.disp].view(-1, lay.disp)[slot_rows, 16 + H:16 + H + H // 128 * 4]
+        scale = slots[: E_l * R * T * lay.disp].view(-1, lay.disp)[slot_rows, 16 + H : 16 + H + H // 128 * 4]
         scale = scale.contiguous().view(torch.float32).view(n, H // 128)
         recv_scales[packed_rows // M, packed_rows % M] = _ue8m0(scale) if use_ue8m0 else scale
     recv_count.copy_(counts.sum(1).to(torch.int32))
@@ -191,8 +214,8 @@ def next_combine_buffer(eng, handle):
 
 def _combine_send_view(eng, lay, half):
     off = lay.send_off(half)
-    rows = eng.region[off:off + lay.E_l * lay.M * lay.comb].view(lay.E_l, lay.M, lay.comb)
-    return rows.view(torch.bfloat16)[:, :, :lay.H]
+    rows = eng.region[off : off + lay.E_l * lay.M * lay.comb].view(lay.E_l, lay.M, lay.comb)
+    return rows.view(torch.bfloat16)[:, :, : lay.H]
 
 
 def combine(eng, x, topk_idx, topk_weights, handle, zero_copy, out, return_recv_hook, wait_stats):
@@ -229,13 +252,18 @@ def combine(eng, x, topk_idx, topk_weights, handle, zero_copy, out, return_recv_
                 eng.copy_rows(dst, lay.comb, rows[sel], x_rows, 2 * H, src_rows, 2 * H)
             else:
                 eng.copy_rows(dst, lay.comb, rows[sel], eng.region[send:], lay.comb, src_rows, 2 * H)
-            eng.copy_rows(dst[2 * H:], lay.comb, rows[sel], seq, 0, once, 4)
+            eng.copy_rows(dst[2 * H :], lay.comb, rows[sel], seq, 0, once, 4)
         else:
             if x_rows is not None:  # stage the rows the proxies will send
                 eng.copy_rows(eng.region[send:], lay.comb, src_rows, x_rows, 2 * H, src_rows, 2 * H)
-            eng.copy_rows(eng.region[send + 2 * H:], lay.comb, src_rows, seq, 0, once, 4)
-            eng.put_rows_streams(s_rank, send + (le[sel] * lay.M + j[sel]) * lay.comb, recv + rows[sel] * lay.comb,
-                                 _stream(eng, half, 1, le[sel]), 2 * H + 16)
+            eng.copy_rows(eng.region[send + 2 * H :], lay.comb, src_rows, seq, 0, once, 4)
+            eng.put_rows_streams(
+                s_rank,
+                send + (le[sel] * lay.M + j[sel]) * lay.comb,
+                recv + rows[sel] * lay.comb,
+                _stream(eng, half, 1, le[sel]),
+                2 * H + 16,
+            )
     pairs = torch.arange(E_l * R)
     live = _unmasked(eng, pairs % R)
     eng.signal_many(pairs[live] % R, _stream(eng, half, 1, pairs[live] // R), counts.flatten()[live])
@@ -266,8 +294,15 @@ def _combine_receive(eng, lay, half, topk_idx, topk_weights, result, wait_stats)
         topk_idx = torch.where((topk_idx >= 0) & (eng.mask[topk_idx.clamp(min=0) // E_l] != 0), -1, topk_idx)
     used = torch.nonzero(topk_idx >= 0)
     seqs = torch.empty(used.size(0), dtype=torch.int32)
-    eng.copy_rows(seqs.view(torch.uint8), 4, None, eng.region[recv + 2 * H:], lay.comb,
-                  topk_idx[used[:, 0], used[:, 1]] * T + used[:, 0], 4)
+    eng.copy_rows(
+        seqs.view(torch.uint8),
+        4,
+        None,
+        eng.region[recv + 2 * H :],
+        lay.comb,
+        topk_idx[used[:, 0], used[:, 1]] * T + used[:, 0],
+        4,
+    )
     _check_seqs(eng, "low_latency_combine", seqs, topk_idx[used[:, 0], used[:, 1]] // E_l)
     # Per owner rank, its rows in top-k order, then those sums in rank order, FP32 with every product and sum
     # rounded: deterministic, and the order in which the CUDA backend's direct peers send partial sums.
