@@ -8,7 +8,7 @@ every transport (ordered ones natively, unordered ones through the ordering prot
 adds 2**32, so `slot >> 32` counts finished streams.
 """
 
-from typing import TYPE_CHECKING, Optional, Union
+from typing import TYPE_CHECKING, Any, Optional, Union
 
 from ._native import require_native
 from .bootstrap import all_gather_objects, collective_step, group_rank_and_size
@@ -18,7 +18,6 @@ if TYPE_CHECKING:  # torch is imported where a view is made (a Channel needs no 
     import torch
 
 __all__ = ["Channel", "DEFAULT_TIMEOUT_S"]
-
 
 
 def _device_code(device):
@@ -65,13 +64,27 @@ class Channel:
             need).
     """
 
-    def __init__(self, group: Optional["torch.distributed.ProcessGroup"] = None, nbytes: int = 1 << 20, *,
-                 transport: Optional[str] = None, num_streams: int = 64, num_proxy_threads: int = 4,
-                 num_fifos: int = 32, fifo_capacity: int = 4096, max_inflight_cmds: int = 512,
-                 max_inflight_bytes: int = 64 << 20, timeout_s: Optional[float] = None, unordered_window: int = 64,
-                 seed: int = 0, device: Union[int, str, None] = None, device_fifos: object = None,
-                 idle_spin_us: Optional[int] = None, status_stream: Optional[int] = None,
-                 _skip_ordering: bool = False) -> None:
+    def __init__(
+        self,
+        group: Optional["torch.distributed.ProcessGroup"] = None,
+        nbytes: int = 1 << 20,
+        *,
+        transport: Optional[str] = None,
+        num_streams: int = 64,
+        num_proxy_threads: int = 4,
+        num_fifos: int = 32,
+        fifo_capacity: int = 4096,
+        max_inflight_cmds: int = 512,
+        max_inflight_bytes: int = 64 << 20,
+        timeout_s: Optional[float] = None,
+        unordered_window: int = 64,
+        seed: int = 0,
+        device: Union[int, str, None] = None,
+        device_fifos: object = None,
+        idle_spin_us: Optional[int] = None,
+        status_stream: Optional[int] = None,
+        _skip_ordering: bool = False,
+    ) -> None:
         native = require_native()
         self.group = group
         self.rank, self.num_ranks = group_rank_and_size(group)
@@ -95,14 +108,26 @@ class Channel:
         _check_int("unordered_window", unordered_window, 1, 1 << 16)
         _check_int("num_ranks", self.num_ranks, 1, native.MAX_RANKS)
         self._native = native.Channel(
-            rank=self.rank, num_ranks=self.num_ranks, nbytes=nbytes, transport=self.transport,
-            num_proxy_threads=num_proxy_threads, num_fifos=num_fifos, fifo_capacity=fifo_capacity,
-            num_streams=num_streams, max_inflight_cmds=max_inflight_cmds, max_inflight_bytes=max_inflight_bytes,
-            timeout_s=self.timeout_s, unordered_window=unordered_window, seed=seed, skip_ordering=_skip_ordering,
-            device=_device_code(device), idle_spin_us=proxy_spin_us_from_env(
-                idle_spin_us, isinstance(device, int) and not isinstance(device, bool)),
-            status_stream=-1 if status_stream is None else _check_int("status_stream", status_stream, 0,
-                                                                       num_streams - native.NUM_STATUS_EVENTS))
+            rank=self.rank,
+            num_ranks=self.num_ranks,
+            nbytes=nbytes,
+            transport=self.transport,
+            num_proxy_threads=num_proxy_threads,
+            num_fifos=num_fifos,
+            fifo_capacity=fifo_capacity,
+            num_streams=num_streams,
+            max_inflight_cmds=max_inflight_cmds,
+            max_inflight_bytes=max_inflight_bytes,
+            timeout_s=self.timeout_s,
+            unordered_window=unordered_window,
+            seed=seed,
+            skip_ordering=_skip_ordering,
+            device=_device_code(device),
+            idle_spin_us=proxy_spin_us_from_env(idle_spin_us, isinstance(device, int) and not isinstance(device, bool)),
+            status_stream=-1
+            if status_stream is None
+            else _check_int("status_stream", status_stream, 0, num_streams - native.NUM_STATUS_EVENTS),
+        )
         self.device = device
         try:
             if device_fifos is not None:  # kernels push into these; the proxies serve them with the host FIFOs
@@ -116,6 +141,12 @@ class Channel:
             raise
         self._buffer = None
         self._signals = None
+
+    @property
+    def native_channel(self) -> Any:
+        """The native channel (portep._C.Channel) this object wraps, for the backends' engines, which hand it to the
+        native kernels' owners (None if construction failed)."""
+        return getattr(self, "_native", None)
 
     # ---- memory ----
     @property
@@ -153,8 +184,9 @@ class Channel:
         self._check_stream(stream)
         self._live().signal(dst, stream, bool(final))
 
-    def write_signal(self, dst: int, local_offset: int, remote_offset: int, nbytes: int, stream: int = 0,
-                     final: bool = False) -> None:
+    def write_signal(
+        self, dst: int, local_offset: int, remote_offset: int, nbytes: int, stream: int = 0, final: bool = False
+    ) -> None:
         """write() then signal() on the same stream."""
         self.write(dst, local_offset, remote_offset, nbytes, stream)
         self.signal(dst, stream, final)

@@ -35,6 +35,7 @@ from .kernel_errors import KernelErrors
 NUM_DEVICE_FIFOS = 32
 DEVICE_FIFO_CAPACITY = 4096
 
+
 class CudaEvent:
     """A CUDA event recorded on the current stream (EventOverlap's payload on the CUDA backend)."""
 
@@ -73,8 +74,13 @@ def _as_tensor(ptr, nbytes, device, owner=None):
     keeps the memory mapped for as long as the tensor or any view of it lives."""
 
     class _Mem:
-        __cuda_array_interface__ = {"shape": (nbytes,), "typestr": "|u1", "data": (ptr, False), "version": 3,
-                                    "strides": None}
+        __cuda_array_interface__ = {
+            "shape": (nbytes,),
+            "typestr": "|u1",
+            "data": (ptr, False),
+            "version": 3,
+            "strides": None,
+        }
 
         def __init__(self):
             self.owner = owner
@@ -95,8 +101,19 @@ def _ht_ctrl_bytes(native, num_ranks, ranks_per_node):
 class CudaEngine(Topology):
     """One per Buffer. Construction is collective over `group`."""
 
-    def __init__(self, group, num_bytes, ranks_per_node, max_local_experts=1024, transport=None, timeout_s=None,
-                 allow_direct_ll=True, num_proxy_threads=4, normal_bytes=0, shrink=False):
+    def __init__(
+        self,
+        group,
+        num_bytes,
+        ranks_per_node,
+        max_local_experts=1024,
+        transport=None,
+        timeout_s=None,
+        allow_direct_ll=True,
+        num_proxy_threads=4,
+        normal_bytes=0,
+        shrink=False,
+    ):
         self.native = require_native()
         graph_launch = ll_graph_launch()  # a bad value raises before any collective
         info = self.native.build_info()
@@ -104,9 +121,11 @@ class CudaEngine(Topology):
             raise RuntimeError(f"backend='cuda': portep was built without the GPU kernels ({info['gpu_reason']})")
         torch_runtime = "hip" if getattr(torch.version, "hip", None) else "cuda" if torch.version.cuda else None
         if torch_runtime and torch_runtime != info["gpu_runtime"]:
-            raise RuntimeError(f"backend='cuda': portep's GPU kernels were built for {info['gpu_runtime'].upper()} "
-                               f"but torch is a {'ROCm' if torch_runtime == 'hip' else 'CUDA'} build; rebuild portep "
-                               f"with -Ccmake.define.PORTEP_GPU={torch_runtime}")
+            raise RuntimeError(
+                f"backend='cuda': portep's GPU kernels were built for {info['gpu_runtime'].upper()} "
+                f"but torch is a {'ROCm' if torch_runtime == 'hip' else 'CUDA'} build; rebuild portep "
+                f"with -Ccmake.define.PORTEP_GPU={torch_runtime}"
+            )
         if not torch.cuda.is_available():
             raise RuntimeError("backend='cuda' needs a CUDA GPU (torch.cuda.is_available() is False)")
         super().__init__(group, ranks_per_node, max_local_experts)
@@ -127,11 +146,17 @@ class CudaEngine(Topology):
         self.ht_stream_base = hb.ll_streams_end(max_local_experts)  # and its signal streams
         self.fifos = self.native.DeviceFifoSet(NUM_DEVICE_FIFOS, DEVICE_FIFO_CAPACITY)
         self.status_stream = self.ht_stream_base + self.native.HT_NUM_STREAMS  # peer_watch.h
-        self.channel = Channel(group, self.ht_ctrl_off + _ht_ctrl_bytes(self.native, self.num_ranks, ranks_per_node),
-                               transport=transport,
-                               num_streams=self.status_stream + self.native.NUM_STATUS_EVENTS,
-                               num_proxy_threads=num_proxy_threads, timeout_s=timeout_s,
-                               device=self.device.index, device_fifos=self.fifos, status_stream=self.status_stream)
+        self.channel = Channel(
+            group,
+            self.ht_ctrl_off + _ht_ctrl_bytes(self.native, self.num_ranks, ranks_per_node),
+            transport=transport,
+            num_streams=self.status_stream + self.native.NUM_STATUS_EVENTS,
+            num_proxy_threads=num_proxy_threads,
+            timeout_s=timeout_s,
+            device=self.device.index,
+            device_fifos=self.fifos,
+            status_stream=self.status_stream,
+        )
         # The normal-mode kernels' stream, made right after the proxies' copy streams so that, where CUDA assigns
         # hardware queues in turn, no proxy copy queues behind its kernels (torch's pool streams are made 32 at
         # once). It is never destroyed: tensors record_stream'd on it may be freed after the Buffer, and the caching
@@ -141,17 +166,18 @@ class CudaEngine(Topology):
         self.lockstep = Lockstep(self.channel, self.native, self.rank, self.num_ranks, self.timeout_s)
         # the peer watch's word per peer, in mapped host memory the kernels poll (peer_status.h)
         self._status_host, self.status_device = self.native.cuda_host_alloc_mapped(4 * self.num_ranks)
-        self.channel._native.mirror_peer_status(self._status_host)
+        self.channel.native_channel.mirror_peer_status(self._status_host)
         # shrink mode: the mask (receive sides set it) and its copy as each call begins (send sides read it)
         self.mask = self._send_mask = None
         if shrink:
             self.mask = torch.zeros(self.num_ranks, dtype=torch.int32, device=self.device)
             self._send_mask = torch.zeros_like(self.mask)
             self.lockstep.mask = self.mask
-        ch = self.channel._native
+        ch = self.channel.native_channel
         self.region = _as_tensor(ch.device_data_ptr(), self.num_bytes, self.device, ch.device_data_lease())
-        self.direct_ranks = [d for d in range(self.num_ranks)
-                             if d == self.rank or (allow_direct_ll and self.node_of(d) == self.node)]
+        self.direct_ranks = [
+            d for d in range(self.num_ranks) if d == self.rank or (allow_direct_ll and self.node_of(d) == self.node)
+        ]
         # Proxy peers whose memory is mapped here get their bytes stored by the kernels and placed WRITEs (config.py:
         # PROXY_COPIES_VAR): kernels read this only for peers that are not direct.
         self.placed = self.channel.placed_writes and not proxy_copies()
@@ -159,39 +185,61 @@ class CudaEngine(Topology):
         self.placed_ranks = [d for d in range(self.num_ranks) if place[d] and d not in self.direct_ranks]
         copied = len(self.direct_ranks) + len(self.placed_ranks) < self.num_ranks
         if copied and self.channel.transport.startswith("shm"):
-            check_gpu_copy_connections(f"the proxy path over transport={self.channel.transport!r} on GPU memory "
-                                       f"with {PROXY_COPIES_VAR}=1")
+            check_gpu_copy_connections(
+                f"the proxy path over transport={self.channel.transport!r} on GPU memory with {PROXY_COPIES_VAR}=1"
+            )
         peers = [ch.peer_data_ptr(d) if d in self.direct_ranks else 0 for d in range(self.num_ranks)]
         self._peers = torch.tensor(peers, dtype=torch.int64, device=self.device)
-        self._place = torch.tensor(place, dtype=torch.int64, device=self.device)
+        self.place_table = torch.tensor(place, dtype=torch.int64, device=self.device)
         # kernel scratch, int32: finish counts [flag_slots + 1], proxy chunks' ready counts [R][max_chunks], where a
         # proxy source's messages or rows of an expert begin in its chunk [flag_slots], combine blocks done with a
         # partial peer [R], the sequence-number chain [2] (gpu_kernels/cuda/ll_api.h)
         max_chunks = -(-max_local_experts // self.native.LL_CHUNK_EXPERTS)
-        self._finish = torch.zeros(2 * self.flag_slots + 1 + self.num_ranks * (max_chunks + 1) + 2,
-                                   dtype=torch.int32, device=self.device)
+        self._finish = torch.zeros(
+            2 * self.flag_slots + 1 + self.num_ranks * (max_chunks + 1) + 2, dtype=torch.int32, device=self.device
+        )
         chunk_done = self._finish.data_ptr() + 4 * (self.flag_slots + 1)
         proxy_begin = chunk_done + 4 * self.num_ranks * max_chunks
         dest_done = proxy_begin + 4 * self.flag_slots
         seq_chain = dest_done + 4 * self.num_ranks
         # the proxy signal slots' values the kernels consumed last (only the host writes the slots themselves)
-        self._signal_seen = torch.zeros(self.num_ranks * self.channel.num_streams, dtype=torch.int64,
-                                        device=self.device)
+        self.signal_seen = torch.zeros(self.num_ranks * self.channel.num_streams, dtype=torch.int64, device=self.device)
         self.errors = KernelErrors(self.native, self.device)
         self.error_device, self.failed_flag = self.errors.records, self.errors.words
         self._ht = None
         self.launch_stream = None  # comm_stream while the Buffer runs a normal-mode call (backends/cuda/comm_stream.py)
         num_sms = self.device_sms = torch.cuda.get_device_properties(self.device).multi_processor_count
         self.kernels = self.native.LLKernels(
-            rank=self.rank, num_ranks=self.num_ranks, max_local_experts=max_local_experts,
-            num_direct=len(self.direct_ranks), num_bytes=self.num_bytes, stream_base=hb.STREAM_LL_BASE,
-            device=self.device.index, channel=ch, local=ch.device_data_ptr(), peers=self._peers.data_ptr(),
-            place=self._place.data_ptr(), host_signals=ch.device_signals_ptr(),
-            signal_seen=self._signal_seen.data_ptr(), num_streams=self.channel.num_streams, fifos=self.fifos,
-            finish=self._finish.data_ptr(), chunk_done=chunk_done, proxy_begin=proxy_begin, max_chunks=max_chunks,
-            dest_done=dest_done, seq_chain=seq_chain, error=self.error_device, error_host=self.errors.host,
-            failed=self.failed_flag.data_ptr(), peer_status=self.status_device, mask=_ptr(self.mask),
-            send_mask=_ptr(self._send_mask), timeout_s=self.timeout_s, num_sms=num_sms)
+            rank=self.rank,
+            num_ranks=self.num_ranks,
+            max_local_experts=max_local_experts,
+            num_direct=len(self.direct_ranks),
+            num_bytes=self.num_bytes,
+            stream_base=hb.STREAM_LL_BASE,
+            device=self.device.index,
+            channel=ch,
+            local=ch.device_data_ptr(),
+            peers=self._peers.data_ptr(),
+            place=self.place_table.data_ptr(),
+            host_signals=ch.device_signals_ptr(),
+            signal_seen=self.signal_seen.data_ptr(),
+            num_streams=self.channel.num_streams,
+            fifos=self.fifos,
+            finish=self._finish.data_ptr(),
+            chunk_done=chunk_done,
+            proxy_begin=proxy_begin,
+            max_chunks=max_chunks,
+            dest_done=dest_done,
+            seq_chain=seq_chain,
+            error=self.error_device,
+            error_host=self.errors.host,
+            failed=self.failed_flag.data_ptr(),
+            peer_status=self.status_device,
+            mask=_ptr(self.mask),
+            send_mask=_ptr(self._send_mask),
+            timeout_s=self.timeout_s,
+            num_sms=num_sms,
+        )
         self.kernels.graph_launch = self.kernels.graph_launch and graph_launch
         self._layouts = {}
         torch.cuda.current_stream(self.device).synchronize()
@@ -220,32 +268,44 @@ class CudaEngine(Topology):
         step and usable. Only this rank raises: its input held the entry."""
         notice = self.errors.take_notice()
         if notice is not None:
-            raise DroppedInput(f"{notice[1]}; reported by this or an earlier call on this Buffer, whose kernels ran "
-                               f"on every rank (this call's results are in the exception's `results`)", results)
+            raise DroppedInput(
+                f"{notice[1]}; reported by this or an earlier call on this Buffer, whose kernels ran "
+                f"on every rank (this call's results are in the exception's `results`)",
+                results,
+            )
 
     def _failure_context(self, code, src):
         """Where this rank's proxies stand, and (a wait that timed out) what src's proxies delivered."""
         stats = self.channel.stats()
-        moved = {k: sum(s[k] for s in stats)
-                 for k in ("commands", "writes", "signals", "notices", "held_signals", "signals_delayed", "in_flight")}
+        moved = {
+            k: sum(s[k] for s in stats)
+            for k in ("commands", "writes", "signals", "notices", "held_signals", "signals_delayed", "in_flight")
+        }
         hint = ""
         if moved["in_flight"] or moved["held_signals"]:  # per proxy thread: where the operations wait
-            moved["per_thread"] = [{k: s[k] for k in ("in_flight", "queued", "copying", "notify_full",
-                                                      "held_signals")} for s in stats]
+            moved["per_thread"] = [
+                {k: s[k] for k in ("in_flight", "queued", "copying", "notify_full", "held_signals")} for s in stats
+            ]
             if any(s["copying"] for s in stats):
-                hint = ("; copies issued by this rank's proxies have not completed: if their stream shares a hardware "
-                        f"queue with the kernels' stream they wait behind those kernels ({PROXY_COPIES_VAR}=1 is set; "
-                        "see CUDA_DEVICE_MAX_CONNECTIONS in portep/config.py)")
+                hint = (
+                    "; copies issued by this rank's proxies have not completed: if their stream shares a hardware "
+                    f"queue with the kernels' stream they wait behind those kernels ({PROXY_COPIES_VAR}=1 is set; "
+                    "see CUDA_DEVICE_MAX_CONNECTIONS in portep/config.py)"
+                )
         slots = ""
         # what that peer's proxies delivered into the LL slots
         if self.errors.name(code) == "wait_timeout" and 0 <= src < self.num_ranks:
             # a snapshot: the proxies may still write the live slots, which torch's nonzero must not see change
-            row = self.channel.signals[src, hb.STREAM_LL_BASE:hb.ll_streams_end(self.max_local_experts)].clone()
+            row = self.channel.signals[src, hb.STREAM_LL_BASE : hb.ll_streams_end(self.max_local_experts)].clone()
             live = [(int(i), int(row[i]) >> 32, int(row[i]) & 0xFFFFFFFF) for i in row.nonzero().flatten()[:8]]
-            slots = (f"; LL signal slots from rank {src} (stream offset, final signals, units delivered since the "
-                     f"Buffer was created or cleaned): {live}")
-        return (f" with timeout_s={self.timeout_s}; the Buffer's results are invalid (this rank's proxies so far: "
-                f"{moved}{slots}{hint})")
+            slots = (
+                f"; LL signal slots from rank {src} (stream offset, final signals, units delivered since the "
+                f"Buffer was created or cleaned): {live}"
+            )
+        return (
+            f" with timeout_s={self.timeout_s}; the Buffer's results are invalid (this rank's proxies so far: "
+            f"{moved}{slots}{hint})"
+        )
 
     # ---- layout ----
     def _layout(self, T, H, E):
@@ -257,8 +317,11 @@ class CudaEngine(Topology):
 
     def require_bytes(self, needed, what):
         if needed > self.ll_bytes:
-            where = ("the communication buffer" if self.ll_bytes == self.num_bytes
-                     else "its low-latency part (num_rdma_bytes)")
+            where = (
+                "the communication buffer"
+                if self.ll_bytes == self.num_bytes
+                else "its low-latency part (num_rdma_bytes)"
+            )
             raise AgreedRefusal(f"{where} has {self.ll_bytes} bytes but {what} needs {needed} bytes")
 
     def _call_state(self):
@@ -281,10 +344,22 @@ class CudaEngine(Topology):
         per_node = torch.empty(self.num_nodes, dtype=torch.int32, device=self.device) if self.num_nodes > 1 else None
         per_expert = torch.empty(num_experts, dtype=torch.int32, device=self.device)
         in_rank = torch.empty(N, R, dtype=torch.bool, device=self.device)
-        self.native.cuda_dispatch_layout(topk_idx.data_ptr(), N, K, num_experts, R, self.ranks_per_node,
-                                         per_rank.data_ptr(), 0 if per_node is None else per_node.data_ptr(),
-                                         per_expert.data_ptr(), in_rank.data_ptr(), self.raw_stream(), self.rank,
-                                         self.failed_flag.data_ptr(), self.error_device)
+        self.native.cuda_dispatch_layout(
+            topk_idx.data_ptr(),
+            N,
+            K,
+            num_experts,
+            R,
+            self.ranks_per_node,
+            per_rank.data_ptr(),
+            0 if per_node is None else per_node.data_ptr(),
+            per_expert.data_ptr(),
+            in_rank.data_ptr(),
+            self.raw_stream(),
+            self.rank,
+            self.failed_flag.data_ptr(),
+            self.error_device,
+        )
         return per_rank, per_node, per_expert, in_rank
 
     def raw_stream(self):
@@ -301,19 +376,42 @@ class CudaEngine(Topology):
             self._ht = CudaHT(self, self.ht_ctrl_off, self.ht_stream_base)
         return self._ht
 
-    def dispatch(self, x, x_scales, topk_idx, topk_weights, num_tokens_per_rank, num_tokens_per_rdma_rank,
-                 is_token_in_rank, num_tokens_per_expert, expert_alignment, num_worst_tokens, num_channels, handle):
+    def dispatch(
+        self,
+        x,
+        x_scales,
+        topk_idx,
+        topk_weights,
+        num_tokens_per_rank,
+        num_tokens_per_rdma_rank,
+        is_token_in_rank,
+        num_tokens_per_expert,
+        expert_alignment,
+        num_worst_tokens,
+        num_channels,
+        handle,
+    ):
         self.check_error()
-        return self._normal_mode().dispatch(x, x_scales, topk_idx, topk_weights, is_token_in_rank,
-                                            num_tokens_per_expert, expert_alignment, num_worst_tokens, num_channels,
-                                            handle)
+        return self._normal_mode().dispatch(
+            x,
+            x_scales,
+            topk_idx,
+            topk_weights,
+            is_token_in_rank,
+            num_tokens_per_expert,
+            expert_alignment,
+            num_worst_tokens,
+            num_channels,
+            handle,
+        )
 
     def combine(self, x, handle, topk_weights, bias):
         self.check_error()
         return self._normal_mode().combine(x, handle, topk_weights, bias)
 
-    def low_latency_dispatch(self, x, topk_idx, T, E, use_fp8, round_scale, use_ue8m0, cumulative_stats,
-                             wait_stats, return_recv_hook):
+    def low_latency_dispatch(
+        self, x, topk_idx, T, E, use_fp8, round_scale, use_ue8m0, cumulative_stats, wait_stats, return_recv_hook
+    ):
         self.check_error()
         lay = self._layout(T, x.size(1), E)
         half = self.kernels.take_half()
@@ -336,12 +434,29 @@ class CudaEngine(Topology):
         def launch(phases):
             self.lockstep.sending()
             stream, seq = self._call_state()
-            self.kernels.dispatch(T, H, E, half, phases, stream, seq, x=x.data_ptr(), topk_idx=topk_idx.data_ptr(),
-                                  num_tokens=x.size(0), num_topk=topk_idx.size(1), use_fp8=use_fp8,
-                                  round_scale=round_scale, use_ue8m0=use_ue8m0, recv_x=recv_x.data_ptr(),
-                                  recv_scales=_ptr(scales), recv_count=recv_count.data_ptr(),
-                                  src_info=src_info.data_ptr(), layout_range=layout_range.data_ptr(),
-                                  cumulative_stats=_ptr(cumulative_stats), wait_stats=_ptr(wait_stats))
+            self.kernels.dispatch(
+                T,
+                H,
+                E,
+                half,
+                phases,
+                stream,
+                seq,
+                x=x.data_ptr(),
+                topk_idx=topk_idx.data_ptr(),
+                num_tokens=x.size(0),
+                num_topk=topk_idx.size(1),
+                use_fp8=use_fp8,
+                round_scale=round_scale,
+                use_ue8m0=use_ue8m0,
+                recv_x=recv_x.data_ptr(),
+                recv_scales=_ptr(scales),
+                recv_count=recv_count.data_ptr(),
+                src_info=src_info.data_ptr(),
+                layout_range=layout_range.data_ptr(),
+                cumulative_stats=_ptr(cumulative_stats),
+                wait_stats=_ptr(wait_stats),
+            )
 
         handle = (src_info, layout_range, T, H, E)
         if return_recv_hook:
@@ -357,8 +472,8 @@ class CudaEngine(Topology):
 
     def _combine_send_view(self, lay, half):
         off = lay.send_off(half)
-        rows = self.region[off:off + lay.E_l * lay.M * lay.comb].view(lay.E_l, lay.M, lay.comb)
-        return rows.view(torch.bfloat16)[:, :, :lay.H]
+        rows = self.region[off : off + lay.E_l * lay.M * lay.comb].view(lay.E_l, lay.M, lay.comb)
+        return rows.view(torch.bfloat16)[:, :, : lay.H]
 
     def low_latency_combine(self, x, topk_idx, topk_weights, handle, zero_copy, out, return_recv_hook, wait_stats):
         self.check_error()
@@ -369,17 +484,34 @@ class CudaEngine(Topology):
         topk_idx = topk_idx.contiguous()
         weights = topk_weights.to(torch.float32).contiguous()
         N = topk_idx.size(0)
-        result = out if out is not None and out.is_contiguous() else torch.empty(N, H, dtype=torch.bfloat16,
-                                                                                  device=self.device)
+        result = (
+            out
+            if out is not None and out.is_contiguous()
+            else torch.empty(N, H, dtype=torch.bfloat16, device=self.device)
+        )
 
         def launch(phases):
             self.lockstep.sending()
             stream, seq = self._call_state()
-            self.kernels.combine(T, H, E, half, phases, stream, seq, x=rows.data_ptr(), zero_copy=zero_copy,
-                                 src_info=src_info.data_ptr(), layout_range=layout_range.data_ptr(),
-                                 topk_idx=topk_idx.data_ptr(), topk_weights=weights.data_ptr(), num_tokens=N,
-                                 num_topk=topk_idx.size(1), out=result.data_ptr(),
-                                 wait_stats=_ptr(wait_stats))
+            self.kernels.combine(
+                T,
+                H,
+                E,
+                half,
+                phases,
+                stream,
+                seq,
+                x=rows.data_ptr(),
+                zero_copy=zero_copy,
+                src_info=src_info.data_ptr(),
+                layout_range=layout_range.data_ptr(),
+                topk_idx=topk_idx.data_ptr(),
+                topk_weights=weights.data_ptr(),
+                num_tokens=N,
+                num_topk=topk_idx.size(1),
+                out=result.data_ptr(),
+                wait_stats=_ptr(wait_stats),
+            )
             if phases & self.native.LL_PHASE_RECV and out is not None and result is not out:
                 out.copy_(result)
 
@@ -395,22 +527,25 @@ class CudaEngine(Topology):
         of this rank goes back to zero (the normal mode's and the LEFT status slots stay), the kernels' failure and
         notice words too, and so do the call counters."""
         if self.lockstep.broken and self.lockstep.broken.startswith(("dispatch", "combine")):
-            raise OutOfStep(f"rank {self.rank}: clean_low_latency_buffer resynchronises the low-latency mode only, "
-                            f"but a normal-mode call failed ({self.lockstep.broken}): destroy this Buffer and create "
-                            f"a new one on every rank")
+            raise OutOfStep(
+                f"rank {self.rank}: clean_low_latency_buffer resynchronises the low-latency mode only, "
+                f"but a normal-mode call failed ({self.lockstep.broken}): destroy this Buffer and create "
+                f"a new one on every rank"
+            )
         self.synchronize()
         self.sync()
         flags = self.num_bytes
-        _as_tensor(self.channel._native.device_data_ptr() + flags, self.ll_region.end - flags,
-                   self.device).zero_()  # flags, meta blocks
+        _as_tensor(
+            self.channel.native_channel.device_data_ptr() + flags, self.ll_region.end - flags, self.device
+        ).zero_()  # flags, meta blocks
         self._finish.zero_()
-        self._signal_seen.view(self.num_ranks, -1)[:, :self.ht_stream_base].zero_()  # normal mode's stay
+        self.signal_seen.view(self.num_ranks, -1)[:, : self.ht_stream_base].zero_()  # normal mode's stay
         signals = self.channel.signals
         keep = {hb.STREAM_SYNC, self.status_stream + self.native.EVENT_LEFT}
         for begin, end in hb.ranges_without(keep, self.ht_stream_base):
             signals[:, begin:end].zero_()
         ev = self.status_stream
-        signals[:, ev + self.native.EVENT_REFUSED:ev + self.native.EVENT_FAILED + 1].zero_()
+        signals[:, ev + self.native.EVENT_REFUSED : ev + self.native.EVENT_FAILED + 1].zero_()
         self.errors.clear()
         self.kernels.reset_half()
         self.lockstep.resynced()
@@ -423,7 +558,7 @@ class CudaEngine(Topology):
         self.channel.quiet()
         host_mask = None if self.mask is None else self.mask.to(torch.uint8).cpu()  # (the kernels are done)
         live = [r for r in range(self.num_ranks) if host_mask is None or not host_mask[r]]
-        ch = self.channel._native
+        ch = self.channel.native_channel
         for dst in live:
             if ch.peer_data_ptr(dst) and dst in self.direct_ranks:
                 ch.direct_signal(dst, hb.STREAM_SYNC, 0, True)
@@ -432,8 +567,15 @@ class CudaEngine(Topology):
         srcs = torch.tensor(live, dtype=torch.int64, device="cpu")  # (the caller's default device may be CUDA)
         streams = torch.full((len(live),), hb.STREAM_SYNC, dtype=torch.int64, device="cpu")
         units, waited = torch.empty_like(srcs), torch.empty_like(srcs)
-        ch.consume_many(len(live), srcs.data_ptr(), streams.data_ptr(), units.data_ptr(), waited.data_ptr(),
-                        self.timeout_s, _ptr(host_mask))
+        ch.consume_many(
+            len(live),
+            srcs.data_ptr(),
+            streams.data_ptr(),
+            units.data_ptr(),
+            waited.data_ptr(),
+            self.timeout_s,
+            _ptr(host_mask),
+        )
         if host_mask is not None:  # a rank that did not get here is masked now
             self.mask.copy_(host_mask.to(torch.int32))
 
@@ -474,10 +616,10 @@ class CudaEngine(Topology):
             if self._ht is not None:
                 self._ht.destroy()
                 self._ht = None
-            self.channel._native.mirror_peer_status(0)  # the watch stops writing the mapped words
+            self.channel.native_channel.mirror_peer_status(0)  # the watch stops writing the mapped words
             self.kernels.close()  # before the memory its plan table points at goes
             if self.mask is not None:  # shrink mode: see _PARKED
-                _PARKED.append(self.channel._native.device_data_lease())
+                _PARKED.append(self.channel.native_channel.device_data_lease())
             self.channel.destroy()
             self.channel = None
             self.fifos = None

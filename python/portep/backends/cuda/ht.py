@@ -56,18 +56,35 @@ class HTMemory:
 def engine_memory(eng, ctrl_off, stream_base):
     """A CudaEngine's HTMemory: its Channel's region, the regions of its same-node peers (CUDA IPC), its proxies'
     signal slots and FIFOs, its kernel error words; the normal-mode area is the engine's normal_off/normal_bytes."""
-    ch = eng.channel._native
+    ch = eng.channel.native_channel
     peers = [ch.peer_data_ptr(d) if eng.node_of(d) == eng.node else 0 for d in range(eng.num_ranks)]
     unmapped = [d for d in range(eng.num_ranks) if eng.node_of(d) == eng.node and not peers[d]]
     if unmapped:
-        raise NotImplementedError(f"normal mode on GPU tensors needs the buffers of same-node ranks mapped (CUDA "
-                                  f"IPC); transport {eng.channel.transport!r} did not map ranks {unmapped}")
-    return HTMemory(rank=eng.rank, num_ranks=eng.num_ranks, ranks_per_node=eng.ranks_per_node, device=eng.device,
-                    device_sms=eng.device_sms, local=ch.device_data_ptr(), peers=peers, place=eng._place,
-                    ctrl_off=ctrl_off, area_off=eng.normal_off, area_bytes=eng.normal_bytes, errors=eng.errors,
-                    peer_status=eng.status_device, host_signals=ch.device_signals_ptr(),
-                    signal_seen=eng._signal_seen.data_ptr(), num_streams=eng.channel.num_streams,
-                    stream_base=stream_base, fifos=eng.fifos, timeout_s=eng.timeout_s)
+        raise NotImplementedError(
+            f"normal mode on GPU tensors needs the buffers of same-node ranks mapped (CUDA "
+            f"IPC); transport {eng.channel.transport!r} did not map ranks {unmapped}"
+        )
+    return HTMemory(
+        rank=eng.rank,
+        num_ranks=eng.num_ranks,
+        ranks_per_node=eng.ranks_per_node,
+        device=eng.device,
+        device_sms=eng.device_sms,
+        local=ch.device_data_ptr(),
+        peers=peers,
+        place=eng.place_table,
+        ctrl_off=ctrl_off,
+        area_off=eng.normal_off,
+        area_bytes=eng.normal_bytes,
+        errors=eng.errors,
+        peer_status=eng.status_device,
+        host_signals=ch.device_signals_ptr(),
+        signal_seen=eng.signal_seen.data_ptr(),
+        num_streams=eng.channel.num_streams,
+        stream_base=stream_base,
+        fifos=eng.fifos,
+        timeout_s=eng.timeout_s,
+    )
 
 
 def _check_ranks(native, num_ranks, ranks_per_node):
@@ -105,8 +122,14 @@ class CudaHT:
         self.num_nodes = m.num_ranks // m.ranks_per_node
         self.device, self.device_sms, self.timeout_s = m.device, m.device_sms, m.timeout_s
         self.proxy = not all(m.peers)
-        self.layout = native.HTLayout(num_ranks=m.num_ranks, ranks_per_node=m.ranks_per_node, proxy=self.proxy,
-                                      ctrl_off=m.ctrl_off, area_off=m.area_off, area_bytes=m.area_bytes)
+        self.layout = native.HTLayout(
+            num_ranks=m.num_ranks,
+            ranks_per_node=m.ranks_per_node,
+            proxy=self.proxy,
+            ctrl_off=m.ctrl_off,
+            area_off=m.area_off,
+            area_bytes=m.area_bytes,
+        )
         self.forward = self.layout.forwarding  # forwarders on each node (ht_api.h)
         self.peers = torch.tensor(m.peers, dtype=torch.int64, device=m.device)
         self.epoch = torch.zeros(native.HT_EPOCH_WORDS, dtype=torch.int64, device=m.device)  # HTCommon::epoch
@@ -114,11 +137,25 @@ class CudaHT:
         ctypes.memset(self.host_counts, 0, native.HT_HOST_COUNTS_BYTES)
         self.ticket = 0
         self.kernels = native.HTKernels(
-            self.layout, m.fifos, rank=m.rank, local=m.local, peers=self.peers.data_ptr(), place=m.place.data_ptr(),
-            epoch=self.epoch.data_ptr(), host_counts=self.host_counts, host_counts_device=host_counts_device,
-            error=m.errors.records, error_host=m.errors.host, failed=m.errors.words.data_ptr(),
-            peer_status=m.peer_status, host_signals=m.host_signals, signal_seen=m.signal_seen,
-            num_streams=m.num_streams, stream_base=m.stream_base, timeout_s=m.timeout_s)
+            self.layout,
+            m.fifos,
+            rank=m.rank,
+            local=m.local,
+            peers=self.peers.data_ptr(),
+            place=m.place.data_ptr(),
+            epoch=self.epoch.data_ptr(),
+            host_counts=self.host_counts,
+            host_counts_device=host_counts_device,
+            error=m.errors.records,
+            error_host=m.errors.host,
+            failed=m.errors.words.data_ptr(),
+            peer_status=m.peer_status,
+            host_signals=m.host_signals,
+            signal_seen=m.signal_seen,
+            num_streams=m.num_streams,
+            stream_base=m.stream_base,
+            timeout_s=m.timeout_s,
+        )
         owner.synchronize()  # epoch, peers in place before any kernel reads them; earlier ops done
         self._load_torch_kernels()
 
@@ -133,8 +170,9 @@ class CudaHT:
         if self.forward:
             torch.full((1, self.native.HT_NVL_HEAD_COLUMNS), -1, dtype=torch.int32, device=dev)
             meta = torch.empty(1, 2, dtype=torch.int32, device=dev).fill_(-1)
-            self._forwarding_tensors(in_rank, torch.zeros(R, dtype=torch.int32, device=dev), None, None,
-                                     (None, None, None), meta, None)
+            self._forwarding_tensors(
+                in_rank, torch.zeros(R, dtype=torch.int32, device=dev), None, None, (None, None, None), meta, None
+            )
         elif self.num_nodes > 1:  # one row from every rank to every rank
             prefix = torch.arange(1, R + 1, dtype=torch.int32, device=dev)
             ones = torch.ones(R, 1, dtype=torch.int32, device=dev)
@@ -164,9 +202,11 @@ class CudaHT:
     def _check_handle(self, handle):
         for i, t in enumerate(handle):
             if t.device != self.device or not t.is_contiguous():
-                raise ValueError(f"handle[{i}] is a {'contiguous' if t.is_contiguous() else 'non-contiguous'} tensor "
-                                 f"on {t.device}; a dispatch handle of this Buffer holds contiguous tensors on "
-                                 f"{self.device} (pass the handle dispatch returned)")
+                raise ValueError(
+                    f"handle[{i}] is a {'contiguous' if t.is_contiguous() else 'non-contiguous'} tensor "
+                    f"on {t.device}; a dispatch handle of this Buffer holds contiguous tensors on "
+                    f"{self.device} (pass the handle dispatch returned)"
+                )
 
     def _recv_prefix(self, handle):
         """(pointer, stride) of the rows from sources 0..s to this rank (inclusive), from a handle: the internode
@@ -183,8 +223,7 @@ class CudaHT:
     def _notify(self, num_channels, stream, is_token_in_rank, **count):
         """The op's first kernel; count: the count mode's arguments (native HTKernels.notify), none for a flag."""
         self.owner.lockstep.sending()
-        self.kernels.notify(channels=num_channels, stream=stream, is_token_in_rank=is_token_in_rank.data_ptr(),
-                            **count)
+        self.kernels.notify(channels=num_channels, stream=stream, is_token_in_rank=is_token_in_rank.data_ptr(), **count)
 
     def exchange_flags(self, num_channels, is_token_in_rank):
         """The notify kernel of a cached dispatch or a combine alone, on raw_stream(): advances the op count on every
@@ -196,9 +235,11 @@ class CudaHT:
         forwarding), one per SM."""
         sms, per = self.device_sms, self.layout.blocks_per_channel
         if per * num_channels > sms:
-            raise ValueError(f"{what}: {num_channels} channels (config.num_sms={2 * num_channels}) need "
-                             f"{per * num_channels} SMs at once ({per} blocks per channel); this GPU has {sms}: use "
-                             f"config.num_sms <= {2 * (sms // per)}")
+            raise ValueError(
+                f"{what}: {num_channels} channels (config.num_sms={2 * num_channels}) need "
+                f"{per * num_channels} SMs at once ({per} blocks per channel); this GPU has {sms}: use "
+                f"config.num_sms <= {2 * (sms // per)}"
+            )
 
     def _ring_rows(self, row_bytes, num_channels, what):
         """Rows per (channel, peer) ring for rows of row_bytes (ht_layout.h: as many whole chunks as the receive
@@ -208,26 +249,41 @@ class CudaHT:
         rows = layout.rows_per_ring(row_bytes, num_channels)
         if rows < least:
             need = layout.area_bytes_for(least, row_bytes, num_channels)
-            raise ValueError(f"{what}: the normal-mode buffer ({layout.area_bytes} bytes) holds {rows} rows of "
-                             f"{row_bytes} bytes per (channel, peer) ring with {num_channels} channels; at least "
-                             f"{least} rows are needed: give the normal mode >= {need} bytes (num_nvl_bytes; "
-                             "num_nvl_bytes + num_rdma_bytes when low_latency_mode=False or one of them is 0), or "
-                             "use fewer channels (config.num_sms)")
+            raise ValueError(
+                f"{what}: the normal-mode buffer ({layout.area_bytes} bytes) holds {rows} rows of "
+                f"{row_bytes} bytes per (channel, peer) ring with {num_channels} channels; at least "
+                f"{least} rows are needed: give the normal mode >= {need} bytes (num_nvl_bytes; "
+                "num_nvl_bytes + num_rdma_bytes when low_latency_mode=False or one of them is 0), or "
+                "use fewer channels (config.num_sms)"
+            )
         return rows
 
     def _check_rows(self, row_bytes, num_channels, what):
         """The op's rows of row_bytes fit: a proxy WRITE of whole chunks, all data blocks at once, the rings."""
         chunk = self.layout.chunk_bytes(row_bytes)
         if self.proxy and chunk > self.native.HT_MAX_WRITE_BYTES:
-            raise ValueError(f"{what}: rows of {row_bytes} bytes travel through the proxies in WRITEs of "
-                             f"{self.native.HT_CHUNK_ROWS} rows, {chunk} bytes, above the "
-                             f"{self.native.HT_MAX_WRITE_BYTES} bytes a command moves")
+            raise ValueError(
+                f"{what}: rows of {row_bytes} bytes travel through the proxies in WRITEs of "
+                f"{self.native.HT_CHUNK_ROWS} rows, {chunk} bytes, above the "
+                f"{self.native.HT_MAX_WRITE_BYTES} bytes a command moves"
+            )
         self._check_channels(num_channels, what)
         self._ring_rows(row_bytes, num_channels, what)
 
     # ---- dispatch ----
-    def dispatch(self, x, x_scales, topk_idx, topk_weights, is_token_in_rank, num_tokens_per_expert, expert_alignment,
-                 num_worst_tokens, num_channels, handle):
+    def dispatch(
+        self,
+        x,
+        x_scales,
+        topk_idx,
+        topk_weights,
+        is_token_in_rank,
+        num_tokens_per_expert,
+        expert_alignment,
+        num_worst_tokens,
+        num_channels,
+        handle,
+    ):
         stream = self.owner.raw_stream()
         R, N, dev, me = self.num_ranks, x.size(0), self.device, self.rank
         with self._on_comm():
@@ -249,14 +305,16 @@ class CudaHT:
         if cached:
             self._check_handle(handle)
             internode = self.num_nodes > 1
-            is_token_in_rank, channel_prefix, rcp = ((handle[0], handle[2], handle[5]) if internode else
-                                                     (handle[4], handle[1], handle[2]))
+            is_token_in_rank, channel_prefix, rcp = (
+                (handle[0], handle[2], handle[5]) if internode else (handle[4], handle[1], handle[2])
+            )
             if self.forward:
                 fwd = (None, handle[3], handle[4])
             num_recv = (handle[7] if internode else handle[3]).size(0)
             if 0 < num_worst_tokens < num_recv:
-                raise RuntimeError(f"rank {me} receives {num_recv} tokens with this handle but "
-                                   f"num_worst_tokens={num_worst_tokens}")
+                raise RuntimeError(
+                    f"rank {me} receives {num_recv} tokens with this handle but num_worst_tokens={num_worst_tokens}"
+                )
             recv_prefix = self._recv_prefix(handle)
             self._notify(num_channels, stream, is_token_in_rank)
             num_recv = max(num_recv, num_worst_tokens)
@@ -268,15 +326,25 @@ class CudaHT:
             rcp = torch.empty(R, num_channels, dtype=torch.int32, device=dev)
             if self.forward:
                 Nn = self.num_nodes
-                fwd = (torch.empty(Nn, num_channels, dtype=torch.int32, device=dev),
-                       torch.empty(Nn, num_channels, dtype=torch.int32, device=dev),
-                       torch.empty(Nn, dtype=torch.int32, device=dev))
+                fwd = (
+                    torch.empty(Nn, num_channels, dtype=torch.int32, device=dev),
+                    torch.empty(Nn, num_channels, dtype=torch.int32, device=dev),
+                    torch.empty(Nn, dtype=torch.int32, device=dev),
+                )
             recv_prefix = (recv_rank_prefix.data_ptr(), 1)
-            count = dict(count_mode=True, tokens_per_expert=per_expert.data_ptr(), num_tokens=N, num_experts=E,
-                         recv_rank_prefix=recv_rank_prefix.data_ptr(), rank_prefix=_ptr(rank_prefix),
-                         channel_prefix=channel_prefix.data_ptr(),
-                         recv_channel_prefix=rcp.data_ptr(), node_channel_prefix=_ptr(fwd[0]),
-                         fwd_channel_prefix=_ptr(fwd[1]), fwd_rank_prefix=_ptr(fwd[2]))
+            count = dict(
+                count_mode=True,
+                tokens_per_expert=per_expert.data_ptr(),
+                num_tokens=N,
+                num_experts=E,
+                recv_rank_prefix=recv_rank_prefix.data_ptr(),
+                rank_prefix=_ptr(rank_prefix),
+                channel_prefix=channel_prefix.data_ptr(),
+                recv_channel_prefix=rcp.data_ptr(),
+                node_channel_prefix=_ptr(fwd[0]),
+                fwd_channel_prefix=_ptr(fwd[1]),
+                fwd_rank_prefix=_ptr(fwd[2]),
+            )
             if num_worst_tokens > 0:
                 self._notify(num_channels, stream, is_token_in_rank, max_recv=num_worst_tokens, **count)
                 num_recv = num_worst_tokens
@@ -301,29 +369,52 @@ class CudaHT:
                 with self._on_comm():  # the kernel writes the real rows, and the local ranks' columns of nvl_head
                     if num_worst_tokens > 0:
                         meta.fill_(-1)
-                    nvl_head = torch.full((forward_rows, self.native.HT_NVL_HEAD_COLUMNS), -1, dtype=torch.int32,
-                                          device=dev)
+                    nvl_head = torch.full(
+                        (forward_rows, self.native.HT_NVL_HEAD_COLUMNS), -1, dtype=torch.int32, device=dev
+                    )
             else:
                 src_idx = torch.empty(rows, dtype=torch.int32, device=dev)
                 send_head = torch.empty(N, R, dtype=torch.int32, device=dev)
         self.kernels.dispatch(
-            channels=num_channels, stream=stream, x=x.data_ptr(), row_bytes=row_bytes, num_tokens=N,
-            is_token_in_rank=is_token_in_rank.data_ptr(), recv_prefix=recv_prefix[0],
-            recv_prefix_stride=recv_prefix[1], channel_prefix=channel_prefix.data_ptr(),
-            recv_channel_prefix=rcp.data_ptr(), max_recv=rows, recv_x=recv_x.data_ptr(), scales=_ptr(scales),
-            num_scales=S, recv_scales=_ptr(recv_scales), topk_idx=_ptr(topk_idx), topk_weights=_ptr(topk_weights),
-            num_topk=K, num_local_experts=0 if cached else num_tokens_per_expert.numel() // R,
-            recv_topk_idx=_ptr(recv_idx), recv_topk_weights=_ptr(recv_w), recv_src_idx=_ptr(src_idx),
-            send_head=_ptr(send_head), fwd_channel_prefix=_ptr(fwd[1]), fwd_rank_prefix=_ptr(fwd[2]),
-            recv_src_meta=_ptr(meta), nvl_head=_ptr(nvl_head), nvl_rows=0 if nvl_head is None else nvl_head.size(0))
+            channels=num_channels,
+            stream=stream,
+            x=x.data_ptr(),
+            row_bytes=row_bytes,
+            num_tokens=N,
+            is_token_in_rank=is_token_in_rank.data_ptr(),
+            recv_prefix=recv_prefix[0],
+            recv_prefix_stride=recv_prefix[1],
+            channel_prefix=channel_prefix.data_ptr(),
+            recv_channel_prefix=rcp.data_ptr(),
+            max_recv=rows,
+            recv_x=recv_x.data_ptr(),
+            scales=_ptr(scales),
+            num_scales=S,
+            recv_scales=_ptr(recv_scales),
+            topk_idx=_ptr(topk_idx),
+            topk_weights=_ptr(topk_weights),
+            num_topk=K,
+            num_local_experts=0 if cached else num_tokens_per_expert.numel() // R,
+            recv_topk_idx=_ptr(recv_idx),
+            recv_topk_weights=_ptr(recv_w),
+            recv_src_idx=_ptr(src_idx),
+            send_head=_ptr(send_head),
+            fwd_channel_prefix=_ptr(fwd[1]),
+            fwd_rank_prefix=_ptr(fwd[2]),
+            recv_src_meta=_ptr(meta),
+            nvl_head=_ptr(nvl_head),
+            nvl_rows=0 if nvl_head is None else nvl_head.size(0),
+        )
         if cached:
             return recv_x, recv_scales, None, None, None, None
         if self.forward:
-            new_handle = self._forwarding_handle(is_token_in_rank, recv_rank_prefix, channel_prefix, rcp, fwd, meta,
-                                                 nvl_head)
+            new_handle = self._forwarding_handle(
+                is_token_in_rank, recv_rank_prefix, channel_prefix, rcp, fwd, meta, nvl_head
+            )
         elif self.num_nodes > 1:
-            new_handle = self._internode_handle(is_token_in_rank, recv_rank_prefix, channel_prefix, rcp, send_head,
-                                                rows, self_rows)
+            new_handle = self._internode_handle(
+                is_token_in_rank, recv_rank_prefix, channel_prefix, rcp, send_head, rows, self_rows
+            )
         else:
             new_handle = (rank_prefix, channel_prefix, rcp, src_idx, is_token_in_rank, send_head)
         return recv_x, recv_scales, recv_idx, recv_w, counts_list, new_handle
@@ -339,15 +430,27 @@ class CudaHT:
     def _forwarding_tensors(self, is_token_in_rank, recv_rank_prefix, channel_prefix, rcp, fwd, meta, nvl_head):
         N = is_token_in_rank.size(0)
         to_node = is_token_in_rank.view(N, self.num_nodes, self.ranks_per_node).any(2)
-        return (is_token_in_rank, fwd[0], channel_prefix, fwd[1], fwd[2], rcp, recv_rank_prefix,
-                meta.view(torch.uint8), hb.positions(to_node), nvl_head)
+        return (
+            is_token_in_rank,
+            fwd[0],
+            channel_prefix,
+            fwd[1],
+            fwd[2],
+            rcp,
+            recv_rank_prefix,
+            meta.view(torch.uint8),
+            hb.positions(to_node),
+            nvl_head,
+        )
 
     def _wait_counts(self, E_l, expert_alignment):
         got = self.kernels.wait_counts(self.ticket, E_l)
         if got is None:
             self.owner.check_error()
-            raise RuntimeError(f"rank {self.rank}: dispatch: the count exchange did not finish within "
-                               f"{self.timeout_s} s (a peer rank did not call dispatch?)")
+            raise RuntimeError(
+                f"rank {self.rank}: dispatch: the count exchange did not finish within "
+                f"{self.timeout_s} s (a peer rank did not call dispatch?)"
+            )
         num_recv, self_begin, self_rows, forward_rows, experts = got
         a = expert_alignment
         return num_recv, (self_begin, self_rows), forward_rows, [(int(c) + a - 1) // a * a for c in experts]
@@ -357,8 +460,7 @@ class CudaHT:
         num_worst_tokens (self_rows None) recv_src_meta and send_nvl_head keep a row per output row: this rank's own
         rows and the padding have -1 in send_nvl_head."""
         with self._on_comm():  # reads what the notify kernel wrote
-            h = self._internode_tensors(is_token_in_rank, recv_prefix, channel_prefix, rcp, send_head, rows,
-                                        self_rows)
+            h = self._internode_tensors(is_token_in_rank, recv_prefix, channel_prefix, rcp, send_head, rows, self_rows)
         self._for_caller([h[4], h[7], h[9]])
         return h
 
@@ -373,9 +475,19 @@ class CudaHT:
         nvl_head[:, 0] = torch.where(src == me, -1, in_block)
         if self_rows is not None:  # the rows this rank forwards are those of other nodes only
             begin, n = self_rows
-            nvl_head = torch.cat([nvl_head[:begin], nvl_head[begin + n:]])
-        return (is_token_in_rank, channel_prefix, channel_prefix, rcp, recv_prefix, rcp, recv_prefix, meta, send_head,
-                nvl_head)
+            nvl_head = torch.cat([nvl_head[:begin], nvl_head[begin + n :]])
+        return (
+            is_token_in_rank,
+            channel_prefix,
+            channel_prefix,
+            rcp,
+            recv_prefix,
+            rcp,
+            recv_prefix,
+            meta,
+            send_head,
+            nvl_head,
+        )
 
     # ---- combine ----
     def combine(self, x, handle, topk_weights, bias):
@@ -400,10 +512,23 @@ class CudaHT:
         fwd_channel_prefix, fwd_rank_prefix = self._forward_prefixes(handle)
         self._notify(C, stream, is_token_in_rank)
         self.kernels.combine(
-            channels=C, stream=stream, x=x.data_ptr(), hidden=H, num_tokens=N,
-            is_token_in_rank=is_token_in_rank.data_ptr(), recv_prefix=recv_prefix[0],
-            recv_prefix_stride=recv_prefix[1], recv_channel_prefix=rcp.data_ptr(), out=out.data_ptr(),
-            topk_weights=_ptr(weights), num_topk=K, out_weights=_ptr(out_w), bias0=_ptr(b0), bias1=_ptr(b1),
-            fwd_channel_prefix=fwd_channel_prefix, fwd_rank_prefix=fwd_rank_prefix,
-            nvl_head=handle[9].data_ptr() if self.forward else 0)
+            channels=C,
+            stream=stream,
+            x=x.data_ptr(),
+            hidden=H,
+            num_tokens=N,
+            is_token_in_rank=is_token_in_rank.data_ptr(),
+            recv_prefix=recv_prefix[0],
+            recv_prefix_stride=recv_prefix[1],
+            recv_channel_prefix=rcp.data_ptr(),
+            out=out.data_ptr(),
+            topk_weights=_ptr(weights),
+            num_topk=K,
+            out_weights=_ptr(out_w),
+            bias0=_ptr(b0),
+            bias1=_ptr(b1),
+            fwd_channel_prefix=fwd_channel_prefix,
+            fwd_rank_prefix=fwd_rank_prefix,
+            nvl_head=handle[9].data_ptr() if self.forward else 0,
+        )
         return out, out_w

@@ -22,9 +22,21 @@ from ..._native import require_native
 from ...channel import Channel
 from ...lockstep import AgreedRefusal, Lockstep
 from ...topology import Topology
-from ..common import (ALIGN, MAX_CHANNELS, MAX_COMMAND_BYTES, STREAM_LL_BASE, STREAM_NOTIFY, STREAM_SYNC, align,
-                      byte_view, dense, ll_streams_end, ranges_without)
+from ..common import (
+    ALIGN,
+    MAX_CHANNELS,
+    MAX_COMMAND_BYTES,
+    STREAM_LL_BASE,
+    STREAM_NOTIFY,
+    STREAM_SYNC,
+    align,
+    byte_view,
+    dense,
+    ll_streams_end,
+    ranges_without,
+)
 from . import ht as host_ht, ll as host_ll
+
 
 def _device_memory():
     """PORTEP_EMULATE_DEVICE_MEMORY=1 (a testing knob): the engine's memory takes the transport's GPU path (emulated
@@ -36,8 +48,18 @@ def _device_memory():
 class HostEngine(Topology):
     """One per Buffer. Construction is collective over `group`."""
 
-    def __init__(self, group, num_bytes, ranks_per_node, max_local_experts=1024, transport=None, timeout_s=None,
-                 allow_direct_ll=True, num_proxy_threads=None, shrink=False):
+    def __init__(
+        self,
+        group,
+        num_bytes,
+        ranks_per_node,
+        max_local_experts=1024,
+        transport=None,
+        timeout_s=None,
+        allow_direct_ll=True,
+        num_proxy_threads=None,
+        shrink=False,
+    ):
         require_native()
         super().__init__(group, ranks_per_node, max_local_experts)
         self.allow_direct_ll = bool(allow_direct_ll)
@@ -45,19 +67,26 @@ class HostEngine(Topology):
             # Every rank of the host backend runs on this host: share its cores (an idle proxy still wakes up).
             num_proxy_threads = max(1, min(4, (os.cpu_count() or 1) // self.num_ranks))
         status = self.status_stream = ll_streams_end(max_local_experts)  # the status streams follow the LL ones
-        self.channel = Channel(group, max(ALIGN, align(num_bytes)), transport=transport,
-                               num_streams=status + require_native().NUM_STATUS_EVENTS,
-                               num_proxy_threads=num_proxy_threads, timeout_s=timeout_s, device=_device_memory(),
-                               status_stream=status)
+        self.channel = Channel(
+            group,
+            max(ALIGN, align(num_bytes)),
+            transport=transport,
+            num_streams=status + require_native().NUM_STATUS_EVENTS,
+            num_proxy_threads=num_proxy_threads,
+            timeout_s=timeout_s,
+            device=_device_memory(),
+            status_stream=status,
+        )
         self.num_bytes = self.channel.nbytes
         # The count exchange has a fixed home (two parities of one slot per rank) that no data area overlaps: a
         # peer one call ahead may write it while this rank still reads the previous call's data areas.
-        self.max_count_row = self.num_ranks + self.num_nodes + self.num_ranks * MAX_CHANNELS + \
-            self.num_ranks * max_local_experts + 1  # + the call's sequence number
+        self.max_count_row = (
+            self.num_ranks + self.num_nodes + self.num_ranks * MAX_CHANNELS + self.num_ranks * max_local_experts + 1
+        )  # + the call's sequence number
         self.count_slot_bytes = align(8 * self.max_count_row)
         self.data_start = 2 * self.num_ranks * self.count_slot_bytes
         self.timeout_s = self.channel.timeout_s
-        self._native = self.channel._native
+        self._native = self.channel.native_channel
         self.native = require_native()
         self.region = self.channel.buffer
         self._peer_views = {}
@@ -92,7 +121,7 @@ class HostEngine(Topology):
         """Direct store of a [n, row_bytes] uint8 tensor at dst's offset (same node only)."""
         n = rows.numel()
         if n:
-            self.peer_view(dst)[offset:offset + n].view(rows.shape).copy_(rows)
+            self.peer_view(dst)[offset : offset + n].view(rows.shape).copy_(rows)
 
     def put_rows(self, dst, local_offsets, remote_offsets, row_bytes, stream, merge=True):
         """WRITE commands from this rank's memory to dst's, one per row (contiguous rows merged if `merge`)."""
@@ -115,8 +144,16 @@ class HostEngine(Topology):
         idx = [None if t is None else t.to(torch.int64).contiguous() for t in (dst_idx, src_idx)]
         n = (idx[0] if idx[0] is not None else idx[1]).numel()
         if n:
-            self.native.copy_rows(dst.data_ptr(), dst_pitch, 0 if idx[0] is None else idx[0].data_ptr(),
-                                  src.data_ptr(), src_pitch, 0 if idx[1] is None else idx[1].data_ptr(), n, row_bytes)
+            self.native.copy_rows(
+                dst.data_ptr(),
+                dst_pitch,
+                0 if idx[0] is None else idx[0].data_ptr(),
+                src.data_ptr(),
+                src_pitch,
+                0 if idx[1] is None else idx[1].data_ptr(),
+                n,
+                row_bytes,
+            )
 
     def reduce_rows(self, out, out_pitch, out_dtype, n, width, sources, init=None):
         """out rows (uint8 tensor at the first row) = init + sum over sources in order (see row_kernels.h).
@@ -127,11 +164,13 @@ class HostEngine(Topology):
             index = index.to(torch.int64).contiguous()
             weight = None if weight is None else weight.to(torch.float32).contiguous()
             keep += [index, weight]
-            native_sources.append((base.data_ptr(), pitch, dtype, index.data_ptr(),
-                                   0 if weight is None else weight.data_ptr()))
+            native_sources.append(
+                (base.data_ptr(), pitch, dtype, index.data_ptr(), 0 if weight is None else weight.data_ptr())
+            )
         init = None if init is None else init.to(torch.float32).contiguous()
-        self.native.reduce_rows(out.data_ptr(), out_pitch, out_dtype, n, width, native_sources,
-                                0 if init is None else init.data_ptr())
+        self.native.reduce_rows(
+            out.data_ptr(), out_pitch, out_dtype, n, width, native_sources, 0 if init is None else init.data_ptr()
+        )
 
     def put_rows_streams(self, dst, local_offsets, remote_offsets, streams, row_bytes):
         """One WRITE per row, each on its own stream (LL messages: a signal counts them one by one)."""
@@ -144,10 +183,10 @@ class HostEngine(Topology):
         """Final signals for (dst, stream) pairs; `units` counts direct stores (proxies count their writes)."""
         self.lockstep.sending()
         dsts, streams, units = (t.to(torch.int64).contiguous() for t in (dsts, streams, units))
-        direct = torch.tensor([self.direct(int(d), low_latency=True) for d in range(self.num_ranks)],
-                              dtype=torch.uint8)[dsts].contiguous()
-        self._native.signal_many(dsts.numel(), dsts.data_ptr(), streams.data_ptr(), units.data_ptr(),
-                                 direct.data_ptr())
+        direct = torch.tensor(
+            [self.direct(int(d), low_latency=True) for d in range(self.num_ranks)], dtype=torch.uint8
+        )[dsts].contiguous()
+        self._native.signal_many(dsts.numel(), dsts.data_ptr(), streams.data_ptr(), units.data_ptr(), direct.data_ptr())
 
     def consume_many(self, srcs, streams):
         """Waits for the final signal of each (src, stream) in order; returns (units, nanoseconds waited). In shrink
@@ -155,8 +194,15 @@ class HostEngine(Topology):
         srcs, streams = (t.to(torch.int64).contiguous() for t in (srcs, streams))
         units = torch.empty(srcs.numel(), dtype=torch.int64)
         waited = torch.empty(srcs.numel(), dtype=torch.int64)
-        self._native.consume_many(srcs.numel(), srcs.data_ptr(), streams.data_ptr(), units.data_ptr(),
-                                  waited.data_ptr(), self.timeout_s, 0 if self.mask is None else self.mask.data_ptr())
+        self._native.consume_many(
+            srcs.numel(),
+            srcs.data_ptr(),
+            streams.data_ptr(),
+            units.data_ptr(),
+            waited.data_ptr(),
+            self.timeout_s,
+            0 if self.mask is None else self.mask.data_ptr(),
+        )
         return units, waited
 
     def masked(self, rank):
@@ -192,9 +238,11 @@ class HostEngine(Topology):
         carries the call's sequence number, which must be every rank's (lockstep.py)."""
         row = torch.cat([row.to(torch.int64), torch.tensor([self.lockstep.seq], dtype=torch.int64)])
         if row.numel() > self.max_count_row:
-            raise ValueError(f"the count exchange needs {row.numel()} entries per rank, more than the "
-                             f"{self.max_count_row} reserved (channels <= {MAX_CHANNELS}, local experts <= "
-                             f"{self.max_local_experts})")
+            raise ValueError(
+                f"the count exchange needs {row.numel()} entries per rank, more than the "
+                f"{self.max_count_row} reserved (channels <= {MAX_CHANNELS}, local experts <= "
+                f"{self.max_local_experts})"
+            )
         row_bytes = self.count_slot_bytes
         used = align(row.numel() * 8)
         parity = self.ht_calls % 2
@@ -202,29 +250,30 @@ class HostEngine(Topology):
         base = parity * self.num_ranks * row_bytes
         self.require_bytes(self.data_start, "the count exchange")
         mine = base + self.rank * row_bytes
-        self.region[mine:mine + row.numel() * 8].view(torch.int64).copy_(row)
+        self.region[mine : mine + row.numel() * 8].view(torch.int64).copy_(row)
         self.lockstep.sending()
         for dst in range(self.num_ranks):
             if self.direct(dst):
-                self.store(dst, mine, self.region[mine:mine + used])
+                self.store(dst, mine, self.region[mine : mine + used])
                 self._native.direct_signal(dst, STREAM_NOTIFY, 1, False)
             else:
                 self.put_block(dst, mine, mine, used, STREAM_NOTIFY)
                 self._native.signal(dst, STREAM_NOTIFY, False)
         for src in range(self.num_ranks):
             self.consume(src, STREAM_NOTIFY, 1, need_final=False)
-        table = self.region[base:base + self.num_ranks * row_bytes].view(self.num_ranks, row_bytes)
-        table = table[:, :row.numel() * 8].contiguous().view(torch.int64).clone()
+        table = self.region[base : base + self.num_ranks * row_bytes].view(self.num_ranks, row_bytes)
+        table = table[:, : row.numel() * 8].contiguous().view(torch.int64).clone()
         for src in range(self.num_ranks):
             self.lockstep.check_seq("the count exchange", int(table[src, -1]), src)
         return table[:, :-1]
 
-
     def require_bytes(self, needed, what):
         if needed > self.num_bytes:
-            raise AgreedRefusal(f"the communication buffer has {self.num_bytes} bytes but {what} needs {needed} bytes "
-                             f"on some rank; create the Buffer with at least that many (num_nvl_bytes + "
-                             f"num_rdma_bytes)")
+            raise AgreedRefusal(
+                f"the communication buffer has {self.num_bytes} bytes but {what} needs {needed} bytes "
+                f"on some rank; create the Buffer with at least that many (num_nvl_bytes + "
+                f"num_rdma_bytes)"
+            )
 
     # ---- the API the Buffer calls ----
     def get_dispatch_layout(self, topk_idx, num_experts):
@@ -234,29 +283,59 @@ class HostEngine(Topology):
         """Normal mode moves a node's traffic by loads and stores: every same-node peer must be mapped here."""
         unmapped = [d for d in self.node_ranks() if self.peer_view(d) is None]
         if unmapped:
-            raise ValueError(f"normal-mode dispatch/combine with num_ranks_per_node={self.ranks_per_node} needs the "
-                             f"memory of same-node ranks {unmapped} mapped into this process, which the "
-                             f"{self.channel.transport} transport cannot do here (verbs maps the regions of ranks "
-                             f"on the same host only); use num_ranks_per_node=1, or place each node's ranks on one "
-                             f"host")
+            raise ValueError(
+                f"normal-mode dispatch/combine with num_ranks_per_node={self.ranks_per_node} needs the "
+                f"memory of same-node ranks {unmapped} mapped into this process, which the "
+                f"{self.channel.transport} transport cannot do here (verbs maps the regions of ranks "
+                f"on the same host only); use num_ranks_per_node=1, or place each node's ranks on one "
+                f"host"
+            )
 
-    def dispatch(self, *args):
+    def dispatch(
+        self,
+        x,
+        x_scales,
+        topk_idx,
+        topk_weights,
+        num_tokens_per_rank,
+        num_tokens_per_rdma_rank,
+        is_token_in_rank,
+        num_tokens_per_expert,
+        expert_alignment,
+        num_worst_tokens,
+        num_channels,
+        handle,
+    ):
         self._require_node_views()
         self.settle()
-        return host_ht.dispatch(self, *(dense(a) for a in args))
+        tensors = (x, x_scales, topk_idx, topk_weights, num_tokens_per_rank, num_tokens_per_rdma_rank)
+        tensors += (is_token_in_rank, num_tokens_per_expert)
+        return host_ht.dispatch(
+            self, *(dense(t) for t in tensors), expert_alignment, num_worst_tokens, num_channels, dense(handle)
+        )
 
     def combine(self, x, handle, topk_weights, bias):
         self._require_node_views()
         self.settle()
         return host_ht.combine(self, dense(x), handle, dense(topk_weights), tuple(dense(b) for b in bias))
 
-    def low_latency_dispatch(self, x, topk_idx, *args):
+    def low_latency_dispatch(
+        self, x, topk_idx, T, E, use_fp8, round_scale, use_ue8m0, cumulative_stats, wait_stats, return_recv_hook
+    ):
         self.settle()
-        return host_ll.dispatch(self, dense(x), dense(topk_idx), *args)
+        flags = (use_fp8, round_scale, use_ue8m0)
+        return host_ll.dispatch(
+            self, dense(x), dense(topk_idx), T, E, *flags, cumulative_stats, wait_stats, return_recv_hook
+        )
 
-    def low_latency_combine(self, x, topk_idx, topk_weights, *args):
+    def low_latency_combine(self, x, topk_idx, topk_weights, handle, zero_copy, out, return_recv_hook, wait_stats):
         self.settle()
-        return host_ll.combine(self, x, dense(topk_idx), dense(topk_weights), *args)
+        return host_ll.combine(
+            self, x, dense(topk_idx), dense(topk_weights), handle, zero_copy, out, return_recv_hook, wait_stats
+        )
+
+    def mark_checked(self, T, H, E, dispatch_flags=None):
+        """The host backend has no native fast path that could skip the Buffer's checks: nothing to record."""
 
     def get_next_low_latency_combine_buffer(self, handle):
         return host_ll.next_combine_buffer(self, handle)
@@ -297,7 +376,7 @@ class HostEngine(Topology):
     def get_local_buffer_tensor(self, dtype, size=None, offset=0, use_rdma_buffer=False):
         """A raw view of this rank's communication memory (the host backend has one memory for NVL and RDMA uses;
         use_rdma_buffer is accepted for compatibility)."""
-        return byte_view(self.region[:self.num_bytes], dtype, size, offset)
+        return byte_view(self.region[: self.num_bytes], dtype, size, offset)
 
     def barrier(self):
         self.channel.barrier()
