@@ -10,13 +10,12 @@ import torch
 
 from .deepep_config import Config, check_int
 from .event import EventOverlap
+from .handles import handle_length, normal_handle
 
 MAX_TOPK = 32
 DEEPEP_LL_MAX_TOPK = 11
 MAX_LOCAL_EXPERTS = 1024
 ROW_ALIGN_BYTES = 16
-INTRANODE_HANDLE_LEN = 6
-INTERNODE_HANDLE_LEN = 10
 LL_HANDLE_LEN = 5
 CPU = "cpu"
 
@@ -234,8 +233,8 @@ def check_layout_tensors(
 
 
 def check_normal_handle(handle, num_ranks, num_nodes):
-    """A dispatch handle of this Buffer; returns (handle as a tuple, num_tokens, num_recv_tokens, num_channels)."""
-    expected = INTRANODE_HANDLE_LEN if num_nodes == 1 else INTERNODE_HANDLE_LEN
+    """A dispatch handle of this Buffer; returns (the typed handle, num_tokens, num_recv_tokens, num_channels)."""
+    expected = handle_length(num_nodes > 1)
     if not isinstance(handle, (tuple, list)):
         raise TypeError(f"handle must be the tuple returned by dispatch, got {type(handle).__name__}")
     if len(handle) != expected:
@@ -246,10 +245,8 @@ def check_normal_handle(handle, num_ranks, num_nodes):
     for i, item in enumerate(handle):
         if not isinstance(item, torch.Tensor):
             raise TypeError(f"handle[{i}] must be a torch.Tensor, got {type(item).__name__}")
-    if num_nodes == 1:
-        is_token_in_rank, channel_matrix, recv_rows = handle[4], handle[1], handle[3]
-    else:
-        is_token_in_rank, channel_matrix, recv_rows = handle[0], handle[2], handle[7]
+    handle = normal_handle(handle, num_nodes > 1)
+    is_token_in_rank, channel_matrix = handle.is_token_in_rank, handle.send_channel_prefix
     check_tensor(
         "handle's is_token_in_rank",
         is_token_in_rank,
@@ -265,7 +262,7 @@ def check_normal_handle(handle, num_ranks, num_nodes):
         contiguous=False,
         device=None,
     )
-    return tuple(handle), is_token_in_rank.size(0), recv_rows.size(0), channel_matrix.size(1)
+    return handle, is_token_in_rank.size(0), handle.num_recv_tokens, channel_matrix.size(1)
 
 
 def check_handle_channels(handle_channels, config, what):

@@ -20,6 +20,7 @@ import torch
 
 from ..._native import require_native
 from .. import common as hb
+from ...handles import InternodeHandle, IntranodeHandle
 
 
 def _ptr(t):
@@ -200,10 +201,10 @@ class CudaHT:
         return tensors
 
     def _check_handle(self, handle):
-        for i, t in enumerate(handle):
+        for i, (field, t) in enumerate(zip(handle._fields, handle)):
             if t.device != self.device or not t.is_contiguous():
                 raise ValueError(
-                    f"handle[{i}] is a {'contiguous' if t.is_contiguous() else 'non-contiguous'} tensor "
+                    f"handle[{i}] ({field}) is a {'contiguous' if t.is_contiguous() else 'non-contiguous'} tensor "
                     f"on {t.device}; a dispatch handle of this Buffer holds contiguous tensors on "
                     f"{self.device} (pass the handle dispatch returned)"
                 )
@@ -212,13 +213,15 @@ class CudaHT:
         """(pointer, stride) of the rows from sources 0..s to this rank (inclusive), from a handle: the internode
         handle's vector, else column `rank` of the intranode handle's [R][R] matrix."""
         if self.num_nodes > 1:
-            return handle[6].data_ptr(), 1
-        prefix = handle[0]
+            return handle.recv_gbl_rank_prefix_sum.data_ptr(), 1
+        prefix = handle.rank_prefix_matrix
         return prefix.data_ptr() + prefix.element_size() * self.rank, prefix.stride(0)
 
     def _forward_prefixes(self, handle):
         """(fwd_channel_prefix, fwd_rank_prefix) pointers of an internode handle with forwarding, else (0, 0)."""
-        return (handle[3].data_ptr(), handle[4].data_ptr()) if self.forward else (0, 0)
+        if not self.forward:
+            return 0, 0
+        return handle.recv_rdma_channel_prefix_matrix.data_ptr(), handle.recv_rdma_rank_prefix_sum.data_ptr()
 
     def _notify(self, num_channels, stream, is_token_in_rank, **count):
         """The op's first kernel; count: the count mode's arguments (native HTKernels.notify), none for a flag."""
@@ -304,13 +307,11 @@ class CudaHT:
         fwd = (None, None, None)  # forwarding: node_channel_prefix, fwd_channel_prefix, fwd_rank_prefix
         if cached:
             self._check_handle(handle)
-            internode = self.num_nodes > 1
-            is_token_in_rank, channel_prefix, rcp = (
-                (handle[0], handle[2], handle[5]) if internode else (handle[4], handle[1], handle[2])
-            )
+            is_token_in_rank, channel_prefix = handle.is_token_in_rank, handle.send_channel_prefix
+            rcp = handle.recv_channel_prefix
             if self.forward:
-                fwd = (None, handle[3], handle[4])
-            num_recv = (handle[7] if internode else handle[3]).size(0)
+                fwd = (None, handle.recv_rdma_channel_prefix_matrix, handle.recv_rdma_rank_prefix_sum)
+            num_recv = handle.num_recv_tokens
             if 0 < num_worst_tokens < num_recv:
                 raise RuntimeError(
                     f"rank {me} receives {num_recv} tokens with this handle but num_worst_tokens={num_worst_tokens}"
@@ -416,7 +417,7 @@ class CudaHT:
                 is_token_in_rank, recv_rank_prefix, channel_prefix, rcp, send_head, rows, self_rows
             )
         else:
-            new_handle = (rank_prefix, channel_prefix, rcp, src_idx, is_token_in_rank, send_head)
+            new_handle = IntranodeHandle(rank_prefix, channel_prefix, rcp, src_idx, is_token_in_rank, send_head)
         return recv_x, recv_scales, recv_idx, recv_w, counts_list, new_handle
 
     def _forwarding_handle(self, is_token_in_rank, recv_rank_prefix, channel_prefix, rcp, fwd, meta, nvl_head):
@@ -424,13 +425,13 @@ class CudaHT:
         index among its source's rows of its channel to each local rank (-1: not sent there)."""
         with self._on_comm():  # reads what the kernels wrote
             h = self._forwarding_tensors(is_token_in_rank, recv_rank_prefix, channel_prefix, rcp, fwd, meta, nvl_head)
-        self._for_caller([h[6], h[8], h[9]])
+        self._for_caller([h.recv_gbl_rank_prefix_sum, h.send_rdma_head, h.send_nvl_head])
         return h
 
     def _forwarding_tensors(self, is_token_in_rank, recv_rank_prefix, channel_prefix, rcp, fwd, meta, nvl_head):
         N = is_token_in_rank.size(0)
         to_node = is_token_in_rank.view(N, self.num_nodes, self.ranks_per_node).any(2)
-        return (
+        return InternodeHandle(
             is_token_in_rank,
             fwd[0],
             channel_prefix,
@@ -461,7 +462,7 @@ class CudaHT:
         rows and the padding have -1 in send_nvl_head."""
         with self._on_comm():  # reads what the notify kernel wrote
             h = self._internode_tensors(is_token_in_rank, recv_prefix, channel_prefix, rcp, send_head, rows, self_rows)
-        self._for_caller([h[4], h[7], h[9]])
+        self._for_caller([h.recv_rdma_rank_prefix_sum, h.recv_src_meta, h.send_nvl_head])
         return h
 
     def _internode_tensors(self, is_token_in_rank, recv_prefix, channel_prefix, rcp, send_head, rows, self_rows):
@@ -476,7 +477,7 @@ class CudaHT:
         if self_rows is not None:  # the rows this rank forwards are those of other nodes only
             begin, n = self_rows
             nvl_head = torch.cat([nvl_head[:begin], nvl_head[begin + n :]])
-        return (
+        return InternodeHandle(
             is_token_in_rank,
             channel_prefix,
             channel_prefix,
@@ -493,10 +494,8 @@ class CudaHT:
     def combine(self, x, handle, topk_weights, bias):
         stream = self.owner.raw_stream()
         self._check_handle(handle)
-        if self.num_nodes > 1:
-            is_token_in_rank, channel_prefix, rcp = handle[0], handle[2], handle[5]
-        else:
-            _, channel_prefix, rcp, _, is_token_in_rank, _ = handle
+        is_token_in_rank, channel_prefix = handle.is_token_in_rank, handle.send_channel_prefix
+        rcp = handle.recv_channel_prefix
         N, H = is_token_in_rank.size(0), x.size(1)
         C = channel_prefix.size(1)
         K = 0 if topk_weights is None else topk_weights.size(1)
@@ -529,6 +528,6 @@ class CudaHT:
             bias1=_ptr(b1),
             fwd_channel_prefix=fwd_channel_prefix,
             fwd_rank_prefix=fwd_rank_prefix,
-            nvl_head=handle[9].data_ptr() if self.forward else 0,
+            nvl_head=handle.send_nvl_head.data_ptr() if self.forward else 0,
         )
         return out, out_w

@@ -16,6 +16,7 @@ Record of one dispatched token (16-byte aligned): [src_token i32, node_mask i32,
 import torch
 
 from .. import common as hb
+from ...handles import InternodeHandle, IntranodeHandle
 
 HEADER = 16
 
@@ -203,7 +204,7 @@ def dispatch(
 ):
     cached = handle is not None
     if cached:
-        is_token_in_rank = handle[0] if eng.num_nodes > 1 else handle[4]
+        is_token_in_rank = handle.is_token_in_rank
     N, R = x.size(0), eng.num_ranks
     hidden_bytes = x.size(1) * x.element_size()
     rec = _Record(
@@ -315,7 +316,9 @@ def _make_handle(eng, counts, all_channel, C, is_token_in_rank, chan, recv, src_
     if eng.num_nodes == 1:
         rank_prefix = torch.cumsum(cnt, 0).to(torch.int32)
         send_head = hb.positions(is_token_in_rank)
-        return (rank_prefix, channel_prefix, recv_channel_prefix, src_idx.clone(), is_token_in_rank, send_head)
+        return IntranodeHandle(
+            rank_prefix, channel_prefix, recv_channel_prefix, src_idx.clone(), is_token_in_rank, send_head
+        )
     N = is_token_in_rank.size(0)
     Nn, rpn = eng.num_nodes, eng.ranks_per_node
     to_node = is_token_in_rank.view(N, Nn, rpn).any(2)
@@ -334,7 +337,7 @@ def _make_handle(eng, counts, all_channel, C, is_token_in_rank, chan, recv, src_
     meta[:, 1] = header[:, 1]
     recv_src_meta = meta.view(torch.uint8).view(-1, 8)
     send_rdma_head = hb.positions(to_node)
-    return (
+    return InternodeHandle(
         is_token_in_rank,
         rdma_channel_prefix,
         channel_prefix,
@@ -390,15 +393,15 @@ def _combine_plan(eng, is_token_in_rank, crec, prec):
 
 def _recv_block_starts(eng, handle):
     if eng.num_nodes == 1:
-        inclusive = handle[0][:, eng.rank].to(torch.int64)
+        inclusive = handle.rank_prefix_matrix[:, eng.rank].to(torch.int64)
     else:
-        inclusive = handle[6].to(torch.int64)
+        inclusive = handle.recv_gbl_rank_prefix_sum.to(torch.int64)
     return torch.cat([torch.zeros(1, dtype=torch.int64), inclusive])
 
 
 def combine(eng, x, handle, topk_weights, bias):
     me, R = eng.rank, eng.num_ranks
-    is_token_in_rank = handle[4] if eng.num_nodes == 1 else handle[0]
+    is_token_in_rank = handle.is_token_in_rank
     N, H = is_token_in_rank.size(0), x.size(1)
     K = 0 if topk_weights is None else topk_weights.size(1)
     crec = hb.align(2 * H + 4 * K)
@@ -434,7 +437,7 @@ def _forward_partials(eng, plan, handle, H, K, crec, prec):
     me = eng.rank
     for w in eng.node_ranks():
         eng.consume(w, hb.STREAM_HT_COMBINE_TO_FORWARDER)
-    nvl_head = handle[9].to(torch.int64)
+    nvl_head = handle.send_nvl_head.to(torch.int64)
     row0 = 0
     for s in sorted(plan["staging"][me]):
         n_rows = int(plan["node_cnt"][s, eng.node])
@@ -465,7 +468,7 @@ def _reduce_at_source(eng, plan, is_token_in_rank, handle, H, K, crec, prec, bia
     pos = hb.positions(is_token_in_rank).to(torch.int64)
     rows = [(eng.region[plan["direct"][me][d] :], crec, 2 * H, hb.BF16, pos[:, d]) for d in eng.node_ranks()]
     if eng.num_nodes > 1:
-        rdma_head = handle[8].to(torch.int64)
+        rdma_head = handle.send_rdma_head.to(torch.int64)
         rows += [
             (eng.region[plan["partial"][me][n] :], prec, 4 * H, hb.F32, rdma_head[:, n])
             for n in range(eng.num_nodes)
