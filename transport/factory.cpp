@@ -48,15 +48,19 @@ std::unique_ptr<Transport> make_transport(const TransportSpec& s) {
 }
 
 std::vector<TransportInfo> transport_catalog() {
-  std::string verbs_why;
-  return {
-      {"shm", true, true, true, ""},
-      {"shm-unordered", true, false, false, ""},
-      // verbs: atomics when the device reports them (else the proxies emulate them with immediates)
-      {"verbs", verbs_built(&verbs_why), true, true, verbs_why},
-      {"verbs-striped", verbs_built(&verbs_why), false, false, verbs_why},
-      {"nccl", false, false, false, "not implemented in this version"},
-  };
+  std::string build_why, load_why;
+  const bool built = verbs_built(&build_why);
+  const bool loadable = built && verbs_loadable(&load_why);
+  TransportInfo verbs{"verbs", built, true, true, built ? load_why : build_why};
+  verbs.usable = loadable;
+  verbs.by_device = true;
+  verbs.note = "RC: ordered, remote atomics where the device has them; an EFA device gives SRD (unordered, no atomics)";
+  TransportInfo striped{"verbs-striped", built, false, false, verbs.reason};  // striped RC or SRD: never ordered
+  striped.usable = loadable;
+  TransportInfo nccl{"nccl", false, false, false, "not implemented in this version"};
+  nccl.usable = false;
+  TransportInfo shm{"shm", true, true, true, ""}, shm_unordered{"shm-unordered", true, false, false, ""};
+  return {shm, shm_unordered, verbs, striped, nccl};
 }
 
 }  // namespace portep

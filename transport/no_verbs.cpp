@@ -4,7 +4,8 @@
 namespace portep {
 
 namespace {
-const char kWhy[] = "this build has no libibverbs (install libibverbs-dev / rdma-core and rebuild)";
+const char kWhy[] =
+    "this build has no verbs transports (libibverbs headers missing: install libibverbs-dev and rebuild)";
 }
 
 VerbsOptions verbs_options_from_env(const std::string&, int rank, int num_ranks, int num_channels) {
@@ -25,6 +26,13 @@ bool verbs_built(std::string* why) {
   return false;
 }
 
+bool verbs_loadable(std::string* why) {
+  if (why) *why = kWhy;
+  return false;
+}
+
 std::vector<std::string> verbs_device_summary() { return {std::string("none: ") + kWhy}; }
+
+std::vector<std::string> nic_library_summary() { return {std::string("none loaded: ") + kWhy}; }
 
 }  // namespace portep

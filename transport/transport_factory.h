@@ -29,9 +29,12 @@ std::unique_ptr<Transport> make_transport(const TransportSpec& spec);
 struct TransportInfo {
   std::string name;
   bool built;
-  bool ordered;
+  bool ordered;  // what the transport guarantees on every device (by_device: on most; props() says)
   bool remote_atomics;
-  std::string reason;  // why not built / not usable
+  std::string reason;      // why not built / not usable
+  bool usable = true;      // built, and what it needs at run time loads here (libibverbs)
+  bool by_device = false;  // ordered / remote_atomics are the device's: a Channel's props() say what holds
+  std::string note{};      // how the device decides
 };
 std::vector<TransportInfo> transport_catalog();
 

@@ -197,9 +197,11 @@ def collect() -> dict:
     report["hip"] = _hip_facts(info)
     for t in native.transport_catalog():
         entry = {k: t[k] for k in ("built", "ordered", "remote_atomics")}
-        if not t["built"]:
-            entry["reason"] = t["reason"]
+        for key in ("usable", "reason", "note"):
+            if key in t:
+                entry[key] = t[key]
         report["transports"][t["name"]] = entry
+    report["nic_libraries"] = native.nic_libraries()  # loaded with dlopen when a verbs transport is asked for
     devices, why = _rdma_devices()
     report["rdma_devices"] = devices
     report["verbs_ports"] = native.verbs_devices()  # what libibverbs itself opens (atomics, link layer)
@@ -221,10 +223,16 @@ def format_text(r: dict) -> str:
         lines.append(f"    {name:8s} unavailable: {why}")
     lines.append("  transports:")
     for name, t in r["transports"].items():
-        if t["built"]:
-            lines.append(f"    {name:14s} built  ordered={t['ordered']}  remote_atomics={t['remote_atomics']}")
-        else:
+        if not t["built"]:
             lines.append(f"    {name:14s} not built: {t['reason']}")
+        elif not t.get("usable", True):
+            lines.append(f"    {name:14s} built, not usable here: {t['reason']}")
+        else:
+            note = f"  ({t['note']})" if t.get("note") else ""
+            lines.append(f"    {name:14s} built  ordered={t['ordered']}  remote_atomics={t['remote_atomics']}{note}")
+    lines.append("  NIC libraries (loaded when a verbs transport is asked for):")
+    for line in r.get("nic_libraries", []):
+        lines.append(f"    {line}")
     gpu = r["gpus"]
     lines.append(f"  GPUs:       {gpu['count']}" + (f" ({gpu['error']})" if gpu.get("error") else ""))
     note = f" ({r['rdma_note']})" if r.get("rdma_note") else ""

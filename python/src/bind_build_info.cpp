@@ -80,11 +80,16 @@ void bind_build_info(py::module_& m) {
       py::dict d;
       d["name"] = t.name;
       d["built"] = t.built;
-      d["ordered"] = t.ordered;
-      d["remote_atomics"] = t.remote_atomics;
-      if (!t.built) d["reason"] = t.reason;
+      d["ordered"] = t.by_device ? py::object(py::str("by device")) : py::object(py::bool_(t.ordered));
+      d["remote_atomics"] = t.by_device ? py::object(py::str("by device")) : py::object(py::bool_(t.remote_atomics));
+      if (t.by_device) d["note"] = t.note;
+      if (t.built && !t.usable) d["usable"] = false;
+      if (!t.built || !t.usable) d["reason"] = t.reason;
       out.append(d);
     }
     return out;
   });
+  m.def(
+      "nic_libraries", [] { return portep::nic_library_summary(); },
+      "the NIC libraries the verbs transports load at run time, one line each, with where they were found or why not");
 }

@@ -24,6 +24,41 @@ constexpr uint32_t kCapsRdmaWrite = 1u << 3;  // EFADV_DEVICE_ATTR_CAPS_RDMA_WRI
 constexpr uint32_t kQkey = 0x11111111;        // SRD QPs of one job agree on a qkey; any non-reserved value works
 constexpr uint8_t kRnrRetryForever = 7;       // the proxies' timeouts bound the wait instead
 
+// libefa's functions, loaded with libibverbs at run time (verbs_library.h).
+struct EfaApi {
+  int (*query_device)(ibv_context* ctx, efadv_device_attr* attr, uint32_t inlen);
+  ibv_qp* (*create_qp_ex)(ibv_context* ctx, ibv_qp_init_attr_ex* attr, efadv_qp_init_attr* efa_attr, uint32_t inlen);
+  int (*query_ah)(ibv_ah* ah, efadv_ah_attr* attr, uint32_t inlen);
+};
+
+// The loaded libefa, or null with *why (its name and dlerror(), or the missing symbol).
+const EfaApi* loaded_efa(std::string* why) {
+  static const std::pair<EfaApi, std::string> loaded = [] {
+    EfaApi api{};
+    std::string error;
+    ibv_loadable(&error);  // libefa's provider needs libibverbs loaded first
+    const std::string name = efa_library_name();
+    void* handle = error.empty() ? load_library_once(name, &error) : nullptr;
+    if (handle) {
+      api.query_device = reinterpret_cast<decltype(api.query_device)>(find_symbol(handle, "efadv_query_device"));
+      api.create_qp_ex = reinterpret_cast<decltype(api.create_qp_ex)>(find_symbol(handle, "efadv_create_qp_ex"));
+      api.query_ah = reinterpret_cast<decltype(api.query_ah)>(find_symbol(handle, "efadv_query_ah"));
+      if (!api.query_device || !api.create_qp_ex || !api.query_ah)
+        error = name + " lacks efadv_query_device, efadv_create_qp_ex or efadv_query_ah";
+    }
+    return std::make_pair(api, error);
+  }();
+  if (why) *why = loaded.second;
+  return loaded.second.empty() ? &loaded.first : nullptr;
+}
+
+const EfaApi& efa_api() {
+  std::string why;
+  const EfaApi* efa = loaded_efa(&why);
+  if (!efa) throw TransportError("efa: " + why);
+  return *efa;
+}
+
 struct SrdChannel {
   ibv_cq* send_cq = nullptr;
   ibv_cq* recv_cq = nullptr;
@@ -106,7 +141,7 @@ class EfaTransport final : public Transport {
       SrdPeer& peer = peers_[p];
       peer.ah = create_ah(gid, p);
       efadv_ah_attr ah_attr{};
-      if (int e = efadv_query_ah(peer.ah, &ah_attr, sizeof(ah_attr))) fail("efadv_query_ah", e);
+      if (int e = efa_api().query_ah(peer.ah, &ah_attr, sizeof(ah_attr))) fail("efadv_query_ah", e);
       for (int c = 0; c < o_.num_channels; ++c) {
         peer.qpn.push_back(parse_qpn(f[1 + kNumRegions + c], p));
         // A receive completion carries the AH number this rank created for the sender and its QP number.
@@ -194,10 +229,10 @@ class EfaTransport final : public Transport {
                            hex_encode(&efa_.device_caps, sizeof(efa_.device_caps)) +
                            "): portep needs an EFA device and an rdma-core whose efadv reports "
                            "EFADV_DEVICE_ATTR_CAPS_RDMA_WRITE");
-    if (ibv_query_port(ctx_, uint8_t(port_), &port_attr_)) fail("ibv_query_port", errno);
-    if (ibv_query_device(ctx_, &dev_attr_)) fail("ibv_query_device", errno);
-    if (ibv_query_gid(ctx_, uint8_t(port_), o_.gid_index, &gid_)) fail("ibv_query_gid", errno);
-    pd_ = ibv_alloc_pd(ctx_);
+    if (verbs::ibv().query_port(ctx_, uint8_t(port_), &port_attr_)) fail("ibv_query_port", errno);
+    if (verbs::ibv().query_device(ctx_, &dev_attr_)) fail("ibv_query_device", errno);
+    if (verbs::ibv().query_gid(ctx_, uint8_t(port_), o_.gid_index, &gid_)) fail("ibv_query_gid", errno);
+    pd_ = verbs::ibv().alloc_pd(ctx_);
     if (!pd_) fail("ibv_alloc_pd", errno);
     channels_.resize(size_t(o_.num_channels));
     for (auto& ch : channels_) build_channel(&ch);
@@ -213,8 +248,8 @@ class EfaTransport final : public Transport {
     const uint32_t send_wr = cap(o_.max_send_wr, efa_.max_sq_wr);
     const uint32_t recv_wr = cap(uint64_t(o_.recv_depth) * uint64_t(o_.num_ranks), efa_.max_rq_wr);
     if (o_.max_send_wr > send_wr) o_.max_send_wr = send_wr;  // the in-flight window follows the queue
-    ch->send_cq = ibv_create_cq(ctx_, int(send_wr), nullptr, nullptr, 0);
-    ch->recv_cq = ibv_create_cq(ctx_, int(recv_wr), nullptr, nullptr, 0);
+    ch->send_cq = verbs::ibv().create_cq(ctx_, int(send_wr), nullptr, nullptr, 0);
+    ch->recv_cq = verbs::ibv().create_cq(ctx_, int(recv_wr), nullptr, nullptr, 0);
     if (!ch->send_cq || !ch->recv_cq) fail("ibv_create_cq", errno);
     ibv_qp_init_attr_ex a{};
     a.qp_type = IBV_QPT_DRIVER;
@@ -229,9 +264,9 @@ class EfaTransport final : public Transport {
     a.send_ops_flags = IBV_QP_EX_WITH_RDMA_WRITE | IBV_QP_EX_WITH_RDMA_WRITE_WITH_IMM;
     efadv_qp_init_attr e{};
     e.driver_qp_type = EFADV_QP_DRIVER_TYPE_SRD;
-    ch->qp = efadv_create_qp_ex(ctx_, &a, &e, sizeof(e));
+    ch->qp = efa_api().create_qp_ex(ctx_, &a, &e, sizeof(e));
     if (!ch->qp) fail("efadv_create_qp_ex (SRD)", errno);
-    ch->qpx = ibv_qp_to_qp_ex(ch->qp);
+    ch->qpx = verbs::ibv().qp_to_qp_ex(ch->qp);
     if (!ch->qpx) throw TransportError("efa: ibv_qp_to_qp_ex gave no extended QP");
     bring_up(ch->qp);
     post_recvs(ch->qp, recv_wr);
@@ -244,11 +279,11 @@ class EfaTransport final : public Transport {
     a.pkey_index = 0;
     a.port_num = uint8_t(port_);
     a.qkey = kQkey;
-    if (int e = ibv_modify_qp(qp, &a, IBV_QP_STATE | IBV_QP_PKEY_INDEX | IBV_QP_PORT | IBV_QP_QKEY))
+    if (int e = verbs::ibv().modify_qp(qp, &a, IBV_QP_STATE | IBV_QP_PKEY_INDEX | IBV_QP_PORT | IBV_QP_QKEY))
       fail("ibv_modify_qp to INIT", e);
     a = ibv_qp_attr{};
     a.qp_state = IBV_QPS_RTR;
-    if (int e = ibv_modify_qp(qp, &a, IBV_QP_STATE)) fail("ibv_modify_qp to RTR", e);
+    if (int e = verbs::ibv().modify_qp(qp, &a, IBV_QP_STATE)) fail("ibv_modify_qp to RTR", e);
     a = ibv_qp_attr{};
     a.qp_state = IBV_QPS_RTS;
     a.sq_psn = 0;
@@ -257,7 +292,7 @@ class EfaTransport final : public Transport {
       a.rnr_retry = kRnrRetryForever;
       mask |= IBV_QP_RNR_RETRY;
     }
-    if (int e = ibv_modify_qp(qp, &a, mask)) fail("ibv_modify_qp to RTS", e);
+    if (int e = verbs::ibv().modify_qp(qp, &a, mask)) fail("ibv_modify_qp to RTS", e);
   }
 
   ibv_ah* create_ah(const ibv_gid& gid, int peer) {
@@ -266,7 +301,7 @@ class EfaTransport final : public Transport {
     a.grh.dgid = gid;
     a.grh.sgid_index = uint8_t(o_.gid_index);
     a.port_num = uint8_t(port_);
-    ibv_ah* ah = ibv_create_ah(pd_, &a);
+    ibv_ah* ah = verbs::ibv().create_ah(pd_, &a);
     if (!ah) fail("ibv_create_ah for rank " + std::to_string(peer), errno);
     return ah;
   }
@@ -283,12 +318,12 @@ class EfaTransport final : public Transport {
 
   void teardown() {
     for (auto& p : peers_)
-      if (p.ah) ibv_destroy_ah(p.ah);
+      if (p.ah) verbs::ibv().destroy_ah(p.ah);
     peers_.clear();
     for (auto& ch : channels_) {
-      if (ch.qp) ibv_destroy_qp(ch.qp);
-      if (ch.send_cq) ibv_destroy_cq(ch.send_cq);
-      if (ch.recv_cq) ibv_destroy_cq(ch.recv_cq);
+      if (ch.qp) verbs::ibv().destroy_qp(ch.qp);
+      if (ch.send_cq) verbs::ibv().destroy_cq(ch.send_cq);
+      if (ch.recv_cq) verbs::ibv().destroy_cq(ch.recv_cq);
     }
     channels_.clear();
     if (device_signal_) o_.device->unmap_host(regions_[kRegionSignal].addr);
@@ -299,9 +334,9 @@ class EfaTransport final : public Transport {
       else
         release_region(&regions_[i]);
     }
-    if (pd_) ibv_dealloc_pd(pd_);
+    if (pd_) verbs::ibv().dealloc_pd(pd_);
     pd_ = nullptr;
-    if (ctx_) ibv_close_device(ctx_);
+    if (ctx_) verbs::ibv().close_device(ctx_);
     ctx_ = nullptr;
   }
 
@@ -329,15 +364,23 @@ class EfaTransport final : public Transport {
 }  // namespace
 
 bool is_efa_device(ibv_context* ctx) {
+  const EfaApi* efa = loaded_efa(nullptr);
   efadv_device_attr a{};
-  return efadv_query_device(ctx, &a, sizeof(a)) == 0;
+  return efa && efa->query_device(ctx, &a, sizeof(a)) == 0;
+}
+
+std::string efa_library_status() {
+  std::string why;
+  const std::string name = efa_library_name();
+  return loaded_efa(&why) ? name + ": " + library_path(load_library_once(name, nullptr))
+                          : name + ": not loadable: " + why;
 }
 
 std::unique_ptr<Transport> make_efa_transport(const VerbsOptions& o, ibv_context* ctx, int port,
                                               const std::string& dev_name) {
   efadv_device_attr a{};
-  if (int e = efadv_query_device(ctx, &a, sizeof(a))) {
-    ibv_close_device(ctx);
+  if (int e = efa_api().query_device(ctx, &a, sizeof(a))) {
+    verbs::ibv().close_device(ctx);
     fail("efadv_query_device on " + dev_name, e);
   }
   return std::make_unique<EfaTransport>(o, ctx, port, dev_name, a);

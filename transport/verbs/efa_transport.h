@@ -20,8 +20,12 @@
 
 namespace portep {
 
-// True when ctx is an EFA device (efadv answers for it). False in builds without efadv.
+// True when ctx is an EFA device (efadv answers for it). False in builds without efadv or where libefa is missing.
 bool is_efa_device(ibv_context* ctx);
+
+// The library EFA needs at run time: "<name>: <path>" when loaded, else "<name>: not loadable: <why>" (or why this
+// build has no EFA transport).
+std::string efa_library_status();
 
 // The SRD transport on ctx (owned from here on, closed on destruction or failure). Throws TransportError.
 std::unique_ptr<Transport> make_efa_transport(const VerbsOptions& o, ibv_context* ctx, int port,

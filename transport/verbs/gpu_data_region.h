@@ -22,6 +22,7 @@
 #include "transport/device_memory.h"
 #include "transport/transport.h"
 #include "transport/verbs/verbs_common.h"
+#include "transport/verbs/verbs_library.h"
 
 namespace portep::verbs {
 
@@ -50,7 +51,7 @@ class GpuDataRegion {
   }
 
   void release(Region* r) {
-    if (r->mr) ibv_dereg_mr(r->mr);
+    if (r->mr) verbs::ibv().dereg_mr(r->mr);
     if (staged_) {
       if (kernel_view_) device_->unmap_host(r->addr);
       if (r->addr) munmap(r->addr, r->bytes);
@@ -72,7 +73,7 @@ class GpuDataRegion {
     r->addr = device_->alloc_region(r->bytes);
     std::string dmabuf_why = register_by_dmabuf(pd, r, access);
     if (r->mr) return true;
-    r->mr = ibv_reg_mr(pd, r->addr, r->bytes, access);
+    r->mr = verbs::ibv().reg_mr(pd, r->addr, r->bytes, access);
     if (r->mr) {
       how_ = "peer memory (ibv_reg_mr on the device pointer)";
       return true;
@@ -88,12 +89,12 @@ class GpuDataRegion {
 
   // Registration through the GPU's dma-buf; on failure r->mr stays null and the reason is returned.
   std::string register_by_dmabuf(ibv_pd* pd, Region* r, int access) {
-#ifdef PORTEP_HAVE_IBV_REG_DMABUF_MR
+    if (!verbs::ibv().reg_dmabuf_mr) return "this machine's libibverbs has no ibv_reg_dmabuf_mr (rdma-core < 34)";
     std::string why;
     uint64_t offset = 0;
     const int fd = device_->export_dmabuf(r->addr, r->bytes, &offset, &why);
     if (fd < 0) return why;
-    r->mr = ibv_reg_dmabuf_mr(pd, offset, r->bytes, reinterpret_cast<uintptr_t>(r->addr), fd, access);
+    r->mr = verbs::ibv().reg_dmabuf_mr(pd, offset, r->bytes, reinterpret_cast<uintptr_t>(r->addr), fd, access);
     const int err = errno;
     close(fd);  // the registration holds its own reference to the buffer
     if (r->mr) {
@@ -101,10 +102,6 @@ class GpuDataRegion {
       return {};
     }
     return std::string("ibv_reg_dmabuf_mr: ") + strerror(err);
-#else
-    (void)pd, (void)r, (void)access;
-    return "this build's rdma-core has no ibv_reg_dmabuf_mr";
-#endif
   }
 
   // 3: private host pages (never shared through /dev/shm: peers reach them through RDMA, as they would GPU

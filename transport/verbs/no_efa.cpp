@@ -5,8 +5,10 @@ namespace portep {
 
 bool is_efa_device(ibv_context*) { return false; }
 
+std::string efa_library_status() { return "libefa: not used (this build has no efadv.h, so no EFA transport)"; }
+
 std::unique_ptr<Transport> make_efa_transport(const VerbsOptions&, ibv_context* ctx, int, const std::string& dev_name) {
-  ibv_close_device(ctx);
+  verbs::ibv().close_device(ctx);
   throw TransportError("efa: this build has no efadv (libefa); rebuild with rdma-core's libefa to use " + dev_name);
 }
 

@@ -65,7 +65,7 @@ inline std::string gid_type(const std::string& dev, int port, int index) {
 
 // Why GID `index` of the port cannot be used, or "" when it can (then *gid holds it).
 inline std::string gid_problem(ibv_context* ctx, int port, int index, ibv_gid* gid) {
-  if (ibv_query_gid(ctx, uint8_t(port), index, gid)) return std::string("ibv_query_gid: ") + strerror(errno);
+  if (verbs::ibv().query_gid(ctx, uint8_t(port), index, gid)) return std::string("ibv_query_gid: ") + strerror(errno);
   static const ibv_gid zero{};
   if (memcmp(gid, &zero, sizeof(zero)) == 0) return "all-zero";
   return "";

@@ -13,6 +13,7 @@
 
 #include "transport/endpoint_text.h"
 #include "transport/transport.h"
+#include "transport/verbs/verbs_library.h"
 
 namespace portep::verbs {
 
@@ -41,12 +42,12 @@ inline void* alloc_pages(size_t bytes) {
 }
 
 inline void register_region(ibv_pd* pd, Region* r, int access) {
-  r->mr = ibv_reg_mr(pd, r->addr, r->bytes, access);
+  r->mr = verbs::ibv().reg_mr(pd, r->addr, r->bytes, access);
   if (!r->mr) fail("ibv_reg_mr of " + std::to_string(r->bytes) + " bytes", errno);
 }
 
 inline void release_region(Region* r) {
-  if (r->mr) ibv_dereg_mr(r->mr);
+  if (r->mr) verbs::ibv().dereg_mr(r->mr);
   if (r->addr) munmap(r->addr, r->bytes);
   *r = Region{};
 }
@@ -97,15 +98,16 @@ inline void check_connect_inputs(size_t num_blobs, int num_ranks, const Region* 
 // completion's opcode is undefined: only its status, QP and wr_id say anything.
 inline void check_send_completion(const ibv_wc& wc, const char* transport, const char* what, int id) {
   if (wc.status != IBV_WC_SUCCESS)
-    throw TransportError(std::string(transport) + ": " + what + " " + std::to_string(id) + " failed: " +
-                         ibv_wc_status_str(wc.status) + " (vendor error " + std::to_string(wc.vendor_err) + ")");
+    throw TransportError(std::string(transport) + ": " + what + " " + std::to_string(id) +
+                         " failed: " + verbs::ibv().wc_status_str(wc.status) + " (vendor error " +
+                         std::to_string(wc.vendor_err) + ")");
 }
 
 // A receive completion must be a successful RDMA write with immediate.
 inline void check_imm_receive(const ibv_wc& wc, const char* transport, const char* from, int id) {
   if (wc.status != IBV_WC_SUCCESS)
     throw TransportError(std::string(transport) + ": a receive " + from + " " + std::to_string(id) +
-                         " failed: " + ibv_wc_status_str(wc.status));
+                         " failed: " + verbs::ibv().wc_status_str(wc.status));
   if (wc.opcode != IBV_WC_RECV_RDMA_WITH_IMM || !(wc.wc_flags & IBV_WC_WITH_IMM))
     throw TransportError(std::string(transport) + ": unexpected receive completion " + from + " " + std::to_string(id));
 }

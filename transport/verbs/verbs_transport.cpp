@@ -104,8 +104,8 @@ class VerbsTransport final : public Transport {
  public:
   VerbsTransport(const VerbsOptions& o, ibv_context* ctx, int port, const std::string& dev_name)
       : o_(o), ctx_(ctx), port_(port), dev_name_(dev_name) {
-    if (ibv_query_port(ctx_, uint8_t(port_), &port_attr_)) fail("ibv_query_port", errno);
-    if (ibv_query_device(ctx_, &dev_attr_)) fail("ibv_query_device", errno);
+    if (verbs::ibv().query_port(ctx_, uint8_t(port_), &port_attr_)) fail("ibv_query_port", errno);
+    if (verbs::ibv().query_device(ctx_, &dev_attr_)) fail("ibv_query_device", errno);
     const GidChoice gid = choose_gid(ctx_, dev_name_, port_, port_attr_, o_.gid_index, o_.gid_index_explicit);
     o_.gid_index = gid.index;
     gid_ = gid.gid;
@@ -115,7 +115,7 @@ class VerbsTransport final : public Transport {
     if (!o_.max_inflight_msgs) o_.max_inflight_msgs = broadcom ? kBroadcomInflightMsgs : o_.max_send_wr;
     if (o_.max_inflight_msgs > o_.max_send_wr) o_.max_inflight_msgs = o_.max_send_wr;
     atomics_ = dev_attr_.atomic_cap != IBV_ATOMIC_NONE;
-    pd_ = ibv_alloc_pd(ctx_);
+    pd_ = verbs::ibv().alloc_pd(ctx_);
     if (!pd_) fail("ibv_alloc_pd", errno);
     scratch_.bytes = 4096;
     scratch_.addr = alloc_pages(scratch_.bytes);
@@ -127,9 +127,9 @@ class VerbsTransport final : public Transport {
     for (auto& ch : channels_) {
       for (auto& peer : ch.qps)
         for (auto& q : peer)
-          if (q.qp) ibv_destroy_qp(q.qp);
-      if (ch.send_cq) ibv_destroy_cq(ch.send_cq);
-      if (ch.recv_cq) ibv_destroy_cq(ch.recv_cq);
+          if (q.qp) verbs::ibv().destroy_qp(q.qp);
+      if (ch.send_cq) verbs::ibv().destroy_cq(ch.send_cq);
+      if (ch.recv_cq) verbs::ibv().destroy_cq(ch.recv_cq);
     }
     if (device_signal_) o_.device->unmap_host(regions_[kRegionSignal].addr);
     for (int i = 0; i < kNumRegions; ++i) {
@@ -137,12 +137,12 @@ class VerbsTransport final : public Transport {
         gpu_data_.release(&regions_[i]);
         continue;
       }
-      if (regions_[i].mr) ibv_dereg_mr(regions_[i].mr);
+      if (regions_[i].mr) verbs::ibv().dereg_mr(regions_[i].mr);
       if (!segments_[i].data() && regions_[i].addr) munmap(regions_[i].addr, regions_[i].bytes);  // private pages
     }
     release_region(&scratch_);
-    if (pd_) ibv_dealloc_pd(pd_);
-    ibv_close_device(ctx_);
+    if (pd_) verbs::ibv().dealloc_pd(pd_);
+    verbs::ibv().close_device(ctx_);
   }
 
   TransportProps props() const override {
@@ -333,8 +333,8 @@ class VerbsTransport final : public Transport {
     for (int c = 0; c < o_.num_channels; ++c) {
       VerbsChannel& ch = channels_[c];
       const long per = long(o_.num_ranks) * o_.qps_per_peer;
-      ch.send_cq = ibv_create_cq(ctx_, clamp(per * o_.max_send_wr), nullptr, nullptr, 0);
-      ch.recv_cq = ibv_create_cq(ctx_, clamp(per * o_.recv_depth), nullptr, nullptr, 0);
+      ch.send_cq = verbs::ibv().create_cq(ctx_, clamp(per * o_.max_send_wr), nullptr, nullptr, 0);
+      ch.recv_cq = verbs::ibv().create_cq(ctx_, clamp(per * o_.recv_depth), nullptr, nullptr, 0);
       if (!ch.send_cq || !ch.recv_cq) fail("ibv_create_cq", errno);
       ch.qps.assign(size_t(o_.num_ranks), std::vector<Qp>(size_t(o_.qps_per_peer)));
       ch.next_stripe.assign(size_t(o_.num_ranks), 0);
@@ -348,7 +348,7 @@ class VerbsTransport final : public Transport {
           a.cap.max_recv_wr = o_.recv_depth;
           a.cap.max_send_sge = 1;
           a.cap.max_recv_sge = 1;
-          ibv_qp* qp = ibv_create_qp(pd_, &a);
+          ibv_qp* qp = verbs::ibv().create_qp(pd_, &a);
           if (!qp) fail("ibv_create_qp", errno);
           ch.qps[p][s].qp = qp;
           ch.qps[p][s].sizes.assign(o_.max_send_wr, 0);
@@ -364,7 +364,7 @@ class VerbsTransport final : public Transport {
     a.pkey_index = 0;
     a.port_num = uint8_t(port_);
     a.qp_access_flags = IBV_ACCESS_REMOTE_WRITE | IBV_ACCESS_REMOTE_READ | IBV_ACCESS_REMOTE_ATOMIC;
-    if (int e = ibv_modify_qp(qp, &a, IBV_QP_STATE | IBV_QP_PKEY_INDEX | IBV_QP_PORT | IBV_QP_ACCESS_FLAGS))
+    if (int e = verbs::ibv().modify_qp(qp, &a, IBV_QP_STATE | IBV_QP_PKEY_INDEX | IBV_QP_PORT | IBV_QP_ACCESS_FLAGS))
       fail("ibv_modify_qp to INIT", e);
     post_recvs(qp, o_.recv_depth);
     a = ibv_qp_attr{};
@@ -384,9 +384,9 @@ class VerbsTransport final : public Transport {
       a.ah_attr.grh.hop_limit = 64;
       a.ah_attr.grh.traffic_class = uint8_t(o_.traffic_class);
     }
-    if (int e = ibv_modify_qp(qp, &a,
-                              IBV_QP_STATE | IBV_QP_AV | IBV_QP_PATH_MTU | IBV_QP_DEST_QPN | IBV_QP_RQ_PSN |
-                                  IBV_QP_MAX_DEST_RD_ATOMIC | IBV_QP_MIN_RNR_TIMER))
+    if (int e = verbs::ibv().modify_qp(qp, &a,
+                                       IBV_QP_STATE | IBV_QP_AV | IBV_QP_PATH_MTU | IBV_QP_DEST_QPN | IBV_QP_RQ_PSN |
+                                           IBV_QP_MAX_DEST_RD_ATOMIC | IBV_QP_MIN_RNR_TIMER))
       fail("ibv_modify_qp to RTR", e);
     a = ibv_qp_attr{};
     a.qp_state = IBV_QPS_RTS;
@@ -395,9 +395,9 @@ class VerbsTransport final : public Transport {
     a.rnr_retry = 7;  // receiver not ready: retry forever (the proxies' timeouts bound the wait)
     a.sq_psn = 0;
     a.max_rd_atomic = uint8_t(rd_atomic);
-    if (int e = ibv_modify_qp(qp, &a,
-                              IBV_QP_STATE | IBV_QP_TIMEOUT | IBV_QP_RETRY_CNT | IBV_QP_RNR_RETRY | IBV_QP_SQ_PSN |
-                                  IBV_QP_MAX_QP_RD_ATOMIC))
+    if (int e = verbs::ibv().modify_qp(qp, &a,
+                                       IBV_QP_STATE | IBV_QP_TIMEOUT | IBV_QP_RETRY_CNT | IBV_QP_RNR_RETRY |
+                                           IBV_QP_SQ_PSN | IBV_QP_MAX_QP_RD_ATOMIC))
       fail("ibv_modify_qp to RTS", e);
   }
 
@@ -492,7 +492,7 @@ class VerbsTransport final : public Transport {
 // The first (device, port) the filter allows whose port is ACTIVE.
 ibv_context* open_device(const std::string& hca, int* port, std::string* name, std::string* why) {
   int n = 0;
-  ibv_device** list = ibv_get_device_list(&n);
+  ibv_device** list = verbs::ibv().get_device_list(&n);
   if (!list) {  // no RDMA in this kernel: NULL with ENOSYS, not an empty list
     *why = std::string("no RDMA devices (ibv_get_device_list: ") + strerror(errno) + ")";
     return nullptr;
@@ -501,21 +501,21 @@ ibv_context* open_device(const std::string& hca, int* port, std::string* name, s
   ibv_context* found = nullptr;
   std::string seen;
   for (int i = 0; i < n && !found; ++i) {
-    const std::string dev = ibv_get_device_name(list[i]);
-    ibv_context* ctx = ibv_open_device(list[i]);
+    const std::string dev = verbs::ibv().get_device_name(list[i]);
+    ibv_context* ctx = verbs::ibv().open_device(list[i]);
     if (!ctx) continue;
     ibv_device_attr attr{};
-    if (ibv_query_device(ctx, &attr) == 0)
+    if (verbs::ibv().query_device(ctx, &attr) == 0)
       for (int p = 1; p <= attr.phys_port_cnt && !found; ++p) {
         ibv_port_attr pa{};
-        if (ibv_query_port(ctx, uint8_t(p), &pa) || !hca_allows(filter, dev, p)) continue;
+        if (verbs::ibv().query_port(ctx, uint8_t(p), &pa) || !hca_allows(filter, dev, p)) continue;
         seen +=
             (seen.empty() ? "" : ", ") + dev + ":" + std::to_string(p) + (pa.state == IBV_PORT_ACTIVE ? "" : " (down)");
         if (pa.state == IBV_PORT_ACTIVE) found = ctx, *port = p, *name = dev;
       }
-    if (!found) ibv_close_device(ctx);
+    if (!found) verbs::ibv().close_device(ctx);
   }
-  ibv_free_device_list(list);
+  verbs::ibv().free_device_list(list);
   if (!found)
     *why = n == 0 ? "no RDMA devices" : "no active port matches PORTEP_IB_HCA='" + hca + "' (ports: " + seen + ")";
   return found;
@@ -550,6 +550,7 @@ VerbsOptions verbs_options_from_env(const std::string& name, int rank, int num_r
 }
 
 std::unique_ptr<Transport> make_verbs_transport(const VerbsOptions& o, std::string* why) {
+  if (!verbs::ibv_loadable(why)) return nullptr;
   int port = 0;
   std::string name;
   ibv_context* ctx = open_device(o.hca, &port, &name, why);
@@ -563,31 +564,45 @@ bool verbs_built(std::string* why) {
   return true;
 }
 
+bool verbs_loadable(std::string* why) { return verbs::ibv_loadable(why); }
+
+std::vector<std::string> nic_library_summary() {
+  std::string why;
+  const std::string name = verbs::ibverbs_library_name();
+  std::vector<std::string> out;
+  out.push_back(verbs::ibv_loadable(&why) ? name + ": " + verbs::library_path(verbs::load_library_once(name, nullptr))
+                                          : name + ": not loadable: " + why);
+  out.push_back(efa_library_status());
+  return out;
+}
+
 std::vector<std::string> verbs_device_summary() {
+  std::string why;
+  if (!verbs::ibv_loadable(&why)) return {"none: " + why};
   int n = 0;
-  ibv_device** list = ibv_get_device_list(&n);
+  ibv_device** list = verbs::ibv().get_device_list(&n);
   if (!list) return {std::string("none: ibv_get_device_list: ") + strerror(errno)};
   std::vector<std::string> out;
   for (int i = 0; i < n; ++i) {
-    ibv_context* ctx = ibv_open_device(list[i]);
+    ibv_context* ctx = verbs::ibv().open_device(list[i]);
     if (!ctx) continue;
     ibv_device_attr attr{};
-    if (ibv_query_device(ctx, &attr) == 0)
+    if (verbs::ibv().query_device(ctx, &attr) == 0)
       for (int p = 1; p <= attr.phys_port_cnt; ++p) {
         ibv_port_attr pa{};
-        if (ibv_query_port(ctx, uint8_t(p), &pa)) continue;
+        if (verbs::ibv().query_port(ctx, uint8_t(p), &pa)) continue;
         ibv_gid gid{};
-        const bool has_gid = ibv_query_gid(ctx, uint8_t(p), 0, &gid) == 0;
-        const std::string dev = ibv_get_device_name(list[i]);
+        const bool has_gid = verbs::ibv().query_gid(ctx, uint8_t(p), 0, &gid) == 0;
+        const std::string dev = verbs::ibv().get_device_name(list[i]);
         out.push_back(dev + ":" + std::to_string(p) + " " + (pa.state == IBV_PORT_ACTIVE ? "active" : "down") +
                       ", link " + (pa.link_layer == IBV_LINK_LAYER_ETHERNET ? "Ethernet (RoCE)" : "InfiniBand") +
                       ", atomics " + (attr.atomic_cap == IBV_ATOMIC_NONE ? "no" : "yes") + ", GID[0] " +
                       (has_gid ? hex_encode(&gid, sizeof(gid)) : std::string("?")) + ", lid " + std::to_string(pa.lid) +
                       (is_efa_device(ctx) ? ", EFA (SRD transport)" : ""));
       }
-    ibv_close_device(ctx);
+    verbs::ibv().close_device(ctx);
   }
-  ibv_free_device_list(list);
+  verbs::ibv().free_device_list(list);
   if (out.empty()) out.push_back("none: no RDMA devices");
   return out;
 }

@@ -67,6 +67,13 @@ std::unique_ptr<Transport> make_verbs_transport(const VerbsOptions& o, std::stri
 // Whether this build has the verbs transports (else *why says what was missing at build time).
 bool verbs_built(std::string* why);
 
+// Whether libibverbs loads on this machine (else *why names the library and says why); false where not built.
+bool verbs_loadable(std::string* why);
+
+// The NIC libraries the verbs transports load at run time, one line each ("libibverbs.so.1: /path" or
+// "libibverbs.so.1: not loadable: ..."), for the doctor.
+std::vector<std::string> nic_library_summary();
+
 // What the devices here look like, one line each ("none: <why>" when there are none), for the doctor.
 std::vector<std::string> verbs_device_summary();
 
