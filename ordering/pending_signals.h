@@ -5,7 +5,7 @@
 // of writes (units) in e. A signal is released when (1) all units of its epoch have arrived and (2) every
 // earlier epoch of the stream has been released, so the slot a receiver polls never counts a write that is
 // not in place. Epochs are numbered mod 16; the sender keeps at most 15 epochs of one stream unretired
-// (proxy/stream_epochs.h), so the window cannot alias.
+// (ordering/stream_epochs.h), so the window cannot alias.
 //
 // Pure logic: no I/O, no threads. One table per receiving proxy thread; all traffic of one (source, stream)
 // arrives on one connection and therefore at one table.

@@ -106,7 +106,6 @@ uint64_t* Channel::slot(int src, uint32_t stream) const {
 // will not answer (its process is gone, it left, it refused the call): what src sent before is still delivered
 // during kPeerGrace, since its notice may overtake its last data. Returns kPeerOk with *value, else why it gave up
 // (kWaitTimedOut for the timeout). Raises a latched proxy error.
-constexpr uint32_t kWaitTimedOut = 100;
 constexpr auto kPeerGrace = std::chrono::nanoseconds(kPeerGraceNs);
 template <class Ready>
 uint32_t Channel::wait_slot_for(int src, uint32_t stream, double timeout_s, Ready ready, uint64_t* value) {
@@ -141,11 +140,11 @@ template <class Ready, class Failure>
 uint64_t Channel::wait_slot(int src, uint32_t stream, double timeout_s, Ready ready, Failure failure) {
   uint64_t v = 0;
   const uint32_t why = wait_slot_for(src, stream, timeout_s, ready, &v);
-  if (why != kPeerOk) give_up(src, why, timeout_s, failure(v));
+  if (why != kPeerOk) raise_wait_failure(src, why, timeout_s, failure(v));
   return v;
 }
 
-void Channel::give_up(int src, uint32_t why, double timeout_s, const std::string& what) const {
+void Channel::raise_wait_failure(int src, uint32_t why, double timeout_s, const std::string& what) const {
   const std::string head = "rank " + std::to_string(opts_.proxy.rank) + ": " + what;
   if (why == kWaitTimedOut)
     throw std::runtime_error(head + " within " + std::to_string(timeout_s) + " s; " + transport_->describe_peer(src));
@@ -160,36 +159,6 @@ uint64_t Channel::wait_signal(int src, uint32_t stream, uint64_t count, double t
         return "signal (src " + std::to_string(src) + ", stream " + std::to_string(stream) + ") reached " +
                std::to_string(v & 0xffffffffu) + " of " + std::to_string(count);
       });
-}
-
-uint64_t Channel::write_rows(int dst, const int64_t* local_offs, const int64_t* remote_offs, size_t n,
-                             uint64_t row_bytes, uint32_t stream, bool merge) {
-  ProxyGroup& g = proxies();
-  const int fifo = g.fifo_for(uint32_t(dst), stream);
-  uint64_t commands = 0;
-  size_t i = 0;
-  while (i < n) {
-    uint64_t bytes = row_bytes;
-    size_t j = i + 1;
-    while (merge && j < n && local_offs[j] == local_offs[j - 1] + int64_t(row_bytes) &&
-           remote_offs[j] == remote_offs[j - 1] + int64_t(row_bytes) && bytes + row_bytes <= kMaxCmdBytes) {
-      bytes += row_bytes;
-      ++j;
-    }
-    if (local_offs[i] < 0 || remote_offs[i] < 0 || uint64_t(local_offs[i]) + bytes > opts_.data_bytes ||
-        uint64_t(remote_offs[i]) + bytes > opts_.data_bytes)
-      throw std::invalid_argument("rows [" + std::to_string(local_offs[i]) + " -> " + std::to_string(remote_offs[i]) +
-                                  ", +" + std::to_string(bytes) + ") exceed the registered " +
-                                  std::to_string(opts_.data_bytes) + " bytes");
-    TransferCmd cmd;
-    encode_or_throw(CmdFields{kOpWrite, 0, uint32_t(dst), uint32_t(bytes), stream, uint64_t(remote_offs[i]),
-                              uint64_t(local_offs[i])},
-                    &cmd);
-    g.push(fifo, cmd, &cached_tails_[fifo]);
-    ++commands;
-    i = j;
-  }
-  return commands;
 }
 
 // This rank's own regions are always reachable, also on transports that map no peer (verbs).
@@ -254,46 +223,11 @@ uint64_t Channel::status_events(int src, StatusEvent kind) const {
   return w ? w->events(src, kind) : 0;
 }
 
-void Channel::write_rows_streams(int dst, const int64_t* local_offs, const int64_t* remote_offs, const int64_t* streams,
-                                 size_t n, uint64_t row_bytes) {
-  for (size_t i = 0; i < n; ++i)
-    write_rows(dst, local_offs + i, remote_offs + i, 1, row_bytes, uint32_t(streams[i]), false);
-}
-
-void Channel::signal_many(size_t n, const int64_t* dsts, const int64_t* streams, const int64_t* units,
-                          const uint8_t* direct) {
-  for (size_t i = 0; i < n; ++i) {
-    if (direct[i])
-      direct_signal(int(dsts[i]), uint32_t(streams[i]), uint64_t(units[i]), true);
-    else
-      signal(int(dsts[i]), uint32_t(streams[i]), true);
-  }
-}
-
-void Channel::consume_many(size_t n, const int64_t* srcs, const int64_t* streams, int64_t* units_out,
-                           int64_t* wait_ns_out, double timeout_s, uint8_t* mask) {
-  for (size_t i = 0; i < n; ++i) {
-    const auto t0 = std::chrono::steady_clock::now();
-    const int src = int(srcs[i]);
-    units_out[i] = 0;
-    if (mask && mask[src]) {
-      if (wait_ns_out) wait_ns_out[i] = 0;
-      continue;
-    }
-    const uint32_t stream = uint32_t(streams[i]);
-    uint64_t v = 0;
-    const uint32_t why = wait_slot_for(src, stream, timeout_s, [](uint64_t v) { return (v >> 32) >= 1; }, &v);
-    if (why == kPeerOk)
-      units_out[i] = int64_t(take(src, stream, v, 0, true));
-    else if (mask && why != kPeerRefused)  // shrink mode: a rank that left, is gone or timed out is masked
-      mask[src] = 1;
-    else  // a refusal is not a failed rank but a call the ranks disagree on, which masking cannot mend
-      give_up(src, why, timeout_s,
-              "no final signal on (src " + std::to_string(src) + ", stream " + std::to_string(stream) + ")");
-    if (wait_ns_out)
-      wait_ns_out[i] =
-          std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now() - t0).count();
-  }
+uint32_t Channel::try_consume_final(int src, uint32_t stream, double timeout_s, uint64_t* units) {
+  uint64_t v = 0;
+  const uint32_t why = wait_slot_for(src, stream, timeout_s, [](uint64_t v) { return (v >> 32) >= 1; }, &v);
+  *units = why == kPeerOk ? take(src, stream, v, 0, true) : 0;
+  return why;
 }
 
 }  // namespace portep

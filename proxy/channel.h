@@ -16,6 +16,9 @@
 
 namespace portep {
 
+// Why a wait on a signal slot gave up, besides the peer statuses of peer_status.h: the caller's timeout passed.
+constexpr uint32_t kWaitTimedOut = 100;
+
 struct ChannelOptions {
   TransportSpec transport;
   ProxyConfig proxy;
@@ -40,22 +43,6 @@ class Channel {
   // Waits until the low 32 bits of slot (src, stream) reach at least `count`; returns the slot value.
   uint64_t wait_signal(int src, uint32_t stream, uint64_t count, double timeout_s);
 
-  // Bulk and direct operations used by the EP kernels of the host backend.
-  // Pushes one WRITE per row i (local_offs[i] -> remote_offs[i], row_bytes each); rows contiguous on both sides
-  // are merged into one command of at most 16 MiB when `merge` (a signal then counts commands, not rows).
-  // Returns the number of commands pushed.
-  uint64_t write_rows(int dst, const int64_t* local_offs, const int64_t* remote_offs, size_t n, uint64_t row_bytes,
-                      uint32_t stream, bool merge);
-  // Vector forms for the LL kernels: one WRITE per row with its own stream (never merged); signals for n
-  // (dst, stream) pairs, direct (units[i] counted) where direct[i] else through the proxies; and waits for n
-  // final signals in order, storing the units taken and the nanoseconds waited for each.
-  void write_rows_streams(int dst, const int64_t* local_offs, const int64_t* remote_offs, const int64_t* streams,
-                          size_t n, uint64_t row_bytes);
-  void signal_many(size_t n, const int64_t* dsts, const int64_t* streams, const int64_t* units, const uint8_t* direct);
-  // mask (uint8 per rank, or null): shrink mode; masked sources are skipped (0 units), and a source that times out,
-  // left or whose process is gone is masked instead of raising.
-  void consume_many(size_t n, const int64_t* srcs, const int64_t* streams, int64_t* units_out, int64_t* wait_ns_out,
-                    double timeout_s, uint8_t* mask = nullptr);
   // dst's data region when this process can store into it directly (same host), else nullptr.
   uint8_t* peer_data(int dst) const;
   uint64_t peer_data_bytes(int dst) const;
@@ -66,6 +53,11 @@ class Channel {
   // adds meanwhile stay): with need_final, all units and one final mark once a final mark is there; else
   // exactly min_units once that many are there. Returns the units taken.
   uint64_t consume_signal(int src, uint32_t stream, uint64_t min_units, bool need_final, double timeout_s);
+  // consume_signal for a final signal, without raising: kPeerOk with *units taken, else why the wait gave up
+  // (kWaitTimedOut, or src's peer status: it left, its process is gone, it refused the call).
+  uint32_t try_consume_final(int src, uint32_t stream, double timeout_s, uint64_t* units);
+  // Raises the error of a wait on src that gave up for `why` (try_consume_final's), naming the rank.
+  [[noreturn]] void raise_wait_failure(int src, uint32_t why, double timeout_s, const std::string& what) const;
   // The status streams (peer_watch.h; ChannelOptions.proxy.status_stream >= 0): tell every rank, this one included,
   // of an event of this rank's; a peer's status (kPeerOk while it answers); events src announced so far.
   void announce(StatusEvent kind);
@@ -102,7 +94,6 @@ class Channel {
   template <class Ready, class Failure>
   uint64_t wait_slot(int src, uint32_t stream, double timeout_s, Ready ready, Failure failure);
   uint64_t take(int src, uint32_t stream, uint64_t value, uint64_t min_units, bool need_final);
-  [[noreturn]] void give_up(int src, uint32_t why, double timeout_s, const std::string& what) const;
 
   ChannelOptions opts_;
   std::shared_ptr<Transport> transport_;  // shared with the leases (memory_owner) that keep its memory mapped

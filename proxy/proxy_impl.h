@@ -6,9 +6,8 @@
 
 #include "proxy/backoff.h"
 #include "proxy/inflight.h"
-#include "ordering/pending_signals.h"
+#include "ordering/signal_protocol.h"
 #include "proxy/proxy.h"
-#include "proxy/stream_epochs.h"
 
 namespace portep {
 
@@ -26,7 +25,9 @@ struct alignas(64) HostFifoStorage {
 
 class ProxyGroupImpl;
 
-class ProxyThread {
+// One proxy thread: drains its FIFOs, posts what the signal protocol asks (it implements SignalPoster), polls the
+// transport and publishes the signals the protocol releases. It knows neither protocol (ordering/signal_protocol.h).
+class ProxyThread final : private SignalPoster {
  public:
   ProxyThread(ProxyGroupImpl* g, int index);
   void run();
@@ -41,7 +42,11 @@ class ProxyThread {
   void handle_barrier(const CmdFields& f, int fifo);
   template <class PostFn>
   uint64_t post_with_retry(uint64_t bytes, const char* what, int peer, PostFn&& post);
-  void wait_retired_past(uint64_t seq, const char* what, int peer);
+  // SignalPoster
+  uint64_t post_write(int peer, uint64_t local_off, uint64_t remote_off, uint32_t bytes, const uint32_t* imm,
+                      const char* what) override;
+  uint64_t post_slot_add(int peer, uint32_t stream, uint32_t units, bool final_signal) override;
+  void wait_retired_past(uint64_t seq, const char* what, int peer) override;
   void wait_idle(const char* what);
   IdleWaiter idle_waiter() const;
   bool progress();  // completions + notifications; true if anything happened
@@ -53,8 +58,7 @@ class ProxyThread {
   std::vector<int> fifos_;
   std::vector<FifoConsumer> consumers_;
   InflightTracker inflight_;
-  StreamEpochTable epochs_;
-  PendingSignalTable pending_;
+  SignalProtocol protocol_;
   std::vector<SignalRelease> releases_;
   std::vector<std::chrono::steady_clock::time_point> post_times_;  // by sequence number & post_mask_
   uint64_t post_mask_;

@@ -6,7 +6,6 @@
 #endif
 
 #include "proxy/backoff.h"
-#include "ordering/imm.h"
 #include "proxy/proxy_impl.h"
 
 namespace portep {
@@ -39,7 +38,7 @@ ProxyThread::ProxyThread(ProxyGroupImpl* g, int index)
     : g_(g),
       index_(index),
       inflight_(g->cfg.max_inflight_cmds, g->cfg.max_inflight_bytes),
-      pending_(uint32_t(g->cfg.num_ranks), g->cfg.num_streams),
+      protocol_(uint32_t(g->cfg.num_ranks), g->cfg.num_streams, g->native_signals, g->cfg.skip_ordering),
       post_times_(power_of_two_at_least(g->cfg.max_inflight_cmds)),
       post_mask_(post_times_.size() - 1),
       timeout_(std::chrono::nanoseconds(int64_t(g->cfg.timeout_s * 1e9))) {
@@ -130,33 +129,26 @@ void ProxyThread::handle_write(const CmdFields& f) {
   if (f.stream >= g_->cfg.num_streams)
     throw std::runtime_error("WRITE on stream " + std::to_string(f.stream) + " but num_streams is " +
                              std::to_string(g_->cfg.num_streams));
-  StreamEpoch& se = epochs_.at(f.dst_rank, f.stream);
-  const int peer = int(f.dst_rank);
-  if (!g_->native_signals) {
-    if (se.units == imm::kMaxUnits) {  // the signal's unit field is full: close the epoch early
-      CmdFields implicit = f;
-      implicit.op = kOpSignal;
-      implicit.flags &= ~kFlagFinal;
-      handle_signal(implicit);
-    }
-    uint64_t wait_seq;
-    if (se.units == 0 && se.must_wait_for(&wait_seq)) wait_retired_past(wait_seq, "WRITE (epoch window)", peer);
-  }
-  // Placed: the bytes are in dst's memory already. With native signals the stream's signal counts the unit and
-  // nothing is posted; otherwise a zero-byte write carries the unit's immediate.
   const bool placed = f.flags & kFlagPlaced;
   if (placed) check_placed(f);
-  if (!placed || !g_->native_signals) {
-    const uint32_t imm_value = imm::encode_stream_write(f.stream, uint32_t(se.epoch));
-    const uint32_t* imm = g_->native_signals ? nullptr : &imm_value;
-    const uint32_t bytes = placed ? 0 : f.size;
-    post_with_retry(bytes, "WRITE", peer, [&](uint64_t wr_id) {
-      return g_->transport->post_write(index_, peer, f.local_off, f.remote_off, bytes, imm, wr_id);
-    });
-  }
-  ++se.units;
+  protocol_.write(int(f.dst_rank), f.stream, f.local_off, f.remote_off, f.size, placed, *this);
   ++stats.writes;
   stats.bytes += f.size;
+}
+
+uint64_t ProxyThread::post_write(int peer, uint64_t local_off, uint64_t remote_off, uint32_t bytes, const uint32_t* imm,
+                                 const char* what) {
+  return post_with_retry(bytes, what, peer, [&](uint64_t wr_id) {
+    return g_->transport->post_write(index_, peer, local_off, remote_off, bytes, imm, wr_id);
+  });
+}
+
+uint64_t ProxyThread::post_slot_add(int peer, uint32_t stream, uint32_t units, bool final_signal) {
+  const uint64_t slot_off = (uint64_t(g_->cfg.rank) * g_->cfg.num_streams + stream) * 8;
+  const uint64_t value = units + (final_signal ? kSignalFinalMark : 0);
+  return post_with_retry(0, "SIGNAL", peer, [&](uint64_t wr_id) {
+    return g_->transport->post_atomic_add(index_, peer, slot_off, value, wr_id);
+  });
 }
 
 // A placed WRITE's bytes were stored by its producer, so no transport checked where: its range must lie in the
@@ -177,25 +169,7 @@ void ProxyThread::handle_signal(const CmdFields& f) {
     throw std::runtime_error("SIGNAL to rank " + std::to_string(f.dst_rank) + " stream " + std::to_string(f.stream) +
                              " is outside " + std::to_string(g_->cfg.num_ranks) + " ranks x " +
                              std::to_string(g_->cfg.num_streams) + " streams");
-  StreamEpoch& se = epochs_.at(f.dst_rank, f.stream);
-  const int peer = int(f.dst_rank);
-  const bool final_signal = f.flags & kFlagFinal;
-  uint64_t seq;
-  if (g_->native_signals) {
-    const uint64_t slot_off = (uint64_t(g_->cfg.rank) * g_->cfg.num_streams + f.stream) * 8;
-    const uint64_t value = se.units + (final_signal ? kSignalFinalMark : 0);
-    seq = post_with_retry(0, "SIGNAL", peer, [&](uint64_t wr_id) {
-      return g_->transport->post_atomic_add(index_, peer, slot_off, value, wr_id);
-    });
-  } else {
-    uint64_t wait_seq;
-    if (se.units == 0 && se.must_wait_for(&wait_seq)) wait_retired_past(wait_seq, "SIGNAL (epoch window)", peer);
-    const uint32_t imm_value = imm::encode_stream_signal(f.stream, uint32_t(se.epoch), se.units, final_signal);
-    seq = post_with_retry(0, "SIGNAL", peer, [&](uint64_t wr_id) {
-      return g_->transport->post_write(index_, peer, 0, 0, 0, &imm_value, wr_id);
-    });
-  }
-  se.close(seq);
+  protocol_.signal(int(f.dst_rank), f.stream, f.flags & kFlagFinal, *this);
   ++stats.signals;
 }
 
@@ -216,13 +190,9 @@ void ProxyThread::handle_barrier(const CmdFields& f, int fifo) {
   wait_idle("BARRIER");
   const uint64_t ticket = f.remote_off / kOffsetAlign;
   const uint64_t epoch = f.local_off / kOffsetAlign;
-  const uint32_t imm_value = imm::encode_control(imm::kCtrlBarrier, uint32_t(epoch & imm::kCtrlArgMask));
-  for (int peer = 0; peer < g_->cfg.num_ranks; ++peer) {
-    if (peer == g_->cfg.rank) continue;
-    post_with_retry(0, "BARRIER", peer, [&](uint64_t wr_id) {
-      return g_->transport->post_write(index_, peer, 0, 0, 0, &imm_value, wr_id);
-    });
-  }
+  const uint32_t imm_value = SignalProtocol::barrier_imm(epoch);
+  for (int peer = 0; peer < g_->cfg.num_ranks; ++peer)
+    if (peer != g_->cfg.rank) post_write(peer, 0, 0, 0, &imm_value, "BARRIER");
   wait_idle("BARRIER");
   g_->fifos[fifo]->ack.store(ticket, std::memory_order_release);
 }
@@ -265,7 +235,7 @@ bool ProxyThread::progress() {
   stats.poll_ns += uint64_t((Clock::now() - t0).count());
   for (int i = 0; i < m; ++i) apply_notice(notices[i]);
   stats.notices += uint64_t(m);
-  stats.held_signals = pending_.held();
+  stats.held_signals = protocol_.held();
   stats.in_flight = inflight_.posted() - inflight_.retired();
   // The backlog is for diagnosing waits: taken on polls that moved nothing, not on every busy one.
   if (!stats.in_flight)
@@ -276,34 +246,17 @@ bool ProxyThread::progress() {
 }
 
 void ProxyThread::apply_notice(const RecvNotice& n) {
-  const imm::Decoded d = imm::decode(n.imm);
   releases_.clear();
-  switch (d.kind) {
-    case imm::kStreamWrite:
-      if (!d.valid) throw std::runtime_error("malformed STREAM_WRITE immediate from rank " + std::to_string(n.src));
-      if (!g_->cfg.skip_ordering) pending_.on_write(n.src, d.stream, d.epoch, &releases_);
-      break;
-    case imm::kStreamSignal:
-      if (g_->cfg.skip_ordering)
-        releases_.push_back(SignalRelease{n.src, d.stream, d.units, d.final_signal});
-      else
-        pending_.on_signal(n.src, d.stream, d.epoch, d.units, d.final_signal, &releases_);
-      if (releases_.empty()) ++stats.signals_delayed;
-      break;
-    case imm::kControl:
-      if (d.op != imm::kCtrlBarrier)
-        throw std::runtime_error("unknown control message " + std::to_string(d.op) + " from rank " +
-                                 std::to_string(n.src));
-      g_->barrier_arrivals[d.arg % 4].fetch_add(1, std::memory_order_acq_rel);
-      return;
-    case imm::kSeqAdd:
-      throw std::runtime_error("sequenced add from rank " + std::to_string(n.src) +
-                               ": no HT stream is registered with this proxy group");
+  const NoticeResult r = protocol_.on_notice(n.src, n.imm, &releases_);
+  if (r.kind == NoticeResult::kBarrier) {
+    g_->barrier_arrivals[r.barrier_epoch % 4].fetch_add(1, std::memory_order_acq_rel);
+    return;
   }
-  for (const SignalRelease& r : releases_) {
-    uint64_t* slot = g_->signal_slots + (uint64_t(r.src) * g_->cfg.num_streams + r.stream);
+  if (r.signal_held) ++stats.signals_delayed;
+  for (const SignalRelease& rel : releases_) {
+    uint64_t* slot = g_->signal_slots + (uint64_t(rel.src) * g_->cfg.num_streams + rel.stream);
     // Release: the notification's acquire (ring head) made the writes visible; publish them with the count.
-    __atomic_fetch_add(slot, r.units + (r.final_signal ? kSignalFinalMark : 0), __ATOMIC_RELEASE);
+    __atomic_fetch_add(slot, rel.units + (rel.final_signal ? kSignalFinalMark : 0), __ATOMIC_RELEASE);
   }
 }
 
@@ -311,7 +264,7 @@ void ProxyThread::timeout_error(const char* what, int peer) {
   std::string who = peer >= 0 ? " to " + g_->transport->describe_peer(peer) : std::string();
   throw std::runtime_error(std::string(what) + who + " made no progress within " + std::to_string(g_->cfg.timeout_s) +
                            " s (" + std::to_string(inflight_.posted() - inflight_.retired()) +
-                           " operations in flight, " + std::to_string(pending_.held()) + " signals held)");
+                           " operations in flight, " + std::to_string(protocol_.held()) + " signals held)");
 }
 
 }  // namespace portep

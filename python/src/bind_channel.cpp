@@ -2,6 +2,7 @@
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
+#include "gpu_kernels/host/channel_ops.h"
 #include "gpu_kernels/host/row_kernels.h"
 #include "ordering/imm.h"
 #include "proxy/channel.h"
@@ -127,32 +128,32 @@ void bind_channel(py::module_& m) {
           "write_rows",
           [](Channel& c, int dst, uintptr_t local_offs, uintptr_t remote_offs, size_t n, uint64_t row_bytes,
              uint32_t stream, bool merge) {
-            return c.write_rows(dst, reinterpret_cast<const int64_t*>(local_offs),
-                                reinterpret_cast<const int64_t*>(remote_offs), n, row_bytes, stream, merge);
+            return host::write_rows(c, dst, reinterpret_cast<const int64_t*>(local_offs),
+                                    reinterpret_cast<const int64_t*>(remote_offs), n, row_bytes, stream, merge);
           },
           py::arg("dst"), py::arg("local_offsets_ptr"), py::arg("remote_offsets_ptr"), py::arg("n"),
           py::arg("row_bytes"), py::arg("stream"), py::arg("merge"), py::call_guard<py::gil_scoped_release>())
       .def(
           "write_rows_streams",
           [](Channel& c, int dst, uintptr_t lo, uintptr_t ro, uintptr_t streams, size_t n, uint64_t row_bytes) {
-            c.write_rows_streams(dst, reinterpret_cast<const int64_t*>(lo), reinterpret_cast<const int64_t*>(ro),
-                                 reinterpret_cast<const int64_t*>(streams), n, row_bytes);
+            host::write_rows_streams(c, dst, reinterpret_cast<const int64_t*>(lo), reinterpret_cast<const int64_t*>(ro),
+                                     reinterpret_cast<const int64_t*>(streams), n, row_bytes);
           },
           py::call_guard<py::gil_scoped_release>())
       .def(
           "signal_many",
           [](Channel& c, size_t n, uintptr_t dsts, uintptr_t streams, uintptr_t units, uintptr_t direct) {
-            c.signal_many(n, reinterpret_cast<const int64_t*>(dsts), reinterpret_cast<const int64_t*>(streams),
-                          reinterpret_cast<const int64_t*>(units), reinterpret_cast<const uint8_t*>(direct));
+            host::signal_many(c, n, reinterpret_cast<const int64_t*>(dsts), reinterpret_cast<const int64_t*>(streams),
+                              reinterpret_cast<const int64_t*>(units), reinterpret_cast<const uint8_t*>(direct));
           },
           py::call_guard<py::gil_scoped_release>())
       .def(
           "consume_many",
           [](Channel& c, size_t n, uintptr_t srcs, uintptr_t streams, uintptr_t units_out, uintptr_t wait_out,
              double timeout_s, uintptr_t mask) {
-            c.consume_many(n, reinterpret_cast<const int64_t*>(srcs), reinterpret_cast<const int64_t*>(streams),
-                           reinterpret_cast<int64_t*>(units_out), reinterpret_cast<int64_t*>(wait_out), timeout_s,
-                           reinterpret_cast<uint8_t*>(mask));
+            host::consume_many(c, n, reinterpret_cast<const int64_t*>(srcs), reinterpret_cast<const int64_t*>(streams),
+                               reinterpret_cast<int64_t*>(units_out), reinterpret_cast<int64_t*>(wait_out), timeout_s,
+                               reinterpret_cast<uint8_t*>(mask));
           },
           py::arg("n"), py::arg("srcs"), py::arg("streams"), py::arg("units_out"), py::arg("wait_out"),
           py::arg("timeout_s"), py::arg("mask") = 0, py::call_guard<py::gil_scoped_release>())

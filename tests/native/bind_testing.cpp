@@ -10,6 +10,7 @@
 #include "ordering/imm.h"
 #include "proxy/inflight.h"
 #include "ordering/pending_signals.h"
+#include "ordering/signal_protocol.h"
 #include "proxy/transfer_cmd.h"
 
 namespace py = pybind11;
@@ -89,6 +90,32 @@ Channel& channel_at(uintptr_t handle) {
   return *reinterpret_cast<Channel*>(handle);
 }
 
+// A SignalProtocol driven from Python with a poster that records what it is asked to post: ("write", peer, local,
+// remote, bytes, imm or None), ("add", peer, stream, units, final) and ("wait", seq, peer); posts get sequence
+// numbers 0, 1, 2, ...
+class RecordingPoster final : public SignalPoster {
+ public:
+  uint64_t post_write(int peer, uint64_t local_off, uint64_t remote_off, uint32_t bytes, const uint32_t* imm,
+                      const char*) override {
+    log.append(py::make_tuple("write", peer, local_off, remote_off, bytes,
+                              imm ? py::object(py::int_(*imm)) : py::object(py::none())));
+    return seq++;
+  }
+  uint64_t post_slot_add(int peer, uint32_t stream, uint32_t units, bool final_signal) override {
+    log.append(py::make_tuple("add", peer, stream, units, final_signal));
+    return seq++;
+  }
+  void wait_retired_past(uint64_t s, const char*, int peer) override { log.append(py::make_tuple("wait", s, peer)); }
+  py::list log;
+  uint64_t seq = 0;
+};
+
+struct ProtocolUnderTest {
+  ProtocolUnderTest(uint32_t ranks, uint32_t streams, bool native) : protocol(ranks, streams, native, false) {}
+  SignalProtocol protocol;
+  RecordingPoster poster;
+};
+
 py::list to_list(const std::vector<SignalRelease>& v) {
   py::list out;
   for (auto& r : v) out.append(py::make_tuple(r.src, r.stream, r.units, r.final_signal));
@@ -144,6 +171,32 @@ void bind_wire(py::module_& m) {
            })
       .def_property_readonly("held", &PendingSignalTable::held)
       .def_property_readonly("released", &PendingSignalTable::released);
+  py::class_<ProtocolUnderTest>(o, "SignalProtocol")
+      .def(py::init<uint32_t, uint32_t, bool>(), py::arg("num_ranks"), py::arg("num_streams"), py::arg("native"))
+      .def(
+          "write",
+          [](ProtocolUnderTest& t, int peer, uint32_t stream, uint64_t local, uint64_t remote, uint32_t bytes,
+             bool placed) { t.protocol.write(peer, stream, local, remote, bytes, placed, t.poster); },
+          py::arg("peer"), py::arg("stream"), py::arg("local_off"), py::arg("remote_off"), py::arg("bytes"),
+          py::arg("placed") = false)
+      .def(
+          "signal",
+          [](ProtocolUnderTest& t, int peer, uint32_t stream, bool fin) {
+            t.protocol.signal(peer, stream, fin, t.poster);
+          },
+          py::arg("peer"), py::arg("stream"), py::arg("final"))
+      .def(
+          "on_notice",
+          [](ProtocolUnderTest& t, uint32_t src, uint32_t imm) {
+            std::vector<SignalRelease> out;
+            const NoticeResult r = t.protocol.on_notice(src, imm, &out);
+            static const char* kinds[] = {"write", "signal", "barrier"};
+            return py::make_tuple(kinds[r.kind], r.barrier_epoch, r.signal_held, to_list(out));
+          },
+          py::arg("src"), py::arg("imm"))
+      .def_static("barrier_imm", &SignalProtocol::barrier_imm)
+      .def_property_readonly("posted", [](ProtocolUnderTest& t) { return t.poster.log; })
+      .def_property_readonly("held", [](ProtocolUnderTest& t) { return t.protocol.held(); });
   py::class_<InflightTracker>(o, "InflightTracker")
       .def(py::init<uint32_t, uint64_t>(), py::arg("max_cmds"), py::arg("max_bytes"))
       .def("has_room", &InflightTracker::has_room)
