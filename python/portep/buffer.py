@@ -15,7 +15,7 @@ from typing import Callable, Optional, Sequence, Tuple, Union
 import torch
 
 from . import validation as v
-from .bootstrap import group_rank_and_size
+from .bootstrap import group_rank_and_size, is_mpi_comm
 from .config import timeout_from_env, transport_from_env
 from .deepep_config import (
     COMBINE_CONFIGS,
@@ -84,8 +84,9 @@ class Buffer:
     DeepEP arguments: as `deep_ep.Buffer`. `num_nvl_bytes + num_rdma_bytes` is the engine's communication
     memory (multiples of 128 each). `allow_nvlink_for_low_latency_mode` lets LL traffic to same-node peers
     bypass the proxies. `num_qps_per_rank`, `allow_mnnvl` and `use_fabric` have no effect on the host backend.
-    `comm` (mpi4py) is not supported yet and raises NotImplementedError. `enable_shrink=True` masks ranks that
-    stop answering in low-latency calls, as DeepEP's shrink mode (the three mask functions below).
+    `comm`: an mpi4py communicator (`mpi4py.MPI.Comm`), used where `group` is None (construction then needs no
+    torch.distributed). `enable_shrink=True` masks ranks that stop answering in low-latency calls, as DeepEP's
+    shrink mode (the three mask functions below).
 
     portep keyword-only arguments:
         num_ranks_per_node: ranks that form one "node" (default: $PORTEP_RANKS_PER_NODE, else min(8, group size)).
@@ -109,7 +110,7 @@ class Buffer:
         use_fabric: bool = False,
         explicitly_destroy: bool = False,
         enable_shrink: bool = False,
-        comm: object = None,
+        comm: Optional[object] = None,
         *,
         num_ranks_per_node: Optional[int] = None,
         transport: Optional[str] = None,
@@ -123,10 +124,12 @@ class Buffer:
         if group is None:
             if comm is None:
                 raise ValueError("Either 'group' or 'comm' must be provided.")
-            raise NotImplementedError(
-                "Buffer(comm=...) (mpi4py bootstrap) is not supported by portep yet; pass a "
-                "torch.distributed process group as `group`"
-            )
+            if not is_mpi_comm(comm):
+                raise TypeError(
+                    f"comm must be an mpi4py communicator (with Get_rank, Get_size and allgather), got "
+                    f"{type(comm).__name__}"
+                )
+            group = comm  # as DeepEP: the group when both are given, else the communicator
         _check_buffer_bytes("num_nvl_bytes", num_nvl_bytes)
         _check_buffer_bytes("num_rdma_bytes", num_rdma_bytes)
         check_int("num_qps_per_rank", num_qps_per_rank, 1 if low_latency_mode else 0)

@@ -40,7 +40,8 @@ class Channel:
     """Registered memory on every rank of `group` plus the proxies that move it.
 
     Args:
-        group: torch.distributed process group (None: the default group). Construction is collective.
+        group: torch.distributed process group (None: the default group) or an mpi4py communicator. Construction is
+            collective.
         nbytes: bytes of data memory per rank (multiple of 16, at most 64 GiB).
         transport: "shm" (ordered, native atomics) or "shm-unordered" (delivers in a seeded random order
             within `unordered_window` operations, no atomics, like EFA SRD); "verbs" (RC, one QP per peer) or

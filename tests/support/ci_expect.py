@@ -17,6 +17,7 @@ PIECES = {  # name: what it means
     "verbs": "portep built with libibverbs: the verbs transports",
     "verbs-guest": "the qemu guest with soft-RoCE up (tests/verbs/guest_vm.py): the verbs transports for real",
     "pyverbs": "pyverbs in the guest, for the independent verbs peer (tests/verbs/verbs_pyverbs_peer.py)",
+    "mpi": "mpirun (Debian's OpenMPI) and mpi4py, for Buffer(comm=...) under mpirun (tests/host/test_mpi_comm.py)",
     "style": "ruff and clang-format at the versions pyproject.toml's test extra pins (tests/build/test_style.py)",
 }
 
