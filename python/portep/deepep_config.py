@@ -238,10 +238,12 @@ def _table_config(table, kind, num_ranks, num_sms):
 
 
 def dispatch_config(num_ranks: int, num_sms: int) -> "Config":
+    """DeepEP's tuned dispatch Config for num_ranks (get_dispatch_config), with num_sms SMs."""
     return _table_config(DISPATCH_CONFIGS, "dispatch", num_ranks, num_sms)
 
 
 def combine_config(num_ranks: int, num_sms: int) -> "Config":
+    """DeepEP's tuned combine Config for num_ranks (get_combine_config), with num_sms SMs."""
     return _table_config(COMBINE_CONFIGS, "combine", num_ranks, num_sms)
 
 

@@ -8,13 +8,14 @@ class HostEvent:
     it exists so that `async_finish=True` code (current_stream_wait(), `with event:`) runs unchanged."""
 
     def current_stream_wait(self) -> None:
-        pass
+        """Nothing to wait for: the operation finished before it returned."""
 
     def query(self) -> bool:
+        """Always True: complete."""
         return True
 
     def synchronize(self) -> None:
-        pass
+        """Nothing to wait for: the operation finished before it returned."""
 
     def __repr__(self):
         return "HostEvent(complete)"

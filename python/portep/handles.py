@@ -32,6 +32,7 @@ class IntranodeHandle(NamedTuple):
 
     @property
     def num_recv_tokens(self) -> int:
+        """Rows this rank received (M)."""
         return self.recv_src_idx.size(0)
 
 
@@ -62,6 +63,7 @@ class InternodeHandle(NamedTuple):
 
     @property
     def num_recv_tokens(self) -> int:
+        """Rows this rank received (M)."""
         return self.recv_src_meta.size(0)
 
 
@@ -76,4 +78,5 @@ def normal_handle(items: Sequence[Tensor], internode: bool) -> NormalHandle:
 
 
 def handle_length(internode: bool) -> int:
+    """How many tensors a handle holds: 6 on one node, 10 across nodes."""
     return len((InternodeHandle if internode else IntranodeHandle)._fields)

@@ -16,6 +16,7 @@ data. So:
 """
 
 import time
+from typing import Any
 
 CLEAN_HINT = (
     "call clean_low_latency_buffer(...) on every rank to resynchronise (a normal-mode Buffer: destroy it "
@@ -32,7 +33,7 @@ class AgreedRefusal(ValueError):
     exchanged): raised after the call's first traffic, it leaves the ranks in step."""
 
 
-def wire_seq(seq):
+def wire_seq(seq: int) -> int:
     """A call's sequence number as the LL messages carry it: 32 bits, never 0 (zeroed memory must not match a call),
     so seq 2**32 - 1 is followed by 1."""
     return (seq - 1) % 0xFFFFFFFF + 1
@@ -41,7 +42,7 @@ def wire_seq(seq):
 class Lockstep:
     # The LL fast path (portep._ll_torch, backends/cuda/ll_fast.py) reads broken, _refused, _resolved and seq and
     # writes seq and sent through this object's __dict__, so they stay plain instance attributes.
-    def __init__(self, channel, native, rank, num_ranks, timeout_s):
+    def __init__(self, channel: Any, native: Any, rank: int, num_ranks: int, timeout_s: float) -> None:
         self.channel, self.native = channel, native
         self.rank, self.num_ranks, self.timeout_s = rank, num_ranks, timeout_s
         self.seq = 0  # collective calls this rank made or refused since the last resync
@@ -52,12 +53,12 @@ class Lockstep:
         self.mask = None  # shrink mode: the engine's uint8 [R] mask (1 = masked), whose ranks are not waited for
 
     # ---- the call protocol ----
-    def begin(self):
+    def begin(self) -> None:
         """A collective call begins (made or refused, it counts: every rank numbers its calls alike)."""
         self.seq += 1
         self.sent = False
 
-    def enter(self, what):
+    def enter(self, what: str) -> int:
         """Before a call's first traffic: raise if out of step; settle this rank's earlier refusals; returns the
         call's sequence number."""
         if self.broken is not None:
@@ -69,24 +70,24 @@ class Lockstep:
             self._settle_refusals(what)
         return self.seq
 
-    def made_call(self):
+    def made_call(self) -> None:
         """A call that began, passed enter() and launched in one step (the LL fast path, backends/cuda/ll_fast.py,
         does this natively once it checked that nothing is broken and no refusal of this rank's is unmatched, and calls
         it for a launch that failed)."""
         self.seq += 1
         self.sent = True
 
-    def sending(self):
+    def sending(self) -> None:
         """The current call's first traffic (a signal, a write, a kernel launch) goes out now."""
         self.sent = True
 
-    def refuse(self):
+    def refuse(self) -> None:
         """This rank will not make the call its peers may be making, and has sent nothing of it: tell them, so
         their waits give up."""
         self._refused += 1
         self.channel.announce(self.native.EVENT_REFUSED)
 
-    def fail(self, what, error):
+    def fail(self, what: str, error: BaseException) -> None:
         """A call failed after it started: this rank is out of step until the ranks resynchronise. Its FAILED
         event goes out before any later REFUSED one (direct stores in program order), which _settle_refusals
         relies on."""
@@ -94,7 +95,7 @@ class Lockstep:
             self.broken = f"{what} #{self.seq} failed on rank {self.rank}: {error}"
             self.channel.announce(self.native.EVENT_FAILED)
 
-    def check_seq(self, what, got, src):
+    def check_seq(self, what: str, got: Any, src: int) -> None:
         """Sequence numbers that arrived with src's data for this call (a tensor or an int)."""
         if hasattr(got, "numel"):
             if got.numel() == 0 or bool((got == self.seq).all()):
@@ -106,7 +107,7 @@ class Lockstep:
                 f"ranks are out of step"
             )
 
-    def resynced(self):
+    def resynced(self) -> None:
         """After every rank zeroed its REFUSED and FAILED status slots between two synchronisations."""
         self.seq = 0
         self.broken = None

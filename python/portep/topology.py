@@ -7,6 +7,9 @@ from .bootstrap import group_rank_and_size
 
 
 class Topology:
+    """Nodes of `ranks_per_node` consecutive ranks of `group` (a torch.distributed group or an mpi4py
+    communicator)."""
+
     def __init__(self, group: object, ranks_per_node: int, max_local_experts: int) -> None:
         self.group = group
         self.rank, self.num_ranks = group_rank_and_size(group, "an engine")
@@ -17,16 +20,20 @@ class Topology:
         self.max_local_experts = max_local_experts
 
     def node_of(self, r: int) -> int:
+        """The node of rank r."""
         return r // self.ranks_per_node
 
     def local_of(self, r: int) -> int:
+        """Rank r's index within its node."""
         return r % self.ranks_per_node
 
     @property
     def node(self) -> int:
+        """This rank's node."""
         return self.node_of(self.rank)
 
     def node_ranks(self, node: Optional[int] = None) -> range:
+        """The ranks of `node` (default: this rank's)."""
         node = self.node if node is None else node
         return range(node * self.ranks_per_node, (node + 1) * self.ranks_per_node)
 
