@@ -79,11 +79,11 @@ def test_the_cache_key_follows_torch_and_the_sources(tmp_path):
     assert key == ll_jit.cache_key(root, "2.13.0", True)
     assert len({key, ll_jit.cache_key(root, "2.14.0", True), ll_jit.cache_key(root, "2.13.0", False)}) == 3
     copy = tmp_path / "src"
-    for f in ll_jit.SOURCES + ll_jit.HEADERS:
+    for f in ll_jit.all_files(root):
         (copy / f).parent.mkdir(parents=True, exist_ok=True)
         shutil.copy(root / f, copy / f)
     assert ll_jit.cache_key(copy, "2.13.0", True) == key
-    header = copy / ll_jit.HEADERS[-1]
+    header = copy / ll_jit.manifest(root)[1][-1]
     header.write_text(header.read_text() + "\n// changed\n")
     assert ll_jit.cache_key(copy, "2.13.0", True) != key
 
@@ -129,3 +129,25 @@ def test_an_isolated_install_in_a_fresh_venv_compiles_the_fast_path_at_first_use
     assert report["built_in"] == "" and "build isolation" in report["reason"], report
     assert report["module"] and report["compiled"] and report["calls"], (report, err[-2000:])
     assert report["version"] == report["torch"] and Path(report["root"]).name == "_ll_torch_src"
+
+
+def test_the_manifest_lists_every_project_header_the_sources_include():
+    """The one list (python/src/ll_torch_files.txt) holds the closure of the sources' quoted includes, so the wheel's
+    copy compiles; a header added to ll_plan.h's includes but not to the list fails here."""
+    import re
+
+    repo = Path(__file__).resolve().parents[2]
+    sources, headers = ll_jit.manifest(repo)
+    assert sources and headers
+    seen, todo = set(), list(sources)
+    while todo:
+        f = todo.pop()
+        if f in seen:
+            continue
+        seen.add(f)
+        for inc in re.findall(r'^\s*#\s*include\s*"([^"]+)"', (repo / f).read_text(), re.M):
+            if (repo / inc).is_file():
+                todo.append(inc)
+    missing = sorted(seen - set(sources) - set(headers))
+    assert not missing, f"{ll_jit.MANIFEST} lacks {missing}"
+    assert len(seen) == len(sources) + len(headers), sorted(set(sources + headers) - seen)

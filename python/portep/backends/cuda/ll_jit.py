@@ -21,26 +21,36 @@ from pathlib import Path
 
 JIT_VAR = "PORTEP_LL_JIT"
 CACHE_VAR = "PORTEP_CACHE_DIR"
-SOURCES = ("python/src/ll_torch_path.cpp", "python/src/ll_torch_calls.cpp")
-HEADERS = (
-    "python/src/ll_torch_path.h",
-    "gpu_kernels/cuda/ll_plan.h",
-    "gpu_kernels/cuda/ll_api.h",
-    "gpu_kernels/cuda/kernel_errors.h",
-    "proxy/fifo.h",
-    "proxy/transfer_cmd.h",
-)
+MANIFEST = "python/src/ll_torch_files.txt"  # the one list of the module's files (CMakeLists.txt reads it too)
 MODULE = "_ll_torch"  # the name its PyInit function carries
 
 _loaded = None  # this process's module, once loaded
 
 
+def manifest(root):
+    """(sources, headers) the manifest under root lists, paths relative to root; None where it is missing."""
+    path = Path(root) / MANIFEST
+    if not path.is_file():
+        return None
+    entries = [line.split(None, 1) for line in path.read_text().splitlines() if line and not line.startswith("#")]
+    return (
+        tuple(f.strip() for kind, f in entries if kind == "source"),
+        tuple(f.strip() for kind, f in entries if kind == "header"),
+    )
+
+
+def all_files(root):
+    """Every file the manifest under root lists, the manifest included."""
+    sources, headers = manifest(root)
+    return (MANIFEST,) + sources + headers
+
+
 def source_root():
-    """The folder whose relative paths SOURCES and HEADERS name: the installed copy, else the source tree (an
-    editable install or a run from the checkout)."""
+    """The folder holding the manifest and every file it lists: the installed copy, else the source tree (an editable
+    install or a run from the checkout)."""
     here = Path(__file__).resolve()
     for root in (here.parents[2] / "_ll_torch_src", here.parents[4]):
-        if all((root / f).is_file() for f in SOURCES + HEADERS):
+        if manifest(root) is not None and all((root / f).is_file() for f in all_files(root)):
             return root
     return None
 
@@ -48,7 +58,7 @@ def source_root():
 def cache_key(root, torch_version, cxx11_abi):
     """What a built module depends on: its sources, torch's version and C++ ABI, the Python and the machine."""
     h = hashlib.sha256()
-    for f in SOURCES + HEADERS:
+    for f in all_files(root):
         h.update(f.encode() + b"\0" + (root / f).read_bytes())
     h.update(f"{torch_version}|{int(cxx11_abi)}|{sys.version_info[:2]}|{sys.platform}|{os.uname().machine}".encode())
     return h.hexdigest()[:16]
@@ -132,7 +142,7 @@ def _compile(root, build_dir, torch):
     cflags = ["-O2", "-std=c++20", "-fvisibility=hidden", f'-DPORTEP_TORCH_VERSION=\\"{torch.__version__}\\"']
     return cpp_extension.load(
         name=MODULE,
-        sources=[str(root / f) for f in SOURCES],
+        sources=[str(root / f) for f in manifest(root)[0]],
         extra_include_paths=[str(root)],
         extra_cflags=cflags,
         build_directory=str(build_dir),
