@@ -6,6 +6,8 @@ Wrong Python or torch types raise TypeError; wrong shapes, values, layouts, devi
 combinations raise ValueError.
 """
 
+from typing import Any, Hashable, Optional, Sequence, Tuple, Union
+
 import torch
 
 from .deepep_config import Config, check_int
@@ -18,6 +20,9 @@ MAX_LOCAL_EXPERTS = 1024
 ROW_ALIGN_BYTES = 16
 LL_HANDLE_LEN = 5
 CPU = "cpu"
+Tensor = torch.Tensor
+# A tensor's expected shape: per dimension None (any size), an int, or (label, int or None) for the message.
+Shape = Sequence[Union[None, int, Tuple[str, Optional[int]]]]
 
 
 # ---- generic tensors ----
@@ -47,7 +52,17 @@ def _check_shape(name, tensor, shape):
         raise ValueError(f"{name} has shape {list(actual_shape)}; it must be {rank_note}{expected}")
 
 
-def check_tensor(name, tensor, *, dtypes=None, shape=None, contiguous=True, device=CPU):
+def check_tensor(
+    name: str,
+    tensor: Any,
+    *,
+    dtypes: Optional[Sequence[torch.dtype]] = None,
+    shape: Optional[Shape] = None,
+    contiguous: bool = True,
+    device: Optional[str] = CPU,
+) -> Tensor:
+    """tensor, checked: a torch.Tensor of one of dtypes, of shape, contiguous if asked, on device's type (None:
+    any device); raises TypeError or ValueError naming `name`."""
     if not isinstance(tensor, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(tensor).__name__}")
     if dtypes is not None and tensor.dtype not in dtypes:
@@ -63,12 +78,14 @@ def check_tensor(name, tensor, *, dtypes=None, shape=None, contiguous=True, devi
     return tensor
 
 
-def check_optional_tensor(name, tensor, **kwargs):
+def check_optional_tensor(name: str, tensor: Optional[Tensor], **kwargs: Any) -> Optional[Tensor]:
+    """None, or tensor checked as check_tensor does."""
     return None if tensor is None else check_tensor(name, tensor, **kwargs)
 
 
 # ---- argument combinations ----
-def check_event_args(previous_event, async_finish, allocate_on_comm_stream):
+def check_event_args(previous_event: Optional[EventOverlap], async_finish: bool, allocate_on_comm_stream: bool) -> None:
+    """DeepEP's stream arguments: allocate_on_comm_stream needs previous_event and async_finish."""
     if previous_event is not None and not isinstance(previous_event, EventOverlap):
         raise TypeError(f"previous_event must be an EventOverlap or None, got {type(previous_event).__name__}")
     if allocate_on_comm_stream and (previous_event is None or not async_finish):
@@ -79,19 +96,22 @@ def check_event_args(previous_event, async_finish, allocate_on_comm_stream):
         )
 
 
-def check_ll_flags(async_finish, return_recv_hook):
+def check_ll_flags(async_finish: bool, return_recv_hook: bool) -> None:
+    """A low-latency call takes async_finish or return_recv_hook, not both."""
     if async_finish and return_recv_hook:
         raise ValueError("async_finish=True and return_recv_hook=True are mutually exclusive in low-latency operations")
 
 
-def check_fp8_flags(use_fp8, round_scale, use_ue8m0):
+def check_fp8_flags(use_fp8: bool, round_scale: bool, use_ue8m0: bool) -> None:
+    """use_ue8m0 needs round_scale, which needs use_fp8."""
     if use_ue8m0 and not round_scale:
         raise ValueError("use_ue8m0=True requires round_scale=True (got round_scale=False)")
     if round_scale and not use_fp8:
         raise ValueError("round_scale=True requires use_fp8=True (got use_fp8=False)")
 
 
-def check_config(config):
+def check_config(config: Any) -> Config:
+    """config, checked: a Config with an even num_sms >= 2."""
     if not isinstance(config, Config):
         raise TypeError(f"config must be a portep Config (deep_ep.Config), got {type(config).__name__}")
     if config.num_sms < 2 or config.num_sms % 2:
@@ -99,7 +119,8 @@ def check_config(config):
     return config
 
 
-def check_num_experts(num_experts, num_ranks, max_local_experts=MAX_LOCAL_EXPERTS):
+def check_num_experts(num_experts: int, num_ranks: int, max_local_experts: int = MAX_LOCAL_EXPERTS) -> int:
+    """num_experts, checked: a multiple of num_ranks with at most max_local_experts per rank."""
     check_int("num_experts", num_experts, 1)
     if num_experts % num_ranks:
         raise ValueError(f"num_experts={num_experts} must be a multiple of the number of ranks {num_ranks}")
@@ -112,7 +133,16 @@ def check_num_experts(num_experts, num_ranks, max_local_experts=MAX_LOCAL_EXPERT
 
 
 # ---- routing ----
-def check_topk_idx(name, topk_idx, num_experts, *, num_tokens=None, max_topk=MAX_TOPK, limit_note="", device=CPU):
+def check_topk_idx(
+    name: str,
+    topk_idx: Any,
+    num_experts: int,
+    *,
+    num_tokens: Optional[int] = None,
+    max_topk: int = MAX_TOPK,
+    limit_note: str = "",
+    device: Optional[str] = CPU,
+) -> Tensor:
     """topk_idx_t (int64) [num_tokens, num_topk], entries in [-1, num_experts)."""
     check_tensor(
         name, topk_idx, dtypes=(torch.int64,), shape=(("num_tokens", num_tokens), ("num_topk", None)), device=device
@@ -133,21 +163,27 @@ def check_topk_idx(name, topk_idx, num_experts, *, num_tokens=None, max_topk=MAX
     return topk_idx
 
 
-def check_topk_weights(name, topk_weights, topk_shape, device=CPU):
+def check_topk_weights(
+    name: str, topk_weights: Any, topk_shape: Tuple[int, int], device: Optional[str] = CPU
+) -> Tensor:
+    """float32 [num_tokens, num_topk], the shape of topk_idx."""
     rows, cols = topk_shape
     return check_tensor(
         name, topk_weights, dtypes=(torch.float32,), shape=(("num_tokens", rows), ("num_topk", cols)), device=device
     )
 
 
-def check_topk_pair(topk_idx, topk_weights):
+def check_topk_pair(topk_idx: Optional[Tensor], topk_weights: Optional[Tensor]) -> None:
+    """topk_idx and topk_weights are given together or not at all."""
     if (topk_idx is None) != (topk_weights is None):
         given, missing = ("topk_idx", "topk_weights") if topk_weights is None else ("topk_weights", "topk_idx")
         raise ValueError(f"{given} and topk_weights/topk_idx go together: {given} was given, {missing} is None")
 
 
 # ---- normal (high-throughput) mode ----
-def check_dispatch_x(x, device=CPU):
+def check_dispatch_x(
+    x: Union[Tensor, Tuple[Tensor, Tensor]], device: Optional[str] = CPU
+) -> Tuple[Tensor, Optional[Tensor]]:
     """x: a tensor [num_tokens, hidden] of 1- or 2-byte elements, or (fp8 x, scales [num_tokens, S])."""
     scales = None
     if isinstance(x, tuple):
@@ -187,15 +223,15 @@ def _check_scales(x, scales, device):
 
 
 def check_layout_tensors(
-    num_tokens_per_rank,
-    num_tokens_per_rdma_rank,
-    is_token_in_rank,
-    num_tokens_per_expert,
-    num_tokens,
-    num_ranks,
-    num_nodes,
-    device=CPU,
-):
+    num_tokens_per_rank: Optional[Tensor],
+    num_tokens_per_rdma_rank: Optional[Tensor],
+    is_token_in_rank: Optional[Tensor],
+    num_tokens_per_expert: Optional[Tensor],
+    num_tokens: int,
+    num_ranks: int,
+    num_nodes: int,
+    device: Optional[str] = CPU,
+) -> int:
     """The non-cached dispatch inputs from get_dispatch_layout; returns num_experts."""
     required = {
         "num_tokens_per_rank": num_tokens_per_rank,
@@ -232,7 +268,7 @@ def check_layout_tensors(
     return check_num_experts(num_tokens_per_expert.size(0), num_ranks)
 
 
-def check_normal_handle(handle, num_ranks, num_nodes):
+def check_normal_handle(handle: Any, num_ranks: int, num_nodes: int) -> Tuple[Any, int, int, int]:
     """A dispatch handle of this Buffer; returns (the typed handle, num_tokens, num_recv_tokens, num_channels)."""
     expected = handle_length(num_nodes > 1)
     if not isinstance(handle, (tuple, list)):
@@ -265,7 +301,8 @@ def check_normal_handle(handle, num_ranks, num_nodes):
     return handle, is_token_in_rank.size(0), handle.num_recv_tokens, channel_matrix.size(1)
 
 
-def check_handle_channels(handle_channels, config, what):
+def check_handle_channels(handle_channels: int, config: Config, what: str) -> None:
+    """The config's channels (num_sms / 2) are the ones the handle was made with."""
     if handle_channels != config.num_sms // 2:
         raise ValueError(
             f"{what}: config.num_sms={config.num_sms} gives {config.num_sms // 2} channels but the "
@@ -273,7 +310,9 @@ def check_handle_channels(handle_channels, config, what):
         )
 
 
-def check_bias(bias, num_tokens, hidden, dtype, device=CPU):
+def check_bias(
+    bias: Any, num_tokens: int, hidden: int, dtype: torch.dtype, device: Optional[str] = CPU
+) -> Tuple[Tensor, ...]:
     """None, a tensor, or a 2-tuple of tensors/None, each [num_tokens, hidden] of x's dtype; returns a tuple."""
     if bias is None:
         return ()
@@ -295,7 +334,8 @@ def check_bias(bias, num_tokens, hidden, dtype, device=CPU):
 
 
 # ---- low-latency mode ----
-def check_ll_hidden(hidden, use_ue8m0=False):
+def check_ll_hidden(hidden: int, use_ue8m0: bool = False) -> None:
+    """hidden is a multiple of 512 in low-latency mode."""
     if hidden % 512:
         raise ValueError(
             f"hidden={hidden} must be a multiple of 512 in low-latency mode (DeepEP supports 2048..8192 "
@@ -303,14 +343,16 @@ def check_ll_hidden(hidden, use_ue8m0=False):
         )
 
 
-def check_ll_x(x, num_max_dispatch_tokens_per_rank, use_ue8m0, device=CPU):
+def check_ll_x(x: Any, num_max_dispatch_tokens_per_rank: int, use_ue8m0: bool, device: Optional[str] = CPU) -> Tensor:
+    """x of a low-latency dispatch: bfloat16 [num_tokens, hidden], at most num_max_dispatch_tokens_per_rank tokens."""
     check_tensor("x", x, dtypes=(torch.bfloat16,), shape=(("num_tokens", None), ("hidden", None)), device=device)
     check_ll_num_tokens("x", x.size(0), num_max_dispatch_tokens_per_rank)
     check_ll_hidden(x.size(1), use_ue8m0)
     return x
 
 
-def check_ll_num_tokens(name, num_tokens, num_max_dispatch_tokens_per_rank):
+def check_ll_num_tokens(name: str, num_tokens: int, num_max_dispatch_tokens_per_rank: int) -> None:
+    """num_tokens <= num_max_dispatch_tokens_per_rank."""
     if num_tokens > num_max_dispatch_tokens_per_rank:
         raise ValueError(
             f"{name} has {num_tokens} tokens; the limit is num_max_dispatch_tokens_per_rank="
@@ -318,11 +360,14 @@ def check_ll_num_tokens(name, num_tokens, num_max_dispatch_tokens_per_rank):
         )
 
 
-def check_stats(name, stats, length, dtype, label, device=CPU):
+def check_stats(
+    name: str, stats: Optional[Tensor], length: int, dtype: torch.dtype, label: str, device: Optional[str] = CPU
+) -> Optional[Tensor]:
+    """None, or a statistics tensor [length] of dtype."""
     return check_optional_tensor(name, stats, dtypes=(dtype,), shape=((label, length),), device=device)
 
 
-def check_ll_handle(handle, num_ranks):
+def check_ll_handle(handle: Any, num_ranks: int) -> Tuple[int, int, int]:
     """(src_info [E_l, R*T] int32, layout_range [E_l, R] int64, T, hidden, num_experts); returns T, hidden, E."""
     if not isinstance(handle, (tuple, list)):
         raise TypeError(f"handle must be the tuple returned by low_latency_dispatch, got {type(handle).__name__}")
@@ -350,12 +395,16 @@ def check_ll_handle(handle, num_ranks):
     return tokens, hidden, num_experts
 
 
-def check_ll_combine_x(x, num_ranks, tokens, hidden, num_experts, device=CPU):
+def check_ll_combine_x(
+    x: Any, num_ranks: int, tokens: int, hidden: int, num_experts: int, device: Optional[str] = CPU
+) -> Tensor:
+    """x of a low-latency combine: bfloat16 [num_local_experts, num_ranks * T, hidden]."""
     shape = (("num_local_experts", num_experts // num_ranks), ("num_ranks*T", num_ranks * tokens), ("hidden", hidden))
     return check_tensor("x", x, dtypes=(torch.bfloat16,), shape=shape, device=device)
 
 
-def check_ll_out(out, num_tokens, hidden, device=CPU):
+def check_ll_out(out: Optional[Tensor], num_tokens: int, hidden: int, device: Optional[str] = CPU) -> Optional[Tensor]:
+    """None, or the combine's output: bfloat16 [num_tokens, hidden]."""
     return check_optional_tensor(
         "out",
         out,
@@ -369,7 +418,7 @@ def check_ll_out(out, num_tokens, hidden, device=CPU):
 _UNCACHEABLE = object()
 
 
-def tensor_key(t):
+def tensor_key(t: Any) -> Any:
     """What validation looks at in a tensor argument (None stays None)."""
     if t is None:
         return None
@@ -378,7 +427,7 @@ def tensor_key(t):
     return (t.shape, t.dtype, t.device, t.is_contiguous())
 
 
-def call_key(*parts):
+def call_key(*parts: Any) -> Optional[tuple]:
     """A hashable signature of a call's arguments (ints as (type, value), so 128.0 never matches 128), or None
     when some argument cannot be summarized (that call is always validated in full)."""
     return None if _UNCACHEABLE in parts else parts  # `in` tries identity first; no part equals the sentinel
@@ -388,17 +437,19 @@ class CheckedCalls:
     """Signatures of calls that passed validation. LL calls repeat the same shapes thousands of times per step,
     and checking them again costs microseconds of a call whose whole budget is tens."""
 
-    def __init__(self, limit=256):
+    def __init__(self, limit: int = 256) -> None:
         self._seen = set()
         self._limit = limit
 
-    def seen(self, key):
+    def seen(self, key: Optional[Hashable]) -> bool:
+        """Whether a call of this signature passed validation before."""
         try:
             return key is not None and key in self._seen
         except TypeError:  # an unhashable argument: validated in full every time
             return False
 
-    def add(self, key):
+    def add(self, key: Optional[Hashable]) -> None:
+        """Records a signature that passed (forgetting all once there are `limit`)."""
         if key is None:
             return
         if len(self._seen) >= self._limit:
