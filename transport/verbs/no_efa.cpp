@@ -1,5 +1,6 @@
 // Builds with libibverbs but without efadv (libefa): no device is taken for EFA, so `verbs` runs RC everywhere.
 #include "transport/verbs/efa_transport.h"
+#include "transport/verbs/verbs_library.h"
 
 namespace portep {
 
