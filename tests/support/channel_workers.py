@@ -10,38 +10,18 @@ import torch.distributed as dist
 
 import portep
 import portep_testing
+from shm_probe import mapped_segments, named_segments, shared_memfds
 from portep import _C
 
 
 def leftover_shm(pids, mapped_here=False):
-    """What of portep's shared memory outlives its moment: names in /dev/shm (portep never makes one), memfds the
-    pids still hold open for peers to open (only while a Channel is being built), and with mapped_here, every
-    portep segment this process still maps (only while a Channel lives)."""
-    prefixes = tuple(f"portep.{pid}." for pid in pids)
-    left = sorted(n for n in os.listdir("/dev/shm") if n.startswith(prefixes))
+    """What of portep's shared memory outlives its moment (shm_probe.py): names in /dev/shm, memfds the pids still
+    hold open for peers, and with mapped_here, every portep segment this process still maps."""
+    left = [n for pid in pids for n in named_segments(pid)]
     left += [f"{pid}: open {name}" for pid in pids for name in shared_memfds(pid)]
     if mapped_here:
-        with open("/proc/self/maps") as maps:
-            left += sorted({line.split(None, 5)[5].strip() for line in maps if "/memfd:portep." in line})
+        left += sorted(mapped_segments())
     return left
-
-
-def shared_memfds(pid):
-    """The portep memfds pid holds open (names as /proc shows them); [] for a process that is gone."""
-    fd_dir = f"/proc/{pid}/fd"
-    names = []
-    try:
-        fds = os.listdir(fd_dir)
-    except FileNotFoundError:
-        return names
-    for fd in fds:
-        try:
-            target = os.readlink(f"{fd_dir}/{fd}")
-        except OSError:  # closed meanwhile
-            continue
-        if target.startswith("/memfd:portep."):
-            names.append(target)
-    return sorted(names)
 
 
 def traffic(

@@ -371,7 +371,7 @@ def killed_while_building_body(rank, world):
     import os
     import signal
 
-    from channel_workers import leftover_shm, shared_memfds
+    from shm_probe import named_segments, shared_memfds
 
     pids = w.all_gather(os.getpid())
     if rank == world - 1:
@@ -383,11 +383,16 @@ def killed_while_building_body(rank, world):
     while time.monotonic() < deadline and not shared_memfds(victim):
         time.sleep(0.05)
     held = shared_memfds(victim)
-    named_then = [n for n in os.listdir("/dev/shm") if n.startswith(f"portep.{victim}.")]
+    named_then = named_segments(victim)
     os.kill(victim, signal.SIGKILL)
     while os.path.exists(f"/proc/{victim}/fd") and time.monotonic() < deadline + 30:
         time.sleep(0.05)
-    return {"victim": victim, "held": held, "named_while_building": named_then, "left_after": leftover_shm([victim])}
+    return {
+        "victim": victim,
+        "held": held,
+        "named_while_building": named_then,
+        "left_after": named_segments(victim) + shared_memfds(victim),
+    }
 
 
 def _gathered_inputs(world, seeds, E):

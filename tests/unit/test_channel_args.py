@@ -8,6 +8,7 @@ import torch.distributed as dist
 
 import portep
 from dist_util import free_port
+from shm_probe import mapped_segments
 
 
 @pytest.fixture(scope="module")
@@ -99,19 +100,14 @@ def test_wait_signal_times_out_with_a_clear_error(channel):
 
 
 def test_destroy_stops_threads_and_releases_memory(group):
-    before, mapped_before = portep.native.live_proxy_threads(), _mapped_segments()
+    before, mapped_before = portep.native.live_proxy_threads(), mapped_segments()
     ch = portep.Channel(group, 1 << 16, num_proxy_threads=3)
     assert portep.native.live_proxy_threads() == before + 3
     assert not [n for n in os.listdir("/dev/shm") if n.startswith("portep.")], "segments never get a name"
-    assert len(_mapped_segments() - mapped_before) >= 2, "the channel's data, signal and inbox segments are mapped"
+    assert len(mapped_segments() - mapped_before) >= 2, "the channel's data, signal and inbox segments are mapped"
     ch.destroy()
     ch.destroy()
     assert portep.native.live_proxy_threads() == before
-    assert _mapped_segments() == mapped_before
+    assert mapped_segments() == mapped_before
     with pytest.raises(RuntimeError, match="destroyed"):
         ch.quiet()
-
-
-def _mapped_segments():
-    with open("/proc/self/maps") as maps:
-        return {line.split(None, 5)[5].strip() for line in maps if "/memfd:portep." in line}
