@@ -1,8 +1,9 @@
 """Runs under mpirun (tests/host/test_mpi_comm.py): DeepEP's Buffer(group=None, comm=...) on the host backend, with
 no torch.distributed at all. The communicator is MPI.COMM_WORLD split with the ranks reversed, so a Buffer that took
 its ranks from anywhere but `comm` would exchange with the wrong peers. Runs the LL and HT bodies of
-deepep_workers (checked against deepep_reference) with their collectives on the communicator, and prints one JSON
-line per rank: {"rank", "world_rank", "checks", "failures", "torch_distributed"}."""
+deepep_workers (checked against deepep_reference) with their collectives on the communicator, and writes one JSON
+object per rank, {"rank", "world_rank", "checks", "failures", "torch_distributed"}, to <argv[1]>/rank<rank>.json
+(mpirun merges the ranks' stdout, so lines printed there can run together)."""
 
 import json
 import os
@@ -43,18 +44,15 @@ def main():
     ]
     import torch.distributed as dist
 
-    print(
-        json.dumps(
-            {
-                "rank": rank,
-                "world_rank": world.Get_rank(),
-                "checks": sum(o["checks"] for o in out),
-                "failures": [f for o in out for f in o["failures"]][:20],
-                "torch_distributed": dist.is_initialized(),
-            }
-        ),
-        flush=True,
-    )
+    result = {
+        "rank": rank,
+        "world_rank": world.Get_rank(),
+        "checks": sum(o["checks"] for o in out),
+        "failures": [f for o in out for f in o["failures"]][:20],
+        "torch_distributed": dist.is_initialized(),
+    }
+    with open(os.path.join(sys.argv[1], f"rank{rank}.json"), "w") as f:
+        json.dump(result, f)
 
 
 if __name__ == "__main__":
