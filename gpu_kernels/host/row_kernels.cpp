@@ -5,6 +5,8 @@
 #include <stdexcept>
 #include <vector>
 
+#include "gpu_kernels/host/logfmt_rows.h"
+
 namespace portep {
 
 namespace {
@@ -23,8 +25,13 @@ inline uint16_t f32_to_bf16(float f) {  // round to nearest even, NaN kept quiet
   return uint16_t(bits >> 16);
 }
 
-void accumulate(float* acc, const uint8_t* row, int dtype, int64_t width, float w) {
-  if (dtype == kRowBf16) {
+// decoded: scratch of `width` floats for kRowLogfmt rows.
+void accumulate(float* acc, const uint8_t* row, int dtype, int64_t width, float w, std::vector<float>& decoded) {
+  if (dtype == kRowLogfmt) {
+    decoded.resize(size_t(width));
+    host_logfmt_decode_row(decoded.data(), row, int(width));
+    for (int64_t i = 0; i < width; ++i) acc[i] += w * decoded[size_t(i)];
+  } else if (dtype == kRowBf16) {
     const uint16_t* r = reinterpret_cast<const uint16_t*>(row);
     for (int64_t i = 0; i < width; ++i) acc[i] += w * bf16_to_f32(r[i]);
   } else {
@@ -46,7 +53,7 @@ void host_copy_rows(uint8_t* dst, int64_t dst_pitch, const int64_t* dst_idx, con
 
 void host_reduce_rows(uint8_t* out, int64_t out_pitch, int out_dtype, int64_t n, int64_t width,
                       const ReduceSource* sources, int num_sources, const float* init) {
-  std::vector<float> acc(static_cast<size_t>(width));
+  std::vector<float> acc(static_cast<size_t>(width)), decoded;
   for (int64_t t = 0; t < n; ++t) {
     if (init)
       memcpy(acc.data(), init + t * width, size_t(width) * 4);
@@ -56,7 +63,7 @@ void host_reduce_rows(uint8_t* out, int64_t out_pitch, int out_dtype, int64_t n,
       const ReduceSource& s = sources[j];
       const int64_t r = s.index[t];
       if (r < 0) continue;
-      accumulate(acc.data(), s.base + r * s.pitch, s.dtype, width, s.weight ? s.weight[t] : 1.0f);
+      accumulate(acc.data(), s.base + r * s.pitch, s.dtype, width, s.weight ? s.weight[t] : 1.0f, decoded);
     }
     uint8_t* o = out + t * out_pitch;
     if (out_dtype == kRowBf16) {

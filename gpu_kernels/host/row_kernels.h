@@ -8,7 +8,8 @@
 
 namespace portep {
 
-enum RowDtype : int { kRowBf16 = 0, kRowF32 = 1 };
+// kRowLogfmt: a source row in LogFMT-10 (gpu_kernels/logfmt.h), decoded to FP32 before it is weighted and added.
+enum RowDtype : int { kRowBf16 = 0, kRowF32 = 1, kRowLogfmt = 2 };
 
 // dst rows dst_idx[i] (or i when dst_idx is null) <- src rows src_idx[i] (or i), row_bytes each.
 void host_copy_rows(uint8_t* dst, int64_t dst_pitch, const int64_t* dst_idx, const uint8_t* src, int64_t src_pitch,

@@ -737,8 +737,9 @@ class Buffer:
             x: BF16 [num_local_experts, num_ranks * T, hidden], the experts' outputs in the dispatch's layout.
             topk_idx: [num_tokens, num_topk] topk_idx_t and topk_weights: [num_tokens, num_topk] float32, as
                 dispatched.
-            handle: the dispatch's. use_logfmt: not supported (NotImplementedError). zero_copy: x was written
-                into get_next_low_latency_combine_buffer.
+            handle: the dispatch's. use_logfmt: the rows travel in LogFMT-10 (DeepEP's format, about 10 bits a
+                value; hidden >= 2048, not with zero_copy); the host backend has it, the CUDA backend raises
+                NotImplementedError. zero_copy: x was written into get_next_low_latency_combine_buffer.
             out: BF16 [num_tokens, hidden] to write into; combine_wait_recv_cost_stats: [num_ranks] int64.
 
         Returns:
@@ -773,10 +774,6 @@ class Buffer:
         combine_wait_recv_cost_stats,
     ):
         engine = self._ll_engine()
-        if use_logfmt:
-            raise NotImplementedError(
-                "use_logfmt=True (LogFMT-10 combine) is not supported by portep yet; use use_logfmt=False (BF16)"
-            )
         key = None
         if self._device == "cuda" and isinstance(handle, tuple) and len(handle) == v.LL_HANDLE_LEN:
             _, _, tokens, hidden, experts = handle
@@ -803,6 +800,7 @@ class Buffer:
         if not self._checked.seen(key):
             v.check_ll_flags(async_finish, return_recv_hook)
             tokens, hidden, num_experts = v.check_ll_handle(handle, self.group_size)
+            v.check_ll_logfmt(use_logfmt, zero_copy, hidden)
             v.check_ll_combine_x(x, self.group_size, tokens, hidden, num_experts, self._device)
             v.check_topk_idx("topk_idx", topk_idx, num_experts, limit_note=LL_TOPK_NOTE, device=self._device)
             v.check_ll_num_tokens("topk_idx", topk_idx.size(0), tokens)
@@ -821,7 +819,15 @@ class Buffer:
         handle = tuple(handle)
         self._call.start()
         combined_x, hook = engine.low_latency_combine(
-            x, topk_idx, topk_weights, handle, bool(zero_copy), out, bool(return_recv_hook), wait_stats
+            x,
+            topk_idx,
+            topk_weights,
+            handle,
+            bool(zero_copy),
+            out,
+            bool(return_recv_hook),
+            wait_stats,
+            bool(use_logfmt),
         )
         if key is not None:
             engine.mark_checked(*handle[2:])

@@ -102,6 +102,25 @@ def check_ll_flags(async_finish: bool, return_recv_hook: bool) -> None:
         raise ValueError("async_finish=True and return_recv_hook=True are mutually exclusive in low-latency operations")
 
 
+def check_ll_logfmt(use_logfmt: bool, zero_copy: bool, hidden: int) -> None:
+    """LogFMT combine casts rows as it sends them, so not with zero_copy (as DeepEP refuses it), and its rows carry the
+    call's sequence number in two sign bits per 128 channels, so hidden >= 2048 (gpu_kernels/logfmt.h)."""
+    if not use_logfmt:
+        return
+    if zero_copy:
+        raise ValueError(
+            "use_logfmt=True cannot be combined with zero_copy=True: LogFMT casts the rows as it sends them"
+        )
+    from ._native import require_native
+
+    layout = require_native().logfmt_layout(int(hidden))
+    if not layout["ok"]:
+        raise ValueError(
+            f"use_logfmt=True needs hidden to be a multiple of 512 and at least {layout['min_hidden']}; got "
+            f"hidden={hidden}"
+        )
+
+
 def check_fp8_flags(use_fp8: bool, round_scale: bool, use_ue8m0: bool) -> None:
     """use_ue8m0 needs round_scale, which needs use_fp8."""
     if use_ue8m0 and not round_scale:

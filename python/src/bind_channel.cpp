@@ -3,7 +3,9 @@
 #include <pybind11/stl.h>
 
 #include "gpu_kernels/host/channel_ops.h"
+#include "gpu_kernels/host/logfmt_rows.h"
 #include "gpu_kernels/host/row_kernels.h"
+#include "gpu_kernels/logfmt.h"
 #include "ordering/imm.h"
 #include "proxy/channel.h"
 #include "proxy/transfer_cmd.h"
@@ -227,6 +229,33 @@ void bind_channel(py::module_& m) {
           host_reduce_rows(reinterpret_cast<uint8_t*>(out), out_pitch, out_dtype, n, width, v.data(), int(v.size()),
                            reinterpret_cast<const float*>(init));
         });
+  m.def(
+      "logfmt_encode_rows",
+      [](uintptr_t dst, int64_t dst_pitch, uintptr_t dst_idx, uintptr_t src, int64_t src_pitch, uintptr_t src_idx,
+         int64_t n, int hidden, uint32_t seq) {
+        host_logfmt_encode_rows(reinterpret_cast<uint8_t*>(dst), dst_pitch, reinterpret_cast<const int64_t*>(dst_idx),
+                                reinterpret_cast<const uint8_t*>(src), src_pitch,
+                                reinterpret_cast<const int64_t*>(src_idx), n, hidden, seq);
+      },
+      py::call_guard<py::gil_scoped_release>());
+  m.def(
+      "logfmt_row_seqs",
+      [](uintptr_t out, uintptr_t base, int64_t pitch, uintptr_t idx, int64_t n, int hidden) {
+        host_logfmt_row_seqs(reinterpret_cast<uint32_t*>(out), reinterpret_cast<const uint8_t*>(base), pitch,
+                             reinterpret_cast<const int64_t*>(idx), n, hidden);
+      },
+      py::call_guard<py::gil_scoped_release>());
+  m.def("logfmt_layout", [](int hidden) {  // gpu_kernels/logfmt.h's sizes for one hidden size
+    py::dict d;
+    d["ok"] = logfmt_hidden_ok(hidden);
+    d["min_hidden"] = kLogfmtMinHidden;
+    d["chunk"] = logfmt_chunk(hidden);
+    d["meta_bytes"] = logfmt_meta_bytes(hidden);
+    d["cast_row_bytes"] = logfmt_cast_row_bytes(hidden);
+    d["max_row_bytes"] = logfmt_max_row_bytes(hidden);
+    return d;
+  });
+  m.attr("ROW_LOGFMT") = int(kRowLogfmt);
   // The wire formats' limits, which Channel's argument checks name.
   m.attr("MAX_RANKS") = kMaxRanks;
   m.attr("MAX_STREAMS") = kMaxStreams;

@@ -76,8 +76,10 @@ class Engine(Protocol):
         out: Optional[torch.Tensor],
         return_recv_hook: bool,
         wait_stats: Optional[torch.Tensor],
+        use_logfmt: bool = False,
     ) -> Tuple[Any, ...]:
-        """Low-latency combine: the reduced rows and the receive hook (None unless return_recv_hook)."""
+        """Low-latency combine: the reduced rows and the receive hook (None unless return_recv_hook); use_logfmt:
+        rows travel in LogFMT-10 (gpu_kernels/logfmt.h)."""
 
     def get_next_low_latency_combine_buffer(self, handle: tuple) -> torch.Tensor:
         """Where the next low-latency combine takes its rows from (zero_copy)."""
@@ -127,7 +129,7 @@ def ll_streams_end(max_local_experts):
 
 _native = require_native()
 ALIGN = _native.OFFSET_ALIGN  # (proxy/transfer_cmd.h)
-BF16, F32 = _native.ROW_BF16, _native.ROW_F32  # row dtypes of the native row kernels
+BF16, F32, LOGFMT = _native.ROW_BF16, _native.ROW_F32, _native.ROW_LOGFMT  # row dtypes of the native row kernels
 MAX_COMMAND_BYTES = _native.MAX_CMD_BYTES
 MAX_CHANNELS = 128
 

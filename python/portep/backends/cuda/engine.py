@@ -475,7 +475,14 @@ class CudaEngine(Topology):
         rows = self.region[off : off + lay.E_l * lay.M * lay.comb].view(lay.E_l, lay.M, lay.comb)
         return rows.view(torch.bfloat16)[:, :, : lay.H]
 
-    def low_latency_combine(self, x, topk_idx, topk_weights, handle, zero_copy, out, return_recv_hook, wait_stats):
+    def low_latency_combine(
+        self, x, topk_idx, topk_weights, handle, zero_copy, out, return_recv_hook, wait_stats, use_logfmt=False
+    ):
+        if use_logfmt:
+            raise NotImplementedError(
+                "use_logfmt=True (LogFMT-10 combine) is not supported by portep's CUDA kernels yet (the host backend "
+                "has it); use use_logfmt=False (BF16)"
+            )
         self.check_error()
         src_info, layout_range, T, H, E = handle
         self._layout(T, H, E)

@@ -172,6 +172,31 @@ class HostEngine(Topology):
             out.data_ptr(), out_pitch, out_dtype, n, width, native_sources, 0 if init is None else init.data_ptr()
         )
 
+    def logfmt_encode_rows(self, dst, dst_pitch, dst_idx, src, src_pitch, src_idx, hidden, seq):
+        """Native LogFMT-10 encode (gpu_kernels/logfmt.h): BF16 rows of src (uint8 tensor, rows src_idx) into the
+        row slots dst_idx of dst, with the call's sequence number `seq` in each row's metadata."""
+        dst_idx, src_idx = (t.to(torch.int64).contiguous() for t in (dst_idx, src_idx))
+        if dst_idx.numel():
+            self.native.logfmt_encode_rows(
+                dst.data_ptr(),
+                dst_pitch,
+                dst_idx.data_ptr(),
+                src.data_ptr(),
+                src_pitch,
+                src_idx.data_ptr(),
+                dst_idx.numel(),
+                hidden,
+                seq,
+            )
+
+    def logfmt_row_seqs(self, base, pitch, idx, hidden):
+        """The sequence numbers in the LogFMT rows idx (int64 [n]) of base (uint8 tensor): int32 [n]."""
+        idx = idx.to(torch.int64).contiguous()
+        out = torch.empty(idx.numel(), dtype=torch.int32)
+        if idx.numel():
+            self.native.logfmt_row_seqs(out.data_ptr(), base.data_ptr(), pitch, idx.data_ptr(), idx.numel(), hidden)
+        return out
+
     def put_rows_streams(self, dst, local_offsets, remote_offsets, streams, row_bytes):
         """One WRITE per row, each on its own stream (LL messages: a signal counts them one by one)."""
         lo, ro, st = (t.to(torch.int64).contiguous() for t in (local_offsets, remote_offsets, streams))
@@ -328,10 +353,21 @@ class HostEngine(Topology):
             self, dense(x), dense(topk_idx), T, E, *flags, cumulative_stats, wait_stats, return_recv_hook
         )
 
-    def low_latency_combine(self, x, topk_idx, topk_weights, handle, zero_copy, out, return_recv_hook, wait_stats):
+    def low_latency_combine(
+        self, x, topk_idx, topk_weights, handle, zero_copy, out, return_recv_hook, wait_stats, use_logfmt=False
+    ):
         self.settle()
         return host_ll.combine(
-            self, x, dense(topk_idx), dense(topk_weights), handle, zero_copy, out, return_recv_hook, wait_stats
+            self,
+            x,
+            dense(topk_idx),
+            dense(topk_weights),
+            handle,
+            zero_copy,
+            out,
+            return_recv_hook,
+            wait_stats,
+            use_logfmt,
         )
 
     def mark_checked(self, T, H, E, dispatch_flags=None):

@@ -5,7 +5,8 @@ Layout of one half h of the communication memory (DeepEP's, so get_low_latency_r
   recv area  [send, send+recv)  dispatch: [E_l][R][T] message slots; combine: [E][T] rows of comb_pitch
 A dispatch message is a 16-byte header (int32 source token index, int32 the call's sequence number, 2 reserved) and
 the payload: H FP8 bytes and H/128 float32 scales, or 2H bytes of BF16. A combine row is the BF16 row and a tail of
-H/128 * 4 bytes whose first int32 is the call's sequence number. Every LL call flips the half. A (half, phase, local
+H/128 * 4 bytes whose first int32 is the call's sequence number; with use_logfmt, the row in LogFMT-10, its metadata
+carrying the sequence number (gpu_kernels/logfmt.h). Every LL call flips the half. A (half, phase, local
 expert) stream per source carries one final signal per call whose unit count is the number of messages. The
 sequence numbers must be the receiver's own (lockstep.py). Shrink mode: masked ranks get nothing and give nothing.
 """
@@ -218,8 +219,10 @@ def _combine_send_view(eng, lay, half):
     return rows.view(torch.bfloat16)[:, :, : lay.H]
 
 
-def combine(eng, x, topk_idx, topk_weights, handle, zero_copy, out, return_recv_hook, wait_stats):
+def combine(eng, x, topk_idx, topk_weights, handle, zero_copy, out, return_recv_hook, wait_stats, use_logfmt=False):
     src_info, layout_range, T, H, E = handle
+    if use_logfmt:
+        return _combine_logfmt(eng, x, topk_idx, topk_weights, handle, out, return_recv_hook, wait_stats)
     lay = hb.LLLayout(eng, T, H, E)
     R, me, E_l = eng.num_ranks, eng.rank, lay.E_l
     half = eng.ll_half
@@ -280,7 +283,53 @@ def combine(eng, x, topk_idx, topk_weights, handle, zero_copy, out, return_recv_
     return result, None
 
 
-def _combine_receive(eng, lay, half, topk_idx, topk_weights, result, wait_stats):
+def _combine_logfmt(eng, x, topk_idx, topk_weights, handle, out, return_recv_hook, wait_stats):
+    """combine with every row in LogFMT-10 (gpu_kernels/logfmt.h): each row encoded straight into its slot at a
+    direct peer, or into this rank's send area and written whole (its largest size) to a proxy peer; the call's
+    sequence number rides in the rows' metadata. x is read as it is (zero_copy is refused with use_logfmt)."""
+    src_info, layout_range, T, H, E = handle
+    lay = hb.LLLayout(eng, T, H, E)
+    R, me, E_l = eng.num_ranks, eng.rank, lay.E_l
+    half = eng.ll_half
+    eng.ll_half ^= 1
+    send, recv = lay.send_off(half), lay.recv_off(half)
+    begins, counts = layout_range >> 32, layout_range & 0xFFFFFFFF
+    x_rows = x.contiguous().view(torch.uint8).view(E_l * lay.M, 2 * H)
+    n = int(counts.sum())
+    pair = torch.arange(E_l * R).repeat_interleave(counts.flatten())  # (local expert, source) of each row
+    j = begins.flatten()[pair] + torch.arange(n) - (torch.cumsum(counts.flatten(), 0) - counts.flatten())[pair]
+    le, src = pair // R, pair % R
+    token = src_info.view(-1)[le * lay.M + j].to(torch.int64)
+    rows = (me * E_l + le) * T + token
+    seq = eng.lockstep.seq & 0xFFFFFFFF
+    for s_rank in range(R):
+        sel = src == s_rank
+        if not bool(sel.any()) or eng.masked(s_rank):
+            continue
+        src_rows = le[sel] * lay.M + j[sel]
+        if eng.direct(s_rank, low_latency=True):
+            eng.logfmt_encode_rows(eng.peer_view(s_rank)[recv:], lay.comb, rows[sel], x_rows, 2 * H, src_rows, H, seq)
+            continue
+        eng.logfmt_encode_rows(eng.region[send:], lay.comb, src_rows, x_rows, 2 * H, src_rows, H, seq)
+        eng.put_rows_streams(
+            s_rank, send + src_rows * lay.comb, recv + rows[sel] * lay.comb, _stream(eng, half, 1, le[sel]), lay.comb
+        )
+    pairs = torch.arange(E_l * R)
+    live = _unmasked(eng, pairs % R)
+    eng.signal_many(pairs[live] % R, _stream(eng, half, 1, pairs[live] // R), counts.flatten()[live])
+
+    result = out if out is not None else torch.empty(topk_idx.size(0), H, dtype=torch.bfloat16)
+
+    def receive():
+        _combine_receive(eng, lay, half, topk_idx, topk_weights, result, wait_stats, logfmt=True)
+
+    if return_recv_hook:
+        return result, receive
+    receive()
+    return result, None
+
+
+def _combine_receive(eng, lay, half, topk_idx, topk_weights, result, wait_stats, logfmt=False):
     E, E_l, T, H = lay.E, lay.E_l, lay.T, lay.H
     experts = torch.arange(E)
     owners = experts // E_l
@@ -293,16 +342,12 @@ def _combine_receive(eng, lay, half, topk_idx, topk_weights, result, wait_stats)
     if eng.mask is not None:  # shrink mode: a masked owner's selections are absent
         topk_idx = torch.where((topk_idx >= 0) & (eng.mask[topk_idx.clamp(min=0) // E_l] != 0), -1, topk_idx)
     used = torch.nonzero(topk_idx >= 0)
-    seqs = torch.empty(used.size(0), dtype=torch.int32)
-    eng.copy_rows(
-        seqs.view(torch.uint8),
-        4,
-        None,
-        eng.region[recv + 2 * H :],
-        lay.comb,
-        topk_idx[used[:, 0], used[:, 1]] * T + used[:, 0],
-        4,
-    )
+    used_rows = topk_idx[used[:, 0], used[:, 1]] * T + used[:, 0]
+    if logfmt:
+        seqs = eng.logfmt_row_seqs(eng.region[recv:], lay.comb, used_rows, H)
+    else:
+        seqs = torch.empty(used.size(0), dtype=torch.int32)
+        eng.copy_rows(seqs.view(torch.uint8), 4, None, eng.region[recv + 2 * H :], lay.comb, used_rows, 4)
     _check_seqs(eng, "low_latency_combine", seqs, topk_idx[used[:, 0], used[:, 1]] // E_l)
     # Per owner rank, its rows in top-k order, then those sums in rank order, FP32 with every product and sum
     # rounded: deterministic, and the order in which the CUDA backend's direct peers send partial sums.
@@ -312,7 +357,7 @@ def _combine_receive(eng, lay, half, topk_idx, topk_weights, result, wait_stats)
         for k in range(K):
             e = topk_idx[:, k]
             index = torch.where((e >= 0) & (e // E_l == owner), e * T + tokens, -1)
-            sources.append((eng.region[recv:], lay.comb, hb.BF16, index, topk_weights[:, k]))
+            sources.append((eng.region[recv:], lay.comb, hb.LOGFMT if logfmt else hb.BF16, index, topk_weights[:, k]))
         partial = torch.empty(N, H, dtype=torch.float32)
         eng.reduce_rows(partial.view(torch.uint8), 4 * H, hb.F32, N, H, sources)
         partials.append((partial.view(torch.uint8), 4 * H, hb.F32, tokens, None))

@@ -1,0 +1,180 @@
+#include "gpu_kernels/host/logfmt_rows.h"
+
+#include <math.h>
+#include <string.h>
+
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+#include "gpu_kernels/ll_layout.h"
+#include "gpu_kernels/logfmt.h"
+
+namespace portep {
+
+static_assert(ll_half_layout(1, 7168, 8, 1).comb_pitch == uint64_t(logfmt_max_row_bytes(7168)) &&
+                  ll_half_layout(1, 2048, 8, 1).comb_pitch == uint64_t(logfmt_max_row_bytes(2048)),
+              "an all-BF16 LogFMT row fills a combine row slot exactly");
+
+namespace {
+
+constexpr uint16_t kSignMask = 0x8000u, kBf16Inf = 0x7f80u;
+
+float bf16_bits_to_f32(uint16_t v) {
+  const uint32_t bits = uint32_t(v) << 16;
+  float f;
+  memcpy(&f, &bits, 4);
+  return f;
+}
+
+// A group's log range, from its metadata magnitudes (sign bits cleared), as sender and receiver both compute it.
+struct GroupScale {
+  float lmin, lmax;
+  bool castable;  // 0 < amax < 1 and amin < amax, in logs
+};
+
+GroupScale group_scale(uint16_t amax, uint16_t amin) {
+  GroupScale g;
+  g.lmax = log2f(bf16_bits_to_f32(amax));
+  g.lmin = amin == 0 ? g.lmax - kLogfmtRange : fmaxf(log2f(bf16_bits_to_f32(amin)), g.lmax - kLogfmtRange);
+  g.castable = g.lmax < 0.0f && g.lmin < g.lmax;
+  return g;
+}
+
+float step_of(const GroupScale& g) { return (g.lmax - g.lmin) / float(kLogfmtLevels); }
+
+// Round to the nearest level in the linear domain (a tie goes up); 0 for zero, NaN and values below half the
+// lowest level.
+uint32_t encode_value(float a, const GroupScale& g) {
+  const float s = step_of(g), sinv = 1.0f / s;
+  const float f = 2.0f - log2f((1.0f + exp2f(s)) * 0.5f) * sinv - g.lmin * sinv;
+  const float code = floorf(fmaxf(log2f(a) * sinv + f, 0.0f));
+  return code >= float(kLogfmtMaxCode) ? kLogfmtMaxCode : uint32_t(code);
+}
+
+float decode_value(uint32_t code, const GroupScale& g) {
+  return code == 0 ? 0.0f : exp2f(float(code - 1) * step_of(g) + g.lmin);
+}
+
+// 16 channels into a 20-byte block (logfmt.h's bit layout).
+void pack_block(uint8_t* dst, const uint16_t* x, const GroupScale& g) {
+  uint32_t w[kLogfmtBlockBytes / 4] = {};
+  for (int k = 0; k < kLogfmtBlockValues; ++k) {
+    const uint32_t code = encode_value(bf16_bits_to_f32(uint16_t(x[k] & ~kSignMask)), g);
+    const int bit = k * kLogfmtCodeBits, word = bit / 32, shift = bit % 32;
+    w[word] |= code << shift;
+    if (shift + kLogfmtCodeBits > 32) w[word + 1] |= code >> (32 - shift);
+    const int sign = kLogfmtSignBit0 + k;
+    w[sign / 32] |= uint32_t(x[k] >> 15) << (sign % 32);
+  }
+  memcpy(dst, w, sizeof(w));  // little-endian words: the format's bit order on little-endian hosts
+}
+
+void unpack_block(float* out, const uint8_t* src, const GroupScale& g) {
+  uint32_t w[kLogfmtBlockBytes / 4];
+  memcpy(w, src, sizeof(w));
+  for (int k = 0; k < kLogfmtBlockValues; ++k) {
+    const int bit = k * kLogfmtCodeBits, word = bit / 32, shift = bit % 32;
+    uint32_t code = w[word] >> shift;
+    if (shift + kLogfmtCodeBits > 32) code |= w[word + 1] << (32 - shift);
+    const int sign = kLogfmtSignBit0 + k;
+    const float v = decode_value(code & kLogfmtMaxCode, g);
+    out[k] = (w[sign / 32] >> (sign % 32) & 1) ? -v : v;
+  }
+}
+
+void check_hidden(int hidden) {
+  if (!logfmt_hidden_ok(hidden))
+    throw std::invalid_argument("LogFMT rows: hidden=" + std::to_string(hidden) +
+                                " must be a multiple of 512 and at least " + std::to_string(kLogfmtMinHidden));
+}
+
+// The groups' scales from a row's metadata, sign bits (the sequence number) cleared.
+void read_scales(std::vector<GroupScale>& gs, const uint8_t* row, int hidden) {
+  const uint16_t* meta = reinterpret_cast<const uint16_t*>(row);
+  gs.resize(size_t(hidden / kLogfmtGroup));
+  for (size_t g = 0; g < gs.size(); ++g)
+    gs[g] = group_scale(uint16_t(meta[2 * g] & ~kSignMask), uint16_t(meta[2 * g + 1] & ~kSignMask));
+}
+
+bool chunk_cast(const std::vector<GroupScale>& gs, int chunk, int c) {
+  const int per = chunk / kLogfmtGroup;
+  for (int g = c * per; g < (c + 1) * per; ++g)
+    if (!gs[size_t(g)].castable) return false;
+  return true;
+}
+
+void encode_row(uint8_t* dst, const uint16_t* x, int hidden, uint32_t seq, std::vector<GroupScale>& gs) {
+  uint16_t* meta = reinterpret_cast<uint16_t*>(dst);
+  const int groups = hidden / kLogfmtGroup, chunk = logfmt_chunk(hidden);
+  for (int g = 0; g < groups; ++g) {
+    uint16_t amax = 0, amin = kBf16Inf;
+    for (int i = g * kLogfmtGroup; i < (g + 1) * kLogfmtGroup; ++i) {
+      const uint16_t m = uint16_t(x[i] & ~kSignMask);
+      if (m > kBf16Inf) continue;  // NaN: left out of the range, as DeepEP's __hmax2/__hmin2 leave it
+      amax = m > amax ? m : amax;  // magnitudes order as their bit patterns do
+      amin = m < amin ? m : amin;
+    }
+    meta[2 * g] = amax, meta[2 * g + 1] = amin;
+  }
+  read_scales(gs, dst, hidden);
+  uint8_t* at = dst + logfmt_meta_bytes(hidden);
+  for (int c = 0; c < hidden / chunk; ++c) {
+    const uint16_t* xc = x + int64_t(c) * chunk;
+    if (!chunk_cast(gs, chunk, c)) {
+      memcpy(at, xc, size_t(logfmt_bf16_bytes(chunk)));
+      at += logfmt_bf16_bytes(chunk);
+      continue;
+    }
+    for (int b = 0; b < chunk / kLogfmtBlockValues; ++b, at += kLogfmtBlockBytes)
+      pack_block(at, xc + b * kLogfmtBlockValues, gs[size_t((c * chunk + b * kLogfmtBlockValues) / kLogfmtGroup)]);
+  }
+  for (int i = 0; i < kLogfmtSeqBits; ++i) meta[i] = uint16_t(meta[i] | ((seq >> i & 1u) << 15));
+}
+
+}  // namespace
+
+void host_logfmt_encode_rows(uint8_t* dst, int64_t dst_pitch, const int64_t* dst_idx, const uint8_t* src,
+                             int64_t src_pitch, const int64_t* src_idx, int64_t n, int hidden, uint32_t seq) {
+  check_hidden(hidden);
+  std::vector<GroupScale> gs;
+  for (int64_t i = 0; i < n; ++i) {
+    const int64_t d = dst_idx ? dst_idx[i] : i, s = src_idx ? src_idx[i] : i;
+    if (d < 0 || s < 0) throw std::invalid_argument("logfmt_encode_rows: negative row index");
+    encode_row(dst + d * dst_pitch, reinterpret_cast<const uint16_t*>(src + s * src_pitch), hidden, seq, gs);
+  }
+}
+
+void host_logfmt_row_seqs(uint32_t* out, const uint8_t* base, int64_t pitch, const int64_t* idx, int64_t n,
+                          int hidden) {
+  check_hidden(hidden);
+  for (int64_t i = 0; i < n; ++i) {
+    const int64_t r = idx ? idx[i] : i;
+    if (r < 0) throw std::invalid_argument("logfmt_row_seqs: negative row index");
+    const uint16_t* meta = reinterpret_cast<const uint16_t*>(base + r * pitch);
+    uint32_t seq = 0;
+    for (int b = 0; b < kLogfmtSeqBits; ++b) seq |= uint32_t(meta[b] >> 15) << b;
+    out[i] = seq;
+  }
+}
+
+void host_logfmt_decode_row(float* out, const uint8_t* row, int hidden) {
+  check_hidden(hidden);
+  thread_local std::vector<GroupScale> gs;
+  read_scales(gs, row, hidden);
+  const int chunk = logfmt_chunk(hidden);
+  const uint8_t* at = row + logfmt_meta_bytes(hidden);
+  for (int c = 0; c < hidden / chunk; ++c) {
+    float* oc = out + int64_t(c) * chunk;
+    if (!chunk_cast(gs, chunk, c)) {
+      const uint16_t* b = reinterpret_cast<const uint16_t*>(at);
+      for (int i = 0; i < chunk; ++i) oc[i] = bf16_bits_to_f32(b[i]);
+      at += logfmt_bf16_bytes(chunk);
+      continue;
+    }
+    for (int b = 0; b < chunk / kLogfmtBlockValues; ++b, at += kLogfmtBlockBytes)
+      unpack_block(oc + b * kLogfmtBlockValues, at, gs[size_t((c * chunk + b * kLogfmtBlockValues) / kLogfmtGroup)]);
+  }
+}
+
+}  // namespace portep
