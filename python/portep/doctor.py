@@ -41,7 +41,8 @@ def gpu_error_text(error: str, runtime: str, driver_loads: bool) -> str:
     return error
 
 
-def _cuda_driver_loads():
+def cuda_driver_loads() -> bool:
+    """Whether libcuda.so.1, the NVIDIA driver's library, loads here."""
     import ctypes
 
     try:
@@ -179,7 +180,7 @@ def collect() -> dict:
         info["ll_fast_path"] = f"not built ({info.get('ll_fast_path_reason')}; LL calls take the Python path)"
     report["backends"].append("host")
     gpu_count, gpu_error = native.cuda_devices()
-    gpu_error = gpu_error_text(gpu_error, info["gpu_runtime"], gpu_error == "" or _cuda_driver_loads())
+    gpu_error = gpu_error_text(gpu_error, info["gpu_runtime"], gpu_error == "" or cuda_driver_loads())
     report["gpus"] = {"count": gpu_count}
     if gpu_error:
         report["gpus"]["error"] = gpu_error

@@ -89,6 +89,10 @@ def gpu_skip_reason(gpus=1, also=""):
     lacks = []
     if have < want:
         why = native.cuda_devices()[1] if info["gpu_built"] else ""
+        if why:  # CUDA says "driver version is insufficient" also where there is no driver: the doctor's words
+            from portep.doctor import cuda_driver_loads, gpu_error_text
+
+            why = gpu_error_text(why, info["gpu_runtime"], cuda_driver_loads())
         share = " (1 with PORTEP_TEST_SHARE_GPU=1)" if want > 1 else ""
         lacks.append(f"no GPU: {have} CUDA GPUs here, {want} needed{share}" + (f"; {why}" if why else ""))
     if not info["gpu_built"]:
