@@ -30,6 +30,7 @@ from ...config import PROXY_COPIES_VAR, check_gpu_copy_connections, ll_graph_lau
 from ...lockstep import AgreedRefusal, Lockstep, OutOfStep, wire_seq
 from ...topology import Topology
 from .. import common as hb
+from .ht import ctrl_bytes
 from .kernel_errors import KernelErrors
 
 NUM_DEVICE_FIFOS = 32
@@ -88,16 +89,6 @@ def _as_tensor(ptr, nbytes, device, owner=None):
     return torch.as_tensor(_Mem(), device=device)
 
 
-def _ht_ctrl_bytes(native, num_ranks, ranks_per_node):
-    """Bytes of the normal mode's control area for these ranks (gpu_kernels/cuda/ht_layout.h, ht_ctrl); 0 where the
-    normal mode's limits refuse them (more than 8 ranks per node): such a Buffer runs the LL mode, and its first
-    normal-mode call raises the limit (backends/cuda/ht.py)."""
-    try:
-        return native.ht_ctrl_layout(num_ranks, ranks_per_node)["bytes"]
-    except ValueError:
-        return 0
-
-
 class CudaEngine(Topology):
     """One per Buffer. Construction is collective over `group`."""
 
@@ -148,7 +139,7 @@ class CudaEngine(Topology):
         self.status_stream = self.ht_stream_base + self.native.HT_NUM_STREAMS  # peer_watch.h
         self.channel = Channel(
             group,
-            self.ht_ctrl_off + _ht_ctrl_bytes(self.native, self.num_ranks, ranks_per_node),
+            self.ht_ctrl_off + ctrl_bytes(self.native, self.num_ranks, ranks_per_node)[0],
             transport=transport,
             num_streams=self.status_stream + self.native.NUM_STATUS_EVENTS,
             num_proxy_threads=num_proxy_threads,

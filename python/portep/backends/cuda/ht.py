@@ -88,12 +88,14 @@ def engine_memory(eng, ctrl_off, stream_base):
     )
 
 
-def _check_ranks(native, num_ranks, ranks_per_node):
-    """The normal mode's limits (ht_layout.h): 1 to HT_MAX_NODE_RANKS ranks per node, 1 to HT_MAX_NODES nodes."""
+def ctrl_bytes(native, num_ranks, ranks_per_node):
+    """(bytes of the normal mode's control area for these ranks, '') where the normal mode's limits (ht_layout.h:
+    1 to HT_MAX_NODE_RANKS ranks per node, 1 to HT_MAX_NODES nodes) allow them, else (0, why not). A Buffer whose
+    ranks they refuse runs the LL mode, and its first normal-mode call raises why (CudaHT)."""
     try:
-        native.ht_ctrl_layout(num_ranks, ranks_per_node)
+        return native.ht_ctrl_layout(num_ranks, ranks_per_node)["bytes"], ""
     except ValueError as e:
-        raise NotImplementedError(f"the CUDA normal mode: {e}") from None
+        return 0, f"the CUDA normal mode: {e}"
 
 
 class CudaHT:
@@ -117,7 +119,9 @@ class CudaHT:
 
     def _setup(self, owner, m):
         native = self.native = require_native()
-        _check_ranks(native, m.num_ranks, m.ranks_per_node)
+        refused = ctrl_bytes(native, m.num_ranks, m.ranks_per_node)[1]
+        if refused:
+            raise NotImplementedError(refused)
         self.owner, self.memory = owner, m
         self.rank, self.num_ranks, self.ranks_per_node = m.rank, m.num_ranks, m.ranks_per_node
         self.num_nodes = m.num_ranks // m.ranks_per_node
