@@ -93,11 +93,18 @@ def logfmt_body(rank, world, rpn, transport, seed, T, hidden, num_experts, num_t
         for e in range(sim.size(0)):
             sim[e, int(recv_count[e]) :] = float("nan")  # rows past the count are never read
         hook = round_ % 2 == 1
+        extra = {}
+        if round_ == 2:  # into the caller's tensor, whose stale values must all be replaced
+            extra["out"] = torch.full((n, hidden), 7.0, dtype=BF16)
+        if round_ == 3:  # accepted with LogFMT too (its values are the BF16 combine's, tested there)
+            extra["combine_wait_recv_cost_stats"] = torch.zeros(world, dtype=torch.int64)
         combined, _, recv_hook = buf.low_latency_combine(
-            sim.contiguous(), idx, w, handle, use_logfmt=True, return_recv_hook=hook
+            sim.contiguous(), idx, w, handle, use_logfmt=True, return_recv_hook=hook, **extra
         )
         if hook:
             recv_hook()
+        if "out" in extra:
+            ck.true(combined.data_ptr() == extra["out"].data_ptr(), "combine did not return the out= tensor")
         if ck.tensor("combined_x", combined, BF16, (n, hidden)):
             _check(ck, kind, combined, *_references(x, idx, w, rank))
     ck.step = "zero_copy refused"
