@@ -14,6 +14,9 @@ CASES = [
     pytest.param(2, 2, "shm-unordered", 12, 2048, 8, 4, 32, id="2-ranks-direct"),
     pytest.param(4, 1, "shm-unordered", 8, 2560, 16, 4, 33, id="4-ranks-proxy-shm-unordered-h2560"),
     pytest.param(4, 2, "shm", 8, 4096, 16, 8, 34, id="4-ranks-2-nodes-shm-h4096"),
+    # the models' shapes at LL's 128 tokens: DeepSeek-V3 (hidden 7168, 256 experts, top-8), Qwen3-235B (4096, 128)
+    pytest.param(2, 1, "shm-unordered", 128, 7168, 256, 8, 35, id="deepseek-v3-proxy"),
+    pytest.param(2, 2, "shm", 128, 4096, 128, 8, 36, id="qwen3-235b-direct"),
 ]
 
 

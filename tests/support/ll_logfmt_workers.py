@@ -39,20 +39,13 @@ def _expert_outputs(recv_x, layout_range, rank):
 def _references(x, idx, w, rank):
     """float64 [n, H]: the LogFMT reference (each expert output quantized, then weighted), the exact sum, and the sum
     of the terms' magnitudes."""
-    n, hidden = x.shape
-    q_sum = torch.zeros(n, hidden, dtype=torch.float64)
-    exact, mags = torch.zeros_like(q_sum), torch.zeros_like(q_sum)
-    for t in range(n):
-        for k in range(idx.size(1)):
-            e = int(idx[t, k])
-            if e < 0:
-                continue
-            y = _expert_output(x[t], e, rank)  # what the expert's owner computes for this row (BF16)
-            q = logfmt_ref.quantize(y)
-            q_sum[t] += float(w[t, k]) * q
-            exact[t] += float(w[t, k]) * y.double()
-            mags[t] += float(w[t, k]) * y.double().abs()
-    return q_sum, exact, mags
+    n, K = idx.shape
+    valid = (idx >= 0).double()
+    units = idx.clamp(min=0)
+    y = _expert_output(x.unsqueeze(1).expand(n, K, x.size(1)), units.unsqueeze(-1), rank)  # [n, K, H] BF16
+    wk = (w.double() * valid).unsqueeze(-1)
+    q = logfmt_ref.quantize(y)
+    return (wk * q).sum(1), (wk * y.double()).sum(1), (wk * y.double().abs()).sum(1)
 
 
 def _check(ck, kind, got, q_sum, exact, mags):

@@ -17,44 +17,44 @@ def _bits_to_float(bits):
 
 
 def analyse(x):
-    """x: BF16 [H]. Returns (meta int32 [2G] as amax, amin bit pairs, cast bool [chunks], codes int64 [H] (0 in BF16
-    chunks), signs int64 [H], lmin / step float64 [G])."""
-    H = x.numel()
-    bits = x.view(torch.int16).to(torch.int32) & 0xFFFF
+    """x: BF16 [..., H]. Returns (meta int32 [..., 2G] as amax, amin bit pairs, cast bool [..., chunks], codes int64
+    [..., H] (0 in BF16 chunks), signs int64 [..., H], lmin / step float64 [..., G])."""
+    H = x.size(-1)
+    lead = x.shape[:-1]
+    bits = x.contiguous().view(torch.int16).to(torch.int32) & 0xFFFF
     mag, signs = bits & 0x7FFF, (bits >> 15) & 1
-    nan = mag > 0x7F80
-    g_mag = mag.view(H // GROUP, GROUP)
-    amax = torch.where(nan.view_as(g_mag), 0, g_mag).amax(1)
-    amin = torch.where(nan.view_as(g_mag), 0x7F80, g_mag).amin(1)
+    g_mag = mag.view(*lead, H // GROUP, GROUP)
+    nan = g_mag > 0x7F80
+    amax = torch.where(nan, 0, g_mag).amax(-1)
+    amin = torch.where(nan, 0x7F80, g_mag).amin(-1)
     lmax = torch.log2(_bits_to_float(amax))
     lmin = torch.where(amin == 0, lmax - RANGE, torch.maximum(torch.log2(_bits_to_float(amin)), lmax - RANGE))
     ok = (lmax < 0) & (lmin < lmax)
-    cast = ok.view(-1, chunk_of(H) // GROUP).all(1)
+    cast = ok.view(*lead, -1, chunk_of(H) // GROUP).all(-1)
     step = (lmax - lmin) / LEVELS
-    a = _bits_to_float(mag).view(H // GROUP, GROUP)
-    s, lo = step[:, None], lmin[:, None]
-    with torch.no_grad():
-        u = torch.log2(a) / s + 2 - torch.log2((1 + torch.exp2(s)) / 2) / s - lo / s
+    a = _bits_to_float(g_mag)
+    s, lo = step[..., None], lmin[..., None]
+    u = torch.log2(a) / s + 2 - torch.log2((1 + torch.exp2(s)) / 2) / s - lo / s
     u = torch.nan_to_num(u, nan=0.0, neginf=0.0)
-    codes = torch.floor(torch.clamp(u, min=0)).clamp(max=MAX_CODE).to(torch.int64).view(H)
-    codes = torch.where(cast.repeat_interleave(chunk_of(H)), codes, 0)
-    meta = torch.stack([amax, amin], 1).view(-1)
+    codes = torch.floor(torch.clamp(u, min=0)).clamp(max=MAX_CODE).to(torch.int64).view(*lead, H)
+    codes = torch.where(cast.repeat_interleave(chunk_of(H), dim=-1), codes, 0)
+    meta = torch.stack([amax, amin], -1).view(*lead, -1)
     return meta, cast, codes, signs.to(torch.int64), lmin, step
 
 
 def decode_codes(codes, signs, lmin, step):
-    """The float64 values of codes [H] (groups' lmin / step [G])."""
-    s = step.repeat_interleave(GROUP)
-    lo = lmin.repeat_interleave(GROUP)
+    """The float64 values of codes [..., H] (groups' lmin / step [..., G])."""
+    s = step.repeat_interleave(GROUP, dim=-1)
+    lo = lmin.repeat_interleave(GROUP, dim=-1)
     v = torch.where(codes == 0, torch.zeros_like(s), torch.exp2((codes - 1).double() * s + lo))
     return torch.where(signs == 1, -v, v)
 
 
 def quantize(x):
-    """What a receiver decodes for the BF16 row x [H], float64: cast chunks quantized, the others x itself."""
+    """What a receiver decodes for BF16 rows x [..., H], float64: cast chunks quantized, the others x itself."""
     meta, cast, codes, signs, lmin, step = analyse(x)
     q = decode_codes(codes, signs, lmin, step)
-    keep = ~cast.repeat_interleave(chunk_of(x.numel()))
+    keep = ~cast.repeat_interleave(chunk_of(x.size(-1)), dim=-1)
     return torch.where(keep, x.double(), q)
 
 
