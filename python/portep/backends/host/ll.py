@@ -221,99 +221,16 @@ def _combine_send_view(eng, lay, half):
 
 def combine(eng, x, topk_idx, topk_weights, handle, zero_copy, out, return_recv_hook, wait_stats, use_logfmt=False):
     src_info, layout_range, T, H, E = handle
+    lay = hb.LLLayout(eng, T, H, E)
+    R, E_l = eng.num_ranks, lay.E_l
+    half = eng.ll_half
+    eng.ll_half ^= 1
+    counts = layout_range & 0xFFFFFFFF
+    routes = _combine_routes(eng, lay, src_info, layout_range)
     if use_logfmt:
-        return _combine_logfmt(eng, x, topk_idx, topk_weights, handle, out, return_recv_hook, wait_stats)
-    lay = hb.LLLayout(eng, T, H, E)
-    R, me, E_l = eng.num_ranks, eng.rank, lay.E_l
-    half = eng.ll_half
-    eng.ll_half ^= 1
-    send_rows = _combine_send_view(eng, lay, half)
-    send, recv = lay.send_off(half), lay.recv_off(half)
-    begins, counts = layout_range >> 32, layout_range & 0xFFFFFFFF
-    x_rows = None  # where direct stores read from: x itself, or the registered send buffer
-    if not zero_copy and x.is_contiguous():
-        x_rows = x.view(torch.uint8).view(E_l * lay.M, 2 * H)
-    elif not zero_copy:  # only the valid rows: each expert's are packed from row 0
-        for le, n in enumerate(counts.sum(1).tolist()):
-            send_rows[le, :n].copy_(x[le, :n])
-    n = int(counts.sum())
-    pair = torch.arange(E_l * R).repeat_interleave(counts.flatten())  # (local expert, source) of each row
-    j = begins.flatten()[pair] + torch.arange(n) - (torch.cumsum(counts.flatten(), 0) - counts.flatten())[pair]
-    le, src = pair // R, pair % R
-    token = src_info.view(-1)[le * lay.M + j].to(torch.int64)
-    rows = (me * E_l + le) * T + token
-    seq = torch.tensor([eng.lockstep.seq], dtype=torch.int32).view(torch.uint8)
-    for s_rank in range(R):
-        sel = src == s_rank
-        if not bool(sel.any()) or eng.masked(s_rank):
-            continue
-        src_rows = le[sel] * lay.M + j[sel]
-        once = torch.zeros_like(src_rows)  # every row's tail gets the one sequence number
-        if eng.direct(s_rank, low_latency=True):
-            dst = eng.peer_view(s_rank)[recv:]
-            if x_rows is not None:
-                eng.copy_rows(dst, lay.comb, rows[sel], x_rows, 2 * H, src_rows, 2 * H)
-            else:
-                eng.copy_rows(dst, lay.comb, rows[sel], eng.region[send:], lay.comb, src_rows, 2 * H)
-            eng.copy_rows(dst[2 * H :], lay.comb, rows[sel], seq, 0, once, 4)
-        else:
-            if x_rows is not None:  # stage the rows the proxies will send
-                eng.copy_rows(eng.region[send:], lay.comb, src_rows, x_rows, 2 * H, src_rows, 2 * H)
-            eng.copy_rows(eng.region[send + 2 * H :], lay.comb, src_rows, seq, 0, once, 4)
-            eng.put_rows_streams(
-                s_rank,
-                send + (le[sel] * lay.M + j[sel]) * lay.comb,
-                recv + rows[sel] * lay.comb,
-                _stream(eng, half, 1, le[sel]),
-                2 * H + 16,
-            )
-    pairs = torch.arange(E_l * R)
-    live = _unmasked(eng, pairs % R)
-    eng.signal_many(pairs[live] % R, _stream(eng, half, 1, pairs[live] // R), counts.flatten()[live])
-
-    N = topk_idx.size(0)
-    result = out if out is not None else torch.empty(N, H, dtype=torch.bfloat16)
-
-    def receive():
-        _combine_receive(eng, lay, half, topk_idx, topk_weights, result, wait_stats)
-
-    if return_recv_hook:
-        return result, receive
-    receive()
-    return result, None
-
-
-def _combine_logfmt(eng, x, topk_idx, topk_weights, handle, out, return_recv_hook, wait_stats):
-    """combine with every row in LogFMT-10 (gpu_kernels/logfmt.h): each row encoded straight into its slot at a
-    direct peer, or into this rank's send area and written whole (its largest size) to a proxy peer; the call's
-    sequence number rides in the rows' metadata. x is read as it is (zero_copy is refused with use_logfmt)."""
-    src_info, layout_range, T, H, E = handle
-    lay = hb.LLLayout(eng, T, H, E)
-    R, me, E_l = eng.num_ranks, eng.rank, lay.E_l
-    half = eng.ll_half
-    eng.ll_half ^= 1
-    send, recv = lay.send_off(half), lay.recv_off(half)
-    begins, counts = layout_range >> 32, layout_range & 0xFFFFFFFF
-    x_rows = x.contiguous().view(torch.uint8).view(E_l * lay.M, 2 * H)
-    n = int(counts.sum())
-    pair = torch.arange(E_l * R).repeat_interleave(counts.flatten())  # (local expert, source) of each row
-    j = begins.flatten()[pair] + torch.arange(n) - (torch.cumsum(counts.flatten(), 0) - counts.flatten())[pair]
-    le, src = pair // R, pair % R
-    token = src_info.view(-1)[le * lay.M + j].to(torch.int64)
-    rows = (me * E_l + le) * T + token
-    seq = eng.lockstep.seq & 0xFFFFFFFF
-    for s_rank in range(R):
-        sel = src == s_rank
-        if not bool(sel.any()) or eng.masked(s_rank):
-            continue
-        src_rows = le[sel] * lay.M + j[sel]
-        if eng.direct(s_rank, low_latency=True):
-            eng.logfmt_encode_rows(eng.peer_view(s_rank)[recv:], lay.comb, rows[sel], x_rows, 2 * H, src_rows, H, seq)
-            continue
-        eng.logfmt_encode_rows(eng.region[send:], lay.comb, src_rows, x_rows, 2 * H, src_rows, H, seq)
-        eng.put_rows_streams(
-            s_rank, send + src_rows * lay.comb, recv + rows[sel] * lay.comb, _stream(eng, half, 1, le[sel]), lay.comb
-        )
+        _send_logfmt(eng, lay, half, x, routes)
+    else:
+        _send_bf16(eng, lay, half, x, zero_copy, counts, routes)
     pairs = torch.arange(E_l * R)
     live = _unmasked(eng, pairs % R)
     eng.signal_many(pairs[live] % R, _stream(eng, half, 1, pairs[live] // R), counts.flatten()[live])
@@ -321,12 +238,80 @@ def _combine_logfmt(eng, x, topk_idx, topk_weights, handle, out, return_recv_hoo
     result = out if out is not None else torch.empty(topk_idx.size(0), H, dtype=torch.bfloat16)
 
     def receive():
-        _combine_receive(eng, lay, half, topk_idx, topk_weights, result, wait_stats, logfmt=True)
+        _combine_receive(eng, lay, half, topk_idx, topk_weights, result, wait_stats, use_logfmt)
 
     if return_recv_hook:
         return result, receive
     receive()
     return result, None
+
+
+def _combine_routes(eng, lay, src_info, layout_range):
+    """Per source rank s with rows here (and not masked): (s, local experts [n], rows in the send area's layout [n],
+    rows at s's receive area [n]) of the expert outputs that go back to s."""
+    R, me, E_l, T = eng.num_ranks, eng.rank, lay.E_l, lay.T
+    begins, counts = layout_range >> 32, layout_range & 0xFFFFFFFF
+    n = int(counts.sum())
+    pair = torch.arange(E_l * R).repeat_interleave(counts.flatten())  # (local expert, source) of each row
+    j = begins.flatten()[pair] + torch.arange(n) - (torch.cumsum(counts.flatten(), 0) - counts.flatten())[pair]
+    le, src = pair // R, pair % R
+    token = src_info.view(-1)[le * lay.M + j].to(torch.int64)
+    rows = (me * E_l + le) * T + token
+    routes = []
+    for s_rank in range(R):
+        sel = src == s_rank
+        if bool(sel.any()) and not eng.masked(s_rank):
+            routes.append((s_rank, le[sel], le[sel] * lay.M + j[sel], rows[sel]))
+    return routes
+
+
+def _send_bf16(eng, lay, half, x, zero_copy, counts, routes):
+    """BF16 rows, the call's sequence number in each row's tail: stored at direct peers, staged and written to proxy
+    peers; with zero_copy they are already in the send area."""
+    H, E_l = lay.H, lay.E_l
+    send, recv = lay.send_off(half), lay.recv_off(half)
+    send_rows = _combine_send_view(eng, lay, half)
+    x_rows = None  # where direct stores read from: x itself, or the registered send buffer
+    if not zero_copy and x.is_contiguous():
+        x_rows = x.view(torch.uint8).view(E_l * lay.M, 2 * H)
+    elif not zero_copy:  # only the valid rows: each expert's are packed from row 0
+        for le, n in enumerate(counts.sum(1).tolist()):
+            send_rows[le, :n].copy_(x[le, :n])
+    seq = torch.tensor([eng.lockstep.seq], dtype=torch.int32).view(torch.uint8)
+    for s_rank, le, src_rows, rows in routes:
+        once = torch.zeros_like(src_rows)  # every row's tail gets the one sequence number
+        if eng.direct(s_rank, low_latency=True):
+            dst = eng.peer_view(s_rank)[recv:]
+            if x_rows is not None:
+                eng.copy_rows(dst, lay.comb, rows, x_rows, 2 * H, src_rows, 2 * H)
+            else:
+                eng.copy_rows(dst, lay.comb, rows, eng.region[send:], lay.comb, src_rows, 2 * H)
+            eng.copy_rows(dst[2 * H :], lay.comb, rows, seq, 0, once, 4)
+            continue
+        if x_rows is not None:  # stage the rows the proxies will send
+            eng.copy_rows(eng.region[send:], lay.comb, src_rows, x_rows, 2 * H, src_rows, 2 * H)
+        eng.copy_rows(eng.region[send + 2 * H :], lay.comb, src_rows, seq, 0, once, 4)
+        eng.put_rows_streams(
+            s_rank, send + src_rows * lay.comb, recv + rows * lay.comb, _stream(eng, half, 1, le), 2 * H + 16
+        )
+
+
+def _send_logfmt(eng, lay, half, x, routes):
+    """Rows in LogFMT-10 (gpu_kernels/logfmt.h): each encoded straight into its slot at a direct peer, or into this
+    rank's send area and written whole (its largest size) to a proxy peer; the call's sequence number rides in the
+    rows' metadata. x is read as it is (zero_copy is refused with use_logfmt)."""
+    H = lay.H
+    send, recv = lay.send_off(half), lay.recv_off(half)
+    x_rows = x.contiguous().view(torch.uint8).view(lay.E_l * lay.M, 2 * H)
+    seq = eng.lockstep.seq & 0xFFFFFFFF
+    for s_rank, le, src_rows, rows in routes:
+        if eng.direct(s_rank, low_latency=True):
+            eng.logfmt_encode_rows(eng.peer_view(s_rank)[recv:], lay.comb, rows, x_rows, 2 * H, src_rows, H, seq)
+            continue
+        eng.logfmt_encode_rows(eng.region[send:], lay.comb, src_rows, x_rows, 2 * H, src_rows, H, seq)
+        eng.put_rows_streams(
+            s_rank, send + src_rows * lay.comb, recv + rows * lay.comb, _stream(eng, half, 1, le), lay.comb
+        )
 
 
 def _combine_receive(eng, lay, half, topk_idx, topk_weights, result, wait_stats, logfmt=False):
