@@ -134,24 +134,24 @@ void encode_row(uint8_t* dst, const uint16_t* x, int hidden, uint32_t seq, std::
 
 }  // namespace
 
-void host_logfmt_encode_rows(uint8_t* dst, int64_t dst_pitch, const int64_t* dst_idx, const uint8_t* src,
-                             int64_t src_pitch, const int64_t* src_idx, int64_t n, int hidden, uint32_t seq) {
+void host_logfmt_encode_rows(ByteSpan dst, int64_t dst_pitch, const int64_t* dst_idx, ByteSpan src, int64_t src_pitch,
+                             const int64_t* src_idx, int64_t n, int hidden, uint32_t seq) {
   check_hidden(hidden);
   std::vector<GroupScale> gs;
   for (int64_t i = 0; i < n; ++i) {
     const int64_t d = dst_idx ? dst_idx[i] : i, s = src_idx ? src_idx[i] : i;
-    if (d < 0 || s < 0) throw std::invalid_argument("logfmt_encode_rows: negative row index");
-    encode_row(dst + d * dst_pitch, reinterpret_cast<const uint16_t*>(src + s * src_pitch), hidden, seq, gs);
+    check_row("logfmt_encode_rows: dst", dst, d, dst_pitch, logfmt_max_row_bytes(hidden));
+    check_row("logfmt_encode_rows: src", src, s, src_pitch, logfmt_bf16_bytes(hidden));
+    encode_row(dst.data + d * dst_pitch, reinterpret_cast<const uint16_t*>(src.data + s * src_pitch), hidden, seq, gs);
   }
 }
 
-void host_logfmt_row_seqs(uint32_t* out, const uint8_t* base, int64_t pitch, const int64_t* idx, int64_t n,
-                          int hidden) {
+void host_logfmt_row_seqs(uint32_t* out, ByteSpan rows, int64_t pitch, const int64_t* idx, int64_t n, int hidden) {
   check_hidden(hidden);
   for (int64_t i = 0; i < n; ++i) {
     const int64_t r = idx ? idx[i] : i;
-    if (r < 0) throw std::invalid_argument("logfmt_row_seqs: negative row index");
-    const uint16_t* meta = reinterpret_cast<const uint16_t*>(base + r * pitch);
+    check_row("logfmt_row_seqs", rows, r, pitch, logfmt_meta_bytes(hidden));
+    const uint16_t* meta = reinterpret_cast<const uint16_t*>(rows.data + r * pitch);
     uint32_t seq = 0;
     for (int b = 0; b < kLogfmtSeqBits; ++b) seq |= uint32_t(meta[b] >> 15) << b;
     out[i] = seq;

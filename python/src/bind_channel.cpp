@@ -6,12 +6,16 @@
 #include "gpu_kernels/host/logfmt_rows.h"
 #include "gpu_kernels/host/row_kernels.h"
 #include "gpu_kernels/logfmt.h"
+#include "python/src/host_tensor.h"
 #include "ordering/imm.h"
 #include "proxy/channel.h"
 #include "proxy/transfer_cmd.h"
 
 namespace py = pybind11;
 using namespace portep;
+using portep::bind::check_entries;
+using portep::bind::host_tensor;
+using portep::bind::HostTensor;
 
 namespace {
 std::unique_ptr<Channel> make_channel(int rank, int num_ranks, uint64_t nbytes, const std::string& transport,
@@ -128,37 +132,59 @@ void bind_channel(py::module_& m) {
       .def("device_data_lease", [](Channel& c) { return lease(c, c.device_address(kRegionData), c.data_bytes()); })
       .def(
           "write_rows",
-          [](Channel& c, int dst, uintptr_t local_offs, uintptr_t remote_offs, size_t n, uint64_t row_bytes,
+          [](Channel& c, int dst, py::handle local_offsets, py::handle remote_offsets, uint64_t row_bytes,
              uint32_t stream, bool merge) {
-            return host::write_rows(c, dst, reinterpret_cast<const int64_t*>(local_offs),
-                                    reinterpret_cast<const int64_t*>(remote_offs), n, row_bytes, stream, merge);
+            const HostTensor lo = host_tensor(local_offsets, "local_offsets", "int64");
+            const HostTensor ro = host_tensor(remote_offsets, "remote_offsets", "int64");
+            check_entries(ro, lo.numel, "remote_offsets");
+            py::gil_scoped_release nogil;
+            return host::write_rows(c, dst, lo.as<int64_t>(), ro.as<int64_t>(), size_t(lo.numel), row_bytes, stream,
+                                    merge);
           },
-          py::arg("dst"), py::arg("local_offsets_ptr"), py::arg("remote_offsets_ptr"), py::arg("n"),
-          py::arg("row_bytes"), py::arg("stream"), py::arg("merge"), py::call_guard<py::gil_scoped_release>())
+          py::arg("dst"), py::arg("local_offsets"), py::arg("remote_offsets"), py::arg("row_bytes"), py::arg("stream"),
+          py::arg("merge"))
       .def(
           "write_rows_streams",
-          [](Channel& c, int dst, uintptr_t lo, uintptr_t ro, uintptr_t streams, size_t n, uint64_t row_bytes) {
-            host::write_rows_streams(c, dst, reinterpret_cast<const int64_t*>(lo), reinterpret_cast<const int64_t*>(ro),
-                                     reinterpret_cast<const int64_t*>(streams), n, row_bytes);
+          [](Channel& c, int dst, py::handle local_offsets, py::handle remote_offsets, py::handle streams,
+             uint64_t row_bytes) {
+            const HostTensor lo = host_tensor(local_offsets, "local_offsets", "int64");
+            const HostTensor ro = host_tensor(remote_offsets, "remote_offsets", "int64");
+            const HostTensor st = host_tensor(streams, "streams", "int64");
+            check_entries(ro, lo.numel, "remote_offsets");
+            check_entries(st, lo.numel, "streams");
+            py::gil_scoped_release nogil;
+            host::write_rows_streams(c, dst, lo.as<int64_t>(), ro.as<int64_t>(), st.as<int64_t>(), size_t(lo.numel),
+                                     row_bytes);
           },
-          py::call_guard<py::gil_scoped_release>())
+          py::arg("dst"), py::arg("local_offsets"), py::arg("remote_offsets"), py::arg("streams"), py::arg("row_bytes"))
       .def(
           "signal_many",
-          [](Channel& c, size_t n, uintptr_t dsts, uintptr_t streams, uintptr_t units, uintptr_t direct) {
-            host::signal_many(c, n, reinterpret_cast<const int64_t*>(dsts), reinterpret_cast<const int64_t*>(streams),
-                              reinterpret_cast<const int64_t*>(units), reinterpret_cast<const uint8_t*>(direct));
+          [](Channel& c, py::handle dsts, py::handle streams, py::handle units, py::handle direct) {
+            const HostTensor d = host_tensor(dsts, "dsts", "int64"), s = host_tensor(streams, "streams", "int64");
+            const HostTensor u = host_tensor(units, "units", "int64"), dir = host_tensor(direct, "direct", "uint8");
+            for (const auto& [h, name] : {std::pair{&s, "streams"}, {&u, "units"}, {&dir, "direct"}})
+              check_entries(*h, d.numel, name);
+            py::gil_scoped_release nogil;
+            host::signal_many(c, size_t(d.numel), d.as<int64_t>(), s.as<int64_t>(), u.as<int64_t>(), dir.as<uint8_t>());
           },
-          py::call_guard<py::gil_scoped_release>())
+          py::arg("dsts"), py::arg("streams"), py::arg("units"), py::arg("direct"))
       .def(
           "consume_many",
-          [](Channel& c, size_t n, uintptr_t srcs, uintptr_t streams, uintptr_t units_out, uintptr_t wait_out,
-             double timeout_s, uintptr_t mask) {
-            host::consume_many(c, n, reinterpret_cast<const int64_t*>(srcs), reinterpret_cast<const int64_t*>(streams),
-                               reinterpret_cast<int64_t*>(units_out), reinterpret_cast<int64_t*>(wait_out), timeout_s,
-                               reinterpret_cast<uint8_t*>(mask));
+          [](Channel& c, py::handle srcs, py::handle streams, py::handle units_out, py::handle wait_out,
+             double timeout_s, py::handle mask) {
+            const HostTensor s = host_tensor(srcs, "srcs", "int64"), st = host_tensor(streams, "streams", "int64");
+            const HostTensor u = host_tensor(units_out, "units_out", "int64");
+            const HostTensor w = host_tensor(wait_out, "wait_out", "int64");
+            const HostTensor m = host_tensor(mask, "mask", "uint8", true);
+            for (const auto& [h, name] : {std::pair{&st, "streams"}, {&u, "units_out"}, {&w, "wait_out"}})
+              check_entries(*h, s.numel, name);
+            check_entries(m, c.options().proxy.num_ranks, "mask");
+            py::gil_scoped_release nogil;
+            host::consume_many(c, size_t(s.numel), s.as<int64_t>(), st.as<int64_t>(), u.as<int64_t>(), w.as<int64_t>(),
+                               timeout_s, m.as<uint8_t>());
           },
-          py::arg("n"), py::arg("srcs"), py::arg("streams"), py::arg("units_out"), py::arg("wait_out"),
-          py::arg("timeout_s"), py::arg("mask") = 0, py::call_guard<py::gil_scoped_release>())
+          py::arg("srcs"), py::arg("streams"), py::arg("units_out"), py::arg("wait_out"), py::arg("timeout_s"),
+          py::arg("mask") = py::none())
       .def(
           "announce",
           [](Channel& c, int kind) {
@@ -210,41 +236,66 @@ void bind_channel(py::module_& m) {
 
   m.def(
       "copy_rows",
-      [](uintptr_t dst, int64_t dst_pitch, uintptr_t dst_idx, uintptr_t src, int64_t src_pitch, uintptr_t src_idx,
-         int64_t n, int64_t row_bytes) {
-        host_copy_rows(reinterpret_cast<uint8_t*>(dst), dst_pitch, reinterpret_cast<const int64_t*>(dst_idx),
-                       reinterpret_cast<const uint8_t*>(src), src_pitch, reinterpret_cast<const int64_t*>(src_idx), n,
-                       row_bytes);
+      [](py::handle dst, int64_t dst_pitch, py::handle dst_idx, py::handle src, int64_t src_pitch, py::handle src_idx,
+         int64_t row_bytes) {
+        const HostTensor d = host_tensor(dst, "dst", nullptr), s = host_tensor(src, "src", nullptr);
+        const HostTensor di = host_tensor(dst_idx, "dst_idx", "int64", true);
+        const HostTensor si = host_tensor(src_idx, "src_idx", "int64", true);
+        if (!di.present && !si.present) throw py::value_error("copy_rows: dst_idx or src_idx is needed");
+        const int64_t n = di.present ? di.numel : si.numel;
+        check_entries(si, n, "src_idx");
+        py::gil_scoped_release nogil;
+        host_copy_rows(d.span, dst_pitch, di.as<int64_t>(), s.span, src_pitch, si.as<int64_t>(), n, row_bytes);
       },
-      py::call_guard<py::gil_scoped_release>());
-  m.def("reduce_rows",
-        // sources: list of (base_ptr, pitch_bytes, dtype, index_ptr, weight_ptr or 0)
-        [](uintptr_t out, int64_t out_pitch, int out_dtype, int64_t n, int64_t width,
-           const std::vector<std::tuple<uintptr_t, int64_t, int, uintptr_t, uintptr_t>>& sources, uintptr_t init) {
-          std::vector<ReduceSource> v;
-          for (auto& [base, pitch, dtype, index, weight] : sources)
-            v.push_back(ReduceSource{reinterpret_cast<const uint8_t*>(base), pitch, dtype,
-                                     reinterpret_cast<const int64_t*>(index), reinterpret_cast<const float*>(weight)});
-          py::gil_scoped_release nogil;
-          host_reduce_rows(reinterpret_cast<uint8_t*>(out), out_pitch, out_dtype, n, width, v.data(), int(v.size()),
-                           reinterpret_cast<const float*>(init));
-        });
+      py::arg("dst"), py::arg("dst_pitch"), py::arg("dst_idx"), py::arg("src"), py::arg("src_pitch"),
+      py::arg("src_idx"), py::arg("row_bytes"));
+  m.def(
+      "reduce_rows",
+      // sources: (rows, pitch in bytes, row dtype, index int64 [n], weights float32 [n] or None)
+      [](py::handle out, int64_t out_pitch, int out_dtype, int64_t n, int64_t width, const py::list& sources,
+         py::handle init) {
+        const HostTensor o = host_tensor(out, "out", nullptr), in = host_tensor(init, "init", "float32", true);
+        check_entries(in, n * width, "init");
+        std::vector<ReduceSource> v;
+        for (const py::handle item : sources) {
+          const py::tuple t = item.cast<py::tuple>();
+          const HostTensor rows = host_tensor(t[0], "a source's rows", nullptr);
+          const HostTensor index = host_tensor(t[3], "a source's index", "int64");
+          const HostTensor weight = host_tensor(t[4], "a source's weights", "float32", true);
+          check_entries(index, n, "a source's index");
+          check_entries(weight, n, "a source's weights");
+          v.push_back(ReduceSource{rows.span, t[1].cast<int64_t>(), t[2].cast<int>(), index.as<const int64_t>(),
+                                   weight.as<const float>()});
+        }
+        py::gil_scoped_release nogil;
+        host_reduce_rows(o.span, out_pitch, out_dtype, n, width, v.data(), int(v.size()), in.as<const float>());
+      },
+      py::arg("out"), py::arg("out_pitch"), py::arg("out_dtype"), py::arg("n"), py::arg("width"), py::arg("sources"),
+      py::arg("init") = py::none());
   m.def(
       "logfmt_encode_rows",
-      [](uintptr_t dst, int64_t dst_pitch, uintptr_t dst_idx, uintptr_t src, int64_t src_pitch, uintptr_t src_idx,
-         int64_t n, int hidden, uint32_t seq) {
-        host_logfmt_encode_rows(reinterpret_cast<uint8_t*>(dst), dst_pitch, reinterpret_cast<const int64_t*>(dst_idx),
-                                reinterpret_cast<const uint8_t*>(src), src_pitch,
-                                reinterpret_cast<const int64_t*>(src_idx), n, hidden, seq);
+      [](py::handle dst, int64_t dst_pitch, py::handle dst_idx, py::handle src, int64_t src_pitch, py::handle src_idx,
+         int hidden, uint32_t seq) {
+        const HostTensor d = host_tensor(dst, "dst", nullptr), s = host_tensor(src, "src", nullptr);
+        const HostTensor di = host_tensor(dst_idx, "dst_idx", "int64");
+        const HostTensor si = host_tensor(src_idx, "src_idx", "int64");
+        check_entries(si, di.numel, "src_idx");
+        py::gil_scoped_release nogil;
+        host_logfmt_encode_rows(d.span, dst_pitch, di.as<int64_t>(), s.span, src_pitch, si.as<int64_t>(), di.numel,
+                                hidden, seq);
       },
-      py::call_guard<py::gil_scoped_release>());
+      py::arg("dst"), py::arg("dst_pitch"), py::arg("dst_idx"), py::arg("src"), py::arg("src_pitch"),
+      py::arg("src_idx"), py::arg("hidden"), py::arg("seq"));
   m.def(
       "logfmt_row_seqs",
-      [](uintptr_t out, uintptr_t base, int64_t pitch, uintptr_t idx, int64_t n, int hidden) {
-        host_logfmt_row_seqs(reinterpret_cast<uint32_t*>(out), reinterpret_cast<const uint8_t*>(base), pitch,
-                             reinterpret_cast<const int64_t*>(idx), n, hidden);
+      [](py::handle out, py::handle rows, int64_t pitch, py::handle idx, int hidden) {
+        const HostTensor o = host_tensor(out, "out", "int32"), r = host_tensor(rows, "rows", nullptr);
+        const HostTensor i = host_tensor(idx, "idx", "int64");
+        check_entries(o, i.numel, "out");
+        py::gil_scoped_release nogil;
+        host_logfmt_row_seqs(o.as<uint32_t>(), r.span, pitch, i.as<int64_t>(), i.numel, hidden);
       },
-      py::call_guard<py::gil_scoped_release>());
+      py::arg("out"), py::arg("rows"), py::arg("pitch"), py::arg("idx"), py::arg("hidden"));
   m.def("logfmt_layout", [](int hidden) {  // gpu_kernels/logfmt.h's sizes for one hidden size
     py::dict d;
     d["ok"] = logfmt_hidden_ok(hidden);

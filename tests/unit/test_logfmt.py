@@ -33,7 +33,7 @@ def _encode(x, seq=SEQ):
     pitch = int(native.logfmt_layout(H)["max_row_bytes"])
     out = torch.full((n, pitch), 0xA5, dtype=torch.uint8)  # stale bytes: the encoder must not depend on zeros
     idx = torch.arange(n, dtype=torch.int64)
-    native.logfmt_encode_rows(out.data_ptr(), pitch, idx.data_ptr(), x.data_ptr(), 2 * H, idx.data_ptr(), n, H, seq)
+    native.logfmt_encode_rows(out, pitch, idx, x.view(torch.uint8), 2 * H, idx, H, seq)
     return out
 
 
@@ -42,9 +42,7 @@ def _decode(rows, H):
     n, pitch = rows.shape
     out = torch.empty(n, H, dtype=torch.float32)
     idx = torch.arange(n, dtype=torch.int64)
-    native.reduce_rows(
-        out.data_ptr(), 4 * H, native.ROW_F32, n, H, [(rows.data_ptr(), pitch, native.ROW_LOGFMT, idx.data_ptr(), 0)], 0
-    )
+    native.reduce_rows(out, 4 * H, native.ROW_F32, n, H, [(rows, pitch, native.ROW_LOGFMT, idx, None)])
     return out.double()
 
 
@@ -108,7 +106,7 @@ def test_sequence_number_rides_in_the_metadata_only():
     for seq, rows in ((0, a), (0xFFFFFFFF, b), (SEQ, _encode(x))):
         out = torch.empty(n, dtype=torch.int32)
         idx = torch.arange(n, dtype=torch.int64)
-        native.logfmt_row_seqs(out.data_ptr(), rows.data_ptr(), rows.size(1), idx.data_ptr(), n, H)
+        native.logfmt_row_seqs(out, rows, rows.size(1), idx, H)
         assert (out.to(torch.int64) & 0xFFFFFFFF).tolist() == [seq] * n
 
 
@@ -131,6 +129,31 @@ def test_sizes_are_deepeps():
             slot,
         )
         assert native.ll_layout(1, H, 8, 1).comb == slot
+
+
+def test_rows_outside_the_tensors_are_refused():
+    """The native operations check every row against the tensors they were given (no addresses cross)."""
+    H = 2048
+    x = _rows(H, 1)[:2]
+    pitch = int(native.logfmt_layout(H)["max_row_bytes"])
+    out = torch.zeros(2, pitch, dtype=torch.uint8)
+    with pytest.raises(ValueError, match="row 2"):
+        native.logfmt_encode_rows(
+            out, pitch, torch.tensor([0, 2]), x.view(torch.uint8), 2 * H, torch.tensor([0, 1]), H, 1
+        )
+    with pytest.raises(ValueError, match="row 5"):
+        native.copy_rows(out, pitch, torch.tensor([0]), x.view(torch.uint8), 2 * H, torch.tensor([5]), 2 * H)
+    with pytest.raises(ValueError, match="int64"):
+        native.copy_rows(out, pitch, torch.tensor([0], dtype=torch.int32), x.view(torch.uint8), 2 * H, None, 16)
+    with pytest.raises(ValueError, match="contiguous"):
+        native.copy_rows(out.t(), pitch, torch.tensor([0]), x.view(torch.uint8), 2 * H, None, 16)
+    rows = _encode(x)
+    with pytest.raises(ValueError, match="row 3"):
+        native.reduce_rows(
+            torch.empty(1, H), 4 * H, native.ROW_F32, 1, H, [(rows, pitch, native.ROW_LOGFMT, torch.tensor([3]), None)]
+        )
+    with pytest.raises(ValueError, match="2 entries, 3 needed"):
+        native.logfmt_row_seqs(torch.empty(2, dtype=torch.int32), rows, pitch, torch.tensor([0, 1, 0]), H)
 
 
 def test_hidden_below_the_sequence_bits_is_refused():

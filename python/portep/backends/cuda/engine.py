@@ -565,15 +565,7 @@ class CudaEngine(Topology):
         srcs = torch.tensor(live, dtype=torch.int64, device="cpu")  # (the caller's default device may be CUDA)
         streams = torch.full((len(live),), hb.STREAM_SYNC, dtype=torch.int64, device="cpu")
         units, waited = torch.empty_like(srcs), torch.empty_like(srcs)
-        ch.consume_many(
-            len(live),
-            srcs.data_ptr(),
-            streams.data_ptr(),
-            units.data_ptr(),
-            waited.data_ptr(),
-            self.timeout_s,
-            _ptr(host_mask),
-        )
+        ch.consume_many(srcs, streams, units, waited, self.timeout_s, host_mask)
         if host_mask is not None:  # a rank that did not get here is masked now
             self.mask.copy_(host_mask.to(torch.int32))
 

@@ -129,7 +129,7 @@ class HostEngine(Topology):
         ro = remote_offsets.to(torch.int64).contiguous()
         if lo.numel():
             self._writes_in_flight = True
-            self._native.write_rows(dst, lo.data_ptr(), ro.data_ptr(), lo.numel(), row_bytes, stream, merge)
+            self._native.write_rows(dst, lo, ro, row_bytes, stream, merge)
 
     def settle(self):
         """Wait until the proxies have read every byte earlier WRITEs take from this rank's memory, before a call
@@ -141,60 +141,33 @@ class HostEngine(Topology):
     def copy_rows(self, dst, dst_pitch, dst_idx, src, src_pitch, src_idx, row_bytes):
         """Native row copy: dst/src are uint8 tensors (views of the communication memory or staging), indices
         int64 tensors or None (row i)."""
-        idx = [None if t is None else t.to(torch.int64).contiguous() for t in (dst_idx, src_idx)]
-        n = (idx[0] if idx[0] is not None else idx[1]).numel()
-        if n:
-            self.native.copy_rows(
-                dst.data_ptr(),
-                dst_pitch,
-                0 if idx[0] is None else idx[0].data_ptr(),
-                src.data_ptr(),
-                src_pitch,
-                0 if idx[1] is None else idx[1].data_ptr(),
-                n,
-                row_bytes,
-            )
+        dst_idx, src_idx = (None if t is None else t.to(torch.int64).contiguous() for t in (dst_idx, src_idx))
+        if (dst_idx if dst_idx is not None else src_idx).numel():
+            self.native.copy_rows(dst, dst_pitch, dst_idx, src, src_pitch, src_idx, row_bytes)
 
     def reduce_rows(self, out, out_pitch, out_dtype, n, width, sources, init=None):
         """out rows (uint8 tensor at the first row) = init + sum over sources in order (see row_kernels.h).
         sources: (uint8 tensor at row 0, pitch, dtype, int64 index [n] with -1 for none, float32 weights or None)."""
-        keep = []
-        native_sources = []
-        for base, pitch, dtype, index, weight in sources:
-            index = index.to(torch.int64).contiguous()
-            weight = None if weight is None else weight.to(torch.float32).contiguous()
-            keep += [index, weight]
-            native_sources.append(
-                (base.data_ptr(), pitch, dtype, index.data_ptr(), 0 if weight is None else weight.data_ptr())
-            )
+        native_sources = [
+            (base, pitch, dtype, index.to(torch.int64).contiguous(), None if w is None else w.float().contiguous())
+            for base, pitch, dtype, index, w in sources
+        ]
         init = None if init is None else init.to(torch.float32).contiguous()
-        self.native.reduce_rows(
-            out.data_ptr(), out_pitch, out_dtype, n, width, native_sources, 0 if init is None else init.data_ptr()
-        )
+        self.native.reduce_rows(out, out_pitch, out_dtype, n, width, native_sources, init)
 
     def logfmt_encode_rows(self, dst, dst_pitch, dst_idx, src, src_pitch, src_idx, hidden, seq):
         """Native LogFMT-10 encode (gpu_kernels/logfmt.h): BF16 rows of src (uint8 tensor, rows src_idx) into the
         row slots dst_idx of dst, with the call's sequence number `seq` in each row's metadata."""
         dst_idx, src_idx = (t.to(torch.int64).contiguous() for t in (dst_idx, src_idx))
         if dst_idx.numel():
-            self.native.logfmt_encode_rows(
-                dst.data_ptr(),
-                dst_pitch,
-                dst_idx.data_ptr(),
-                src.data_ptr(),
-                src_pitch,
-                src_idx.data_ptr(),
-                dst_idx.numel(),
-                hidden,
-                seq,
-            )
+            self.native.logfmt_encode_rows(dst, dst_pitch, dst_idx, src, src_pitch, src_idx, hidden, seq)
 
     def logfmt_row_seqs(self, base, pitch, idx, hidden):
         """The sequence numbers in the LogFMT rows idx (int64 [n]) of base (uint8 tensor): int32 [n]."""
         idx = idx.to(torch.int64).contiguous()
         out = torch.empty(idx.numel(), dtype=torch.int32)
         if idx.numel():
-            self.native.logfmt_row_seqs(out.data_ptr(), base.data_ptr(), pitch, idx.data_ptr(), idx.numel(), hidden)
+            self.native.logfmt_row_seqs(out, base, pitch, idx, hidden)
         return out
 
     def put_rows_streams(self, dst, local_offsets, remote_offsets, streams, row_bytes):
@@ -202,7 +175,7 @@ class HostEngine(Topology):
         lo, ro, st = (t.to(torch.int64).contiguous() for t in (local_offsets, remote_offsets, streams))
         if lo.numel():
             self._writes_in_flight = True
-            self._native.write_rows_streams(dst, lo.data_ptr(), ro.data_ptr(), st.data_ptr(), lo.numel(), row_bytes)
+            self._native.write_rows_streams(dst, lo, ro, st, row_bytes)
 
     def signal_many(self, dsts, streams, units):
         """Final signals for (dst, stream) pairs; `units` counts direct stores (proxies count their writes)."""
@@ -211,7 +184,7 @@ class HostEngine(Topology):
         direct = torch.tensor(
             [self.direct(int(d), low_latency=True) for d in range(self.num_ranks)], dtype=torch.uint8
         )[dsts].contiguous()
-        self._native.signal_many(dsts.numel(), dsts.data_ptr(), streams.data_ptr(), units.data_ptr(), direct.data_ptr())
+        self._native.signal_many(dsts, streams, units, direct)
 
     def consume_many(self, srcs, streams):
         """Waits for the final signal of each (src, stream) in order; returns (units, nanoseconds waited). In shrink
@@ -219,15 +192,7 @@ class HostEngine(Topology):
         srcs, streams = (t.to(torch.int64).contiguous() for t in (srcs, streams))
         units = torch.empty(srcs.numel(), dtype=torch.int64)
         waited = torch.empty(srcs.numel(), dtype=torch.int64)
-        self._native.consume_many(
-            srcs.numel(),
-            srcs.data_ptr(),
-            streams.data_ptr(),
-            units.data_ptr(),
-            waited.data_ptr(),
-            self.timeout_s,
-            0 if self.mask is None else self.mask.data_ptr(),
-        )
+        self._native.consume_many(srcs, streams, units, waited, self.timeout_s, self.mask)
         return units, waited
 
     def masked(self, rank):
