@@ -7,6 +7,7 @@
 #include <string>
 #include <vector>
 
+#include "gpu_kernels/host/bf16.h"
 #include "gpu_kernels/ll_layout.h"
 #include "gpu_kernels/logfmt.h"
 
@@ -20,47 +21,47 @@ namespace {
 
 constexpr uint16_t kSignMask = 0x8000u, kBf16Inf = 0x7f80u;
 
-float bf16_bits_to_f32(uint16_t v) {
-  const uint32_t bits = uint32_t(v) << 16;
-  float f;
-  memcpy(&f, &bits, 4);
-  return f;
-}
-
 // A group's log range, from its metadata magnitudes (sign bits cleared), as sender and receiver both compute it.
 struct GroupScale {
-  float lmin, lmax;
-  bool castable;  // 0 < amax < 1 and amin < amax, in logs
+  float lmin, lmax, step;  // step: (lmax - lmin) / 510, the log distance between levels
+  bool castable;           // 0 < amax < 1 and amin < amax, in logs
 };
 
 GroupScale group_scale(uint16_t amax, uint16_t amin) {
   GroupScale g;
-  g.lmax = log2f(bf16_bits_to_f32(amax));
-  g.lmin = amin == 0 ? g.lmax - kLogfmtRange : fmaxf(log2f(bf16_bits_to_f32(amin)), g.lmax - kLogfmtRange);
+  g.lmax = log2f(bf16_to_f32(amax));
+  g.lmin = amin == 0 ? g.lmax - kLogfmtRange : fmaxf(log2f(bf16_to_f32(amin)), g.lmax - kLogfmtRange);
+  g.step = (g.lmax - g.lmin) / float(kLogfmtLevels);
   g.castable = g.lmax < 0.0f && g.lmin < g.lmax;
   return g;
 }
 
-float step_of(const GroupScale& g) { return (g.lmax - g.lmin) / float(kLogfmtLevels); }
+// The encoder's constants of a castable group: code = floor(max(log2(a) * sinv + bias, 0)).
+struct Encoding {
+  float sinv, bias;
+};
+
+Encoding encoding_of(const GroupScale& g) {
+  const float sinv = 1.0f / g.step;
+  return Encoding{sinv, 2.0f - log2f((1.0f + exp2f(g.step)) * 0.5f) * sinv - g.lmin * sinv};
+}
 
 // Round to the nearest level in the linear domain (a tie goes up); 0 for zero, NaN and values below half the
 // lowest level.
-uint32_t encode_value(float a, const GroupScale& g) {
-  const float s = step_of(g), sinv = 1.0f / s;
-  const float f = 2.0f - log2f((1.0f + exp2f(s)) * 0.5f) * sinv - g.lmin * sinv;
-  const float code = floorf(fmaxf(log2f(a) * sinv + f, 0.0f));
+uint32_t encode_value(float a, const Encoding& e) {
+  const float code = floorf(fmaxf(log2f(a) * e.sinv + e.bias, 0.0f));
   return code >= float(kLogfmtMaxCode) ? kLogfmtMaxCode : uint32_t(code);
 }
 
 float decode_value(uint32_t code, const GroupScale& g) {
-  return code == 0 ? 0.0f : exp2f(float(code - 1) * step_of(g) + g.lmin);
+  return code == 0 ? 0.0f : exp2f(float(code - 1) * g.step + g.lmin);
 }
 
 // 16 channels into a 20-byte block (logfmt.h's bit layout).
-void pack_block(uint8_t* dst, const uint16_t* x, const GroupScale& g) {
+void pack_block(uint8_t* dst, const uint16_t* x, const Encoding& e) {
   uint32_t w[kLogfmtBlockBytes / 4] = {};
   for (int k = 0; k < kLogfmtBlockValues; ++k) {
-    const uint32_t code = encode_value(bf16_bits_to_f32(uint16_t(x[k] & ~kSignMask)), g);
+    const uint32_t code = encode_value(bf16_to_f32(uint16_t(x[k] & ~kSignMask)), e);
     const int bit = k * kLogfmtCodeBits, word = bit / 32, shift = bit % 32;
     w[word] |= code << shift;
     if (shift + kLogfmtCodeBits > 32) w[word + 1] |= code >> (32 - shift);
@@ -126,8 +127,11 @@ void encode_row(uint8_t* dst, const uint16_t* x, int hidden, uint32_t seq, std::
       at += logfmt_bf16_bytes(chunk);
       continue;
     }
-    for (int b = 0; b < chunk / kLogfmtBlockValues; ++b, at += kLogfmtBlockBytes)
-      pack_block(at, xc + b * kLogfmtBlockValues, gs[size_t((c * chunk + b * kLogfmtBlockValues) / kLogfmtGroup)]);
+    for (int g = 0; g < chunk / kLogfmtGroup; ++g) {
+      const Encoding e = encoding_of(gs[size_t(c * chunk / kLogfmtGroup + g)]);
+      for (int b = 0; b < kLogfmtGroup / kLogfmtBlockValues; ++b, at += kLogfmtBlockBytes)
+        pack_block(at, xc + g * kLogfmtGroup + b * kLogfmtBlockValues, e);
+    }
   }
   for (int i = 0; i < kLogfmtSeqBits; ++i) meta[i] = uint16_t(meta[i] | ((seq >> i & 1u) << 15));
 }
@@ -168,7 +172,7 @@ void host_logfmt_decode_row(float* out, const uint8_t* row, int hidden) {
     float* oc = out + int64_t(c) * chunk;
     if (!chunk_cast(gs, chunk, c)) {
       const uint16_t* b = reinterpret_cast<const uint16_t*>(at);
-      for (int i = 0; i < chunk; ++i) oc[i] = bf16_bits_to_f32(b[i]);
+      for (int i = 0; i < chunk; ++i) oc[i] = bf16_to_f32(b[i]);
       at += logfmt_bf16_bytes(chunk);
       continue;
     }

@@ -6,27 +6,13 @@
 #include <string>
 #include <vector>
 
+#include "gpu_kernels/host/bf16.h"
 #include "gpu_kernels/host/logfmt_rows.h"
 #include "gpu_kernels/logfmt.h"
 
 namespace portep {
 
 namespace {
-inline float bf16_to_f32(uint16_t v) {
-  uint32_t bits = uint32_t(v) << 16;
-  float f;
-  memcpy(&f, &bits, 4);
-  return f;
-}
-
-inline uint16_t f32_to_bf16(float f) {  // round to nearest even, NaN kept quiet
-  uint32_t bits;
-  memcpy(&bits, &f, 4);
-  if ((bits & 0x7fffffffu) > 0x7f800000u) return uint16_t((bits >> 16) | 0x40);
-  bits += 0x7fffu + ((bits >> 16) & 1u);
-  return uint16_t(bits >> 16);
-}
-
 // decoded: scratch of `width` floats for kRowLogfmt rows.
 void accumulate(float* acc, const uint8_t* row, int dtype, int64_t width, float w, std::vector<float>& decoded) {
   if (dtype == kRowLogfmt) {
