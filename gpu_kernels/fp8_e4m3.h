@@ -12,11 +12,7 @@
 #include <stdint.h>
 #include <string.h>
 
-#if defined(__CUDACC__) || defined(__HIPCC__)
-#define PORTEP_HOST_DEVICE __host__ __device__ __forceinline__
-#else
-#define PORTEP_HOST_DEVICE inline
-#endif
+#include "gpu_kernels/host_device.h"
 
 namespace portep {
 

@@ -91,6 +91,7 @@ PORTEP_DEVICE int warp_sum_i32(int v) {
   return v;
 }
 PORTEP_DEVICE int warp_broadcast_i32(int v, int lane) { return __shfl(v, lane); }
+PORTEP_DEVICE uint32_t warp_xor_u32(uint32_t v, int lane_mask) { return __shfl_xor(v, lane_mask); }
 PORTEP_DEVICE bool warp_all(bool p) { return __all(p); }
 // The lanes' shared-memory stores before it are visible to the wavefront's loads after it: the lanes run in
 // lockstep, so no instruction is needed, but the compiler must not move memory accesses across it.
@@ -198,6 +199,8 @@ PORTEP_DEVICE int warp_sum_i32(int v) {
   return v;
 }
 PORTEP_DEVICE int warp_broadcast_i32(int v, int lane) { return __shfl_sync(0xffffffffu, v, lane); }
+// Lane i gets lane (i ^ lane_mask)'s v (every lane of the warp takes part).
+PORTEP_DEVICE uint32_t warp_xor_u32(uint32_t v, int lane_mask) { return __shfl_xor_sync(0xffffffffu, v, lane_mask); }
 PORTEP_DEVICE bool warp_all(bool p) { return __all_sync(0xffffffffu, p); }
 PORTEP_DEVICE void warp_sync() { __syncwarp(); }
 // Round to nearest even, saturating to +-448 (e4m3fn has no infinity).

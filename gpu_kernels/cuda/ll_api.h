@@ -138,6 +138,7 @@ struct LLCombineArgs {
   void* out;  // [N][H] bf16, row pitch out_pitch bytes
   uint64_t out_pitch;
   int64_t* wait_stats;     // [R] or null
+  bool use_logfmt;         // rows travel as LogFMT-10 (gpu_kernels/logfmt.h), this rank's too; c.meta_off is 0
   bool own_rows_in_input;  // set by ll_combine: rows for this rank are read from x, not copied
 };
 

@@ -4,12 +4,14 @@
 // instead of their rows (partials, ll_api.h). The receive phase waits for every expert's signal, then reduces
 // each token per owner rank (top-k order, FP32), then over owner ranks in rank order: the host backend's order
 // and roundings, so both give the same bits. In one launch (no hook) this rank's rows for itself are not
-// copied: the reduce reads them from the input, which cannot change before it runs.
+// copied: the reduce reads them from the input, which cannot change before it runs. With use_logfmt every row,
+// this rank's too, travels encoded as LogFMT-10 (ll_logfmt.cuh) and no peer sends partials.
 #include "gpu_kernels/cuda/gpu_runtime.h"
 #include "gpu_kernels/cuda/graph_cache.h"
 
 #include <climits>
 
+#include "gpu_kernels/cuda/ll_logfmt.cuh"
 #include "gpu_kernels/cuda/ll_partials.cuh"
 
 namespace portep::cuda {
@@ -20,6 +22,14 @@ constexpr int kMaxPartsPerExpert = 8;
 
 PORTEP_DEVICE void copy_row(uint8_t* dst, const uint8_t* src, int bytes) {
   warp_copy16(reinterpret_cast<uint4*>(dst), reinterpret_cast<const uint4*>(src), bytes / 16);
+}
+
+// Warp-wide: a BF16 expert output row into its combine row slot, as it is or LogFMT-encoded.
+PORTEP_DEVICE void put_row(const LLCombineArgs& a, uint8_t* dst, const uint8_t* row) {
+  if (a.use_logfmt)
+    warp_logfmt_encode(dst, row, a.c.hidden);
+  else
+    copy_row(dst, row, 2 * a.c.hidden);
 }
 
 // Without zero-copy, proxy destination dst's rows of a chunk are staged packed from this row of the send area
@@ -109,13 +119,13 @@ PORTEP_DEVICE void combine_send_part(const LLCombineArgs& a, int le, int part, i
     const uint8_t* row = static_cast<const uint8_t*>(a.x) + (uint64_t(le) * M + i) * a.x_pitch;
     if ((src == c.rank && a.own_rows_in_input) || partial_peer(c, src) || !sending_to(c, src)) continue;
     if (c.peers[src])
-      copy_row(c.peers[src] + c.recv_off + (uint64_t(expert) * c.T + (i - begins[src])) * c.comb_pitch, row,
-               2 * c.hidden);
+      put_row(a, c.peers[src] + c.recv_off + (uint64_t(expert) * c.T + (i - begins[src])) * c.comb_pitch, row);
     else if (rows_packed_here(a, src)) {  // proxy peers' rows packed per chunk: staged, or placed at src
       const uint64_t p = packed_before[src] + (i - begins[src]);
-      copy_row(proxy_bytes_at(c, src, c.send_off + (combine_staging_row(c, src, chunk) + p) * c.comb_pitch,
-                              combine_remote_chunk(c, chunk) + p * c.comb_pitch),
-               row, 2 * c.hidden);
+      put_row(a,
+              proxy_bytes_at(c, src, c.send_off + (combine_staging_row(c, src, chunk) + p) * c.comb_pitch,
+                             combine_remote_chunk(c, chunk) + p * c.comb_pitch),
+              row);
     }
   }
   __syncthreads();
@@ -290,6 +300,26 @@ PORTEP_DEVICE void reduce_channels(const ReduceSlots& slots, int j, int H, float
     for (int x = 0; x < 8; ++x) acc[x] = __fadd_rn(acc[x], group[x]);
 }
 
+// Channels [16j, 16j + 16) of a token whose rows are LogFMT-10 (masks[i]: slot i's cast chunks): the same sums in
+// the same order as reduce_channels (no slot is a partial: LogFMT combines send none).
+PORTEP_DEVICE void reduce_logfmt_channels(const ReduceSlots& slots, const uint32_t* masks, int j, int H, float* acc) {
+  float group[16];
+#pragma unroll
+  for (int x = 0; x < 16; ++x) group[x] = 0;
+  for (int i = 0; i < slots.count; ++i) {
+    if ((slots.kind[i] & kSlotNewGroup) && i > 0)
+#pragma unroll
+      for (int x = 0; x < 16; ++x) {
+        acc[x] = __fadd_rn(acc[x], group[x]);
+        group[x] = 0;
+      }
+    logfmt_accumulate(group, reinterpret_cast<const uint8_t*>(slots.lo[i]), masks[i], j, H, slots.weight[i]);
+  }
+  if (slots.count)
+#pragma unroll
+    for (int x = 0; x < 16; ++x) acc[x] = __fadd_rn(acc[x], group[x]);
+}
+
 // Waits for the experts of this block's tokens, then counts the block done; the last block resets every flag.
 // Before the reduce's output stores: so the fence has no stores to wait for, and the last block resets while the
 // others reduce. Every read of a flag happens here, so the reset cannot hide one from a block.
@@ -336,6 +366,7 @@ PORTEP_DEVICE void combine_reduce(const LLCombineArgs& a) {
   __shared__ uint32_t tok_slots[kWarpSize];
   __shared__ int owners[kWarpSize];  // the rank holding each selection's expert (divided once, in parallel)
   __shared__ ReduceSlots slots;
+  __shared__ uint32_t cast_masks[kWarpSize];  // LogFMT: each slot's cast chunks
   const LLCommon& c = a.c;
   const int K = a.num_topk, H = c.hidden;
   for_my_relay_chunks(c, [&](int src, int chunk) { relay_combine_chunk(a, src, chunk); });
@@ -355,6 +386,20 @@ PORTEP_DEVICE void combine_reduce(const LLCombineArgs& a) {
     if (int(threadIdx.x) < kWarpSize) place_slots(a, rows, weights, owners, &slots);
     __syncthreads();
     uint4* out = reinterpret_cast<uint4*>(static_cast<uint8_t*>(a.out) + uint64_t(t) * a.out_pitch);
+    if (a.use_logfmt) {
+      logfmt_cast_masks(slots.lo, slots.count, H, cast_masks);
+      __syncthreads();
+      for (int j = threadIdx.x; j < H / 16; j += blockDim.x) {
+        float acc[16];
+#pragma unroll
+        for (int x = 0; x < 16; ++x) acc[x] = 0;
+        reduce_logfmt_channels(slots, cast_masks, j, H, acc);
+        out[2 * j] = pack_bf16x8(acc);
+        out[2 * j + 1] = pack_bf16x8(acc + 8);
+      }
+      __syncthreads();
+      continue;
+    }
     for (int j = threadIdx.x; j < H / 8; j += blockDim.x) {
       float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
       reduce_channels(slots, j, H, acc);
@@ -403,7 +448,8 @@ struct CombineLaunch {
 
 // The grid, parts per expert, dynamic shared memory and kernel arguments of a combine launch.
 cudaError_t combine_launch(const LLCombineArgs& a, int phases, CombineLaunch* l) {
-  if (a.num_topk > kMetaMaxTopk || phases < kPhaseSend || phases > (kPhaseSend | kPhaseRecv))
+  if (a.num_topk > kMetaMaxTopk || phases < kPhaseSend || phases > (kPhaseSend | kPhaseRecv) ||
+      (a.use_logfmt && (!logfmt_hidden_ok(a.c.hidden) || a.c.meta_off != 0 || a.zero_copy)))
     return cudaErrorInvalidValue;
   const LLCommon& c = a.c;
   l->smem = size_t(c.num_ranks) * 12;
@@ -413,7 +459,8 @@ cudaError_t combine_launch(const LLCombineArgs& a, int phases, CombineLaunch* l)
   if (phases == (kPhaseSend | kPhaseRecv)) {
     l->blocks = send_recv_grid(N, E_l, sms);
     l->parts = parts_for(l->blocks);
-    l->args.own_rows_in_input = true;  // one launch: the reduce reads this rank's rows from x, which cannot change
+    // one launch: the reduce reads this rank's rows from x, which cannot change (LogFMT: decodes them, as any row)
+    l->args.own_rows_in_input = !a.use_logfmt;
   } else if (phases == kPhaseSend) {
     l->parts = parts_for(sms);
     l->blocks = std::min(E_l * l->parts, sms);

@@ -1,6 +1,5 @@
 #include "gpu_kernels/host/logfmt_rows.h"
 
-#include <math.h>
 #include <string.h>
 
 #include <stdexcept>
@@ -19,49 +18,23 @@ static_assert(ll_half_layout(1, 7168, 8, 1).comb_pitch == uint64_t(logfmt_max_ro
 
 namespace {
 
-constexpr uint16_t kSignMask = 0x8000u, kBf16Inf = 0x7f80u;
+constexpr uint16_t kSignMask = kLogfmtSignMask;
 
-// A group's log range, from its metadata magnitudes (sign bits cleared), as sender and receiver both compute it.
+// A group's scale, and whether it is cast, from its metadata magnitudes (sign bits cleared).
 struct GroupScale {
-  float lmin, lmax, step;  // step: (lmax - lmin) / 510, the log distance between levels
-  bool castable;           // 0 < amax < 1 and amin < amax, in logs
+  LogfmtScale scale;
+  bool castable;
 };
 
 GroupScale group_scale(uint16_t amax, uint16_t amin) {
-  GroupScale g;
-  g.lmax = log2f(bf16_to_f32(amax));
-  g.lmin = amin == 0 ? g.lmax - kLogfmtRange : fmaxf(log2f(bf16_to_f32(amin)), g.lmax - kLogfmtRange);
-  g.step = (g.lmax - g.lmin) / float(kLogfmtLevels);
-  g.castable = g.lmax < 0.0f && g.lmin < g.lmax;
-  return g;
-}
-
-// The encoder's constants of a castable group: code = floor(max(log2(a) * sinv + bias, 0)).
-struct Encoding {
-  float sinv, bias;
-};
-
-Encoding encoding_of(const GroupScale& g) {
-  const float sinv = 1.0f / g.step;
-  return Encoding{sinv, 2.0f - log2f((1.0f + exp2f(g.step)) * 0.5f) * sinv - g.lmin * sinv};
-}
-
-// Round to the nearest level in the linear domain (a tie goes up); 0 for zero, NaN and values below half the
-// lowest level.
-uint32_t encode_value(float a, const Encoding& e) {
-  const float code = floorf(fmaxf(log2f(a) * e.sinv + e.bias, 0.0f));
-  return code >= float(kLogfmtMaxCode) ? kLogfmtMaxCode : uint32_t(code);
-}
-
-float decode_value(uint32_t code, const GroupScale& g) {
-  return code == 0 ? 0.0f : exp2f(float(code - 1) * g.step + g.lmin);
+  return GroupScale{logfmt_scale(amax, amin), logfmt_castable(amax, amin)};
 }
 
 // 16 channels into a 20-byte block (logfmt.h's bit layout).
-void pack_block(uint8_t* dst, const uint16_t* x, const Encoding& e) {
+void pack_block(uint8_t* dst, const uint16_t* x, const LogfmtEncoding& e) {
   uint32_t w[kLogfmtBlockBytes / 4] = {};
   for (int k = 0; k < kLogfmtBlockValues; ++k) {
-    const uint32_t code = encode_value(bf16_to_f32(uint16_t(x[k] & ~kSignMask)), e);
+    const uint32_t code = logfmt_encode_value(bf16_to_f32(uint16_t(x[k] & ~kSignMask)), e);
     const int bit = k * kLogfmtCodeBits, word = bit / 32, shift = bit % 32;
     w[word] |= code << shift;
     if (shift + kLogfmtCodeBits > 32) w[word + 1] |= code >> (32 - shift);
@@ -79,7 +52,7 @@ void unpack_block(float* out, const uint8_t* src, const GroupScale& g) {
     uint32_t code = w[word] >> shift;
     if (shift + kLogfmtCodeBits > 32) code |= w[word + 1] << (32 - shift);
     const int sign = kLogfmtSignBit0 + k;
-    const float v = decode_value(code & kLogfmtMaxCode, g);
+    const float v = logfmt_decode_value(code & kLogfmtMaxCode, g.scale);
     out[k] = (w[sign / 32] >> (sign % 32) & 1) ? -v : v;
   }
 }
@@ -87,7 +60,9 @@ void unpack_block(float* out, const uint8_t* src, const GroupScale& g) {
 void check_hidden(int hidden) {
   if (!logfmt_hidden_ok(hidden))
     throw std::invalid_argument("LogFMT rows: hidden=" + std::to_string(hidden) +
-                                " must be a multiple of 512 and at least " + std::to_string(kLogfmtMinHidden));
+                                " must be a multiple of 512, at least " + std::to_string(kLogfmtMinHidden) +
+                                " and at most " + std::to_string(kLogfmtMaxChunks) + " chunks of " +
+                                std::to_string(logfmt_chunk(hidden)) + " channels");
 }
 
 // The groups' scales from a row's metadata, sign bits (the sequence number) cleared.
@@ -109,11 +84,11 @@ void encode_row(uint8_t* dst, const uint16_t* x, int hidden, uint32_t seq, std::
   uint16_t* meta = reinterpret_cast<uint16_t*>(dst);
   const int groups = hidden / kLogfmtGroup, chunk = logfmt_chunk(hidden);
   for (int g = 0; g < groups; ++g) {
-    uint16_t amax = 0, amin = kBf16Inf;
+    uint16_t amax = 0, amin = kLogfmtBf16Inf;
     for (int i = g * kLogfmtGroup; i < (g + 1) * kLogfmtGroup; ++i) {
       const uint16_t m = uint16_t(x[i] & ~kSignMask);
-      if (m > kBf16Inf) continue;  // NaN: left out of the range, as DeepEP's __hmax2/__hmin2 leave it
-      amax = m > amax ? m : amax;  // magnitudes order as their bit patterns do
+      if (m > kLogfmtBf16Inf) continue;  // NaN: left out of the range, as DeepEP's __hmax2/__hmin2 leave it
+      amax = m > amax ? m : amax;        // magnitudes order as their bit patterns do
       amin = m < amin ? m : amin;
     }
     meta[2 * g] = amax, meta[2 * g + 1] = amin;
@@ -128,7 +103,7 @@ void encode_row(uint8_t* dst, const uint16_t* x, int hidden, uint32_t seq, std::
       continue;
     }
     for (int g = 0; g < chunk / kLogfmtGroup; ++g) {
-      const Encoding e = encoding_of(gs[size_t(c * chunk / kLogfmtGroup + g)]);
+      const LogfmtEncoding e = logfmt_encoding(gs[size_t(c * chunk / kLogfmtGroup + g)].scale);
       for (int b = 0; b < kLogfmtGroup / kLogfmtBlockValues; ++b, at += kLogfmtBlockBytes)
         pack_block(at, xc + g * kLogfmtGroup + b * kLogfmtBlockValues, e);
     }

@@ -738,8 +738,8 @@ class Buffer:
             topk_idx: [num_tokens, num_topk] topk_idx_t and topk_weights: [num_tokens, num_topk] float32, as
                 dispatched.
             handle: the dispatch's. use_logfmt: the rows travel in LogFMT-10 (DeepEP's format, about 10 bits a
-                value; hidden >= 2048, not with zero_copy); the host backend has it, the CUDA backend raises
-                NotImplementedError. zero_copy: x was written into get_next_low_latency_combine_buffer.
+                value; 2048 <= hidden, at most 32 chunks of 1024 channels, not with zero_copy; docs/logfmt.md).
+                zero_copy: x was written into get_next_low_latency_combine_buffer.
             out: BF16 [num_tokens, hidden] to write into; combine_wait_recv_cost_stats: [num_ranks] int64.
 
         Returns:

@@ -104,7 +104,8 @@ def check_ll_flags(async_finish: bool, return_recv_hook: bool) -> None:
 
 def check_ll_logfmt(use_logfmt: bool, zero_copy: bool, hidden: int) -> None:
     """LogFMT combine casts rows as it sends them, so not with zero_copy (as DeepEP refuses it), and its rows carry the
-    call's sequence number in two sign bits per 128 channels, so hidden >= 2048 (gpu_kernels/logfmt.h)."""
+    call's sequence number in two sign bits per 128 channels, so hidden >= 2048, and at most 32 chunks of 1024 (or
+    512) channels (gpu_kernels/logfmt.h)."""
     if not use_logfmt:
         return
     if zero_copy:
@@ -116,8 +117,8 @@ def check_ll_logfmt(use_logfmt: bool, zero_copy: bool, hidden: int) -> None:
     layout = require_native().logfmt_layout(int(hidden))
     if not layout["ok"]:
         raise ValueError(
-            f"use_logfmt=True needs hidden to be a multiple of 512 and at least {layout['min_hidden']}; got "
-            f"hidden={hidden}"
+            f"use_logfmt=True needs hidden to be a multiple of 512, at least {layout['min_hidden']} and at most "
+            f"{layout['max_hidden']} ({layout['max_chunks']} chunks of {layout['chunk']} channels); got hidden={hidden}"
         )
 
 

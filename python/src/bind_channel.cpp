@@ -300,6 +300,8 @@ void bind_channel(py::module_& m) {
     py::dict d;
     d["ok"] = logfmt_hidden_ok(hidden);
     d["min_hidden"] = kLogfmtMinHidden;
+    d["max_hidden"] = kLogfmtMaxChunks * logfmt_chunk(hidden);  // for hidden's chunk size
+    d["max_chunks"] = kLogfmtMaxChunks;
     d["chunk"] = logfmt_chunk(hidden);
     d["meta_bytes"] = logfmt_meta_bytes(hidden);
     d["cast_row_bytes"] = logfmt_cast_row_bytes(hidden);

@@ -212,6 +212,7 @@ void combine(LLPlanTable& table, const LLPlan& p, int half, int phases, uintptr_
   LLCombineArgs a{};
   a.c = ll_call_common(p.combine[half], reinterpret_cast<void*>(stream), seq);
   a.zero_copy = kw["zero_copy"].cast<bool>();
+  ll_set_combine_logfmt(&a, kw["use_logfmt"].cast<bool>());
   ll_set_combine_rows(&a, ptr<const void>(u("x")));
   a.src_info = ptr<const int32_t>(u("src_info"));
   a.layout_range = ptr<const int64_t>(u("layout_range"));

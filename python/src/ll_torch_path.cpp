@@ -21,6 +21,7 @@
 #include <initializer_list>
 #include <string>
 
+#include "gpu_kernels/logfmt.h"
 #include "python/src/ll_torch_path.h"
 
 namespace {
@@ -242,11 +243,12 @@ PyObject* combine_call(LLPlanTable* table, PyObject* const* args, uint32_t seq, 
   using namespace portep::ll_torch;
   PyObject* handle = args[kCombineHandle];
   long T, H, E;
-  bool zero_copy;
-  if (!table || !all_false({args[kCombineLogfmt], args[kCombineAsyncFinish], args[kCombineRecvHook]}) ||
-      !PyTuple_CheckExact(handle) || PyTuple_GET_SIZE(handle) != 5 || !is_int(PyTuple_GET_ITEM(handle, 2), &T) ||
+  bool zero_copy, logfmt;
+  if (!table || !all_false({args[kCombineAsyncFinish], args[kCombineRecvHook]}) || !PyTuple_CheckExact(handle) ||
+      PyTuple_GET_SIZE(handle) != 5 || !is_int(PyTuple_GET_ITEM(handle, 2), &T) ||
       !is_int(PyTuple_GET_ITEM(handle, 3), &H) || !is_int(PyTuple_GET_ITEM(handle, 4), &E) ||
-      !is_bool(args[kCombineZeroCopy], &zero_copy))
+      !is_bool(args[kCombineZeroCopy], &zero_copy) || !is_bool(args[kCombineLogfmt], &logfmt) ||
+      (logfmt && (zero_copy || !portep::logfmt_hidden_ok(int(H)))))  // the full path refuses these
     Py_RETURN_NONE;
   LLPlan* plan = table->find(int(T), int(H), int(E));
   if (!plan || !(plan->checked & portep::cuda::kCombineChecked)) Py_RETURN_NONE;
@@ -272,6 +274,7 @@ PyObject* combine_call(LLPlanTable* table, PyObject* const* args, uint32_t seq, 
   LLCombineArgs a{};
   a.c = ll_call_common(plan->combine[table->take_half()], stream, seq);
   a.zero_copy = zero_copy;
+  ll_set_combine_logfmt(&a, logfmt);
   ll_set_combine_rows(&a, x->data_ptr());
   a.src_info = src_info->data_ptr<int32_t>();
   a.layout_range = range->data_ptr<int64_t>();

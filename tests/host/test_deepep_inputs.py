@@ -1,5 +1,5 @@
-"""Bad inputs to portep.Buffer's DeepEP V1 methods: each raises ValueError or TypeError naming the argument
-(use_logfmt: NotImplementedError), nothing hangs, and the Buffer still works afterwards (checked good calls
+"""Bad inputs to portep.Buffer's DeepEP V1 methods: each raises ValueError or TypeError naming the argument, nothing
+hangs, and the Buffer still works afterwards (checked good calls
 before and after). A buffer too small for a dispatch is refused with a ValueError that mentions bytes.
 """
 

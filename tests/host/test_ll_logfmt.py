@@ -28,7 +28,8 @@ def test_ll_logfmt_combine(world, rpn, transport, T, hidden, experts, topk, seed
     assert_clean(out, 18)
 
 
-def test_ll_logfmt_refuses_a_small_hidden():
-    out = run_ranks(lw.small_hidden_body, 2, args=(1024,), timeout=180)
+@pytest.mark.parametrize("hidden,limit", [(1024, "2048"), (16896, "16384")], ids=["below-2048", "33-chunks"])
+def test_ll_logfmt_refuses_a_hidden_outside_the_format(hidden, limit):
+    out = run_ranks(lw.small_hidden_body, 2, args=(hidden,), timeout=180)
     for rank, message in out.items():
-        assert "hidden=1024" in message and "2048" in message, f"rank {rank}: {message}"
+        assert f"hidden={hidden}" in message and limit in message, f"rank {rank}: {message}"

@@ -1,6 +1,7 @@
-"""Rank bodies for LogFMT-10 low-latency combine (low_latency_combine(use_logfmt=True)) on the host backend: every
-combined row against a float64 reference that quantizes each expert output as the format does (logfmt_ref.py) and
-sums it with the top-k weights, on inputs that are mostly cast, a mix of cast and BF16 chunks, and all BF16."""
+"""Rank bodies for LogFMT-10 low-latency combine (low_latency_combine(use_logfmt=True)) on the host backend and, with
+backend='cuda', on the CUDA kernels (tests/gpu/test_gpu_ll_logfmt.py): every combined row against a float64
+reference that quantizes each expert output as the format does (logfmt_ref.py) and sums it with the top-k weights,
+on inputs that are mostly cast, a mix of cast and BF16 chunks, and all BF16."""
 
 import torch
 
@@ -72,9 +73,9 @@ def _check(ck, kind, got, q_sum, exact, mags):
         ck.true(to_q == to_exact, f"bf16: rows were cast although no chunk qualifies ({to_q:.3g} vs {to_exact:.3g})")
 
 
-def logfmt_body(rank, world, rpn, transport, seed, T, hidden, num_experts, num_topk):
+def logfmt_body(rank, world, rpn, transport, seed, T, hidden, num_experts, num_topk, backend="host", allow_nvlink=True):
     ck = Checker(rank)
-    buf = make_ll_buffer(rank, world, rpn, transport, T, hidden, num_experts)
+    buf = make_ll_buffer(rank, world, rpn, transport, T, hidden, num_experts, backend, allow_nvlink)
     n = T - rank % 2  # ranks with fewer tokens than the maximum too
     for round_, kind in enumerate(("cast", "mix", "bf16", "mix")):
         ck.step = f"{kind} round {round_}"
@@ -112,7 +113,8 @@ def logfmt_body(rank, world, rpn, transport, seed, T, hidden, num_experts, num_t
 
 
 def small_hidden_body(rank, world, hidden):
-    """A LogFMT combine at a hidden size below the format's sequence bits: the ValueError's text ('' if none)."""
+    """A LogFMT combine at a hidden size the format refuses (below its sequence bits, or over 32 chunks): the
+    ValueError's text ('' if none)."""
     buf = make_ll_buffer(rank, world, 1, "shm", 8, hidden, 2 * world)
     inp = make_ll_inputs(rank, 5, 8, hidden, 2, 2 * world, holes=0)
     recv_x, _, handle, _, _ = buf.low_latency_dispatch(inp["x_rand"], inp["idx"], 8, 2 * world, use_fp8=False)

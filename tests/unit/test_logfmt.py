@@ -161,3 +161,14 @@ def test_hidden_below_the_sequence_bits_is_refused():
     x = torch.randn(1, 1536).to(torch.bfloat16) * 0.1
     with pytest.raises(ValueError, match="hidden=1536"):
         _encode(x)
+
+
+@pytest.mark.parametrize("hidden,limit", [(16896, 16384), (33792, 32768)], ids=["512-chunks", "1024-chunks"])
+def test_more_than_32_chunks_are_refused(hidden, limit):
+    """A row's cast decisions are one bit per chunk of a 32-bit mask (the CUDA receive side): 33 chunks are refused,
+    32 are not."""
+    layout = native.logfmt_layout(hidden)
+    assert not layout["ok"] and layout["max_hidden"] == limit and native.logfmt_layout(limit)["ok"]
+    x = torch.randn(1, hidden).to(torch.bfloat16) * 0.1
+    with pytest.raises(ValueError, match=f"hidden={hidden}.*32 chunks"):
+        _encode(x)

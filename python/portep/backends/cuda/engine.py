@@ -469,11 +469,6 @@ class CudaEngine(Topology):
     def low_latency_combine(
         self, x, topk_idx, topk_weights, handle, zero_copy, out, return_recv_hook, wait_stats, use_logfmt=False
     ):
-        if use_logfmt:
-            raise NotImplementedError(
-                "use_logfmt=True (LogFMT-10 combine) is not supported by portep's CUDA kernels yet (the host backend "
-                "has it); use use_logfmt=False (BF16)"
-            )
         self.check_error()
         src_info, layout_range, T, H, E = handle
         self._layout(T, H, E)
@@ -501,6 +496,7 @@ class CudaEngine(Topology):
                 seq,
                 x=rows.data_ptr(),
                 zero_copy=zero_copy,
+                use_logfmt=bool(use_logfmt),
                 src_info=src_info.data_ptr(),
                 layout_range=layout_range.data_ptr(),
                 topk_idx=topk_idx.data_ptr(),
