@@ -6,7 +6,7 @@
 #include "gpu_kernels/host/logfmt_rows.h"
 #include "gpu_kernels/host/row_kernels.h"
 #include "gpu_kernels/logfmt.h"
-#include "python/src/host_tensor.h"
+#include "python/src/tensor_arg.h"
 #include "ordering/imm.h"
 #include "proxy/channel.h"
 #include "proxy/transfer_cmd.h"

@@ -16,6 +16,7 @@
 #include "gpu_kernels/ll_layout.h"
 #include "proxy/channel.h"
 #include "python/src/bind_util.h"
+#include "python/src/tensor_arg.h"
 
 namespace py = pybind11;
 using namespace portep::cuda;
@@ -184,45 +185,62 @@ std::unique_ptr<LLKernels> make_ll_kernels(const py::kwargs& kw) {
   return std::make_unique<LLKernels>(s, common_from(kw), error_host, kw["channel"].cast<portep::Channel&>());
 }
 
+// The call's tensors as the kernels take them: each on the Buffer's GPU, contiguous, of its dtype (null: any) and
+// with at least `entries` elements; None only where optional. Python passes tensors, never addresses.
+struct CallTensors {
+  const py::kwargs& kw;
+  int device;
+  template <class T>
+  T* get(const char* name, const char* dtype, int64_t entries, bool optional = false) const {
+    const portep::bind::HostTensor t = portep::bind::tensor_arg(kw[name], name, dtype, "cuda", device, optional);
+    portep::bind::check_entries(t, entries, name);
+    return t.as<T>();
+  }
+};
+
 void dispatch(LLPlanTable& table, const LLPlan& p, int half, int phases, uintptr_t stream, uint32_t seq,
               const py::kwargs& kw) {
-  auto u = [&kw](const char* key) { return kw[key].cast<uintptr_t>(); };
+  const CallTensors t{kw, table.device};
   LLDispatchArgs a{};
   a.c = ll_call_common(p.dispatch[half], reinterpret_cast<void*>(stream), seq);
-  a.x = ptr<const void>(u("x"));
-  a.topk_idx = ptr<const int64_t>(u("topk_idx"));
   a.num_tokens = kw["num_tokens"].cast<int>();
   a.num_topk = kw["num_topk"].cast<int>();
   a.use_fp8 = kw["use_fp8"].cast<bool>();
   a.round_scale = kw["round_scale"].cast<bool>();
   a.use_ue8m0 = kw["use_ue8m0"].cast<bool>();
-  a.recv_x = ptr<void>(u("recv_x"));
-  a.recv_scales = ptr<void>(u("recv_scales"));
-  a.recv_count = ptr<int32_t>(u("recv_count"));
-  a.src_info = ptr<int32_t>(u("src_info"));
-  a.layout_range = ptr<int64_t>(u("layout_range"));
-  a.cumulative_stats = ptr<int32_t>(u("cumulative_stats"));
-  a.wait_stats = ptr<int64_t>(u("wait_stats"));
+  const int64_t N = a.num_tokens, H = a.c.hidden, E_l = a.c.num_local_experts, R = a.c.num_ranks, M = R * a.c.T;
+  const int64_t S = !a.use_fp8 ? 0 : a.use_ue8m0 ? H / 512 : H / 128;  // scale entries per received row
+  a.x = t.get<const void>("x", "bfloat16", N * H);
+  a.topk_idx = t.get<const int64_t>("topk_idx", "int64", N * a.num_topk);
+  a.recv_x = t.get<void>("recv_x", a.use_fp8 ? "float8_e4m3fn" : "bfloat16", E_l * M * H);
+  a.recv_scales = t.get<void>("recv_scales", a.use_ue8m0 ? "int32" : "float32", E_l * M * S, !a.use_fp8);
+  a.recv_count = t.get<int32_t>("recv_count", "int32", E_l);
+  a.src_info = t.get<int32_t>("src_info", "int32", E_l * M);
+  a.layout_range = t.get<int64_t>("layout_range", "int64", E_l * R);
+  a.cumulative_stats = t.get<int32_t>("cumulative_stats", "int32", E_l, true);
+  a.wait_stats = t.get<int64_t>("wait_stats", "int64", R, true);
   check(table.launch_dispatch(a, phases), "low-latency dispatch");
 }
 
 void combine(LLPlanTable& table, const LLPlan& p, int half, int phases, uintptr_t stream, uint32_t seq,
              const py::kwargs& kw) {
-  auto u = [&kw](const char* key) { return kw[key].cast<uintptr_t>(); };
+  const CallTensors t{kw, table.device};
   LLCombineArgs a{};
   a.c = ll_call_common(p.combine[half], reinterpret_cast<void*>(stream), seq);
   a.zero_copy = kw["zero_copy"].cast<bool>();
   ll_set_combine_logfmt(&a, kw["use_logfmt"].cast<bool>());
-  ll_set_combine_rows(&a, ptr<const void>(u("x")));
-  a.src_info = ptr<const int32_t>(u("src_info"));
-  a.layout_range = ptr<const int64_t>(u("layout_range"));
-  a.topk_idx = ptr<const int64_t>(u("topk_idx"));
-  a.topk_weights = ptr<const float>(u("topk_weights"));
   a.num_tokens = kw["num_tokens"].cast<int>();
   a.num_topk = kw["num_topk"].cast<int>();
-  a.out = ptr<void>(u("out"));
+  const int64_t N = a.num_tokens, K = a.num_topk, H = a.c.hidden, E_l = a.c.num_local_experts, R = a.c.num_ranks,
+                M = R * a.c.T;
+  ll_set_combine_rows(&a, t.get<const void>("x", "bfloat16", E_l * M * H));  // unread with zero-copy
+  a.src_info = t.get<const int32_t>("src_info", "int32", E_l * M);
+  a.layout_range = t.get<const int64_t>("layout_range", "int64", E_l * R);
+  a.topk_idx = t.get<const int64_t>("topk_idx", "int64", N * K);
+  a.topk_weights = t.get<const float>("topk_weights", "float32", N * K);
+  a.out = t.get<void>("out", "bfloat16", N * H);
   a.out_pitch = uint64_t(a.c.hidden) * 2;
-  a.wait_stats = ptr<int64_t>(u("wait_stats"));
+  a.wait_stats = t.get<int64_t>("wait_stats", "int64", R, true);
   check(table.launch_combine(a, phases), "low-latency combine");
 }
 

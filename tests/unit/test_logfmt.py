@@ -147,6 +147,8 @@ def test_rows_outside_the_tensors_are_refused():
         native.copy_rows(out, pitch, torch.tensor([0], dtype=torch.int32), x.view(torch.uint8), 2 * H, None, 16)
     with pytest.raises(ValueError, match="contiguous"):
         native.copy_rows(out.t(), pitch, torch.tensor([0]), x.view(torch.uint8), 2 * H, None, 16)
+    with pytest.raises(ValueError, match="dst: a tensor on cpu is needed, got one on meta"):
+        native.copy_rows(out.to("meta"), pitch, torch.tensor([0]), x.view(torch.uint8), 2 * H, None, 16)
     rows = _encode(x)
     with pytest.raises(ValueError, match="row 3"):
         native.reduce_rows(
