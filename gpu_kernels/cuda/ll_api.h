@@ -74,6 +74,25 @@ static_assert(kMetaStride % 16 == 0, "meta blocks hold 16-byte aligned headers")
 static_assert(LLRegion{1 << 20, 2, 144}.flag_off(1, 1) + 4 * 2 * 144 == LLRegion{1 << 20, 2, 144}.meta_base(),
               "the meta blocks follow the last flags");
 
+// The kernels' int32 scratch in device memory, zero between calls (clean_low_latency_buffer zeroes it all), in words:
+//   finish      [flag_slots + 1]  dispatch [E] / combine [E_l] counts, then the combine's receive blocks done
+//   chunk_done  [R][max_chunks]   experts of a proxy chunk ready
+//   proxy_begin [flag_slots]      where a proxy source's messages / rows of an expert begin in its chunk
+//   dest_done   [R]               combine blocks done with a partial peer
+//   seq_chain   [2]               the sequence-number chain (below)
+struct LLScratch {
+  int num_ranks = 0, max_local_experts = 0;
+
+  constexpr int64_t flag_slots() const { return int64_t(num_ranks) * max_local_experts; }
+  constexpr int64_t max_chunks() const { return (max_local_experts + kChunkExperts - 1) / kChunkExperts; }
+  constexpr int64_t chunk_done() const { return flag_slots() + 1; }
+  constexpr int64_t proxy_begin() const { return chunk_done() + num_ranks * max_chunks(); }
+  constexpr int64_t dest_done() const { return proxy_begin() + flag_slots(); }
+  constexpr int64_t seq_chain() const { return dest_done() + num_ranks; }
+  constexpr int64_t words() const { return seq_chain() + 2; }
+};
+static_assert(LLScratch{2, 144}.words() == 2 * 288 + 1 + 2 * 5 + 2 + 2, "scratch of 2 ranks with 144 local experts");
+
 struct LLCommon {
   int rank, num_ranks, num_experts, num_local_experts, T, hidden;
   uint64_t send_off, recv_off, flag_off;  // this half, bytes into the data region

@@ -127,48 +127,65 @@ class LLKernels {
   std::unique_ptr<LLGraphs, GraphsDeleter> graphs_{ll_graphs_create()};
 };
 
-// LLCommon's per-Buffer pointers and limits, from the engine's keyword arguments.
-LLCommon common_from(const py::kwargs& kw) {
-  auto u = [&kw](const char* k) { return kw[k].cast<uintptr_t>(); };
+// The call's tensors as the kernels take them: each on the Buffer's GPU, contiguous, of its dtype (null: any) and
+// with at least `entries` elements; None only where optional. Python passes tensors, never addresses.
+struct CallTensors {
+  const py::kwargs& kw;
+  int device;
+  template <class T>
+  T* get(const char* name, const char* dtype, int64_t entries, bool optional = false) const {
+    const portep::bind::HostTensor t = portep::bind::tensor_arg(kw[name], name, dtype, "cuda", device, optional);
+    portep::bind::check_entries(t, entries, name);
+    return t.as<T>();
+  }
+};
+
+// LLCommon's per-Buffer pointers and limits, from the engine's keyword arguments: its tensors (each checked for the
+// Buffer's GPU, dtype and size), the Channel's memory, the FIFOs; the scratch laid out by LLScratch.
+LLCommon common_from(const py::kwargs& kw, int device) {
+  const CallTensors t{kw, device};
+  const int R = kw["num_ranks"].cast<int>();
+  const LLScratch scratch{R, kw["max_local_experts"].cast<int>()};
   LLCommon c{};
-  c.local = ptr<uint8_t>(u("local"));
-  c.peers = ptr<uint8_t* const>(u("peers"));
-  c.place = ptr<uint8_t* const>(u("place"));
-  c.host_signals = ptr<uint64_t>(u("host_signals"));
-  c.signal_seen = ptr<uint64_t>(u("signal_seen"));
+  const portep::Channel& channel = kw["channel"].cast<const portep::Channel&>();
+  c.local = static_cast<uint8_t*>(channel.device_address(portep::kRegionData));
+  c.host_signals = static_cast<uint64_t*>(channel.device_address(portep::kRegionSignal));
+  if (!c.local || !c.host_signals) throw std::invalid_argument("channel: not connected (no device memory)");
+  c.peers = t.get<uint8_t* const>("peers", "int64", R);
+  c.place = t.get<uint8_t* const>("place", "int64", R);
   c.num_streams = kw["num_streams"].cast<uint32_t>();
+  c.signal_seen = t.get<uint64_t>("signal_seen", "int64", int64_t(R) * c.num_streams);
   const PyFifoSet& fifos = kw["fifos"].cast<const PyFifoSet&>();
   c.fifos = fifos.set_.device_views;
   c.fifo_tails = fifos.set_.device_tails;
   c.num_fifos = fifos.set_.count;
-  c.finish = ptr<uint32_t>(u("finish"));
-  c.chunk_done = ptr<uint32_t>(u("chunk_done"));
-  c.proxy_begin = ptr<uint32_t>(u("proxy_begin"));
-  c.max_chunks = kw["max_chunks"].cast<int>();
-  c.dest_done = ptr<uint32_t>(u("dest_done"));
-  c.seq_chain = ptr<uint32_t>(u("seq_chain"));
-  c.error = ptr<KernelError>(u("error"));
-  c.failed = ptr<uint32_t>(u("failed"));
-  c.peer_status = ptr<const uint32_t>(u("peer_status"));
-  c.mask = ptr<uint32_t>(u("mask"));
-  c.send_mask = ptr<const uint32_t>(u("send_mask"));
+  uint32_t* words = t.get<uint32_t>("scratch", "int32", scratch.words());
+  c.finish = words;
+  c.chunk_done = words + scratch.chunk_done();
+  c.proxy_begin = words + scratch.proxy_begin();
+  c.max_chunks = int(scratch.max_chunks());
+  c.dest_done = words + scratch.dest_done();
+  c.seq_chain = words + scratch.seq_chain();
+  c.error = ptr<KernelError>(kw["error"].cast<uintptr_t>());
+  c.failed = t.get<uint32_t>("failed", "int32", kNumErrorWords);
+  c.peer_status = ptr<const uint32_t>(kw["peer_status"].cast<uintptr_t>());
+  c.mask = t.get<uint32_t>("mask", "int32", R, true);
+  c.send_mask = t.get<const uint32_t>("send_mask", "int32", R, true);
   c.timeout_ns = uint64_t(kw["timeout_s"].cast<double>() * 1e9);
   c.num_sms = kw["num_sms"].cast<int>();
-  if (!c.seq_chain) throw std::invalid_argument("seq_chain: device memory of two uint32, not null");
-  if (!c.failed || !c.error) throw std::invalid_argument("failed, error: the kernels' error words must not be null");
-  if (!c.peers || !c.place)
-    throw std::invalid_argument("peers and place: device arrays of num_ranks pointers, not null");
+  if (!c.error) throw std::invalid_argument("error: the kernels' mapped error records must not be null");
   if (!c.mask != !c.send_mask) throw std::invalid_argument("mask and send_mask: both (shrink mode) or neither");
   return c;
 }
 
-const char* const kLLKernelsKeywords[] = {
-    "rank",        "num_ranks",    "max_local_experts", "num_direct",  "num_bytes",
-    "stream_base", "device",       "channel",           "local",       "peers",
-    "place",       "host_signals", "signal_seen",       "num_streams", "fifos",
-    "finish",      "chunk_done",   "proxy_begin",       "max_chunks",  "dest_done",
-    "seq_chain",   "error",        "error_host",        "failed",      "peer_status",
-    "mask",        "send_mask",    "timeout_s",         "num_sms"};
+const char* const kLLKernelsKeywords[] = {"rank",       "num_ranks",   "max_local_experts",
+                                          "num_direct", "num_bytes",   "stream_base",
+                                          "device",     "channel",     "peers",
+                                          "place",      "signal_seen", "num_streams",
+                                          "fifos",      "scratch",     "error",
+                                          "error_host", "failed",      "peer_status",
+                                          "mask",       "send_mask",   "timeout_s",
+                                          "num_sms"};
 
 std::unique_ptr<LLKernels> make_ll_kernels(const py::kwargs& kw) {
   for (const char* k : kLLKernelsKeywords)
@@ -182,21 +199,8 @@ std::unique_ptr<LLKernels> make_ll_kernels(const py::kwargs& kw) {
       kw["device"].cast<int>()};
   const auto* error_host = ptr<const KernelError>(kw["error_host"].cast<uintptr_t>());
   if (!error_host) throw std::invalid_argument("error_host: the host view of the kernels' error records, not null");
-  return std::make_unique<LLKernels>(s, common_from(kw), error_host, kw["channel"].cast<portep::Channel&>());
+  return std::make_unique<LLKernels>(s, common_from(kw, s.device), error_host, kw["channel"].cast<portep::Channel&>());
 }
-
-// The call's tensors as the kernels take them: each on the Buffer's GPU, contiguous, of its dtype (null: any) and
-// with at least `entries` elements; None only where optional. Python passes tensors, never addresses.
-struct CallTensors {
-  const py::kwargs& kw;
-  int device;
-  template <class T>
-  T* get(const char* name, const char* dtype, int64_t entries, bool optional = false) const {
-    const portep::bind::HostTensor t = portep::bind::tensor_arg(kw[name], name, dtype, "cuda", device, optional);
-    portep::bind::check_entries(t, entries, name);
-    return t.as<T>();
-  }
-};
 
 void dispatch(LLPlanTable& table, const LLPlan& p, int half, int phases, uintptr_t stream, uint32_t seq,
               const py::kwargs& kw) {
@@ -273,6 +277,11 @@ void bind_cuda_ll(py::module_& m) {
   m.attr("LL_CHUNK_EXPERTS") = kChunkExperts;
   m.attr("LL_META_TOKENS") = kMetaTokens;
   m.attr("LL_META_STRIDE") = kMetaStride;
+  m.def(
+      "ll_scratch_words",
+      [](int num_ranks, int max_local_experts) { return LLScratch{num_ranks, max_local_experts}.words(); },
+      py::arg("num_ranks"), py::arg("max_local_experts"),
+      "int32 words of the LL kernels' scratch (gpu_kernels/cuda/ll_api.h, LLScratch)");
   py::class_<LLRegion>(m, "LLRegion", "what follows a Buffer's data in its region (gpu_kernels/cuda/ll_api.h)")
       .def(py::init([](uint64_t num_bytes, int num_ranks, int max_local_experts) {
              return LLRegion{num_bytes, num_ranks, max_local_experts};

@@ -66,10 +66,6 @@ def _current_raw_stream(device_index):
 _PARKED = []
 
 
-def _ptr(t):
-    return 0 if t is None else t.data_ptr()
-
-
 def _as_tensor(ptr, nbytes, device, owner=None):
     """A uint8 CUDA tensor viewing device memory this module allocated (no copy). owner (a native RegionLease)
     keeps the memory mapped for as long as the tensor or any view of it lives."""
@@ -182,17 +178,10 @@ class CudaEngine(Topology):
         peers = [ch.peer_data_ptr(d) if d in self.direct_ranks else 0 for d in range(self.num_ranks)]
         self._peers = torch.tensor(peers, dtype=torch.int64, device=self.device)
         self.place_table = torch.tensor(place, dtype=torch.int64, device=self.device)
-        # kernel scratch, int32: finish counts [flag_slots + 1], proxy chunks' ready counts [R][max_chunks], where a
-        # proxy source's messages or rows of an expert begin in its chunk [flag_slots], combine blocks done with a
-        # partial peer [R], the sequence-number chain [2] (gpu_kernels/cuda/ll_api.h)
-        max_chunks = -(-max_local_experts // self.native.LL_CHUNK_EXPERTS)
-        self._finish = torch.zeros(
-            2 * self.flag_slots + 1 + self.num_ranks * (max_chunks + 1) + 2, dtype=torch.int32, device=self.device
+        # the kernels' int32 scratch, laid out natively (gpu_kernels/cuda/ll_api.h, LLScratch)
+        self._scratch = torch.zeros(
+            self.native.ll_scratch_words(self.num_ranks, max_local_experts), dtype=torch.int32, device=self.device
         )
-        chunk_done = self._finish.data_ptr() + 4 * (self.flag_slots + 1)
-        proxy_begin = chunk_done + 4 * self.num_ranks * max_chunks
-        dest_done = proxy_begin + 4 * self.flag_slots
-        seq_chain = dest_done + 4 * self.num_ranks
         # the proxy signal slots' values the kernels consumed last (only the host writes the slots themselves)
         self.signal_seen = torch.zeros(self.num_ranks * self.channel.num_streams, dtype=torch.int64, device=self.device)
         self.errors = KernelErrors(self.native, self.device)
@@ -209,25 +198,18 @@ class CudaEngine(Topology):
             stream_base=hb.STREAM_LL_BASE,
             device=self.device.index,
             channel=ch,
-            local=ch.device_data_ptr(),
-            peers=self._peers.data_ptr(),
-            place=self.place_table.data_ptr(),
-            host_signals=ch.device_signals_ptr(),
-            signal_seen=self.signal_seen.data_ptr(),
+            peers=self._peers,
+            place=self.place_table,
+            signal_seen=self.signal_seen,
             num_streams=self.channel.num_streams,
             fifos=self.fifos,
-            finish=self._finish.data_ptr(),
-            chunk_done=chunk_done,
-            proxy_begin=proxy_begin,
-            max_chunks=max_chunks,
-            dest_done=dest_done,
-            seq_chain=seq_chain,
+            scratch=self._scratch,
             error=self.error_device,
             error_host=self.errors.host,
-            failed=self.failed_flag.data_ptr(),
+            failed=self.failed_flag,
             peer_status=self.status_device,
-            mask=_ptr(self.mask),
-            send_mask=_ptr(self._send_mask),
+            mask=self.mask,
+            send_mask=self._send_mask,
             timeout_s=self.timeout_s,
             num_sms=num_sms,
         )
@@ -532,7 +514,7 @@ class CudaEngine(Topology):
         _as_tensor(
             self.channel.native_channel.device_data_ptr() + flags, self.ll_region.end - flags, self.device
         ).zero_()  # flags, meta blocks
-        self._finish.zero_()
+        self._scratch.zero_()
         self.signal_seen.view(self.num_ranks, -1)[:, : self.ht_stream_base].zero_()  # normal mode's stay
         signals = self.channel.signals
         keep = {hb.STREAM_SYNC, self.status_stream + self.native.EVENT_LEFT}
