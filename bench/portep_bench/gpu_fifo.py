@@ -155,19 +155,19 @@ def _layout_times_us(tokens=4096, topk=8, experts=256, ranks=2, iterations=200):
 
     def kernel():
         native.cuda_dispatch_layout(
-            idx.data_ptr(),
+            idx,
             tokens,
             topk,
             experts,
             ranks,
             ranks,
-            per_rank.data_ptr(),
-            0,
-            per_expert.data_ptr(),
-            in_rank.data_ptr(),
+            per_rank,
+            None,
+            per_expert,
+            in_rank,
             stream,
             0,
-            errors.words.data_ptr(),
+            errors.words,
             errors.records,
         )
 

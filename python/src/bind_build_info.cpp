@@ -44,33 +44,6 @@ void bind_build_info(py::module_& m) {
     return py::make_tuple(0, std::string("GPU kernels not built: ") + PORTEP_GPU_REASON);
 #endif
   });
-#ifdef PORTEP_WITH_GPU
-  m.def(
-      "cuda_dispatch_layout",
-      [](uintptr_t topk_idx, int num_tokens, int num_topk, int num_experts, int num_ranks, int ranks_per_node,
-         uintptr_t per_rank, uintptr_t per_node, uintptr_t per_expert, uintptr_t is_token_in_rank, uintptr_t stream,
-         int rank, uintptr_t failed, uintptr_t error) {
-        portep::cuda::LayoutArgs a{reinterpret_cast<const int64_t*>(topk_idx),
-                                   num_tokens,
-                                   num_topk,
-                                   num_experts,
-                                   num_ranks,
-                                   ranks_per_node,
-                                   reinterpret_cast<int32_t*>(per_rank),
-                                   reinterpret_cast<int32_t*>(per_node),
-                                   reinterpret_cast<int32_t*>(per_expert),
-                                   reinterpret_cast<bool*>(is_token_in_rank),
-                                   reinterpret_cast<void*>(stream),
-                                   rank,
-                                   reinterpret_cast<uint32_t*>(failed),
-                                   reinterpret_cast<portep::cuda::KernelError*>(error)};
-        if (int err = portep::cuda::launch_dispatch_layout(a))
-          throw std::runtime_error(std::string("cuda_dispatch_layout: ") + portep::cuda::cuda_error_string(err));
-      },
-      py::arg("topk_idx"), py::arg("num_tokens"), py::arg("num_topk"), py::arg("num_experts"), py::arg("num_ranks"),
-      py::arg("ranks_per_node"), py::arg("per_rank"), py::arg("per_node"), py::arg("per_expert"),
-      py::arg("is_token_in_rank"), py::arg("stream"), py::arg("rank"), py::arg("failed"), py::arg("error"));
-#endif
   m.def(
       "verbs_devices", [] { return portep::verbs_device_summary(); },
       "libibverbs devices and ports, one line each ('none: ...' when there are none)");

@@ -13,6 +13,8 @@
 #include <vector>
 
 #include "python/src/bind_util.h"
+#include "python/src/tensor_arg.h"
+#include "gpu_kernels/cuda/api.h"
 #include "gpu_kernels/cuda/ht_api.h"
 
 namespace py = pybind11;
@@ -345,6 +347,44 @@ void bind_layout(py::module_& m) {
 }  // namespace
 
 void bind_cuda_ht(py::module_& m) {
+  // get_dispatch_layout's kernel (gpu_kernels/cuda/layout.cu)
+  m.def(
+      "cuda_dispatch_layout",
+      [](py::handle topk_idx, int num_tokens, int num_topk, int num_experts, int num_ranks, int ranks_per_node,
+         py::handle per_rank, py::handle per_node, py::handle per_expert, py::handle is_token_in_rank, uintptr_t stream,
+         int rank, py::handle failed, uintptr_t error) {
+        using portep::bind::tensor_arg;
+        // every tensor on topk_idx's GPU, contiguous, of its dtype and size (python/src/tensor_arg.h)
+        const int dev = topk_idx.is_none() ? -1 : topk_idx.attr("device").attr("index").cast<int>();
+        auto arg = [dev](py::handle t, const char* name, const char* dtype, int64_t entries, bool optional = false) {
+          const portep::bind::HostTensor h = tensor_arg(t, name, dtype, "cuda", dev, optional);
+          if (h.present && h.numel != entries)
+            throw py::value_error(std::string(name) + ": " + std::to_string(h.numel) + " entries, expected " +
+                                  std::to_string(entries));
+          return h.span.data;
+        };
+        const int num_nodes = ranks_per_node > 0 ? num_ranks / ranks_per_node : 0;
+        portep::cuda::LayoutArgs a{
+            reinterpret_cast<const int64_t*>(arg(topk_idx, "topk_idx", "int64", int64_t(num_tokens) * num_topk)),
+            num_tokens,
+            num_topk,
+            num_experts,
+            num_ranks,
+            ranks_per_node,
+            reinterpret_cast<int32_t*>(arg(per_rank, "per_rank", "int32", num_ranks)),
+            reinterpret_cast<int32_t*>(arg(per_node, "per_node", "int32", num_nodes, true)),
+            reinterpret_cast<int32_t*>(arg(per_expert, "per_expert", "int32", num_experts)),
+            reinterpret_cast<bool*>(arg(is_token_in_rank, "is_token_in_rank", "bool", int64_t(num_tokens) * num_ranks)),
+            reinterpret_cast<void*>(stream),
+            rank,
+            reinterpret_cast<uint32_t*>(arg(failed, "failed", "int32", portep::cuda::kNumErrorWords)),
+            reinterpret_cast<portep::cuda::KernelError*>(error)};
+        if (int err = portep::cuda::launch_dispatch_layout(a))
+          throw std::runtime_error(std::string("cuda_dispatch_layout: ") + portep::cuda::cuda_error_string(err));
+      },
+      py::arg("topk_idx"), py::arg("num_tokens"), py::arg("num_topk"), py::arg("num_experts"), py::arg("num_ranks"),
+      py::arg("ranks_per_node"), py::arg("per_rank"), py::arg("per_node"), py::arg("per_expert"),
+      py::arg("is_token_in_rank"), py::arg("stream"), py::arg("rank"), py::arg("failed"), py::arg("error"));
   m.def("ht_ctrl_layout", &ctrl_layout, py::arg("num_ranks"), py::arg("ranks_per_node"),
         "the normal mode's control area for that many ranks (gpu_kernels/cuda/ht_layout.h: ht_ctrl)");
   m.attr("HT_SLOT_LAYOUT") = slot_layout();

@@ -26,19 +26,19 @@ def cuda_layout(topk_idx, num_experts, num_ranks, ranks_per_node, errors=None):
     per_expert = torch.empty(num_experts, dtype=torch.int32, device=dev)
     in_rank = torch.empty(N, num_ranks, dtype=torch.bool, device=dev)
     native.cuda_dispatch_layout(
-        topk_idx.data_ptr(),
+        topk_idx,
         N,
         K,
         num_experts,
         num_ranks,
         ranks_per_node,
-        per_rank.data_ptr(),
-        0 if per_node is None else per_node.data_ptr(),
-        per_expert.data_ptr(),
-        in_rank.data_ptr(),
+        per_rank,
+        per_node,
+        per_expert,
+        in_rank,
         torch.cuda.current_stream().cuda_stream,
         0,
-        errors.words.data_ptr(),
+        errors.words,
         errors.records,
     )
     return per_rank, per_node, per_expert, in_rank

@@ -318,19 +318,19 @@ class CudaEngine(Topology):
         per_expert = torch.empty(num_experts, dtype=torch.int32, device=self.device)
         in_rank = torch.empty(N, R, dtype=torch.bool, device=self.device)
         self.native.cuda_dispatch_layout(
-            topk_idx.data_ptr(),
+            topk_idx.contiguous(),
             N,
             K,
             num_experts,
             R,
             self.ranks_per_node,
-            per_rank.data_ptr(),
-            0 if per_node is None else per_node.data_ptr(),
-            per_expert.data_ptr(),
-            in_rank.data_ptr(),
+            per_rank,
+            per_node,
+            per_expert,
+            in_rank,
             self.raw_stream(),
             self.rank,
-            self.failed_flag.data_ptr(),
+            self.failed_flag,
             self.error_device,
         )
         return per_rank, per_node, per_expert, in_rank
