@@ -47,11 +47,25 @@ class RankFailure(AssertionError):
     pass
 
 
+def _check_exits(procs, reported, wait_s=60):
+    """Ranks that returned their results must then exit without a crash: one killed by a signal on its way out
+    (SIGSEGV, SIGABRT) fails the run. One still running after wait_s is left to run_ranks' cleanup."""
+    for r in reported:
+        procs[r].join(timeout=wait_s)
+    crashed = {r: -procs[r].exitcode for r in reported if procs[r].exitcode is not None and procs[r].exitcode < 0}
+    if crashed:
+        raise RankFailure(
+            f"ranks {sorted(crashed)} returned their results, then died on their way out (signals "
+            f"{[crashed[r] for r in sorted(crashed)]})"
+        )
+
+
 def run_ranks(fn, world, args=(), timeout=180, env=None, expect_missing=()):
     """Runs fn(rank, world, *args) in `world` processes; returns {rank: value}.
 
     Ranks in expect_missing may die without reporting (used by crash tests). Any other rank that raises or
-    does not report within `timeout` seconds fails the call with its traceback.
+    does not report within `timeout` seconds fails the call with its traceback, and so does one that reported and
+    then died by a signal as it exited.
     """
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
@@ -82,6 +96,7 @@ def run_ranks(fn, world, args=(), timeout=180, env=None, expect_missing=()):
             (out if status == "ok" else errors)[rank] = value
         if errors:
             raise RankFailure("\n".join(f"--- rank {r} ---\n{tb}" for r, tb in sorted(errors.items())))
+        _check_exits(procs, [r for r in out if r not in expect_missing])
         return out
     finally:
         for p in procs:

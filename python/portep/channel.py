@@ -8,6 +8,8 @@ every transport (ordered ones natively, unordered ones through the ordering prot
 adds 2**32, so `slot >> 32` counts finished streams.
 """
 
+import atexit
+import weakref
 from typing import TYPE_CHECKING, Any, Optional, Union
 
 from ._native import require_native
@@ -34,6 +36,30 @@ def _check_int(name, value, low, high):
     if not low <= value <= high:
         raise ValueError(f"{name}={value} must be in {low}..{high}")
     return value
+
+
+# Channels not yet destroyed. At interpreter exit (atexit, registered with the first Channel, so that it runs before
+# the handlers of modules imported earlier, torch's among them) their proxy threads are stopped and their regions
+# released: a Channel whose owner never called destroy() (a worker that raised, a Buffer with explicitly_destroy=True
+# left alive) would otherwise keep threads polling FIFOs in mapped memory that the CUDA runtime frees as the process
+# ends, which crashed such processes with SIGSEGV on their way out.
+_live_channels = weakref.WeakSet()
+_exit_hook = []
+
+
+def _destroy_live_channels():
+    for channel in list(_live_channels):
+        try:
+            channel.destroy()
+        except Exception:  # noqa: BLE001 - the process is ending; nothing to raise to
+            pass
+
+
+def _track(channel):
+    if not _exit_hook:
+        atexit.register(_destroy_live_channels)
+        _exit_hook.append(True)
+    _live_channels.add(channel)
 
 
 class Channel:
@@ -130,6 +156,7 @@ class Channel:
             else _check_int("status_stream", status_stream, 0, num_streams - native.NUM_STATUS_EVENTS),
         )
         self.device = device
+        _track(self)
         try:
             if device_fifos is not None:  # kernels push into these; the proxies serve them with the host FIFOs
                 self._native.attach_device_fifos(device_fifos.host_views, device_fifos.count)

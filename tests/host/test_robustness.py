@@ -132,3 +132,16 @@ def test_shrink_masks_a_silent_rank_after_the_timeout(path):
     world, rpn, transport = path
     out = run_ranks(r.shrink_silent_rank_body, world, args=(rpn, transport, 15, 3.0), timeout=200)
     assert_clean(out, 1)
+
+
+@pytest.mark.parametrize("path", [PATHS[1], PATHS[3]], ids=[IDS[1], IDS[3]])
+def test_a_buffer_left_alive_has_its_proxies_stopped_at_exit(path, tmp_path):
+    """A Buffer never destroyed (explicitly_destroy=True, its worker done or raised) does not leave proxy threads
+    running into the process's teardown, where they read freed mapped memory (SIGSEGV on the CUDA backend); run_ranks
+    also fails a rank that dies by a signal on its way out."""
+    world, rpn, transport = path
+    out = run_ranks(r.left_alive_body, world, args=(rpn, transport, str(tmp_path)), timeout=180)
+    assert all(n > 0 for n in out.values()), f"no proxy threads while the Buffers lived: {out}"
+    for rank in range(world):
+        at_exit = (tmp_path / f"rank{rank}.txt").read_text()
+        assert at_exit == "0", f"rank {rank}: {at_exit} proxy threads still ran at exit"

@@ -490,3 +490,33 @@ def shrink_silent_rank_body(rank, world, rpn, transport, seed, timeout_s):
     dist.barrier()
     buf.destroy()
     return {"failures": ck.failures, "checks": max(ck.num_checks, 1)}
+
+
+_KEPT = []  # Buffers left alive until the process exits
+
+
+def left_alive_body(rank, world, rpn, transport, out_dir):
+    """A Buffer created with explicitly_destroy=True, used once, and kept alive without destroy() until the process
+    exits (as one whose worker raised, or held in a reference cycle). An atexit handler registered before the Buffer
+    (so that it runs after portep's, atexit's order being the reverse) writes how many proxy threads still run then:
+    portep must have stopped them, or they would poll memory the process is tearing down. Returns the count while
+    the Buffer lives."""
+    import atexit
+    import os
+
+    from portep import native
+
+    path = os.path.join(out_dir, f"rank{rank}.txt")
+
+    def record():
+        with open(path, "w") as f:
+            f.write(str(native.live_proxy_threads()))
+
+    atexit.register(record)
+    buf = w.make_ll_buffer(rank, world, rpn, transport, T, H, 2 * world)
+    inp = w.make_ll_inputs(rank, 3, T, H, K, 2 * world)
+    recv_x, _, handle, _, _ = buf.low_latency_dispatch(inp["x_rand"], inp["idx"], T, 2 * world, use_fp8=False)
+    buf.low_latency_combine(recv_x, inp["idx"], inp["w"], handle)
+    w.all_gather(None)
+    _KEPT.append(buf)
+    return native.live_proxy_threads()
