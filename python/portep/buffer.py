@@ -223,7 +223,7 @@ class Buffer:
             # RuntimeWarning, not ResourceWarning: Python hides the latter by default, and DeepEP prints this
             warnings.warn(
                 "destroy() was not called before a portep Buffer created with explicitly_destroy=True was "
-                "deleted: its communication memory and proxy threads stay until the process exits",
+                "deleted: its communication memory and proxy threads stay until the interpreter exits",
                 RuntimeWarning,
                 stacklevel=2,
             )
