@@ -355,7 +355,8 @@ void bind_cuda_ht(py::module_& m) {
          int rank, py::handle failed, uintptr_t error) {
         using portep::bind::tensor_arg;
         // every tensor on topk_idx's GPU, contiguous, of its dtype and size (python/src/tensor_arg.h)
-        const int dev = topk_idx.is_none() ? -1 : topk_idx.attr("device").attr("index").cast<int>();
+        const py::object index = topk_idx.is_none() ? py::none() : topk_idx.attr("device").attr("index");
+        const int dev = index.is_none() ? -1 : index.cast<int>();  // a CPU topk_idx is refused below, by name
         auto arg = [dev](py::handle t, const char* name, const char* dtype, int64_t entries, bool optional = false) {
           const portep::bind::HostTensor h = tensor_arg(t, name, dtype, "cuda", dev, optional);
           if (h.present && h.numel != entries)
