@@ -15,7 +15,7 @@ namespace py = pybind11;
 using namespace portep;
 using portep::bind::check_entries;
 using portep::bind::host_tensor;
-using portep::bind::HostTensor;
+using portep::bind::TensorArg;
 
 namespace {
 std::unique_ptr<Channel> make_channel(int rank, int num_ranks, uint64_t nbytes, const std::string& transport,
@@ -134,8 +134,8 @@ void bind_channel(py::module_& m) {
           "write_rows",
           [](Channel& c, int dst, py::handle local_offsets, py::handle remote_offsets, uint64_t row_bytes,
              uint32_t stream, bool merge) {
-            const HostTensor lo = host_tensor(local_offsets, "local_offsets", "int64");
-            const HostTensor ro = host_tensor(remote_offsets, "remote_offsets", "int64");
+            const TensorArg lo = host_tensor(local_offsets, "local_offsets", "int64");
+            const TensorArg ro = host_tensor(remote_offsets, "remote_offsets", "int64");
             check_entries(ro, lo.numel, "remote_offsets");
             py::gil_scoped_release nogil;
             return host::write_rows(c, dst, lo.as<int64_t>(), ro.as<int64_t>(), size_t(lo.numel), row_bytes, stream,
@@ -147,9 +147,9 @@ void bind_channel(py::module_& m) {
           "write_rows_streams",
           [](Channel& c, int dst, py::handle local_offsets, py::handle remote_offsets, py::handle streams,
              uint64_t row_bytes) {
-            const HostTensor lo = host_tensor(local_offsets, "local_offsets", "int64");
-            const HostTensor ro = host_tensor(remote_offsets, "remote_offsets", "int64");
-            const HostTensor st = host_tensor(streams, "streams", "int64");
+            const TensorArg lo = host_tensor(local_offsets, "local_offsets", "int64");
+            const TensorArg ro = host_tensor(remote_offsets, "remote_offsets", "int64");
+            const TensorArg st = host_tensor(streams, "streams", "int64");
             check_entries(ro, lo.numel, "remote_offsets");
             check_entries(st, lo.numel, "streams");
             py::gil_scoped_release nogil;
@@ -160,8 +160,8 @@ void bind_channel(py::module_& m) {
       .def(
           "signal_many",
           [](Channel& c, py::handle dsts, py::handle streams, py::handle units, py::handle direct) {
-            const HostTensor d = host_tensor(dsts, "dsts", "int64"), s = host_tensor(streams, "streams", "int64");
-            const HostTensor u = host_tensor(units, "units", "int64"), dir = host_tensor(direct, "direct", "uint8");
+            const TensorArg d = host_tensor(dsts, "dsts", "int64"), s = host_tensor(streams, "streams", "int64");
+            const TensorArg u = host_tensor(units, "units", "int64"), dir = host_tensor(direct, "direct", "uint8");
             for (const auto& [h, name] : {std::pair{&s, "streams"}, {&u, "units"}, {&dir, "direct"}})
               check_entries(*h, d.numel, name);
             py::gil_scoped_release nogil;
@@ -172,10 +172,10 @@ void bind_channel(py::module_& m) {
           "consume_many",
           [](Channel& c, py::handle srcs, py::handle streams, py::handle units_out, py::handle wait_out,
              double timeout_s, py::handle mask) {
-            const HostTensor s = host_tensor(srcs, "srcs", "int64"), st = host_tensor(streams, "streams", "int64");
-            const HostTensor u = host_tensor(units_out, "units_out", "int64");
-            const HostTensor w = host_tensor(wait_out, "wait_out", "int64");
-            const HostTensor m = host_tensor(mask, "mask", "uint8", true);
+            const TensorArg s = host_tensor(srcs, "srcs", "int64"), st = host_tensor(streams, "streams", "int64");
+            const TensorArg u = host_tensor(units_out, "units_out", "int64");
+            const TensorArg w = host_tensor(wait_out, "wait_out", "int64");
+            const TensorArg m = host_tensor(mask, "mask", "uint8", true);
             for (const auto& [h, name] : {std::pair{&st, "streams"}, {&u, "units_out"}, {&w, "wait_out"}})
               check_entries(*h, s.numel, name);
             check_entries(m, c.options().proxy.num_ranks, "mask");
@@ -238,9 +238,9 @@ void bind_channel(py::module_& m) {
       "copy_rows",
       [](py::handle dst, int64_t dst_pitch, py::handle dst_idx, py::handle src, int64_t src_pitch, py::handle src_idx,
          int64_t row_bytes) {
-        const HostTensor d = host_tensor(dst, "dst", nullptr), s = host_tensor(src, "src", nullptr);
-        const HostTensor di = host_tensor(dst_idx, "dst_idx", "int64", true);
-        const HostTensor si = host_tensor(src_idx, "src_idx", "int64", true);
+        const TensorArg d = host_tensor(dst, "dst", nullptr), s = host_tensor(src, "src", nullptr);
+        const TensorArg di = host_tensor(dst_idx, "dst_idx", "int64", true);
+        const TensorArg si = host_tensor(src_idx, "src_idx", "int64", true);
         if (!di.present && !si.present) throw py::value_error("copy_rows: dst_idx or src_idx is needed");
         const int64_t n = di.present ? di.numel : si.numel;
         check_entries(si, n, "src_idx");
@@ -254,14 +254,14 @@ void bind_channel(py::module_& m) {
       // sources: (rows, pitch in bytes, row dtype, index int64 [n], weights float32 [n] or None)
       [](py::handle out, int64_t out_pitch, int out_dtype, int64_t n, int64_t width, const py::list& sources,
          py::handle init) {
-        const HostTensor o = host_tensor(out, "out", nullptr), in = host_tensor(init, "init", "float32", true);
+        const TensorArg o = host_tensor(out, "out", nullptr), in = host_tensor(init, "init", "float32", true);
         check_entries(in, n * width, "init");
         std::vector<ReduceSource> v;
         for (const py::handle item : sources) {
           const py::tuple t = item.cast<py::tuple>();
-          const HostTensor rows = host_tensor(t[0], "a source's rows", nullptr);
-          const HostTensor index = host_tensor(t[3], "a source's index", "int64");
-          const HostTensor weight = host_tensor(t[4], "a source's weights", "float32", true);
+          const TensorArg rows = host_tensor(t[0], "a source's rows", nullptr);
+          const TensorArg index = host_tensor(t[3], "a source's index", "int64");
+          const TensorArg weight = host_tensor(t[4], "a source's weights", "float32", true);
           check_entries(index, n, "a source's index");
           check_entries(weight, n, "a source's weights");
           v.push_back(ReduceSource{rows.span, t[1].cast<int64_t>(), t[2].cast<int>(), index.as<const int64_t>(),
@@ -276,9 +276,9 @@ void bind_channel(py::module_& m) {
       "logfmt_encode_rows",
       [](py::handle dst, int64_t dst_pitch, py::handle dst_idx, py::handle src, int64_t src_pitch, py::handle src_idx,
          int hidden, uint32_t seq) {
-        const HostTensor d = host_tensor(dst, "dst", nullptr), s = host_tensor(src, "src", nullptr);
-        const HostTensor di = host_tensor(dst_idx, "dst_idx", "int64");
-        const HostTensor si = host_tensor(src_idx, "src_idx", "int64");
+        const TensorArg d = host_tensor(dst, "dst", nullptr), s = host_tensor(src, "src", nullptr);
+        const TensorArg di = host_tensor(dst_idx, "dst_idx", "int64");
+        const TensorArg si = host_tensor(src_idx, "src_idx", "int64");
         check_entries(si, di.numel, "src_idx");
         py::gil_scoped_release nogil;
         host_logfmt_encode_rows(d.span, dst_pitch, di.as<int64_t>(), s.span, src_pitch, si.as<int64_t>(), di.numel,
@@ -289,8 +289,8 @@ void bind_channel(py::module_& m) {
   m.def(
       "logfmt_row_seqs",
       [](py::handle out, py::handle rows, int64_t pitch, py::handle idx, int hidden) {
-        const HostTensor o = host_tensor(out, "out", "int32"), r = host_tensor(rows, "rows", nullptr);
-        const HostTensor i = host_tensor(idx, "idx", "int64");
+        const TensorArg o = host_tensor(out, "out", "int32"), r = host_tensor(rows, "rows", nullptr);
+        const TensorArg i = host_tensor(idx, "idx", "int64");
         check_entries(o, i.numel, "out");
         py::gil_scoped_release nogil;
         host_logfmt_row_seqs(o.as<uint32_t>(), r.span, pitch, i.as<int64_t>(), i.numel, hidden);

@@ -353,32 +353,28 @@ void bind_cuda_ht(py::module_& m) {
       [](py::handle topk_idx, int num_tokens, int num_topk, int num_experts, int num_ranks, int ranks_per_node,
          py::handle per_rank, py::handle per_node, py::handle per_expert, py::handle is_token_in_rank, uintptr_t stream,
          int rank, py::handle failed, uintptr_t error) {
-        using portep::bind::tensor_arg;
-        // every tensor on topk_idx's GPU, contiguous, of its dtype and size (python/src/tensor_arg.h)
+        using portep::bind::Entries;
+        using portep::bind::gpu_tensor;
+        // every tensor on topk_idx's GPU, contiguous, of its dtype and exact size (python/src/tensor_arg.h)
         const py::object index = topk_idx.is_none() ? py::none() : topk_idx.attr("device").attr("index");
         const int dev = index.is_none() ? -1 : index.cast<int>();  // a CPU topk_idx is refused below, by name
-        auto arg = [dev](py::handle t, const char* name, const char* dtype, int64_t entries, bool optional = false) {
-          const portep::bind::HostTensor h = tensor_arg(t, name, dtype, "cuda", dev, optional);
-          if (h.present && h.numel != entries)
-            throw py::value_error(std::string(name) + ": " + std::to_string(h.numel) + " entries, expected " +
-                                  std::to_string(entries));
-          return h.span.data;
-        };
         const int num_nodes = ranks_per_node > 0 ? num_ranks / ranks_per_node : 0;
         portep::cuda::LayoutArgs a{
-            reinterpret_cast<const int64_t*>(arg(topk_idx, "topk_idx", "int64", int64_t(num_tokens) * num_topk)),
+            gpu_tensor<const int64_t>(topk_idx, "topk_idx", "int64", dev, int64_t(num_tokens) * num_topk,
+                                      Entries::kExactly),
             num_tokens,
             num_topk,
             num_experts,
             num_ranks,
             ranks_per_node,
-            reinterpret_cast<int32_t*>(arg(per_rank, "per_rank", "int32", num_ranks)),
-            reinterpret_cast<int32_t*>(arg(per_node, "per_node", "int32", num_nodes, true)),
-            reinterpret_cast<int32_t*>(arg(per_expert, "per_expert", "int32", num_experts)),
-            reinterpret_cast<bool*>(arg(is_token_in_rank, "is_token_in_rank", "bool", int64_t(num_tokens) * num_ranks)),
+            gpu_tensor<int32_t>(per_rank, "per_rank", "int32", dev, num_ranks, Entries::kExactly),
+            gpu_tensor<int32_t>(per_node, "per_node", "int32", dev, num_nodes, Entries::kExactly, true),
+            gpu_tensor<int32_t>(per_expert, "per_expert", "int32", dev, num_experts, Entries::kExactly),
+            gpu_tensor<bool>(is_token_in_rank, "is_token_in_rank", "bool", dev, int64_t(num_tokens) * num_ranks,
+                             Entries::kExactly),
             reinterpret_cast<void*>(stream),
             rank,
-            reinterpret_cast<uint32_t*>(arg(failed, "failed", "int32", portep::cuda::kNumErrorWords)),
+            gpu_tensor<uint32_t>(failed, "failed", "int32", dev, portep::cuda::kNumErrorWords, Entries::kExactly),
             reinterpret_cast<portep::cuda::KernelError*>(error)};
         if (int err = portep::cuda::launch_dispatch_layout(a))
           throw std::runtime_error(std::string("cuda_dispatch_layout: ") + portep::cuda::cuda_error_string(err));

@@ -134,9 +134,8 @@ struct CallTensors {
   int device;
   template <class T>
   T* get(const char* name, const char* dtype, int64_t entries, bool optional = false) const {
-    const portep::bind::HostTensor t = portep::bind::tensor_arg(kw[name], name, dtype, "cuda", device, optional);
-    portep::bind::check_entries(t, entries, name);
-    return t.as<T>();
+    return portep::bind::gpu_tensor<T>(kw[name], name, dtype, device, entries, portep::bind::Entries::kAtLeast,
+                                       optional);
   }
 };
 
@@ -287,7 +286,6 @@ void bind_cuda_ll(py::module_& m) {
              return LLRegion{num_bytes, num_ranks, max_local_experts};
            }),
            py::arg("num_bytes"), py::arg("num_ranks"), py::arg("max_local_experts"))
-      .def_property_readonly("flag_slots", &LLRegion::flag_slots, "flags per buffer half and phase")
       .def_property_readonly("end", &LLRegion::end, "where the normal mode's control area begins");
   py::class_<LLKernels>(m, "LLKernels")
       .def(py::init(&make_ll_kernels), "keyword arguments only: see kLLKernelsKeywords in bind_cuda_ll.cpp")

@@ -15,7 +15,7 @@ namespace portep::bind {
 
 namespace py = pybind11;
 
-struct HostTensor {
+struct TensorArg {
   ByteSpan span{nullptr, 0};
   int64_t numel = 0;
   bool present = false;  // false for None
@@ -27,9 +27,9 @@ struct HostTensor {
 
 // `t` (None allowed where `optional`) as a contiguous tensor of torch.<dtype> (dtype null: any) on `device`, a
 // torch device type, and where index >= 0 that device's index; `name` in errors.
-inline HostTensor tensor_arg(const py::handle& t, const char* name, const char* dtype, const char* device,
-                             int index = -1, bool optional = false) {
-  HostTensor h;
+inline TensorArg tensor_arg(const py::handle& t, const char* name, const char* dtype, const char* device,
+                            int index = -1, bool optional = false) {
+  TensorArg h;
   if (t.is_none()) {
     if (optional) return h;
     throw py::value_error(std::string(name) + ": a tensor is needed, got None");
@@ -53,15 +53,26 @@ inline HostTensor tensor_arg(const py::handle& t, const char* name, const char* 
 }
 
 // A contiguous CPU tensor (the host backend's operations).
-inline HostTensor host_tensor(const py::handle& t, const char* name, const char* dtype, bool optional = false) {
+inline TensorArg host_tensor(const py::handle& t, const char* name, const char* dtype, bool optional = false) {
   return tensor_arg(t, name, dtype, "cpu", -1, optional);
 }
 
-// An index or value array of at least n entries (`name` in errors).
-inline void check_entries(const HostTensor& h, int64_t n, const char* name) {
-  if (h.present && h.numel < n)
-    throw py::value_error(std::string(name) + ": " + std::to_string(h.numel) + " entries, " + std::to_string(n) +
-                          " needed");
+// An index or value array of at least (kExactly: exactly) n entries (`name` in errors).
+enum class Entries { kAtLeast, kExactly };
+inline void check_entries(const TensorArg& h, int64_t n, const char* name, Entries want = Entries::kAtLeast) {
+  if (h.present && (want == Entries::kExactly ? h.numel != n : h.numel < n))
+    throw py::value_error(std::string(name) + ": " + std::to_string(h.numel) + " entries, " +
+                          (want == Entries::kExactly ? "exactly " : "") + std::to_string(n) + " needed");
+}
+
+// The address of `t`, a tensor on GPU `device` with tensor_arg's checks and check_entries' (None only where optional:
+// null), as the GPU kernels' bindings take their tensors.
+template <class T>
+T* gpu_tensor(const py::handle& t, const char* name, const char* dtype, int device, int64_t entries,
+              Entries want = Entries::kAtLeast, bool optional = false) {
+  const TensorArg h = tensor_arg(t, name, dtype, "cuda", device, optional);
+  check_entries(h, entries, name, want);
+  return h.as<T>();
 }
 
 }  // namespace portep::bind
