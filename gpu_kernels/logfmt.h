@@ -74,6 +74,22 @@ static_assert(logfmt_hidden_ok(32768) && !logfmt_hidden_ok(33792) && logfmt_hidd
 static_assert(logfmt_meta_bytes(2048) % 16 == 0 && logfmt_cast_bytes(512) % 16 == 0,
               "metadata and every chunk keep the next chunk 16-byte aligned (the kernels' vector loads)");
 
+// A metadata entry read as one little-endian uint32 (amax | amin << 16) with its sign bits cleared.
+constexpr uint32_t kLogfmtMetaMagnitudes = 0x7fff7fffu;
+static_assert(kLogfmtMetaMagnitudes == (0xffffu & ~kLogfmtSignMask) * 0x10001u, "both halves' sign bits cleared");
+
+// Channel k's code and sign in a cast block read as five little-endian uint32 words (the bit layout above).
+PORTEP_HOST_DEVICE uint32_t logfmt_block_code(const uint32_t* w, int k) {
+  const int bit = k * kLogfmtCodeBits, word = bit / 32, shift = bit % 32;
+  uint32_t code = w[word] >> shift;
+  if (shift + kLogfmtCodeBits > 32) code |= w[word + 1] << (32 - shift);
+  return code & kLogfmtMaxCode;
+}
+PORTEP_HOST_DEVICE bool logfmt_block_negative(const uint32_t* w, int k) {
+  const int bit = kLogfmtSignBit0 + k;
+  return w[bit / 32] >> (bit % 32) & 1u;
+}
+
 // Whether a group is cast, from its metadata magnitudes (sign bits cleared): 0 < amax < 1 and amin < amax. DeepEP
 // tests the same in logs (log2(amax) < 0 and log2(amin) < log2(amax)); magnitudes order as their bit patterns do,
 // and a NaN never enters the range (the encoder leaves NaNs out; an all-NaN group has amax 0).

@@ -110,7 +110,7 @@ PORTEP_DEVICE void logfmt_cast_masks(const uint64_t* rows, int n, int hidden, ui
     const uint32_t* meta = reinterpret_cast<const uint32_t*>(rows[i]);
     bool cast = lane < chunks;
     for (int g = lane * per; cast && g < (lane + 1) * per; ++g) {
-      const uint32_t m = meta[g] & 0x7fff7fffu;  // sign bits: the host backend's sequence number
+      const uint32_t m = meta[g] & kLogfmtMetaMagnitudes;  // sign bits: the host backend's sequence number
       cast = logfmt_castable(uint16_t(m), uint16_t(m >> 16));
     }
     const uint32_t mask = uint32_t(warp_ballot(cast));
@@ -131,7 +131,7 @@ PORTEP_DEVICE void logfmt_accumulate(float* acc, const uint8_t* row, uint32_t ma
     accumulate_row(acc + 8, b[1], w);
     return;
   }
-  const uint32_t m = reinterpret_cast<const uint32_t*>(row)[16 * j / kLogfmtGroup] & 0x7fff7fffu;
+  const uint32_t m = reinterpret_cast<const uint32_t*>(row)[16 * j / kLogfmtGroup] & kLogfmtMetaMagnitudes;
   const LogfmtScale g = logfmt_scale(uint16_t(m), uint16_t(m >> 16));
   const uint32_t* block = reinterpret_cast<const uint32_t*>(at + within / kLogfmtBlockValues * kLogfmtBlockBytes);
   uint32_t words[5];
@@ -139,13 +139,8 @@ PORTEP_DEVICE void logfmt_accumulate(float* acc, const uint8_t* row, uint32_t ma
   for (int q = 0; q < 5; ++q) words[q] = block[q];
 #pragma unroll
   for (int k = 0; k < 16; ++k) {
-    constexpr int kBits = kLogfmtCodeBits;
-    const int bit = kBits * k, word = bit / 32, shift = bit % 32;
-    uint32_t code = words[word] >> shift;
-    if (shift + kBits > 32) code |= words[word + 1] << (32 - shift);
-    const float v = logfmt_decode_value(code & kLogfmtMaxCode, g);
-    const bool negative = words[4] >> (16 + k) & 1u;
-    acc[k] = logfmt_add(acc[k], logfmt_mul(w, negative ? -v : v));
+    const float v = logfmt_decode_value(logfmt_block_code(words, k), g);
+    acc[k] = logfmt_add(acc[k], logfmt_mul(w, logfmt_block_negative(words, k) ? -v : v));
   }
 }
 

@@ -18,8 +18,6 @@ static_assert(ll_half_layout(1, 7168, 8, 1).comb_pitch == uint64_t(logfmt_max_ro
 
 namespace {
 
-constexpr uint16_t kSignMask = kLogfmtSignMask;
-
 // A group's scale, and whether it is cast, from its metadata magnitudes (sign bits cleared).
 struct GroupScale {
   LogfmtScale scale;
@@ -34,7 +32,7 @@ GroupScale group_scale(uint16_t amax, uint16_t amin) {
 void pack_block(uint8_t* dst, const uint16_t* x, const LogfmtEncoding& e) {
   uint32_t w[kLogfmtBlockBytes / 4] = {};
   for (int k = 0; k < kLogfmtBlockValues; ++k) {
-    const uint32_t code = logfmt_encode_value(bf16_to_f32(uint16_t(x[k] & ~kSignMask)), e);
+    const uint32_t code = logfmt_encode_value(bf16_to_f32(uint16_t(x[k] & ~kLogfmtSignMask)), e);
     const int bit = k * kLogfmtCodeBits, word = bit / 32, shift = bit % 32;
     w[word] |= code << shift;
     if (shift + kLogfmtCodeBits > 32) w[word + 1] |= code >> (32 - shift);
@@ -48,12 +46,8 @@ void unpack_block(float* out, const uint8_t* src, const GroupScale& g) {
   uint32_t w[kLogfmtBlockBytes / 4];
   memcpy(w, src, sizeof(w));
   for (int k = 0; k < kLogfmtBlockValues; ++k) {
-    const int bit = k * kLogfmtCodeBits, word = bit / 32, shift = bit % 32;
-    uint32_t code = w[word] >> shift;
-    if (shift + kLogfmtCodeBits > 32) code |= w[word + 1] << (32 - shift);
-    const int sign = kLogfmtSignBit0 + k;
-    const float v = logfmt_decode_value(code & kLogfmtMaxCode, g.scale);
-    out[k] = (w[sign / 32] >> (sign % 32) & 1) ? -v : v;
+    const float v = logfmt_decode_value(logfmt_block_code(w, k), g.scale);
+    out[k] = logfmt_block_negative(w, k) ? -v : v;
   }
 }
 
@@ -70,7 +64,7 @@ void read_scales(std::vector<GroupScale>& gs, const uint8_t* row, int hidden) {
   const uint16_t* meta = reinterpret_cast<const uint16_t*>(row);
   gs.resize(size_t(hidden / kLogfmtGroup));
   for (size_t g = 0; g < gs.size(); ++g)
-    gs[g] = group_scale(uint16_t(meta[2 * g] & ~kSignMask), uint16_t(meta[2 * g + 1] & ~kSignMask));
+    gs[g] = group_scale(uint16_t(meta[2 * g] & ~kLogfmtSignMask), uint16_t(meta[2 * g + 1] & ~kLogfmtSignMask));
 }
 
 bool chunk_cast(const std::vector<GroupScale>& gs, int chunk, int c) {
@@ -86,7 +80,7 @@ void encode_row(uint8_t* dst, const uint16_t* x, int hidden, uint32_t seq, std::
   for (int g = 0; g < groups; ++g) {
     uint16_t amax = 0, amin = kLogfmtBf16Inf;
     for (int i = g * kLogfmtGroup; i < (g + 1) * kLogfmtGroup; ++i) {
-      const uint16_t m = uint16_t(x[i] & ~kSignMask);
+      const uint16_t m = uint16_t(x[i] & ~kLogfmtSignMask);
       if (m > kLogfmtBf16Inf) continue;  // NaN: left out of the range, as DeepEP's __hmax2/__hmin2 leave it
       amax = m > amax ? m : amax;        // magnitudes order as their bit patterns do
       amin = m < amin ? m : amin;
