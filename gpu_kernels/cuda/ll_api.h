@@ -83,7 +83,7 @@ static_assert(LLRegion{1 << 20, 2, 144}.flag_off(1, 1) + 4 * 2 * 144 == LLRegion
 struct LLScratch {
   int num_ranks = 0, max_local_experts = 0;
 
-  constexpr int64_t flag_slots() const { return int64_t(num_ranks) * max_local_experts; }
+  constexpr int64_t flag_slots() const { return int64_t(LLRegion{0, num_ranks, max_local_experts}.flag_slots()); }
   constexpr int64_t max_chunks() const { return (max_local_experts + kChunkExperts - 1) / kChunkExperts; }
   constexpr int64_t chunk_done() const { return flag_slots() + 1; }
   constexpr int64_t proxy_begin() const { return chunk_done() + num_ranks * max_chunks(); }

@@ -33,14 +33,14 @@ inline LLCommon ll_call_common(const LLCommon& planned, void* stream, uint32_t s
   return c;
 }
 
-// Where a combine reads the expert outputs (a->c and a->zero_copy set): x, rows of 2H bytes; or with zero_copy this
-// half's send area, where get_next_low_latency_combine_buffer's view put them, rows of comb_pitch bytes.
 // LogFMT rows (use_logfmt) go to every peer, each a row of its own: no partial sums between direct peers.
 inline void ll_set_combine_logfmt(LLCombineArgs* a, bool use_logfmt) {
   a->use_logfmt = use_logfmt;
   if (use_logfmt) a->c.meta_off = 0;
 }
 
+// Where a combine reads the expert outputs (a->c and a->zero_copy set): x, rows of 2H bytes; or with zero_copy this
+// half's send area, where get_next_low_latency_combine_buffer's view put them, rows of comb_pitch bytes.
 inline void ll_set_combine_rows(LLCombineArgs* a, const void* x) {
   const LLCommon& c = a->c;
   a->x = a->zero_copy ? static_cast<const void*>(c.local + c.send_off) : x;

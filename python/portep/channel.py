@@ -41,8 +41,8 @@ def _check_int(name, value, low, high):
 # Channels not yet destroyed. At interpreter exit (atexit, registered with the first Channel, so that it runs before
 # the handlers of modules imported earlier, torch's among them) their proxy threads are stopped and their regions
 # released: a Channel whose owner never called destroy() (a worker that raised, a Buffer with explicitly_destroy=True
-# left alive) would otherwise keep threads polling FIFOs in mapped memory that the CUDA runtime frees as the process
-# ends, which crashed such processes with SIGSEGV on their way out.
+# left alive) would otherwise keep threads polling FIFOs in mapped memory while the CUDA runtime frees it as the
+# process ends (the likely cause of the SIGSEGV on the way out seen on the GPU machine after a worker raised).
 _live_channels = weakref.WeakSet()
 _exit_hook = []
 

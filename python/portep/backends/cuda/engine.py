@@ -128,7 +128,6 @@ class CudaEngine(Topology):
         self.normal_bytes = self.num_bytes - self.normal_off
         # after the data: the LL flags and meta blocks, then the normal mode's control area (ll_api.h, LLRegion)
         self.ll_region = self.native.LLRegion(self.num_bytes, self.num_ranks, max_local_experts)
-        self.flag_slots = self.ll_region.flag_slots
         self.ht_ctrl_off = self.ll_region.end  # (backends/cuda/ht.py)
         self.ht_stream_base = hb.ll_streams_end(max_local_experts)  # and its signal streams
         self.fifos = self.native.DeviceFifoSet(NUM_DEVICE_FIFOS, DEVICE_FIFO_CAPACITY)
