@@ -22,13 +22,21 @@ __all__ = [
     "Config",
     "DEFAULT_TIMEOUT_S",
     "DroppedInput",
+    "ElasticBuffer",
+    "EPHandle",
+    "EventHandle",
     "EventOverlap",
     "OutOfStep",
     "native",
     "native_error",
+    "get_logical_domain_size",
+    "get_physical_domain_size",
     "topk_idx_t",
     "__version__",
 ]
+
+
+_ELASTIC = ("ElasticBuffer", "EPHandle", "EventHandle", "get_logical_domain_size", "get_physical_domain_size")
 
 
 def __getattr__(name):
@@ -37,4 +45,8 @@ def __getattr__(name):
         from . import buffer
 
         return getattr(buffer, name)
+    if name in _ELASTIC:
+        from . import elastic
+
+        return getattr(elastic, name)
     raise AttributeError(f"module 'portep' has no attribute {name!r}")

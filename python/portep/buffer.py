@@ -133,11 +133,11 @@ class Buffer:
         _check_buffer_bytes("num_nvl_bytes", num_nvl_bytes)
         _check_buffer_bytes("num_rdma_bytes", num_rdma_bytes)
         check_int("num_qps_per_rank", num_qps_per_rank, 1 if low_latency_mode else 0)
-        self.backend = _select_backend(backend)
+        self.backend = select_backend(backend)
         transport_from_env(transport)
         timeout_from_env(timeout_s)
         self.rank, self.group_size = group_rank_and_size(group, "a Buffer")
-        ranks_per_node = _ranks_per_node(num_ranks_per_node, self.group_size)
+        per_node = ranks_per_node(num_ranks_per_node, self.group_size)
 
         self.group = group
         self.num_nvl_bytes = num_nvl_bytes
@@ -166,7 +166,7 @@ class Buffer:
             self.runtime = Engine(
                 group,
                 num_nvl_bytes + num_rdma_bytes,
-                ranks_per_node,
+                per_node,
                 transport=transport,
                 timeout_s=timeout_s,
                 allow_direct_ll=bool(allow_nvlink_for_low_latency_mode),
@@ -559,6 +559,13 @@ class Buffer:
         )
         return _returned(engine, (out[0], out[1], event))
 
+    @_collective("a call")
+    def refuse(self, error: BaseException) -> None:
+        """Refuse, on this rank, the collective call (dispatch or combine) its peers are making: a layer above this
+        Buffer (portep.elastic) found its own arguments invalid. The peers' waits in that call give up at once with
+        AgreedRefusal (lockstep.py), the ranks stay in step, and this rank raises `error`."""
+        raise error
+
     def internode_dispatch(self, *args: object, **kwargs: object) -> None:
         """DeepEP-internal; raises NotImplementedError (dispatch handles multi-node groups)."""
         raise NotImplementedError(
@@ -948,7 +955,8 @@ def _default_backend():
     return "cuda" if built and torch.cuda.is_available() else "host"
 
 
-def _select_backend(explicit):
+def select_backend(explicit: Optional[str]) -> str:
+    """The backend a Buffer takes: explicit, else $PORTEP_BACKEND, else cuda where built and a GPU is visible."""
     source = "backend" if explicit is not None else "PORTEP_BACKEND"
     name = explicit if explicit is not None else (os.environ.get("PORTEP_BACKEND") or _default_backend())
     if name in PLANNED_BACKENDS:
@@ -961,7 +969,8 @@ def _select_backend(explicit):
     return name
 
 
-def _ranks_per_node(explicit, group_size):
+def ranks_per_node(explicit: Optional[int], group_size: int) -> int:
+    """Ranks per node: `explicit`, else $PORTEP_RANKS_PER_NODE, else min(8, group_size); it must divide the group."""
     raw = os.environ.get("PORTEP_RANKS_PER_NODE")
     if explicit is not None:
         value, source = explicit, "num_ranks_per_node"

@@ -11,3 +11,9 @@ class DroppedInput(ValueError):
     def __init__(self, message: str, results: object = None) -> None:
         super().__init__(message)
         self.results = results
+
+
+class NoEventError(RuntimeError, AssertionError):
+    """EventOverlap.current_stream_wait() on an EventOverlap that holds no event (the operation ran without
+    async_finish / async_with_compute_stream). DeepEP V1 raises RuntimeError there and V2 AssertionError; this is
+    both."""

@@ -4,7 +4,8 @@
   python/src), every quoted include is a path from the repository root that exists (one include tree, no `../`,
   no `portep/` prefix, no -I into a subfolder), and no product file includes test code;
 - the Python package: no import cycle (imports inside functions count), the host and CUDA backends do not import
-  each other, `backends.common` neither of them, the lower modules neither `buffer` nor the backends, and portep
+  each other, `backends.common` neither of them, the lower modules neither `buffer` nor the backends, nothing
+  below `elastic` (DeepEP V2's API, on `buffer`) imports it, and portep
   never reaches portep_bench or portep_testing, nor does any product Python reach test code;
 - the wheel: `_C` is installed into `portep`; nothing outside if(PORTEP_BUILD_TESTING) installs test code (a
   target defined under tests/, built from or linking sources there, or files from there); portep_testing is not
@@ -385,6 +386,8 @@ PORTEP_RULES = [
     ("portep.backends", "portep.buffer"),
 ]
 PORTEP_RULES += [(f"portep.{m}", upper) for m in LOWER_MODULES for upper in ("portep.buffer", "portep.backends")]
+# portep.elastic (DeepEP V2's API) sits on portep.buffer: nothing below it may import it
+PORTEP_RULES += [(f"portep.{m}", "portep.elastic") for m in LOWER_MODULES + ["buffer", "backends"]]
 
 
 def _string_constants(tree):

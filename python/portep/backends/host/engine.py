@@ -38,6 +38,17 @@ from ..common import (
 from . import ht as host_ht, ll as host_ll
 
 
+def max_count_row(num_ranks, num_nodes, max_local_experts):
+    """int64 entries of one rank's row of the normal mode's count exchange, its sequence number included."""
+    return num_ranks + num_nodes + num_ranks * MAX_CHANNELS + num_ranks * max_local_experts + 1
+
+
+def count_area_bytes(num_ranks, num_nodes, max_local_experts=1024):
+    """Bytes at the start of the buffer that the count exchange keeps (two parities of one slot per rank); the
+    normal mode's data areas follow."""
+    return 2 * num_ranks * align(8 * max_count_row(num_ranks, num_nodes, max_local_experts))
+
+
 def _device_memory():
     """PORTEP_EMULATE_DEVICE_MEMORY=1 (a testing knob): the engine's memory takes the transport's GPU path (emulated
     device memory: shared host memory whose proxy copies run on worker threads, some delayed), so the DeepEP
@@ -80,11 +91,9 @@ class HostEngine(Topology):
         self.num_bytes = self.channel.nbytes
         # The count exchange has a fixed home (two parities of one slot per rank) that no data area overlaps: a
         # peer one call ahead may write it while this rank still reads the previous call's data areas.
-        self.max_count_row = (
-            self.num_ranks + self.num_nodes + self.num_ranks * MAX_CHANNELS + self.num_ranks * max_local_experts + 1
-        )  # + the call's sequence number
+        self.max_count_row = max_count_row(self.num_ranks, self.num_nodes, max_local_experts)
         self.count_slot_bytes = align(8 * self.max_count_row)
-        self.data_start = 2 * self.num_ranks * self.count_slot_bytes
+        self.data_start = count_area_bytes(self.num_ranks, self.num_nodes, max_local_experts)
         self.timeout_s = self.channel.timeout_s
         self._native = self.channel.native_channel
         self.native = require_native()

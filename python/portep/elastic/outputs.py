@@ -1,0 +1,106 @@
+"""A dispatch's outputs in DeepEP V2's shapes, from the rows that arrived (arrival order) and their layout."""
+
+from typing import Optional, Tuple
+
+import torch
+
+from .layout import ReceiveLayout
+from .wire import DispatchColumns
+
+Tensor = torch.Tensor
+
+
+def sf_tensor(rows: int, num_sf: int, dtype: torch.dtype, device: torch.device, col_major: bool) -> Tensor:
+    """An uninitialized [rows, num_sf] scale-factor output: row-major, or column-major with strides
+    (1, rows rounded up to 4) (V2's use_tma_aligned_col_major_sf)."""
+    if not col_major:
+        return torch.empty(rows, num_sf, dtype=dtype, device=device)
+    return torch.empty(num_sf, (rows + 3) // 4 * 4, dtype=dtype, device=device).t()[:rows]
+
+
+class Arrived:
+    """What a dispatch received, in V2's row order: row bytes [R, B] uint8 and metadata [R, W] int32."""
+
+    def __init__(self, row_bytes: Tensor, meta: Tensor, layout: ReceiveLayout) -> None:
+        if layout.order is not None:
+            row_bytes, meta = row_bytes[layout.order], meta[layout.order]
+        self.row_bytes, self.meta = row_bytes, meta
+
+    def rows(self, count: int) -> Tensor:
+        """[count, B] uint8: the rows, then uninitialized rows up to count."""
+        R = self.row_bytes.size(0)
+        if count == R:
+            return self.row_bytes
+        out = torch.empty(count, self.row_bytes.size(1), dtype=torch.uint8, device=self.row_bytes.device)
+        out[:R] = self.row_bytes
+        return out
+
+
+def plain_outputs(
+    arrived: Arrived,
+    layout: ReceiveLayout,
+    cols: DispatchColumns,
+    x_dtype: torch.dtype,
+    sf_dtype: Optional[torch.dtype],
+    num_rows: int,
+    col_major_sf: bool,
+) -> Tuple[object, Tensor, Tensor]:
+    """(recv_x or (recv_x, recv_sf), recv_topk_idx [num_rows, K], recv_topk_weights [num_rows, K]); rows past R:
+    recv_topk_idx -1, weights 0, data uninitialized."""
+    R, K = layout.local_topk_idx.shape
+    device = arrived.meta.device
+    recv_x = arrived.rows(num_rows).view(x_dtype)
+    idx = torch.full((num_rows, K), -1, dtype=torch.int64, device=device)
+    idx[:R] = layout.local_topk_idx
+    weights = torch.zeros(num_rows, K, dtype=torch.float32, device=device)
+    weights[:R] = cols.weights_of(arrived.meta)
+    if sf_dtype is None:
+        return recv_x, idx, weights
+    sf = sf_tensor(num_rows, cols.sf.stop - cols.sf.start, sf_dtype, device, col_major_sf)
+    sf[:R] = cols.sf_of(arrived.meta, sf_dtype)
+    return (recv_x, sf), idx, weights
+
+
+def expanded_outputs(
+    arrived: Arrived,
+    layout: ReceiveLayout,
+    cols: DispatchColumns,
+    x_dtype: torch.dtype,
+    sf_dtype: Optional[torch.dtype],
+    num_rows: int,
+    col_major_sf: bool,
+    zero_padding: bool,
+) -> Tuple[object, Tensor]:
+    """(recv_x or (recv_x, recv_sf) [num_rows, ...], recv_topk_weights [num_rows] float32): row
+    layout.expanded_row[i, k] holds token i for slot k; the rest is padding (zeros with zero_padding, else
+    uninitialized; weights are zero there either way)."""
+    row_bytes = arrived.row_bytes
+    device = row_bytes.device
+    valid = layout.expanded_row >= 0
+    dst = layout.expanded_row[valid]
+    src = valid.nonzero()[:, 0]
+    alloc = torch.zeros if zero_padding else torch.empty
+    out = alloc(num_rows, row_bytes.size(1), dtype=torch.uint8, device=device)
+    out[dst] = row_bytes[src]
+    weights = torch.zeros(num_rows, dtype=torch.float32, device=device)
+    weights[dst] = cols.weights_of(arrived.meta)[valid]
+    recv_x = out.view(x_dtype)
+    if sf_dtype is None:
+        return recv_x, weights
+    sf = sf_tensor(num_rows, cols.sf.stop - cols.sf.start, sf_dtype, device, col_major_sf)
+    if zero_padding:
+        sf.zero_()
+    sf[dst] = cols.sf_of(arrived.meta, sf_dtype)[src]
+    return (recv_x, sf), weights
+
+
+def src_metadata(layout: ReceiveLayout, num_rows: int, num_scaleup_ranks: int, num_max_tokens_per_rank: int) -> Tensor:
+    """[num_rows, K + 2] int32 (EPHandle.recv_src_metadata); rows past R are -1."""
+    R, K = layout.local_topk_idx.shape
+    meta = torch.full((num_rows, K + 2), -1, dtype=torch.int32, device=layout.global_index.device)
+    meta[:R, 0] = layout.global_index
+    scaleup = layout.global_index.long() // num_max_tokens_per_rank % num_scaleup_ranks
+    meta[:R, 1] = (scaleup * K + layout.highest_local_slot).to(torch.int32)
+    if layout.expanded_row is not None:
+        meta[:R, 2:] = layout.expanded_row.to(torch.int32)
+    return meta

@@ -1,0 +1,75 @@
+"""ElasticBuffer's sizes and counts: the buffer size hint (what its V1 Buffer needs for V2's rows, so no more
+than a V1 Buffer at the same shape; docs/api.md) and V2's SM and queue-pair estimates."""
+
+from typing import Optional
+
+import torch
+
+from ..buffer import Buffer, select_backend
+from ..deepep_config import DISPATCH_CONFIGS, MAX_SCALES_HINT, check_int, default_config, normal_mode_bytes
+from .domains import physical_domain
+
+MIB2 = 2 << 20
+MAX_TOPK = 32
+HOST_RECORD_HEADER = 16  # backends/host/ht.py's record: header, row, scale columns, top-k ids and weights
+
+
+def _align(value: int, alignment: int) -> int:
+    return (value + alignment - 1) // alignment * alignment
+
+
+def dispatch_columns(num_topk: int, hidden: int, use_fp8_dispatch: bool) -> int:
+    """int32 metadata columns of a dispatched row (wire.DispatchColumns), FP8 with V2's ceil(hidden / 32) scale
+    packs at most."""
+    return 1 + num_topk + ((hidden + 31) // 32 if use_fp8_dispatch else 0)
+
+
+def buffer_size_hint(
+    group: object,
+    num_max_tokens_per_rank: int,
+    hidden: int,
+    num_topk: int,
+    use_fp8_dispatch: bool,
+    num_ranks_per_node: Optional[int],
+    backend: Optional[str],
+) -> int:
+    """Bytes per rank, a multiple of 2 MiB.
+
+    cuda: what the V1 normal mode needs for rows of 2 x hidden bytes plus the metadata columns (its rings do not
+    grow with the token count). host: a dispatch's worst case, every rank sending all its tokens here, plus its
+    staging across nodes: (R + 2 (nodes - 1)) x num_max_tokens_per_rank records (backends/host/ht.py).
+    """
+    check_int("num_max_tokens_per_rank", num_max_tokens_per_rank, 1)
+    check_int("hidden", hidden, 1)
+    check_int("num_topk", num_topk, 0, MAX_TOPK)
+    K = num_topk or MAX_TOPK
+    nodes, per_node = physical_domain(group, num_ranks_per_node)
+    R = nodes * per_node
+    cols = dispatch_columns(K, hidden, use_fp8_dispatch)
+    if select_backend(backend) == "cuda":
+        config = default_config(DISPATCH_CONFIGS, R, Buffer.num_sms)
+        extra = 4 * max(0, cols - MAX_SCALES_HINT)
+        return _align(max(normal_mode_bytes(config, 2 * hidden + extra, R, per_node), 1), MIB2)
+    record = _align(HOST_RECORD_HEADER + 2 * hidden + 4 * cols + 12 * K, 16)
+    rows = (R + 2 * (nodes - 1)) * num_max_tokens_per_rank
+    from ..backends.host.engine import count_area_bytes
+
+    return _align(count_area_bytes(R, nodes) + rows * record, MIB2)
+
+
+def default_num_allocated_qps(hybrid: bool) -> int:
+    """V2's default GIN contexts: 129 hybrid, 17 direct."""
+    return 129 if hybrid else 17
+
+
+def theoretical_num_sms(device: torch.device, prefer_overlap_with_compute: bool) -> int:
+    """An even count >= 4: the V1 Buffer's SMs (>= 64 unless prefer_overlap_with_compute), at most the GPU's."""
+    n = max(4, Buffer.num_sms if prefer_overlap_with_compute else max(Buffer.num_sms, 64))
+    if device.type == "cuda":
+        n = min(n, torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count)
+    return max(4, n - n % 2)
+
+
+def theoretical_num_qps(num_sms: int, hybrid: bool, num_allocated_qps: int) -> int:
+    """V2's count: min(num_sms, 9) direct, num_sms x 16 + 1 hybrid; at most num_allocated_qps."""
+    return min(num_sms * 16 + 1 if hybrid else min(num_sms, 9), num_allocated_qps)
