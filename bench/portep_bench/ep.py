@@ -1,11 +1,11 @@
-"""EP benchmark: get_dispatch_layout, HT dispatch/combine and LL dispatch/combine through portep.Buffer, with DeepEP's
-byte conventions (docs/design.md §8, Benchmarks and byte counting), and gloo's all_to_all_single of the same rows
-from the same run as the baseline (with the index_select pack a user would need). Host backend: every rank is a
-process on this host.
+"""EP benchmark: get_dispatch_layout, HT dispatch/combine and LL dispatch/combine through portep.Buffer, and DeepEP
+V2's dispatch/combine through portep.ElasticBuffer on the same tokens, with DeepEP's byte conventions (docs/design.md
+§8, Benchmarks and byte counting), and gloo's all_to_all_single of the same rows from the same run as the baseline
+(with the index_select pack a user would need). Host backend: every rank is a process on this host.
 
 Bytes: HT dispatch = rows received (self included) x hidden x 2 (BF16) or x (1 + 4/128) (FP8 with scales);
-HT combine = the same rows x hidden x 2. LL dispatch = valid (token, expert) selections x (H + H/128*4 + 16);
-LL combine = the same selections x 2H.
+HT combine = the same rows x hidden x 2; V2's dispatch and combine are counted as HT's BF16 ones. LL dispatch = valid
+(token, expert) selections x (H + H/128*4 + 16); LL combine = the same selections x 2H.
 """
 
 import os
@@ -121,6 +121,7 @@ def _rank_body(
     _, res["a2a"] = timed(lambda: _baseline_a2a(x, in_rank, world), "baseline gloo all_to_all_single")
     buf.destroy()
     res["ht_bytes"] = recv_rows * hidden * 2
+    res.update(_v2_rows(rank, rpn, transport, x, idx, w, ht_experts, timed, progress))
 
     T = ll_tokens
     if progress:
@@ -153,6 +154,54 @@ def _rank_body(
     res["ll_dispatch_bytes"] = selections * (hidden + hidden // 128 * 4 + 16)
     res["ll_combine_bytes"] = selections * hidden * 2
     return res
+
+
+def _v2_rows(rank, rpn, transport, x, idx, w, experts, timed, progress):
+    """DeepEP V2's ElasticBuffer on the same tokens: dispatch, cached dispatch and combine (weights back)."""
+    import torch.distributed as dist
+
+    import portep
+
+    if progress:
+        progress("ep: making the V2 ElasticBuffer")
+    T, H = x.shape
+    buf = portep.ElasticBuffer(
+        dist.group.WORLD,
+        num_max_tokens_per_rank=T,
+        hidden=H,
+        num_topk=idx.size(1),
+        num_ranks_per_node=rpn,
+        transport=transport,
+        explicitly_destroy=True,
+    )
+    res = {"v2_bytes": buf.num_bytes}
+    d, res["v2_dispatch"] = timed(lambda: buf.dispatch(x, idx, w, num_experts=experts), "V2 dispatch BF16")
+    _, res["v2_cached"] = timed(lambda: buf.dispatch(x, handle=d[3]), "V2 cached dispatch BF16")
+    _, res["v2_combine"] = timed(lambda: buf.combine(d[0], d[3], topk_weights=d[2]), "V2 combine BF16")
+    buf.destroy()
+    return res
+
+
+def memory_table(tokens, hidden, topk):
+    """MiB per rank at DeepEP's internode shapes (8 ranks per node): a V1 Buffer sized by DeepEP's hints next to
+    the V2 ElasticBuffer's get_buffer_size_hint, on the CUDA backend (its rings do not grow with the tokens) and
+    on the host backend (it lays out a whole dispatch)."""
+    from portep.elastic.sizing import cuda_buffer_bytes, host_buffer_bytes, v1_buffer_bytes
+
+    t = Table(
+        f"ep: memory per rank, {tokens} tokens, hidden {hidden}, top-{topk}, FP8 dispatch sizing, 8 ranks per node",
+        "MiB",
+        "Computed, not measured: V1 = num_nvl_bytes + num_rdma_bytes from DeepEP's size hints (the larger of the "
+        "dispatch and combine configs); V2 = ElasticBuffer.get_buffer_size_hint, which is what an ElasticBuffer "
+        "sized by its MoE settings allocates (one V1 Buffer of that many bytes).",
+    )
+    mib = 1 << 20
+    for ranks in (8, 16, 32, 64):
+        t.add(f"{ranks} ranks: V1 Buffer (DeepEP's hints)", [v1_buffer_bytes(ranks, hidden) / mib])
+        t.add(f"{ranks} ranks: V2 ElasticBuffer, CUDA backend", [cuda_buffer_bytes(ranks, 8, hidden, topk, True) / mib])
+        host = host_buffer_bytes(ranks, 8, tokens, hidden, topk, True)
+        t.add(f"{ranks} ranks: V2 ElasticBuffer, host backend", [host / mib])
+    return t
 
 
 def run(
@@ -210,5 +259,9 @@ def run(
     t.add("HT combine BF16", r0["ht_combine"], ht_bytes)
     t.add("LL dispatch FP8", r0["ll_dispatch"], r0["ll_dispatch_bytes"])
     t.add("LL dispatch + combine", r0["ll_combine"], r0["ll_dispatch_bytes"] + r0["ll_combine_bytes"])
+    t.add("V2 ElasticBuffer dispatch BF16", r0["v2_dispatch"], ht_bytes)
+    t.add("V2 ElasticBuffer cached dispatch BF16", r0["v2_cached"], ht_bytes)
+    t.add("V2 ElasticBuffer combine BF16 (weights back)", r0["v2_combine"], ht_bytes)
     report.add(t)
+    report.add(memory_table(ht_tokens, hidden, topk))
     return out

@@ -171,3 +171,8 @@ def test_argument_checks_and_a_one_rank_refusal(transport):
 def test_get_buffer_size_hint_covers_a_full_dispatch():
     out = run_ranks(w.size_hint_body, 2, timeout=240)
     assert_clean(out, 3)
+
+
+def test_default_dtype_bfloat16_changes_nothing():
+    out = run_ranks(w.default_dtype_body, 2, timeout=240)
+    assert_clean(out, 5)

@@ -93,14 +93,14 @@ def check_plain(ck, tag, out, exp, mine, with_weights, num_rows, scaleup, x_fact
         ck.equal(f"{tag} recv_x", recv_x[:R], x_exp)
     ck.equal(f"{tag} recv_topk_idx", recv_idx[:R], exp.topk_idx)
     ck.equal(f"{tag} recv_topk_weights", recv_w[:R], exp.weights if with_weights else torch.zeros_like(exp.weights))
-    meta = handle.recv_src_metadata
+    meta = _host(handle.recv_src_metadata)
     ck.tensor(f"{tag} recv_src_metadata", meta, torch.int32, (num_rows, exp.K + 2))
     ck.equal(f"{tag} global index", meta[:R, 0], torch.tensor(exp.global_index, dtype=torch.int32))
     col1 = [g * exp.K + s for g, s in zip(exp.scaleup_of, exp.last_slot)]
     ck.equal(f"{tag} metadata col 1", meta[:R, 1], torch.tensor(col1, dtype=torch.int32))
     idx = mine["topk_idx"]
     owner = torch.where(idx >= 0, idx // exp.E_l, torch.full_like(idx, -1)).to(torch.int32)
-    ck.equal(f"{tag} dst_buffer_slot_idx", handle.dst_buffer_slot_idx, owner)
+    ck.equal(f"{tag} dst_buffer_slot_idx", _host(handle.dst_buffer_slot_idx), owner)
 
 
 def check_expanded(ck, tag, out, exp, with_weights, num_rows, zero_padding, x_factor=1.0):
@@ -125,7 +125,7 @@ def check_expanded(ck, tag, out, exp, with_weights, num_rows, zero_padding, x_fa
         ck.true(
             sf.stride() == (1, (num_rows + 3) // 4 * 4), f"{tag}: recv_sf strides {sf.stride()} are not TMA col-major"
         )
-    meta = handle.recv_src_metadata
+    meta = _host(handle.recv_src_metadata)
     ck.equal(f"{tag} metadata expanded rows", meta[: exp.num_rows, 2:].long(), exp.expanded_row)
 
 
@@ -410,4 +410,29 @@ def size_hint_body(rank, world):
         "bytes",
     )
     small.destroy()
+    return {"failures": ck.failures, "checks": ck.num_checks}
+
+
+def default_dtype_body(rank, world):
+    """DeepEP's tests make BF16 the default dtype: the same calls under it give the same bits as under float32."""
+    ck = Checker(rank)
+    T, H, K, E = 33, 128, 4, 8 * world
+    inp = ref.make_inputs(rank, 9, [T] * world, H, K, E, False)
+    buf = make_buffer(rank, world, world, "shm", T, H, K, True, True)
+    results = []
+    for dtype in (torch.float32, torch.bfloat16):
+        torch.set_default_dtype(dtype)
+        try:
+            recv, recv_idx, recv_w, handle, _ = buf.dispatch(inp["x"], inp["topk_idx"], num_experts=E)
+            torch.set_default_dtype(torch.float32)  # (the reference's own arithmetic)
+            y = ref.combine_input_rows(handle.recv_src_metadata[:, 0], recv_idx, H, 0)
+            torch.set_default_dtype(dtype)
+            combined, weights, _ = buf.combine(y, handle, topk_weights=recv_w, bias=(inp["x"], inp["x"]))
+            results.append((recv, recv_w, combined, weights))
+        finally:
+            torch.set_default_dtype(torch.float32)
+    for name, a, b in zip(("recv_x", "recv_topk_weights", "combined_x", "combined_topk_weights"), *results):
+        ck.equal(f"{name} under default dtype bfloat16", b, a)
+    ck.true(results[0][1].dtype == torch.float32, "recv_topk_weights is float32")
+    buf.destroy()
     return {"failures": ck.failures, "checks": ck.num_checks}

@@ -328,7 +328,9 @@ class ElasticBuffer(ExperimentalMethods):
         cols = DispatchColumns(K, a.num_sf)
         global_index = self.rank_idx * a.num_max_tokens + torch.arange(N, device=self.device)
         meta = cols.encode(global_index, a.topk_weights, a.sf)
-        weights = a.topk_weights if a.topk_weights is not None else torch.ones(N, K, device=self.device)
+        weights = (
+            a.topk_weights if a.topk_weights is not None else torch.ones(N, K, dtype=torch.float32, device=self.device)
+        )
         (rows, recv_meta), recv_idx, _, _, v1_handle, _ = v1.dispatch(
             (as_bytes(a.x), meta),
             num_tokens_per_rank=per_rank,

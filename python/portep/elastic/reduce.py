@@ -3,7 +3,8 @@ token takes the place of one top-k slot (a rank's partial that of its last slot 
 without multiple reduction its own slot); sums run over slots in ascending order in FP32 and are rounded to BF16
 once per level. The receiving ranks build the contributions (contributions()); the source, which receives them
 unreduced, sums them (reduce_at_source()), so that every level of V2's recipe is reproduced bit for bit whatever
-route the rows took."""
+route the rows took. Every sum touches only the rows that exist: V2 adds +0.0 for the slots in between, which
+changes a result only where it would be -0.0 (fixed at the end, _as_if_zeros_were_added)."""
 
 from typing import Optional, Sequence, Tuple
 
@@ -13,12 +14,28 @@ from .handle import Route
 from .wire import CombineColumns
 
 Tensor = torch.Tensor
-CHUNK_BYTES = 64 << 20  # bound on the [tokens, K, hidden] scratch of a two-level sum
 
 
-def _with_zero_row(t: Tensor) -> Tensor:
-    """t with one zero row appended: index t.size(0) reads zeros."""
-    return torch.cat([t, t.new_zeros((1,) + tuple(t.shape[1:]))])
+def ordered_sums(rows: Tensor, group: Tensor, key: Tensor, init: Optional[Tensor] = None) -> Tuple[Tensor, Tensor]:
+    """Per group g in 0..G-1 (G = init's rows, else group.max() + 1): init[g] (FP32, updated in place; +0.0 without
+    init) plus the rows of that group in ascending key order, in FP32. rows [C, H] BF16, group and key [C] int64
+    (keys distinct within a group, below 2**20). Returns (sums [G, H] float32, rows per group [G] int64)."""
+    G = init.size(0) if init is not None else (int(group.max()) + 1 if group.numel() else 0)
+    acc = init if init is not None else torch.zeros(G, rows.size(1), dtype=torch.float32, device=rows.device)
+    counts = torch.bincount(group, minlength=G)
+    if group.numel() == 0:
+        return acc, counts
+    order = torch.argsort(group * (1 << 20) + key)
+    group_sorted = group[order]
+    position = torch.arange(order.numel(), device=rows.device) - (torch.cumsum(counts, 0) - counts)[group_sorted]
+    for j in range(int(counts.max())):
+        at_j = position == j  # the j-th row of each group that has one: one row per group, so one add each
+        groups_j, rows_j = group_sorted[at_j], rows.index_select(0, order[at_j])
+        if groups_j.numel() == G:  # every group (in order: the sort is by group)
+            acc.add_(rows_j)
+        else:
+            acc.index_add_(0, groups_j, rows_j.float())
+    return acc, counts
 
 
 def contributions(
@@ -29,28 +46,25 @@ def contributions(
     order first), or with per_slot one per expanded (token, slot)."""
     layout = route.layout
     R = layout.num_rows
-    max_tokens = route.num_max_tokens_per_rank
+    device = x.device
     gidx = layout.global_index.long()
     if not expand:
-        rows, token_of = x[:R], torch.arange(R, device=x.device)
-        slot = layout.highest_local_slot
+        rows, token_of, slot = x[:R], torch.arange(R, device=device), layout.highest_local_slot
         weights = None if topk_weights is None else topk_weights[:R]
-    elif per_slot:
+    else:
         valid = layout.expanded_row >= 0
         token_of, slot = valid.nonzero().unbind(1)
         rows = x[layout.expanded_row[valid]]
         weights = None
-    else:
-        exp_row = layout.expanded_row.clone()
-        exp_row[exp_row < 0] = x.size(0)
-        xz = _with_zero_row(x)
-        acc = torch.zeros(R, x.size(1), dtype=torch.float32, device=x.device)
-        for k in range(exp_row.size(1)):
-            acc += xz[exp_row[:, k]].float()
-        rows, token_of, slot = acc.to(torch.bfloat16), torch.arange(R, device=x.device), layout.highest_local_slot
-        weights = None if topk_weights is None else _with_zero_row(topk_weights)[exp_row]
+        if not per_slot:
+            init = torch.zeros(R, x.size(1), dtype=torch.float32, device=device)
+            rows = ordered_sums(rows, token_of, slot, init)[0].to(torch.bfloat16)
+            token_of, slot = torch.arange(R, device=device), layout.highest_local_slot
+            if topk_weights is not None:
+                weights = torch.zeros(R, valid.size(1), dtype=torch.float32, device=device)
+                weights[valid] = topk_weights[layout.expanded_row[valid]]
     src = gidx[token_of]
-    return rows, src // max_tokens, src % max_tokens, slot, weights
+    return rows, src // route.num_max_tokens_per_rank, src % route.num_max_tokens_per_rank, slot, weights
 
 
 def reduce_at_source(
@@ -67,65 +81,52 @@ def reduce_at_source(
     (rows [C, H] bf16 and their columns). node_ranks: sum the ranks of each node of that many ranks first (V2's
     hybrid recipe with multiple reduction), else None."""
     N, K, H = num_tokens, route.num_topk, rows.size(1)
-    device = rows.device
-    at = torch.full((N, K), rows.size(0), dtype=torch.int64, device=device)  # contribution per slot, else zeros
-    at[cols.token(meta), cols.slot(meta)] = torch.arange(rows.size(0), device=device)
-    rows_z = _with_zero_row(rows)
-    init = None
-    for b in biases:
-        init = b.float() if init is None else init + b.float()
-    out = torch.empty(N, H, dtype=torch.bfloat16, device=device)
-    step = max(1, CHUNK_BYTES // max(1, K * H * 2)) if node_ranks else max(N, 1)
-    for t0 in range(0, N, step):
-        t = slice(t0, min(N, t0 + step))
-        base = None if init is None else init[t]
-        if node_ranks:
-            out[t] = _two_level(rows_z, at[t], route.slot_rank[t], node_ranks, base)
-        else:
-            out[t] = _ordered_sum(lambda k: rows_z[at[t][:, k]], K, base, at[t].size(0), H, device)
-    weights = _combined_weights(meta, cols, at, route.slot_rank) if with_weights else None
-    return out, weights
+    token, slot = cols.token(meta), cols.slot(meta)
+    if not biases:
+        init = torch.zeros(N, H, dtype=torch.float32, device=rows.device)
+    else:
+        init = biases[0].float() if len(biases) == 1 else biases[0].float() + biases[1].float()  # (new tensors)
+    weights = _combined_weights(cols.weights_of(meta), token, slot, route.slot_rank) if with_weights else None
+    if node_ranks is not None:
+        rows, token, slot = _node_partials(rows, token, slot, route.slot_rank, node_ranks)
+    acc, counts = ordered_sums(rows, token, slot, init)
+    return _as_if_zeros_were_added(acc, counts, K).to(torch.bfloat16), weights
 
 
-def _ordered_sum(value_at, num_slots, base, n, hidden, device):
-    """bf16 of base (FP32, or zeros) plus value_at(k) for k = 0..num_slots-1, in that order, in FP32."""
-    acc = base.clone() if base is not None else torch.zeros(n, hidden, dtype=torch.float32, device=device)
-    for k in range(num_slots):
-        acc += value_at(k).float()
-    return acc.to(torch.bfloat16)
+def _node_partials(rows, token, slot, slot_rank, node_ranks):
+    """Each (token, node)'s contributions summed in slot order and rounded to BF16, keyed by their last slot."""
+    node = slot_rank[token, slot] // node_ranks
+    pair = token * (int(slot_rank.max()) // node_ranks + 1 if slot_rank.numel() else 1) + node
+    pairs, group = torch.unique(pair, return_inverse=True)
+    init = torch.zeros(pairs.numel(), rows.size(1), dtype=torch.float32, device=rows.device)
+    sums, _ = ordered_sums(rows, group, slot, init)
+    last = torch.full((pairs.numel(),), -1, dtype=torch.int64, device=rows.device).scatter_reduce(
+        0, group, slot, "amax"
+    )
+    first_of = torch.full((pairs.numel(),), 0, dtype=torch.int64, device=rows.device).scatter_(0, group, token)
+    return sums.to(torch.bfloat16), first_of, last
 
 
-def _two_level(rows_z, at, slot_rank, node_ranks, base):
-    """Per token: the contributions of each node's ranks summed in slot order and rounded (each node's partial in
-    its last slot), then the final ordered sum over slots."""
-    n, K = at.shape
-    H = rows_z.size(1)
-    node = torch.where(slot_rank >= 0, slot_rank // node_ranks, torch.full_like(slot_rank, -1))
-    node_sorted, perm = torch.sort(node, dim=1, stable=True)
-    partial = torch.zeros(n, K, H, dtype=torch.bfloat16, device=rows_z.device)
-    acc = torch.zeros(n, H, dtype=torch.float32, device=rows_z.device)
-    tokens = torch.arange(n, device=rows_z.device)
-    for j in range(K):
-        slot = perm[:, j]
-        acc += rows_z[at[tokens, slot]].float()
-        last = (
-            torch.ones(n, dtype=torch.bool, device=rows_z.device)
-            if j == K - 1
-            else node_sorted[:, j] != node_sorted[:, j + 1]
-        )
-        partial[tokens, slot] = torch.where(last[:, None], acc, torch.zeros_like(acc)).to(torch.bfloat16)
-        acc[last] = 0.0
-    return _ordered_sum(lambda k: partial[:, k], K, base, n, H, rows_z.device)
+def _as_if_zeros_were_added(acc, counts, num_slots):
+    """V2 adds +0.0 at every slot without a contribution; x + 0.0 is x, except that -0.0 becomes +0.0."""
+    short = counts < num_slots
+    if bool(short.all()):
+        return acc.add_(0.0)
+    rows = short.nonzero().flatten()
+    return acc.index_add_(0, rows, torch.zeros(rows.numel(), acc.size(1), dtype=acc.dtype, device=acc.device))
 
 
-def _combined_weights(meta, cols, at, slot_rank):
+def _combined_weights(weights, token, slot, slot_rank):
     """[N, K] float32: slot k's weight as the rank holding it sent it back (in the contribution of that rank's last
-    slot), 0 where the slot had no expert."""
+    slot), 0 where the slot had no expert. weights [C, K]: each contribution's row of weights."""
     N, K = slot_rank.shape
+    if token.numel() == 0:
+        return torch.zeros(N, K, dtype=torch.float32, device=slot_rank.device)
+    carrier = torch.full((N, K), -1, dtype=torch.int64, device=slot_rank.device)
+    carrier[token, slot] = torch.arange(token.numel(), device=slot_rank.device)
     valid = slot_rank >= 0
     same = (slot_rank[:, :, None] == slot_rank[:, None, :]) & valid[:, None, :]
     last_of_rank = (same * torch.arange(1, K + 1, device=slot_rank.device)).amax(2) - 1  # [N, K]
-    carrier = at.gather(1, last_of_rank.clamp(min=0))
-    w = _with_zero_row(cols.weights_of(meta))
-    out = w[carrier, torch.arange(K, device=slot_rank.device)[None, :].expand(N, K)]
-    return torch.where(valid, out, torch.zeros_like(out))
+    row = carrier.gather(1, last_of_rank.clamp(min=0))
+    out = weights[row.clamp(min=0), torch.arange(K, device=slot_rank.device)[None, :].expand(N, K)]
+    return torch.where(valid & (row >= 0), out, torch.zeros_like(out))

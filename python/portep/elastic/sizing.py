@@ -33,28 +33,62 @@ def buffer_size_hint(
     num_ranks_per_node: Optional[int],
     backend: Optional[str],
 ) -> int:
-    """Bytes per rank, a multiple of 2 MiB.
+    """Bytes per rank, a multiple of 2 MiB, for group's topology on `backend` (default: the one a Buffer takes)."""
+    nodes, per_node = physical_domain(group, num_ranks_per_node)
+    if select_backend(backend) == "cuda":
+        return cuda_buffer_bytes(nodes * per_node, per_node, hidden, num_topk, use_fp8_dispatch)
+    return host_buffer_bytes(nodes * per_node, per_node, num_max_tokens_per_rank, hidden, num_topk, use_fp8_dispatch)
 
-    cuda: what the V1 normal mode needs for rows of 2 x hidden bytes plus the metadata columns (its rings do not
-    grow with the token count). host: a dispatch's worst case, every rank sending all its tokens here, plus its
-    staging across nodes: (R + 2 (nodes - 1)) x num_max_tokens_per_rank records (backends/host/ht.py).
-    """
-    check_int("num_max_tokens_per_rank", num_max_tokens_per_rank, 1)
+
+def _check_shape(hidden, num_topk):
     check_int("hidden", hidden, 1)
     check_int("num_topk", num_topk, 0, MAX_TOPK)
-    K = num_topk or MAX_TOPK
-    nodes, per_node = physical_domain(group, num_ranks_per_node)
-    R = nodes * per_node
-    cols = dispatch_columns(K, hidden, use_fp8_dispatch)
-    if select_backend(backend) == "cuda":
-        config = default_config(DISPATCH_CONFIGS, R, Buffer.num_sms)
-        extra = 4 * max(0, cols - MAX_SCALES_HINT)
-        return _align(max(normal_mode_bytes(config, 2 * hidden + extra, R, per_node), 1), MIB2)
-    record = _align(HOST_RECORD_HEADER + 2 * hidden + 4 * cols + 12 * K, 16)
-    rows = (R + 2 * (nodes - 1)) * num_max_tokens_per_rank
+    return num_topk or MAX_TOPK
+
+
+def cuda_buffer_bytes(num_ranks: int, ranks_per_node: int, hidden: int, num_topk: int, use_fp8_dispatch: bool) -> int:
+    """What a V1 Buffer of the CUDA backend takes for BF16 rows of `hidden` (DeepEP's NVL + RDMA size hints of the
+    dispatch and combine configs, the larger), at least what its normal mode needs for V2's rows (2 x hidden bytes
+    plus the metadata columns; its rings do not grow with the token count)."""
+    K = _check_shape(hidden, num_topk)
+    config = default_config(DISPATCH_CONFIGS, num_ranks, Buffer.num_sms)
+    extra = 4 * max(0, dispatch_columns(K, hidden, use_fp8_dispatch) - MAX_SCALES_HINT)
+    needed = normal_mode_bytes(config, 2 * hidden + extra, num_ranks, ranks_per_node)
+    return _align(max(needed, v1_buffer_bytes(num_ranks, hidden)), MIB2)
+
+
+def v1_buffer_bytes(num_ranks: int, hidden: int) -> int:
+    """num_nvl_bytes + num_rdma_bytes of a V1 Buffer sized as DeepEP's users size it for BF16 rows of `hidden`: the
+    larger of the dispatch and combine configs' hints (0 where DeepEP's hints do not cover num_ranks)."""
+    try:
+        configs = (Buffer.get_dispatch_config(num_ranks), Buffer.get_combine_config(num_ranks))
+        return max(
+            c.get_nvl_buffer_size_hint(2 * hidden, num_ranks) + c.get_rdma_buffer_size_hint(2 * hidden, num_ranks)
+            for c in configs
+        )
+    except ValueError:
+        return 0
+
+
+def host_buffer_bytes(
+    num_ranks: int,
+    ranks_per_node: int,
+    num_max_tokens_per_rank: int,
+    hidden: int,
+    num_topk: int,
+    use_fp8_dispatch: bool,
+) -> int:
+    """What the host backend needs for a dispatch's worst case, every rank sending all its tokens here, plus its
+    staging across nodes: (R + 2 (nodes - 1)) x num_max_tokens_per_rank records (backends/host/ht.py), after the
+    count exchange's area."""
     from ..backends.host.engine import count_area_bytes
 
-    return _align(count_area_bytes(R, nodes) + rows * record, MIB2)
+    K = _check_shape(hidden, num_topk)
+    check_int("num_max_tokens_per_rank", num_max_tokens_per_rank, 1)
+    nodes = num_ranks // ranks_per_node
+    record = _align(HOST_RECORD_HEADER + 2 * hidden + 4 * dispatch_columns(K, hidden, use_fp8_dispatch) + 12 * K, 16)
+    rows = (num_ranks + 2 * (nodes - 1)) * num_max_tokens_per_rank
+    return _align(count_area_bytes(num_ranks, nodes) + rows * record, MIB2)
 
 
 def default_num_allocated_qps(hybrid: bool) -> int:

@@ -1,0 +1,101 @@
+"""portep.elastic.reduce (ElasticBuffer's combine arithmetic) against a plain slot loop written from DeepEP V2's
+rule: start from fp32(bias0) + fp32(bias1), add at every slot k = 0..K-1 the contribution keyed there or +0.0, round
+once; with node partials, first sum each node's rank partials the same way (from +0.0) and round. The data holds
+-0.0 biases, -0.0 rows, tokens without contributions and FP32 sums that round, so order and signs matter."""
+
+import pytest
+import torch
+
+from portep.elastic.handle import Route
+from portep.elastic.reduce import ordered_sums, reduce_at_source
+from portep.elastic.wire import CombineColumns
+
+
+def _case(seed, N=40, K=6, H=32, ranks=8):
+    g = torch.Generator().manual_seed(seed)
+    slot_rank = torch.randint(0, ranks, (N, K), generator=g)
+    slot_rank[torch.rand(N, K, generator=g) < 0.3] = -1
+    slot_rank[:3] = -1  # tokens nobody returns anything for
+    token, slot = [], []
+    for t in range(N):
+        for q in sorted(set(slot_rank[t].tolist()) - {-1}):
+            token.append(t)
+            slot.append(max(k for k in range(K) if slot_rank[t, k] == q))
+    C = len(token)
+    exponents = torch.randint(-10, 25, (C, H), generator=g).double()
+    rows = (torch.randn(C, H, generator=g, dtype=torch.float64) * torch.exp2(exponents)).to(torch.bfloat16)
+    rows[torch.rand(C, H, generator=g) < 0.1] = -0.0
+    bias = [torch.randn(N, H, generator=g).to(torch.bfloat16) for _ in range(2)]
+    for b in bias:
+        b[torch.rand(N, H, generator=g) < 0.3] = -0.0
+    weights = torch.rand(C, K, generator=g)
+    return slot_rank, torch.tensor(token), torch.tensor(slot), rows, bias, weights
+
+
+def _reference(slot_rank, token, slot, rows, bias, node_ranks):
+    N, K = slot_rank.shape
+    at = {(int(t), int(k)): rows[i] for i, (t, k) in enumerate(zip(token, slot))}
+    if node_ranks is not None:
+        merged = {}
+        for t in range(N):
+            nodes = {}
+            for k in range(K):
+                if (t, k) in at:
+                    nodes.setdefault(int(slot_rank[t, k]) // node_ranks, []).append(k)
+            for keys in nodes.values():
+                acc = torch.zeros(rows.size(1))
+                for k in range(min(keys), max(keys) + 1):  # the node's slots in order, +0.0 between its rows
+                    acc += at[(t, k)].float() if k in keys else torch.zeros(rows.size(1))
+                merged[(t, max(keys))] = acc.to(torch.bfloat16)
+        at = merged
+    out = torch.empty(N, rows.size(1), dtype=torch.bfloat16)
+    for t in range(N):
+        acc = bias[0][t].float() + bias[1][t].float() if len(bias) == 2 else bias[0][t].float() if bias else None
+        acc = torch.zeros(rows.size(1)) if acc is None else acc
+        for k in range(K):
+            acc = acc + (at[(t, k)].float() if (t, k) in at else torch.zeros(rows.size(1)))
+        out[t] = acc.to(torch.bfloat16)
+    return out
+
+
+@pytest.mark.parametrize("num_bias", [0, 1, 2])
+@pytest.mark.parametrize("node_ranks", [None, 2, 4])
+@pytest.mark.parametrize("seed", [1, 2])
+def test_reduce_at_source_is_the_slot_loop(num_bias, node_ranks, seed):
+    slot_rank, token, slot, rows, bias, weights = _case(seed)
+    bias = bias[:num_bias]
+    N, K = slot_rank.shape
+    cols = CombineColumns(K)
+    route = Route(None, None, slot_rank, K, 64, 0, 0, 0)
+    got, got_w = reduce_at_source(rows, cols.encode(token, slot, weights), cols, route, N, bias, node_ranks, True)
+    expected = _reference(slot_rank, token, slot, rows, bias, node_ranks)
+    assert torch.equal(got.view(torch.int16), expected.view(torch.int16))  # signs of zeros included
+    for t in range(N):
+        for k in range(K):
+            if slot_rank[t, k] < 0:
+                assert got_w[t, k] == 0
+            else:
+                last = max(j for j in range(K) if slot_rank[t, j] == slot_rank[t, k])
+                i = [n for n in range(token.numel()) if token[n] == t and slot[n] == last][0]
+                assert got_w[t, k] == weights[i, k]
+
+
+def test_a_minus_zero_sum_turns_positive_only_where_a_slot_adds_plus_zero():
+    slot_rank = torch.tensor([[0, 1], [0, -1]])
+    token, slot = torch.tensor([0, 0, 1]), torch.tensor([0, 1, 0])
+    rows = torch.full((3, 4), -0.0, dtype=torch.bfloat16)
+    bias = [torch.full((2, 4), -0.0, dtype=torch.bfloat16)]
+    route = Route(None, None, slot_rank, 2, 64, 0, 0, 0)
+    cols = CombineColumns(2)
+    got, _ = reduce_at_source(rows, cols.encode(token, slot, None), cols, route, 2, bias, None, False)
+    assert torch.signbit(got[0]).all()  # -0 + -0 + -0: every slot had a row
+    assert not torch.signbit(got[1]).any()  # slot 1 of token 1 adds +0.0
+
+
+def test_ordered_sums_adds_each_group_in_key_order():
+    rows = torch.tensor([[1.0], [2.0**24], [-(2.0**24)]], dtype=torch.bfloat16)
+    # group 0 in key order: 2**24, 1, -2**24 -> 2**24 + 1 rounds to 2**24 in FP32, so the sum is 0
+    sums, counts = ordered_sums(rows, torch.tensor([0, 0, 0]), torch.tensor([1, 0, 2]))
+    assert sums.tolist() == [[0.0]] and counts.tolist() == [3]
+    sums, _ = ordered_sums(rows, torch.tensor([0, 0, 0]), torch.tensor([2, 0, 1]))
+    assert sums.tolist() == [[1.0]]
