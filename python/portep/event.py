@@ -73,8 +73,9 @@ class EventOverlap:
         return self
 
     def __exit__(self, exc_type: object, exc_value: object, traceback: object) -> None:
+        release, self._release_on_exit = self._release_on_exit, False
         if self.event is not None:
-            self.current_stream_wait(release_handle=self._release_on_exit)
+            self.current_stream_wait(release_handle=release)
 
     def __repr__(self) -> str:
         return f"EventOverlap(event={self.event!r})"

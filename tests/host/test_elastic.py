@@ -57,6 +57,25 @@ def test_elastic_zero_tokens_and_a_node_that_receives_nothing():
     _run((6, 2, "shm", True, True, (tokens, 256, 4, 24)), modes, 23)
 
 
+def test_elastic_ranks_that_receive_one_row_or_none():
+    # every expert on rank 0 but one slot on rank 1: rank 1 receives one row, ranks 2 and 3 none, with column
+    # counts of both parities (K = 6 BF16: 7 dispatch columns; K = 5: 6) and 1-row / 0-row return trips
+    modes = [dict(m, skew=True) for m in MODES[:3]]
+    _run((4, 2, "shm", True, True, (_tokens(4), 128, 6, 32)), modes, 61)
+    _run((4, 4, "shm-unordered", True, False, (_tokens(4), 128, 5, 32)), modes, 62)
+
+
+def test_elastic_deterministic_orders_by_global_index_across_nodes():
+    world, rpn, transport, hybrid, multi, shape = (4, 2, "shm", True, True, (_tokens(4), 256, 6, 32))
+    out = run_ranks(
+        w.elastic_body,
+        world,
+        args=(rpn, transport, hybrid, multi, shape, MODES[:2], 71, "host", True),
+        timeout=300,
+    )
+    assert_clean(out, 80)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize(
     "case",

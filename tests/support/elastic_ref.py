@@ -11,10 +11,24 @@ BF16 = torch.bfloat16
 FP8 = torch.float8_e4m3fn
 
 
-def make_inputs(rank, seed, n_tokens, hidden, num_topk, num_experts, fp8, sf_kind="float", masked=0.15, nodes=None):
+def make_inputs(
+    rank,
+    seed,
+    n_tokens,
+    hidden,
+    num_topk,
+    num_experts,
+    fp8,
+    sf_kind="float",
+    masked=0.15,
+    nodes=None,
+    skew=False,
+    world=None,
+):
     """One rank's dispatch inputs: x BF16 [N, hidden] (or FP8 data and sf [N, P]), topk_idx [N, K] int64 (distinct
     experts, some -1), topk_weights [N, K] float32 (0 where -1). nodes: (node count, ranks per node, allowed nodes per
-    token) limits each token's experts to that many nodes."""
+    token) limits each token's experts to that many nodes. skew: every expert on rank 0, except one slot of rank 0's
+    first token on rank 1 (rank 1 receives one token, the others none; needs world)."""
     g = torch.Generator().manual_seed(seed * 1009 + rank)
     N = n_tokens[rank]
     x = (torch.randn(N, hidden, generator=g) * (1 + torch.arange(N)[:, None] % 7)).to(BF16)
@@ -27,8 +41,16 @@ def make_inputs(rank, seed, n_tokens, hidden, num_topk, num_experts, fp8, sf_kin
             banned = torch.ones(num_nodes, dtype=torch.bool)
             banned[keep] = False
             scores[t].view(num_nodes, per_node_experts)[banned] = -1.0
+    if skew:
+        scores[:, num_experts // world :] = -2.0  # rank 0's experts only
+        if rank == 0 and N:
+            scores[0, num_experts // world] = 5.0  # one slot on rank 1
     idx = scores.topk(num_topk, dim=1).indices
     idx[torch.rand(N, num_topk, generator=g) < masked] = -1
+    if skew:
+        idx[scores.gather(1, idx.clamp(min=0)) < -1] = -1
+        if rank == 0 and N and not bool((idx[0] == num_experts // world).any()):
+            idx[0, 0] = num_experts // world  # (the random mask took it)
     if nodes is not None:
         idx[scores.gather(1, idx.clamp(min=0)) < 0] = -1
     weights = torch.rand(N, num_topk, generator=g) + 0.25
@@ -72,7 +94,8 @@ def expert_rows(global_index, num_topk, hidden, salt=0):
 class Expected:
     """What rank `rank` receives from everyone's inputs (all_inputs[s] from make_inputs)."""
 
-    def __init__(self, all_inputs, rank, max_tokens, num_experts, scaleup, alignment):
+    def __init__(self, all_inputs, rank, max_tokens, num_experts, scaleup, alignment, grouped=True):
+        """grouped: rows ordered by source scale-up rank first (V2 without deterministic), else by global index."""
         world = len(all_inputs)
         self.E_l = num_experts // world
         self.K = all_inputs[0]["topk_idx"].size(1)
@@ -80,7 +103,7 @@ class Expected:
         for s, inp in enumerate(all_inputs):
             for t, row in enumerate(inp["topk_idx"].tolist()):
                 if any(e >= 0 and e // self.E_l == rank for e in row):
-                    keyed.append(((s % scaleup, s * max_tokens + t), s, t))
+                    keyed.append(((s % scaleup if grouped else 0, s * max_tokens + t), s, t))
         keyed.sort()
         self.sources = [(s, t) for _, s, t in keyed]
         self.global_index = [g for (_, g), _, _ in keyed]
@@ -104,7 +127,7 @@ class Expected:
             self.last_slot.append(max(local))
         self.counts = [int((self.topk_idx == e).sum()) for e in range(self.E_l)]
         self.aligned = [(c + alignment - 1) // alignment * alignment for c in self.counts]
-        per_group = [sum(1 for (g, _), _, _ in keyed if g == j) for j in range(scaleup)]
+        per_group = [sum(1 for _, s, _ in keyed if s % scaleup == j) for j in range(scaleup)]
         self.psum_scaleup = [sum(per_group[: j + 1]) for j in range(scaleup)]
         self.scaleup_of = [s % scaleup for s, _ in self.sources]
         self.expanded_row = torch.full((R, K), -1, dtype=torch.int64)

@@ -121,7 +121,7 @@ class ElasticBuffer(ExperimentalMethods):
         )
         self.scaleout_rank_idx = self.rank_idx // self.num_scaleup_ranks
         self.scaleup_rank_idx = self.rank_idx % self.num_scaleup_ranks
-        self.num_allocated_qps = num_allocated_qps or default_num_allocated_qps(self.num_scaleout_ranks > 1)
+        self.num_allocated_qps = num_allocated_qps or default_num_allocated_qps(self.allow_hybrid_mode)
         # where this buffer's tensors live (portep's; V2 has no such attribute)
         self.device = torch.device("cuda" if self._v1.backend == "cuda" else "cpu")
 
@@ -208,10 +208,10 @@ class ElasticBuffer(ExperimentalMethods):
         return theoretical_num_sms(self.device, self.prefer_overlap_with_compute)
 
     def get_theoretical_num_qps(self, num_sms: int) -> int:
-        """Queue pairs for num_sms SMs as V2 counts them (min(num_sms, 9) direct, num_sms x 16 + 1 hybrid), at most
-        num_allocated_qps."""
+        """Queue pairs for num_sms SMs as V2 counts them (min(num_sms, 9), or num_sms x 16 + 1 with
+        allow_hybrid_mode), at most num_allocated_qps."""
         check_int("num_sms", num_sms, 1)
-        return theoretical_num_qps(num_sms, self.num_scaleout_ranks > 1, self.num_allocated_qps)
+        return theoretical_num_qps(num_sms, self.allow_hybrid_mode, self.num_allocated_qps)
 
     @staticmethod
     def capture() -> EventHandle:
@@ -285,7 +285,7 @@ class ElasticBuffer(ExperimentalMethods):
             recv_topk_idx: [R, K] topk_idx_t, local expert ids, -1 where the slot is not on this rank; None when
                 expanded.
             recv_topk_weights: [R, K] float32, the sender's weights for all K slots (expanded: [X], each row's
-                slot weight); zeros without weights.
+                slot weight); None without topk_weights.
             handle: an EPHandle (the same object in cached mode).
             event: an EventOverlap (its event is None unless async_with_compute_stream).
         """
@@ -348,6 +348,7 @@ class ElasticBuffer(ExperimentalMethods):
             local_experts,
             a.alignment,
             a.expand,
+            group_by_scaleup=not self.deterministic,
         )
         num_rows = layout.num_rows if a.cpu_sync else worst_case_rows(R, a.num_max_tokens)
         num_expanded = 0
@@ -394,6 +395,7 @@ class ElasticBuffer(ExperimentalMethods):
         route = handle.route
         cols = DispatchColumns(route.num_topk, a.num_sf)
         arrived, route.arrived = route.arrived, None
+        with_weights = a.topk_weights is not None
         if handle.do_expand:
             recv_x, weights = expanded_outputs(
                 arrived,
@@ -404,9 +406,12 @@ class ElasticBuffer(ExperimentalMethods):
                 route.num_expanded_rows,
                 col_major_sf,
                 a.zero_padding,
+                with_weights,
             )
             return recv_x, None, weights
-        return plain_outputs(arrived, route.layout, cols, a.x.dtype, a.sf_dtype, route.num_rows, col_major_sf)
+        return plain_outputs(
+            arrived, route.layout, cols, a.x.dtype, a.sf_dtype, route.num_rows, col_major_sf, with_weights
+        )
 
     # ---- combine ----
     def combine(

@@ -2,9 +2,9 @@
 (each token's global index and its local top-k ids). All torch, on the tensors' device.
 
 Row order: tokens grouped by source scale-up rank (the group of rank r is r % num_scaleup_ranks), then by global
-index (source rank x num_max_tokens_per_rank + token): the order V2's deterministic mode gives, so every dispatch
-here is deterministic. Expanded layout: one row per (token, local expert), experts in order, each expert's rows in
-the token order above, each expert's block starting at a multiple of the alignment."""
+index (source rank x num_max_tokens_per_rank + token); with V2's deterministic mode by global index alone. Either
+way every dispatch here is deterministic. Expanded layout: one row per (token, local expert), experts in order, each
+expert's rows in the token order above, each expert's block starting at a multiple of the alignment."""
 
 from dataclasses import dataclass
 from typing import Optional
@@ -73,12 +73,13 @@ def receive_layout(
     num_local_experts: int,
     alignment: int,
     expand: bool,
+    group_by_scaleup: bool = True,
 ) -> ReceiveLayout:
     """The layout of the tokens that arrived, in arrival order: global_index [R] int32, local_topk_idx [R, K]
-    int64."""
+    int64. Rows are ordered by global index alone without group_by_scaleup (V2's deterministic mode)."""
     src_rank = global_index.long() // num_max_tokens_per_rank
     group = src_rank % num_scaleup_ranks
-    key = group * (1 << 40) + global_index.long()
+    key = group * (1 << 40) * int(group_by_scaleup) + global_index.long()
     order = None
     if key.numel() > 1 and not bool((key[1:] > key[:-1]).all()):
         order = torch.argsort(key, stable=True)

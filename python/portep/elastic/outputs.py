@@ -44,16 +44,19 @@ def plain_outputs(
     sf_dtype: Optional[torch.dtype],
     num_rows: int,
     col_major_sf: bool,
-) -> Tuple[object, Tensor, Tensor]:
-    """(recv_x or (recv_x, recv_sf), recv_topk_idx [num_rows, K], recv_topk_weights [num_rows, K]); rows past R:
-    recv_topk_idx -1, weights 0, data uninitialized."""
+    with_weights: bool,
+) -> Tuple[object, Tensor, Optional[Tensor]]:
+    """(recv_x or (recv_x, recv_sf), recv_topk_idx [num_rows, K], recv_topk_weights [num_rows, K] or None without
+    weights); rows past R: recv_topk_idx -1, weights 0, data uninitialized."""
     R, K = layout.local_topk_idx.shape
     device = arrived.meta.device
     recv_x = arrived.rows(num_rows).view(x_dtype)
     idx = torch.full((num_rows, K), -1, dtype=torch.int64, device=device)
     idx[:R] = layout.local_topk_idx
-    weights = torch.zeros(num_rows, K, dtype=torch.float32, device=device)
-    weights[:R] = cols.weights_of(arrived.meta)
+    weights = None
+    if with_weights:
+        weights = torch.zeros(num_rows, K, dtype=torch.float32, device=device)
+        weights[:R] = cols.weights_of(arrived.meta)
     if sf_dtype is None:
         return recv_x, idx, weights
     sf = sf_tensor(num_rows, cols.sf.stop - cols.sf.start, sf_dtype, device, col_major_sf)
@@ -70,9 +73,10 @@ def expanded_outputs(
     num_rows: int,
     col_major_sf: bool,
     zero_padding: bool,
-) -> Tuple[object, Tensor]:
-    """(recv_x or (recv_x, recv_sf) [num_rows, ...], recv_topk_weights [num_rows] float32): row
-    layout.expanded_row[i, k] holds token i for slot k; the rest is padding (zeros with zero_padding, else
+    with_weights: bool,
+) -> Tuple[object, Optional[Tensor]]:
+    """(recv_x or (recv_x, recv_sf) [num_rows, ...], recv_topk_weights [num_rows] float32 or None without weights):
+    row layout.expanded_row[i, k] holds token i for slot k; the rest is padding (zeros with zero_padding, else
     uninitialized; weights are zero there either way)."""
     row_bytes = arrived.row_bytes
     device = row_bytes.device
@@ -82,8 +86,10 @@ def expanded_outputs(
     alloc = torch.zeros if zero_padding else torch.empty
     out = alloc(num_rows, row_bytes.size(1), dtype=torch.uint8, device=device)
     out[dst] = row_bytes[src]
-    weights = torch.zeros(num_rows, dtype=torch.float32, device=device)
-    weights[dst] = cols.weights_of(arrived.meta)[valid]
+    weights = None
+    if with_weights:
+        weights = torch.zeros(num_rows, dtype=torch.float32, device=device)
+        weights[dst] = cols.weights_of(arrived.meta)[valid]
     recv_x = out.view(x_dtype)
     if sf_dtype is None:
         return recv_x, weights

@@ -86,13 +86,15 @@ def host_buffer_bytes(
     K = _check_shape(hidden, num_topk)
     check_int("num_max_tokens_per_rank", num_max_tokens_per_rank, 1)
     nodes = num_ranks // ranks_per_node
-    record = _align(HOST_RECORD_HEADER + 2 * hidden + 4 * dispatch_columns(K, hidden, use_fp8_dispatch) + 12 * K, 16)
+    record = _align(
+        HOST_RECORD_HEADER + 2 * hidden + 4 * dispatch_columns(K, hidden, use_fp8_dispatch) + 4 + 12 * K, 16
+    )
     rows = (num_ranks + 2 * (nodes - 1)) * num_max_tokens_per_rank
     return _align(count_area_bytes(num_ranks, nodes) + rows * record, MIB2)
 
 
 def default_num_allocated_qps(hybrid: bool) -> int:
-    """V2's default GIN contexts: 129 hybrid, 17 direct."""
+    """V2's default GIN contexts: 129 with allow_hybrid_mode, 17 without."""
     return 129 if hybrid else 17
 
 
@@ -105,5 +107,5 @@ def theoretical_num_sms(device: torch.device, prefer_overlap_with_compute: bool)
 
 
 def theoretical_num_qps(num_sms: int, hybrid: bool, num_allocated_qps: int) -> int:
-    """V2's count: min(num_sms, 9) direct, num_sms x 16 + 1 hybrid; at most num_allocated_qps."""
+    """V2's count: min(num_sms, 9) without allow_hybrid_mode, num_sms x 16 + 1 with it; at most num_allocated_qps."""
     return min(num_sms * 16 + 1 if hybrid else min(num_sms, 9), num_allocated_qps)

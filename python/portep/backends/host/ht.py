@@ -10,7 +10,7 @@ back as one partial per token; the source adds bias, same-node rows (ranks ascen
 ascending), so results are bitwise reproducible.
 
 Record of one dispatched token (16-byte aligned): [src_token i32, node_mask i32, src_rank i32, 0 i32]
-[x bytes][scales S x 4][topk ids K x i64 (global)][topk weights K x f32].
+[x bytes][scales S x 4][0-4 bytes to an 8-byte boundary][topk ids K x i64 (global)][topk weights K x f32].
 """
 
 import torch
@@ -48,7 +48,7 @@ class _Record:
     def __init__(self, hidden_bytes, num_scales, num_topk):
         self.x = HEADER
         self.scales = self.x + hidden_bytes
-        self.topk = self.scales + 4 * num_scales
+        self.topk = hb.align(self.scales + 4 * num_scales, 8)  # int64 ids: read in place as int64 (also one row)
         self.weights = self.topk + 8 * num_topk
         self.bytes = hb.align(self.weights + 4 * num_topk)
         self.hidden_bytes, self.num_scales, self.num_topk = hidden_bytes, num_scales, num_topk
@@ -68,10 +68,9 @@ class _RecordParts:
         self.header = header
         self.x = x.contiguous().view(torch.uint8).view(N, rec.hidden_bytes)
         tail = torch.zeros(N, rec.bytes - rec.scales, dtype=torch.uint8)
-        o = 0
         if rec.num_scales:
             tail[:, : 4 * rec.num_scales] = x_scales.contiguous().view(torch.uint8).view(N, 4 * rec.num_scales)
-            o = 4 * rec.num_scales
+        o = rec.topk - rec.scales
         if rec.num_topk:
             K = rec.num_topk
             tail[:, o : o + 8 * K] = topk_idx.to(torch.int64).contiguous().view(torch.uint8).view(N, 8 * K)
@@ -281,7 +280,7 @@ def _unpack(
     recv_scales = None
     if rec.num_scales:
         recv_scales = torch.zeros(rows, rec.num_scales, dtype=rec.scale_dtype)
-        scales = recv[:, rec.scales : rec.topk].contiguous().view(rec.scale_dtype)
+        scales = recv[:, rec.scales : rec.scales + 4 * rec.num_scales].contiguous().view(rec.scale_dtype)
         recv_scales[:num_recv] = scales.view(num_recv, rec.num_scales)
     if cached:
         return recv_x, recv_scales, None, None, None, None
