@@ -44,6 +44,10 @@ std::unique_ptr<Transport> make_transport(const TransportSpec& s) {
     if (!t) throw TransportError(s.name + ": " + why);
     return t;
   }
+  if (s.name == "nccl")
+    throw TransportError(
+        "nccl: the nccl transport is not implemented in this version (python -m portep.doctor "
+        "shows the NCCL library found)");
   throw TransportError("unknown transport '" + s.name + "' (known: shm, shm-unordered, verbs, verbs-striped)");
 }
 

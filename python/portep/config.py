@@ -53,6 +53,10 @@ def proxy_spin_us_from_env(explicit: Optional[float], on_gpu: bool) -> float:
 def transport_from_env(explicit: Optional[str] = None) -> str:
     """The transport a Buffer or Channel uses: `explicit`, else $PORTEP_TRANSPORT, else "shm"; checked."""
     name = explicit if explicit is not None else os.environ.get("PORTEP_TRANSPORT", "shm")
+    if name == "nccl":
+        from .nccl_library import refuse_nccl_transport
+
+        refuse_nccl_transport()
     if name not in TRANSPORTS:
         raise ValueError(f"transport={name!r} is not available; choose one of {', '.join(TRANSPORTS)}")
     return name

@@ -203,6 +203,9 @@ def collect() -> dict:
                 entry[key] = t[key]
         report["transports"][t["name"]] = entry
     report["nic_libraries"] = native.nic_libraries()  # loaded with dlopen when a verbs transport is asked for
+    from .nccl_library import probe as nccl_probe
+
+    report["nccl_library"] = nccl_probe()
     devices, why = _rdma_devices()
     report["rdma_devices"] = devices
     report["verbs_ports"] = native.verbs_devices()  # what libibverbs itself opens (atomics, link layer)
@@ -234,6 +237,8 @@ def format_text(r: dict) -> str:
     lines.append("  NIC libraries (loaded when a verbs transport is asked for):")
     for line in r.get("nic_libraries", []):
         lines.append(f"    {line}")
+    if "nccl_library" in r:
+        lines.append(f"  NCCL library (for the nccl transport, not implemented yet): {r['nccl_library']['summary']}")
     gpu = r["gpus"]
     lines.append(f"  GPUs:       {gpu['count']}" + (f" ({gpu['error']})" if gpu.get("error") else ""))
     note = f" ({r['rdma_note']})" if r.get("rdma_note") else ""

@@ -2,6 +2,7 @@
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
+#include "transport/nccl/nccl_library.h"
 #include "transport/verbs/verbs_transport.h"
 #include "transport/transport_factory.h"
 
@@ -62,6 +63,24 @@ void bind_build_info(py::module_& m) {
     }
     return out;
   });
+  m.def(
+      "nccl_probe",
+      [](const std::vector<std::string>& candidates) {
+        const portep::nccl::Probe p = portep::nccl::probe(candidates);
+        py::dict d;
+        d["loaded"] = p.loaded;
+        d["path"] = p.path;
+        d["version"] = p.version;
+        d["version_text"] = p.version_text();
+        d["missing"] = p.missing;
+        d["error"] = p.error;
+        d["host_rma"] = p.host_rma();
+        d["summary"] = p.summary();
+        return d;
+      },
+      py::arg("candidates"),
+      "libnccl found at run time ($PORTEP_LIBNCCL, the one already loaded, else the first of candidates that loads, "
+      "else libnccl.so.2): its version and whether it has the host one-sided API (NCCL >= 2.29.2)");
   m.def(
       "nic_libraries", [] { return portep::nic_library_summary(); },
       "the NIC libraries the verbs transports load at run time, one line each, with where they were found or why not");

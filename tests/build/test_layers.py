@@ -368,6 +368,7 @@ def forbidden_imports(graph, rules):
 
 LOWER_MODULES = [
     "channel",
+    "nccl_library",
     "bootstrap",
     "config",
     "lockstep",

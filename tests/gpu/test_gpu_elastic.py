@@ -1,7 +1,8 @@
 """DeepEP V2's ElasticBuffer on the CUDA backend: the host suite's rank body (elastic_workers.elastic_body: every
 output of dispatch, expanded, cached and cached-expanded dispatches and of plain and expanded combines bitwise
 against elastic_ref.py) with GPU tensors, through the direct path (one node), the proxies (one rank per node) and
-hybrid routing (2 nodes x 2), at a small shape and at DeepSeek-V3's and Qwen3-235B's decode shapes. Skipped
+hybrid routing (2 nodes x 2), at a small shape (with ranks that receive one row or none) and at DeepSeek-V3's and
+Qwen3-235B's decode shapes. Skipped
 without the GPUs and the CUDA kernels."""
 
 import os
@@ -53,7 +54,7 @@ def test_elastic_on_cuda(path, shape):
     tokens, hidden, topk, experts_per_2 = shape
     experts = experts_per_2 * world // 2
     n_tokens = [tokens - (r * 3) % 7 for r in range(world)]
-    modes = MODES if tokens <= 64 else MODES[:2]
+    modes = MODES + [dict(fp8=0, alignment=1, bias=1, weights=1, skew=True)] if tokens <= 64 else MODES[:2]
     out = run_ranks(
         w.elastic_body,
         world,

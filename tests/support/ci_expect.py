@@ -19,6 +19,8 @@ PIECES = {  # name: what it means
     "pyverbs": "pyverbs in the guest, for the independent verbs peer (tests/verbs/verbs_pyverbs_peer.py)",
     "mpi": "mpirun (Debian's OpenMPI) and mpi4py, for Buffer(comm=...) under mpirun (tests/host/test_mpi_comm.py)",
     "style": "ruff and clang-format at the versions pyproject.toml's test extra pins (tests/build/test_style.py)",
+    "nccl": "an nvidia-nccl-cu12 wheel (pyproject.toml's nccl extra), whose libnccl the NCCL probe loads and reads "
+    "(tests/unit/test_nccl_library.py)",
 }
 
 

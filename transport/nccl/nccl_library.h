@@ -1,0 +1,40 @@
+// libnccl found and probed at run time, never linked: the library torch loaded, $PORTEP_LIBNCCL, or a path the
+// caller names (an nvidia-nccl-cu12/cu13 wheel's). The probe reads ncclGetVersion (it needs no GPU) and looks up
+// the host one-sided API that the nccl transport is to be built on (ncclPutSignal / ncclSignal / ncclWaitSignal
+// with registered windows, NCCL >= 2.29.2). Only the library's exported symbols are used, so no NCCL header is
+// needed to build.
+#pragma once
+
+#include <string>
+#include <vector>
+
+namespace portep::nccl {
+
+// NCCL_VERSION(X, Y, Z) = X * 10000 + Y * 100 + Z (NCCL >= 2.9)
+constexpr int version_code(int major, int minor, int patch) { return major * 10000 + minor * 100 + patch; }
+constexpr int kHostRmaVersion = version_code(2, 29, 2);  // ncclPutSignal, ncclSignal, ncclWaitSignal appear
+static_assert(kHostRmaVersion == 22902, "NCCL's version encoding");
+
+// The symbols the nccl transport needs besides ncclGetVersion.
+const std::vector<std::string>& host_rma_symbols();
+
+struct Probe {
+  bool loaded = false;
+  std::string path;                  // the file loaded ("?" when unknown)
+  int version = 0;                   // ncclGetVersion's code, 0 when not read
+  std::vector<std::string> missing;  // host_rma_symbols() the library lacks
+  std::string error;                 // why it did not load, or why the version could not be read
+
+  // "2.28.9" from version (or "unknown").
+  std::string version_text() const;
+  // The library has the host one-sided API: version >= kHostRmaVersion and no symbol missing.
+  bool host_rma() const { return loaded && version >= kHostRmaVersion && missing.empty(); }
+  // One line for the doctor and for refusals.
+  std::string summary() const;
+};
+
+// The library: $PORTEP_LIBNCCL if set; else a libnccl.so.2 already loaded in this process (torch's); else the first
+// of candidates that loads; else libnccl.so.2 from the loader's search path. Loaded once per name per process.
+Probe probe(const std::vector<std::string>& candidates);
+
+}  // namespace portep::nccl
