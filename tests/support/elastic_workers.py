@@ -445,11 +445,15 @@ def default_dtype_body(rank, world):
     for dtype in (torch.float32, torch.bfloat16):
         torch.set_default_dtype(dtype)
         try:
-            recv, recv_idx, recv_w, handle, _ = buf.dispatch(inp["x"], inp["topk_idx"], num_experts=E)
+            recv, recv_idx, recv_w, handle, _ = buf.dispatch(
+                inp["x"], inp["topk_idx"], inp["topk_weights"], num_experts=E
+            )
             torch.set_default_dtype(torch.float32)  # (the reference's own arithmetic)
             y = ref.combine_input_rows(handle.recv_src_metadata[:, 0], recv_idx, H, 0)
             torch.set_default_dtype(dtype)
             combined, weights, _ = buf.combine(y, handle, topk_weights=recv_w, bias=(inp["x"], inp["x"]))
+            unweighted = buf.dispatch(inp["x"], inp["topk_idx"], num_experts=E)  # (V1 gets float32 ones)
+            ck.true(unweighted[2] is None and torch.equal(unweighted[0], recv), f"{dtype}: a dispatch without weights")
             results.append((recv, recv_w, combined, weights))
         finally:
             torch.set_default_dtype(torch.float32)
