@@ -171,13 +171,22 @@ def test_ep_benchmark_reports_spread_baseline_note_progress_and_json(tmp_path):
         "HT combine BF16",
         "LL dispatch FP8",
         "LL dispatch + combine",
+        "V2 ElasticBuffer dispatch BF16",
+        "V2 ElasticBuffer cached dispatch BF16",
+        "V2 ElasticBuffer combine BF16 (weights back)",
     }, rows
     report = json.loads(path.read_text())
     assert report["modes"] == ["ep"] and "--ranks 2" in report["command"]
     assert set(report["machine"]) == {"cpu_count", "load_average_1min", "python", "torch", "gpus", "portep"}
     assert report["machine"]["cpu_count"] == os.cpu_count()
-    (table,) = report["tables"]
+    table, memory = report["tables"]
     assert "not GPU speed" in table["note"] and table["unit"] == "ms"
+    assert memory["unit"] == "MiB" and "Computed, not measured" in memory["note"]
+    mib = {s["what"]: s["samples"] for s in memory["samples"]}
+    assert len(mib) == 12 and all(len(v) == 1 and v[0] > 0 for v in mib.values()), mib
+    for ranks in (8, 16, 32, 64):  # V2 on the CUDA backend takes no more than V1, rounded up to 2 MiB
+        v1 = mib[f"{ranks} ranks: V1 Buffer (DeepEP's hints)"][0]
+        assert v1 <= mib[f"{ranks} ranks: V2 ElasticBuffer, CUDA backend"][0] < v1 + 2
     for sample in table["samples"]:
         printed = rows[sample["what"]]
         assert printed["n"] == "3" and len(sample["samples"]) == 3
