@@ -314,10 +314,10 @@ class ElasticBuffer(ExperimentalMethods):
         _wait_for(previous_event, previous_event_before_epilogue)
         with torch.device(self.device):
             if handle is None:
-                handle = self._dispatch_new(v1, args, do_handle_copy)
+                handle, arrived = self._dispatch_new(v1, args, do_handle_copy)
             else:
-                self._dispatch_cached(v1, args, handle)
-            recv = self._dispatch_outputs(args, handle, use_tma_aligned_col_major_sf)
+                arrived = self._dispatch_cached(v1, args, handle)
+            recv = self._dispatch_outputs(args, handle, arrived, use_tma_aligned_col_major_sf)
         return recv + (handle, _event(async_with_compute_stream))
 
     def _dispatch_new(self, v1, a, do_handle_copy):
@@ -326,8 +326,7 @@ class ElasticBuffer(ExperimentalMethods):
         local_experts = a.num_experts // R
         per_rank, per_node, per_expert, in_rank, _ = v1.get_dispatch_layout(a.topk_idx, a.num_experts)
         cols = DispatchColumns(K, a.num_sf)
-        global_index = self.rank_idx * a.num_max_tokens + torch.arange(N, device=self.device)
-        meta = cols.encode(global_index, a.topk_weights, a.sf)
+        meta = self._dispatch_meta(cols, a, N, a.num_max_tokens)
         weights = (
             a.topk_weights if a.topk_weights is not None else torch.ones(N, K, dtype=torch.float32, device=self.device)
         )
@@ -360,7 +359,6 @@ class ElasticBuffer(ExperimentalMethods):
             )
         slot_rank = torch.where(a.topk_idx >= 0, a.topk_idx // local_experts, torch.full_like(a.topk_idx, -1))
         route = Route(v1_handle, layout, slot_rank, K, a.num_max_tokens, a.num_sf, num_rows, num_expanded)
-        route.arrived = Arrived(rows, recv_meta, layout)
         if a.stats is not None:
             a.stats += layout.num_unaligned_per_expert
         counts = layout.aligned_per_expert().tolist() if a.cpu_sync else []
@@ -380,21 +378,23 @@ class ElasticBuffer(ExperimentalMethods):
             recv_src_metadata=src_metadata(layout, num_rows, self.num_scaleup_ranks, a.num_max_tokens),
             dst_buffer_slot_idx=slot_rank.to(torch.int32),
             route=route,
-        )
+        ), Arrived(rows, recv_meta, layout)
 
     def _dispatch_cached(self, v1, a, handle):
         route = handle.route
         N = route.slot_rank.size(0)
-        cols = DispatchColumns(route.num_topk, a.num_sf)
-        global_index = self.rank_idx * route.num_max_tokens_per_rank + torch.arange(N, device=self.device)
-        meta = cols.encode(global_index, a.topk_weights, a.sf)
+        meta = self._dispatch_meta(DispatchColumns(route.num_topk, a.num_sf), a, N, route.num_max_tokens_per_rank)
         rows, recv_meta = v1.dispatch((as_bytes(a.x), meta), handle=route.v1_handle)[0]
-        route.arrived = Arrived(rows, recv_meta, route.layout)
+        return Arrived(rows, recv_meta, route.layout)
 
-    def _dispatch_outputs(self, a, handle, col_major_sf):
+    def _dispatch_meta(self, cols, a, num_tokens, num_max_tokens):
+        """[N, cols.width] int32: each token's global index, weights and scale factors (wire.DispatchColumns)."""
+        global_index = self.rank_idx * num_max_tokens + torch.arange(num_tokens, device=self.device)
+        return cols.encode(global_index, a.topk_weights, a.sf)
+
+    def _dispatch_outputs(self, a, handle, arrived, col_major_sf):
         route = handle.route
         cols = DispatchColumns(route.num_topk, a.num_sf)
-        arrived, route.arrived = route.arrived, None
         with_weights = a.topk_weights is not None
         if handle.do_expand:
             recv_x, weights = expanded_outputs(

@@ -25,7 +25,6 @@ class Route:
     num_rows: int  # rows of the non-expanded outputs (R, or the worst case without a CPU sync)
     num_expanded_rows: int  # rows of the expanded outputs (X, or the worst case); 0 unless expand
     reverse: Dict[str, tuple] = field(default_factory=dict)  # V1 handles of the combine's return trips, by kind
-    arrived: Optional[object] = None  # the rows of the dispatch in progress (outputs.Arrived), until laid out
 
 
 class EPHandle:
