@@ -356,7 +356,9 @@ void bind_cuda_ht(py::module_& m) {
         using portep::bind::Entries;
         using portep::bind::gpu_tensor;
         // every tensor on topk_idx's GPU, contiguous, of its dtype and exact size (python/src/tensor_arg.h)
-        const py::object index = topk_idx.is_none() ? py::none() : topk_idx.attr("device").attr("index");
+        // (both arms py::object: with a py::none arm the conditional's type is py::none, which refuses an int)
+        const py::object index =
+            topk_idx.is_none() ? py::object(py::none()) : py::object(topk_idx.attr("device").attr("index"));
         const int dev = index.is_none() ? -1 : index.cast<int>();  // a CPU topk_idx is refused below, by name
         const int num_nodes = ranks_per_node > 0 ? num_ranks / ranks_per_node : 0;
         portep::cuda::LayoutArgs a{
