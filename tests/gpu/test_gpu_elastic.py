@@ -2,8 +2,8 @@
 output of dispatch, expanded, cached and cached-expanded dispatches and of plain and expanded combines bitwise
 against elastic_ref.py) with GPU tensors, through the direct path (one node), the proxies (one rank per node) and
 hybrid routing (2 nodes x 2), at a small shape (with ranks that receive one row or none) and at DeepSeek-V3's and
-Qwen3-235B's decode shapes. Skipped
-without the GPUs and the CUDA kernels."""
+Qwen3-235B's decode shapes; and dispatches without CPU sync with their combines captured in a CUDA graph and replayed
+on new inputs. Skipped without the GPUs and the CUDA kernels."""
 
 import os
 
@@ -62,3 +62,18 @@ def test_elastic_on_cuda(path, shape):
         timeout=900,
     )
     assert_clean(out, 40 * len(modes))
+
+
+GRAPH_PATHS = [PATHS[0], PATHS[2], PATHS[3]]
+
+
+@pytest.mark.gpu
+@_gpus(4)
+@pytest.mark.parametrize("path", GRAPH_PATHS, ids=[p[0] for p in GRAPH_PATHS])
+def test_elastic_cuda_graph_replays_new_inputs(path):
+    _, world, rpn, transport, hybrid, multi = path
+    n_tokens = [37 - (r * 5) % 9 for r in range(world)]
+    out = run_ranks(
+        w.graph_body, world, args=(rpn, transport, hybrid, multi, (n_tokens, 256, 4, 8 * world), 71), timeout=900
+    )
+    assert_clean(out, 60)

@@ -57,6 +57,14 @@ def test_elastic_zero_tokens_and_a_node_that_receives_nothing():
     _run((6, 2, "shm", True, True, (tokens, 256, 4, 24)), modes, 23)
 
 
+@pytest.mark.parametrize("hybrid,multi", [(True, True), (True, False)])
+def test_elastic_fixed_capacity_calls_repeat_on_new_inputs(hybrid, multi):
+    # graph_body as the CUDA-graph test runs it, with the calls repeated instead of replayed: 4 ranks, 2 nodes
+    n_tokens = [37 - (r * 5) % 9 for r in range(4)]
+    out = run_ranks(w.graph_body, 4, args=(2, "shm-unordered", hybrid, multi, (n_tokens, 256, 4, 32), 71, "host"))
+    assert_clean(out, 60)
+
+
 def test_elastic_ranks_that_receive_one_row_or_none():
     # every expert on rank 0 but one slot on rank 1: rank 1 receives one row, ranks 2 and 3 none, with column
     # counts of both parities (K = 6 BF16: 7 dispatch columns; K = 5: 6) and 1-row / 0-row return trips

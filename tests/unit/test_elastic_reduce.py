@@ -1,13 +1,14 @@
 """portep.elastic.reduce (ElasticBuffer's combine arithmetic) against a plain slot loop written from DeepEP V2's
 rule: start from fp32(bias0) + fp32(bias1), add at every slot k = 0..K-1 the contribution keyed there or +0.0, round
 once; with node partials, first sum each node's rank partials the same way (from +0.0) and round. The data holds
--0.0 biases, -0.0 rows, tokens without contributions and FP32 sums that round, so order and signs matter."""
+-0.0 biases, -0.0 rows, tokens without contributions and FP32 sums that round, so order and signs matter; padding
+rows (what a combine without CPU sync gets back past the real rows) carry slots of real tokens and must be ignored."""
 
 import pytest
 import torch
 
 from portep.elastic.handle import Route
-from portep.elastic.reduce import ordered_sums, reduce_at_source
+from portep.elastic.reduce import reduce_at_source, slot_sums
 from portep.elastic.wire import CombineColumns
 
 
@@ -30,6 +31,24 @@ def _case(seed, N=40, K=6, H=32, ranks=8):
         b[torch.rand(N, H, generator=g) < 0.3] = -0.0
     weights = torch.rand(C, K, generator=g)
     return slot_rank, torch.tensor(token), torch.tensor(slot), rows, bias, weights
+
+
+def _with_padding(token, slot, rows, weights, seed, extra=9):
+    """The contributions with `extra` padding rows mixed in (random slots of real tokens, large values): (token,
+    slot, rows, weights, arrived [C + extra] bool)."""
+    g = torch.Generator().manual_seed(seed + 100)
+    C = token.numel()
+    at = torch.randperm(C + extra, generator=g)
+    arrived = torch.ones(C + extra, dtype=torch.bool)
+    arrived[at[C:]] = False
+    out_token = torch.empty(C + extra, dtype=torch.int64)
+    out_slot = torch.empty_like(out_token)
+    out_rows = torch.full((C + extra, rows.size(1)), 2.0**20, dtype=torch.bfloat16)
+    out_weights = torch.full((C + extra, weights.size(1)), 7.0)
+    out_token[at[:C]], out_slot[at[:C]], out_rows[at[:C]], out_weights[at[:C]] = token, slot, rows, weights
+    out_token[at[C:]] = token[torch.randint(0, max(C, 1), (extra,), generator=g)] if C else 0
+    out_slot[at[C:]] = slot[torch.randint(0, max(C, 1), (extra,), generator=g)] if C else 0
+    return out_token, out_slot, out_rows, out_weights, arrived
 
 
 def _reference(slot_rank, token, slot, rows, bias, node_ranks):
@@ -61,14 +80,21 @@ def _reference(slot_rank, token, slot, rows, bias, node_ranks):
 @pytest.mark.parametrize("num_bias", [0, 1, 2])
 @pytest.mark.parametrize("node_ranks", [None, 2, 4])
 @pytest.mark.parametrize("seed", [1, 2])
-def test_reduce_at_source_is_the_slot_loop(num_bias, node_ranks, seed):
+@pytest.mark.parametrize("padding", [False, True])
+def test_reduce_at_source_is_the_slot_loop(num_bias, node_ranks, seed, padding):
     slot_rank, token, slot, rows, bias, weights = _case(seed)
+    expected = _reference(slot_rank, token, slot, rows, bias[:num_bias], node_ranks)
     bias = bias[:num_bias]
     N, K = slot_rank.shape
     cols = CombineColumns(K)
-    route = Route(None, None, slot_rank, K, 64, 0, 0, 0)
-    got, got_w = reduce_at_source(rows, cols.encode(token, slot, weights), cols, route, N, bias, node_ranks, True)
-    expected = _reference(slot_rank, token, slot, rows, bias, node_ranks)
+    route = Route(None, None, slot_rank, K, 64, 0, padding)
+    arrived = torch.ones(token.numel(), dtype=torch.bool)
+    sent = (token, slot, rows, weights)
+    if padding:
+        token, slot, rows, weights, arrived = _with_padding(token, slot, rows, weights, seed)
+    nodes = None if node_ranks is None else (8 // node_ranks, node_ranks)
+    got, got_w = reduce_at_source(rows, cols.encode(token, slot, weights), arrived, cols, route, bias, nodes, True)
+    token, slot, rows, weights = sent
     assert torch.equal(got.view(torch.int16), expected.view(torch.int16))  # signs of zeros included
     for t in range(N):
         for k in range(K):
@@ -85,17 +111,21 @@ def test_a_minus_zero_sum_turns_positive_only_where_a_slot_adds_plus_zero():
     token, slot = torch.tensor([0, 0, 1]), torch.tensor([0, 1, 0])
     rows = torch.full((3, 4), -0.0, dtype=torch.bfloat16)
     bias = [torch.full((2, 4), -0.0, dtype=torch.bfloat16)]
-    route = Route(None, None, slot_rank, 2, 64, 0, 0, 0)
+    route = Route(None, None, slot_rank, 2, 64, 0, False)
     cols = CombineColumns(2)
-    got, _ = reduce_at_source(rows, cols.encode(token, slot, None), cols, route, 2, bias, None, False)
+    arrived = torch.ones(3, dtype=torch.bool)
+    got, _ = reduce_at_source(rows, cols.encode(token, slot, None), arrived, cols, route, bias, None, False)
     assert torch.signbit(got[0]).all()  # -0 + -0 + -0: every slot had a row
     assert not torch.signbit(got[1]).any()  # slot 1 of token 1 adds +0.0
 
 
-def test_ordered_sums_adds_each_group_in_key_order():
-    rows = torch.tensor([[1.0], [2.0**24], [-(2.0**24)]], dtype=torch.bfloat16)
-    # group 0 in key order: 2**24, 1, -2**24 -> 2**24 + 1 rounds to 2**24 in FP32, so the sum is 0
-    sums, counts = ordered_sums(rows, torch.tensor([0, 0, 0]), torch.tensor([1, 0, 2]))
-    assert sums.tolist() == [[0.0]] and counts.tolist() == [3]
-    sums, _ = ordered_sums(rows, torch.tensor([0, 0, 0]), torch.tensor([2, 0, 1]))
-    assert sums.tolist() == [[1.0]]
+def test_slot_sums_adds_in_slot_order_with_plus_zero_for_missing_slots():
+    rows = torch.tensor([[1.0], [2.0**24], [-(2.0**24)], [-0.0]], dtype=torch.bfloat16)
+    # 2**24 + 1 rounds to 2**24 in FP32: slot order decides whether the 1 survives
+    got = slot_sums(rows, torch.tensor([[1, 0, 2], [2, 0, 1]]), torch.zeros(2, 1))
+    assert got.flatten().tolist() == [0.0, 1.0]
+    minus_zero = torch.full((2, 1), -0.0)
+    got = slot_sums(rows, torch.tensor([[3, 3], [3, -1]]), minus_zero)
+    assert torch.signbit(got[0]).all() and not torch.signbit(got[1]).any()
+    empty = slot_sums(rows[:0], torch.full((2, 2), -1), torch.full((2, 1), 5.0))
+    assert empty.flatten().tolist() == [5.0, 5.0]

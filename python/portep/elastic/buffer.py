@@ -330,6 +330,7 @@ class ElasticBuffer(ExperimentalMethods):
         weights = (
             a.topk_weights if a.topk_weights is not None else torch.ones(N, K, dtype=torch.float32, device=self.device)
         )
+        worst_rows = 0 if a.cpu_sync else worst_case_rows(R, a.num_max_tokens)  # V1 then reads nothing back
         (rows, recv_meta), recv_idx, _, _, v1_handle, _ = v1.dispatch(
             (as_bytes(a.x), meta),
             num_tokens_per_rank=per_rank,
@@ -338,6 +339,10 @@ class ElasticBuffer(ExperimentalMethods):
             num_tokens_per_expert=per_expert,
             topk_idx=a.topk_idx,
             topk_weights=weights,
+            num_worst_tokens=worst_rows,
+        )
+        worst_expanded = (
+            None if a.cpu_sync else worst_case_expanded_rows(R, a.num_max_tokens, K, local_experts, a.alignment)
         )
         layout = receive_layout(
             cols.global_index(recv_meta),
@@ -348,17 +353,11 @@ class ElasticBuffer(ExperimentalMethods):
             a.alignment,
             a.expand,
             group_by_scaleup=not self.deterministic,
+            worst_expanded_rows=worst_expanded,
         )
-        num_rows = layout.num_rows if a.cpu_sync else worst_case_rows(R, a.num_max_tokens)
-        num_expanded = 0
-        if a.expand:
-            num_expanded = (
-                layout.num_expanded_rows
-                if a.cpu_sync
-                else worst_case_expanded_rows(R, a.num_max_tokens, K, local_experts, a.alignment)
-            )
+        num_rows, num_expanded = layout.num_rows, layout.num_expanded_rows
         slot_rank = torch.where(a.topk_idx >= 0, a.topk_idx // local_experts, torch.full_like(a.topk_idx, -1))
-        route = Route(v1_handle, layout, slot_rank, K, a.num_max_tokens, a.num_sf, num_rows, num_expanded)
+        route = Route(v1_handle, layout, slot_rank, K, a.num_max_tokens, a.num_sf, not a.cpu_sync)
         if a.stats is not None:
             a.stats += layout.num_unaligned_per_expert
         counts = layout.aligned_per_expert().tolist() if a.cpu_sync else []
@@ -384,7 +383,8 @@ class ElasticBuffer(ExperimentalMethods):
         route = handle.route
         N = route.slot_rank.size(0)
         meta = self._dispatch_meta(DispatchColumns(route.num_topk, a.num_sf), a, N, route.num_max_tokens_per_rank)
-        rows, recv_meta = v1.dispatch((as_bytes(a.x), meta), handle=route.v1_handle)[0]
+        worst_rows = route.layout.num_rows if route.without_cpu_sync else 0
+        rows, recv_meta = v1.dispatch((as_bytes(a.x), meta), handle=route.v1_handle, num_worst_tokens=worst_rows)[0]
         return Arrived(rows, recv_meta, route.layout)
 
     def _dispatch_meta(self, cols, a, num_tokens, num_max_tokens):
@@ -403,14 +403,13 @@ class ElasticBuffer(ExperimentalMethods):
                 cols,
                 a.x.dtype,
                 a.sf_dtype,
-                route.num_expanded_rows,
                 col_major_sf,
                 a.zero_padding,
                 with_weights,
             )
             return recv_x, None, weights
         return plain_outputs(
-            arrived, route.layout, cols, a.x.dtype, a.sf_dtype, route.num_rows, col_major_sf, with_weights
+            arrived, route.layout, cols, a.x.dtype, a.sf_dtype, route.layout.num_rows, col_major_sf, with_weights
         )
 
     # ---- combine ----
@@ -466,11 +465,13 @@ class ElasticBuffer(ExperimentalMethods):
         cols = CombineColumns(route.num_topk)
         meta = cols.encode(token, slot, weights)
         kind = "per-slot" if per_slot else "per-token"
+        N, K = route.slot_rank.shape
+        worst_rows = max(1, N * K) if route.without_cpu_sync else 0  # contributions a token can get back
         reverse = route.reverse.get(kind)
         if reverse is None:
             to_rank = dest.view(-1, 1)
             per_rank, per_node, per_expert, in_rank, _ = v1.get_dispatch_layout(to_rank, self.num_ranks)
-            (back, back_meta), _, _, _, reverse, _ = v1.dispatch(
+            (back, back_meta), back_idx, _, _, v1_handle, _ = v1.dispatch(
                 (as_bytes(rows), meta),
                 num_tokens_per_rank=per_rank,
                 num_tokens_per_rdma_rank=per_node,
@@ -478,19 +479,20 @@ class ElasticBuffer(ExperimentalMethods):
                 num_tokens_per_expert=per_expert,
                 topk_idx=to_rank,
                 topk_weights=torch.ones(to_rank.shape, dtype=torch.float32),
+                num_worst_tokens=worst_rows,
             )
-            route.reverse[kind] = reverse
+            route.reverse[kind] = reverse = (v1_handle, back_idx[:, 0] >= 0)
         else:
-            back, back_meta = v1.dispatch((as_bytes(rows), meta), handle=reverse)[0]
+            back, back_meta = v1.dispatch((as_bytes(rows), meta), handle=reverse[0], num_worst_tokens=worst_rows)[0]
         hybrid = self.allow_multiple_reduction and self.num_scaleout_ranks > 1
         return reduce_at_source(
             back.view(torch.bfloat16),
             back_meta,
+            reverse[1],
             cols,
             route,
-            route.slot_rank.size(0),
             biases,
-            self.num_scaleup_ranks if hybrid else None,
+            (self.num_scaleout_ranks, self.num_scaleup_ranks) if hybrid else None,
             topk_weights is not None,
         )
 

@@ -85,11 +85,13 @@ def _check_x(x: Any, device: str) -> Tuple[Tensor, Optional[Tensor]]:
     return x, sf
 
 
-def _check_topk(topk_idx, topk_weights, num_experts, num_tokens, device):
+def _check_topk(topk_idx, topk_weights, num_experts, num_tokens, device, cpu_sync):
     v.check_topk_idx("topk_idx", topk_idx, num_experts, num_tokens=num_tokens, max_topk=MAX_TOPK, device=device)
     if topk_weights is not None:
         v.check_topk_weights("topk_weights", topk_weights, tuple(topk_idx.shape), device)
-    if topk_idx.size(1) > 1 and topk_idx.numel():  # (on a GPU this waits for the stream: the dispatch does anyway)
+    # Reading a GPU tensor's values waits for the stream: checked there only where the dispatch syncs anyway (V1's
+    # value checks skip GPU tensors likewise; a dispatch without CPU sync can be captured in a CUDA graph).
+    if topk_idx.size(1) > 1 and topk_idx.numel() and (cpu_sync or topk_idx.device.type == "cpu"):
         ordered = topk_idx.sort(1).values
         repeated = (ordered[:, 1:] == ordered[:, :-1]) & (ordered[:, 1:] >= 0)
         if bool(repeated.any()):
@@ -170,7 +172,8 @@ def dispatch_args(
         check_int("expert_alignment", alignment, 1)
         if topk_idx is None:
             raise ValueError("topk_idx is required without a handle")
-        _check_topk(topk_idx, topk_weights, num_experts, x.size(0), device)
+        cpu_sync = True if do_cpu_sync is None else bool(do_cpu_sync)
+        _check_topk(topk_idx, topk_weights, num_experts, x.size(0), device, cpu_sync)
         if stats is not None:
             v.check_tensor(
                 "cumulative_local_expert_recv_stats",
@@ -179,7 +182,6 @@ def dispatch_args(
                 shape=(("num_local_experts", num_experts // buf.num_ranks),),
                 device=device,
             )
-        cpu_sync = True if do_cpu_sync is None else bool(do_cpu_sync)
     return DispatchArgs(
         x,
         sf,
@@ -215,7 +217,7 @@ def combine_args(
     if not isinstance(handle, EPHandle) or handle.route is None:
         raise TypeError(f"handle must be an EPHandle from this ElasticBuffer's dispatch, got {type(handle).__name__}")
     route = handle.route
-    rows = route.num_expanded_rows if handle.do_expand else route.num_rows
+    rows = route.layout.num_expanded_rows if handle.do_expand else route.layout.num_rows
     label = "num_expanded_tokens" if handle.do_expand else "num_recv_tokens"
     v.check_tensor("x", x, dtypes=(torch.bfloat16,), shape=((label, rows), ("hidden", None)), device=device)
     if x.size(1) * 2 % v.ROW_ALIGN_BYTES:

@@ -22,9 +22,9 @@ class Route:
     num_topk: int
     num_max_tokens_per_rank: int
     num_sf: int
-    num_rows: int  # rows of the non-expanded outputs (R, or the worst case without a CPU sync)
-    num_expanded_rows: int  # rows of the expanded outputs (X, or the worst case); 0 unless expand
-    reverse: Dict[str, tuple] = field(default_factory=dict)  # V1 handles of the combine's return trips, by kind
+    without_cpu_sync: bool  # outputs of V2's worst-case sizes, nothing read back (layout.num_rows: R or R_alloc)
+    reverse: Dict[str, tuple] = field(default_factory=dict)  # combine's return trips by kind: (V1 handle, [C] bool
+    # rows that hold a contribution)
 
 
 class EPHandle:

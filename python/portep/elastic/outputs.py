@@ -56,7 +56,7 @@ def plain_outputs(
     weights = None
     if with_weights:
         weights = torch.zeros(num_rows, K, dtype=torch.float32, device=device)
-        weights[:R] = cols.weights_of(arrived.meta)
+        weights[:R] = torch.where(layout.row_valid[:, None], cols.weights_of(arrived.meta), 0.0)
     if sf_dtype is None:
         return recv_x, idx, weights
     sf = sf_tensor(num_rows, cols.sf.stop - cols.sf.start, sf_dtype, device, col_major_sf)
@@ -70,43 +70,41 @@ def expanded_outputs(
     cols: DispatchColumns,
     x_dtype: torch.dtype,
     sf_dtype: Optional[torch.dtype],
-    num_rows: int,
     col_major_sf: bool,
     zero_padding: bool,
     with_weights: bool,
 ) -> Tuple[object, Optional[Tensor]]:
-    """(recv_x or (recv_x, recv_sf) [num_rows, ...], recv_topk_weights [num_rows] float32 or None without weights):
+    """(recv_x or (recv_x, recv_sf) [X, ...], recv_topk_weights [X] float32 or None without weights): expanded
     row layout.expanded_row[i, k] holds token i for slot k; the rest is padding (zeros with zero_padding, else
-    uninitialized; weights are zero there either way)."""
-    row_bytes = arrived.row_bytes
-    device = row_bytes.device
-    valid = layout.expanded_row >= 0
-    dst = layout.expanded_row[valid]
-    src = valid.nonzero()[:, 0]
-    alloc = torch.zeros if zero_padding else torch.empty
-    out = alloc(num_rows, row_bytes.size(1), dtype=torch.uint8, device=device)
-    out[dst] = row_bytes[src]
+    whatever the gather left; weights are zero there either way). Each row is gathered once, no CPU sync."""
+    K = layout.local_topk_idx.size(1)
+    slot = layout.expanded_slot
+    padding = slot < 0
+    token = torch.where(padding, 0, slot // K)  # (no rows arrived only with a CPU sync, and then X is 0 too)
+    out = arrived.row_bytes.index_select(0, token)
+    if zero_padding:
+        out.masked_fill_(padding[:, None], 0)
     weights = None
     if with_weights:
-        weights = torch.zeros(num_rows, dtype=torch.float32, device=device)
-        weights[dst] = cols.weights_of(arrived.meta)[valid]
+        slot_weight = cols.weights_of(arrived.meta).flatten()
+        weights = torch.where(padding, 0.0, slot_weight[slot.clamp(min=0)])
     recv_x = out.view(x_dtype)
     if sf_dtype is None:
         return recv_x, weights
-    sf = sf_tensor(num_rows, cols.sf.stop - cols.sf.start, sf_dtype, device, col_major_sf)
+    sf = sf_tensor(slot.size(0), cols.sf.stop - cols.sf.start, sf_dtype, out.device, col_major_sf)
+    sf.copy_(cols.sf_of(arrived.meta, sf_dtype).index_select(0, token))
     if zero_padding:
-        sf.zero_()
-    sf[dst] = cols.sf_of(arrived.meta, sf_dtype)[src]
+        sf.masked_fill_(padding[:, None], 0)
     return (recv_x, sf), weights
 
 
 def src_metadata(layout: ReceiveLayout, num_rows: int, num_scaleup_ranks: int, num_max_tokens_per_rank: int) -> Tensor:
-    """[num_rows, K + 2] int32 (EPHandle.recv_src_metadata); rows past R are -1."""
+    """[num_rows, K + 2] int32 (EPHandle.recv_src_metadata); padding rows are -1."""
     R, K = layout.local_topk_idx.shape
     meta = torch.full((num_rows, K + 2), -1, dtype=torch.int32, device=layout.global_index.device)
     meta[:R, 0] = layout.global_index
     scaleup = layout.global_index.long() // num_max_tokens_per_rank % num_scaleup_ranks
-    meta[:R, 1] = (scaleup * K + layout.highest_local_slot).to(torch.int32)
+    meta[:R, 1] = torch.where(layout.row_valid, scaleup * K + layout.highest_local_slot, -1).to(torch.int32)
     if layout.expanded_row is not None:
         meta[:R, 2:] = layout.expanded_row.to(torch.int32)
     return meta

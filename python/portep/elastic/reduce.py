@@ -1,10 +1,10 @@
 """Combine's arithmetic, DeepEP V2's reduction order (docs/api.md, ElasticBuffer combine): each contribution to a
 token takes the place of one top-k slot (a rank's partial that of its last slot on that rank; an expanded row
-without multiple reduction its own slot); sums run over slots in ascending order in FP32 and are rounded to BF16
-once per level. The receiving ranks build the contributions (contributions()); the source, which receives them
-unreduced, sums them (reduce_at_source()), so that every level of V2's recipe is reproduced bit for bit whatever
-route the rows took. Every sum touches only the rows that exist: V2 adds +0.0 for the slots in between, which
-changes a result only where it would be -0.0 (fixed at the end, _as_if_zeros_were_added)."""
+without multiple reduction its own slot); sums run over slots in ascending order in FP32, adding +0.0 where a slot
+has no contribution (as V2 does: it changes a result only where it would be -0.0), and are rounded to BF16 once per
+level. The receiving ranks build the contributions (contributions()); the source, which receives them unreduced,
+sums them (reduce_at_source()), so that every level of V2's recipe is reproduced bit for bit whatever route the
+rows took. Every shape follows from the tensors' sizes: no value is read back to the CPU (CUDA-graph capturable)."""
 
 from typing import Optional, Sequence, Tuple
 
@@ -16,114 +16,106 @@ from .wire import CombineColumns
 Tensor = torch.Tensor
 
 
-def ordered_sums(rows: Tensor, group: Tensor, key: Tensor, init: Optional[Tensor] = None) -> Tuple[Tensor, Tensor]:
-    """Per group g in 0..G-1 (G = init's rows, else group.max() + 1): init[g] (FP32, updated in place; +0.0 without
-    init) plus the rows of that group in ascending key order, in FP32. rows [C, H] BF16, group and key [C] int64
-    (keys distinct within a group, below 2**20). Returns (sums [G, H] float32, rows per group [G] int64)."""
-    G = init.size(0) if init is not None else (int(group.max()) + 1 if group.numel() else 0)
-    acc = init if init is not None else torch.zeros(G, rows.size(1), dtype=torch.float32, device=rows.device)
-    counts = torch.bincount(group, minlength=G)
-    if group.numel() == 0:
-        return acc, counts
-    order = torch.argsort(group * (1 << 20) + key)
-    group_sorted = group[order]
-    position = torch.arange(order.numel(), device=rows.device) - (torch.cumsum(counts, 0) - counts)[group_sorted]
-    for j in range(int(counts.max())):
-        at_j = position == j  # the j-th row of each group that has one: one row per group, so one add each
-        groups_j, rows_j = group_sorted[at_j], rows.index_select(0, order[at_j])
-        if groups_j.numel() == G:  # every group (in order: the sort is by group)
-            acc.add_(rows_j)
-        else:
-            acc.index_add_(0, groups_j, rows_j.float())
-    return acc, counts
+def slot_sums(rows: Tensor, row_of_slot: Tensor, init: Tensor) -> Tensor:
+    """init [T, H] float32 (updated in place) plus, for k = 0..K-1 in order, rows[row_of_slot[t, k]] where that is
+    >= 0 and +0.0 where it is -1. rows [C, H] bf16 (C may be 0), row_of_slot [T, K] int64."""
+    if rows.size(0) == 0:
+        rows = torch.zeros(1, rows.size(1), dtype=rows.dtype, device=rows.device)
+    for k in range(row_of_slot.size(1)):
+        at = row_of_slot[:, k]
+        init.add_(torch.where((at >= 0)[:, None], rows.index_select(0, at.clamp(min=0)).float(), 0.0))
+    return init
 
 
 def contributions(
     x: Tensor, topk_weights: Optional[Tensor], route: Route, expand: bool, per_slot: bool
 ) -> Tuple[Tensor, Tensor, Tensor, Tensor, Optional[Tensor]]:
-    """(rows [C, H] bf16, destination rank [C], token there [C], slot [C], weights [C, K] float32 or None) of the
-    combine input x: one per received token (non-expanded rows as given; expanded rows summed per token in slot
-    order first), or with per_slot one per expanded (token, slot)."""
+    """(rows [C, H] bf16, destination rank [C] (-1: none, a padding row), token there [C], slot [C], weights
+    [C, K] float32 or None) of the combine input x: one per received row (non-expanded rows as given; expanded rows
+    summed per token in slot order first), or with per_slot one per expanded row."""
     layout = route.layout
-    R = layout.num_rows
-    device = x.device
-    gidx = layout.global_index.long()
+    T = route.num_max_tokens_per_rank
+    M, K = layout.local_topk_idx.shape
+    gidx, slot = layout.global_index.long(), layout.highest_local_slot
+    weights = None
     if not expand:
-        rows, token_of, slot = x[:R], torch.arange(R, device=device), layout.highest_local_slot
-        weights = None if topk_weights is None else topk_weights[:R]
+        rows = x[:M]
+        weights = None if topk_weights is None else topk_weights[:M]
+    elif per_slot:
+        rows = x[: layout.num_expanded_rows]
+        held = layout.expanded_slot
+        gidx = torch.where(held >= 0, gidx[(held // K).clamp(min=0)], -1)
+        slot = held % K
     else:
-        valid = layout.expanded_row >= 0
-        token_of, slot = valid.nonzero().unbind(1)
-        rows = x[layout.expanded_row[valid]]
-        weights = None
-        if not per_slot:
-            init = torch.zeros(R, x.size(1), dtype=torch.float32, device=device)
-            rows = ordered_sums(rows, token_of, slot, init)[0].to(torch.bfloat16)
-            token_of, slot = torch.arange(R, device=device), layout.highest_local_slot
-            if topk_weights is not None:
-                weights = torch.zeros(R, valid.size(1), dtype=torch.float32, device=device)
-                weights[valid] = topk_weights[layout.expanded_row[valid]]
-    src = gidx[token_of]
-    return rows, src // route.num_max_tokens_per_rank, src % route.num_max_tokens_per_rank, slot, weights
+        sums = slot_sums(x, layout.expanded_row, torch.zeros(M, x.size(1), dtype=torch.float32, device=x.device))
+        rows = sums.to(torch.bfloat16)
+        if topk_weights is not None:
+            at = layout.expanded_row
+            weights = torch.where(at >= 0, topk_weights[at.clamp(min=0)], 0.0)
+    dest = torch.where(gidx >= 0, gidx // T, -1)
+    return rows, dest, gidx.clamp(min=0) % T, slot, weights
 
 
 def reduce_at_source(
     rows: Tensor,
     meta: Tensor,
+    arrived: Tensor,
     cols: CombineColumns,
     route: Route,
-    num_tokens: int,
     biases: Sequence[Tensor],
-    node_ranks: Optional[int],
+    nodes: Optional[Tuple[int, int]],
     with_weights: bool,
 ) -> Tuple[Tensor, Optional[Tensor]]:
     """(combined_x [N, H] bf16, combined_topk_weights [N, K] float32 or None) from the contributions that came back
-    (rows [C, H] bf16 and their columns). node_ranks: sum the ranks of each node of that many ranks first (V2's
-    hybrid recipe with multiple reduction), else None."""
-    N, K, H = num_tokens, route.num_topk, rows.size(1)
+    (rows [C, H] bf16, their columns, arrived [C] bool: False on padding rows). nodes: (nodes, ranks per node) to
+    sum the ranks of each node first (V2's hybrid recipe with multiple reduction), else None."""
+    N, K = route.slot_rank.shape
+    H = rows.size(1)
     token, slot = cols.token(meta), cols.slot(meta)
+    carrier = torch.full((N * K + 1,), -1, dtype=torch.int64, device=rows.device)
+    carrier[torch.where(arrived, token * K + slot, N * K)] = torch.arange(rows.size(0), device=rows.device)
+    carrier = carrier[: N * K].view(N, K)  # the row that takes each slot's place, -1 where none (N * K: a sink)
     if not biases:
         init = torch.zeros(N, H, dtype=torch.float32, device=rows.device)
     else:
         init = biases[0].float() if len(biases) == 1 else biases[0].float() + biases[1].float()  # (new tensors)
-    weights = _combined_weights(cols.weights_of(meta), token, slot, route.slot_rank) if with_weights else None
-    if node_ranks is not None:
-        rows, token, slot = _node_partials(rows, token, slot, route.slot_rank, node_ranks)
-    acc, counts = ordered_sums(rows, token, slot, init)
-    return _as_if_zeros_were_added(acc, counts, K).to(torch.bfloat16), weights
+    weights = _combined_weights(cols.weights_of(meta), carrier, route.slot_rank) if with_weights else None
+    if nodes is not None:
+        rows, carrier = _node_partials(rows, carrier, route.slot_rank, *nodes)
+    return slot_sums(rows, carrier, init).to(torch.bfloat16), weights
 
 
-def _node_partials(rows, token, slot, slot_rank, node_ranks):
-    """Each (token, node)'s contributions summed in slot order and rounded to BF16, keyed by their last slot."""
-    node = slot_rank[token, slot] // node_ranks
-    pair = token * (int(slot_rank.max()) // node_ranks + 1 if slot_rank.numel() else 1) + node
-    pairs, group = torch.unique(pair, return_inverse=True)
-    init = torch.zeros(pairs.numel(), rows.size(1), dtype=torch.float32, device=rows.device)
-    sums, _ = ordered_sums(rows, group, slot, init)
-    last = torch.full((pairs.numel(),), -1, dtype=torch.int64, device=rows.device).scatter_reduce(
-        0, group, slot, "amax"
-    )
-    first_of = torch.full((pairs.numel(),), 0, dtype=torch.int64, device=rows.device).scatter_(0, group, token)
-    return sums.to(torch.bfloat16), first_of, last
+def _node_partials(rows, carrier, slot_rank, num_nodes, node_ranks):
+    """Each (token, node)'s contributions summed in slot order from +0.0 and rounded to BF16, keyed by the node's
+    last slot with a contribution: (partials [N x G, H] bf16, their row per slot [N, K], -1 elsewhere), G the most
+    nodes a token can reach."""
+    N, K = carrier.shape
+    device = rows.device
+    present = carrier >= 0
+    node = torch.where(present, slot_rank // node_ranks, -1)
+    same = (node[:, :, None] == node[:, None, :]) & present[:, None, :]
+    last = (same * torch.arange(1, K + 1, device=device)).amax(2) - 1  # [N, K]: the last slot of k's node
+    is_last = present & (last == torch.arange(K, device=device))
+    G = max(1, min(K, num_nodes))
+    ordinal = torch.cumsum(is_last, 1) - is_last.long()  # [N, K]: last slots before k
+    group = ordinal.gather(1, last.clamp(min=0)) + torch.arange(N, device=device)[:, None] * G  # partial of k's node
+    partials = torch.zeros(N * G, rows.size(1), dtype=torch.float32, device=device)
+    if rows.size(0) == 0:
+        rows = torch.zeros(1, rows.size(1), dtype=rows.dtype, device=device)
+    for k in range(K):
+        at = carrier[:, k]
+        part = torch.where((at >= 0)[:, None], rows.index_select(0, at.clamp(min=0)).float(), 0.0)
+        partials.index_add_(0, group[:, k], part)  # (+0.0 into a partial that started at +0.0 changes nothing)
+    row_of_slot = torch.where(is_last, group, -1)
+    return partials.to(torch.bfloat16), row_of_slot
 
 
-def _as_if_zeros_were_added(acc, counts, num_slots):
-    """V2 adds +0.0 at every slot without a contribution; x + 0.0 is x, except that -0.0 becomes +0.0."""
-    short = counts < num_slots
-    if bool(short.all()):
-        return acc.add_(0.0)
-    rows = short.nonzero().flatten()
-    return acc.index_add_(0, rows, torch.zeros(rows.numel(), acc.size(1), dtype=acc.dtype, device=acc.device))
-
-
-def _combined_weights(weights, token, slot, slot_rank):
+def _combined_weights(weights, carrier, slot_rank):
     """[N, K] float32: slot k's weight as the rank holding it sent it back (in the contribution of that rank's last
     slot), 0 where the slot had no expert. weights [C, K]: each contribution's row of weights."""
     N, K = slot_rank.shape
-    if token.numel() == 0:
+    if weights.size(0) == 0:
         return torch.zeros(N, K, dtype=torch.float32, device=slot_rank.device)
-    carrier = torch.full((N, K), -1, dtype=torch.int64, device=slot_rank.device)
-    carrier[token, slot] = torch.arange(token.numel(), device=slot_rank.device)
     valid = slot_rank >= 0
     same = (slot_rank[:, :, None] == slot_rank[:, None, :]) & valid[:, None, :]
     last_of_rank = (same * torch.arange(1, K + 1, device=slot_rank.device)).amax(2) - 1  # [N, K]
