@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from portep.elastic.handle import Route
+from portep.elastic import reduce
 from portep.elastic.reduce import reduce_at_source, slot_sums
 from portep.elastic.wire import CombineColumns
 
@@ -81,7 +82,10 @@ def _reference(slot_rank, token, slot, rows, bias, node_ranks):
 @pytest.mark.parametrize("node_ranks", [None, 2, 4])
 @pytest.mark.parametrize("seed", [1, 2])
 @pytest.mark.parametrize("padding", [False, True])
-def test_reduce_at_source_is_the_slot_loop(num_bias, node_ranks, seed, padding):
+@pytest.mark.parametrize("fixed_shapes", [False, True], ids=["cpu-passes", "gpu-passes"])
+def test_reduce_at_source_is_the_slot_loop(num_bias, node_ranks, seed, padding, fixed_shapes, monkeypatch):
+    if fixed_shapes:  # the GPU's way on CPU tensors: K masked passes, nothing read back
+        monkeypatch.setattr(reduce, "may_read_back", lambda t: False)
     slot_rank, token, slot, rows, bias, weights = _case(seed)
     expected = _reference(slot_rank, token, slot, rows, bias[:num_bias], node_ranks)
     bias = bias[:num_bias]
@@ -119,7 +123,10 @@ def test_a_minus_zero_sum_turns_positive_only_where_a_slot_adds_plus_zero():
     assert not torch.signbit(got[1]).any()  # slot 1 of token 1 adds +0.0
 
 
-def test_slot_sums_adds_in_slot_order_with_plus_zero_for_missing_slots():
+@pytest.mark.parametrize("fixed_shapes", [False, True], ids=["cpu-passes", "gpu-passes"])
+def test_slot_sums_adds_in_slot_order_with_plus_zero_for_missing_slots(fixed_shapes, monkeypatch):
+    if fixed_shapes:
+        monkeypatch.setattr(reduce, "may_read_back", lambda t: False)
     rows = torch.tensor([[1.0], [2.0**24], [-(2.0**24)], [-0.0]], dtype=torch.bfloat16)
     # 2**24 + 1 rounds to 2**24 in FP32: slot order decides whether the 1 survives
     got = slot_sums(rows, torch.tensor([[1, 0, 2], [2, 0, 1]]), torch.zeros(2, 1))

@@ -18,13 +18,38 @@ Tensor = torch.Tensor
 
 def slot_sums(rows: Tensor, row_of_slot: Tensor, init: Tensor) -> Tensor:
     """init [T, H] float32 (updated in place) plus, for k = 0..K-1 in order, rows[row_of_slot[t, k]] where that is
-    >= 0 and +0.0 where it is -1. rows [C, H] bf16 (C may be 0), row_of_slot [T, K] int64."""
+    >= 0 and +0.0 where it is -1. rows [C, H] bf16 (C may be 0), row_of_slot [T, K] int64.
+
+    Each token's rows are added in slot order first and the +0.0 once at the end, where a slot lacked a row: the
+    same result, since +0.0 only turns a -0.0 sum into +0.0 and a sum never returns to -0.0 once it is not. On the
+    CPU only as many passes as the most rows a token has; on a GPU all K (no value is read back)."""
+    T, K = row_of_slot.shape
+    present = row_of_slot >= 0
+    slots = torch.arange(K, device=row_of_slot.device)
+    compact = row_of_slot.gather(1, (torch.where(present, 0, K) + slots).argsort(1))  # rows in slot order, then -1
+    count = present.sum(1)
+    passes = (int(count.max()) if T else 0) if may_read_back(init) else K
+    tokens = torch.arange(T, device=init.device)
+    for j in range(passes):
+        add_rows(init, tokens, rows, compact[:, j])
+    return init.add_(torch.where(count < K, 0.0, -0.0)[:, None])  # (x + -0.0 is x for every x, -0.0 included)
+
+
+def may_read_back(t: Tensor) -> bool:
+    """Whether reading t's values costs nothing (a CPU tensor); a GPU's would wait for the stream."""
+    return t.device.type == "cpu"
+
+
+def add_rows(acc: Tensor, targets: Tensor, rows: Tensor, at: Tensor) -> None:
+    """acc[targets[i]] += float32(rows[at[i]]) where at[i] >= 0 (targets distinct). On a GPU the others add +0.0
+    (fixed shapes, no CPU sync); acc's rows must then not be -0.0 there, or be meant to turn +0.0."""
+    if may_read_back(acc):
+        i = (at >= 0).nonzero().flatten()
+        acc.index_add_(0, targets[i], rows.index_select(0, at[i]).float())
+        return
     if rows.size(0) == 0:
         rows = torch.zeros(1, rows.size(1), dtype=rows.dtype, device=rows.device)
-    for k in range(row_of_slot.size(1)):
-        at = row_of_slot[:, k]
-        init.add_(torch.where((at >= 0)[:, None], rows.index_select(0, at.clamp(min=0)).float(), 0.0))
-    return init
+    acc.index_add_(0, targets, torch.where((at >= 0)[:, None], rows.index_select(0, at.clamp(min=0)).float(), 0.0))
 
 
 def contributions(
@@ -100,12 +125,8 @@ def _node_partials(rows, carrier, slot_rank, num_nodes, node_ranks):
     ordinal = torch.cumsum(is_last, 1) - is_last.long()  # [N, K]: last slots before k
     group = ordinal.gather(1, last.clamp(min=0)) + torch.arange(N, device=device)[:, None] * G  # partial of k's node
     partials = torch.zeros(N * G, rows.size(1), dtype=torch.float32, device=device)
-    if rows.size(0) == 0:
-        rows = torch.zeros(1, rows.size(1), dtype=rows.dtype, device=device)
-    for k in range(K):
-        at = carrier[:, k]
-        part = torch.where((at >= 0)[:, None], rows.index_select(0, at.clamp(min=0)).float(), 0.0)
-        partials.index_add_(0, group[:, k], part)  # (+0.0 into a partial that started at +0.0 changes nothing)
+    for k in range(K):  # (a +0.0 into a partial that started at +0.0 changes nothing)
+        add_rows(partials, group[:, k], rows, carrier[:, k])
     row_of_slot = torch.where(is_last, group, -1)
     return partials.to(torch.bfloat16), row_of_slot
 
