@@ -35,7 +35,9 @@ def check(name, got, ref, bound):
         raise AssertionError(f"{name}: {int(bad.sum())}/{bad.numel()} elements differ (max error {err.max():.3g})")
 
 
-def main():
+def setup():
+    """The process group (NCCL with a GPU, else gloo), this rank's experts and tokens, and the float64 reference:
+    (rank, world, device, num_experts, mine (this rank's experts), n, x, topk_idx, topk_w, ref, bound)."""
     cuda = torch.cuda.is_available()
     if cuda:
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
@@ -53,7 +55,12 @@ def main():
     x = torch.randn(n, HIDDEN, generator=g).to(torch.bfloat16)
     with torch.no_grad():
         ref, bound, idx_cpu, w_cpu = moe_reference(x, gate, experts)
-    x, topk_idx, topk_w = x.to(dev), idx_cpu.to(dev), w_cpu.to(dev)
+    return rank, world, dev, E, mine, n, x.to(dev), idx_cpu.to(dev), w_cpu.to(dev), ref, bound
+
+
+def main():
+    rank, world, dev, E, mine, n, x, topk_idx, topk_w, ref, bound = setup()
+    cuda = dev.type == "cuda"
 
     hint = max(
         portep.Buffer.get_dispatch_config(world).get_nvl_buffer_size_hint(HIDDEN * 2, world),
@@ -100,14 +107,23 @@ def main():
         ll_combined, _, _ = buf.low_latency_combine(out, topk_idx, topk_w, ll_handle)  # weighted sum per token
         check("low-latency mode", ll_combined, ref, bound)
 
-        try:  # the check is not vacuous: a result with one token's rows swapped for another's must fail it
-            check("swapped", ll_combined.roll(1, 0), ref, bound)
-            raise RuntimeError("the check accepted a wrong result")
-        except AssertionError:
-            pass
+        check_is_not_vacuous(ll_combined, ref, bound)
     buf.destroy()
+    finish(rank, world, f"{buf.backend} backend, {n} tokens, {E} experts, top-{TOP_K}")
+
+
+def check_is_not_vacuous(result, ref, bound):
+    """A result with one token's rows swapped for another's must fail check()."""
+    try:
+        check("swapped", result.roll(1, 0), ref, bound)
+    except AssertionError:
+        return
+    raise RuntimeError("the check accepted a wrong result")
+
+
+def finish(rank, world, what):
     dist.barrier()
-    print(f"rank {rank}/{world} ({buf.backend} backend, {n} tokens, {E} experts, top-{TOP_K}): OK", flush=True)
+    print(f"rank {rank}/{world} ({what}): OK", flush=True)
     dist.destroy_process_group()
 
 
