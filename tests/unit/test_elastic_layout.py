@@ -47,14 +47,14 @@ def _reference(gidx, idx, T, S, E_l, alignment, grouped):
 @pytest.mark.parametrize("padding", [0, 1, 23])
 @pytest.mark.parametrize("grouped", [True, False])
 @pytest.mark.parametrize("alignment", [1, 4])
-@pytest.mark.parametrize("cpu_sync", [True, False])
+@pytest.mark.parametrize("cpu_sync", [True, False], ids=["exact-X", "worst-X"])
 def test_receive_layout_of_real_rows_with_padding_mixed_in(padding, grouped, alignment, cpu_sync):
     T, S, E_l, world = 50, 2, 6, 4
     gidx, idx = _arrivals(7 + padding, T=T, E_l=E_l, world=world, padding=padding)
     M, K = idx.shape
-    worst = None if cpu_sync else worst_case_expanded_rows(world, T, K, E_l, alignment)
-    lay = receive_layout(gidx, idx, T, S, E_l, alignment, True, group_by_scaleup=grouped, worst_expanded_rows=worst)
     rows, counts, expanded, X = _reference(gidx, idx, T, S, E_l, alignment, grouped)
+    worst = X if cpu_sync else worst_case_expanded_rows(world, T, K, E_l, alignment)
+    lay = receive_layout(gidx, idx, T, S, E_l, alignment, True, group_by_scaleup=grouped, expanded_rows=worst)
     R = len(rows)
     order = torch.arange(M) if lay.order is None else lay.order
     assert order[:R].tolist() == rows
@@ -64,7 +64,7 @@ def test_receive_layout_of_real_rows_with_padding_mixed_in(padding, grouped, ali
     assert lay.num_unaligned_per_expert.tolist() == counts
     assert torch.equal(lay.expanded_row[:R], expanded) and (lay.expanded_row[R:] == -1).all()
     assert (lay.highest_local_slot[R:] == -1).all()
-    assert lay.num_expanded_rows == (X if cpu_sync else worst) and lay.num_expanded_rows >= X
+    assert lay.num_expanded_rows == worst and worst >= X
     groups = [sum(1 for i in rows if int(gidx[i]) // T % S == s) for s in range(S)]
     assert lay.psum_per_scaleup_rank.tolist() == torch.cumsum(torch.tensor(groups), 0).tolist()
     slot_of_row = torch.full((lay.num_expanded_rows,), -1, dtype=torch.int64)

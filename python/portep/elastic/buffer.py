@@ -331,7 +331,7 @@ class ElasticBuffer(ExperimentalMethods):
             a.topk_weights if a.topk_weights is not None else torch.ones(N, K, dtype=torch.float32, device=self.device)
         )
         worst_rows = 0 if a.cpu_sync else worst_case_rows(R, a.num_max_tokens)  # V1 then reads nothing back
-        (rows, recv_meta), recv_idx, _, _, v1_handle, _ = v1.dispatch(
+        (rows, recv_meta), recv_idx, _, aligned_counts, v1_handle, _ = v1.dispatch(
             (as_bytes(a.x), meta),
             num_tokens_per_rank=per_rank,
             num_tokens_per_rdma_rank=per_node,
@@ -339,11 +339,13 @@ class ElasticBuffer(ExperimentalMethods):
             num_tokens_per_expert=per_expert,
             topk_idx=a.topk_idx,
             topk_weights=weights,
+            expert_alignment=a.alignment,  # (V1's per-expert counts, from its count exchange: V2's aligned counts)
             num_worst_tokens=worst_rows,
         )
-        worst_expanded = (
-            None if a.cpu_sync else worst_case_expanded_rows(R, a.num_max_tokens, K, local_experts, a.alignment)
-        )
+        if a.cpu_sync:
+            expanded_rows = sum(aligned_counts)
+        else:
+            expanded_rows = worst_case_expanded_rows(R, a.num_max_tokens, K, local_experts, a.alignment)
         layout = receive_layout(
             cols.global_index(recv_meta),
             recv_idx,
@@ -353,14 +355,14 @@ class ElasticBuffer(ExperimentalMethods):
             a.alignment,
             a.expand,
             group_by_scaleup=not self.deterministic,
-            worst_expanded_rows=worst_expanded,
+            expanded_rows=expanded_rows,
         )
         num_rows, num_expanded = layout.num_rows, layout.num_expanded_rows
         slot_rank = torch.where(a.topk_idx >= 0, a.topk_idx // local_experts, torch.full_like(a.topk_idx, -1))
         route = Route(v1_handle, layout, slot_rank, K, a.num_max_tokens, a.num_sf, not a.cpu_sync)
         if a.stats is not None:
             a.stats += layout.num_unaligned_per_expert
-        counts = layout.aligned_per_expert().tolist() if a.cpu_sync else []
+        counts = list(aligned_counts) if a.cpu_sync else []
         return EPHandle(
             do_expand=a.expand,
             num_experts=a.num_experts,

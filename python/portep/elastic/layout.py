@@ -97,12 +97,12 @@ def receive_layout(
     alignment: int,
     expand: bool,
     group_by_scaleup: bool = True,
-    worst_expanded_rows: Optional[int] = None,
+    expanded_rows: int = 0,
 ) -> ReceiveLayout:
     """The layout of the M arrival rows: global_index [M] int32 (anything on padding rows), local_topk_idx [M, K]
     int64 (all -1 on padding rows). Rows are ordered by global index alone without group_by_scaleup (V2's
-    deterministic mode). worst_expanded_rows: None for a dispatch with a CPU sync (the expanded layout gets its
-    exact X, which waits for the GPU); else no value is read back and an expanded layout gets that many rows."""
+    deterministic mode). expanded_rows: X of an expanded layout (the exact aligned total, or V2's worst case), at
+    least the aligned counts' sum. Nothing is read back from a GPU."""
     M, K = local_topk_idx.shape
     valid = local_topk_idx >= 0
     row_valid = valid.any(1) if K else torch.zeros(M, dtype=torch.bool, device=local_topk_idx.device)
@@ -110,8 +110,7 @@ def receive_layout(
     group = global_index // num_max_tokens_per_rank % num_scaleup_ranks
     key = torch.where(row_valid, group * (1 << 40) * int(group_by_scaleup) + global_index, _PADDING_KEY)
     order = None
-    cpu_sync = worst_expanded_rows is None
-    if not _is_sorted(key, cpu_sync):
+    if not _is_sorted(key):
         order = torch.argsort(key)  # (keys of real rows are distinct; padding rows keep no particular order)
         global_index, local_topk_idx, valid, group = (
             global_index[order],
@@ -133,17 +132,16 @@ def receive_layout(
         alignment=alignment,
     )
     if expand:
-        rows = int(layout.aligned_per_expert().sum()) if cpu_sync else worst_expanded_rows
-        layout.expanded_row, layout.expanded_slot = _expanded_rows(local_topk_idx, valid, layout, rows)
+        layout.expanded_row, layout.expanded_slot = _expanded_rows(local_topk_idx, valid, layout, expanded_rows)
     return layout
 
 
-def _is_sorted(key: Tensor, cpu_sync: bool) -> bool:
-    """Whether key ascends already; only checked on the CPU or where the dispatch syncs anyway (reading a GPU
-    tensor's values waits for the stream)."""
+def _is_sorted(key: Tensor) -> bool:
+    """Whether key ascends already; checked on the CPU only (reading a GPU tensor's values would wait for the
+    stream: there the rows are always sorted)."""
     if key.numel() <= 1:
         return True
-    if key.device.type != "cpu" and not cpu_sync:
+    if key.device.type != "cpu":
         return False
     return bool((key[1:] > key[:-1]).all())
 
