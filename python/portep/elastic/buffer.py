@@ -376,7 +376,7 @@ class ElasticBuffer(ExperimentalMethods):
             psum_num_recv_tokens_per_scaleup_rank=layout.psum_per_scaleup_rank,
             psum_num_recv_tokens_per_expert=layout.psum_per_expert(a.expand),
             num_unaligned_recv_tokens_per_expert=layout.num_unaligned_per_expert,
-            recv_src_metadata=src_metadata(layout, num_rows, self.num_scaleup_ranks, a.num_max_tokens),
+            recv_src_metadata=src_metadata(layout, self.num_scaleup_ranks, a.num_max_tokens),
             dst_buffer_slot_idx=slot_rank.to(torch.int32),
             route=route,
         ), Arrived(rows, recv_meta, layout)
@@ -410,9 +410,7 @@ class ElasticBuffer(ExperimentalMethods):
                 with_weights,
             )
             return recv_x, None, weights
-        return plain_outputs(
-            arrived, route.layout, cols, a.x.dtype, a.sf_dtype, route.layout.num_rows, col_major_sf, with_weights
-        )
+        return plain_outputs(arrived, route.layout, cols, a.x.dtype, a.sf_dtype, col_major_sf, with_weights)
 
     # ---- combine ----
     def combine(

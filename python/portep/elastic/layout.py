@@ -136,12 +136,17 @@ def receive_layout(
     return layout
 
 
+def may_read_back(t: Tensor) -> bool:
+    """Whether reading t's values costs nothing (a CPU tensor); a GPU's would wait for the stream."""
+    return t.device.type == "cpu"
+
+
 def _is_sorted(key: Tensor) -> bool:
-    """Whether key ascends already; checked on the CPU only (reading a GPU tensor's values would wait for the
-    stream: there the rows are always sorted)."""
+    """Whether key ascends already; checked only where it can be read back (elsewhere the rows are always
+    sorted)."""
     if key.numel() <= 1:
         return True
-    if key.device.type != "cpu":
+    if not may_read_back(key):
         return False
     return bool((key[1:] > key[:-1]).all())
 

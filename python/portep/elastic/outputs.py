@@ -19,21 +19,13 @@ def sf_tensor(rows: int, num_sf: int, dtype: torch.dtype, device: torch.device, 
 
 
 class Arrived:
-    """What a dispatch received, in V2's row order: row bytes [R, B] uint8 and metadata [R, W] int32."""
+    """What a dispatch received, in V2's row order: row bytes [M, B] uint8 and metadata [M, W] int32 (M: the
+    layout's rows, padding included)."""
 
     def __init__(self, row_bytes: Tensor, meta: Tensor, layout: ReceiveLayout) -> None:
         if layout.order is not None:
             row_bytes, meta = row_bytes[layout.order], meta[layout.order]
         self.row_bytes, self.meta = row_bytes, meta
-
-    def rows(self, count: int) -> Tensor:
-        """[count, B] uint8: the rows, then uninitialized rows up to count."""
-        R = self.row_bytes.size(0)
-        if count == R:
-            return self.row_bytes
-        out = torch.empty(count, self.row_bytes.size(1), dtype=torch.uint8, device=self.row_bytes.device)
-        out[:R] = self.row_bytes
-        return out
 
 
 def plain_outputs(
@@ -42,25 +34,20 @@ def plain_outputs(
     cols: DispatchColumns,
     x_dtype: torch.dtype,
     sf_dtype: Optional[torch.dtype],
-    num_rows: int,
     col_major_sf: bool,
     with_weights: bool,
 ) -> Tuple[object, Tensor, Optional[Tensor]]:
-    """(recv_x or (recv_x, recv_sf), recv_topk_idx [num_rows, K], recv_topk_weights [num_rows, K] or None without
-    weights); rows past R: recv_topk_idx -1, weights 0, data uninitialized."""
-    R, K = layout.local_topk_idx.shape
-    device = arrived.meta.device
-    recv_x = arrived.rows(num_rows).view(x_dtype)
-    idx = torch.full((num_rows, K), -1, dtype=torch.int64, device=device)
-    idx[:R] = layout.local_topk_idx
+    """(recv_x or (recv_x, recv_sf) [M, ...], recv_topk_idx [M, K], recv_topk_weights [M, K] or None without
+    weights), M the layout's rows; padding rows (past the tokens): recv_topk_idx -1, weights 0, data as it came."""
+    recv_x = arrived.row_bytes.view(x_dtype)
+    idx = layout.local_topk_idx.clone()  # (the layout's own stays with the handle)
     weights = None
     if with_weights:
-        weights = torch.zeros(num_rows, K, dtype=torch.float32, device=device)
-        weights[:R] = torch.where(layout.row_valid[:, None], cols.weights_of(arrived.meta), 0.0)
+        weights = torch.where(layout.row_valid[:, None], cols.weights_of(arrived.meta), 0.0)
     if sf_dtype is None:
         return recv_x, idx, weights
-    sf = sf_tensor(num_rows, cols.sf.stop - cols.sf.start, sf_dtype, device, col_major_sf)
-    sf[:R] = cols.sf_of(arrived.meta, sf_dtype)
+    sf = sf_tensor(layout.num_rows, cols.sf.stop - cols.sf.start, sf_dtype, recv_x.device, col_major_sf)
+    sf.copy_(cols.sf_of(arrived.meta, sf_dtype))
     return (recv_x, sf), idx, weights
 
 
@@ -98,13 +85,13 @@ def expanded_outputs(
     return (recv_x, sf), weights
 
 
-def src_metadata(layout: ReceiveLayout, num_rows: int, num_scaleup_ranks: int, num_max_tokens_per_rank: int) -> Tensor:
-    """[num_rows, K + 2] int32 (EPHandle.recv_src_metadata); padding rows are -1."""
-    R, K = layout.local_topk_idx.shape
-    meta = torch.full((num_rows, K + 2), -1, dtype=torch.int32, device=layout.global_index.device)
-    meta[:R, 0] = layout.global_index
+def src_metadata(layout: ReceiveLayout, num_scaleup_ranks: int, num_max_tokens_per_rank: int) -> Tensor:
+    """[M, K + 2] int32 (EPHandle.recv_src_metadata); padding rows are -1."""
+    M, K = layout.local_topk_idx.shape
+    meta = torch.full((M, K + 2), -1, dtype=torch.int32, device=layout.global_index.device)
+    meta[:, 0] = layout.global_index
     scaleup = layout.global_index.long() // num_max_tokens_per_rank % num_scaleup_ranks
-    meta[:R, 1] = torch.where(layout.row_valid, scaleup * K + layout.highest_local_slot, -1).to(torch.int32)
+    meta[:, 1] = torch.where(layout.row_valid, scaleup * K + layout.highest_local_slot, -1).to(torch.int32)
     if layout.expanded_row is not None:
-        meta[:R, 2:] = layout.expanded_row.to(torch.int32)
+        meta[:, 2:] = layout.expanded_row.to(torch.int32)
     return meta

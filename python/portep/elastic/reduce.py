@@ -11,6 +11,7 @@ from typing import Optional, Sequence, Tuple
 import torch
 
 from .handle import Route
+from .layout import may_read_back
 from .wire import CombineColumns
 
 Tensor = torch.Tensor
@@ -33,11 +34,6 @@ def slot_sums(rows: Tensor, row_of_slot: Tensor, init: Tensor) -> Tensor:
     for j in range(passes):
         add_rows(init, tokens, rows, compact[:, j])
     return init.add_(torch.where(count < K, 0.0, -0.0)[:, None])  # (x + -0.0 is x for every x, -0.0 included)
-
-
-def may_read_back(t: Tensor) -> bool:
-    """Whether reading t's values costs nothing (a CPU tensor); a GPU's would wait for the stream."""
-    return t.device.type == "cpu"
 
 
 def add_rows(acc: Tensor, targets: Tensor, rows: Tensor, at: Tensor) -> None:
