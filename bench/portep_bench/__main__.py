@@ -1,6 +1,6 @@
 """python -m portep_bench [MODE] [options]: portep's benchmarks, each table with min / median / mean / max of its
 samples and the baseline measured in the same run. Without a MODE (options alone included) it runs the best one for
-this machine: gpu with two GPUs, gpu-ht-loopback then ll-host with one, else ep (the host backend). --json PATH
+this machine: gpu with two GPUs, gpu-ht-loopback, gpu-ep and ll-host with one, else ep (the host backend). --json PATH
 saves every table with its raw samples; --plot DIR draws one PNG per table (needs matplotlib)."""
 
 import argparse
@@ -22,7 +22,7 @@ def default_modes():
         from portep import native
 
         if native.build_info()["gpu_built"] and torch.cuda.is_available():
-            return ("gpu",) if torch.cuda.device_count() >= 2 else ("gpu-ht-loopback", "ll-host")
+            return ("gpu",) if torch.cuda.device_count() >= 2 else ("gpu-ht-loopback", "gpu-ep", "ll-host")
     except Exception:  # noqa: BLE001 - no torch CUDA, no native module: the host benchmark still runs
         pass
     return ("ep",)
@@ -127,6 +127,15 @@ def _add_gpu(sub, common):
         help="also time BF16 dispatch with every token sent to its own rank only, the peer only, nowhere",
     )
     p.add_argument("--no-check", action="store_true", help="report outputs that differ instead of stopping")
+    p = sub.add_parser(
+        "gpu-ep",
+        parents=[common],
+        formatter_class=FORMATTER,
+        help="DeepEP V2's API (ElasticBuffer) next to V1's (Buffer) and a device copy, one rank on one GPU "
+        "(a default with one GPU)",
+    )
+    _shape_arguments(p, tokens=4096, experts=256, iterations=20)
+    p.add_argument("--sms", type=int, default=24, help="Buffer.num_sms for both APIs")
     p = sub.add_parser(
         "ll-host",
         parents=[common],
@@ -269,6 +278,20 @@ def run_loopback(args, report):
     )
 
 
+def run_gpu_ep(args, report):
+    from portep_bench import ep_gpu
+
+    ep_gpu.run(
+        report,
+        tokens=args.tokens,
+        hidden=args.hidden,
+        topk=args.topk,
+        experts=args.experts,
+        sms=args.sms,
+        iterations=args.iterations,
+    )
+
+
 def run_ll_host(args, report):
     from portep_bench import ll_host_time
 
@@ -292,6 +315,7 @@ RUNNERS = {
     "gpu-ht": run_gpu_ht,
     "gpu": run_gpu,
     "gpu-ht-loopback": run_loopback,
+    "gpu-ep": run_gpu_ep,
     "ll-host": run_ll_host,
 }
 

@@ -2,8 +2,9 @@
 output of dispatch, expanded, cached and cached-expanded dispatches and of plain and expanded combines bitwise
 against elastic_ref.py) with GPU tensors, through the direct path (one node), the proxies (one rank per node) and
 hybrid routing (2 nodes x 2), at a small shape (with ranks that receive one row or none) and at DeepSeek-V3's and
-Qwen3-235B's decode shapes; and dispatches without CPU sync with their combines captured in a CUDA graph and replayed
-on new inputs. Skipped without the GPUs and the CUDA kernels."""
+Qwen3-235B's decode shapes, and DeepSeek-V3's prefill shape on the direct path; and dispatches without CPU sync
+with their combines captured in a CUDA graph and replayed on new inputs. Skipped without the GPUs and the CUDA
+kernels."""
 
 import os
 
@@ -62,6 +63,20 @@ def test_elastic_on_cuda(path, shape):
         timeout=900,
     )
     assert_clean(out, 40 * len(modes))
+
+
+@pytest.mark.gpu
+@_gpus(2)
+def test_elastic_on_cuda_at_deepseek_v3_prefill():
+    """DeepSeek-V3's prefill shape as DeepEP tests it (4096 tokens per rank, hidden 7168, top-8, 256 experts) on
+    the direct path, one BF16 mode with both biases and weights back: the reference runs on the CPU, so one mode."""
+    out = run_ranks(
+        w.elastic_body,
+        2,
+        args=(2, "shm", True, True, ([4096, 4090], 7168, 8, 256), MODES[:1], 53, "cuda"),
+        timeout=1200,
+    )
+    assert_clean(out, 40)
 
 
 GRAPH_PATHS = [PATHS[0], PATHS[2], PATHS[3]]

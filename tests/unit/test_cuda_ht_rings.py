@@ -213,6 +213,15 @@ def test_one_rank_has_no_rings_and_any_area_does():
     assert _ht(1, 1 << 20, False)._ring_rows(1 << 20, 64, "dispatch") == native.HT_MIN_RING_ROWS
 
 
+def test_the_v2_size_hint_of_one_rank_is_a_usable_buffer():
+    """One rank needs no rings, so the normal mode asks for 0 bytes; the V2 hint must still be a size a Buffer
+    takes (> 0, a multiple of 2 MiB), and grow with the ranks."""
+    from portep.elastic.sizing import cuda_buffer_bytes
+
+    one, two = (cuda_buffer_bytes(r, r, 7168, 8, False) for r in (1, 2))
+    assert one == 2 << 20 and two > one and two % (2 << 20) == 0
+
+
 def test_rows_too_large_for_one_proxy_write_are_refused():
     ht = _ht(2, 1 << 30, True)
     big = native.HT_MAX_WRITE_BYTES // native.HT_CHUNK_ROWS + 16

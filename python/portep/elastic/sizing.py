@@ -54,7 +54,7 @@ def cuda_buffer_bytes(num_ranks: int, ranks_per_node: int, hidden: int, num_topk
     config = default_config(DISPATCH_CONFIGS, num_ranks, Buffer.num_sms)
     extra = 4 * max(0, dispatch_columns(K, hidden, use_fp8_dispatch) - MAX_SCALES_HINT)
     needed = normal_mode_bytes(config, 2 * hidden + extra, num_ranks, ranks_per_node)
-    return _align(max(needed, v1_buffer_bytes(num_ranks, hidden)), MIB2)
+    return _align(max(needed, v1_buffer_bytes(num_ranks, hidden), 1), MIB2)  # one rank needs no rings: 2 MiB
 
 
 def v1_buffer_bytes(num_ranks: int, hidden: int) -> int:

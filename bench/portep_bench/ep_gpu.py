@@ -1,0 +1,174 @@
+"""DeepEP V2's API (portep.ElasticBuffer) next to V1's (portep.Buffer) on one GPU, in one process: one rank (EP1),
+every token to itself, DeepEP's shape (4096 tokens, hidden 7168, top-8, 256 experts), both APIs over the CUDA
+backend with the same SMs (Buffer.num_sms), next to a device copy of the same bytes from the same run. What it tells:
+V2's cost over V1 for the same rows (its layout, its metadata columns, its reduction at the source), and both
+against the bytes' copy. What it does not: the network or NVLink (one rank has no peer; gpu-ht-loopback times the
+kernels between two ranks). Also the memory rows: what each Buffer really takes from the GPU (cudaMemGetInfo around
+its construction) for this shape, V1 sized by DeepEP's hint, V2 by its get_buffer_size_hint.
+
+Every output is checked against torch first. Samples in us: CUDA events around each call, which waits for the GPU
+(calls with CPU sync wait for their counts on the host, as a user's call does). Bytes as DeepEP counts them: rows
+received x hidden x 2 (BF16), the same rows for combine.
+`python -m portep_bench gpu-ep [--sms 24] [--iterations 20]` (one of the one-GPU default modes)."""
+
+import socket
+
+import torch
+
+from .ht_gpu import ht_inputs
+from .ll_gpu import _timed
+from .report import MissingHardware, Table
+
+NOTE = (
+    "one GPU, one process, EP1: every token goes to its own rank, so no peer and no network; V2 and V1 through "
+    "the same kernels and SMs, and the device copy of the same bytes, in the same run. Samples in us, CUDA events "
+    "around each call, which waits for the GPU (and, with CPU sync, for the counts on the host). GB/s at the "
+    "median: rows received x hidden x 2, as DeepEP counts BF16 rows."
+)
+
+
+def _free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _one_rank_group():
+    import torch.distributed as dist
+
+    if not dist.is_initialized():
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0, world_size=1)
+    return dist.group.WORLD
+
+
+def _device_bytes_taken(make):
+    """make()'s object and the GPU memory its construction took (cudaMemGetInfo before and after)."""
+    torch.cuda.synchronize()
+    free_before = torch.cuda.mem_get_info()[0]
+    obj = make()
+    torch.cuda.synchronize()
+    return obj, free_before - torch.cuda.mem_get_info()[0]
+
+
+def _expect(ok, what):
+    if not ok:
+        raise AssertionError(f"gpu-ep: {what}")
+
+
+def _v1_rows(buf, x, idx, w, E, iterations):
+    layout = buf.get_dispatch_layout(idx, E)
+    per_rank, per_node, per_expert, in_rank, _ = layout
+    kw = dict(
+        num_tokens_per_rank=per_rank,
+        num_tokens_per_rdma_rank=per_node,
+        is_token_in_rank=in_rank,
+        num_tokens_per_expert=per_expert,
+        topk_idx=idx,
+        topk_weights=w,
+    )
+    d = buf.dispatch(x, **kw)
+    want = x[in_rank[:, 0]]
+    _expect(torch.equal(d[0], want), "V1 dispatch: received rows differ from the tokens sent")
+    handle = d[4]
+    combined = buf.combine(d[0], handle, topk_weights=d[2])[0]
+    _expect(torch.equal(combined[in_rank[:, 0]], want), "V1 combine: a token's one contribution differs")
+    return {
+        "rows": d[0].size(0),
+        "V1 get_dispatch_layout": _timed(lambda: buf.get_dispatch_layout(idx, E), iterations),
+        "V1 dispatch BF16 (count exchange, CPU sync)": _timed(lambda: buf.dispatch(x, **kw), iterations),
+        "V1 cached dispatch BF16": _timed(lambda: buf.dispatch(x, handle=handle), iterations),
+        "V1 combine BF16 (weights back)": _timed(lambda: buf.combine(d[0], handle, topk_weights=d[2]), iterations),
+    }
+
+
+def _v2_rows(buf, x, idx, w, E, iterations):
+    selected = (idx >= 0).any(1)
+    want = x[selected]
+    d = buf.dispatch(x, idx, w, num_experts=E)
+    _expect(torch.equal(d[0], want), "V2 dispatch: received rows differ from the tokens sent")
+    combined = buf.combine(d[0], d[3], topk_weights=d[2])[0]
+    _expect(torch.equal(combined[selected], want), "V2 combine: a token's one contribution differs")
+    fixed = buf.dispatch(x, idx, w, num_experts=E, do_cpu_sync=False)
+    _expect(torch.equal(fixed[0][: want.size(0)], want), "V2 dispatch without CPU sync: received rows differ")
+    fixed_back = buf.combine(fixed[0], fixed[3], topk_weights=fixed[2])[0]
+    _expect(torch.equal(fixed_back[selected], want), "V2 combine after a dispatch without CPU sync differs")
+    return {
+        "V2 dispatch BF16 (CPU sync)": _timed(lambda: buf.dispatch(x, idx, w, num_experts=E), iterations),
+        "V2 dispatch BF16, do_cpu_sync=False (worst-case rows)": _timed(
+            lambda: buf.dispatch(x, idx, w, num_experts=E, do_cpu_sync=False), iterations
+        ),
+        "V2 cached dispatch BF16": _timed(lambda: buf.dispatch(x, handle=d[3]), iterations),
+        "V2 combine BF16 (weights back)": _timed(lambda: buf.combine(d[0], d[3], topk_weights=d[2]), iterations),
+        "V2 combine BF16 after do_cpu_sync=False": _timed(
+            lambda: buf.combine(fixed[0], fixed[3], topk_weights=fixed[2]), iterations
+        ),
+    }
+
+
+def run(report, tokens=4096, hidden=7168, topk=8, experts=256, sms=24, iterations=20):
+    """Prints the timing table and the memory table."""
+    import portep
+    from portep import native
+    from portep.elastic.sizing import cuda_buffer_bytes
+
+    if not torch.cuda.is_available() or not native.build_info()["gpu_built"]:
+        raise MissingHardware(
+            f"gpu-ep needs a GPU and portep's GPU kernels; here: GPU visible {torch.cuda.is_available()}, kernels "
+            f"built {native.build_info()['gpu_built']}"
+        )
+    torch.cuda.set_device(0)
+    group = _one_rank_group()
+    portep.Buffer.set_num_sms(sms)
+    shape = f"{tokens} tokens, hidden {hidden}, top-{topk}, {experts} experts"
+    report.say(f"gpu-ep: EP1 on one GPU, {shape}, {sms} SMs (Buffer.num_sms, both APIs); {NOTE}")
+    x, idx, w, _ = ht_inputs(0, tokens, hidden, topk, experts)
+    w = w.float()
+    v1_bytes = max(portep.Config(sms, s, 256, 6, 128).get_nvl_buffer_size_hint(hidden * 2, 2) for s in (24, 10))
+    report.progress(f"gpu-ep: V1 Buffer ({v1_bytes} bytes, DeepEP's EP2 hint) and its checks")
+    v1, v1_taken = _device_bytes_taken(
+        lambda: portep.Buffer(group, v1_bytes, 0, explicitly_destroy=True, backend="cuda")
+    )
+    for _ in range(3):
+        _v1_rows(v1, x, idx, w, experts, 1)
+    report.progress("gpu-ep: V1 timings")
+    res = _v1_rows(v1, x, idx, w, experts, iterations)
+    v1.destroy()
+    v2_hint = cuda_buffer_bytes(1, 1, hidden, topk, False)
+    report.progress(f"gpu-ep: V2 ElasticBuffer ({v2_hint} bytes, its size hint) and its checks")
+    v2, v2_taken = _device_bytes_taken(
+        lambda: portep.ElasticBuffer(
+            group,
+            num_max_tokens_per_rank=tokens,
+            hidden=hidden,
+            num_topk=topk,
+            explicitly_destroy=True,
+            backend="cuda",
+        )
+    )
+    for _ in range(3):
+        _v2_rows(v2, x, idx, w, experts, 1)
+    report.progress("gpu-ep: V2 timings")
+    res.update(_v2_rows(v2, x, idx, w, experts, iterations))
+    v2.destroy()
+    rows = res.pop("rows")
+    nbytes = rows * hidden * 2
+    src = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+    dst = torch.empty_like(src)
+    copy = _timed(lambda: dst.copy_(src), iterations)
+    t = Table(f"gpu-ep: V2 next to V1 on one GPU, EP1, {shape}, {sms} SMs, {rows} rows received", "us", NOTE)
+    for what, samples in res.items():
+        t.add(what, samples, None if "layout" in what else nbytes)
+    t.add("baseline: device copy of the same bytes", copy, nbytes)
+    report.add(t)
+    m = Table(
+        f"gpu-ep: GPU memory a Buffer takes, {shape}",
+        "MiB",
+        "Measured: free device memory (cudaMemGetInfo) before and after constructing each Buffer in this run, next "
+        "to the size each was asked for: V1 as DeepEP's users size it (its NVL hint for EP2 at this hidden size), "
+        "V2 from its own get_buffer_size_hint for this group.",
+    )
+    mib = 1 << 20
+    m.add(f"V1 Buffer, num_nvl_bytes {v1_bytes / mib:.1f} MiB: taken", [v1_taken / mib])
+    m.add(f"V2 ElasticBuffer, size hint {v2_hint / mib:.1f} MiB: taken", [v2_taken / mib])
+    report.add(m)
+    return res
