@@ -23,29 +23,35 @@ def slot_sums(rows: Tensor, row_of_slot: Tensor, init: Tensor) -> Tensor:
 
     Each token's rows are added in slot order first and the +0.0 once at the end, where a slot lacked a row: the
     same result, since +0.0 only turns a -0.0 sum into +0.0 and a sum never returns to -0.0 once it is not. On the
-    CPU only as many passes as the most rows a token has; on a GPU all K (no value is read back)."""
+    CPU only as many passes as the most rows a token has; on a GPU all K (no value is read back), each one gather
+    and one in-place add of BF16 into FP32 (a missing row reads the +0.0 sink row)."""
     T, K = row_of_slot.shape
     present = row_of_slot >= 0
     slots = torch.arange(K, device=row_of_slot.device)
     compact = row_of_slot.gather(1, (torch.where(present, 0, K) + slots).argsort(1))  # rows in slot order, then -1
     count = present.sum(1)
-    passes = (int(count.max()) if T else 0) if may_read_back(init) else K
-    tokens = torch.arange(T, device=init.device)
-    for j in range(passes):
-        add_rows(init, tokens, rows, compact[:, j])
+    if may_read_back(init):
+        tokens = torch.arange(T, device=init.device)
+        for j in range(int(count.max()) if T else 0):
+            add_rows(init, tokens, rows, compact[:, j])
+    else:
+        sunk, at = with_sink_row(rows, compact)
+        for j in range(K):
+            init.add_(sunk.index_select(0, at[:, j]))  # FP32 += BF16, computed in FP32: float(a) + float(b)
     return init.add_(torch.where(count < K, 0.0, -0.0)[:, None])  # (x + -0.0 is x for every x, -0.0 included)
 
 
+def with_sink_row(rows: Tensor, at: Tensor) -> Tuple[Tensor, Tensor]:
+    """(rows [C + 1, H] with a +0.0 row last, at with each -1 pointing at that row): fixed-shape gathers in which a
+    missing row adds +0.0."""
+    sunk = torch.cat([rows, rows.new_zeros(1, rows.size(1))])
+    return sunk, torch.where(at >= 0, at, rows.size(0))
+
+
 def add_rows(acc: Tensor, targets: Tensor, rows: Tensor, at: Tensor) -> None:
-    """acc[targets[i]] += float32(rows[at[i]]) where at[i] >= 0 (targets distinct). On a GPU the others add +0.0
-    (fixed shapes, no CPU sync); acc's rows must then not be -0.0 there, or be meant to turn +0.0."""
-    if may_read_back(acc):
-        i = (at >= 0).nonzero().flatten()
-        acc.index_add_(0, targets[i], rows.index_select(0, at[i]).float())
-        return
-    if rows.size(0) == 0:
-        rows = torch.zeros(1, rows.size(1), dtype=rows.dtype, device=rows.device)
-    acc.index_add_(0, targets, torch.where((at >= 0)[:, None], rows.index_select(0, at.clamp(min=0)).float(), 0.0))
+    """acc[targets[i]] += float32(rows[at[i]]) where at[i] >= 0 (targets distinct); reads `at` back (CPU only)."""
+    i = (at >= 0).nonzero().flatten()
+    acc.index_add_(0, targets[i], rows.index_select(0, at[i]).float())
 
 
 def contributions(
@@ -121,8 +127,13 @@ def _node_partials(rows, carrier, slot_rank, num_nodes, node_ranks):
     ordinal = torch.cumsum(is_last, 1) - is_last.long()  # [N, K]: last slots before k
     group = ordinal.gather(1, last.clamp(min=0)) + torch.arange(N, device=device)[:, None] * G  # partial of k's node
     partials = torch.zeros(N * G, rows.size(1), dtype=torch.float32, device=device)
-    for k in range(K):  # (a +0.0 into a partial that started at +0.0 changes nothing)
-        add_rows(partials, group[:, k], rows, carrier[:, k])
+    if may_read_back(partials):
+        for k in range(K):
+            add_rows(partials, group[:, k], rows, carrier[:, k])
+    else:  # (a +0.0 into a partial that started at +0.0 changes nothing)
+        sunk, at = with_sink_row(rows, carrier)
+        for k in range(K):
+            partials.index_add_(0, group[:, k], sunk.index_select(0, at[:, k]).float())
     row_of_slot = torch.where(is_last, group, -1)
     return partials.to(torch.bfloat16), row_of_slot
 
