@@ -168,9 +168,10 @@ def test_argument_checks_and_a_one_rank_refusal(transport):
     assert_clean(out, 15)
 
 
-def test_get_buffer_size_hint_covers_a_full_dispatch():
-    out = run_ranks(w.size_hint_body, 2, timeout=240)
-    assert_clean(out, 3)
+@pytest.mark.parametrize("world,rpn", [(2, 2), (4, 2)], ids=["one-node", "2x2"])
+def test_get_buffer_size_hint_covers_a_full_dispatch_and_combine(world, rpn):
+    out = run_ranks(w.size_hint_body, world, args=(rpn,), timeout=240)
+    assert_clean(out, 4)
 
 
 def test_default_dtype_bfloat16_changes_nothing():

@@ -481,30 +481,41 @@ def refusal_body(rank, world, transport):
     return {"failures": ck.failures, "checks": ck.num_checks}
 
 
-def size_hint_body(rank, world):
-    """A buffer sized by get_buffer_size_hint runs the worst case (every token of every rank to every rank); one an
-    eighth of that size is refused alike on every rank, naming the bytes needed."""
+def size_hint_body(rank, world, rpn):
+    """A buffer sized by get_buffer_size_hint runs the worst case (every token of every rank to every rank, top-k >=
+    ranks, so that a combine's return trip between nodes is as large as it gets); one an eighth of that size is
+    refused alike on every rank, naming the bytes needed."""
     from portep import AgreedRefusal
 
     ck = Checker(rank)
     T, H, K, E = 512, 2048, 4, 8 * world
     group = dist.group.WORLD
-    ck.true(portep.get_physical_domain_size(group) == (1, world), "get_physical_domain_size")
+    nodes = world // rpn
+    ck.true(portep.get_physical_domain_size(group) == (1, world), "get_physical_domain_size")  # (no env override)
     ck.true(portep.get_logical_domain_size(group, False) == (1, world), "get_logical_domain_size")
-    hint = portep.ElasticBuffer.get_buffer_size_hint(group, T, H, K, backend="host")
+    hint = portep.ElasticBuffer.get_buffer_size_hint(group, T, H, K, num_ranks_per_node=rpn, backend="host")
     ck.true(hint % (2 << 20) == 0, f"the hint {hint} is not a multiple of 2 MiB")
     idx = torch.stack([torch.arange(K) * (E // K) for _ in range(T)])  # each token to every rank
     x = torch.randn(T, H).to(torch.bfloat16)
     buf = portep.ElasticBuffer(
-        group, num_max_tokens_per_rank=T, hidden=H, num_topk=K, explicitly_destroy=True, backend="host"
+        group,
+        num_max_tokens_per_rank=T,
+        hidden=H,
+        num_topk=K,
+        explicitly_destroy=True,
+        num_ranks_per_node=rpn,
+        backend="host",
     )
     ck.true(buf.num_bytes == hint, f"num_bytes {buf.num_bytes} != the hint {hint}")
+    ck.true(buf.get_physical_domain_size() == (nodes, rpn), f"nodes {buf.get_physical_domain_size()}")
     recv, _, _, handle, _ = buf.dispatch(x, idx, num_experts=E)
     ck.true(recv.size(0) == world * T, f"received {recv.size(0)} rows, expected {world * T}")
     combined, _, _ = buf.combine(recv, handle)
     ck.true(combined.shape == (T, H), "combine at the hint's size")
     buf.destroy()
-    small = portep.ElasticBuffer(group, num_bytes=hint // 8 // 128 * 128, explicitly_destroy=True, backend="host")
+    small = portep.ElasticBuffer(
+        group, num_bytes=hint // 8 // 128 * 128, explicitly_destroy=True, num_ranks_per_node=rpn, backend="host"
+    )
     _expect(
         ck,
         "an eighth of the hint",

@@ -78,19 +78,29 @@ def host_buffer_bytes(
     num_topk: int,
     use_fp8_dispatch: bool,
 ) -> int:
-    """What the host backend needs for a dispatch's worst case, every rank sending all its tokens here, plus its
-    staging across nodes: (R + 2 (nodes - 1)) x num_max_tokens_per_rank records (backends/host/ht.py), after the
-    count exchange's area."""
+    """What the host backend lays out for the worst of a dispatch and of a combine's return trip, after the count
+    exchange's area (backends/host/ht.py): each receives its records from every rank and stages what crosses nodes
+    both ways. A dispatch: T = num_max_tokens_per_rank tokens from each rank, staged once per other node: (R + 2
+    (nodes - 1)) T records. A combine (with multiple reduction): one contribution per (token, rank it reached), so
+    min(R, K) T arrive, and a rank forwards up to ranks_per_node T for each other node: (min(R, K) + 2 (R -
+    ranks_per_node)) T. An expanded combine without multiple reduction may need more (docs/api.md)."""
     from ..backends.host.engine import count_area_bytes
 
     K = _check_shape(hidden, num_topk)
-    check_int("num_max_tokens_per_rank", num_max_tokens_per_rank, 1)
+    T = check_int("num_max_tokens_per_rank", num_max_tokens_per_rank, 1)
     nodes = num_ranks // ranks_per_node
-    record = _align(
-        HOST_RECORD_HEADER + 2 * hidden + 4 * dispatch_columns(K, hidden, use_fp8_dispatch) + 4 + 12 * K, 16
+    dispatch_rows = (num_ranks + 2 * (nodes - 1)) * T
+    combine_rows = (min(num_ranks, K) + 2 * (num_ranks - ranks_per_node)) * T
+    record = max(
+        _host_record(hidden, dispatch_columns(K, hidden, use_fp8_dispatch), K),
+        _host_record(hidden, 2 + K, 1),  # wire.CombineColumns, to one rank
     )
-    rows = (num_ranks + 2 * (nodes - 1)) * num_max_tokens_per_rank
-    return _align(count_area_bytes(num_ranks, nodes) + rows * record, MIB2)
+    return _align(count_area_bytes(num_ranks, nodes) + max(dispatch_rows, combine_rows) * record, MIB2)
+
+
+def _host_record(hidden: int, columns: int, num_topk: int) -> int:
+    """Bytes of one host-backend record: header, BF16 row, int32 metadata columns, then top-k ids and weights."""
+    return _align(HOST_RECORD_HEADER + 2 * hidden + 4 * columns + 4 + 12 * num_topk, 16)
 
 
 def default_num_allocated_qps(hybrid: bool) -> int:
