@@ -8,6 +8,7 @@ import torch
 from ..buffer import Buffer, select_backend
 from ..deepep_config import DISPATCH_CONFIGS, MAX_SCALES_HINT, check_int, default_config, normal_mode_bytes
 from .domains import physical_domain
+from .wire import CombineColumns
 
 MIB2 = 2 << 20
 MAX_TOPK = 32
@@ -93,7 +94,7 @@ def host_buffer_bytes(
     combine_rows = (min(num_ranks, K) + 2 * (num_ranks - ranks_per_node)) * T
     record = max(
         _host_record(hidden, dispatch_columns(K, hidden, use_fp8_dispatch), K),
-        _host_record(hidden, 2 + K, 1),  # wire.CombineColumns, to one rank
+        _host_record(hidden, CombineColumns(K).width, 1),  # a contribution goes to one rank
     )
     return _align(count_area_bytes(num_ranks, nodes) + max(dispatch_rows, combine_rows) * record, MIB2)
 
