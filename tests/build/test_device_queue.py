@@ -1,0 +1,66 @@
+"""bench/device_queue.sh, the GPU machine's job queue that outlives a call, run here with shell jobs: the first call
+starts it and returns, a later call does not start it again and waits for it, each job runs alone in order under its
+own limit, and every log comes back in one archive."""
+
+import os
+import subprocess
+import tarfile
+import time
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+SCRIPT = os.path.join(ROOT, "bench", "device_queue.sh")
+
+
+def _call(tmp_path, jobs, wait):
+    env = dict(os.environ, OUT=str(tmp_path / "out"), PORTEP_QUEUE_DIR=str(tmp_path / "queue"))
+    return subprocess.run(["bash", SCRIPT, str(jobs), str(wait)], env=env, capture_output=True, text=True, timeout=60)
+
+
+def test_jobs_run_alone_in_order_across_calls_and_come_back_in_one_archive(tmp_path):
+    jobs = tmp_path / "jobs.txt"
+    jobs.write_text(
+        "# a comment\n\n"
+        "sleep 1; echo first; pwd\n"
+        "1:sleep 20\n"  # past its limit: 124
+        "echo third >&2; ls $PORTEP_QUEUE_DIR/job-2.log; exit 3"  # no newline at the end
+    )
+    first = _call(tmp_path, jobs, 0)
+    assert first.returncode == 0 and "started (3 jobs)" in first.stdout, first.stdout + first.stderr
+    second = _call(tmp_path, jobs, 30)
+    assert second.returncode == 0 and "already running" in second.stdout, second.stdout + second.stderr
+    progress = (tmp_path / "out" / "progress.txt").read_text()
+    lines = [line.split(" ", 1)[1] for line in progress.splitlines()]
+    assert lines[0] == "job 1 start: sleep 1; echo first; pwd", progress
+    assert [line.split(" after ")[0] for line in lines if " rc=" in line] == [
+        "job 1 rc=0",
+        "job 2 rc=124",
+        "job 3 rc=3",
+    ], progress
+    assert lines[-1] == "queue done" and sum("job 1 start" in line for line in lines) == 1, progress
+    # each job starts after the one before ended
+    starts = [i for i, line in enumerate(lines) if " start: " in line]
+    ends = [i for i, line in enumerate(lines) if " rc=" in line]
+    assert all(e < s for e, s in zip(ends, starts[1:])), progress
+    with tarfile.open(tmp_path / "out" / "queue.tgz") as archive:
+        logs = {m.name.lstrip("./"): archive.extractfile(m).read().decode() for m in archive if m.isfile()}
+    assert logs["job-1.log"] == f"first\n{ROOT}\n", logs  # run from the repository root
+    assert logs["job-3.log"].startswith("third\n") and "job-2.log" in logs["job-3.log"], logs
+    assert "queue done" in logs["progress.txt"]
+
+
+def test_a_missing_jobs_file_is_named():
+    r = subprocess.run(["bash", SCRIPT, "/nonexistent/jobs.txt", "0"], capture_output=True, text=True, timeout=30)
+    assert r.returncode == 1 and "no jobs file '/nonexistent/jobs.txt'" in r.stderr
+
+
+@pytest.fixture(autouse=True)
+def _no_stray_queue(tmp_path):
+    yield
+    pid = tmp_path / "queue" / "pid"
+    if pid.exists():  # a failed test leaves no queue running
+        deadline = time.time() + 5
+        while time.time() < deadline and subprocess.run(["kill", "-0", pid.read_text().strip()]).returncode == 0:
+            time.sleep(0.2)
+        subprocess.run(["kill", "-9", "--", "-" + pid.read_text().strip()], capture_output=True)
