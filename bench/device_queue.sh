@@ -21,7 +21,7 @@ run_queue() {  # every job of $Q/jobs.txt in order, then "queue done"
   local n=0 line secs cmd start rc
   export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
   while IFS= read -r line || [ -n "$line" ]; do
-    case "$line" in '' | '#'*) continue ;; esac
+    [[ $line =~ ^[[:space:]]*(#|$) ]] && continue
     n=$((n + 1)) secs=0 cmd=$line
     if [[ $line =~ ^([0-9]+):(.*)$ ]]; then secs=${BASH_REMATCH[1]} cmd=${BASH_REMATCH[2]}; fi
     echo "$(date +%T) job $n start: $cmd" >> "$Q/progress.txt"
@@ -50,7 +50,7 @@ if [ ! -f "$Q/pid" ]; then
   cp "$JOBS" "$Q/jobs.txt"
   setsid bash "${BASH_SOURCE[0]}" --run > "$Q/queue.out" 2>&1 < /dev/null &
   echo $! > "$Q/pid"
-  echo "device_queue: started ($(grep -cv '^\s*\(#\|$\)' "$Q/jobs.txt") jobs), pid $(cat "$Q/pid")"
+  echo "device_queue: started ($(grep -cvE '^[[:space:]]*(#|$)' "$Q/jobs.txt") jobs), pid $(cat "$Q/pid")"
 else
   echo "device_queue: already running since an earlier call, pid $(cat "$Q/pid")"
 fi

@@ -11,13 +11,12 @@ Every output is checked against torch first. Samples in us: CUDA events around e
 received x hidden x 2 (BF16), the same rows for combine.
 `python -m portep_bench gpu-ep [--sms 24] [--iterations 20]` (one of the one-GPU default modes)."""
 
-import socket
-
 import torch
 
-from .ht_gpu import ht_inputs
+from .ht_gpu import deepep_nvl_bytes, ht_inputs
 from .ll_gpu import _timed
 from .report import MissingHardware, Table
+from .spawn import free_port
 
 NOTE = (
     "one GPU, one process, EP1: every token goes to its own rank, so no peer and no network; V2 and V1 through "
@@ -27,17 +26,11 @@ NOTE = (
 )
 
 
-def _free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _one_rank_group():
     import torch.distributed as dist
 
     if not dist.is_initialized():
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0, world_size=1)
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
     return dist.group.WORLD
 
 
@@ -109,7 +102,6 @@ def run(report, tokens=4096, hidden=7168, topk=8, experts=256, sms=24, iteration
     """Prints the timing table and the memory table."""
     import portep
     from portep import native
-    from portep.elastic.sizing import cuda_buffer_bytes
 
     if not torch.cuda.is_available() or not native.build_info()["gpu_built"]:
         raise MissingHardware(
@@ -123,7 +115,7 @@ def run(report, tokens=4096, hidden=7168, topk=8, experts=256, sms=24, iteration
     report.say(f"gpu-ep: EP1 on one GPU, {shape}, {sms} SMs (Buffer.num_sms, both APIs); {NOTE}")
     x, idx, w, _ = ht_inputs(0, tokens, hidden, topk, experts)
     w = w.float()
-    v1_bytes = max(portep.Config(sms, s, 256, 6, 128).get_nvl_buffer_size_hint(hidden * 2, 2) for s in (24, 10))
+    v1_bytes = deepep_nvl_bytes(hidden, 2, sms)
     report.progress(f"gpu-ep: V1 Buffer ({v1_bytes} bytes, DeepEP's EP2 hint) and its checks")
     v1, v1_taken = _device_bytes_taken(
         lambda: portep.Buffer(group, v1_bytes, 0, explicitly_destroy=True, backend="cuda")
@@ -133,8 +125,7 @@ def run(report, tokens=4096, hidden=7168, topk=8, experts=256, sms=24, iteration
     report.progress("gpu-ep: V1 timings")
     res = _v1_rows(v1, x, idx, w, experts, iterations)
     v1.destroy()
-    v2_hint = cuda_buffer_bytes(1, 1, hidden, topk, False)
-    report.progress(f"gpu-ep: V2 ElasticBuffer ({v2_hint} bytes, its size hint) and its checks")
+    report.progress("gpu-ep: V2 ElasticBuffer (sized by its own hint) and its checks")
     v2, v2_taken = _device_bytes_taken(
         lambda: portep.ElasticBuffer(
             group,
@@ -145,6 +136,7 @@ def run(report, tokens=4096, hidden=7168, topk=8, experts=256, sms=24, iteration
             backend="cuda",
         )
     )
+    v2_hint = v2.num_bytes  # get_buffer_size_hint for this group, as it sized itself
     for _ in range(3):
         _v2_rows(v2, x, idx, w, experts, 1)
     report.progress("gpu-ep: V2 timings")

@@ -32,6 +32,14 @@ def ht_inputs(rank, N, H, K, E):
     return x, idx, w, (x_fp8, (amax / 448.0).T.contiguous().T)
 
 
+def deepep_nvl_bytes(hidden, ranks, num_sms=24):
+    """num_nvl_bytes as DeepEP's README sizes a Buffer for BF16 rows of `hidden` (its Config's hint for num_sms, the
+    larger of two NVL chunk sizes); portep's rings take whatever it holds."""
+    import portep
+
+    return max(portep.Config(num_sms, s, 256, 6, 128).get_nvl_buffer_size_hint(hidden * 2, ranks) for s in (24, 10))
+
+
 def _portep_times(buf, x, idx, w, fp8, E, num_sms, iterations):
     import portep
 
@@ -127,10 +135,7 @@ def run(report, ranks=2, tokens=4096, hidden=7168, topk=8, experts=256, iteratio
 
     if torch.cuda.device_count() < ranks and os.environ.get("PORTEP_TEST_SHARE_GPU") != "1":
         raise MissingHardware(f"gpu-ht needs {ranks} GPUs, this machine has {torch.cuda.device_count()}")
-    import portep
-
-    # sized as DeepEP's README asks (its Config's hint, 24 SMs); portep's rings take whatever it holds
-    nvl_bytes = max(portep.Config(24, s, 256, 6, 128).get_nvl_buffer_size_hint(hidden * 2, ranks) for s in (24, 10))
+    nvl_bytes = deepep_nvl_bytes(hidden, ranks)
     shape = f"EP{ranks}, {tokens} tokens per rank, hidden {hidden}, top-{topk}, {experts} experts"
     report.say(f"gpu-ht: {shape}; num_nvl_bytes {nvl_bytes} (DeepEP's size hint for 24 SMs); {NOTE}")
     report.progress(f"gpu-ht: starting {ranks} rank processes")

@@ -21,7 +21,7 @@ def _call(tmp_path, jobs, wait):
 def test_jobs_run_alone_in_order_across_calls_and_come_back_in_one_archive(tmp_path):
     jobs = tmp_path / "jobs.txt"
     jobs.write_text(
-        "# a comment\n\n"
+        "# a comment\n\n   \n  # an indented comment\n"
         "sleep 1; echo first; pwd\n"
         "1:sleep 20\n"  # past its limit: 124
         "echo third >&2; ls $PORTEP_QUEUE_DIR/job-2.log; exit 3"  # no newline at the end
