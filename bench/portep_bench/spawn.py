@@ -5,10 +5,14 @@ Used by the benchmarks and by the multi-process tests.
 """
 
 import datetime
+import faulthandler
 import multiprocessing as mp
 import os
 import queue
+import signal
 import socket
+import sys
+import time
 import traceback
 
 
@@ -20,6 +24,7 @@ def free_port():
 
 def _entry(fn, rank, world, port, args, results, env):
     os.environ.update(env)
+    faulthandler.register(signal.SIGUSR1, file=sys.stderr, all_threads=True)  # run_ranks' timeout asks for stacks
     import portep  # noqa: F401  (before torch sets CUDA up, as applications should: see portep/config.py)
     import torch.distributed as dist
 
@@ -60,13 +65,28 @@ def _check_exits(procs, reported, wait_s=60):
         )
 
 
+def _dump_stacks(procs, ranks):
+    """Asks each late rank for every thread's Python stack (faulthandler, on its stderr) before it is killed."""
+    for r in sorted(ranks):
+        if procs[r].is_alive():
+            print(f"--- rank {r}: Python stacks at the timeout ---", file=sys.stderr, flush=True)
+            try:
+                os.kill(procs[r].pid, signal.SIGUSR1)
+            except OSError:
+                continue
+            time.sleep(0.5)
+
+
 def run_ranks(fn, world, args=(), timeout=180, env=None, expect_missing=()):
     """Runs fn(rank, world, *args) in `world` processes; returns {rank: value}.
 
     Ranks in expect_missing may die without reporting (used by crash tests). Any other rank that raises or
     does not report within `timeout` seconds fails the call with its traceback, and so does one that reported and
-    then died by a signal as it exited.
+    then died by a signal as it exited. A late rank prints its threads' Python stacks to stderr before it is killed.
+    PORTEP_RANK_TIMEOUT_S, where set, replaces `timeout` (a shorter bound on a machine where a hang is suspected).
     """
+    if os.environ.get("PORTEP_RANK_TIMEOUT_S"):
+        timeout = float(os.environ["PORTEP_RANK_TIMEOUT_S"])
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
     port = free_port()
@@ -83,8 +103,12 @@ def run_ranks(fn, world, args=(), timeout=180, env=None, expect_missing=()):
         while waiting:
             left = (deadline - datetime.datetime.now()).total_seconds()
             if left <= 0:
+                _dump_stacks(procs, waiting)
                 done = "".join(f"\n--- rank {r} (finished with an error) ---\n{tb}" for r, tb in sorted(errors.items()))
-                raise RankFailure(f"ranks {sorted(waiting)} did not finish within {timeout} s{done}")
+                raise RankFailure(
+                    f"ranks {sorted(waiting)} did not finish within {timeout} s (their Python stacks are on "
+                    f"stderr){done}"
+                )
             try:
                 rank, status, value = results.get(timeout=min(left, 1.0))
             except queue.Empty:
