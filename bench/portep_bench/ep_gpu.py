@@ -4,7 +4,7 @@ backend with the same SMs (Buffer.num_sms), next to a device copy of the same by
 V2's cost over V1 for the same rows (its layout, its metadata columns, its reduction at the source), and both
 against the bytes' copy. What it does not: the network or NVLink (one rank has no peer; gpu-ht-loopback times the
 kernels between two ranks). Also the memory rows: what each Buffer really takes from the GPU (cudaMemGetInfo around
-its construction) for this shape, V1 sized by DeepEP's hint, V2 by its get_buffer_size_hint.
+its construction, in a process of its own) for this shape, V1 sized by DeepEP's hint, V2 by its get_buffer_size_hint.
 
 Every output is checked against torch first. Samples in us: CUDA events around each call, which waits for the GPU
 (calls with CPU sync wait for their counts on the host, as a user's call does). Bytes as DeepEP counts them: rows
@@ -16,7 +16,7 @@ import torch
 from .ht_gpu import deepep_nvl_bytes, ht_inputs
 from .ll_gpu import _timed
 from .report import MissingHardware, Table
-from .spawn import free_port
+from .spawn import free_port, run_ranks
 
 NOTE = (
     "one GPU, one process, EP1: every token goes to its own rank, so no peer and no network; V2 and V1 through "
@@ -34,13 +34,33 @@ def _one_rank_group():
     return dist.group.WORLD
 
 
-def _device_bytes_taken(make):
-    """make()'s object and the GPU memory its construction took (cudaMemGetInfo before and after)."""
+def _buffer_memory(rank, world, api, tokens, hidden, topk, v1_bytes):
+    """In a process of its own (nothing freed earlier can come back during the measurement): the GPU memory one
+    Buffer's construction takes (free device memory before and after, the CUDA context made first), and its size."""
+    import portep
+    import torch.distributed as dist
+
+    torch.cuda.set_device(0)
+    torch.zeros(1, device="cuda")
     torch.cuda.synchronize()
     free_before = torch.cuda.mem_get_info()[0]
-    obj = make()
+    if api == "v1":
+        buf = portep.Buffer(dist.group.WORLD, v1_bytes, 0, explicitly_destroy=True, backend="cuda")
+        size = v1_bytes
+    else:
+        buf = portep.ElasticBuffer(
+            dist.group.WORLD,
+            num_max_tokens_per_rank=tokens,
+            hidden=hidden,
+            num_topk=topk,
+            explicitly_destroy=True,
+            backend="cuda",
+        )
+        size = buf.num_bytes  # get_buffer_size_hint for this group, as it sized itself
     torch.cuda.synchronize()
-    return obj, free_before - torch.cuda.mem_get_info()[0]
+    taken = free_before - torch.cuda.mem_get_info()[0]
+    buf.destroy()
+    return taken, size
 
 
 def _expect(ok, what):
@@ -117,26 +137,16 @@ def run(report, tokens=4096, hidden=7168, topk=8, experts=256, sms=24, iteration
     w = w.float()
     v1_bytes = deepep_nvl_bytes(hidden, 2, sms)
     report.progress(f"gpu-ep: V1 Buffer ({v1_bytes} bytes, DeepEP's EP2 hint) and its checks")
-    v1, v1_taken = _device_bytes_taken(
-        lambda: portep.Buffer(group, v1_bytes, 0, explicitly_destroy=True, backend="cuda")
-    )
+    v1 = portep.Buffer(group, v1_bytes, 0, explicitly_destroy=True, backend="cuda")
     for _ in range(3):
         _v1_rows(v1, x, idx, w, experts, 1)
     report.progress("gpu-ep: V1 timings")
     res = _v1_rows(v1, x, idx, w, experts, iterations)
     v1.destroy()
     report.progress("gpu-ep: V2 ElasticBuffer (sized by its own hint) and its checks")
-    v2, v2_taken = _device_bytes_taken(
-        lambda: portep.ElasticBuffer(
-            group,
-            num_max_tokens_per_rank=tokens,
-            hidden=hidden,
-            num_topk=topk,
-            explicitly_destroy=True,
-            backend="cuda",
-        )
+    v2 = portep.ElasticBuffer(
+        group, num_max_tokens_per_rank=tokens, hidden=hidden, num_topk=topk, explicitly_destroy=True, backend="cuda"
     )
-    v2_hint = v2.num_bytes  # get_buffer_size_hint for this group, as it sized itself
     for _ in range(3):
         _v2_rows(v2, x, idx, w, experts, 1)
     report.progress("gpu-ep: V2 timings")
@@ -152,10 +162,17 @@ def run(report, tokens=4096, hidden=7168, topk=8, experts=256, sms=24, iteration
         t.add(what, samples, None if "layout" in what else nbytes)
     t.add("baseline: device copy of the same bytes", copy, nbytes)
     report.add(t)
+    report.progress("gpu-ep: the memory each Buffer takes, each in a process of its own")
+    memory = {
+        api: run_ranks(_buffer_memory, 1, args=(api, tokens, hidden, topk, v1_bytes), timeout=300)[0]
+        for api in ("v1", "v2")
+    }
+    (v1_taken, _), (v2_taken, v2_hint) = memory["v1"], memory["v2"]
     m = Table(
         f"gpu-ep: GPU memory a Buffer takes, {shape}",
         "MiB",
-        "Measured: free device memory (cudaMemGetInfo) before and after constructing each Buffer in this run, next "
+        "Measured: free device memory (cudaMemGetInfo) before and after constructing each Buffer, each in a one-rank "
+        "process of its own (after its CUDA context), next "
         "to the size each was asked for: V1 as DeepEP's users size it (its NVL hint for EP2 at this hidden size), "
         "V2 from its own get_buffer_size_hint for this group.",
     )

@@ -1,6 +1,7 @@
 """Spawn N ranks on this host with a gloo group, run a function in each, and collect results or errors.
 
-Every run is bounded: a rank that does not report within the timeout is killed and the caller fails.
+Every run is bounded: a rank that does not report within the timeout is killed and the caller fails. Each rank runs
+torch's CPU ops on one thread unless OMP_NUM_THREADS says otherwise (as torchrun does).
 Used by the benchmarks and by the multi-process tests.
 """
 
@@ -26,7 +27,14 @@ def _entry(fn, rank, world, port, args, results, env):
     os.environ.update(env)
     faulthandler.register(signal.SIGUSR1, file=sys.stderr, all_threads=True)  # run_ranks' timeout asks for stacks
     import portep  # noqa: F401  (before torch sets CUDA up, as applications should: see portep/config.py)
+    import torch
     import torch.distributed as dist
+
+    if not os.environ.get("OMP_NUM_THREADS"):
+        # One CPU thread per rank, as torchrun sets: ranks that each start an OpenMP team as wide as the machine (and
+        # beside spinning proxy threads) wait a scheduler slice at every small op's barrier: on the 16-core GPU machine
+        # the V2 decode tests' CPU references, seconds of work alone, did not finish in 300 s.
+        torch.set_num_threads(1)
 
     try:
         dist.init_process_group(

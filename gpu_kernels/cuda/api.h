@@ -7,6 +7,7 @@
 #include <vector>
 
 #include "gpu_kernels/cuda/kernel_errors.h"
+#include "gpu_kernels/slot_sums.h"
 #include "proxy/fifo.h"
 
 namespace portep::cuda {
@@ -28,6 +29,10 @@ struct LayoutArgs {
 };
 int launch_dispatch_layout(const LayoutArgs& a);
 int load_layout_kernels();
+
+// V2 combine's final sum (gpu_kernels/slot_sums.h) on `stream`; a token naming a row past num_rows gets NaN.
+int launch_slot_sums(const portep::SlotSumArgs& a, void* stream);
+int load_slot_sum_kernels();
 
 int cuda_device_count(int* count);
 const char* cuda_error_string(int err);

@@ -347,6 +347,7 @@ void bind_cuda_ll(py::module_& m) {
   // mode kernel launched behind one that waits for the proxies' copies would stall them until its timeout.
   m.def("cuda_load_kernels", [] {
     check(load_layout_kernels(), "loading the layout kernel");
+    check(load_slot_sum_kernels(), "loading the slot-sum kernel");
     check(load_ll_dispatch_kernels(), "loading the LL dispatch kernels");
     check(load_ll_combine_kernels(), "loading the LL combine kernels");
     check(load_ht_notify_kernels(), "loading the HT notify kernel");

@@ -7,6 +7,7 @@ namespace py = pybind11;
 void bind_channel(py::module_& m);
 void bind_build_info(py::module_& m);
 void bind_layouts(py::module_& m);
+void bind_reduce(py::module_& m);
 #ifdef PORTEP_WITH_GPU
 void bind_cuda_ll(py::module_& m);
 void bind_cuda_ht(py::module_& m);
@@ -17,6 +18,7 @@ PYBIND11_MODULE(_C, m) {
   bind_channel(m);
   bind_build_info(m);
   bind_layouts(m);
+  bind_reduce(m);
 #ifdef PORTEP_WITH_GPU
   bind_cuda_ll(m);
   bind_cuda_ht(m);

@@ -1,6 +1,6 @@
 """The rank spawner the tests and benchmarks share: a rank that outlives the timeout fails the call naming it, and
 prints where it was stuck (every thread's Python stack) before it is killed; PORTEP_RANK_TIMEOUT_S shortens the
-bound."""
+bound; each rank runs torch's CPU ops on one thread."""
 
 import time
 
@@ -33,3 +33,14 @@ def test_the_environment_bound_replaces_the_callers(monkeypatch):
 
 def test_ranks_that_finish_return_their_values():
     assert run_ranks(stuck_in_a_named_wait, 2, args=(-1,), timeout=60) == {0: 0, 1: 10}
+
+
+def cpu_threads(rank, world):
+    import torch
+
+    return torch.get_num_threads()
+
+
+def test_each_rank_runs_torch_on_one_cpu_thread(monkeypatch):
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    assert run_ranks(cpu_threads, 2, timeout=60) == {0: 1, 1: 1}

@@ -10,6 +10,7 @@ from typing import Optional, Sequence, Tuple
 
 import torch
 
+from .._native import require_native
 from .handle import Route
 from .layout import may_read_back
 from .wire import CombineColumns
@@ -17,28 +18,21 @@ from .wire import CombineColumns
 Tensor = torch.Tensor
 
 
-def slot_sums(rows: Tensor, row_of_slot: Tensor, init: Tensor) -> Tensor:
-    """init [T, H] float32 (updated in place) plus, for k = 0..K-1 in order, rows[row_of_slot[t, k]] where that is
-    >= 0 and +0.0 where it is -1. rows [C, H] bf16 (C may be 0), row_of_slot [T, K] int64.
+def sum_slots(rows: Tensor, row_of_slot: Tensor, biases: Sequence[Tensor] = ()) -> Tensor:
+    """[T, H] bf16: fp32(bias0) + fp32(bias1) (+0.0 without a bias), plus rows[row_of_slot[t, k]] for k = 0..K-1
+    in order where that is >= 0, plus +0.0 where a slot had no row, rounded once to BF16. rows [C, H] bf16 (C may
+    be 0), row_of_slot [T, K] int64 (-1: none), biases: zero to two [T, H] bf16.
 
-    Each token's rows are added in slot order first and the +0.0 once at the end, where a slot lacked a row: the
-    same result, since +0.0 only turns a -0.0 sum into +0.0 and a sum never returns to -0.0 once it is not. On the
-    CPU only as many passes as the most rows a token has; on a GPU all K (no value is read back), each one gather
-    and one in-place add of BF16 into FP32 (a missing row reads the +0.0 sink row)."""
+    Adding the +0.0 of the empty slots once at the end gives V2's result (a +0.0 only turns a -0.0 sum into +0.0,
+    and a sum never returns to -0.0 once it is not). One native pass (gpu_kernels/slot_sums.h) on the tensors'
+    device, reading nothing back (CUDA-graph capturable); a row index outside [-1, C) raises on the CPU and turns
+    the token's row into NaN on a GPU."""
     T, K = row_of_slot.shape
-    present = row_of_slot >= 0
-    slots = torch.arange(K, device=row_of_slot.device)
-    compact = row_of_slot.gather(1, (torch.where(present, 0, K) + slots).argsort(1))  # rows in slot order, then -1
-    count = present.sum(1)
-    if may_read_back(init):
-        tokens = torch.arange(T, device=init.device)
-        for j in range(int(count.max()) if T else 0):
-            add_rows(init, tokens, rows, compact[:, j])
-    else:
-        sunk, at = with_sink_row(rows, compact)
-        for j in range(K):
-            init.add_(sunk.index_select(0, at[:, j]))  # FP32 += BF16, computed in FP32: float(a) + float(b)
-    return init.add_(torch.where(count < K, 0.0, -0.0)[:, None])  # (x + -0.0 is x for every x, -0.0 included)
+    out = torch.empty(T, rows.size(1), dtype=torch.bfloat16, device=rows.device)
+    bias0 = biases[0].contiguous() if len(biases) > 0 else None
+    bias1 = biases[1].contiguous() if len(biases) > 1 else None
+    require_native().slot_sums(rows.contiguous(), row_of_slot.long().contiguous(), bias0, bias1, out)
+    return out
 
 
 def with_sink_row(rows: Tensor, at: Tensor) -> Tuple[Tensor, Tensor]:
@@ -74,8 +68,7 @@ def contributions(
         gidx = torch.where(held >= 0, gidx[(held // K).clamp(min=0)], -1)
         slot = held % K
     else:
-        sums = slot_sums(x, layout.expanded_row, torch.zeros(M, x.size(1), dtype=torch.float32, device=x.device))
-        rows = sums.to(torch.bfloat16)
+        rows = sum_slots(x, layout.expanded_row)
         if topk_weights is not None:
             at = layout.expanded_row
             weights = torch.where(at >= 0, topk_weights[at.clamp(min=0)], 0.0)
@@ -97,19 +90,14 @@ def reduce_at_source(
     (rows [C, H] bf16, their columns, arrived [C] bool: False on padding rows). nodes: (nodes, ranks per node) to
     sum the ranks of each node first (V2's hybrid recipe with multiple reduction), else None."""
     N, K = route.slot_rank.shape
-    H = rows.size(1)
     token, slot = cols.token(meta), cols.slot(meta)
     carrier = torch.full((N * K + 1,), -1, dtype=torch.int64, device=rows.device)
     carrier[torch.where(arrived, token * K + slot, N * K)] = torch.arange(rows.size(0), device=rows.device)
     carrier = carrier[: N * K].view(N, K)  # the row that takes each slot's place, -1 where none (N * K: a sink)
-    if not biases:
-        init = torch.zeros(N, H, dtype=torch.float32, device=rows.device)
-    else:
-        init = biases[0].float() if len(biases) == 1 else biases[0].float() + biases[1].float()  # (new tensors)
     weights = _combined_weights(cols.weights_of(meta), carrier, route.slot_rank) if with_weights else None
     if nodes is not None:
         rows, carrier = _node_partials(rows, carrier, route.slot_rank, *nodes)
-    return slot_sums(rows, carrier, init).to(torch.bfloat16), weights
+    return sum_slots(rows, carrier, biases), weights
 
 
 def _node_partials(rows, carrier, slot_rank, num_nodes, node_ranks):

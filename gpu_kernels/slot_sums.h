@@ -1,0 +1,72 @@
+// V2 combine's final sum (python/portep/elastic/reduce.py, sum_slots), defined once for the host loop
+// (gpu_kernels/host/slot_sums.cpp) and the kernel (gpu_kernels/cuda/slot_sums.cu): for each token t and channel h,
+//   fp32(bias0) + fp32(bias1) (or +0.0 without a bias), then + fp32(rows[row_of_slot[t, k]]) for k = 0..K-1 where
+//   that is >= 0, then + 0.0 if a slot had no row (else + -0.0, which changes nothing), rounded once to BF16.
+// Plain FP32 additions in that order, no contraction, so the host and every GPU give the same bits as the same
+// sequence of torch operations would.
+#pragma once
+
+#include <stdint.h>
+#include <string.h>
+
+#include "gpu_kernels/host_device.h"
+
+namespace portep {
+
+struct SlotSumArgs {
+  const uint16_t* rows;  // [num_rows, hidden] BF16 (num_rows may be 0)
+  int64_t num_rows;
+  const int64_t* row_of_slot;  // [num_tokens, num_topk]: the row that takes slot k's place, -1 where none
+  const uint16_t* bias0;       // [num_tokens, hidden] BF16 or null
+  const uint16_t* bias1;       // [num_tokens, hidden] BF16 or null (only beside bias0)
+  uint16_t* out;               // [num_tokens, hidden] BF16
+  int64_t num_tokens;
+  int num_topk;
+  int64_t hidden;
+};
+
+constexpr uint16_t kSlotSumBadRow = 0x7fc0;  // a quiet NaN: what a token gets for a row index past num_rows
+
+PORTEP_HOST_DEVICE float slot_bf16_to_f32(uint16_t v) {
+  const uint32_t bits = uint32_t(v) << 16;
+  float f;
+  memcpy(&f, &bits, 4);
+  return f;
+}
+
+PORTEP_HOST_DEVICE uint16_t slot_f32_to_bf16(float f) {  // round to nearest even, NaN kept quiet (as bf16.h)
+  uint32_t bits;
+  memcpy(&bits, &f, 4);
+  if ((bits & 0x7fffffffu) > 0x7f800000u) return uint16_t((bits >> 16) | 0x40);
+  bits += 0x7fffu + ((bits >> 16) & 1u);
+  return uint16_t(bits >> 16);
+}
+
+// Whether every row index of token t lies in [-1, num_rows).
+PORTEP_HOST_DEVICE bool slot_rows_valid(const SlotSumArgs& a, int64_t t) {
+  for (int k = 0; k < a.num_topk; ++k) {
+    const int64_t r = a.row_of_slot[t * a.num_topk + k];
+    if (r < -1 || r >= a.num_rows) return false;
+  }
+  return true;
+}
+
+// out[t, h] for a token whose row indices are valid.
+PORTEP_HOST_DEVICE uint16_t slot_sum_at(const SlotSumArgs& a, int64_t t, int64_t h) {
+  const int64_t at = t * a.hidden + h;
+  float acc = a.bias0 ? slot_bf16_to_f32(a.bias0[at]) : 0.0f;
+  if (a.bias1) acc = acc + slot_bf16_to_f32(a.bias1[at]);
+  bool every_slot = true;
+  for (int k = 0; k < a.num_topk; ++k) {
+    const int64_t r = a.row_of_slot[t * a.num_topk + k];
+    if (r < 0) {
+      every_slot = false;
+      continue;
+    }
+    acc = acc + slot_bf16_to_f32(a.rows[r * a.hidden + h]);
+  }
+  acc = acc + (every_slot ? -0.0f : 0.0f);  // x + -0.0 is x for every x; + 0.0 turns -0.0 into +0.0
+  return slot_f32_to_bf16(acc);
+}
+
+}  // namespace portep
