@@ -42,31 +42,40 @@ PORTEP_HOST_DEVICE uint16_t slot_f32_to_bf16(float f) {  // round to nearest eve
   return uint16_t(bits >> 16);
 }
 
-// Whether every row index of token t lies in [-1, num_rows).
-PORTEP_HOST_DEVICE bool slot_rows_valid(const SlotSumArgs& a, int64_t t) {
+constexpr int kSlotSumMaxTopk =
+    128;  // the most slots a token may have (the kernel keeps a token's rows in shared memory)
+
+// Token t's rows in slot order into present[0..n) (present holds num_topk entries); returns n, or -1 where an index
+// lies outside [-1, num_rows).
+PORTEP_HOST_DEVICE int slot_rows_of(const SlotSumArgs& a, int64_t t, int64_t* present) {
+  int n = 0;
   for (int k = 0; k < a.num_topk; ++k) {
     const int64_t r = a.row_of_slot[t * a.num_topk + k];
-    if (r < -1 || r >= a.num_rows) return false;
+    if (r < -1 || r >= a.num_rows) return -1;
+    if (r >= 0) present[n++] = r;
   }
-  return true;
+  return n;
 }
 
-// out[t, h] for a token whose row indices are valid.
-PORTEP_HOST_DEVICE uint16_t slot_sum_at(const SlotSumArgs& a, int64_t t, int64_t h) {
+// The sum's start at [t, h]: fp32(bias0) + fp32(bias1), or +0.0 without a bias.
+PORTEP_HOST_DEVICE float slot_sum_start(const SlotSumArgs& a, int64_t t, int64_t h) {
   const int64_t at = t * a.hidden + h;
   float acc = a.bias0 ? slot_bf16_to_f32(a.bias0[at]) : 0.0f;
   if (a.bias1) acc = acc + slot_bf16_to_f32(a.bias1[at]);
-  bool every_slot = true;
-  for (int k = 0; k < a.num_topk; ++k) {
-    const int64_t r = a.row_of_slot[t * a.num_topk + k];
-    if (r < 0) {
-      every_slot = false;
-      continue;
-    }
-    acc = acc + slot_bf16_to_f32(a.rows[r * a.hidden + h]);
-  }
-  acc = acc + (every_slot ? -0.0f : 0.0f);  // x + -0.0 is x for every x; + 0.0 turns -0.0 into +0.0
-  return slot_f32_to_bf16(acc);
+  return acc;
+}
+
+// The sum's end for a token with n of num_topk slots filled: + 0.0 if one was empty (x + -0.0 is x for every x;
+// + 0.0 turns -0.0 into +0.0), rounded once to BF16.
+PORTEP_HOST_DEVICE uint16_t slot_sum_end(const SlotSumArgs& a, float acc, int n) {
+  return slot_f32_to_bf16(acc + (n == a.num_topk ? -0.0f : 0.0f));
+}
+
+// out[t, h] from the token's rows (slot_rows_of), added in slot order.
+PORTEP_HOST_DEVICE uint16_t slot_sum_at(const SlotSumArgs& a, int64_t t, int64_t h, const int64_t* present, int n) {
+  float acc = slot_sum_start(a, t, h);
+  for (int j = 0; j < n; ++j) acc = acc + slot_bf16_to_f32(a.rows[present[j] * a.hidden + h]);
+  return slot_sum_end(a, acc, n);
 }
 
 }  // namespace portep

@@ -4,7 +4,8 @@ backend with the same SMs (Buffer.num_sms), next to a device copy of the same by
 V2's cost over V1 for the same rows (its layout, its metadata columns, its reduction at the source), and both
 against the bytes' copy. What it does not: the network or NVLink (one rank has no peer; gpu-ht-loopback times the
 kernels between two ranks). Also the memory rows: what each Buffer really takes from the GPU (cudaMemGetInfo around
-its construction, in a process of its own) for this shape, V1 sized by DeepEP's hint, V2 by its get_buffer_size_hint.
+its construction, in a process of its own) for this shape, V1 sized by DeepEP's hint, V2 by its get_buffer_size_hint;
+and where V2's calls spend their time, by torch operation (op_profile.py).
 
 Every output is checked against torch first. Samples in us: CUDA events around each call, which waits for the GPU
 (calls with CPU sync wait for their counts on the host, as a user's call does). Bytes as DeepEP counts them: rows
@@ -15,6 +16,7 @@ import torch
 
 from .ht_gpu import deepep_nvl_bytes, ht_inputs
 from .ll_gpu import _timed
+from .op_profile import op_table
 from .report import MissingHardware, Table
 from .spawn import free_port, run_ranks
 
@@ -119,7 +121,7 @@ def _v2_rows(buf, x, idx, w, E, iterations):
 
 
 def run(report, tokens=4096, hidden=7168, topk=8, experts=256, sms=24, iterations=20):
-    """Prints the timing table and the memory table."""
+    """Prints the timing table, V2's operations and the memory table."""
     import portep
     from portep import native
 
@@ -151,6 +153,16 @@ def run(report, tokens=4096, hidden=7168, topk=8, experts=256, sms=24, iteration
         _v2_rows(v2, x, idx, w, experts, 1)
     report.progress("gpu-ep: V2 timings")
     res.update(_v2_rows(v2, x, idx, w, experts, iterations))
+    report.progress("gpu-ep: V2's operations, profiled")
+    d = v2.dispatch(x, idx, w, num_experts=experts)
+    profile = op_table(
+        f"gpu-ep: where a V2 call's GPU time goes, EP1, {shape}",
+        [
+            ("V2 dispatch", lambda: v2.dispatch(x, idx, w, num_experts=experts)),
+            ("V2 combine", lambda: v2.combine(d[0], d[3], topk_weights=d[2])),
+        ],
+        "cuda",
+    )
     v2.destroy()
     rows = res.pop("rows")
     nbytes = rows * hidden * 2
@@ -162,6 +174,7 @@ def run(report, tokens=4096, hidden=7168, topk=8, experts=256, sms=24, iteration
         t.add(what, samples, None if "layout" in what else nbytes)
     t.add("baseline: device copy of the same bytes", copy, nbytes)
     report.add(t)
+    report.add(profile)
     report.progress("gpu-ep: the memory each Buffer takes, each in a process of its own")
     memory = {
         api: run_ranks(_buffer_memory, 1, args=(api, tokens, hidden, topk, v1_bytes), timeout=300)[0]

@@ -32,7 +32,10 @@ portep::SlotSumArgs slot_sum_args(py::handle rows, py::handle row_of_slot, py::h
     throw py::value_error("slot sums: row_of_slot must be [T, K] and out [T, hidden]; got " +
                           std::string(py::str(shape)) + " and " + std::string(py::str(out_shape)));
   const int64_t T = shape[0].cast<int64_t>(), K = shape[1].cast<int64_t>(), H = out_shape[1].cast<int64_t>();
-  if (K < 1 || H < 1) throw py::value_error("slot sums: K and hidden must be positive");
+  if (K < 1 || K > portep::kSlotSumMaxTopk || H < 1)
+    throw py::value_error("slot sums: row_of_slot has " + std::to_string(K) + " slots (1 to " +
+                          std::to_string(portep::kSlotSumMaxTopk) + " allowed) and out " + std::to_string(H) +
+                          " channels (at least 1)");
   if (r.numel % H)
     throw py::value_error("rows: " + std::to_string(r.numel) + " entries, not rows of " + std::to_string(H));
   check_entries(b0, T * H, "bias0", Entries::kExactly);
