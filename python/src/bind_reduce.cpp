@@ -1,5 +1,5 @@
 // V2 combine's final sum (gpu_kernels/slot_sums.h) over torch tensors: the host loop for CPU tensors, the kernel on
-// the current torch stream for GPU tensors.
+// the caller's stream for GPU tensors.
 #include <pybind11/pybind11.h>
 
 #include <stdexcept>
@@ -52,7 +52,8 @@ portep::SlotSumArgs slot_sum_args(py::handle rows, py::handle row_of_slot, py::h
                              H};
 }
 
-void slot_sums(py::handle rows, py::handle row_of_slot, py::handle bias0, py::handle bias1, py::handle out) {
+void slot_sums(py::handle rows, py::handle row_of_slot, py::handle bias0, py::handle bias1, py::handle out,
+               uintptr_t stream) {
   const py::object dev = out.attr("device");
   if (std::string(py::str(dev.attr("type"))) == "cpu") {
     const auto a = slot_sum_args(rows, row_of_slot, bias0, bias1, out, "cpu", -1);
@@ -66,11 +67,10 @@ void slot_sums(py::handle rows, py::handle row_of_slot, py::handle bias0, py::ha
 #ifdef PORTEP_WITH_GPU
   const int index = dev.attr("index").is_none() ? 0 : dev.attr("index").cast<int>();
   const auto a = slot_sum_args(rows, row_of_slot, bias0, bias1, out, "cuda", index);
-  const py::object stream = py::module_::import("torch").attr("cuda").attr("current_stream")(dev);
-  const auto raw = reinterpret_cast<void*>(stream.attr("cuda_stream").cast<uintptr_t>());
-  if (int err = portep::cuda::launch_slot_sums(a, raw))
+  if (int err = portep::cuda::launch_slot_sums(a, reinterpret_cast<void*>(stream)))
     throw std::runtime_error(std::string("slot sums: ") + portep::cuda::cuda_error_string(err));
 #else
+  (void)stream;
   throw py::value_error("slot sums: out is on " + std::string(py::str(dev)) + ", and this build has no GPU kernels");
 #endif
 }
@@ -79,8 +79,8 @@ void slot_sums(py::handle rows, py::handle row_of_slot, py::handle bias0, py::ha
 
 void bind_reduce(py::module_& m) {
   m.def("slot_sums", &slot_sums, py::arg("rows"), py::arg("row_of_slot"), py::arg("bias0"), py::arg("bias1"),
-        py::arg("out"),
+        py::arg("out"), py::arg("stream") = 0,
         "out [T, hidden] bf16 = fp32(bias0) + fp32(bias1) + each slot's row in slot order (+0.0 where a slot has "
         "none), rounded once (gpu_kernels/slot_sums.h); rows [C, hidden] bf16, row_of_slot [T, K] int64 (-1: none); "
-        "on the tensors' device (a GPU: its current torch stream)");
+        "on the tensors' device (a GPU: on `stream`, a cudaStream_t, 0 the default stream)");
 }

@@ -86,3 +86,49 @@ def test_the_layout_binding_refuses_a_wrong_tensor_by_name(change, message):
     change(args)
     with pytest.raises(ValueError, match=message):
         native.cuda_dispatch_layout(**args)
+
+
+class ShapedStandIn(CudaStandIn):
+    """A stand-in whose shape the binding reads too."""
+
+    def __init__(self, t):
+        super().__init__(t)
+        self.shape = tuple(t.shape)
+
+
+def _slot_sum_args(T=6, K=4, H=64, C=10):
+    g = torch.Generator().manual_seed(5)
+    return dict(
+        rows=ShapedStandIn(torch.randn(C, H, generator=g).to(torch.bfloat16)),
+        row_of_slot=ShapedStandIn(torch.randint(-1, C, (T, K), generator=g)),
+        bias0=ShapedStandIn(torch.randn(T, H, generator=g).to(torch.bfloat16)),
+        bias1=None,
+        out=ShapedStandIn(torch.empty(T, H, dtype=torch.bfloat16)),
+        stream=0,
+    )
+
+
+def test_the_slot_sum_binding_reads_every_tensor_and_reaches_the_launch():
+    with pytest.raises(RuntimeError, match="slot sums: ") as refused:
+        native.slot_sums(**_slot_sum_args())
+    assert "invalid argument" not in str(refused.value)  # refused by the runtime (no GPU), not by the launcher's checks
+
+
+@pytest.mark.parametrize(
+    "change,message",
+    [
+        (
+            lambda a: a.update(row_of_slot=a["row_of_slot"].t),
+            "row_of_slot: a tensor on cuda:0 is needed, got one on cpu",
+        ),
+        (lambda a: a.update(bias0=ShapedStandIn(torch.zeros(5, 64, dtype=torch.bfloat16))), "bias0: 320 entries"),
+        (lambda a: a.update(rows=ShapedStandIn(torch.zeros(10, 63, dtype=torch.bfloat16))), "rows: 630 entries"),
+        (lambda a: a.update(row_of_slot=ShapedStandIn(torch.zeros(6, 129, dtype=torch.int64))), "129 slots"),
+        (lambda a: a.update(out=ShapedStandIn(torch.zeros(6, 64))), "out: dtype torch.float32"),
+    ],
+)
+def test_the_slot_sum_binding_refuses_by_name(change, message):
+    args = _slot_sum_args()
+    change(args)
+    with pytest.raises(ValueError, match=message):
+        native.slot_sums(**args)

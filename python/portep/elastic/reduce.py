@@ -31,7 +31,8 @@ def sum_slots(rows: Tensor, row_of_slot: Tensor, biases: Sequence[Tensor] = ()) 
     out = torch.empty(T, rows.size(1), dtype=torch.bfloat16, device=rows.device)
     bias0 = biases[0].contiguous() if len(biases) > 0 else None
     bias1 = biases[1].contiguous() if len(biases) > 1 else None
-    require_native().slot_sums(rows.contiguous(), row_of_slot.long().contiguous(), bias0, bias1, out)
+    stream = torch.cuda.current_stream(out.device).cuda_stream if out.is_cuda else 0
+    require_native().slot_sums(rows.contiguous(), row_of_slot.long().contiguous(), bias0, bias1, out, stream)
     return out
 
 
