@@ -3,7 +3,8 @@
 //   fp32(bias0) + fp32(bias1) (or +0.0 without a bias), then + fp32(rows[row_of_slot[t, k]]) for k = 0..K-1 where
 //   that is >= 0, then + 0.0 if a slot had no row (else + -0.0, which changes nothing), rounded once to BF16.
 // Plain FP32 additions in that order, no contraction, so the host and every GPU give the same bits as the same
-// sequence of torch operations would.
+// sequence of torch operations would, NaN's bits excepted: a NaN result is NaN at the same place, its bits as
+// slot_f32_to_bf16 keeps them (torch's own NaN bits differ by backend: 0x7FC0, 0x7FFF or 0xFFFF).
 #pragma once
 
 #include <stdint.h>

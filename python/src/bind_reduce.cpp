@@ -36,8 +36,10 @@ portep::SlotSumArgs slot_sum_args(py::handle rows, py::handle row_of_slot, py::h
     throw py::value_error("slot sums: row_of_slot has " + std::to_string(K) + " slots (1 to " +
                           std::to_string(portep::kSlotSumMaxTopk) + " allowed) and out " + std::to_string(H) +
                           " channels (at least 1)");
-  if (r.numel % H)
-    throw py::value_error("rows: " + std::to_string(r.numel) + " entries, not rows of " + std::to_string(H));
+  const py::tuple row_shape = rows.attr("shape");
+  if (row_shape.size() != 2 || row_shape[1].cast<int64_t>() != H)
+    throw py::value_error("rows: shape " + std::string(py::str(row_shape)) + ", expected [C, " + std::to_string(H) +
+                          "] (out's channels)");
   check_entries(b0, T * H, "bias0", Entries::kExactly);
   check_entries(b1, T * H, "bias1", Entries::kExactly);
   if (b1.present && !b0.present) throw py::value_error("bias1 without bias0");

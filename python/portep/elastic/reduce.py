@@ -26,13 +26,18 @@ def sum_slots(rows: Tensor, row_of_slot: Tensor, biases: Sequence[Tensor] = ()) 
     Adding the +0.0 of the empty slots once at the end gives V2's result (a +0.0 only turns a -0.0 sum into +0.0,
     and a sum never returns to -0.0 once it is not). One native pass (gpu_kernels/slot_sums.h) on the tensors'
     device, reading nothing back (CUDA-graph capturable); a row index outside [-1, C) raises on the CPU and turns
-    the token's row into NaN on a GPU."""
+    the token's row into NaN on a GPU. Bitwise the torch sequence's result, except a NaN's bits (torch's differ by
+    backend)."""
     T, K = row_of_slot.shape
     out = torch.empty(T, rows.size(1), dtype=torch.bfloat16, device=rows.device)
     bias0 = biases[0].contiguous() if len(biases) > 0 else None
     bias1 = biases[1].contiguous() if len(biases) > 1 else None
-    stream = torch.cuda.current_stream(out.device).cuda_stream if out.is_cuda else 0
-    require_native().slot_sums(rows.contiguous(), row_of_slot.long().contiguous(), bias0, bias1, out, stream)
+    args = (rows.contiguous(), row_of_slot.long().contiguous(), bias0, bias1, out)
+    if not out.is_cuda:
+        require_native().slot_sums(*args, 0)
+        return out
+    with torch.cuda.device(out.device):  # the kernel launches on the current device
+        require_native().slot_sums(*args, torch.cuda.current_stream(out.device).cuda_stream)
     return out
 
 
