@@ -1,8 +1,10 @@
 """bench/device_queue.sh, the GPU machine's job queue that outlives a call, run here with shell jobs: the first call
 starts it and returns, a later call does not start it again and waits for it, each job runs alone in order under its
-own limit, and every log comes back in one archive."""
+own limit, and every log comes back in one archive; and the standing queue bench/device_jobs.txt names what exists."""
 
 import os
+import pathlib
+import re
 import subprocess
 import tarfile
 import time
@@ -64,3 +66,19 @@ def _no_stray_queue(tmp_path):
         while time.time() < deadline and subprocess.run(["kill", "-0", pid.read_text().strip()]).returncode == 0:
             time.sleep(0.2)
         subprocess.run(["kill", "-9", "--", "-" + pid.read_text().strip()], capture_output=True)
+
+
+def test_the_standing_queue_names_files_that_exist():
+    """bench/device_jobs.txt: each job has a limit, and the GPU test files and scripts of this tree it names exist
+    (the conformance scripts come from ../shared at run time)."""
+    root = pathlib.Path(ROOT)
+    jobs = [line for line in (root / "bench" / "device_jobs.txt").read_text().splitlines() if line and line[0] != "#"]
+    assert len(jobs) >= 5
+    for job in jobs:
+        secs, _, cmd = job.partition(":")
+        assert secs.isdigit() and int(secs) > 0 and cmd, job
+        for files in re.findall(r'PORTEP_GPU_TEST_FILES=("[^"]*"|\S+)', cmd):
+            for name in files.strip('"').split():
+                assert (root / "tests" / "gpu" / name).is_file(), f"{name} (in {job!r})"
+        for script in re.findall(r"bash (bench/\S+)", cmd):
+            assert (root / script).is_file(), script
