@@ -12,7 +12,6 @@ import torch
 
 from .._native import require_native
 from .handle import Route
-from .layout import may_read_back
 from .wire import CombineColumns
 
 Tensor = torch.Tensor
@@ -39,19 +38,6 @@ def sum_slots(rows: Tensor, row_of_slot: Tensor, biases: Sequence[Tensor] = ()) 
     with torch.cuda.device(out.device):  # the kernel launches on the current device
         require_native().slot_sums(*args, torch.cuda.current_stream(out.device).cuda_stream)
     return out
-
-
-def with_sink_row(rows: Tensor, at: Tensor) -> Tuple[Tensor, Tensor]:
-    """(rows [C + 1, H] with a +0.0 row last, at with each -1 pointing at that row): fixed-shape gathers in which a
-    missing row adds +0.0."""
-    sunk = torch.cat([rows, rows.new_zeros(1, rows.size(1))])
-    return sunk, torch.where(at >= 0, at, rows.size(0))
-
-
-def add_rows(acc: Tensor, targets: Tensor, rows: Tensor, at: Tensor) -> None:
-    """acc[targets[i]] += float32(rows[at[i]]) where at[i] >= 0 (targets distinct); reads `at` back (CPU only)."""
-    i = (at >= 0).nonzero().flatten()
-    acc.index_add_(0, targets[i], rows.index_select(0, at[i]).float())
 
 
 def contributions(
@@ -109,7 +95,8 @@ def reduce_at_source(
 def _node_partials(rows, carrier, slot_rank, num_nodes, node_ranks):
     """Each (token, node)'s contributions summed in slot order from +0.0 and rounded to BF16, keyed by the node's
     last slot with a contribution: (partials [N x G, H] bf16, their row per slot [N, K], -1 elsewhere), G the most
-    nodes a token can reach."""
+    nodes a token can reach. (A partial never sums to -0.0 from +0.0, so sum_slots' +0.0 for its empty slots
+    changes nothing.)"""
     N, K = carrier.shape
     device = rows.device
     present = carrier >= 0
@@ -120,16 +107,13 @@ def _node_partials(rows, carrier, slot_rank, num_nodes, node_ranks):
     G = max(1, min(K, num_nodes))
     ordinal = torch.cumsum(is_last, 1) - is_last.long()  # [N, K]: last slots before k
     group = ordinal.gather(1, last.clamp(min=0)) + torch.arange(N, device=device)[:, None] * G  # partial of k's node
-    partials = torch.zeros(N * G, rows.size(1), dtype=torch.float32, device=device)
-    if may_read_back(partials):
-        for k in range(K):
-            add_rows(partials, group[:, k], rows, carrier[:, k])
-    else:  # (a +0.0 into a partial that started at +0.0 changes nothing)
-        sunk, at = with_sink_row(rows, carrier)
-        for k in range(K):
-            partials.index_add_(0, group[:, k], sunk.index_select(0, at[:, k]).float())
+    # partial p's row per slot: (group[t, k], k) is distinct for every present slot; absent ones go to a sink row
+    rows_of_partial = torch.full((N * G + 1, K), -1, dtype=torch.int64, device=device)
+    slots = torch.arange(K, device=device).expand(N, K)
+    rows_of_partial[torch.where(present, group, N * G), slots] = torch.where(present, carrier, -1)
+    partials = sum_slots(rows, rows_of_partial[: N * G])
     row_of_slot = torch.where(is_last, group, -1)
-    return partials.to(torch.bfloat16), row_of_slot
+    return partials, row_of_slot
 
 
 def _combined_weights(weights, carrier, slot_rank):
