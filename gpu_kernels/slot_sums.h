@@ -4,12 +4,12 @@
 //   that is >= 0, then + 0.0 if a slot had no row (else + -0.0, which changes nothing), rounded once to BF16.
 // Plain FP32 additions in that order, no contraction, so the host and every GPU give the same bits as the same
 // sequence of torch operations would, NaN's bits excepted: a NaN result is NaN at the same place, its bits as
-// slot_f32_to_bf16 keeps them (torch's own NaN bits differ by backend: 0x7FC0, 0x7FFF or 0xFFFF).
+// f32_to_bf16 keeps them (torch's own NaN bits differ by backend: 0x7FC0, 0x7FFF or 0xFFFF).
 #pragma once
 
 #include <stdint.h>
-#include <string.h>
 
+#include "gpu_kernels/host/bf16.h"
 #include "gpu_kernels/host_device.h"
 
 namespace portep {
@@ -28,23 +28,8 @@ struct SlotSumArgs {
 
 constexpr uint16_t kSlotSumBadRow = 0x7fc0;  // a quiet NaN: what a token gets for a row index past num_rows
 
-PORTEP_HOST_DEVICE float slot_bf16_to_f32(uint16_t v) {
-  const uint32_t bits = uint32_t(v) << 16;
-  float f;
-  memcpy(&f, &bits, 4);
-  return f;
-}
-
-PORTEP_HOST_DEVICE uint16_t slot_f32_to_bf16(float f) {  // round to nearest even, NaN kept quiet (as bf16.h)
-  uint32_t bits;
-  memcpy(&bits, &f, 4);
-  if ((bits & 0x7fffffffu) > 0x7f800000u) return uint16_t((bits >> 16) | 0x40);
-  bits += 0x7fffu + ((bits >> 16) & 1u);
-  return uint16_t(bits >> 16);
-}
-
-constexpr int kSlotSumMaxTopk =
-    128;  // the most slots a token may have (the kernel keeps a token's rows in shared memory)
+// The most slots a token may have (the kernel keeps a token's rows in shared memory).
+constexpr int kSlotSumMaxTopk = 128;
 
 // Token t's rows in slot order into present[0..n) (present holds num_topk entries); returns n, or -1 where an index
 // lies outside [-1, num_rows).
@@ -61,21 +46,21 @@ PORTEP_HOST_DEVICE int slot_rows_of(const SlotSumArgs& a, int64_t t, int64_t* pr
 // The sum's start at [t, h]: fp32(bias0) + fp32(bias1), or +0.0 without a bias.
 PORTEP_HOST_DEVICE float slot_sum_start(const SlotSumArgs& a, int64_t t, int64_t h) {
   const int64_t at = t * a.hidden + h;
-  float acc = a.bias0 ? slot_bf16_to_f32(a.bias0[at]) : 0.0f;
-  if (a.bias1) acc = acc + slot_bf16_to_f32(a.bias1[at]);
+  float acc = a.bias0 ? bf16_to_f32(a.bias0[at]) : 0.0f;
+  if (a.bias1) acc = acc + bf16_to_f32(a.bias1[at]);
   return acc;
 }
 
 // The sum's end for a token with n of num_topk slots filled: + 0.0 if one was empty (x + -0.0 is x for every x;
 // + 0.0 turns -0.0 into +0.0), rounded once to BF16.
 PORTEP_HOST_DEVICE uint16_t slot_sum_end(const SlotSumArgs& a, float acc, int n) {
-  return slot_f32_to_bf16(acc + (n == a.num_topk ? -0.0f : 0.0f));
+  return f32_to_bf16(acc + (n == a.num_topk ? -0.0f : 0.0f));
 }
 
 // out[t, h] from the token's rows (slot_rows_of), added in slot order.
 PORTEP_HOST_DEVICE uint16_t slot_sum_at(const SlotSumArgs& a, int64_t t, int64_t h, const int64_t* present, int n) {
   float acc = slot_sum_start(a, t, h);
-  for (int j = 0; j < n; ++j) acc = acc + slot_bf16_to_f32(a.rows[present[j] * a.hidden + h]);
+  for (int j = 0; j < n; ++j) acc = acc + bf16_to_f32(a.rows[present[j] * a.hidden + h]);
   return slot_sum_end(a, acc, n);
 }
 

@@ -21,7 +21,7 @@ void host_slot_sums(const SlotSumArgs& a) {
     for (int64_t h = 0; h < a.hidden; ++h) acc[h] = slot_sum_start(a, t, h);
     for (int j = 0; j < n; ++j) {
       const uint16_t* row = a.rows + present[j] * a.hidden;
-      for (int64_t h = 0; h < a.hidden; ++h) acc[h] = acc[h] + slot_bf16_to_f32(row[h]);
+      for (int64_t h = 0; h < a.hidden; ++h) acc[h] = acc[h] + bf16_to_f32(row[h]);
     }
     uint16_t* out = a.out + t * a.hidden;
     for (int64_t h = 0; h < a.hidden; ++h) out[h] = slot_sum_end(a, acc[h], n);
