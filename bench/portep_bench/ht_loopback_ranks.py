@@ -92,7 +92,7 @@ class LoopbackRank:
             errors=self.errors,
             peer_status=0,
             host_signals=self.signals.data_ptr(),
-            signal_seen=self.seen.data_ptr(),
+            signal_seen=self.seen,
             num_streams=native.HT_NUM_STREAMS,
             stream_base=0,
             fifos=self.fifos,

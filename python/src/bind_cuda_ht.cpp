@@ -1,6 +1,7 @@
 // Bindings of the CUDA normal-mode (HT) kernels (built with the CUDA kernels only): the layout of one rank's memory
 // (ht_layout.h) as HTLayout, and one Buffer's kernels as HTKernels, whose constructor and calls take keyword
-// arguments only (optional pointers default to null). Device and host addresses come from Python as integers.
+// arguments only. The calls take torch tensors (optional ones default to None, null for the kernels), each checked
+// for its GPU, dtype and size; the constructor still takes the Buffer's memory as addresses (issue 35).
 #ifdef PORTEP_WITH_GPU
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
@@ -23,8 +24,11 @@ using namespace portep::cuda;
 namespace {
 
 using portep::bind::check;
+using portep::bind::Entries;
 using portep::bind::ptr;
 using portep::bind::PyFifoSet;
+using portep::bind::tensor_arg;
+using portep::bind::TensorArg;
 
 template <class T>
 std::string str(T v) {
@@ -67,48 +71,95 @@ uint32_t ring_rows_for(const HTLayout& l, uint32_t row_bytes, int num_channels) 
   return rows;
 }
 
+// The tensors of one call, each on the call's GPU (that of its first tensor), contiguous, of its dtype and size
+// (python/src/tensor_arg.h); None is null where the kernels take null.
+class CallTensors {
+ public:
+  explicit CallTensors(const char* op) : op_(op) {}
+
+  template <class T>
+  T* entries(py::handle t, const char* name, const char* dtype, int64_t n, Entries want = Entries::kExactly,
+             bool optional = true) {
+    return checked(tensor_arg(t, name, dtype, "cuda", device(t), optional), name, n, want, false).template as<T>();
+  }
+  // Any dtype, counted in bytes (rows of x, 4-byte scales of float32 or int32).
+  template <class T>
+  T* bytes(py::handle t, const char* name, int64_t n, bool optional = true) {
+    return checked(tensor_arg(t, name, nullptr, "cuda", device(t), optional), name, n, Entries::kExactly, true)
+        .template as<T>();
+  }
+
+ private:
+  int device(py::handle t) {
+    if (device_ < 0 && !t.is_none()) {
+      const py::object index = t.attr("device").attr("index");
+      if (!index.is_none()) device_ = index.cast<int>();
+    }
+    return device_;  // -1 (any) until the first tensor names it
+  }
+  TensorArg checked(const TensorArg& h, const char* name, int64_t n, Entries want, bool in_bytes) const {
+    const int64_t have = in_bytes ? h.span.bytes : h.numel;
+    if (h.present && (want == Entries::kExactly ? have != n : have < n))
+      throw py::value_error(std::string(op_) + ": " + name + ": " + str(have) + (in_bytes ? " bytes, " : " entries, ") +
+                            (want == Entries::kExactly ? "exactly " : "at least ") + str(n) + " needed");
+    return h;
+  }
+  const char* op_;
+  int device_ = -1;
+};
+
 // The per-Buffer constants of HTCommon; each call adds its channels and stream.
 class HTKernels {
  public:
-  HTKernels(const HTLayout& layout, const PyFifoSet& fifos, int rank, uintptr_t local, uintptr_t peers, uintptr_t place,
-            uintptr_t epoch, uintptr_t host_counts, uintptr_t host_counts_device, uintptr_t error, uintptr_t error_host,
-            uintptr_t failed, uintptr_t peer_status, uintptr_t host_signals, uintptr_t signal_seen,
-            uint32_t num_streams, uint32_t stream_base, double timeout_s)
+  HTKernels(const HTLayout& layout, const PyFifoSet* fifos, int rank, uintptr_t local, py::handle peers,
+            py::handle place, py::handle epoch, uintptr_t host_counts, uintptr_t host_counts_device, uintptr_t error,
+            uintptr_t error_host, py::handle failed, uintptr_t peer_status, uintptr_t host_signals,
+            py::handle signal_seen, uint32_t num_streams, uint32_t stream_base, double timeout_s)
       : layout_(layout),
         host_(ptr<HTHostCounts>(host_counts)),
         error_host_(ptr<KernelError>(error_host)),
         timeout_s_(timeout_s) {
     if (rank < 0 || rank >= layout.num_ranks)
       throw std::invalid_argument("rank=" + str(rank) + " must be in [0, " + str(layout.num_ranks) + ")");
-    if (!local || !epoch || !host_counts || !host_counts_device || !error || !error_host || !failed)
-      throw std::invalid_argument("local, epoch, host_counts(_device), error(_host), failed must not be null");
-    if (!peers || !place) throw std::invalid_argument("peers and place: device arrays of num_ranks pointers, not null");
+    if (!local || !host_counts || !host_counts_device || !error || !error_host)
+      throw std::invalid_argument("local, host_counts(_device), error(_host) must not be null");
     if (uint64_t(stream_base) + kHTNumStreams > num_streams)
       throw std::invalid_argument("stream_base=" + str(stream_base) + " + " + str(kHTNumStreams) +
                                   " normal-mode streams exceed num_streams=" + str(num_streams));
+    if (layout.proxy && !fifos)
+      throw std::invalid_argument("fifos: None, but peers through the proxies (layout.proxy) need the device FIFOs");
+    const int64_t R = layout.num_ranks;
+    CallTensors t("HTKernels");
+    const auto* peer_table = t.entries<uint8_t* const>(peers, "peers", "int64", R, Entries::kExactly, false);
+    const auto* place_table = t.entries<uint8_t* const>(place, "place", "int64", R, Entries::kExactly, false);
+    auto* epoch_words = t.entries<uint64_t>(epoch, "epoch", "int64", kHTEpochWords, Entries::kExactly, false);
+    auto* failed_words = t.entries<uint32_t>(failed, "failed", "int32", kNumErrorWords, Entries::kExactly, false);
+    auto* seen = t.entries<uint64_t>(signal_seen, "signal_seen", "int64", R * num_streams, Entries::kExactly, false);
     const HTAreas areas = layout.areas();
     c_ = HTCommon{};
     c_.rank = rank;
     c_.num_ranks = layout.num_ranks;
     c_.ranks_per_node = layout.ranks_per_node;
     c_.local = ptr<uint8_t>(local);
-    c_.peers = ptr<uint8_t* const>(peers);
-    c_.place = ptr<uint8_t* const>(place);
+    c_.peers = peer_table;
+    c_.place = place_table;
     c_.ctrl_off = layout.ctrl_off;
     c_.ctrl = layout.ctrl();
     c_.recv_off = areas.recv_off;
     c_.stage_off = areas.stage_off;
-    c_.epoch = ptr<uint64_t>(epoch);
+    c_.epoch = epoch_words;
     c_.host = ptr<HTHostCounts>(host_counts_device);
     c_.peer_status = ptr<const uint32_t>(peer_status);
     c_.error = ptr<KernelError>(error);
-    c_.failed = ptr<uint32_t>(failed);
+    c_.failed = failed_words;
     c_.timeout_ns = uint64_t(timeout_s * 1e9);
-    c_.fifos = fifos.set_.device_views;
-    c_.fifo_tails = fifos.set_.device_tails;
-    c_.num_fifos = fifos.set_.count;
+    if (fifos) {
+      c_.fifos = fifos->set_.device_views;
+      c_.fifo_tails = fifos->set_.device_tails;
+      c_.num_fifos = fifos->set_.count;
+    }
     c_.host_signals = ptr<uint64_t>(host_signals);
-    c_.signal_seen = ptr<uint64_t>(signal_seen);
+    c_.signal_seen = seen;
     c_.num_streams = num_streams;
     c_.stream_base = stream_base;
   }
@@ -165,103 +216,156 @@ void check_forwarding(const HTCommon& c, bool given, const char* what) {
                                 ", ranks_per_node=" + str(c.ranks_per_node) + ")");
 }
 
-void notify(const HTKernels& k, int channels, uintptr_t stream, uintptr_t is_token_in_rank, bool count_mode,
-            uintptr_t tokens_per_expert, int num_tokens, int num_experts, uintptr_t recv_rank_prefix,
-            uintptr_t rank_prefix, uintptr_t channel_prefix, uintptr_t recv_channel_prefix,
-            uintptr_t node_channel_prefix, uintptr_t fwd_channel_prefix, uintptr_t fwd_rank_prefix, int64_t max_recv,
+// Rows from sources 0..s to this rank, inclusive: the vector recv_prefix [R] (stride 1), or this rank's column of
+// the one-node [R][R] matrix rank_prefix_matrix (stride R); exactly one of them.
+void recv_prefix_of(CallTensors& t, const HTCommon& c, py::handle vector, py::handle matrix, const int32_t** prefix,
+                    int* stride) {
+  const int R = c.num_ranks;
+  if (vector.is_none() == matrix.is_none())
+    throw py::value_error("recv_prefix ([R] vector) or rank_prefix_matrix ([R][R]): exactly one is needed");
+  if (!vector.is_none()) {
+    *prefix = t.entries<const int32_t>(vector, "recv_prefix", "int32", R, Entries::kExactly, false);
+    *stride = 1;
+    return;
+  }
+  *prefix = t.entries<const int32_t>(matrix, "rank_prefix_matrix", "int32", int64_t(R) * R, Entries::kExactly, false) +
+            c.rank;
+  *stride = R;
+}
+
+void notify(const HTKernels& k, int channels, uintptr_t stream, bool count_mode, py::handle is_token_in_rank,
+            py::handle tokens_per_expert, int num_tokens, int num_experts, py::handle recv_rank_prefix,
+            py::handle rank_prefix, py::handle channel_prefix, py::handle recv_channel_prefix,
+            py::handle node_channel_prefix, py::handle fwd_channel_prefix, py::handle fwd_rank_prefix, int64_t max_recv,
             uint64_t ticket) {
   HTNotifyArgs a{};
   a.c = k.common(channels, stream);
   a.count_mode = count_mode;
-  a.is_token_in_rank = ptr<const bool>(is_token_in_rank);
-  a.tokens_per_expert = ptr<const int32_t>(tokens_per_expert);
   a.num_tokens = num_tokens;
   a.num_experts = num_experts;
-  a.recv_rank_prefix = ptr<int32_t>(recv_rank_prefix);
-  a.rank_prefix = ptr<int32_t>(rank_prefix);
-  a.channel_prefix = ptr<int32_t>(channel_prefix);
-  a.recv_channel_prefix = ptr<int32_t>(recv_channel_prefix);
-  a.node_channel_prefix = ptr<int32_t>(node_channel_prefix);
-  a.fwd_channel_prefix = ptr<int32_t>(fwd_channel_prefix);
-  a.fwd_rank_prefix = ptr<int32_t>(fwd_rank_prefix);
   a.max_recv = max_recv;
   a.ticket = ticket;
-  if (count_mode && !(a.tokens_per_expert && a.recv_rank_prefix && a.channel_prefix && a.recv_channel_prefix))
-    throw std::invalid_argument(
-        "notify: count mode needs tokens_per_expert, recv_rank_prefix, channel_prefix and "
-        "recv_channel_prefix");
-  if (count_mode && a.rank_prefix && a.c.num_ranks > a.c.ranks_per_node)
-    throw std::invalid_argument("notify: rank_prefix (the [R][R] matrix) is for one node only, num_ranks=" +
-                                str(a.c.num_ranks) + " ranks_per_node=" + str(a.c.ranks_per_node));
-  if (count_mode && ht_forwarding(a.c) != (a.node_channel_prefix && a.fwd_channel_prefix && a.fwd_rank_prefix))
-    throw std::invalid_argument(
-        "notify: node_channel_prefix, fwd_channel_prefix, fwd_rank_prefix: all with "
-        "forwarding, none without");
+  if (!count_mode) {  // a flag: the slots carry nothing else
+    if (!(is_token_in_rank.is_none() && tokens_per_expert.is_none() && recv_rank_prefix.is_none() &&
+          rank_prefix.is_none() && channel_prefix.is_none() && recv_channel_prefix.is_none() &&
+          node_channel_prefix.is_none() && fwd_channel_prefix.is_none() && fwd_rank_prefix.is_none()))
+      throw py::value_error("notify: without count_mode it takes no tensors (a flag exchange)");
+    check(ht_notify(a), "HT notify");
+    return;
+  }
+  const int64_t R = a.c.num_ranks, Nn = R / a.c.ranks_per_node, C = channels;
+  if (num_tokens < 0 || num_experts < 1 || num_experts % R)
+    throw py::value_error("notify: num_tokens=" + str(num_tokens) + " (>= 0), num_experts=" + str(num_experts) +
+                          " (a positive multiple of num_ranks=" + str(R) + ")");
+  CallTensors t("notify");
+  a.is_token_in_rank =
+      t.entries<const bool>(is_token_in_rank, "is_token_in_rank", "bool", num_tokens * R, Entries::kExactly, false);
+  a.tokens_per_expert =
+      t.entries<const int32_t>(tokens_per_expert, "tokens_per_expert", "int32", num_experts, Entries::kExactly, false);
+  a.recv_rank_prefix = t.entries<int32_t>(recv_rank_prefix, "recv_rank_prefix", "int32", R, Entries::kExactly, false);
+  a.rank_prefix = t.entries<int32_t>(rank_prefix, "rank_prefix", "int32", R * R);
+  a.channel_prefix = t.entries<int32_t>(channel_prefix, "channel_prefix", "int32", R * C, Entries::kExactly, false);
+  a.recv_channel_prefix =
+      t.entries<int32_t>(recv_channel_prefix, "recv_channel_prefix", "int32", R * C, Entries::kExactly, false);
+  a.node_channel_prefix = t.entries<int32_t>(node_channel_prefix, "node_channel_prefix", "int32", Nn * C);
+  a.fwd_channel_prefix = t.entries<int32_t>(fwd_channel_prefix, "fwd_channel_prefix", "int32", Nn * C);
+  a.fwd_rank_prefix = t.entries<int32_t>(fwd_rank_prefix, "fwd_rank_prefix", "int32", Nn);
+  if (a.rank_prefix && Nn > 1)
+    throw py::value_error("notify: rank_prefix (the [R][R] matrix) is for one node only, num_ranks=" + str(R) +
+                          " ranks_per_node=" + str(a.c.ranks_per_node));
+  if (ht_forwarding(a.c) != (a.node_channel_prefix && a.fwd_channel_prefix && a.fwd_rank_prefix) ||
+      (!ht_forwarding(a.c) && (a.node_channel_prefix || a.fwd_channel_prefix || a.fwd_rank_prefix)))
+    throw py::value_error(
+        "notify: node_channel_prefix, fwd_channel_prefix, fwd_rank_prefix: all with forwarding, "
+        "none without");
   check(ht_notify(a), "HT notify");
 }
 
-void dispatch(const HTKernels& k, int channels, uintptr_t stream, uintptr_t x, int row_bytes, int num_tokens,
-              uintptr_t is_token_in_rank, uintptr_t recv_prefix, int recv_prefix_stride, uintptr_t channel_prefix,
-              uintptr_t recv_channel_prefix, int64_t max_recv, uintptr_t recv_x, uintptr_t scales, int num_scales,
-              uintptr_t recv_scales, uintptr_t topk_idx, uintptr_t topk_weights, int num_topk, int num_local_experts,
-              uintptr_t recv_topk_idx, uintptr_t recv_topk_weights, uintptr_t recv_src_idx, uintptr_t send_head,
-              uintptr_t fwd_channel_prefix, uintptr_t fwd_rank_prefix, uintptr_t recv_src_meta, uintptr_t nvl_head,
-              int64_t nvl_rows) {
+void dispatch(const HTKernels& k, int channels, uintptr_t stream, py::handle x, int row_bytes, int num_tokens,
+              py::handle is_token_in_rank, py::handle recv_prefix, py::handle rank_prefix_matrix,
+              py::handle channel_prefix, py::handle recv_channel_prefix, int64_t max_recv, py::handle recv_x,
+              py::handle scales, int num_scales, py::handle recv_scales, py::handle topk_idx, py::handle topk_weights,
+              int num_topk, int num_local_experts, py::handle recv_topk_idx, py::handle recv_topk_weights,
+              py::handle recv_src_idx, py::handle send_head, py::handle fwd_channel_prefix, py::handle fwd_rank_prefix,
+              py::handle recv_src_meta, py::handle nvl_head, int64_t nvl_rows) {
   HTDispatchArgs a{};
   a.c = k.common(channels, stream);
-  a.x = ptr<const uint8_t>(x);
+  const int64_t R = a.c.num_ranks, Nn = R / a.c.ranks_per_node, C = channels, N = num_tokens;
+  if (num_tokens < 0 || row_bytes < 1 || max_recv < 0 || num_scales < 0 || num_topk < 0 || nvl_rows < 0)
+    throw py::value_error("dispatch: num_tokens=" + str(num_tokens) + ", row_bytes=" + str(row_bytes) + ", max_recv=" +
+                          str(max_recv) + ", num_scales=" + str(num_scales) + ", num_topk=" + str(num_topk) +
+                          ", nvl_rows=" + str(nvl_rows) + ": row_bytes must be positive, the others >= 0");
+  CallTensors t("dispatch");
+  a.x = t.bytes<const uint8_t>(x, "x", N * row_bytes, false);
   a.row_bytes = row_bytes;
   a.num_tokens = num_tokens;
-  a.is_token_in_rank = ptr<const bool>(is_token_in_rank);
-  a.recv_prefix = ptr<const int32_t>(recv_prefix);
-  a.recv_prefix_stride = recv_prefix_stride;
-  a.channel_prefix = ptr<const int32_t>(channel_prefix);
-  a.recv_channel_prefix = ptr<const int32_t>(recv_channel_prefix);
+  a.is_token_in_rank =
+      t.entries<const bool>(is_token_in_rank, "is_token_in_rank", "bool", N * R, Entries::kExactly, false);
+  recv_prefix_of(t, a.c, recv_prefix, rank_prefix_matrix, &a.recv_prefix, &a.recv_prefix_stride);
+  a.channel_prefix =
+      t.entries<const int32_t>(channel_prefix, "channel_prefix", "int32", R * C, Entries::kExactly, false);
+  a.recv_channel_prefix =
+      t.entries<const int32_t>(recv_channel_prefix, "recv_channel_prefix", "int32", R * C, Entries::kExactly, false);
   a.max_recv = max_recv;
-  a.recv_x = ptr<uint8_t>(recv_x);
-  a.scales = ptr<const float>(scales);
-  a.num_scales = num_scales;
-  a.recv_scales = ptr<float>(recv_scales);
-  a.topk_idx = ptr<const int64_t>(topk_idx);
-  a.topk_weights = ptr<const float>(topk_weights);
+  a.recv_x = t.bytes<uint8_t>(recv_x, "recv_x", max_recv * row_bytes, false);
+  a.scales = t.bytes<const float>(scales, "scales", N * num_scales * 4);
+  a.num_scales = a.scales ? num_scales : 0;
+  a.recv_scales = t.bytes<float>(recv_scales, "recv_scales", max_recv * num_scales * 4);
+  a.topk_idx = t.entries<const int64_t>(topk_idx, "topk_idx", "int64", N * num_topk);
+  a.topk_weights = t.entries<const float>(topk_weights, "topk_weights", "float32", N * num_topk);
   a.num_topk = num_topk;
   a.num_local_experts = num_local_experts;
-  a.recv_topk_idx = ptr<int64_t>(recv_topk_idx);
-  a.recv_topk_weights = ptr<float>(recv_topk_weights);
-  a.recv_src_idx = ptr<int32_t>(recv_src_idx);
-  a.send_head = ptr<int32_t>(send_head);
-  a.fwd_channel_prefix = ptr<const int32_t>(fwd_channel_prefix);
-  a.fwd_rank_prefix = ptr<const int32_t>(fwd_rank_prefix);
-  a.recv_src_meta = ptr<int32_t>(recv_src_meta);
-  a.nvl_head = ptr<int32_t>(nvl_head);
-  a.nvl_rows = nvl_rows;
+  a.recv_topk_idx = t.entries<int64_t>(recv_topk_idx, "recv_topk_idx", "int64", max_recv * num_topk);
+  a.recv_topk_weights = t.entries<float>(recv_topk_weights, "recv_topk_weights", "float32", max_recv * num_topk);
+  a.recv_src_idx = t.entries<int32_t>(recv_src_idx, "recv_src_idx", "int32", max_recv);
+  a.send_head = t.entries<int32_t>(send_head, "send_head", "int32", N * R);
+  a.fwd_channel_prefix = t.entries<const int32_t>(fwd_channel_prefix, "fwd_channel_prefix", "int32", Nn * C);
+  a.fwd_rank_prefix = t.entries<const int32_t>(fwd_rank_prefix, "fwd_rank_prefix", "int32", Nn);
+  a.recv_src_meta = t.entries<int32_t>(recv_src_meta, "recv_src_meta", "int32", max_recv * 2);
+  a.nvl_head = t.entries<int32_t>(nvl_head, "nvl_head", "int32", nvl_rows * kHTNvlHeadColumns);
+  a.nvl_rows = a.nvl_head ? nvl_rows : 0;
+  if ((scales.is_none() != recv_scales.is_none()) || (topk_idx.is_none() != topk_weights.is_none()))
+    throw py::value_error("dispatch: scales with recv_scales, topk_idx with topk_weights: both or neither");
   a.ring_rows = ring_rows_for(k.layout_, uint32_t(ht_dispatch_row(a).bytes), channels);
   check_forwarding(a.c, a.fwd_channel_prefix && a.fwd_rank_prefix, "dispatch");
   check(ht_dispatch(a), "HT dispatch");
 }
 
-void combine(const HTKernels& k, int channels, uintptr_t stream, uintptr_t x, int hidden, int num_tokens,
-             uintptr_t is_token_in_rank, uintptr_t recv_prefix, int recv_prefix_stride, uintptr_t recv_channel_prefix,
-             uintptr_t out, uintptr_t topk_weights, int num_topk, uintptr_t out_weights, uintptr_t bias0,
-             uintptr_t bias1, uintptr_t fwd_channel_prefix, uintptr_t fwd_rank_prefix, uintptr_t nvl_head) {
+void combine(const HTKernels& k, int channels, uintptr_t stream, py::handle x, int hidden, int num_tokens,
+             py::handle is_token_in_rank, py::handle recv_prefix, py::handle rank_prefix_matrix,
+             py::handle recv_channel_prefix, py::handle out, py::handle topk_weights, int num_topk,
+             py::handle out_weights, py::handle bias0, py::handle bias1, py::handle fwd_channel_prefix,
+             py::handle fwd_rank_prefix, py::handle nvl_head) {
   HTCombineArgs a{};
   a.c = k.common(channels, stream);
-  a.x = ptr<const uint16_t>(x);
+  const int64_t R = a.c.num_ranks, Nn = R / a.c.ranks_per_node, C = channels, N = num_tokens;
+  if (num_tokens < 0 || hidden < 1 || num_topk < 0)
+    throw py::value_error("combine: num_tokens=" + str(num_tokens) + " (>= 0), hidden=" + str(hidden) +
+                          " (>= 1), num_topk=" + str(num_topk) + " (>= 0)");
+  CallTensors t("combine");
+  const TensorArg rows = tensor_arg(x, "x", "bfloat16", "cuda", -1);
+  if (rows.numel % hidden)
+    throw py::value_error("combine: x has " + str(rows.numel) + " entries, not rows of hidden=" + str(hidden));
+  const int64_t num_recv = rows.numel / hidden;
+  a.x = t.entries<const uint16_t>(x, "x", "bfloat16", num_recv * hidden, Entries::kExactly, false);
   a.hidden = hidden;
   a.num_tokens = num_tokens;
-  a.is_token_in_rank = ptr<const bool>(is_token_in_rank);
-  a.recv_prefix = ptr<const int32_t>(recv_prefix);
-  a.recv_prefix_stride = recv_prefix_stride;
-  a.recv_channel_prefix = ptr<const int32_t>(recv_channel_prefix);
-  a.out = ptr<uint16_t>(out);
-  a.topk_weights = ptr<const float>(topk_weights);
+  a.is_token_in_rank =
+      t.entries<const bool>(is_token_in_rank, "is_token_in_rank", "bool", N * R, Entries::kExactly, false);
+  recv_prefix_of(t, a.c, recv_prefix, rank_prefix_matrix, &a.recv_prefix, &a.recv_prefix_stride);
+  a.recv_channel_prefix =
+      t.entries<const int32_t>(recv_channel_prefix, "recv_channel_prefix", "int32", R * C, Entries::kExactly, false);
+  a.out = t.entries<uint16_t>(out, "out", "bfloat16", N * hidden, Entries::kExactly, false);
+  a.topk_weights = t.entries<const float>(topk_weights, "topk_weights", "float32", num_recv * num_topk);
   a.num_topk = num_topk;
-  a.out_weights = ptr<float>(out_weights);
-  a.bias0 = ptr<const uint16_t>(bias0);
-  a.bias1 = ptr<const uint16_t>(bias1);
-  a.fwd_channel_prefix = ptr<const int32_t>(fwd_channel_prefix);
-  a.fwd_rank_prefix = ptr<const int32_t>(fwd_rank_prefix);
-  a.nvl_head = ptr<const int32_t>(nvl_head);
+  a.out_weights = t.entries<float>(out_weights, "out_weights", "float32", N * num_topk);
+  a.bias0 = t.entries<const uint16_t>(bias0, "bias0", "bfloat16", N * hidden);
+  a.bias1 = t.entries<const uint16_t>(bias1, "bias1", "bfloat16", N * hidden);
+  a.fwd_channel_prefix = t.entries<const int32_t>(fwd_channel_prefix, "fwd_channel_prefix", "int32", Nn * C);
+  a.fwd_rank_prefix = t.entries<const int32_t>(fwd_rank_prefix, "fwd_rank_prefix", "int32", Nn);
+  a.nvl_head = t.entries<const int32_t>(nvl_head, "nvl_head", "int32", 0, Entries::kAtLeast);
+  if (topk_weights.is_none() != out_weights.is_none() || (a.bias1 && !a.bias0))
+    throw py::value_error("combine: topk_weights with out_weights (both or neither); bias1 only with bias0");
   a.ring_rows = ring_rows_for(k.layout_, ht_combine_row_bytes(ht_forwarding(a.c), a), channels);
   check_forwarding(a.c, a.fwd_channel_prefix && a.fwd_rank_prefix, "combine");  // (nvl_head: null when empty)
   check(ht_combine(a), "HT combine");
@@ -407,8 +511,8 @@ void bind_cuda_ht(py::module_& m) {
       py::arg("num_ranks"), py::arg("ranks_per_node"));
   bind_layout(m);
   py::class_<HTKernels>(m, "HTKernels")
-      .def(py::init<const HTLayout&, const PyFifoSet&, int, uintptr_t, uintptr_t, uintptr_t, uintptr_t, uintptr_t,
-                    uintptr_t, uintptr_t, uintptr_t, uintptr_t, uintptr_t, uintptr_t, uintptr_t, uint32_t, uint32_t,
+      .def(py::init<const HTLayout&, const PyFifoSet*, int, uintptr_t, py::handle, py::handle, py::handle, uintptr_t,
+                    uintptr_t, uintptr_t, uintptr_t, py::handle, uintptr_t, uintptr_t, py::handle, uint32_t, uint32_t,
                     double>(),
            py::arg("layout"), py::arg("fifos"), py::kw_only(), py::arg("rank"), py::arg("local"), py::arg("peers"),
            py::arg("place"), py::arg("epoch"), py::arg("host_counts"), py::arg("host_counts_device"), py::arg("error"),
@@ -417,25 +521,28 @@ void bind_cuda_ht(py::module_& m) {
            py::keep_alive<1, 3>())
       .def_property_readonly("layout", [](const HTKernels& k) { return k.layout_; })
       .def("wait_counts", &HTKernels::wait_counts, py::arg("ticket"), py::arg("num_local_experts"))
-      .def("notify", &notify, py::kw_only(), py::arg("channels"), py::arg("stream"), py::arg("is_token_in_rank"),
-           py::arg("count_mode") = false, py::arg("tokens_per_expert") = 0, py::arg("num_tokens") = 0,
-           py::arg("num_experts") = 0, py::arg("recv_rank_prefix") = 0, py::arg("rank_prefix") = 0,
-           py::arg("channel_prefix") = 0, py::arg("recv_channel_prefix") = 0, py::arg("node_channel_prefix") = 0,
-           py::arg("fwd_channel_prefix") = 0, py::arg("fwd_rank_prefix") = 0, py::arg("max_recv") = 0,
+      .def("notify", &notify, py::kw_only(), py::arg("channels"), py::arg("stream"), py::arg("count_mode") = false,
+           py::arg("is_token_in_rank") = py::none(), py::arg("tokens_per_expert") = py::none(),
+           py::arg("num_tokens") = 0, py::arg("num_experts") = 0, py::arg("recv_rank_prefix") = py::none(),
+           py::arg("rank_prefix") = py::none(), py::arg("channel_prefix") = py::none(),
+           py::arg("recv_channel_prefix") = py::none(), py::arg("node_channel_prefix") = py::none(),
+           py::arg("fwd_channel_prefix") = py::none(), py::arg("fwd_rank_prefix") = py::none(), py::arg("max_recv") = 0,
            py::arg("ticket") = 0)
       .def("dispatch", &dispatch, py::kw_only(), py::arg("channels"), py::arg("stream"), py::arg("x"),
-           py::arg("row_bytes"), py::arg("num_tokens"), py::arg("is_token_in_rank"), py::arg("recv_prefix"),
-           py::arg("recv_prefix_stride"), py::arg("channel_prefix"), py::arg("recv_channel_prefix"),
-           py::arg("max_recv"), py::arg("recv_x"), py::arg("scales") = 0, py::arg("num_scales") = 0,
-           py::arg("recv_scales") = 0, py::arg("topk_idx") = 0, py::arg("topk_weights") = 0, py::arg("num_topk") = 0,
-           py::arg("num_local_experts") = 0, py::arg("recv_topk_idx") = 0, py::arg("recv_topk_weights") = 0,
-           py::arg("recv_src_idx") = 0, py::arg("send_head") = 0, py::arg("fwd_channel_prefix") = 0,
-           py::arg("fwd_rank_prefix") = 0, py::arg("recv_src_meta") = 0, py::arg("nvl_head") = 0,
-           py::arg("nvl_rows") = 0)
+           py::arg("row_bytes"), py::arg("num_tokens"), py::arg("is_token_in_rank"),
+           py::arg("recv_prefix") = py::none(), py::arg("rank_prefix_matrix") = py::none(), py::arg("channel_prefix"),
+           py::arg("recv_channel_prefix"), py::arg("max_recv"), py::arg("recv_x"), py::arg("scales") = py::none(),
+           py::arg("num_scales") = 0, py::arg("recv_scales") = py::none(), py::arg("topk_idx") = py::none(),
+           py::arg("topk_weights") = py::none(), py::arg("num_topk") = 0, py::arg("num_local_experts") = 0,
+           py::arg("recv_topk_idx") = py::none(), py::arg("recv_topk_weights") = py::none(),
+           py::arg("recv_src_idx") = py::none(), py::arg("send_head") = py::none(),
+           py::arg("fwd_channel_prefix") = py::none(), py::arg("fwd_rank_prefix") = py::none(),
+           py::arg("recv_src_meta") = py::none(), py::arg("nvl_head") = py::none(), py::arg("nvl_rows") = 0)
       .def("combine", &combine, py::kw_only(), py::arg("channels"), py::arg("stream"), py::arg("x"), py::arg("hidden"),
-           py::arg("num_tokens"), py::arg("is_token_in_rank"), py::arg("recv_prefix"), py::arg("recv_prefix_stride"),
-           py::arg("recv_channel_prefix"), py::arg("out"), py::arg("topk_weights") = 0, py::arg("num_topk") = 0,
-           py::arg("out_weights") = 0, py::arg("bias0") = 0, py::arg("bias1") = 0, py::arg("fwd_channel_prefix") = 0,
-           py::arg("fwd_rank_prefix") = 0, py::arg("nvl_head") = 0);
+           py::arg("num_tokens"), py::arg("is_token_in_rank"), py::arg("recv_prefix") = py::none(),
+           py::arg("rank_prefix_matrix") = py::none(), py::arg("recv_channel_prefix"), py::arg("out"),
+           py::arg("topk_weights") = py::none(), py::arg("num_topk") = 0, py::arg("out_weights") = py::none(),
+           py::arg("bias0") = py::none(), py::arg("bias1") = py::none(), py::arg("fwd_channel_prefix") = py::none(),
+           py::arg("fwd_rank_prefix") = py::none(), py::arg("nvl_head") = py::none());
 }
 #endif

@@ -133,3 +133,160 @@ def test_the_slot_sum_binding_refuses_by_name(change, message):
     change(args)
     with pytest.raises(ValueError, match=message):
         native.slot_sums(**args)
+
+
+# ---- the normal-mode (HT) kernels: HTKernels of one node (no proxies: no FIFOs needed), its three calls ----
+HT_R, HT_C, HT_N, HT_H, HT_K, HT_E, HT_S, HT_RECV = 2, 3, 12, 64, 4, 8, 2, 20
+
+
+def _gpu(*shape, dtype=torch.int32):
+    return CudaStandIn(torch.zeros(*shape, dtype=dtype))
+
+
+def _ht_kernel_memory(R):
+    """HTKernels' keywords for R ranks: stand-in tensors, and host addresses the calls never read (only wait_counts
+    would)."""
+    host = 1 << 16
+    return dict(
+        rank=1,
+        local=host,
+        peers=_gpu(R, dtype=torch.int64),
+        place=_gpu(R, dtype=torch.int64),
+        epoch=_gpu(native.HT_EPOCH_WORDS, dtype=torch.int64),
+        host_counts=host,
+        host_counts_device=host,
+        error=host,
+        error_host=host,
+        failed=_gpu(native.KERNEL_ERROR_WORDS),
+        host_signals=host,
+        signal_seen=_gpu(R * native.HT_NUM_STREAMS, dtype=torch.int64),
+        num_streams=native.HT_NUM_STREAMS,
+        stream_base=0,
+        timeout_s=1.0,
+    )
+
+
+def _ht_layout(R, L):
+    return native.HTLayout(num_ranks=R, ranks_per_node=L, proxy=L < R, ctrl_off=1 << 30, area_off=0, area_bytes=1 << 28)
+
+
+def _ht_kernels():
+    return native.HTKernels(_ht_layout(HT_R, HT_R), None, **_ht_kernel_memory(HT_R))
+
+
+def _notify_args():
+    return dict(
+        channels=HT_C,
+        stream=0,
+        count_mode=True,
+        is_token_in_rank=_gpu(HT_N, HT_R, dtype=torch.bool),
+        tokens_per_expert=_gpu(HT_E),
+        num_tokens=HT_N,
+        num_experts=HT_E,
+        recv_rank_prefix=_gpu(HT_R),
+        rank_prefix=_gpu(HT_R, HT_R),
+        channel_prefix=_gpu(HT_R, HT_C),
+        recv_channel_prefix=_gpu(HT_R, HT_C),
+    )
+
+
+def _dispatch_args():
+    return dict(
+        channels=HT_C,
+        stream=0,
+        x=_gpu(HT_N, HT_H, dtype=torch.bfloat16),
+        row_bytes=2 * HT_H,
+        num_tokens=HT_N,
+        is_token_in_rank=_gpu(HT_N, HT_R, dtype=torch.bool),
+        rank_prefix_matrix=_gpu(HT_R, HT_R),
+        channel_prefix=_gpu(HT_R, HT_C),
+        recv_channel_prefix=_gpu(HT_R, HT_C),
+        max_recv=HT_RECV,
+        recv_x=_gpu(HT_RECV, HT_H, dtype=torch.bfloat16),
+        scales=_gpu(HT_N, HT_S, dtype=torch.float32),
+        num_scales=HT_S,
+        recv_scales=_gpu(HT_RECV, HT_S, dtype=torch.float32),
+        topk_idx=_gpu(HT_N, HT_K, dtype=torch.int64),
+        topk_weights=_gpu(HT_N, HT_K, dtype=torch.float32),
+        num_topk=HT_K,
+        num_local_experts=HT_E // HT_R,
+        recv_topk_idx=_gpu(HT_RECV, HT_K, dtype=torch.int64),
+        recv_topk_weights=_gpu(HT_RECV, HT_K, dtype=torch.float32),
+        recv_src_idx=_gpu(HT_RECV),
+        send_head=_gpu(HT_N, HT_R),
+    )
+
+
+def _combine_args():
+    return dict(
+        channels=HT_C,
+        stream=0,
+        x=_gpu(HT_RECV, HT_H, dtype=torch.bfloat16),
+        hidden=HT_H,
+        num_tokens=HT_N,
+        is_token_in_rank=_gpu(HT_N, HT_R, dtype=torch.bool),
+        recv_prefix=_gpu(HT_R),
+        recv_channel_prefix=_gpu(HT_R, HT_C),
+        out=_gpu(HT_N, HT_H, dtype=torch.bfloat16),
+        topk_weights=_gpu(HT_RECV, HT_K, dtype=torch.float32),
+        num_topk=HT_K,
+        out_weights=_gpu(HT_N, HT_K, dtype=torch.float32),
+        bias0=_gpu(HT_N, HT_H, dtype=torch.bfloat16),
+        bias1=_gpu(HT_N, HT_H, dtype=torch.bfloat16),
+    )
+
+
+HT_CALLS = {"notify": _notify_args, "dispatch": _dispatch_args, "combine": _combine_args}
+
+
+@pytest.mark.parametrize("op", sorted(HT_CALLS))
+def test_the_ht_bindings_read_every_tensor_and_reach_the_launch(op):
+    with pytest.raises(RuntimeError, match=f"HT {op}: ") as refused:
+        getattr(_ht_kernels(), op)(**HT_CALLS[op]())
+    assert "invalid argument" not in str(refused.value)
+
+
+def test_the_ht_flag_exchange_takes_no_tensors():
+    kernels = _ht_kernels()
+    with pytest.raises(RuntimeError, match="HT notify: "):
+        kernels.notify(channels=HT_C, stream=0)
+    with pytest.raises(ValueError, match="without count_mode it takes no tensors"):
+        kernels.notify(channels=HT_C, stream=0, is_token_in_rank=_gpu(HT_N, HT_R, dtype=torch.bool))
+
+
+@pytest.mark.parametrize(
+    "op,change,message",
+    [
+        ("notify", dict(is_token_in_rank=_gpu(HT_N + 1, HT_R, dtype=torch.bool)), "is_token_in_rank: 26 entries"),
+        ("notify", dict(channel_prefix=_gpu(HT_R, HT_C + 1)), "channel_prefix: 8 entries, exactly 6"),
+        ("notify", dict(tokens_per_expert=_gpu(HT_E, dtype=torch.int64)), "tokens_per_expert: dtype torch.int64"),
+        ("notify", dict(recv_rank_prefix=None), "recv_rank_prefix: a tensor is needed"),
+        ("notify", dict(fwd_rank_prefix=_gpu(1)), "all with forwarding, none without"),
+        ("dispatch", dict(x=_gpu(HT_N, HT_H + 1, dtype=torch.bfloat16)), "x: 1560 bytes, exactly 1536"),
+        ("dispatch", dict(recv_x=_gpu(HT_RECV - 1, HT_H, dtype=torch.bfloat16)), "recv_x: 2432 bytes"),
+        ("dispatch", dict(recv_prefix=_gpu(HT_R)), "exactly one is needed"),
+        ("dispatch", dict(rank_prefix_matrix=_gpu(HT_R)), "rank_prefix_matrix: 2 entries, exactly 4"),
+        ("dispatch", dict(recv_scales=None), "scales with recv_scales"),
+        ("dispatch", dict(topk_idx=_gpu(HT_N, HT_K, dtype=torch.int32)), "topk_idx: dtype torch.int32"),
+        ("dispatch", dict(recv_src_idx=_gpu(HT_RECV - 1)), "recv_src_idx: 19 entries"),
+        ("dispatch", dict(send_head=CudaStandIn(torch.zeros(HT_N, HT_R, dtype=torch.int32).t())), "contiguous"),
+        ("combine", dict(x=_gpu(HT_RECV, HT_H, dtype=torch.float32)), "x: dtype torch.float32"),
+        ("combine", dict(out=_gpu(HT_N - 1, HT_H, dtype=torch.bfloat16)), "out: 704 entries, exactly 768"),
+        ("combine", dict(bias0=None), "bias1 only with bias0"),
+        ("combine", dict(out_weights=None), "topk_weights with out_weights"),
+        ("combine", dict(recv_prefix=_gpu(HT_R + 1)), "recv_prefix: 3 entries, exactly 2"),
+        ("combine", dict(is_token_in_rank=torch.zeros(HT_N, HT_R, dtype=torch.bool)), "on cuda:0 is needed"),
+    ],
+)
+def test_the_ht_bindings_refuse_a_wrong_tensor_by_name(op, change, message):
+    args = HT_CALLS[op]()
+    args.update(change)
+    with pytest.raises(ValueError, match=message):
+        getattr(_ht_kernels(), op)(**args)
+
+
+def test_the_ht_kernels_refuse_a_short_peer_table_and_a_missing_fifo_set():
+    with pytest.raises(ValueError, match="fifos: None"):
+        native.HTKernels(_ht_layout(4, 2), None, **_ht_kernel_memory(4))
+    with pytest.raises(ValueError, match="peers: 1 entries, exactly 2"):
+        native.HTKernels(_ht_layout(2, 2), None, **{**_ht_kernel_memory(2), "peers": _gpu(1, dtype=torch.int64)})

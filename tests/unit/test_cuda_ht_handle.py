@@ -204,6 +204,11 @@ def _needs_kernels():
     return ci_expect.needs("cuda-kernels", native.build_info()["gpu_built"], "this build has no GPU kernels")
 
 
+def _same(got, want):
+    """Whether the kernels got exactly these tensors (the same objects; None for None)."""
+    return len(got) == len(want) and all(g is w for g, w in zip(got, want))
+
+
 @_needs_kernels()
 def test_dispatch_and_combine_name_every_tensor_they_pass():
     N, H, R, E, K, C, me = 40, 256, 2, 8, 2, 3, 1
@@ -212,62 +217,44 @@ def test_dispatch_and_combine_name_every_tensor_they_pass():
     recv_x, _, recv_idx, recv_w, counts, handle = ht.dispatch(x, None, idx, w, in_rank, per_expert, 1, 0, C, None)
     (_, n), (_, d) = ht.kernels.calls
     rank_prefix, channel_prefix, rcp, src_idx, _, send_head = handle
-    assert n == dict(
-        channels=C,
-        stream=1234,
-        is_token_in_rank=in_rank.data_ptr(),
-        count_mode=True,
-        tokens_per_expert=n["tokens_per_expert"],
-        num_tokens=N,
-        num_experts=E,
-        recv_rank_prefix=n["recv_rank_prefix"],
-        rank_prefix=rank_prefix.data_ptr(),
-        channel_prefix=channel_prefix.data_ptr(),
-        recv_channel_prefix=rcp.data_ptr(),
-        node_channel_prefix=0,
-        fwd_channel_prefix=0,
-        fwd_rank_prefix=0,
-        ticket=1,
+    tensors = ("is_token_in_rank", "rank_prefix", "channel_prefix", "recv_channel_prefix")
+    assert _same([n[k] for k in tensors], [in_rank, rank_prefix, channel_prefix, rcp])
+    fwd = ("node_channel_prefix", "fwd_channel_prefix", "fwd_rank_prefix")
+    assert _same([n[k] for k in fwd], [None] * 3)
+    assert {k: n[k] for k in ("channels", "stream", "count_mode", "num_tokens", "num_experts", "ticket")} == dict(
+        channels=C, stream=1234, count_mode=True, num_tokens=N, num_experts=E, ticket=1
     )
+    assert torch.equal(n["tokens_per_expert"], per_expert) and n["tokens_per_expert"].dtype == torch.int32
+    assert n["recv_rank_prefix"].shape == (R,) and n["recv_rank_prefix"].dtype == torch.int32
     assert counts == [3] * (E // R) and recv_x.shape == (30, H) and recv_idx.shape == recv_w.shape == (30, K)
-    assert d["x"] == x.data_ptr() and d["row_bytes"] == 2 * H and d["num_tokens"] == N and d["num_topk"] == K
-    assert n["recv_rank_prefix"] not in (0, rank_prefix.data_ptr())  # one node: the vector and the [R][R] matrix
-    assert d["recv_prefix"] == n["recv_rank_prefix"] and d["recv_prefix_stride"] == 1
-    assert (d["recv_x"], d["max_recv"], d["recv_topk_idx"], d["recv_topk_weights"]) == (
-        recv_x.data_ptr(),
-        30,
-        recv_idx.data_ptr(),
-        recv_w.data_ptr(),
-    )
-    assert d["topk_idx"] == idx.data_ptr() and d["num_local_experts"] == E // R and d["scales"] == 0
-    assert (d["recv_src_idx"], d["send_head"], d["nvl_head"]) == (src_idx.data_ptr(), send_head.data_ptr(), 0)
+    assert d["x"] is x and d["row_bytes"] == 2 * H and d["num_tokens"] == N and d["num_topk"] == K
+    assert n["recv_rank_prefix"] is not rank_prefix  # one node: the vector, and the [R][R] matrix for the handle
+    assert d["recv_prefix"] is n["recv_rank_prefix"] and "rank_prefix_matrix" not in d
+    assert _same([d["recv_x"], d["recv_topk_idx"], d["recv_topk_weights"]], [recv_x, recv_idx, recv_w])
+    assert d["max_recv"] == 30 and d["topk_idx"] is idx and d["num_local_experts"] == E // R and d["scales"] is None
+    assert _same([d["recv_src_idx"], d["send_head"], d["nvl_head"]], [src_idx, send_head, None])
 
     ht.kernels.calls.clear()  # cached, FP8-like rows with scales: the handle's matrices, no top-k
     scales = torch.rand(N, 4)
     recv, recv_scales = ht.dispatch(x, scales, None, None, None, None, 1, 0, C, handle)[:2]
     (_, n), (_, d) = ht.kernels.calls
-    assert n == dict(channels=C, stream=1234, is_token_in_rank=in_rank.data_ptr())
-    assert (d["channel_prefix"], d["recv_channel_prefix"], d["max_recv"]) == (
-        channel_prefix.data_ptr(),
-        rcp.data_ptr(),
-        src_idx.size(0),
-    )
-    assert (d["scales"], d["num_scales"], d["recv_scales"]) == (scales.data_ptr(), 4, recv_scales.data_ptr())
-    assert d["recv_x"] == recv.data_ptr() and d["topk_idx"] == d["num_topk"] == d["recv_topk_idx"] == 0
+    assert n == dict(channels=C, stream=1234)  # a flag: no tensors
+    assert _same([d["channel_prefix"], d["recv_channel_prefix"]], [channel_prefix, rcp])
+    assert d["rank_prefix_matrix"] is rank_prefix and "recv_prefix" not in d  # the kernels read column `me`
+    assert d["max_recv"] == src_idx.size(0) and d["num_scales"] == 4
+    assert _same([d["scales"], d["recv_scales"], d["recv_x"]], [scales, recv_scales, recv])
+    assert d["topk_idx"] is None and d["num_topk"] == 0 and d["recv_topk_idx"] is None
 
     ht.kernels.calls.clear()
     bias = (torch.zeros(N, H, dtype=torch.bfloat16), torch.ones(N, H, dtype=torch.bfloat16))
     out, out_w = ht.combine(recv_x, handle, recv_w, bias)
     (_, n), (_, c) = ht.kernels.calls
-    assert n == dict(channels=C, stream=1234, is_token_in_rank=in_rank.data_ptr())
-    assert (c["x"], c["hidden"], c["num_tokens"], c["num_topk"]) == (recv_x.data_ptr(), H, N, K)
-    assert (c["out"], c["out_weights"], c["topk_weights"]) == (out.data_ptr(), out_w.data_ptr(), recv_w.data_ptr())
-    assert (c["bias0"], c["bias1"], c["recv_channel_prefix"]) == (
-        bias[0].data_ptr(),
-        bias[1].data_ptr(),
-        rcp.data_ptr(),
-    )
-    assert c["fwd_channel_prefix"] == c["fwd_rank_prefix"] == c["nvl_head"] == 0
+    assert n == dict(channels=C, stream=1234)
+    assert c["x"] is recv_x and (c["hidden"], c["num_tokens"], c["num_topk"]) == (H, N, K)
+    assert _same([c["out"], c["out_weights"], c["topk_weights"]], [out, out_w, recv_w])
+    assert _same([c["bias0"], c["bias1"], c["recv_channel_prefix"]], [bias[0], bias[1], rcp])
+    assert c["rank_prefix_matrix"] is rank_prefix and c["is_token_in_rank"] is in_rank
+    assert _same([c["fwd_channel_prefix"], c["fwd_rank_prefix"], c["nvl_head"]], [None] * 3)
 
 
 @_needs_kernels()
@@ -278,27 +265,18 @@ def test_forwarding_passes_the_node_matrices_both_ways():
     recv_x, _, _, recv_w, _, handle = ht.dispatch(x, None, idx, w, in_rank, per_expert, 1, worst, C, None)
     (_, n), (_, d) = ht.kernels.calls
     assert n["max_recv"] == worst and "ticket" not in n
-    assert (n["node_channel_prefix"], n["fwd_channel_prefix"], n["fwd_rank_prefix"]) == (
-        handle[1].data_ptr(),
-        handle[3].data_ptr(),
-        handle[4].data_ptr(),
+    assert _same(
+        [n["node_channel_prefix"], n["fwd_channel_prefix"], n["fwd_rank_prefix"]], [handle[1], handle[3], handle[4]]
     )
-    assert (d["fwd_channel_prefix"], d["fwd_rank_prefix"], d["nvl_head"], d["nvl_rows"]) == (
-        handle[3].data_ptr(),
-        handle[4].data_ptr(),
-        handle[9].data_ptr(),
-        worst * L,
-    )
-    assert d["recv_src_meta"] == handle[7].data_ptr() and d["recv_src_idx"] == d["send_head"] == 0
-    assert n["rank_prefix"] == 0  # several nodes: no [R][R] matrix, the receive prefix vector is the handle's
-    assert d["recv_prefix"] == n["recv_rank_prefix"] == handle[6].data_ptr() and d["recv_prefix_stride"] == 1
+    assert _same([d["fwd_channel_prefix"], d["fwd_rank_prefix"], d["nvl_head"]], [handle[3], handle[4], handle[9]])
+    assert d["nvl_rows"] == worst * L
+    assert d["recv_src_meta"].data_ptr() == handle[7].data_ptr() and d["recv_src_meta"].dtype == torch.int32
+    assert d["recv_src_idx"] is None and d["send_head"] is None
+    assert n["rank_prefix"] is None  # several nodes: no [R][R] matrix, the receive prefix vector is the handle's
+    assert d["recv_prefix"] is n["recv_rank_prefix"] is handle[6] and "rank_prefix_matrix" not in d
     ht.kernels.calls.clear()
     ht.combine(recv_x, handle, recv_w, ())
     ((_, c),) = [call for call in ht.kernels.calls if call[0] == "combine"]
-    assert (c["fwd_channel_prefix"], c["fwd_rank_prefix"], c["nvl_head"]) == (
-        handle[3].data_ptr(),
-        handle[4].data_ptr(),
-        handle[9].data_ptr(),
-    )
-    assert c["recv_prefix"] == handle[6].data_ptr() and c["recv_prefix_stride"] == 1
-    assert c["recv_channel_prefix"] == handle[5].data_ptr() and c["is_token_in_rank"] == handle[0].data_ptr()
+    assert _same([c["fwd_channel_prefix"], c["fwd_rank_prefix"], c["nvl_head"]], [handle[3], handle[4], handle[9]])
+    assert c["recv_prefix"] is handle[6] and "rank_prefix_matrix" not in c
+    assert c["recv_channel_prefix"] is handle[5] and c["is_token_in_rank"] is handle[0]

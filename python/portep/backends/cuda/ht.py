@@ -23,15 +23,12 @@ from .. import common as hb
 from ...handles import InternodeHandle, IntranodeHandle
 
 
-def _ptr(t):
-    return 0 if t is None else t.data_ptr()
-
-
 @dataclass
 class HTMemory:
     """What one rank's normal-mode kernels reach, given explicitly. engine_memory() fills it from a CudaEngine and
     its Channel; the loopback benchmark (bench/portep_bench/ht_loopback_ranks.py) from two buffers on one GPU.
-    Addresses are integers, device addresses unless said otherwise; the layout: gpu_kernels/cuda/ht_layout.h."""
+    The Buffer's memory as addresses (integers, device addresses unless said otherwise) or tensors where torch owns
+    it; the layout: gpu_kernels/cuda/ht_layout.h."""
 
     rank: int
     num_ranks: int
@@ -47,7 +44,7 @@ class HTMemory:
     errors: object  # backends/cuda/kernel_errors.KernelErrors: the records the host reads, the words kernels test
     peer_status: int  # mapped host memory [R] of the peer watch (proxy/peer_status.h), or 0
     host_signals: int  # this rank's signal slots [R][num_streams] (written by the proxies)
-    signal_seen: int  # device [R][num_streams]: what the kernels consumed of each slot
+    signal_seen: torch.Tensor  # device int64 [R][num_streams]: what the kernels consumed of each slot
     num_streams: int
     stream_base: int  # the normal mode's HT_NUM_STREAMS signal streams begin here
     fifos: object  # native.DeviceFifoSet: the device FIFOs to the proxies
@@ -80,7 +77,7 @@ def engine_memory(eng, ctrl_off, stream_base):
         errors=eng.errors,
         peer_status=eng.status_device,
         host_signals=ch.device_signals_ptr(),
-        signal_seen=eng.signal_seen.data_ptr(),
+        signal_seen=eng.signal_seen,
         num_streams=eng.channel.num_streams,
         stream_base=stream_base,
         fifos=eng.fifos,
@@ -146,14 +143,14 @@ class CudaHT:
             m.fifos,
             rank=m.rank,
             local=m.local,
-            peers=self.peers.data_ptr(),
-            place=m.place.data_ptr(),
-            epoch=self.epoch.data_ptr(),
+            peers=self.peers,
+            place=m.place,
+            epoch=self.epoch,
             host_counts=self.host_counts,
             host_counts_device=host_counts_device,
             error=m.errors.records,
             error_host=m.errors.host,
-            failed=m.errors.words.data_ptr(),
+            failed=m.errors.words,
             peer_status=m.peer_status,
             host_signals=m.host_signals,
             signal_seen=m.signal_seen,
@@ -214,28 +211,27 @@ class CudaHT:
                 )
 
     def _recv_prefix(self, handle):
-        """(pointer, stride) of the rows from sources 0..s to this rank (inclusive), from a handle: the internode
-        handle's vector, else column `rank` of the intranode handle's [R][R] matrix."""
+        """The rows from sources 0..s to this rank (inclusive) in a handle, as the kernels take them: the internode
+        handle's vector (recv_prefix), else the intranode handle's [R][R] matrix, whose column `rank` they read."""
         if self.num_nodes > 1:
-            return handle.recv_gbl_rank_prefix_sum.data_ptr(), 1
-        prefix = handle.rank_prefix_matrix
-        return prefix.data_ptr() + prefix.element_size() * self.rank, prefix.stride(0)
+            return dict(recv_prefix=handle.recv_gbl_rank_prefix_sum)
+        return dict(rank_prefix_matrix=handle.rank_prefix_matrix)
 
     def _forward_prefixes(self, handle):
-        """(fwd_channel_prefix, fwd_rank_prefix) pointers of an internode handle with forwarding, else (0, 0)."""
+        """(fwd_channel_prefix, fwd_rank_prefix) of an internode handle with forwarding, else (None, None)."""
         if not self.forward:
-            return 0, 0
-        return handle.recv_rdma_channel_prefix_matrix.data_ptr(), handle.recv_rdma_rank_prefix_sum.data_ptr()
+            return None, None
+        return handle.recv_rdma_channel_prefix_matrix, handle.recv_rdma_rank_prefix_sum
 
-    def _notify(self, num_channels, stream, is_token_in_rank, **count):
+    def _notify(self, num_channels, stream, **count):
         """The op's first kernel; count: the count mode's arguments (native HTKernels.notify), none for a flag."""
         self.owner.lockstep.sending()
-        self.kernels.notify(channels=num_channels, stream=stream, is_token_in_rank=is_token_in_rank.data_ptr(), **count)
+        self.kernels.notify(channels=num_channels, stream=stream, **count)
 
-    def exchange_flags(self, num_channels, is_token_in_rank):
+    def exchange_flags(self, num_channels, is_token_in_rank=None):
         """The notify kernel of a cached dispatch or a combine alone, on raw_stream(): advances the op count on every
-        rank that calls it (all must); benchmarks time it."""
-        self._notify(num_channels, self.owner.raw_stream(), is_token_in_rank)
+        rank that calls it (all must); benchmarks time it. (is_token_in_rank: unused, a flag carries no counts.)"""
+        self._notify(num_channels, self.owner.raw_stream())
 
     def _check_channels(self, num_channels, what):
         """Every block of a data kernel must run at once (senders wait for readers): 2 per channel (3 with
@@ -321,7 +317,7 @@ class CudaHT:
                     f"rank {me} receives {num_recv} tokens with this handle but num_worst_tokens={num_worst_tokens}"
                 )
             recv_prefix = self._recv_prefix(handle)
-            self._notify(num_channels, stream, is_token_in_rank)
+            self._notify(num_channels, stream)
             num_recv = max(num_recv, num_worst_tokens)
         else:
             E = num_tokens_per_expert.numel()
@@ -336,27 +332,28 @@ class CudaHT:
                     torch.empty(Nn, num_channels, dtype=torch.int32, device=dev),
                     torch.empty(Nn, dtype=torch.int32, device=dev),
                 )
-            recv_prefix = (recv_rank_prefix.data_ptr(), 1)
+            recv_prefix = dict(recv_prefix=recv_rank_prefix)
             count = dict(
                 count_mode=True,
-                tokens_per_expert=per_expert.data_ptr(),
+                is_token_in_rank=is_token_in_rank,
+                tokens_per_expert=per_expert,
                 num_tokens=N,
                 num_experts=E,
-                recv_rank_prefix=recv_rank_prefix.data_ptr(),
-                rank_prefix=_ptr(rank_prefix),
-                channel_prefix=channel_prefix.data_ptr(),
-                recv_channel_prefix=rcp.data_ptr(),
-                node_channel_prefix=_ptr(fwd[0]),
-                fwd_channel_prefix=_ptr(fwd[1]),
-                fwd_rank_prefix=_ptr(fwd[2]),
+                recv_rank_prefix=recv_rank_prefix,
+                rank_prefix=rank_prefix,
+                channel_prefix=channel_prefix,
+                recv_channel_prefix=rcp,
+                node_channel_prefix=fwd[0],
+                fwd_channel_prefix=fwd[1],
+                fwd_rank_prefix=fwd[2],
             )
             if num_worst_tokens > 0:
-                self._notify(num_channels, stream, is_token_in_rank, max_recv=num_worst_tokens, **count)
+                self._notify(num_channels, stream, max_recv=num_worst_tokens, **count)
                 num_recv = num_worst_tokens
                 forward_rows = num_worst_tokens * self.ranks_per_node  # each row reaches a local rank
             else:
                 self.ticket += 1
-                self._notify(num_channels, stream, is_token_in_rank, ticket=self.ticket, **count)
+                self._notify(num_channels, stream, ticket=self.ticket, **count)
                 num_recv, self_rows, forward_rows, counts_list = self._wait_counts(E // R, expert_alignment)
         rows = num_recv
         recv_x = torch.empty(rows, x.size(1), dtype=x.dtype, device=dev)
@@ -383,31 +380,30 @@ class CudaHT:
         self.kernels.dispatch(
             channels=num_channels,
             stream=stream,
-            x=x.data_ptr(),
+            x=x,
             row_bytes=row_bytes,
             num_tokens=N,
-            is_token_in_rank=is_token_in_rank.data_ptr(),
-            recv_prefix=recv_prefix[0],
-            recv_prefix_stride=recv_prefix[1],
-            channel_prefix=channel_prefix.data_ptr(),
-            recv_channel_prefix=rcp.data_ptr(),
+            is_token_in_rank=is_token_in_rank,
+            **recv_prefix,
+            channel_prefix=channel_prefix,
+            recv_channel_prefix=rcp,
             max_recv=rows,
-            recv_x=recv_x.data_ptr(),
-            scales=_ptr(scales),
+            recv_x=recv_x,
+            scales=scales,
             num_scales=S,
-            recv_scales=_ptr(recv_scales),
-            topk_idx=_ptr(topk_idx),
-            topk_weights=_ptr(topk_weights),
+            recv_scales=recv_scales,
+            topk_idx=topk_idx,
+            topk_weights=topk_weights,
             num_topk=K,
             num_local_experts=0 if cached else num_tokens_per_expert.numel() // R,
-            recv_topk_idx=_ptr(recv_idx),
-            recv_topk_weights=_ptr(recv_w),
-            recv_src_idx=_ptr(src_idx),
-            send_head=_ptr(send_head),
-            fwd_channel_prefix=_ptr(fwd[1]),
-            fwd_rank_prefix=_ptr(fwd[2]),
-            recv_src_meta=_ptr(meta),
-            nvl_head=_ptr(nvl_head),
+            recv_topk_idx=recv_idx,
+            recv_topk_weights=recv_w,
+            recv_src_idx=src_idx,
+            send_head=send_head,
+            fwd_channel_prefix=fwd[1],
+            fwd_rank_prefix=fwd[2],
+            recv_src_meta=meta,
+            nvl_head=nvl_head,
             nvl_rows=0 if nvl_head is None else nvl_head.size(0),
         )
         if cached:
@@ -513,25 +509,24 @@ class CudaHT:
         out_w = torch.empty(N, K, dtype=torch.float32, device=self.device) if weights is not None else None
         recv_prefix = self._recv_prefix(handle)
         fwd_channel_prefix, fwd_rank_prefix = self._forward_prefixes(handle)
-        self._notify(C, stream, is_token_in_rank)
+        self._notify(C, stream)
         self.kernels.combine(
             channels=C,
             stream=stream,
-            x=x.data_ptr(),
+            x=x,
             hidden=H,
             num_tokens=N,
-            is_token_in_rank=is_token_in_rank.data_ptr(),
-            recv_prefix=recv_prefix[0],
-            recv_prefix_stride=recv_prefix[1],
-            recv_channel_prefix=rcp.data_ptr(),
-            out=out.data_ptr(),
-            topk_weights=_ptr(weights),
+            is_token_in_rank=is_token_in_rank,
+            **recv_prefix,
+            recv_channel_prefix=rcp,
+            out=out,
+            topk_weights=weights,
             num_topk=K,
-            out_weights=_ptr(out_w),
-            bias0=_ptr(b0),
-            bias1=_ptr(b1),
+            out_weights=out_w,
+            bias0=b0,
+            bias1=b1,
             fwd_channel_prefix=fwd_channel_prefix,
             fwd_rank_prefix=fwd_rank_prefix,
-            nvl_head=handle.send_nvl_head.data_ptr() if self.forward else 0,
+            nvl_head=handle.send_nvl_head if self.forward else None,
         )
         return out, out_w
