@@ -1,11 +1,13 @@
 // Bindings of the CUDA normal-mode (HT) kernels (built with the CUDA kernels only): the layout of one rank's memory
 // (ht_layout.h) as HTLayout, and one Buffer's kernels as HTKernels, whose constructor and calls take keyword
 // arguments only. The calls take torch tensors (optional ones default to None, null for the kernels), each checked
-// for its GPU, dtype and size; the constructor still takes the Buffer's memory as addresses (issue 35).
+// for its GPU, dtype and size; the constructor takes the Channel (its regions) and tensors, and still the mapped host
+// words (count record, error records, peer status) as addresses (issue 35).
 #ifdef PORTEP_WITH_GPU
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
+#include <algorithm>
 #include <atomic>
 #include <chrono>
 #include <stdexcept>
@@ -13,6 +15,7 @@
 #include <thread>
 #include <vector>
 
+#include "proxy/channel.h"
 #include "python/src/bind_util.h"
 #include "python/src/tensor_arg.h"
 #include "gpu_kernels/cuda/api.h"
@@ -108,21 +111,42 @@ class CallTensors {
   int device_ = -1;
 };
 
-// The per-Buffer constants of HTCommon; each call adds its channels and stream.
+// The same-node peers' regions (CUDA IPC, mapped by the Channel; this rank's own included) into the device table
+// `table` [R]; 0 for the ranks of other nodes, which the proxies reach.
+void fill_peer_table(const portep::Channel& channel, int rank, int ranks_per_node, int64_t R, uint8_t** table) {
+  std::vector<uint8_t*> regions(R, nullptr);
+  std::string unmapped;
+  const int first = rank / ranks_per_node * ranks_per_node;
+  for (int d = first; d < first + ranks_per_node; ++d)
+    if (!(regions[d] = channel.peer_data(d))) unmapped += (unmapped.empty() ? "" : ", ") + str(d);
+  if (!unmapped.empty()) {
+    PyErr_SetString(PyExc_NotImplementedError,
+                    ("normal mode on GPU tensors needs the buffers of same-node ranks mapped (CUDA IPC); the "
+                     "Channel's transport did not map ranks " +
+                     unmapped)
+                        .c_str());
+    throw py::error_already_set();
+  }
+  check(copy_to_device(table, regions.data(), R * sizeof(uint8_t*)), "the normal mode's peer table");
+}
+
+// The per-Buffer constants of HTCommon; each call adds its channels and stream. This rank's memory is the Channel's
+// (its regions, and its same-node peers' written into `peers`), or for a Buffer without a Channel (the loopback
+// benchmark) the tensors region, signals and peers.
 class HTKernels {
  public:
-  HTKernels(const HTLayout& layout, const PyFifoSet* fifos, int rank, uintptr_t local, py::handle peers,
-            py::handle place, py::handle epoch, uintptr_t host_counts, uintptr_t host_counts_device, uintptr_t error,
-            uintptr_t error_host, py::handle failed, uintptr_t peer_status, uintptr_t host_signals,
-            py::handle signal_seen, uint32_t num_streams, uint32_t stream_base, double timeout_s)
+  HTKernels(const HTLayout& layout, const PyFifoSet* fifos, int rank, const portep::Channel* channel, py::handle region,
+            py::handle signals, py::handle peers, py::handle place, py::handle epoch, uintptr_t host_counts,
+            uintptr_t host_counts_device, uintptr_t error, uintptr_t error_host, py::handle failed,
+            uintptr_t peer_status, py::handle signal_seen, uint32_t num_streams, uint32_t stream_base, double timeout_s)
       : layout_(layout),
         host_(ptr<HTHostCounts>(host_counts)),
         error_host_(ptr<KernelError>(error_host)),
         timeout_s_(timeout_s) {
     if (rank < 0 || rank >= layout.num_ranks)
       throw std::invalid_argument("rank=" + str(rank) + " must be in [0, " + str(layout.num_ranks) + ")");
-    if (!local || !host_counts || !host_counts_device || !error || !error_host)
-      throw std::invalid_argument("local, host_counts(_device), error(_host) must not be null");
+    if (!host_counts || !host_counts_device || !error || !error_host)
+      throw std::invalid_argument("host_counts(_device), error(_host) must not be null");
     if (uint64_t(stream_base) + kHTNumStreams > num_streams)
       throw std::invalid_argument("stream_base=" + str(stream_base) + " + " + str(kHTNumStreams) +
                                   " normal-mode streams exceed num_streams=" + str(num_streams));
@@ -130,17 +154,28 @@ class HTKernels {
       throw std::invalid_argument("fifos: None, but peers through the proxies (layout.proxy) need the device FIFOs");
     const int64_t R = layout.num_ranks;
     CallTensors t("HTKernels");
-    const auto* peer_table = t.entries<uint8_t* const>(peers, "peers", "int64", R, Entries::kExactly, false);
+    auto* peer_table = t.entries<uint8_t*>(peers, "peers", "int64", R, Entries::kExactly, false);
     const auto* place_table = t.entries<uint8_t* const>(place, "place", "int64", R, Entries::kExactly, false);
     auto* epoch_words = t.entries<uint64_t>(epoch, "epoch", "int64", kHTEpochWords, Entries::kExactly, false);
     auto* failed_words = t.entries<uint32_t>(failed, "failed", "int32", kNumErrorWords, Entries::kExactly, false);
     auto* seen = t.entries<uint64_t>(signal_seen, "signal_seen", "int64", R * num_streams, Entries::kExactly, false);
-    const HTAreas areas = layout.areas();
     c_ = HTCommon{};
+    if (channel) {
+      if (!region.is_none() || !signals.is_none())
+        throw py::value_error("region, signals: None with a channel (the kernels use the Channel's regions)");
+      c_.local = static_cast<uint8_t*>(channel->device_address(portep::kRegionData));
+      c_.host_signals = static_cast<uint64_t*>(channel->device_address(portep::kRegionSignal));
+      if (!c_.local || !c_.host_signals) throw std::invalid_argument("channel: not connected (no device memory)");
+      fill_peer_table(*channel, rank, layout.ranks_per_node, R, peer_table);
+    } else {
+      const uint64_t end = std::max(layout.ctrl_off + layout.ctrl().bytes, layout.area_off + layout.area_bytes);
+      c_.local = t.entries<uint8_t>(region, "region", "uint8", int64_t(end), Entries::kAtLeast, false);
+      c_.host_signals = t.entries<uint64_t>(signals, "signals", "int64", R * num_streams, Entries::kExactly, false);
+    }
+    const HTAreas areas = layout.areas();
     c_.rank = rank;
     c_.num_ranks = layout.num_ranks;
     c_.ranks_per_node = layout.ranks_per_node;
-    c_.local = ptr<uint8_t>(local);
     c_.peers = peer_table;
     c_.place = place_table;
     c_.ctrl_off = layout.ctrl_off;
@@ -158,7 +193,6 @@ class HTKernels {
       c_.fifo_tails = fifos->set_.device_tails;
       c_.num_fifos = fifos->set_.count;
     }
-    c_.host_signals = ptr<uint64_t>(host_signals);
     c_.signal_seen = seen;
     c_.num_streams = num_streams;
     c_.stream_base = stream_base;
@@ -511,14 +545,15 @@ void bind_cuda_ht(py::module_& m) {
       py::arg("num_ranks"), py::arg("ranks_per_node"));
   bind_layout(m);
   py::class_<HTKernels>(m, "HTKernels")
-      .def(py::init<const HTLayout&, const PyFifoSet*, int, uintptr_t, py::handle, py::handle, py::handle, uintptr_t,
-                    uintptr_t, uintptr_t, uintptr_t, py::handle, uintptr_t, uintptr_t, py::handle, uint32_t, uint32_t,
-                    double>(),
-           py::arg("layout"), py::arg("fifos"), py::kw_only(), py::arg("rank"), py::arg("local"), py::arg("peers"),
-           py::arg("place"), py::arg("epoch"), py::arg("host_counts"), py::arg("host_counts_device"), py::arg("error"),
-           py::arg("error_host"), py::arg("failed"), py::arg("peer_status") = 0, py::arg("host_signals"),
-           py::arg("signal_seen"), py::arg("num_streams"), py::arg("stream_base"), py::arg("timeout_s"),
-           py::keep_alive<1, 3>())
+      .def(py::init<const HTLayout&, const PyFifoSet*, int, const portep::Channel*, py::handle, py::handle, py::handle,
+                    py::handle, py::handle, uintptr_t, uintptr_t, uintptr_t, uintptr_t, py::handle, uintptr_t,
+                    py::handle, uint32_t, uint32_t, double>(),
+           py::arg("layout"), py::arg("fifos"), py::kw_only(), py::arg("rank"), py::arg("channel") = nullptr,
+           py::arg("region") = py::none(), py::arg("signals") = py::none(), py::arg("peers"), py::arg("place"),
+           py::arg("epoch"), py::arg("host_counts"), py::arg("host_counts_device"), py::arg("error"),
+           py::arg("error_host"), py::arg("failed"), py::arg("peer_status") = 0, py::arg("signal_seen"),
+           py::arg("num_streams"), py::arg("stream_base"), py::arg("timeout_s"), py::keep_alive<1, 3>(),
+           py::keep_alive<1, 5>())
       .def_property_readonly("layout", [](const HTKernels& k) { return k.layout_; })
       .def("wait_counts", &HTKernels::wait_counts, py::arg("ticket"), py::arg("num_local_experts"))
       .def("notify", &notify, py::kw_only(), py::arg("channels"), py::arg("stream"), py::arg("count_mode") = false,

@@ -1,15 +1,14 @@
 """Python passes tensors to native code, never addresses (issue 35 item 1): no `data_ptr()` (nor a native method
 handing out an address, `device_data_ptr()`, `peer_data_ptr(d)`, ...) in python/portep outside the CUDA backend's
 files listed here, each with the number of lines that still do, so that the list and the counts can only shrink
-(engine.py: the Channel's region as a tensor, the peers' regions in the kernels' tables, the LL flags' view;
-ht.py: the Channel's region, the same-node peers' regions and the proxies' signal slots, which HTKernels'
-constructor takes as addresses)."""
+(engine.py: the Channel's region as a tensor, the peers' regions in the LL kernels' tables, the LL flags' view).
+The normal-mode kernels (ht.py) take tensors and the Channel itself."""
 
 import pathlib
 import re
 
 ROOT = pathlib.Path(__file__).resolve().parents[2] / "python" / "portep"
-STILL_ADDRESSED = {"backends/cuda/engine.py": 5, "backends/cuda/ht.py": 3}  # file: lines
+STILL_ADDRESSED = {"backends/cuda/engine.py": 5}  # file: lines
 ADDRESS = re.compile(r"\.\w*_ptr\(")
 
 

@@ -137,6 +137,7 @@ def test_the_slot_sum_binding_refuses_by_name(change, message):
 
 # ---- the normal-mode (HT) kernels: HTKernels of one node (no proxies: no FIFOs needed), its three calls ----
 HT_R, HT_C, HT_N, HT_H, HT_K, HT_E, HT_S, HT_RECV = 2, 3, 12, 64, 4, 8, 2, 20
+HT_REGION_BYTES = 1 << 21  # the stand-in region: past the control area's end
 
 
 def _gpu(*shape, dtype=torch.int32):
@@ -149,7 +150,8 @@ def _ht_kernel_memory(R):
     host = 1 << 16
     return dict(
         rank=1,
-        local=host,
+        region=_gpu(HT_REGION_BYTES, dtype=torch.uint8),
+        signals=_gpu(R * native.HT_NUM_STREAMS, dtype=torch.int64),
         peers=_gpu(R, dtype=torch.int64),
         place=_gpu(R, dtype=torch.int64),
         epoch=_gpu(native.HT_EPOCH_WORDS, dtype=torch.int64),
@@ -158,7 +160,6 @@ def _ht_kernel_memory(R):
         error=host,
         error_host=host,
         failed=_gpu(native.KERNEL_ERROR_WORDS),
-        host_signals=host,
         signal_seen=_gpu(R * native.HT_NUM_STREAMS, dtype=torch.int64),
         num_streams=native.HT_NUM_STREAMS,
         stream_base=0,
@@ -166,8 +167,13 @@ def _ht_kernel_memory(R):
     )
 
 
+HT_CTRL_OFF, HT_AREA_BYTES = 1 << 20, 1 << 20  # the normal-mode area first, the control area after it
+
+
 def _ht_layout(R, L):
-    return native.HTLayout(num_ranks=R, ranks_per_node=L, proxy=L < R, ctrl_off=1 << 30, area_off=0, area_bytes=1 << 28)
+    return native.HTLayout(
+        num_ranks=R, ranks_per_node=L, proxy=L < R, ctrl_off=HT_CTRL_OFF, area_off=0, area_bytes=HT_AREA_BYTES
+    )
 
 
 def _ht_kernels():
@@ -290,3 +296,16 @@ def test_the_ht_kernels_refuse_a_short_peer_table_and_a_missing_fifo_set():
         native.HTKernels(_ht_layout(4, 2), None, **_ht_kernel_memory(4))
     with pytest.raises(ValueError, match="peers: 1 entries, exactly 2"):
         native.HTKernels(_ht_layout(2, 2), None, **{**_ht_kernel_memory(2), "peers": _gpu(1, dtype=torch.int64)})
+
+
+def test_the_ht_kernels_need_a_region_past_the_control_area_without_a_channel():
+    layout = _ht_layout(HT_R, HT_R)
+    end = HT_CTRL_OFF + layout.ctrl_bytes
+    assert HT_REGION_BYTES >= end  # the stand-in region is large enough: the good case above builds
+    short = {**_ht_kernel_memory(HT_R), "region": _gpu(end - 1, dtype=torch.uint8)}
+    with pytest.raises(ValueError, match=f"region: {end - 1} entries, at least {end} needed"):
+        native.HTKernels(layout, None, **short)
+    with pytest.raises(ValueError, match="region: a tensor is needed"):
+        native.HTKernels(layout, None, **{**_ht_kernel_memory(HT_R), "region": None})
+    with pytest.raises(ValueError, match="signals: 16 entries, exactly"):
+        native.HTKernels(layout, None, **{**_ht_kernel_memory(HT_R), "signals": _gpu(16, dtype=torch.int64)})

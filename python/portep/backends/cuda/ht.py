@@ -15,6 +15,7 @@ ascending, then other ranks or nodes ascending).
 
 import ctypes
 from dataclasses import dataclass
+from typing import Optional
 
 import torch
 
@@ -27,56 +28,50 @@ from ...handles import InternodeHandle, IntranodeHandle
 class HTMemory:
     """What one rank's normal-mode kernels reach, given explicitly. engine_memory() fills it from a CudaEngine and
     its Channel; the loopback benchmark (bench/portep_bench/ht_loopback_ranks.py) from two buffers on one GPU.
-    The Buffer's memory as addresses (integers, device addresses unless said otherwise) or tensors where torch owns
-    it; the layout: gpu_kernels/cuda/ht_layout.h."""
+    Memory the Channel owns stays native (HTKernels reads its regions and its same-node peers'); tensors are torch's;
+    the mapped host words are a native allocation's addresses. The layout: gpu_kernels/cuda/ht_layout.h."""
 
     rank: int
     num_ranks: int
     ranks_per_node: int
     device: torch.device
     device_sms: int  # blocks the GPU runs at once (one per SM): a data kernel needs all of its blocks running
-    local: int  # this rank's data region
-    peers: list  # [R]: data regions stored into directly (this rank's own included), 0 for a peer through the proxies
+    channel: object  # the native Channel whose regions (and same-node peers' regions) the kernels use, or None
+    region: Optional[torch.Tensor]  # without a channel: uint8, this rank's buffer (control area, normal-mode area)
+    signals: Optional[torch.Tensor]  # without a channel: int64 [R][num_streams], this rank's signal slots
+    peers: Optional[torch.Tensor]  # without a channel: int64 [R], the regions stored into directly (all of them)
     place: torch.Tensor  # device int64 [R]: a proxy peer's region mapped here (placed WRITEs), else 0
     ctrl_off: int  # the control area, at the same offset in every rank's region
     area_off: int  # the normal-mode area: receive rings, then (proxy peers) staging rings
     area_bytes: int
     errors: object  # backends/cuda/kernel_errors.KernelErrors: the records the host reads, the words kernels test
     peer_status: int  # mapped host memory [R] of the peer watch (proxy/peer_status.h), or 0
-    host_signals: int  # this rank's signal slots [R][num_streams] (written by the proxies)
     signal_seen: torch.Tensor  # device int64 [R][num_streams]: what the kernels consumed of each slot
     num_streams: int
     stream_base: int  # the normal mode's HT_NUM_STREAMS signal streams begin here
-    fifos: object  # native.DeviceFifoSet: the device FIFOs to the proxies
+    fifos: object  # native.DeviceFifoSet: the device FIFOs to the proxies (None with every peer on this node)
     timeout_s: float
 
 
 def engine_memory(eng, ctrl_off, stream_base):
-    """A CudaEngine's HTMemory: its Channel's region, the regions of its same-node peers (CUDA IPC), its proxies'
-    signal slots and FIFOs, its kernel error words; the normal-mode area is the engine's normal_off/normal_bytes."""
-    ch = eng.channel.native_channel
-    peers = [ch.peer_data_ptr(d) if eng.node_of(d) == eng.node else 0 for d in range(eng.num_ranks)]
-    unmapped = [d for d in range(eng.num_ranks) if eng.node_of(d) == eng.node and not peers[d]]
-    if unmapped:
-        raise NotImplementedError(
-            f"normal mode on GPU tensors needs the buffers of same-node ranks mapped (CUDA "
-            f"IPC); transport {eng.channel.transport!r} did not map ranks {unmapped}"
-        )
+    """A CudaEngine's HTMemory: its Channel (the region, the same-node peers' regions through CUDA IPC, the proxies'
+    signal slots), its FIFOs, its kernel error words; the normal-mode area is the engine's normal_off/normal_bytes."""
     return HTMemory(
         rank=eng.rank,
         num_ranks=eng.num_ranks,
         ranks_per_node=eng.ranks_per_node,
         device=eng.device,
         device_sms=eng.device_sms,
-        local=ch.device_data_ptr(),
-        peers=peers,
+        channel=eng.channel.native_channel,
+        region=None,
+        signals=None,
+        peers=None,
         place=eng.place_table,
         ctrl_off=ctrl_off,
         area_off=eng.normal_off,
         area_bytes=eng.normal_bytes,
         errors=eng.errors,
         peer_status=eng.status_device,
-        host_signals=ch.device_signals_ptr(),
         signal_seen=eng.signal_seen,
         num_streams=eng.channel.num_streams,
         stream_base=stream_base,
@@ -123,7 +118,7 @@ class CudaHT:
         self.rank, self.num_ranks, self.ranks_per_node = m.rank, m.num_ranks, m.ranks_per_node
         self.num_nodes = m.num_ranks // m.ranks_per_node
         self.device, self.device_sms, self.timeout_s = m.device, m.device_sms, m.timeout_s
-        self.proxy = not all(m.peers)
+        self.proxy = m.num_ranks > m.ranks_per_node  # the ranks of other nodes: through the proxies
         self.layout = native.HTLayout(
             num_ranks=m.num_ranks,
             ranks_per_node=m.ranks_per_node,
@@ -133,7 +128,8 @@ class CudaHT:
             area_bytes=m.area_bytes,
         )
         self.forward = self.layout.forwarding  # forwarders on each node (ht_api.h)
-        self.peers = torch.tensor(m.peers, dtype=torch.int64, device=m.device)
+        # (with a channel HTKernels writes its same-node peers' regions here)
+        self.peers = torch.zeros(m.num_ranks, dtype=torch.int64, device=m.device) if m.peers is None else m.peers
         self.epoch = torch.zeros(native.HT_EPOCH_WORDS, dtype=torch.int64, device=m.device)  # HTCommon::epoch
         self.host_counts, host_counts_device = native.cuda_host_alloc_mapped(native.HT_HOST_COUNTS_BYTES)
         ctypes.memset(self.host_counts, 0, native.HT_HOST_COUNTS_BYTES)
@@ -142,7 +138,9 @@ class CudaHT:
             self.layout,
             m.fifos,
             rank=m.rank,
-            local=m.local,
+            channel=m.channel,
+            region=m.region,
+            signals=m.signals,
             peers=self.peers,
             place=m.place,
             epoch=self.epoch,
@@ -152,7 +150,6 @@ class CudaHT:
             error_host=m.errors.host,
             failed=m.errors.words,
             peer_status=m.peer_status,
-            host_signals=m.host_signals,
             signal_seen=m.signal_seen,
             num_streams=m.num_streams,
             stream_base=m.stream_base,
