@@ -51,11 +51,25 @@ struct RegionLease {
   std::shared_ptr<const Transport> owner;
   uint8_t* data;
   size_t bytes;
+  bool device;  // GPU memory: torch views it through __cuda_array_interface__, host memory through the buffer protocol
 };
 
-RegionLease lease(const Channel& c, void* data, size_t bytes) {
+RegionLease lease(const Channel& c, void* data, size_t bytes, bool device = false) {
   if (!data) throw std::runtime_error("this Channel's region is not mapped here");
-  return RegionLease{c.memory_owner(), static_cast<uint8_t*>(data), bytes};
+  return RegionLease{c.memory_owner(), static_cast<uint8_t*>(data), bytes, device};
+}
+
+// CUDA's array interface (version 3) of a device lease, so that torch.as_tensor(lease, device=...) views the memory
+// and keeps the lease; a host lease has none (AttributeError), so torch takes its buffer protocol instead.
+py::dict cuda_array_interface(const RegionLease& l) {
+  if (!l.device) throw py::attribute_error("__cuda_array_interface__: this lease is host memory");
+  py::dict d;
+  d["shape"] = py::make_tuple(py::int_(l.bytes));
+  d["typestr"] = "|u1";
+  d["data"] = py::make_tuple(py::int_(reinterpret_cast<uintptr_t>(l.data)), false);
+  d["version"] = 3;
+  d["strides"] = py::none();
+  return d;
 }
 
 py::dict stats_dict(const ProxyThreadStats& s) {
@@ -87,7 +101,8 @@ void bind_channel(py::module_& m) {
         return py::buffer_info(l.data, 1, py::format_descriptor<uint8_t>::format(), 1, {py::ssize_t(l.bytes)}, {1});
       })
       .def_property_readonly("address", [](const RegionLease& l) { return reinterpret_cast<uintptr_t>(l.data); })
-      .def_property_readonly("nbytes", [](const RegionLease& l) { return l.bytes; });
+      .def_property_readonly("nbytes", [](const RegionLease& l) { return l.bytes; })
+      .def_property_readonly("__cuda_array_interface__", &cuda_array_interface);
   py::class_<Channel>(m, "Channel")
       .def(py::init(&make_channel), py::arg("rank"), py::arg("num_ranks"), py::arg("nbytes"), py::arg("transport"),
            py::arg("num_proxy_threads"), py::arg("num_fifos"), py::arg("fifo_capacity"), py::arg("num_streams"),
@@ -103,12 +118,6 @@ void bind_channel(py::module_& m) {
             c.proxies().attach_device_fifos(std::vector<FifoView>(v, v + count));
           },
           py::arg("host_views"), py::arg("count"))
-      .def("device_data_ptr", [](Channel& c) { return reinterpret_cast<uintptr_t>(c.device_address(kRegionData)); })
-      .def("device_signals_ptr",
-           [](Channel& c) { return reinterpret_cast<uintptr_t>(c.device_address(kRegionSignal)); })
-      .def(
-          "peer_data_ptr", [](Channel& c, int dst) { return reinterpret_cast<uintptr_t>(c.peer_data(dst)); },
-          py::arg("dst"))
       .def("endpoint_blob", [](Channel& c) { return py::bytes(c.endpoint_blob()); })
       .def("connect",
            [](Channel& c, const std::vector<py::bytes>& blobs) {
@@ -129,7 +138,11 @@ void bind_channel(py::module_& m) {
       .def("check_error", [](Channel& c) { c.proxies().check_error(); })
       .def("data_view", [](Channel& c) { return lease(c, c.data(), c.data_bytes()); })
       .def("signal_view", [](Channel& c) { return lease(c, c.signals(), c.signal_slots() * 8); })
-      .def("device_data_lease", [](Channel& c) { return lease(c, c.device_address(kRegionData), c.data_bytes()); })
+      .def("device_data_lease",
+           [](Channel& c) { return lease(c, c.device_address(kRegionData), c.data_bytes(), true); })
+      .def(
+          "peer_mapped", [](Channel& c, int dst) { return c.peer_data(dst) != nullptr; }, py::arg("dst"),
+          "whether peer dst's data region is mapped in this process (shm, CUDA IPC): kernels may store into it")
       .def(
           "write_rows",
           [](Channel& c, int dst, py::handle local_offsets, py::handle remote_offsets, uint64_t row_bytes,

@@ -17,6 +17,7 @@
 
 #include "proxy/channel.h"
 #include "python/src/bind_util.h"
+#include "python/src/peer_table.h"
 #include "python/src/tensor_arg.h"
 #include "gpu_kernels/cuda/api.h"
 #include "gpu_kernels/cuda/ht_api.h"
@@ -111,25 +112,6 @@ class CallTensors {
   int device_ = -1;
 };
 
-// The same-node peers' regions (CUDA IPC, mapped by the Channel; this rank's own included) into the device table
-// `table` [R]; 0 for the ranks of other nodes, which the proxies reach.
-void fill_peer_table(const portep::Channel& channel, int rank, int ranks_per_node, int64_t R, uint8_t** table) {
-  std::vector<uint8_t*> regions(R, nullptr);
-  std::string unmapped;
-  const int first = rank / ranks_per_node * ranks_per_node;
-  for (int d = first; d < first + ranks_per_node; ++d)
-    if (!(regions[d] = channel.peer_data(d))) unmapped += (unmapped.empty() ? "" : ", ") + str(d);
-  if (!unmapped.empty()) {
-    PyErr_SetString(PyExc_NotImplementedError,
-                    ("normal mode on GPU tensors needs the buffers of same-node ranks mapped (CUDA IPC); the "
-                     "Channel's transport did not map ranks " +
-                     unmapped)
-                        .c_str());
-    throw py::error_already_set();
-  }
-  check(copy_to_device(table, regions.data(), R * sizeof(uint8_t*)), "the normal mode's peer table");
-}
-
 // The per-Buffer constants of HTCommon; each call adds its channels and stream. This rank's memory is the Channel's
 // (its regions, and its same-node peers' written into `peers`), or for a Buffer without a Channel (the loopback
 // benchmark) the tensors region, signals and peers.
@@ -160,15 +142,21 @@ class HTKernels {
     auto* failed_words = t.entries<uint32_t>(failed, "failed", "int32", kNumErrorWords, Entries::kExactly, false);
     auto* seen = t.entries<uint64_t>(signal_seen, "signal_seen", "int64", R * num_streams, Entries::kExactly, false);
     c_ = HTCommon{};
+    const uint64_t end = std::max(layout.ctrl_off + layout.ctrl().bytes, layout.area_off + layout.area_bytes);
     if (channel) {
       if (!region.is_none() || !signals.is_none())
         throw py::value_error("region, signals: None with a channel (the kernels use the Channel's regions)");
       c_.local = static_cast<uint8_t*>(channel->device_address(portep::kRegionData));
       c_.host_signals = static_cast<uint64_t*>(channel->device_address(portep::kRegionSignal));
       if (!c_.local || !c_.host_signals) throw std::invalid_argument("channel: not connected (no device memory)");
-      fill_peer_table(*channel, rank, layout.ranks_per_node, R, peer_table);
+      if (channel->data_bytes() < end)
+        throw std::invalid_argument("channel: its region has " + str(channel->data_bytes()) +
+                                    " bytes; the layout ends at " + str(end));
+      std::vector<int> node_ranks(layout.ranks_per_node);  // this rank's node: the peers it stores into
+      for (int l = 0; l < layout.ranks_per_node; ++l)
+        node_ranks[l] = rank / layout.ranks_per_node * layout.ranks_per_node + l;
+      portep::bind::write_peer_table(*channel, node_ranks, peer_table, R, true, "the normal mode on GPU tensors");
     } else {
-      const uint64_t end = std::max(layout.ctrl_off + layout.ctrl().bytes, layout.area_off + layout.area_bytes);
       c_.local = t.entries<uint8_t>(region, "region", "uint8", int64_t(end), Entries::kAtLeast, false);
       c_.host_signals = t.entries<uint64_t>(signals, "signals", "int64", R * num_streams, Entries::kExactly, false);
     }

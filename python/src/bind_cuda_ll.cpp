@@ -16,6 +16,7 @@
 #include "gpu_kernels/ll_layout.h"
 #include "proxy/channel.h"
 #include "python/src/bind_util.h"
+#include "python/src/peer_table.h"
 #include "python/src/tensor_arg.h"
 
 namespace py = pybind11;
@@ -359,6 +360,14 @@ void bind_cuda_ll(py::module_& m) {
     check(stream_create(&s), "cudaStreamCreateWithFlags");
     return reinterpret_cast<uintptr_t>(s);
   });
+  m.def(
+      "cuda_peer_table",
+      [](const portep::Channel& channel, const std::vector<int>& ranks, py::handle table) {
+        const auto t = portep::bind::tensor_arg(table, "table", "int64", "cuda");
+        portep::bind::write_peer_table(channel, ranks, t.as<uint8_t*>(), t.numel, false, "cuda_peer_table");
+      },
+      py::arg("channel"), py::arg("ranks"), py::arg("table"),
+      "table (int64 [num_ranks] on a GPU) gets the region of each of `ranks` that the Channel mapped, 0 elsewhere");
   m.def("cuda_copy", [](uintptr_t dst, uintptr_t src, uint64_t bytes) {
     check(copy_to_device(ptr<void>(dst), ptr<const void>(src), bytes), "cudaMemcpy");
   });

@@ -66,25 +66,6 @@ def _current_raw_stream(device_index):
 _PARKED = []
 
 
-def _as_tensor(ptr, nbytes, device, owner=None):
-    """A uint8 CUDA tensor viewing device memory this module allocated (no copy). owner (a native RegionLease)
-    keeps the memory mapped for as long as the tensor or any view of it lives."""
-
-    class _Mem:
-        __cuda_array_interface__ = {
-            "shape": (nbytes,),
-            "typestr": "|u1",
-            "data": (ptr, False),
-            "version": 3,
-            "strides": None,
-        }
-
-        def __init__(self):
-            self.owner = owner
-
-    return torch.as_tensor(_Mem(), device=device)
-
-
 class CudaEngine(Topology):
     """One per Buffer. Construction is collective over `group`."""
 
@@ -160,23 +141,29 @@ class CudaEngine(Topology):
             self._send_mask = torch.zeros_like(self.mask)
             self.lockstep.mask = self.mask
         ch = self.channel.native_channel
-        self.region = _as_tensor(ch.device_data_ptr(), self.num_bytes, self.device, ch.device_data_lease())
+        # the Channel's whole data region (a view that keeps it mapped): the Buffer's bytes, then the LL flags
+        self._whole_region = torch.as_tensor(ch.device_data_lease(), device=self.device)
+        self.region = self._whole_region[: self.num_bytes]
         self.direct_ranks = [
             d for d in range(self.num_ranks) if d == self.rank or (allow_direct_ll and self.node_of(d) == self.node)
         ]
         # Proxy peers whose memory is mapped here get their bytes stored by the kernels and placed WRITEs (config.py:
         # PROXY_COPIES_VAR): kernels read this only for peers that are not direct.
         self.placed = self.channel.placed_writes and not proxy_copies()
-        place = [ch.peer_data_ptr(d) if self.placed and d != self.rank else 0 for d in range(self.num_ranks)]
-        self.placed_ranks = [d for d in range(self.num_ranks) if place[d] and d not in self.direct_ranks]
+        place = [d for d in range(self.num_ranks) if self.placed and d != self.rank and ch.peer_mapped(d)]
+        self.placed_ranks = [d for d in place if d not in self.direct_ranks]
         copied = len(self.direct_ranks) + len(self.placed_ranks) < self.num_ranks
         if copied and self.channel.transport.startswith("shm"):
             check_gpu_copy_connections(
                 f"the proxy path over transport={self.channel.transport!r} on GPU memory with {PROXY_COPIES_VAR}=1"
             )
-        peers = [ch.peer_data_ptr(d) if d in self.direct_ranks else 0 for d in range(self.num_ranks)]
-        self._peers = torch.tensor(peers, dtype=torch.int64, device=self.device)
-        self.place_table = torch.tensor(place, dtype=torch.int64, device=self.device)
+        # the regions the kernels store into, written whole by a synchronous copy (no fill kernel left to race it,
+        # nothing queued on this stream that may still write the memory): direct ranks, placed-WRITE ranks; 0 else
+        self._peers = torch.empty(self.num_ranks, dtype=torch.int64, device=self.device)
+        self.place_table = torch.empty_like(self._peers)
+        torch.cuda.current_stream(self.device).synchronize()
+        self.native.cuda_peer_table(ch, self.direct_ranks, self._peers)
+        self.native.cuda_peer_table(ch, place, self.place_table)
         # the kernels' int32 scratch, laid out natively (gpu_kernels/cuda/ll_api.h, LLScratch)
         self._scratch = torch.zeros(
             self.native.ll_scratch_words(self.num_ranks, max_local_experts), dtype=torch.int32, device=self.device
@@ -510,9 +497,7 @@ class CudaEngine(Topology):
         self.synchronize()
         self.sync()
         flags = self.num_bytes
-        _as_tensor(
-            self.channel.native_channel.device_data_ptr() + flags, self.ll_region.end - flags, self.device
-        ).zero_()  # flags, meta blocks
+        self._whole_region[flags : self.ll_region.end].zero_()  # flags, meta blocks
         self._scratch.zero_()
         self.signal_seen.view(self.num_ranks, -1)[:, : self.ht_stream_base].zero_()  # normal mode's stay
         signals = self.channel.signals
@@ -535,7 +520,7 @@ class CudaEngine(Topology):
         live = [r for r in range(self.num_ranks) if host_mask is None or not host_mask[r]]
         ch = self.channel.native_channel
         for dst in live:
-            if ch.peer_data_ptr(dst) and dst in self.direct_ranks:
+            if ch.peer_mapped(dst) and dst in self.direct_ranks:
                 ch.direct_signal(dst, hb.STREAM_SYNC, 0, True)
             else:
                 ch.signal(dst, hb.STREAM_SYNC, True)
@@ -579,7 +564,7 @@ class CudaEngine(Topology):
         except Exception:  # noqa: BLE001 - a failed channel or device: destroy what is left all the same
             pass
         finally:
-            self.region = None
+            self.region = self._whole_region = None
             if self._ht is not None:
                 self._ht.destroy()
                 self._ht = None

@@ -128,8 +128,10 @@ class CudaHT:
             area_bytes=m.area_bytes,
         )
         self.forward = self.layout.forwarding  # forwarders on each node (ht_api.h)
-        # (with a channel HTKernels writes its same-node peers' regions here)
-        self.peers = torch.zeros(m.num_ranks, dtype=torch.int64, device=m.device) if m.peers is None else m.peers
+        self.peers = m.peers
+        if m.peers is None:  # HTKernels writes it whole from the Channel with a synchronous copy: nothing may race it
+            self.peers = torch.empty(m.num_ranks, dtype=torch.int64, device=m.device)
+            torch.cuda.current_stream(m.device).synchronize()
         self.epoch = torch.zeros(native.HT_EPOCH_WORDS, dtype=torch.int64, device=m.device)  # HTCommon::epoch
         self.host_counts, host_counts_device = native.cuda_host_alloc_mapped(native.HT_HOST_COUNTS_BYTES)
         ctypes.memset(self.host_counts, 0, native.HT_HOST_COUNTS_BYTES)
