@@ -6,6 +6,7 @@ its signal becomes visible, so a signal delivered before its copy completed is c
 import pytest
 
 import channel_workers as w
+from native_channel import native_channel
 from dist_util import run_ranks
 
 
@@ -57,23 +58,5 @@ def test_python_api_moves_bytes_exactly_through_copy_workers(transport):
 def test_unregistrable_emulated_device_memory_is_refused_outside_verbs(transport):
     # device=-3 (kEmulatedDeviceWithoutRdma) stands for GPU memory no NIC can register; only the verbs transports
     # have a way around that (host staging, tests/verbs/verbs_inside.py), so shm must say so instead of touching it
-    from portep import native
-
     with pytest.raises(RuntimeError, match=r"device=-3 .* is for the verbs transports only"):
-        native.Channel(
-            rank=0,
-            num_ranks=1,
-            nbytes=4096,
-            transport=transport,
-            num_proxy_threads=1,
-            num_fifos=1,
-            fifo_capacity=64,
-            num_streams=1,
-            max_inflight_cmds=8,
-            max_inflight_bytes=1 << 20,
-            timeout_s=5.0,
-            unordered_window=8,
-            seed=0,
-            skip_ordering=False,
-            device=-3,
-        )
+        native_channel(transport=transport, device=-3)

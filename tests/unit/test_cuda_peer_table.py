@@ -9,6 +9,7 @@ import torch
 
 from portep import native
 
+from native_channel import native_channel
 from test_cuda_binding_args import _gpu, _ht_kernel_memory, _ht_layout
 
 pytestmark = pytest.mark.skipif(
@@ -21,23 +22,7 @@ EMULATED_GPU = -2  # transport/transport_factory.h kEmulatedDevice: the data reg
 
 @pytest.fixture
 def channel():
-    ch = native.Channel(
-        rank=0,
-        num_ranks=1,
-        nbytes=1 << 22,
-        transport="shm",
-        num_proxy_threads=1,
-        num_fifos=1,
-        fifo_capacity=64,
-        num_streams=4,
-        max_inflight_cmds=8,
-        max_inflight_bytes=1 << 20,
-        timeout_s=5.0,
-        unordered_window=8,
-        seed=0,
-        skip_ordering=False,
-        device=EMULATED_GPU,
-    )
+    ch = native_channel(nbytes=1 << 22, num_streams=4, device=EMULATED_GPU)
     ch.connect([ch.endpoint_blob()])
     ch.bootstrap_done()
     yield ch

@@ -16,6 +16,7 @@ import shutil
 import sys
 
 import ci_expect
+from native_channel import native_channel
 import pytest
 
 from portep import native
@@ -81,22 +82,7 @@ def test_no_rdma_device_is_a_clean_error():
     if os.path.isdir("/sys/class/infiniband") and os.listdir("/sys/class/infiniband"):
         pytest.skip("this machine has RDMA devices")
     with pytest.raises(RuntimeError, match="verbs: (no RDMA devices|this build has no verbs transports)"):
-        native.Channel(
-            rank=0,
-            num_ranks=1,
-            nbytes=4096,
-            transport="verbs",
-            num_proxy_threads=1,
-            num_fifos=1,
-            fifo_capacity=64,
-            num_streams=1,
-            max_inflight_cmds=8,
-            max_inflight_bytes=1 << 20,
-            timeout_s=5.0,
-            unordered_window=8,
-            seed=0,
-            skip_ordering=False,
-        )
+        native_channel(transport="verbs")
 
 
 _inside_run = {}
