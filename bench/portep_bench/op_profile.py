@@ -26,7 +26,7 @@ def op_times(fn, device):
         if not e.key.startswith("aten::"):
             continue
         cpu = float(e.self_cpu_time_total)
-        dev = float(getattr(e, "self_device_time_total", e.self_cpu_time_total if not cuda else 0.0)) if cuda else cpu
+        dev = float(getattr(e, "self_device_time_total", 0.0)) if cuda else cpu
         rows.append((e.key, dev, cpu, int(e.count)))
     rows.sort(key=lambda r: (-r[1], -r[2]))
     rows.append(("all operations", sum(r[1] for r in rows), sum(r[2] for r in rows), sum(r[3] for r in rows)))
