@@ -25,7 +25,7 @@ from .ht_loopback_ranks import (
     R,
     cached_dispatch,
     combine,
-    ctypes_u32,
+    failure_code,
     first_dispatch,
     layout,
     make_ranks,
@@ -127,7 +127,7 @@ def masked_inputs(inputs, mask):
 
 def check_outputs(ranks, inputs, handles, what):
     for r in range(R):
-        code = ctypes_u32(ranks[r].error_host)
+        code = failure_code(ranks[r])
         expect(code == 0, f"{what}: rank {r}: kernel error code {code}")
     for d in range(R):
         want = torch.cat([inputs[s][0][inputs[s][3][:, d]] for s in range(R)])

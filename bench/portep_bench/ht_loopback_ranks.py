@@ -4,7 +4,6 @@ GPU and its peer the other rank's buffer (direct stores, no proxies). The ops (n
 combine) are CudaHT's own methods, each on one rank's stream; none waits for the GPU, so ht_loopback.py can queue
 both ranks' kernels behind a sleep on the GPU (the first dispatch excepted: it waits for the counts)."""
 
-import ctypes
 import types
 from concurrent.futures import ThreadPoolExecutor
 
@@ -73,7 +72,6 @@ class LoopbackRank:
         dev = regions[rank].device
         self.region = regions[rank]
         self.errors = KernelErrors(native, dev)
-        self.error_host = self.errors.host  # mapped host address of the failure record (its code first)
         self.signals = torch.zeros(R * native.HT_NUM_STREAMS, dtype=torch.int64, device=dev)
         self.seen = torch.zeros_like(self.signals)
         self.fifos = native.DeviceFifoSet(1, 64)
@@ -92,7 +90,7 @@ class LoopbackRank:
             area_off=area_off,
             area_bytes=AREA_BYTES,
             errors=self.errors,
-            peer_status=0,
+            peer_status=None,
             signal_seen=self.seen,
             num_streams=native.HT_NUM_STREAMS,
             stream_base=0,
@@ -138,8 +136,9 @@ def first_dispatch(ranks, inputs, E, C, streams):
     ]
 
 
-def ctypes_u32(addr):
-    return ctypes.c_uint32.from_address(addr).value
+def failure_code(rank):
+    """The code of the rank's failure record (0: none), read from its mapped host memory."""
+    return rank.errors.record(0)[0]
 
 
 def cached_dispatch(rk, r, inputs_r, h, C, stream, fp8, mid=None):

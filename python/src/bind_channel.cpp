@@ -215,14 +215,6 @@ void bind_channel(py::module_& m) {
             return c.status_events(src, StatusEvent(kind));
           },
           py::arg("src"), py::arg("kind"))
-      .def(
-          "mirror_peer_status",
-          [](Channel& c, uintptr_t words) {
-            PeerWatch* w = c.proxies().peer_watch();
-            if (!w) throw std::logic_error("mirror_peer_status: this Channel has no status streams");
-            w->mirror_to(reinterpret_cast<uint32_t*>(words));
-          },
-          py::arg("words"))
       .def("peer_data_view",
            [](Channel& c, int dst) -> py::object {
              uint8_t* p = c.peer_data(dst);

@@ -17,6 +17,7 @@
 
 #include "proxy/channel.h"
 #include "python/src/bind_util.h"
+#include "python/src/mapped_host.h"
 #include "python/src/peer_table.h"
 #include "python/src/tensor_arg.h"
 #include "gpu_kernels/cuda/api.h"
@@ -29,10 +30,13 @@ namespace {
 
 using portep::bind::check;
 using portep::bind::Entries;
+using portep::bind::MappedHost;
 using portep::bind::ptr;
 using portep::bind::PyFifoSet;
 using portep::bind::tensor_arg;
 using portep::bind::TensorArg;
+
+constexpr uint64_t kErrorBytes = sizeof(KernelError) * kNumErrorWords;  // the records: failures, notices
 
 template <class T>
 std::string str(T v) {
@@ -118,17 +122,15 @@ class CallTensors {
 class HTKernels {
  public:
   HTKernels(const HTLayout& layout, const PyFifoSet* fifos, int rank, const portep::Channel* channel, py::handle region,
-            py::handle signals, py::handle peers, py::handle place, py::handle epoch, uintptr_t host_counts,
-            uintptr_t host_counts_device, uintptr_t error, uintptr_t error_host, py::handle failed,
-            uintptr_t peer_status, py::handle signal_seen, uint32_t num_streams, uint32_t stream_base, double timeout_s)
+            py::handle signals, py::handle peers, py::handle place, py::handle epoch, const MappedHost& host_counts,
+            const MappedHost& errors, py::handle failed, const MappedHost* peer_status, py::handle signal_seen,
+            uint32_t num_streams, uint32_t stream_base, double timeout_s)
       : layout_(layout),
-        host_(ptr<HTHostCounts>(host_counts)),
-        error_host_(ptr<KernelError>(error_host)),
+        host_(static_cast<HTHostCounts*>(host_counts.host(sizeof(HTHostCounts), "host_counts"))),
+        error_host_(static_cast<KernelError*>(errors.host(kErrorBytes, "errors"))),
         timeout_s_(timeout_s) {
     if (rank < 0 || rank >= layout.num_ranks)
       throw std::invalid_argument("rank=" + str(rank) + " must be in [0, " + str(layout.num_ranks) + ")");
-    if (!host_counts || !host_counts_device || !error || !error_host)
-      throw std::invalid_argument("host_counts(_device), error(_host) must not be null");
     if (uint64_t(stream_base) + kHTNumStreams > num_streams)
       throw std::invalid_argument("stream_base=" + str(stream_base) + " + " + str(kHTNumStreams) +
                                   " normal-mode streams exceed num_streams=" + str(num_streams));
@@ -171,9 +173,9 @@ class HTKernels {
     c_.recv_off = areas.recv_off;
     c_.stage_off = areas.stage_off;
     c_.epoch = epoch_words;
-    c_.host = ptr<HTHostCounts>(host_counts_device);
-    c_.peer_status = ptr<const uint32_t>(peer_status);
-    c_.error = ptr<KernelError>(error);
+    c_.host = static_cast<HTHostCounts*>(host_counts.device(sizeof(HTHostCounts), "host_counts"));
+    if (peer_status) c_.peer_status = static_cast<const uint32_t*>(peer_status->device(4 * uint64_t(R), "peer_status"));
+    c_.error = static_cast<KernelError*>(errors.device(kErrorBytes, "errors"));
     c_.failed = failed_words;
     c_.timeout_ns = uint64_t(timeout_s * 1e9);
     if (fifos) {
@@ -478,7 +480,7 @@ void bind_cuda_ht(py::module_& m) {
       "cuda_dispatch_layout",
       [](py::handle topk_idx, int num_tokens, int num_topk, int num_experts, int num_ranks, int ranks_per_node,
          py::handle per_rank, py::handle per_node, py::handle per_expert, py::handle is_token_in_rank, uintptr_t stream,
-         int rank, py::handle failed, uintptr_t error) {
+         int rank, py::handle failed, const MappedHost& errors) {
         using portep::bind::Entries;
         using portep::bind::gpu_tensor;
         // every tensor on topk_idx's GPU, contiguous, of its dtype and exact size (python/src/tensor_arg.h)
@@ -503,13 +505,13 @@ void bind_cuda_ht(py::module_& m) {
             reinterpret_cast<void*>(stream),
             rank,
             gpu_tensor<uint32_t>(failed, "failed", "int32", dev, portep::cuda::kNumErrorWords, Entries::kExactly),
-            reinterpret_cast<portep::cuda::KernelError*>(error)};
+            static_cast<portep::cuda::KernelError*>(errors.device(kErrorBytes, "errors"))};
         if (int err = portep::cuda::launch_dispatch_layout(a))
           throw std::runtime_error(std::string("cuda_dispatch_layout: ") + portep::cuda::cuda_error_string(err));
       },
       py::arg("topk_idx"), py::arg("num_tokens"), py::arg("num_topk"), py::arg("num_experts"), py::arg("num_ranks"),
       py::arg("ranks_per_node"), py::arg("per_rank"), py::arg("per_node"), py::arg("per_expert"),
-      py::arg("is_token_in_rank"), py::arg("stream"), py::arg("rank"), py::arg("failed"), py::arg("error"));
+      py::arg("is_token_in_rank"), py::arg("stream"), py::arg("rank"), py::arg("failed"), py::arg("errors"));
   m.def("ht_ctrl_layout", &ctrl_layout, py::arg("num_ranks"), py::arg("ranks_per_node"),
         "the normal mode's control area for that many ranks (gpu_kernels/cuda/ht_layout.h: ht_ctrl)");
   m.attr("HT_SLOT_LAYOUT") = slot_layout();
@@ -534,14 +536,14 @@ void bind_cuda_ht(py::module_& m) {
   bind_layout(m);
   py::class_<HTKernels>(m, "HTKernels")
       .def(py::init<const HTLayout&, const PyFifoSet*, int, const portep::Channel*, py::handle, py::handle, py::handle,
-                    py::handle, py::handle, uintptr_t, uintptr_t, uintptr_t, uintptr_t, py::handle, uintptr_t,
+                    py::handle, py::handle, const MappedHost&, const MappedHost&, py::handle, const MappedHost*,
                     py::handle, uint32_t, uint32_t, double>(),
            py::arg("layout"), py::arg("fifos"), py::kw_only(), py::arg("rank"), py::arg("channel") = nullptr,
            py::arg("region") = py::none(), py::arg("signals") = py::none(), py::arg("peers"), py::arg("place"),
-           py::arg("epoch"), py::arg("host_counts"), py::arg("host_counts_device"), py::arg("error"),
-           py::arg("error_host"), py::arg("failed"), py::arg("peer_status") = 0, py::arg("signal_seen"),
-           py::arg("num_streams"), py::arg("stream_base"), py::arg("timeout_s"), py::keep_alive<1, 3>(),
-           py::keep_alive<1, 5>())
+           py::arg("epoch"), py::arg("host_counts"), py::arg("errors"), py::arg("failed"),
+           py::arg("peer_status") = nullptr, py::arg("signal_seen"), py::arg("num_streams"), py::arg("stream_base"),
+           py::arg("timeout_s"), py::keep_alive<1, 3>(), py::keep_alive<1, 5>(), py::keep_alive<1, 11>(),
+           py::keep_alive<1, 12>(), py::keep_alive<1, 14>())
       .def_property_readonly("layout", [](const HTKernels& k) { return k.layout_; })
       .def("wait_counts", &HTKernels::wait_counts, py::arg("ticket"), py::arg("num_local_experts"))
       .def("notify", &notify, py::kw_only(), py::arg("channels"), py::arg("stream"), py::arg("count_mode") = false,

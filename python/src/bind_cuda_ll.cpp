@@ -16,6 +16,7 @@
 #include "gpu_kernels/ll_layout.h"
 #include "proxy/channel.h"
 #include "python/src/bind_util.h"
+#include "python/src/mapped_host.h"
 #include "python/src/peer_table.h"
 #include "python/src/tensor_arg.h"
 
@@ -27,6 +28,7 @@ namespace {
 using portep::ll_half_layout;
 using portep::LLHalfLayout;
 using portep::bind::check;
+using portep::bind::MappedHost;
 using portep::bind::ptr;
 using portep::bind::PyFifoSet;
 
@@ -166,26 +168,25 @@ LLCommon common_from(const py::kwargs& kw, int device) {
   c.max_chunks = int(scratch.max_chunks());
   c.dest_done = words + scratch.dest_done();
   c.seq_chain = words + scratch.seq_chain();
-  c.error = ptr<KernelError>(kw["error"].cast<uintptr_t>());
+  const auto& errors = kw["errors"].cast<const MappedHost&>();
+  c.error = static_cast<KernelError*>(errors.device(sizeof(KernelError) * kNumErrorWords, "errors"));
   c.failed = t.get<uint32_t>("failed", "int32", kNumErrorWords);
-  c.peer_status = ptr<const uint32_t>(kw["peer_status"].cast<uintptr_t>());
+  const py::object status = kw["peer_status"];  // None: no peer watch
+  if (!status.is_none())
+    c.peer_status =
+        static_cast<const uint32_t*>(status.cast<const MappedHost&>().device(4 * uint64_t(R), "peer_status"));
   c.mask = t.get<uint32_t>("mask", "int32", R, true);
   c.send_mask = t.get<const uint32_t>("send_mask", "int32", R, true);
   c.timeout_ns = uint64_t(kw["timeout_s"].cast<double>() * 1e9);
   c.num_sms = kw["num_sms"].cast<int>();
-  if (!c.error) throw std::invalid_argument("error: the kernels' mapped error records must not be null");
   if (!c.mask != !c.send_mask) throw std::invalid_argument("mask and send_mask: both (shrink mode) or neither");
   return c;
 }
 
-const char* const kLLKernelsKeywords[] = {"rank",       "num_ranks",   "max_local_experts",
-                                          "num_direct", "num_bytes",   "stream_base",
-                                          "device",     "channel",     "peers",
-                                          "place",      "signal_seen", "num_streams",
-                                          "fifos",      "scratch",     "error",
-                                          "error_host", "failed",      "peer_status",
-                                          "mask",       "send_mask",   "timeout_s",
-                                          "num_sms"};
+const char* const kLLKernelsKeywords[] = {
+    "rank",        "num_ranks", "max_local_experts", "num_direct",  "num_bytes", "stream_base", "device", "channel",
+    "peers",       "place",     "signal_seen",       "num_streams", "fifos",     "scratch",     "errors", "failed",
+    "peer_status", "mask",      "send_mask",         "timeout_s",   "num_sms"};
 
 std::unique_ptr<LLKernels> make_ll_kernels(const py::kwargs& kw) {
   for (const char* k : kLLKernelsKeywords)
@@ -197,8 +198,8 @@ std::unique_ptr<LLKernels> make_ll_kernels(const py::kwargs& kw) {
       kw["rank"].cast<int>(),       kw["num_ranks"].cast<int>(),      kw["max_local_experts"].cast<int>(),
       kw["num_direct"].cast<int>(), kw["num_bytes"].cast<uint64_t>(), kw["stream_base"].cast<uint32_t>(),
       kw["device"].cast<int>()};
-  const auto* error_host = ptr<const KernelError>(kw["error_host"].cast<uintptr_t>());
-  if (!error_host) throw std::invalid_argument("error_host: the host view of the kernels' error records, not null");
+  const auto* error_host = static_cast<const KernelError*>(
+      kw["errors"].cast<const MappedHost&>().host(sizeof(KernelError) * kNumErrorWords, "errors"));
   return std::make_unique<LLKernels>(s, common_from(kw, s.device), error_host, kw["channel"].cast<portep::Channel&>());
 }
 
@@ -371,25 +372,5 @@ void bind_cuda_ll(py::module_& m) {
   m.def("cuda_copy", [](uintptr_t dst, uintptr_t src, uint64_t bytes) {
     check(copy_to_device(ptr<void>(dst), ptr<const void>(src), bytes), "cudaMemcpy");
   });
-  m.def("cuda_host_alloc_mapped", [](uint64_t bytes) {
-    void *h = nullptr, *d = nullptr;
-    check(host_alloc_mapped(&h, &d, bytes), "cudaHostAlloc");
-    return py::make_tuple(reinterpret_cast<uintptr_t>(h), reinterpret_cast<uintptr_t>(d));
-  });
-  m.def("cuda_host_free_mapped", [](uintptr_t h) { check(host_free_mapped(ptr<void>(h)), "cudaFreeHost"); });
-  m.def(
-      "kernel_error_record",
-      [](uintptr_t records, uint32_t word) -> py::tuple {
-        if (word >= kNumErrorWords)
-          throw std::out_of_range("kernel_error_record: word " + std::to_string(word) + " is not 0 or 1");
-        const KernelError* e = ptr<const KernelError>(records) + word;
-        // The code is published last with a system-scope release store (kernel_errors.cuh): read it with acquire,
-        // and the fields only after it, else a record read while a kernel fills it names fields not yet written.
-        const uint32_t code = __atomic_load_n(&e->code, __ATOMIC_ACQUIRE);
-        if (!code) return py::make_tuple(0u, 0u, 0u, 0u, int64_t{0});
-        return py::make_tuple(code, e->rank, e->src, e->index, e->value);
-      },
-      py::arg("records"), py::arg("word"),
-      "(code, rank, src, index, value) of the mapped record `word` (0: failures, 1: notices); code 0: none");
 }
 #endif

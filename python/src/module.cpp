@@ -9,6 +9,7 @@ void bind_build_info(py::module_& m);
 void bind_layouts(py::module_& m);
 void bind_reduce(py::module_& m);
 #ifdef PORTEP_WITH_GPU
+void bind_mapped_host(py::module_& m);
 void bind_cuda_ll(py::module_& m);
 void bind_cuda_ht(py::module_& m);
 #endif
@@ -20,6 +21,7 @@ PYBIND11_MODULE(_C, m) {
   bind_layouts(m);
   bind_reduce(m);
 #ifdef PORTEP_WITH_GPU
+  bind_mapped_host(m);
   bind_cuda_ll(m);
   bind_cuda_ht(m);
 #endif

@@ -1,9 +1,9 @@
 """Python passes tensors to native code, never addresses it computed (issue 35 item 1): no `data_ptr()` (nor a native
 method handing out an address, `device_data_ptr()`, `peer_data_ptr(d)`, ...) anywhere in python/portep. The kernels
 take tensors and the native Channel, which writes the peers' regions into the kernels' tables itself
-(`cuda_peer_table`) and hands its region to torch as a lease (`__cuda_array_interface__`). Not covered: the mapped
-host words (kernel error records, peer status, the normal mode's count record) still reach the kernels' bindings as
-the integers their native allocation returned."""
+(`cuda_peer_table`) and hands its region to torch as a lease (`__cuda_array_interface__`); the mapped host words
+(kernel error records, the peer watch's status, the normal mode's count record) are native MappedHost objects that
+the bindings take whole (tests/unit/test_mapped_host.py)."""
 
 import pathlib
 import re

@@ -56,7 +56,7 @@ def _layout_args(N=16, K=4, E=32, R=4, L=2, on_gpu=True):
         stream=0,
         rank=0,
         failed=CudaStandIn(torch.zeros(native.KERNEL_ERROR_WORDS, dtype=torch.int32)),
-        error=0,
+        errors=_error_records(),
     )
 
 
@@ -144,10 +144,13 @@ def _gpu(*shape, dtype=torch.int32):
     return CudaStandIn(torch.zeros(*shape, dtype=dtype))
 
 
+def _error_records():
+    """The kernels' error records in emulated mapped host memory (plain host memory; no kernel ever runs on it)."""
+    return native.MappedHost(native.KERNEL_ERROR_WORDS * native.KERNEL_ERROR_BYTES, emulated=True)
+
+
 def _ht_kernel_memory(R):
-    """HTKernels' keywords for R ranks: stand-in tensors, and host addresses the calls never read (only wait_counts
-    would)."""
-    host = 1 << 16
+    """HTKernels' keywords for R ranks: stand-in tensors, and emulated mapped host memory."""
     return dict(
         rank=1,
         region=_gpu(HT_REGION_BYTES, dtype=torch.uint8),
@@ -155,10 +158,8 @@ def _ht_kernel_memory(R):
         peers=_gpu(R, dtype=torch.int64),
         place=_gpu(R, dtype=torch.int64),
         epoch=_gpu(native.HT_EPOCH_WORDS, dtype=torch.int64),
-        host_counts=host,
-        host_counts_device=host,
-        error=host,
-        error_host=host,
+        host_counts=native.MappedHost(native.HT_HOST_COUNTS_BYTES, emulated=True),
+        errors=_error_records(),
         failed=_gpu(native.KERNEL_ERROR_WORDS),
         signal_seen=_gpu(R * native.HT_NUM_STREAMS, dtype=torch.int64),
         num_streams=native.HT_NUM_STREAMS,

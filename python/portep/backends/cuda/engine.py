@@ -132,8 +132,8 @@ class CudaEngine(Topology):
         self.timeout_s = self.channel.timeout_s
         self.lockstep = Lockstep(self.channel, self.native, self.rank, self.num_ranks, self.timeout_s)
         # the peer watch's word per peer, in mapped host memory the kernels poll (peer_status.h)
-        self._status_host, self.status_device = self.native.cuda_host_alloc_mapped(4 * self.num_ranks)
-        self.channel.native_channel.mirror_peer_status(self._status_host)
+        self.peer_status = self.native.MappedHost(4 * self.num_ranks)
+        self.native.cuda_mirror_peer_status(self.channel.native_channel, self.peer_status)
         # shrink mode: the mask (receive sides set it) and its copy as each call begins (send sides read it)
         self.mask = self._send_mask = None
         if shrink:
@@ -171,7 +171,7 @@ class CudaEngine(Topology):
         # the proxy signal slots' values the kernels consumed last (only the host writes the slots themselves)
         self.signal_seen = torch.zeros(self.num_ranks * self.channel.num_streams, dtype=torch.int64, device=self.device)
         self.errors = KernelErrors(self.native, self.device)
-        self.error_device, self.failed_flag = self.errors.records, self.errors.words
+        self.failed_flag = self.errors.words
         self._ht = None
         self.launch_stream = None  # comm_stream while the Buffer runs a normal-mode call (backends/cuda/comm_stream.py)
         num_sms = self.device_sms = torch.cuda.get_device_properties(self.device).multi_processor_count
@@ -190,10 +190,9 @@ class CudaEngine(Topology):
             num_streams=self.channel.num_streams,
             fifos=self.fifos,
             scratch=self._scratch,
-            error=self.error_device,
-            error_host=self.errors.host,
+            errors=self.errors.records,
             failed=self.failed_flag,
-            peer_status=self.status_device,
+            peer_status=self.peer_status,
             mask=self.mask,
             send_mask=self._send_mask,
             timeout_s=self.timeout_s,
@@ -317,7 +316,7 @@ class CudaEngine(Topology):
             self.raw_stream(),
             self.rank,
             self.failed_flag,
-            self.error_device,
+            self.errors.records,
         )
         return per_rank, per_node, per_expert, in_rank
 
@@ -568,7 +567,7 @@ class CudaEngine(Topology):
             if self._ht is not None:
                 self._ht.destroy()
                 self._ht = None
-            self.channel.native_channel.mirror_peer_status(0)  # the watch stops writing the mapped words
+            self.native.cuda_mirror_peer_status(self.channel.native_channel, None)  # the watch stops writing them
             self.kernels.close()  # before the memory its plan table points at goes
             if self.mask is not None:  # shrink mode: see _PARKED
                 _PARKED.append(self.channel.native_channel.device_data_lease())
@@ -577,4 +576,4 @@ class CudaEngine(Topology):
             self.fifos = None
             self.kernels = None
             self.errors.free()
-            self.native.cuda_host_free_mapped(self._status_host)
+            self.peer_status.close()

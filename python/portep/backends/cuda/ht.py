@@ -13,7 +13,6 @@ host backend bit for bit (the same receive order, the same FP32 reduction order:
 ascending, then other ranks or nodes ascending).
 """
 
-import ctypes
 from dataclasses import dataclass
 from typing import Optional
 
@@ -45,7 +44,7 @@ class HTMemory:
     area_off: int  # the normal-mode area: receive rings, then (proxy peers) staging rings
     area_bytes: int
     errors: object  # backends/cuda/kernel_errors.KernelErrors: the records the host reads, the words kernels test
-    peer_status: int  # mapped host memory [R] of the peer watch (proxy/peer_status.h), or 0
+    peer_status: object  # native.MappedHost [R] uint32 of the peer watch (proxy/peer_status.h), or None
     signal_seen: torch.Tensor  # device int64 [R][num_streams]: what the kernels consumed of each slot
     num_streams: int
     stream_base: int  # the normal mode's HT_NUM_STREAMS signal streams begin here
@@ -71,7 +70,7 @@ def engine_memory(eng, ctrl_off, stream_base):
         area_off=eng.normal_off,
         area_bytes=eng.normal_bytes,
         errors=eng.errors,
-        peer_status=eng.status_device,
+        peer_status=eng.peer_status,
         signal_seen=eng.signal_seen,
         num_streams=eng.channel.num_streams,
         stream_base=stream_base,
@@ -133,8 +132,7 @@ class CudaHT:
             self.peers = torch.empty(m.num_ranks, dtype=torch.int64, device=m.device)
             torch.cuda.current_stream(m.device).synchronize()
         self.epoch = torch.zeros(native.HT_EPOCH_WORDS, dtype=torch.int64, device=m.device)  # HTCommon::epoch
-        self.host_counts, host_counts_device = native.cuda_host_alloc_mapped(native.HT_HOST_COUNTS_BYTES)
-        ctypes.memset(self.host_counts, 0, native.HT_HOST_COUNTS_BYTES)
+        self.host_counts = native.MappedHost(native.HT_HOST_COUNTS_BYTES)  # the count record the CPU waits on
         self.ticket = 0
         self.kernels = native.HTKernels(
             self.layout,
@@ -147,9 +145,7 @@ class CudaHT:
             place=m.place,
             epoch=self.epoch,
             host_counts=self.host_counts,
-            host_counts_device=host_counts_device,
-            error=m.errors.records,
-            error_host=m.errors.host,
+            errors=m.errors.records,
             failed=m.errors.words,
             peer_status=m.peer_status,
             signal_seen=m.signal_seen,
@@ -182,9 +178,7 @@ class CudaHT:
                 self._internode_tensors(in_rank, prefix, ones, ones, head, R, self_rows)
 
     def destroy(self):
-        if self.host_counts:
-            self.native.cuda_host_free_mapped(self.host_counts)
-            self.host_counts = 0
+        self.host_counts.close()
 
     def _on_comm(self):
         """Where this op's own preparation runs (input copies, fills, the internode handle): the stream its kernels

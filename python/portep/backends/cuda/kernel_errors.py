@@ -1,8 +1,6 @@
 """What the CUDA kernels report (gpu_kernels/cuda/kernel_errors.h): failures, which leave a Buffer failed, and
 notices, which the host raises once and then re-arms (the Buffer stays usable). One per CudaEngine: the device
-words the kernels test and the mapped host records the host reads."""
-
-import ctypes
+words the kernels test and the mapped host records the host reads (a native MappedHost, which owns them)."""
 
 import torch
 
@@ -12,8 +10,7 @@ class KernelErrors:
         self.native = native
         self.info = {e["code"]: e for e in native.KERNEL_ERRORS}
         words, record = native.KERNEL_ERROR_WORDS, native.KERNEL_ERROR_BYTES // 4
-        self.host, self.records = native.cuda_host_alloc_mapped(words * record * 4)
-        self._view = (ctypes.c_uint32 * (words * record)).from_address(self.host)
+        self.records = native.MappedHost(words * record * 4)  # [words] records, the code first in each
         self._record = record
         self.words = torch.zeros(words, dtype=torch.int32, device=device)  # device: [0] failures, [1] notices
 
@@ -23,7 +20,7 @@ class KernelErrors:
     def record(self, word):
         """(code, rank, src, index, value) of record `word` (0: failures, 1: notices); code 0: none. Read natively:
         the code first (acquire), then the fields a kernel wrote before publishing it."""
-        return tuple(self.native.kernel_error_record(self.host, word))
+        return tuple(self.native.kernel_error_record(self.records, word))
 
     def message(self, code, rank, src, index, value, suffix=""):
         """'rank R: a kernel failed: what (where)suffix' (a notice: 'a kernel reported: ...')."""
@@ -43,16 +40,14 @@ class KernelErrors:
         record = self.record(1)
         if not record[0] or torch.cuda.is_current_stream_capturing():
             return None
-        self._view[self._record] = 0
+        self.records.store_u32(self._record, 0)  # the notice record's code
         self.words[1:].zero_()
         return record[0], self.message(*record)
 
     def clear(self):
         """Both words and records back to zero (the ranks resynchronise; no kernel of the Buffer runs)."""
-        ctypes.memset(self.host, 0, self.native.KERNEL_ERROR_WORDS * self.native.KERNEL_ERROR_BYTES)
+        self.records.zero()
         self.words.zero_()
 
     def free(self):
-        if self.host:
-            self.native.cuda_host_free_mapped(self.host)
-            self.host = 0
+        self.records.close()
