@@ -1,8 +1,8 @@
 // Bindings of the CUDA normal-mode (HT) kernels (built with the CUDA kernels only): the layout of one rank's memory
 // (ht_layout.h) as HTLayout, and one Buffer's kernels as HTKernels, whose constructor and calls take keyword
 // arguments only. The calls take torch tensors (optional ones default to None, null for the kernels), each checked
-// for its GPU, dtype and size; the constructor takes the Channel (its regions) and tensors, and still the mapped host
-// words (count record, error records, peer status) as addresses (issue 35).
+// for its GPU, dtype and size; the constructor takes the Channel (its regions), tensors, and the mapped host words
+// (count record, error records, peer status) as MappedHost objects (python/src/mapped_host.h).
 #ifdef PORTEP_WITH_GPU
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>

@@ -28,7 +28,7 @@ class HTMemory:
     """What one rank's normal-mode kernels reach, given explicitly. engine_memory() fills it from a CudaEngine and
     its Channel; the loopback benchmark (bench/portep_bench/ht_loopback_ranks.py) from two buffers on one GPU.
     Memory the Channel owns stays native (HTKernels reads its regions and its same-node peers'); tensors are torch's;
-    the mapped host words are a native allocation's addresses. The layout: gpu_kernels/cuda/ht_layout.h."""
+    the mapped host words are native MappedHost objects. The layout: gpu_kernels/cuda/ht_layout.h."""
 
     rank: int
     num_ranks: int
