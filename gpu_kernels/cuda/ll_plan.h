@@ -1,8 +1,9 @@
 // A Buffer's prepared low-latency calls: for each call signature (T, hidden, num_experts) the kernels' constants of
 // both buffer halves, so a call adds only its tensors, its stream and its sequence number. The bindings' LLKernels
 // (python/src/bind_cuda_ll.cpp) own the table; the torch fast path (python/src/ll_torch_path.cpp), a separate module
-// without kernels of its own, reads it through its address and launches through its function pointers (launch_dispatch
-// and launch_combine choose between a cached CUDA graph and a kernel launch for both).
+// without kernels of its own, receives it in a versioned LLShared capsule (python/src/ll_shared.h) and launches
+// through its function pointers (launch_dispatch and launch_combine choose between a cached CUDA graph and a kernel
+// launch for both).
 #pragma once
 
 #include <stdint.h>

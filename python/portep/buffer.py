@@ -118,8 +118,6 @@ class Buffer:
         backend: Optional[str] = None,
     ) -> None:
         self.runtime = None
-        # Signatures of LL calls that passed validation (CUDA tensors only: on the CPU the checks read values).
-        self._checked = v.CheckedCalls()
         self.explicitly_destroy = bool(explicitly_destroy)
         if group is None:
             if comm is None:
@@ -655,50 +653,30 @@ class Buffer:
         return_recv_hook,
     ):
         engine = self._ll_engine()
-        key = None
-        if self._device == "cuda":
-            key = v.call_key(
-                "dispatch",
-                v.tensor_key(x),
-                v.tensor_key(topk_idx),
-                type(num_max_dispatch_tokens_per_rank),
-                num_max_dispatch_tokens_per_rank,
-                type(num_experts),
-                num_experts,
-                v.tensor_key(cumulative_local_expert_recv_stats),
-                v.tensor_key(dispatch_wait_recv_cost_stats),
-                bool(use_fp8),
-                bool(round_scale),
-                bool(use_ue8m0),
-                bool(async_finish),
-                bool(return_recv_hook),
-            )
-        if not self._checked.seen(key):
-            v.check_ll_flags(async_finish, return_recv_hook)
-            v.check_fp8_flags(use_fp8, round_scale, use_ue8m0)
-            tokens = check_int("num_max_dispatch_tokens_per_rank", num_max_dispatch_tokens_per_rank, 1)
-            v.check_num_experts(num_experts, self.group_size)
-            v.check_ll_x(x, tokens, use_ue8m0, self._device)
-            v.check_topk_idx(
-                "topk_idx", topk_idx, num_experts, num_tokens=x.size(0), limit_note=LL_TOPK_NOTE, device=self._device
-            )
-            v.check_stats(
-                "cumulative_local_expert_recv_stats",
-                cumulative_local_expert_recv_stats,
-                num_experts // self.group_size,
-                torch.int32,
-                "num_local_experts",
-                self._device,
-            )
-            v.check_stats(
-                "dispatch_wait_recv_cost_stats",
-                dispatch_wait_recv_cost_stats,
-                self.group_size,
-                torch.int64,
-                "num_ranks",
-                self._device,
-            )
-            self._checked.add(key)
+        v.check_ll_flags(async_finish, return_recv_hook)
+        v.check_fp8_flags(use_fp8, round_scale, use_ue8m0)
+        tokens = check_int("num_max_dispatch_tokens_per_rank", num_max_dispatch_tokens_per_rank, 1)
+        v.check_num_experts(num_experts, self.group_size)
+        v.check_ll_x(x, tokens, use_ue8m0, self._device)
+        v.check_topk_idx(
+            "topk_idx", topk_idx, num_experts, num_tokens=x.size(0), limit_note=LL_TOPK_NOTE, device=self._device
+        )
+        v.check_stats(
+            "cumulative_local_expert_recv_stats",
+            cumulative_local_expert_recv_stats,
+            num_experts // self.group_size,
+            torch.int32,
+            "num_local_experts",
+            self._device,
+        )
+        v.check_stats(
+            "dispatch_wait_recv_cost_stats",
+            dispatch_wait_recv_cost_stats,
+            self.group_size,
+            torch.int64,
+            "num_ranks",
+            self._device,
+        )
         tokens, recv_stats, wait_stats = (
             num_max_dispatch_tokens_per_rank,
             cumulative_local_expert_recv_stats,
@@ -717,8 +695,8 @@ class Buffer:
             wait_stats,
             bool(return_recv_hook),
         )
-        if key is not None:  # checked and launched: the fast path may take this signature from now on
-            engine.mark_checked(tokens, x.size(1), num_experts, (bool(use_fp8), bool(round_scale), bool(use_ue8m0)))
+        # checked and launched: the fast path may take this signature from now on (it checks each call's tensors)
+        engine.mark_checked(tokens, x.size(1), num_experts, (bool(use_fp8), bool(round_scale), bool(use_ue8m0)))
         extra = None
         if async_finish:
             data, scales = recv_x if isinstance(recv_x, tuple) else (recv_x, None)
@@ -781,47 +759,22 @@ class Buffer:
         combine_wait_recv_cost_stats,
     ):
         engine = self._ll_engine()
-        key = None
-        if self._device == "cuda" and isinstance(handle, tuple) and len(handle) == v.LL_HANDLE_LEN:
-            _, _, tokens, hidden, experts = handle
-            key = v.call_key(
-                "combine",
-                v.tensor_key(x),
-                v.tensor_key(topk_idx),
-                v.tensor_key(topk_weights),
-                v.tensor_key(handle[0]),
-                v.tensor_key(handle[1]),
-                type(tokens),
-                tokens,
-                type(hidden),
-                hidden,
-                type(experts),
-                experts,
-                v.tensor_key(out),
-                v.tensor_key(combine_wait_recv_cost_stats),
-                bool(zero_copy),
-                bool(async_finish),
-                bool(return_recv_hook),
-                bool(use_logfmt),
-            )
-        if not self._checked.seen(key):
-            v.check_ll_flags(async_finish, return_recv_hook)
-            tokens, hidden, num_experts = v.check_ll_handle(handle, self.group_size)
-            v.check_ll_logfmt(use_logfmt, zero_copy, hidden)
-            v.check_ll_combine_x(x, self.group_size, tokens, hidden, num_experts, self._device)
-            v.check_topk_idx("topk_idx", topk_idx, num_experts, limit_note=LL_TOPK_NOTE, device=self._device)
-            v.check_ll_num_tokens("topk_idx", topk_idx.size(0), tokens)
-            v.check_topk_weights("topk_weights", topk_weights, tuple(topk_idx.shape), self._device)
-            v.check_ll_out(out, topk_idx.size(0), hidden, self._device)
-            v.check_stats(
-                "combine_wait_recv_cost_stats",
-                combine_wait_recv_cost_stats,
-                self.group_size,
-                torch.int64,
-                "num_ranks",
-                self._device,
-            )
-            self._checked.add(key)
+        v.check_ll_flags(async_finish, return_recv_hook)
+        tokens, hidden, num_experts = v.check_ll_handle(handle, self.group_size)
+        v.check_ll_logfmt(use_logfmt, zero_copy, hidden)
+        v.check_ll_combine_x(x, self.group_size, tokens, hidden, num_experts, self._device)
+        v.check_topk_idx("topk_idx", topk_idx, num_experts, limit_note=LL_TOPK_NOTE, device=self._device)
+        v.check_ll_num_tokens("topk_idx", topk_idx.size(0), tokens)
+        v.check_topk_weights("topk_weights", topk_weights, tuple(topk_idx.shape), self._device)
+        v.check_ll_out(out, topk_idx.size(0), hidden, self._device)
+        v.check_stats(
+            "combine_wait_recv_cost_stats",
+            combine_wait_recv_cost_stats,
+            self.group_size,
+            torch.int64,
+            "num_ranks",
+            self._device,
+        )
         wait_stats = combine_wait_recv_cost_stats
         handle = tuple(handle)
         self._call.start()
@@ -836,8 +789,7 @@ class Buffer:
             wait_stats,
             bool(use_logfmt),
         )
-        if key is not None:
-            engine.mark_checked(*handle[2:])
+        engine.mark_checked(*handle[2:])
         extra = (x, topk_idx, topk_weights, handle[0], handle[1], combined_x) if async_finish else None
         return _returned(engine, (combined_x, self._event(async_finish, extra)), self._call.hook(hook))
 

@@ -16,7 +16,7 @@ data. So:
 """
 
 import time
-from typing import Any
+from typing import Any, Optional
 
 CLEAN_HINT = (
     "call clean_low_latency_buffer(...) on every rank to resynchronise (a normal-mode Buffer: destroy it "
@@ -40,23 +40,40 @@ def wire_seq(seq: int) -> int:
 
 
 class Lockstep:
-    # The LL fast path (portep._ll_torch, backends/cuda/ll_fast.py) reads broken, _refused, _resolved and seq and
-    # writes seq and sent through this object's __dict__, so they stay plain instance attributes.
+    """A Buffer's call protocol. Its counters live in one native object, `state` (native.LockstepState,
+    python/src/ll_shared.h), which the LL fast path (backends/cuda/ll_fast.py) reads and advances directly."""
+
     def __init__(self, channel: Any, native: Any, rank: int, num_ranks: int, timeout_s: float) -> None:
         self.channel, self.native = channel, native
         self.rank, self.num_ranks, self.timeout_s = rank, num_ranks, timeout_s
-        self.seq = 0  # collective calls this rank made or refused since the last resync
-        self.sent = False  # whether the current call sent anything yet (sending())
-        self.broken = None  # why this rank is out of step (None: in step)
-        self._refused = 0  # this rank's refusals
-        self._resolved = 0  # ... of which every peer is known to have refused too
+        self.state = native.LockstepState()
+        self._broken = None  # why this rank is out of step (None: in step); state.broken mirrors it
         self.mask = None  # shrink mode: the engine's uint8 [R] mask (1 = masked), whose ranks are not waited for
+
+    @property
+    def seq(self) -> int:
+        """Collective calls this rank made or refused since the last resync."""
+        return self.state.seq
+
+    @property
+    def sent(self) -> bool:
+        """Whether the current call sent anything yet (sending())."""
+        return self.state.sent
+
+    @property
+    def broken(self) -> Optional[str]:
+        """Why this rank is out of step (None: in step)."""
+        return self._broken
+
+    @broken.setter
+    def broken(self, why: Optional[str]) -> None:
+        self._broken = why
+        self.state.broken = why is not None
 
     # ---- the call protocol ----
     def begin(self) -> None:
         """A collective call begins (made or refused, it counts: every rank numbers its calls alike)."""
-        self.seq += 1
-        self.sent = False
+        self.state.begin()
 
     def enter(self, what: str) -> int:
         """Before a call's first traffic: raise if out of step; settle this rank's earlier refusals; returns the
@@ -66,25 +83,18 @@ class Lockstep:
             raise OutOfStep(
                 f"rank {self.rank}: {what} refused: this Buffer is out of step ({self.broken}); {CLEAN_HINT}"
             )
-        if self._refused > self._resolved:
+        if not self.state.in_step:
             self._settle_refusals(what)
         return self.seq
 
-    def made_call(self) -> None:
-        """A call that began, passed enter() and launched in one step (the LL fast path, backends/cuda/ll_fast.py,
-        does this natively once it checked that nothing is broken and no refusal of this rank's is unmatched, and calls
-        it for a launch that failed)."""
-        self.seq += 1
-        self.sent = True
-
     def sending(self) -> None:
         """The current call's first traffic (a signal, a write, a kernel launch) goes out now."""
-        self.sent = True
+        self.state.sent = True
 
     def refuse(self) -> None:
         """This rank will not make the call its peers may be making, and has sent nothing of it: tell them, so
         their waits give up."""
-        self._refused += 1
+        self.state.refused += 1
         self.channel.announce(self.native.EVENT_REFUSED)
 
     def fail(self, what: str, error: BaseException) -> None:
@@ -109,9 +119,8 @@ class Lockstep:
 
     def resynced(self) -> None:
         """After every rank zeroed its REFUSED and FAILED status slots between two synchronisations."""
-        self.seq = 0
+        self.state.seq = self.state.refused = self.state.resolved = 0
         self.broken = None
-        self._refused = self._resolved = 0
 
     # ---- internals ----
     def _settle_refusals(self, what):
@@ -128,7 +137,7 @@ class Lockstep:
                     self.broken = (
                         f"rank {p} {n.peer_status_text(max(status, n.PEER_FAILED))} after this rank refused a call"
                     )
-                elif ch.status_events(p, n.EVENT_REFUSED) >= self._refused:  # read after FAILED: see fail()
+                elif ch.status_events(p, n.EVENT_REFUSED) >= self.state.refused:  # read after FAILED: see fail()
                     pending.discard(p)
             if self.broken is None and pending and time.monotonic() > deadline:
                 self.broken = (
@@ -142,4 +151,4 @@ class Lockstep:
                 )
             if pending:
                 time.sleep(0.0005)
-        self._resolved = self._refused
+        self.state.resolved = self.state.refused

@@ -6,7 +6,7 @@ Wrong Python or torch types raise TypeError; wrong shapes, values, layouts, devi
 combinations raise ValueError.
 """
 
-from typing import Any, Hashable, Optional, Sequence, Tuple, Union
+from typing import Any, Optional, Sequence, Tuple, Union
 
 import torch
 
@@ -432,49 +432,3 @@ def check_ll_out(out: Optional[Tensor], num_tokens: int, hidden: int, device: Op
         shape=(("num_combined_tokens", num_tokens), ("hidden", hidden)),
         device=device,
     )
-
-
-# ---- signatures of calls that passed validation ----
-_UNCACHEABLE = object()
-
-
-def tensor_key(t: Any) -> Any:
-    """What validation looks at in a tensor argument (None stays None)."""
-    if t is None:
-        return None
-    if not isinstance(t, torch.Tensor):
-        return _UNCACHEABLE
-    return (t.shape, t.dtype, t.device, t.is_contiguous())
-
-
-def call_key(*parts: Any) -> Optional[tuple]:
-    """A hashable signature of a call's arguments (ints as (type, value), so 128.0 never matches 128), or None
-    when some argument cannot be summarized (that call is always validated in full)."""
-    return None if _UNCACHEABLE in parts else parts  # `in` tries identity first; no part equals the sentinel
-
-
-class CheckedCalls:
-    """Signatures of calls that passed validation. LL calls repeat the same shapes thousands of times per step,
-    and checking them again costs microseconds of a call whose whole budget is tens."""
-
-    def __init__(self, limit: int = 256) -> None:
-        self._seen = set()
-        self._limit = limit
-
-    def seen(self, key: Optional[Hashable]) -> bool:
-        """Whether a call of this signature passed validation before."""
-        try:
-            return key is not None and key in self._seen
-        except TypeError:  # an unhashable argument: validated in full every time
-            return False
-
-    def add(self, key: Optional[Hashable]) -> None:
-        """Records a signature that passed (forgetting all once there are `limit`)."""
-        if key is None:
-            return
-        if len(self._seen) >= self._limit:
-            self._seen.clear()
-        try:
-            self._seen.add(key)
-        except TypeError:
-            pass

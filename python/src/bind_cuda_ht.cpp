@@ -30,6 +30,7 @@ namespace {
 
 using portep::bind::check;
 using portep::bind::Entries;
+using portep::bind::GpuTensors;
 using portep::bind::MappedHost;
 using portep::bind::ptr;
 using portep::bind::PyFifoSet;
@@ -79,43 +80,6 @@ uint32_t ring_rows_for(const HTLayout& l, uint32_t row_bytes, int num_channels) 
   return rows;
 }
 
-// The tensors of one call, each on the call's GPU (that of its first tensor), contiguous, of its dtype and size
-// (python/src/tensor_arg.h); None is null where the kernels take null.
-class CallTensors {
- public:
-  explicit CallTensors(const char* op) : op_(op) {}
-
-  template <class T>
-  T* entries(py::handle t, const char* name, const char* dtype, int64_t n, Entries want = Entries::kExactly,
-             bool optional = true) {
-    return checked(tensor_arg(t, name, dtype, "cuda", device(t), optional), name, n, want, false).template as<T>();
-  }
-  // Any dtype, counted in bytes (rows of x, 4-byte scales of float32 or int32).
-  template <class T>
-  T* bytes(py::handle t, const char* name, int64_t n, bool optional = true) {
-    return checked(tensor_arg(t, name, nullptr, "cuda", device(t), optional), name, n, Entries::kExactly, true)
-        .template as<T>();
-  }
-
- private:
-  int device(py::handle t) {
-    if (device_ < 0 && !t.is_none()) {
-      const py::object index = t.attr("device").attr("index");
-      if (!index.is_none()) device_ = index.cast<int>();
-    }
-    return device_;  // -1 (any) until the first tensor names it
-  }
-  TensorArg checked(const TensorArg& h, const char* name, int64_t n, Entries want, bool in_bytes) const {
-    const int64_t have = in_bytes ? h.span.bytes : h.numel;
-    if (h.present && (want == Entries::kExactly ? have != n : have < n))
-      throw py::value_error(std::string(op_) + ": " + name + ": " + str(have) + (in_bytes ? " bytes, " : " entries, ") +
-                            (want == Entries::kExactly ? "exactly " : "at least ") + str(n) + " needed");
-    return h;
-  }
-  const char* op_;
-  int device_ = -1;
-};
-
 // The per-Buffer constants of HTCommon; each call adds its channels and stream. This rank's memory is the Channel's
 // (its regions, and its same-node peers' written into `peers`), or for a Buffer without a Channel (the loopback
 // benchmark) the tensors region, signals and peers.
@@ -137,7 +101,7 @@ class HTKernels {
     if (layout.proxy && !fifos)
       throw std::invalid_argument("fifos: None, but peers through the proxies (layout.proxy) need the device FIFOs");
     const int64_t R = layout.num_ranks;
-    CallTensors t("HTKernels");
+    GpuTensors t("HTKernels");
     auto* peer_table = t.entries<uint8_t*>(peers, "peers", "int64", R, Entries::kExactly, false);
     const auto* place_table = t.entries<uint8_t* const>(place, "place", "int64", R, Entries::kExactly, false);
     auto* epoch_words = t.entries<uint64_t>(epoch, "epoch", "int64", kHTEpochWords, Entries::kExactly, false);
@@ -242,7 +206,7 @@ void check_forwarding(const HTCommon& c, bool given, const char* what) {
 
 // Rows from sources 0..s to this rank, inclusive: the vector recv_prefix [R] (stride 1), or this rank's column of
 // the one-node [R][R] matrix rank_prefix_matrix (stride R); exactly one of them.
-void recv_prefix_of(CallTensors& t, const HTCommon& c, py::handle vector, py::handle matrix, const int32_t** prefix,
+void recv_prefix_of(GpuTensors& t, const HTCommon& c, py::handle vector, py::handle matrix, const int32_t** prefix,
                     int* stride) {
   const int R = c.num_ranks;
   if (vector.is_none() == matrix.is_none())
@@ -281,7 +245,7 @@ void notify(const HTKernels& k, int channels, uintptr_t stream, bool count_mode,
   if (num_tokens < 0 || num_experts < 1 || num_experts % R)
     throw py::value_error("notify: num_tokens=" + str(num_tokens) + " (>= 0), num_experts=" + str(num_experts) +
                           " (a positive multiple of num_ranks=" + str(R) + ")");
-  CallTensors t("notify");
+  GpuTensors t("notify");
   a.is_token_in_rank =
       t.entries<const bool>(is_token_in_rank, "is_token_in_rank", "bool", num_tokens * R, Entries::kExactly, false);
   a.tokens_per_expert =
@@ -319,7 +283,7 @@ void dispatch(const HTKernels& k, int channels, uintptr_t stream, py::handle x, 
     throw py::value_error("dispatch: num_tokens=" + str(num_tokens) + ", row_bytes=" + str(row_bytes) + ", max_recv=" +
                           str(max_recv) + ", num_scales=" + str(num_scales) + ", num_topk=" + str(num_topk) +
                           ", nvl_rows=" + str(nvl_rows) + ": row_bytes must be positive, the others >= 0");
-  CallTensors t("dispatch");
+  GpuTensors t("dispatch");
   a.x = t.bytes<const uint8_t>(x, "x", N * row_bytes, false);
   a.row_bytes = row_bytes;
   a.num_tokens = num_tokens;
@@ -366,7 +330,7 @@ void combine(const HTKernels& k, int channels, uintptr_t stream, py::handle x, i
   if (num_tokens < 0 || hidden < 1 || num_topk < 0)
     throw py::value_error("combine: num_tokens=" + str(num_tokens) + " (>= 0), hidden=" + str(hidden) +
                           " (>= 1), num_topk=" + str(num_topk) + " (>= 0)");
-  CallTensors t("combine");
+  GpuTensors t("combine");
   const TensorArg rows = tensor_arg(x, "x", "bfloat16", "cuda", -1);
   if (rows.numel % hidden)
     throw py::value_error("combine: x has " + str(rows.numel) + " entries, not rows of hidden=" + str(hidden));
@@ -481,30 +445,26 @@ void bind_cuda_ht(py::module_& m) {
       [](py::handle topk_idx, int num_tokens, int num_topk, int num_experts, int num_ranks, int ranks_per_node,
          py::handle per_rank, py::handle per_node, py::handle per_expert, py::handle is_token_in_rank, uintptr_t stream,
          int rank, py::handle failed, const MappedHost& errors) {
-        using portep::bind::Entries;
-        using portep::bind::gpu_tensor;
-        // every tensor on topk_idx's GPU, contiguous, of its dtype and exact size (python/src/tensor_arg.h)
-        // (both arms py::object: with a py::none arm the conditional's type is py::none, which refuses an int)
-        const py::object index =
-            topk_idx.is_none() ? py::object(py::none()) : py::object(topk_idx.attr("device").attr("index"));
-        const int dev = index.is_none() ? -1 : index.cast<int>();  // a CPU topk_idx is refused below, by name
+        // every tensor on topk_idx's GPU, contiguous, of its dtype and exact size (python/src/tensor_arg.h); the
+        // initializer's elements are evaluated in order, so topk_idx names the GPU
+        GpuTensors t("cuda_dispatch_layout");
         const int num_nodes = ranks_per_node > 0 ? num_ranks / ranks_per_node : 0;
         portep::cuda::LayoutArgs a{
-            gpu_tensor<const int64_t>(topk_idx, "topk_idx", "int64", dev, int64_t(num_tokens) * num_topk,
-                                      Entries::kExactly),
+            t.entries<const int64_t>(topk_idx, "topk_idx", "int64", int64_t(num_tokens) * num_topk, Entries::kExactly,
+                                     false),
             num_tokens,
             num_topk,
             num_experts,
             num_ranks,
             ranks_per_node,
-            gpu_tensor<int32_t>(per_rank, "per_rank", "int32", dev, num_ranks, Entries::kExactly),
-            gpu_tensor<int32_t>(per_node, "per_node", "int32", dev, num_nodes, Entries::kExactly, true),
-            gpu_tensor<int32_t>(per_expert, "per_expert", "int32", dev, num_experts, Entries::kExactly),
-            gpu_tensor<bool>(is_token_in_rank, "is_token_in_rank", "bool", dev, int64_t(num_tokens) * num_ranks,
-                             Entries::kExactly),
+            t.entries<int32_t>(per_rank, "per_rank", "int32", num_ranks, Entries::kExactly, false),
+            t.entries<int32_t>(per_node, "per_node", "int32", num_nodes, Entries::kExactly, true),
+            t.entries<int32_t>(per_expert, "per_expert", "int32", num_experts, Entries::kExactly, false),
+            t.entries<bool>(is_token_in_rank, "is_token_in_rank", "bool", int64_t(num_tokens) * num_ranks,
+                            Entries::kExactly, false),
             reinterpret_cast<void*>(stream),
             rank,
-            gpu_tensor<uint32_t>(failed, "failed", "int32", dev, portep::cuda::kNumErrorWords, Entries::kExactly),
+            t.entries<uint32_t>(failed, "failed", "int32", portep::cuda::kNumErrorWords, Entries::kExactly, false),
             static_cast<portep::cuda::KernelError*>(errors.device(kErrorBytes, "errors"))};
         if (int err = portep::cuda::launch_dispatch_layout(a))
           throw std::runtime_error(std::string("cuda_dispatch_layout: ") + portep::cuda::cuda_error_string(err));

@@ -16,6 +16,7 @@
 #include "gpu_kernels/ll_layout.h"
 #include "proxy/channel.h"
 #include "python/src/bind_util.h"
+#include "python/src/ll_shared.h"
 #include "python/src/mapped_host.h"
 #include "python/src/peer_table.h"
 #include "python/src/tensor_arg.h"
@@ -28,12 +29,13 @@ namespace {
 using portep::ll_half_layout;
 using portep::LLHalfLayout;
 using portep::bind::check;
+using portep::bind::GpuTensors;
 using portep::bind::MappedHost;
 using portep::bind::ptr;
 using portep::bind::PyFifoSet;
 
 // A Buffer's LL kernels: the per-Buffer constants (LLCommon) and the table of prepared call signatures
-// (ll_plan.h), which the torch fast path reads through table_address.
+// (ll_plan.h), which the torch fast path reads through the LLShared capsule (ll_shared).
 class LLKernels {
  public:
   struct Setup {
@@ -130,22 +132,22 @@ class LLKernels {
   std::unique_ptr<LLGraphs, GraphsDeleter> graphs_{ll_graphs_create()};
 };
 
-// The call's tensors as the kernels take them: each on the Buffer's GPU, contiguous, of its dtype (null: any) and
-// with at least `entries` elements; None only where optional. Python passes tensors, never addresses.
-struct CallTensors {
+// A tensor argument of the engine's keyword arguments, checked as GpuTensors checks it (tensor_arg.h): on the
+// Buffer's GPU, contiguous, of its dtype and with at least `entries` elements; None only where optional. Python passes
+// tensors, never addresses.
+struct KwTensors {
   const py::kwargs& kw;
-  int device;
+  GpuTensors tensors;
   template <class T>
-  T* get(const char* name, const char* dtype, int64_t entries, bool optional = false) const {
-    return portep::bind::gpu_tensor<T>(kw[name], name, dtype, device, entries, portep::bind::Entries::kAtLeast,
-                                       optional);
+  T* get(const char* name, const char* dtype, int64_t entries, bool optional = false) {
+    return tensors.entries<T>(kw[name], name, dtype, entries, portep::bind::Entries::kAtLeast, optional);
   }
 };
 
 // LLCommon's per-Buffer pointers and limits, from the engine's keyword arguments: its tensors (each checked for the
 // Buffer's GPU, dtype and size), the Channel's memory, the FIFOs; the scratch laid out by LLScratch.
 LLCommon common_from(const py::kwargs& kw, int device) {
-  const CallTensors t{kw, device};
+  KwTensors t{kw, GpuTensors("LLKernels", device)};
   const int R = kw["num_ranks"].cast<int>();
   const LLScratch scratch{R, kw["max_local_experts"].cast<int>()};
   LLCommon c{};
@@ -205,7 +207,7 @@ std::unique_ptr<LLKernels> make_ll_kernels(const py::kwargs& kw) {
 
 void dispatch(LLPlanTable& table, const LLPlan& p, int half, int phases, uintptr_t stream, uint32_t seq,
               const py::kwargs& kw) {
-  const CallTensors t{kw, table.device};
+  KwTensors t{kw, GpuTensors("low-latency dispatch", table.device)};
   LLDispatchArgs a{};
   a.c = ll_call_common(p.dispatch[half], reinterpret_cast<void*>(stream), seq);
   a.num_tokens = kw["num_tokens"].cast<int>();
@@ -229,7 +231,7 @@ void dispatch(LLPlanTable& table, const LLPlan& p, int half, int phases, uintptr
 
 void combine(LLPlanTable& table, const LLPlan& p, int half, int phases, uintptr_t stream, uint32_t seq,
              const py::kwargs& kw) {
-  const CallTensors t{kw, table.device};
+  KwTensors t{kw, GpuTensors("low-latency combine", table.device)};
   LLCombineArgs a{};
   a.c = ll_call_common(p.combine[half], reinterpret_cast<void*>(stream), seq);
   a.zero_copy = kw["zero_copy"].cast<bool>();
@@ -247,6 +249,39 @@ void combine(LLPlanTable& table, const LLPlan& p, int half, int phases, uintptr_
   a.out_pitch = uint64_t(a.c.hidden) * 2;
   a.wait_stats = t.get<int64_t>("wait_stats", "int64", R, true);
   check(table.launch_combine(a, phases), "low-latency combine");
+}
+
+// What an LLShared capsule owns: the struct the fast path reads, and the objects it points into.
+struct SharedHolder {
+  portep::LLShared shared;
+  py::object state, kernels;
+};
+
+// A capsule of LLShared (ll_shared.h) over `state` and, unless None, the table of `kernels`; it keeps both alive.
+py::capsule ll_shared(py::object state, py::object kernels) {
+  auto type_error = [](const char* arg, const char* want, const py::object& got) {
+    return py::type_error(std::string("ll_shared: ") + arg + " must be " + want + ", got " +
+                          py::str(py::type::of(got).attr("__name__")).cast<std::string>());
+  };
+  if (!py::isinstance<portep::LockstepState>(state)) throw type_error("state", "a LockstepState", state);
+  if (!kernels.is_none() && !py::isinstance<LLKernels>(kernels))
+    throw type_error("kernels", "an LLKernels or None", kernels);
+  portep::LLShared shared;
+  shared.lockstep = &state.cast<portep::LockstepState&>();
+  if (!kernels.is_none()) {
+    shared.table = &kernels.cast<LLKernels&>().table();
+    shared.table_size = sizeof(LLPlanTable);
+  }
+  auto holder = std::make_unique<SharedHolder>(SharedHolder{shared, state, kernels});
+  PyObject* capsule = PyCapsule_New(&holder->shared, portep::kLLSharedCapsule,
+                                    [](PyObject* c) { delete static_cast<SharedHolder*>(PyCapsule_GetContext(c)); });
+  if (!capsule) throw py::error_already_set();
+  if (PyCapsule_SetContext(capsule, holder.get()) != 0) {
+    Py_DECREF(capsule);  // its destructor finds no context and deletes nothing
+    throw py::error_already_set();
+  }
+  holder.release();
+  return py::reinterpret_steal<py::capsule>(capsule);
 }
 
 }  // namespace
@@ -335,8 +370,10 @@ void bind_cuda_ll(py::module_& m) {
                              "graph launches, builds and updates, and the error that turned them off (0: none)")
       .def(
           "close", [](LLKernels& k) { k.close(); },
-          "the Buffer's memory goes away: the fast path finds no plan and reads nothing any more")
-      .def_property_readonly("table_address", [](LLKernels& k) { return reinterpret_cast<uintptr_t>(&k.table()); });
+          "the Buffer's memory goes away: the fast path finds no plan and reads nothing any more");
+  m.def("ll_shared", &ll_shared, py::arg("state"), py::arg("kernels").none(true),
+        "a capsule for portep._ll_torch.LLCalls: a LockstepState and the plan table of LLKernels (None: no table), "
+        "versioned and sized as python/src/ll_shared.h says; it keeps both alive");
 
   m.def("cuda_device_alloc", [](uint64_t bytes) {
     void* p = nullptr;

@@ -1,8 +1,9 @@
 // portep._ll_torch's entries: LLCalls, one per CUDA Buffer in low-latency mode, whose dispatch and combine become that
 // Buffer's low_latency_dispatch and low_latency_combine (Buffer._install_ll_fast_path sets them over the class's
 // methods, so a call reaches native code without a Python frame). An entry binds the call's arguments to Buffer's
-// signature, checks the Buffer's lockstep state, runs the phase (ll_torch_path.cpp) and counts the call as
-// Lockstep.made_call does. Whatever it does not take (arguments it cannot bind, a Buffer out of step or owing its
+// signature, checks the Buffer's lockstep state, runs the phase (ll_torch_path.cpp) and counts the call
+// (LockstepState::made_call); the state and the plan table come from portep._C as one LLShared capsule (ll_shared.h),
+// checked once. Whatever it does not take (arguments it cannot bind, a Buffer out of step or owing its
 // peers a refusal, a call the phase declines, `enabled` off) goes to Buffer's own Python method with the arguments as
 // they came, which validates the call in full and raises or runs it.
 #include <Python.h>
@@ -14,10 +15,12 @@
 #include <string>
 #include <vector>
 
+#include "python/src/ll_shared.h"
 #include "python/src/ll_torch_path.h"
 
 namespace {
 
+using portep::LockstepState;
 using portep::cuda::LLPlanTable;
 namespace lt = portep::ll_torch;
 
@@ -97,70 +100,33 @@ bool bind(const Signature& sig, PyObject* const* args, Py_ssize_t nargs, PyObjec
   return true;
 }
 
-PyObject *s_seq, *s_sent, *s_broken, *s_refused, *s_resolved, *s_made_call, *s_fail, *s_table_address;
+PyObject* s_fail;
 
 struct LLCalls {
-  PyObject_HEAD PyObject* kernels;  // portep._C's LLKernels: owns the plan table (kept alive while this is)
-  LLPlanTable* table;
-  PyObject* lockstep;       // the engine's Lockstep
-  PyObject* lockstep_vars;  // its __dict__: seq, sent, broken, _refused, _resolved are read and written there
-  PyObject* buffer;         // a weak reference to the Buffer (its instance dict holds this object's entries)
-  PyObject* event_type;     // EventOverlap
-  PyObject* raise_notice;   // the engine's raise_notice
-  PyObject* full[2];        // Buffer.low_latency_dispatch, Buffer.low_latency_combine (Python functions)
+  PyObject_HEAD PyObject* shared;  // portep._C's LLShared capsule: keeps the table's LLKernels and the state alive
+  LLPlanTable* table;              // the plan table (null: every call declines)
+  LockstepState* state;            // the Buffer's lockstep counters, which the full path advances too
+  PyObject* lockstep;              // the engine's Lockstep (its fail() marks the Buffer out of step)
+  PyObject* buffer;                // a weak reference to the Buffer (its instance dict holds this object's entries)
+  PyObject* event_type;            // EventOverlap
+  PyObject* raise_notice;          // the engine's raise_notice
+  PyObject* full[2];               // Buffer.low_latency_dispatch, Buffer.low_latency_combine (Python functions)
   char enabled;
   unsigned long long taken, declined;
 };
 
-// The Buffer is in step and owes its peers no refusal (the checks of Lockstep.enter, which the full path makes);
-// *seq: Lockstep.seq. False where a field is missing or of another type: the full path reads them itself.
-bool in_step(LLCalls* c, unsigned long long* seq) {
-  PyObject* d = c->lockstep_vars;
-  if (!d || PyDict_GetItemWithError(d, s_broken) != Py_None) {
-    PyErr_Clear();
-    return false;
-  }
-  PyObject* refused = PyDict_GetItemWithError(d, s_refused);
-  PyObject* resolved = refused ? PyDict_GetItemWithError(d, s_resolved) : nullptr;
-  if (!resolved) {
-    PyErr_Clear();
-    return false;
-  }
-  Py_INCREF(refused);  // the comparison may run Python code that changes the dict
-  Py_INCREF(resolved);
-  const int equal = PyObject_RichCompareBool(refused, resolved, Py_EQ);
-  Py_DECREF(refused);
-  Py_DECREF(resolved);
-  PyObject* s = equal == 1 ? PyDict_GetItemWithError(d, s_seq) : nullptr;
-  *seq = s && PyLong_CheckExact(s) ? PyLong_AsUnsignedLongLong(s) : 0;
-  if (!s || !PyLong_CheckExact(s) || PyErr_Occurred()) {
-    PyErr_Clear();
-    return false;
-  }
-  return true;
-}
-
-// A launched call counts, as Lockstep.made_call: seq + 1, sent.
-bool count_call(LLCalls* c, unsigned long long seq) {
-  PyObject* next = PyLong_FromUnsignedLongLong(seq + 1);
-  const bool ok = next && PyDict_SetItem(c->lockstep_vars, s_seq, next) == 0 &&
-                  PyDict_SetItem(c->lockstep_vars, s_sent, Py_True) == 0;
-  Py_XDECREF(next);
-  return ok;
-}
-
 // The launch was tried and failed (the error is set): the call counts, and this rank is out of step
-// (Lockstep.made_call, then Lockstep.fail, as the full path does). The call's error is raised.
+// (made_call, then Lockstep.fail, as the full path does). The call's error is raised.
 PyObject* failed(LLCalls* c, const Signature& sig) {
   PyObject *type, *value, *trace;
   PyErr_Fetch(&type, &value, &trace);
   PyErr_NormalizeException(&type, &value, &trace);
-  PyObject* made = PyObject_CallMethodNoArgs(c->lockstep, s_made_call);
-  PyObject* fail =
-      made ? PyObject_CallMethodObjArgs(c->lockstep, s_fail, sig.what_str, value ? value : Py_None, nullptr) : nullptr;
-  if (!fail) PyErr_WriteUnraisable(c->lockstep);  // the call's own error is the one to raise
-  Py_XDECREF(made);
-  Py_XDECREF(fail);
+  if (c->state) c->state->made_call();
+  if (c->lockstep) {
+    PyObject* fail = PyObject_CallMethodObjArgs(c->lockstep, s_fail, sig.what_str, value ? value : Py_None, nullptr);
+    if (!fail) PyErr_WriteUnraisable(c->lockstep);  // the call's own error is the one to raise
+    Py_XDECREF(fail);
+  }
   PyErr_Restore(type, value, trace);
   return nullptr;
 }
@@ -214,17 +180,13 @@ PyObject* full_path(LLCalls* c, int phase, const Signature& sig, PyObject* const
 PyObject* enter(LLCalls* c, int phase, PyObject* const* args, size_t nargsf, PyObject* kwnames) {
   const Signature& sig = phase == 0 ? kDispatch : kCombine;
   PyObject* bound[kMaxParams];
-  unsigned long long seq = 0;
-  if (c->enabled && bind(sig, args, PyVectorcall_NARGS(nargsf), kwnames, bound) && in_step(c, &seq)) {
-    const uint32_t wire_seq = uint32_t(seq % 0xFFFFFFFFull + 1);  // lockstep.wire_seq of the call's seq (seq + 1)
+  if (c->enabled && c->state && c->state->in_step() && bind(sig, args, PyVectorcall_NARGS(nargsf), kwnames, bound)) {
+    const uint32_t wire_seq = uint32_t(c->state->seq % 0xFFFFFFFFull + 1);  // lockstep.wire_seq of seq + 1
     PyObject* out = sig.run(c->table, bound, wire_seq, c->event_type);
     if (!out) return failed(c, sig);
     if (out != Py_None) {
       ++c->taken;
-      if (!count_call(c, seq)) {
-        Py_DECREF(out);
-        return failed(c, sig);
-      }
+      c->state->made_call();
       return with_notice(c, out);
     }
     Py_DECREF(out);
@@ -240,13 +202,34 @@ PyObject* calls_combine(PyObject* self, PyObject* const* args, Py_ssize_t nargsf
   return enter(reinterpret_cast<LLCalls*>(self), 1, args, size_t(nargsf), kwnames);
 }
 
-// LLCalls(kernels, lockstep, buffer, event_type, raise_notice, full_dispatch, full_combine)
+// The LLShared of capsule `shared` (ll_shared.h), or nullptr with a TypeError (not such a capsule) or a RuntimeError
+// (one of another layout: a portep._C and a portep._ll_torch of different builds).
+const portep::LLShared* shared_of(PyObject* shared) {
+  if (!PyCapsule_IsValid(shared, portep::kLLSharedCapsule)) {
+    PyErr_Format(PyExc_TypeError, "LLCalls: shared must be a %s capsule (portep._C.ll_shared), got %.200s",
+                 portep::kLLSharedCapsule, Py_TYPE(shared)->tp_name);
+    return nullptr;
+  }
+  const auto* s = static_cast<const portep::LLShared*>(PyCapsule_GetPointer(shared, portep::kLLSharedCapsule));
+  const std::string why = s ? portep::ll_shared_check(s, sizeof(LLPlanTable)) : "no pointer";
+  if (!s || !why.empty()) {
+    if (!PyErr_Occurred())
+      PyErr_Format(PyExc_RuntimeError,
+                   "LLCalls: portep._C's LLShared does not match this portep._ll_torch (%s): they come from different "
+                   "builds; reinstall portep",
+                   why.c_str());
+    return nullptr;
+  }
+  return s;
+}
+
+// LLCalls(shared, lockstep, buffer, event_type, raise_notice, full_dispatch, full_combine)
 PyObject* calls_new(PyTypeObject* type, PyObject* args, PyObject* kwargs) {
-  PyObject *kernels, *lockstep, *buffer, *event_type, *raise_notice, *full_dispatch, *full_combine;
-  static const char* kw[] = {"kernels",      "lockstep",      "buffer",       "event_type",
+  PyObject *shared, *lockstep, *buffer, *event_type, *raise_notice, *full_dispatch, *full_combine;
+  static const char* kw[] = {"shared",       "lockstep",      "buffer",       "event_type",
                              "raise_notice", "full_dispatch", "full_combine", nullptr};
-  if (!PyArg_ParseTupleAndKeywords(args, kwargs, "OOOOOOO:LLCalls", const_cast<char**>(kw), &kernels, &lockstep,
-                                   &buffer, &event_type, &raise_notice, &full_dispatch, &full_combine))
+  if (!PyArg_ParseTupleAndKeywords(args, kwargs, "OOOOOOO:LLCalls", const_cast<char**>(kw), &shared, &lockstep, &buffer,
+                                   &event_type, &raise_notice, &full_dispatch, &full_combine))
     return nullptr;
   if (!PyType_Check(event_type) || !PyCallable_Check(raise_notice) || !PyCallable_Check(full_dispatch) ||
       !PyCallable_Check(full_combine)) {
@@ -255,27 +238,19 @@ PyObject* calls_new(PyTypeObject* type, PyObject* args, PyObject* kwargs) {
                     "full_combine callables");
     return nullptr;
   }
-  PyObject* address = PyObject_GetAttr(kernels, s_table_address);
-  void* table = address && PyLong_Check(address) ? PyLong_AsVoidPtr(address) : nullptr;
-  Py_XDECREF(address);
-  if (PyErr_Occurred()) return nullptr;
-  PyObject* vars = PyObject_GenericGetDict(lockstep, nullptr);
-  if (!vars) return nullptr;
+  const portep::LLShared* s = shared_of(shared);
+  if (!s) return nullptr;
   PyObject* ref = PyWeakref_NewRef(buffer, nullptr);
-  if (!ref) {
-    Py_DECREF(vars);
-    return nullptr;
-  }
+  if (!ref) return nullptr;
   LLCalls* c = reinterpret_cast<LLCalls*>(type->tp_alloc(type, 0));
   if (!c) {
-    Py_DECREF(vars);
     Py_DECREF(ref);
     return nullptr;
   }
-  c->kernels = Py_NewRef(kernels);
-  c->table = static_cast<LLPlanTable*>(table);
+  c->shared = Py_NewRef(shared);
+  c->table = s->table;
+  c->state = s->lockstep;
   c->lockstep = Py_NewRef(lockstep);
-  c->lockstep_vars = vars;
   c->buffer = ref;
   c->event_type = Py_NewRef(event_type);
   c->raise_notice = Py_NewRef(raise_notice);
@@ -286,9 +261,8 @@ PyObject* calls_new(PyTypeObject* type, PyObject* args, PyObject* kwargs) {
 }
 
 // The references an LLCalls owns (the one list its traverse and clear walk).
-std::array<PyObject**, 8> owned_refs(LLCalls* c) {
-  return {&c->kernels,    &c->lockstep,     &c->lockstep_vars, &c->buffer,
-          &c->event_type, &c->raise_notice, &c->full[0],       &c->full[1]};
+std::array<PyObject**, 7> owned_refs(LLCalls* c) {
+  return {&c->shared, &c->lockstep, &c->buffer, &c->event_type, &c->raise_notice, &c->full[0], &c->full[1]};
 }
 
 int calls_traverse(PyObject* self, visitproc visit, void* arg) {
@@ -298,7 +272,8 @@ int calls_traverse(PyObject* self, visitproc visit, void* arg) {
 
 int calls_clear(PyObject* self) {
   LLCalls* c = reinterpret_cast<LLCalls*>(self);
-  c->table = nullptr;  // whatever comes now declines (a table without its owner is never read)
+  c->table = nullptr;  // whatever comes now declines (a table or a state without its owner is never read)
+  c->state = nullptr;
   c->enabled = 0;
   for (PyObject** ref : owned_refs(c)) Py_CLEAR(*ref);
   return 0;
@@ -361,20 +336,7 @@ bool prepare_signatures() {
     sig->doc = signature_doc(*sig, kCallsMethods[m].ml_name);
     kCallsMethods[m++].ml_doc = sig->doc.c_str();
   }
-  struct {
-    PyObject** slot;
-    const char* name;
-  } names[] = {{&s_seq, "seq"},
-               {&s_sent, "sent"},
-               {&s_broken, "broken"},
-               {&s_refused, "_refused"},
-               {&s_resolved, "_resolved"},
-               {&s_made_call, "made_call"},
-               {&s_fail, "fail"},
-               {&s_table_address, "table_address"}};
-  for (auto& n : names)
-    if (!(*n.slot = PyUnicode_InternFromString(n.name))) return false;
-  return true;
+  return (s_fail = PyUnicode_InternFromString("fail")) != nullptr;
 }
 
 PyModuleDef kModule = {PyModuleDef_HEAD_INIT, "_ll_torch", "portep's LL hot path against torch", -1, nullptr};

@@ -8,6 +8,7 @@ void bind_channel(py::module_& m);
 void bind_build_info(py::module_& m);
 void bind_layouts(py::module_& m);
 void bind_reduce(py::module_& m);
+void bind_lockstep(py::module_& m);
 #ifdef PORTEP_WITH_GPU
 void bind_mapped_host(py::module_& m);
 void bind_cuda_ll(py::module_& m);
@@ -20,6 +21,7 @@ PYBIND11_MODULE(_C, m) {
   bind_build_info(m);
   bind_layouts(m);
   bind_reduce(m);
+  bind_lockstep(m);
 #ifdef PORTEP_WITH_GPU
   bind_mapped_host(m);
   bind_cuda_ll(m);

@@ -65,14 +65,43 @@ inline void check_entries(const TensorArg& h, int64_t n, const char* name, Entri
                           (want == Entries::kExactly ? "exactly " : "") + std::to_string(n) + " needed");
 }
 
-// The address of `t`, a tensor on GPU `device` with tensor_arg's checks and check_entries' (None only where optional:
-// null), as the GPU kernels' bindings take their tensors.
-template <class T>
-T* gpu_tensor(const py::handle& t, const char* name, const char* dtype, int device, int64_t entries,
-              Entries want = Entries::kAtLeast, bool optional = false) {
-  const TensorArg h = tensor_arg(t, name, dtype, "cuda", device, optional);
-  check_entries(h, entries, name, want);
-  return h.as<T>();
-}
+// The GPU tensors of one native operation, as the GPU kernels' bindings take them: each checked as tensor_arg checks
+// it (on GPU `device`, or where that is -1 on the GPU of the first tensor given) and for its count of entries or
+// bytes; errors name the operation and the argument. None is accepted only where `optional`.
+class GpuTensors {
+ public:
+  explicit GpuTensors(const char* op, int device = -1) : op_(op), device_(device) {}
+
+  template <class T>
+  T* entries(py::handle t, const char* name, const char* dtype, int64_t n, Entries want = Entries::kExactly,
+             bool optional = true) {
+    return checked(tensor_arg(t, name, dtype, "cuda", device(t), optional), name, n, want, false).template as<T>();
+  }
+  // Any dtype, counted in bytes (rows of x, 4-byte scales of float32 or int32).
+  template <class T>
+  T* bytes(py::handle t, const char* name, int64_t n, bool optional = true) {
+    return checked(tensor_arg(t, name, nullptr, "cuda", device(t), optional), name, n, Entries::kExactly, true)
+        .template as<T>();
+  }
+
+ private:
+  int device(py::handle t) {
+    if (device_ < 0 && !t.is_none()) {
+      const py::object index = t.attr("device").attr("index");
+      if (!index.is_none()) device_ = index.cast<int>();
+    }
+    return device_;  // -1 (any) until the first tensor names it
+  }
+  TensorArg checked(const TensorArg& h, const char* name, int64_t n, Entries want, bool in_bytes) const {
+    const int64_t have = in_bytes ? h.span.bytes : h.numel;
+    if (h.present && (want == Entries::kExactly ? have != n : have < n))
+      throw py::value_error(std::string(op_) + ": " + name + ": " + std::to_string(have) +
+                            (in_bytes ? " bytes, " : " entries, ") +
+                            (want == Entries::kExactly ? "exactly " : "at least ") + std::to_string(n) + " needed");
+    return h;
+  }
+  const char* op_;
+  int device_;
+};
 
 }  // namespace portep::bind

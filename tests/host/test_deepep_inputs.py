@@ -4,7 +4,6 @@ before and after). A buffer too small for a dispatch is refused with a ValueErro
 """
 
 import pytest
-import torch
 
 import deepep_workers as w
 from dist_util import run_ranks
@@ -50,29 +49,3 @@ def test_bad_ll_inputs_are_refused_and_the_buffer_stays_usable():
 def test_buffer_too_small_is_refused_with_bytes_in_the_message():
     out = run_ranks(w.buffer_too_small, 2, args=("shm",), timeout=180)
     _assert_records(out)
-
-
-def test_checked_calls_cache_keys():
-    """The LL validation cache: tensor metadata and (type, value) ints make the key, unhashable or non-tensor
-    arguments are never cached, and the set stays bounded."""
-    import portep.validation as v
-
-    g = torch.Generator().manual_seed(5)
-    a = torch.randn(4, 8, generator=g)
-    same = torch.randn(4, 8, generator=g)
-    key = v.call_key("dispatch", v.tensor_key(a), int, 4)
-    assert key == v.call_key("dispatch", v.tensor_key(same), int, 4)  # values are not part of the key
-    assert key != v.call_key("dispatch", v.tensor_key(a.t()), int, 4)  # layout is
-    assert key != v.call_key("dispatch", v.tensor_key(a.double()), int, 4)  # dtype is
-    assert key != v.call_key("dispatch", v.tensor_key(a), float, 4.0)  # 4.0 never matches 4
-    assert v.call_key("dispatch", v.tensor_key([1, 2])) is None  # not a tensor: always validated in full
-    cache = v.CheckedCalls(limit=3)
-    assert not cache.seen(key) and not cache.seen(None)
-    cache.add(key)
-    assert cache.seen(key)
-    unhashable = ("combine", [1, 2])
-    cache.add(unhashable)
-    assert not cache.seen(unhashable)
-    for i in range(3):
-        cache.add(("other", i))
-    assert not cache.seen(key)  # the limit cleared the set before it grew past 3

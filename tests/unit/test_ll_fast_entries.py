@@ -1,12 +1,13 @@
 """portep._ll_torch.LLCalls without a GPU: what its entries (a Buffer's low_latency_dispatch / low_latency_combine on
 the CUDA backend) hand to Buffer's Python methods. With no plan table every call is declined, so each must reach the
 full method with its arguments exactly as they came, leave the lockstep state alone and be counted as declined;
-binding errors are the Python method's to raise; a deleted Buffer is named. The calls the entries take natively are
+binding errors are the Python method's to raise; a deleted Buffer is named; the capsule portep._C hands over
+(python/src/ll_shared.h) is refused when it is not one, or of another layout. The calls the entries take natively are
 checked on a GPU (tests/gpu/test_gpu_ll_fast_path.py)."""
 
+import ctypes
 import gc
 import importlib
-import types
 
 import ci_expect
 import pytest
@@ -22,12 +23,17 @@ pytestmark = ci_expect.needs(
 )
 _ll_torch = importlib.import_module("portep._ll_torch") if BUILT == torch.__version__ else None
 
-NO_TABLE = types.SimpleNamespace(table_address=0)
+
+def _state():
+    """A LockstepState as a Buffer's after 41 calls, two refusals matched by every peer."""
+    state = native.LockstepState()
+    state.seq, state.refused, state.resolved = 41, 2, 2
+    return state
 
 
-class Lockstep:  # the fields the entries read and write (portep.lockstep.Lockstep's)
-    def __init__(self):
-        self.seq, self.sent, self.broken, self._refused, self._resolved = 41, False, None, 2, 2
+class Lockstep:  # what the entries call on portep.lockstep.Lockstep: fail(), after a launch that failed
+    def fail(self, what, error):
+        raise AssertionError(f"fail({what!r}) called on a declined call")
 
 
 class FakeBuffer:  # Buffer's instances take weak references; SimpleNamespace's do not
@@ -43,11 +49,10 @@ class Recorder:
         return self.result
 
 
-def _calls(buffer, lockstep=None):
+def _calls(buffer, state=None):
     full_dispatch, full_combine = Recorder("full dispatch"), Recorder("full combine")
-    calls = _ll_torch.LLCalls(
-        NO_TABLE, lockstep or Lockstep(), buffer, object, lambda results: None, full_dispatch, full_combine
-    )
+    shared = native.ll_shared(state if state is not None else _state(), None)  # no LLKernels: no plan table
+    calls = _ll_torch.LLCalls(shared, Lockstep(), buffer, object, lambda results: None, full_dispatch, full_combine)
     return calls, full_dispatch, full_combine
 
 
@@ -60,8 +65,8 @@ def _inputs(seed):
 
 @pytest.mark.parametrize("seed", [1, 2])
 def test_declined_calls_reach_the_python_methods_with_their_arguments_as_they_came(seed):
-    buffer, lockstep = FakeBuffer(), Lockstep()
-    calls, full_dispatch, full_combine = _calls(buffer, lockstep)
+    buffer, state = FakeBuffer(), _state()
+    calls, full_dispatch, full_combine = _calls(buffer, state)
     x, idx, weights = _inputs(seed)
     stats = torch.arange(4, dtype=torch.int32) + seed
     handle = (idx.int(), idx, 8, 512, 16)
@@ -84,7 +89,7 @@ def test_declined_calls_reach_the_python_methods_with_their_arguments_as_they_ca
         assert all(a is b for a, b in zip(got_args[1:], args)) and got_kwargs.keys() == kwargs.keys()
         assert all(got_kwargs[k] is v for k, v in kwargs.items())
         assert calls.declined == n and calls.taken == 0
-    assert (lockstep.seq, lockstep.sent) == (41, False)  # nothing launched: the call counts on the full path
+    assert (state.seq, state.sent) == (41, False)  # nothing launched: the call counts on the full path
 
 
 def test_arguments_python_cannot_bind_are_left_to_the_python_method():
@@ -105,7 +110,8 @@ def test_arguments_python_cannot_bind_are_left_to_the_python_method():
         return "bound"
 
     buffer = FakeBuffer()
-    calls = _ll_torch.LLCalls(NO_TABLE, Lockstep(), buffer, object, print, full_dispatch, full_dispatch)
+    shared = native.ll_shared(_state(), None)
+    calls = _ll_torch.LLCalls(shared, Lockstep(), buffer, object, print, full_dispatch, full_dispatch)
     x, idx, _ = _inputs(3)
     with pytest.raises(TypeError, match="unexpected keyword argument 'use_fp9'"):
         calls.dispatch(x, idx, 8, 16, use_fp9=True)
@@ -120,18 +126,17 @@ def test_arguments_python_cannot_bind_are_left_to_the_python_method():
 
 
 def test_off_or_out_of_step_the_entries_take_nothing():
-    buffer, lockstep = FakeBuffer(), Lockstep()
-    calls, full_dispatch, _ = _calls(buffer, lockstep)
+    buffer, state = FakeBuffer(), _state()
+    calls, full_dispatch, _ = _calls(buffer, state)
     x, idx, _ = _inputs(4)
     calls.enabled = False
     assert calls.dispatch(x, idx, 8, 16) == full_dispatch.result and not calls.enabled
     calls.enabled = True
-    lockstep.broken = "dispatch #3 failed on rank 0"
+    state.broken = True
     assert calls.dispatch(x, idx, 8, 16) == full_dispatch.result
-    lockstep.broken, lockstep._refused = None, 3  # a refusal its peers have not matched yet
-    del lockstep.seq  # a field missing altogether: the full path reads them itself
-    assert calls.dispatch(x, idx, 8, 16) == full_dispatch.result
-    assert calls.declined == 3 and calls.taken == 0 and lockstep.sent is False
+    state.broken, state.refused = False, 3  # a refusal its peers have not matched yet
+    assert not state.in_step and calls.dispatch(x, idx, 8, 16) == full_dispatch.result
+    assert calls.declined == 3 and calls.taken == 0 and (state.seq, state.sent) == (41, False)
 
 
 def test_a_deleted_buffer_is_named_and_its_entries_hold_no_reference_to_it():
@@ -147,12 +152,59 @@ def test_a_deleted_buffer_is_named_and_its_entries_hold_no_reference_to_it():
 
 
 def test_the_entries_refuse_arguments_that_are_not_what_they_need():
+    shared = native.ll_shared(_state(), None)
     with pytest.raises(TypeError, match="event_type must be a class"):
-        _ll_torch.LLCalls(NO_TABLE, Lockstep(), FakeBuffer(), None, print, print, print)
-    with pytest.raises(AttributeError):
+        _ll_torch.LLCalls(shared, Lockstep(), FakeBuffer(), None, print, print, print)
+    with pytest.raises(TypeError, match=r"shared must be a portep\._C\.LLShared capsule .*, got object"):
         _ll_torch.LLCalls(object(), Lockstep(), FakeBuffer(), object, print, print, print)
     with pytest.raises(TypeError):
-        _ll_torch.LLCalls(NO_TABLE, Lockstep(), 5, object, print, print, print)  # no weak reference to an int
+        _ll_torch.LLCalls(shared, Lockstep(), 5, object, print, print, print)  # no weak reference to an int
+    with pytest.raises(TypeError, match="ll_shared: state must be a LockstepState, got Lockstep"):
+        native.ll_shared(Lockstep(), None)
+    with pytest.raises(TypeError, match="ll_shared: kernels must be an LLKernels or None, got object"):
+        native.ll_shared(_state(), object())
+
+
+class _LLShared(ctypes.Structure):  # python/src/ll_shared.h's LLShared, version 1
+    _fields_ = [
+        ("magic", ctypes.c_uint32),
+        ("version", ctypes.c_uint32),
+        ("size", ctypes.c_uint32),
+        ("lockstep_size", ctypes.c_uint32),
+        ("table_size", ctypes.c_uint64),
+        ("table", ctypes.c_void_p),
+        ("lockstep", ctypes.c_void_p),
+    ]
+
+
+def _capsule(struct, name=b"portep._C.LLShared"):
+    new = ctypes.pythonapi.PyCapsule_New
+    new.restype, new.argtypes = ctypes.py_object, [ctypes.c_void_p, ctypes.c_char_p, ctypes.c_void_p]
+    return new(ctypes.addressof(struct), name, None)
+
+
+@pytest.mark.parametrize(
+    "field, value, named",
+    [
+        ("magic", 0x12345678, "magic 305419896, expected"),
+        ("version", 2, "version 2, expected 1"),
+        ("size", 48, "size 48, expected 40"),
+        ("lockstep_size", 40, "LockstepState size 40, expected 32"),
+        ("lockstep", 0, "no LockstepState"),
+    ],
+)
+def test_a_capsule_of_another_layout_is_refused_naming_what_differs(field, value, named):
+    """The layout check a portep._ll_torch of another build meets: each field of the header is compared."""
+    lockstep = ctypes.create_string_buffer(32)
+    struct = _LLShared(0x534C4C50, 1, 40, 32, 0, None, ctypes.addressof(lockstep))
+    name = ctypes.create_string_buffer(b"portep._C.LLShared")
+    good = _capsule(struct, name)
+    _ll_torch.LLCalls(good, Lockstep(), FakeBuffer(), object, print, print, print)  # the header as this build has it
+    setattr(struct, field, value)
+    with pytest.raises(RuntimeError, match=f"does not match this portep._ll_torch \\({named}"):
+        _ll_torch.LLCalls(_capsule(struct, name), Lockstep(), FakeBuffer(), object, print, print, print)
+    with pytest.raises(TypeError, match="shared must be"):
+        _ll_torch.LLCalls(_capsule(struct, b"another.capsule"), Lockstep(), FakeBuffer(), object, print, print, print)
 
 
 @pytest.mark.parametrize("entry", ["dispatch", "combine"])

@@ -68,9 +68,11 @@ def _fast_path_module(native):
 def fast_calls(module, engine, buffer, full_dispatch, full_combine):
     """portep._ll_torch.LLCalls for `buffer`: its entries `dispatch` and `combine` take Buffer's LL methods'
     arguments, run the calls they can take natively and hand the rest to full_dispatch / full_combine (Buffer's Python
-    methods, called with the buffer and the arguments as they came). They read and advance the engine's lockstep state
-    as Lockstep.made_call does (lockstep.py), launch on torch's current stream when the Buffer's GPU is the current
+    methods, called with the buffer and the arguments as they came). They read and advance the engine's lockstep
+    counters (lockstep.py's Lockstep.state, the native object both paths share, handed over with the plan table in one
+    versioned capsule, python/src/ll_shared.h), launch on torch's current stream when the Buffer's GPU is the current
     one, and raise a kernel's notice with the call's results as the full path does (engine.raise_notice)."""
+    shared = engine.native.ll_shared(engine.lockstep.state, engine.kernels)
     return module.LLCalls(
-        engine.kernels, engine.lockstep, buffer, EventOverlap, engine.raise_notice, full_dispatch, full_combine
+        shared, engine.lockstep, buffer, EventOverlap, engine.raise_notice, full_dispatch, full_combine
     )
