@@ -206,6 +206,13 @@ def collect() -> dict:
     from .nccl_library import probe as nccl_probe
 
     report["nccl_library"] = nccl_probe()
+    from .nccl_device import device_path_problem
+
+    headers = info["nccl_device_headers"]
+    report["nccl_device_path"] = {
+        "headers": f"{headers // 10000}.{headers // 100 % 100}.{headers % 100}" if headers else "",
+        "problem": device_path_problem(),
+    }
     devices, why = _rdma_devices()
     report["rdma_devices"] = devices
     report["verbs_ports"] = native.verbs_devices()  # what libibverbs itself opens (atomics, link layer)
@@ -239,6 +246,11 @@ def format_text(r: dict) -> str:
         lines.append(f"    {line}")
     if "nccl_library" in r:
         lines.append(f"  NCCL library (for the nccl transport, not implemented yet): {r['nccl_library']['summary']}")
+    if "nccl_device_path" in r:
+        d = r["nccl_device_path"]
+        built = f"built against NCCL {d['headers']}'s device headers" if d["headers"] else "not built"
+        usable = f"not usable here: {d['problem']}" if d["problem"] else "usable"
+        lines.append(f"  NCCL device path: {built}; {usable}")
     gpu = r["gpus"]
     lines.append(f"  GPUs:       {gpu['count']}" + (f" ({gpu['error']})" if gpu.get("error") else ""))
     note = f" ({r['rdma_note']})" if r.get("rdma_note") else ""

@@ -8,6 +8,7 @@
 
 #ifdef PORTEP_WITH_GPU
 #include "gpu_kernels/cuda/api.h"
+#include "gpu_kernels/nccl/nccl_lsa.h"
 #endif
 
 namespace py = pybind11;
@@ -33,6 +34,15 @@ void bind_build_info(py::module_& m) {
     // portep._ll_torch, the LL hot path (python/src/ll_torch_path.cpp): the torch it was built against, or why not
     d["ll_fast_path_torch"] = std::string(PORTEP_TORCH_FAST_PATH_VERSION);
     d["ll_fast_path_reason"] = std::string(PORTEP_TORCH_FAST_PATH_REASON);
+    // the NCCL device path (gpu_kernels/nccl/nccl_lsa.h): the NCCL release of the device headers built in, or why none
+    std::string nccl_why = "no GPU kernels in this build";
+#ifdef PORTEP_WITH_GPU
+    const int headers = portep::cuda::nccl_device_headers_version(&nccl_why);
+#else
+    const int headers = 0;
+#endif
+    d["nccl_device_headers"] = headers;
+    d["nccl_device_reason"] = headers ? std::string() : nccl_why;
     return d;
   });
   m.def("cuda_devices", []() -> py::tuple {
@@ -81,6 +91,29 @@ void bind_build_info(py::module_& m) {
       py::arg("candidates"),
       "libnccl found at run time ($PORTEP_LIBNCCL, the one already loaded, else the first of candidates that loads, "
       "else libnccl.so.2): its version and whether it has the host one-sided API (NCCL >= 2.29.2)");
+  m.def(
+      "nccl_unique_id",
+      [](const std::vector<std::string>& candidates) {
+        std::string id;
+        {
+          py::gil_scoped_release unlocked;  // (loading NCCL and its bootstrap may take a while)
+          id = portep::nccl::unique_id(candidates);
+        }
+        return py::bytes(id);
+      },
+      py::arg("candidates"), "a new ncclUniqueId (bytes) from the NCCL library found, as nccl_probe finds it");
+  m.def(
+      "nccl_device_mismatch",
+      [](int version) {
+#ifdef PORTEP_WITH_GPU
+        return portep::cuda::nccl_device_mismatch(version);
+#else
+        return std::string("this build has no NCCL device path: no GPU kernels in this build");
+#endif
+      },
+      py::arg("version"),
+      "empty where an NCCL library of this version (ncclGetVersion's code) can run this build's NCCL device path, "
+      "else why not");
   m.def(
       "nic_libraries", [] { return portep::nic_library_summary(); },
       "the NIC libraries the verbs transports load at run time, one line each, with where they were found or why not");

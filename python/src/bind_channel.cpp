@@ -6,6 +6,7 @@
 #include "gpu_kernels/host/logfmt_rows.h"
 #include "gpu_kernels/host/row_kernels.h"
 #include "gpu_kernels/logfmt.h"
+#include "python/src/region_lease.h"
 #include "python/src/tensor_arg.h"
 #include "ordering/imm.h"
 #include "proxy/channel.h"
@@ -15,6 +16,7 @@ namespace py = pybind11;
 using namespace portep;
 using portep::bind::check_entries;
 using portep::bind::host_tensor;
+using portep::bind::RegionLease;
 using portep::bind::TensorArg;
 
 namespace {
@@ -44,32 +46,9 @@ std::unique_ptr<Channel> make_channel(int rank, int num_ranks, uint64_t nbytes, 
   return std::make_unique<Channel>(o);
 }
 
-// A byte range of a Channel's memory that keeps that memory mapped while Python holds it (torch.frombuffer and
-// __cuda_array_interface__ views keep their source object): a view used after Channel.destroy() reads memory that is
-// still there instead of unmapped pages.
-struct RegionLease {
-  std::shared_ptr<const Transport> owner;
-  uint8_t* data;
-  size_t bytes;
-  bool device;  // GPU memory: torch views it through __cuda_array_interface__, host memory through the buffer protocol
-};
-
 RegionLease lease(const Channel& c, void* data, size_t bytes, bool device = false) {
   if (!data) throw std::runtime_error("this Channel's region is not mapped here");
   return RegionLease{c.memory_owner(), static_cast<uint8_t*>(data), bytes, device};
-}
-
-// CUDA's array interface (version 3) of a device lease, so that torch.as_tensor(lease, device=...) views the memory
-// and keeps the lease; a host lease has none (AttributeError), so torch takes its buffer protocol instead.
-py::dict cuda_array_interface(const RegionLease& l) {
-  if (!l.device) throw py::attribute_error("__cuda_array_interface__: this lease is host memory");
-  py::dict d;
-  d["shape"] = py::make_tuple(py::int_(l.bytes));
-  d["typestr"] = "|u1";
-  d["data"] = py::make_tuple(py::int_(reinterpret_cast<uintptr_t>(l.data)), false);
-  d["version"] = 3;
-  d["strides"] = py::none();
-  return d;
 }
 
 py::dict stats_dict(const ProxyThreadStats& s) {
@@ -102,7 +81,7 @@ void bind_channel(py::module_& m) {
       })
       .def_property_readonly("address", [](const RegionLease& l) { return reinterpret_cast<uintptr_t>(l.data); })
       .def_property_readonly("nbytes", [](const RegionLease& l) { return l.bytes; })
-      .def_property_readonly("__cuda_array_interface__", &cuda_array_interface);
+      .def_property_readonly("__cuda_array_interface__", &portep::bind::cuda_array_interface);
   py::class_<Channel>(m, "Channel")
       .def(py::init(&make_channel), py::arg("rank"), py::arg("num_ranks"), py::arg("nbytes"), py::arg("transport"),
            py::arg("num_proxy_threads"), py::arg("num_fifos"), py::arg("fifo_capacity"), py::arg("num_streams"),

@@ -13,6 +13,7 @@ void bind_lockstep(py::module_& m);
 void bind_mapped_host(py::module_& m);
 void bind_cuda_ll(py::module_& m);
 void bind_cuda_ht(py::module_& m);
+void bind_nccl_device(py::module_& m);
 #endif
 
 PYBIND11_MODULE(_C, m) {
@@ -26,5 +27,6 @@ PYBIND11_MODULE(_C, m) {
   bind_mapped_host(m);
   bind_cuda_ll(m);
   bind_cuda_ht(m);
+  bind_nccl_device(m);
 #endif
 }

@@ -369,6 +369,7 @@ def forbidden_imports(graph, rules):
 LOWER_MODULES = [
     "channel",
     "nccl_library",
+    "nccl_device",
     "bootstrap",
     "config",
     "lockstep",

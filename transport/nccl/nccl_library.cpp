@@ -87,27 +87,48 @@ std::string Probe::summary() const {
   return s + ": no host one-sided API (" + why + "; the nccl transport needs NCCL >= 2.29.2)";
 }
 
-Probe probe(const std::vector<std::string>& candidates) {
+Library open_library(const std::vector<std::string>& candidates) {
   if (const char* env = std::getenv("PORTEP_LIBNCCL"); env && *env) {
     Opened o = open_once(env, 0);
-    if (!o.handle) return Probe{false, env, 0, {}, o.error + " ($PORTEP_LIBNCCL)"};
-    return probe_handle(o.handle);
+    if (!o.handle) return Library{nullptr, Probe{false, env, 0, {}, o.error + " ($PORTEP_LIBNCCL)"}};
+    return Library{o.handle, probe_handle(o.handle)};
   }
-  // torch's own, when it loaded one: RTLD_NOLOAD finds it by soname without loading anything new
-  if (void* loaded = dlopen("libnccl.so.2", RTLD_NOW | RTLD_LOCAL | RTLD_NOLOAD)) {
-    Probe p = probe_handle(loaded);
-    dlclose(loaded);  // (drops only the reference RTLD_NOLOAD took)
-    return p;
-  }
+  // torch's own, when it loaded one: RTLD_NOLOAD finds it by soname without loading anything new (asked afresh each
+  // time: torch may load it later; the reference each success takes is kept, so the library stays while used here)
+  if (void* loaded = dlopen("libnccl.so.2", RTLD_NOW | RTLD_LOCAL | RTLD_NOLOAD))
+    return Library{loaded, probe_handle(loaded)};
   std::string errors;
   for (const std::string& path : candidates) {
     Opened o = open_once(path, 0);
-    if (o.handle) return probe_handle(o.handle);
+    if (o.handle) return Library{o.handle, probe_handle(o.handle)};
     errors += (errors.empty() ? "" : "; ") + o.error;
   }
   Opened o = open_once("libnccl.so.2", 0);
-  if (o.handle) return probe_handle(o.handle);
-  return Probe{false, "", 0, {}, errors.empty() ? o.error : errors + "; " + o.error};
+  if (o.handle) return Library{o.handle, probe_handle(o.handle)};
+  return Library{nullptr, Probe{false, "", 0, {}, errors.empty() ? o.error : errors + "; " + o.error}};
+}
+
+Probe probe(const std::vector<std::string>& candidates) { return open_library(candidates).probe; }
+
+void* symbol(const Library& lib, const char* name) {
+  if (!lib.handle) throw std::runtime_error(std::string("no NCCL library to find ") + name + " in: " + lib.probe.error);
+  void* f = dlsym(lib.handle, name);
+  if (!f) throw std::runtime_error("NCCL " + lib.probe.version_text() + " at " + lib.probe.path + " has no " + name);
+  return f;
+}
+
+std::string unique_id(const std::vector<std::string>& candidates) {
+  using GetUniqueIdFn = int (*)(void*);  // ncclResult_t ncclGetUniqueId(ncclUniqueId* uniqueId)
+  using ErrorStringFn = const char* (*)(int);
+  const Library lib = open_library(candidates);
+  auto get = reinterpret_cast<GetUniqueIdFn>(symbol(lib, "ncclGetUniqueId"));
+  std::string id(kUniqueIdBytes, '\0');
+  if (int rc = get(id.data()); rc != 0) {
+    auto text = reinterpret_cast<ErrorStringFn>(dlsym(lib.handle, "ncclGetErrorString"));
+    throw std::runtime_error("ncclGetUniqueId (NCCL " + lib.probe.version_text() + " at " + lib.probe.path +
+                             "): " + (text ? text(rc) : "error " + std::to_string(rc)));
+  }
+  return id;
 }
 
 }  // namespace portep::nccl

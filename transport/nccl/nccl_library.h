@@ -5,6 +5,7 @@
 // needed to build.
 #pragma once
 
+#include <stdexcept>
 #include <string>
 #include <vector>
 
@@ -36,5 +37,21 @@ struct Probe {
 // The library: $PORTEP_LIBNCCL if set; else a libnccl.so.2 already loaded in this process (torch's); else the first
 // of candidates that loads; else libnccl.so.2 from the loader's search path. Loaded once per name per process.
 Probe probe(const std::vector<std::string>& candidates);
+
+// The library probe() finds, kept loaded for the rest of the process, for looking up its functions.
+struct Library {
+  void* handle = nullptr;  // null when nothing loaded (probe.error says why)
+  Probe probe;
+};
+Library open_library(const std::vector<std::string>& candidates);
+
+// The address of function `name` in lib; throws std::runtime_error naming the library and the function.
+void* symbol(const Library& lib, const char* name);
+
+constexpr int kUniqueIdBytes = 128;  // sizeof(ncclUniqueId), NCCL_UNIQUE_ID_BYTES in every release
+
+// A new ncclUniqueId (kUniqueIdBytes) from the library found: what every rank of a communicator needs, made by one
+// of them. Throws std::runtime_error naming the library and NCCL's error.
+std::string unique_id(const std::vector<std::string>& candidates);
 
 }  // namespace portep::nccl
