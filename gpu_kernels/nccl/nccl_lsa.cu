@@ -22,6 +22,7 @@ namespace portep::cuda {
 namespace {
 
 constexpr int kPutThreads = 512;
+constexpr ncclGinSignal_t kGinSignal = 0;  // the one signal asked for (ids start at 0)
 constexpr int kPutBlocks = 64;
 
 __global__ void peer_table_kernel(ncclWindow_t win, int num_ranks, uint64_t* table) {
@@ -34,6 +35,34 @@ __global__ void put_kernel(ncclWindow_t win, int peer, uint64_t offset, const ui
   uint4* dst = static_cast<uint4*>(ncclGetPeerPointer(win, offset, peer));
   for (uint64_t i = blockIdx.x * uint64_t(blockDim.x) + threadIdx.x; i < count; i += uint64_t(gridDim.x) * blockDim.x)
     dst[i] = src[i];
+}
+
+// One thread posts the put and its signal; the flush makes the source reusable when the kernel ends.
+__global__ void gin_put_kernel(ncclDevComm comm, ncclWindow_t win, int peer, uint64_t offset, uint64_t src_offset,
+                               uint64_t bytes) {
+  ncclGin gin(comm, 0);
+  gin.put(ncclTeamWorld(comm), peer, win, offset, win, src_offset, bytes, ncclGin_SignalInc{kGinSignal});
+  gin.flush(ncclCoopThread());
+}
+
+__device__ uint64_t global_ns() {
+  uint64_t t;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+  return t;
+}
+
+// Polls the signal (NCCL 2.28's waitSignal has no timeout); *done: 1 once it reached count, 2 past timeout_ns.
+__global__ void gin_wait_kernel(ncclDevComm comm, uint64_t count, uint64_t timeout_ns, int* done) {
+  ncclGin gin(comm, 0);
+  const uint64_t start = global_ns();
+  while (gin.readSignal(kGinSignal) < count) {
+    if (global_ns() - start > timeout_ns) {
+      *done = 2;
+      return;
+    }
+    __nanosleep(1000);
+  }
+  *done = 1;
 }
 
 __global__ void barrier_kernel(ncclDevComm comm) {
@@ -99,13 +128,22 @@ class DeviceScope {
   bool restore_ = false;
 };
 
-ncclDevCommRequirements_t lsa_requirements() {
+ncclDevCommRequirements_t requirements(bool gin) {
 #ifdef NCCL_DEV_COMM_REQUIREMENTS_INITIALIZER  // mandatory from 2.29 (a size and magic lead the struct)
   ncclDevCommRequirements_t reqs = NCCL_DEV_COMM_REQUIREMENTS_INITIALIZER;
 #else
   ncclDevCommRequirements_t reqs = {};  // 2.28: zero is "nothing asked"
 #endif
   reqs.lsaBarrierCount = 1;  // barrier_kernel's one CTA
+  if (gin) {
+    reqs.ginContextCount = 1;
+    reqs.ginSignalCount = 1;
+#if NCCL_VERSION_CODE >= 22907  // the connection type replaced ginForceEnable
+    reqs.ginConnectionType = NCCL_GIN_CONNECTION_FULL;
+#else
+    reqs.ginForceEnable = true;
+#endif
+  }
   return reqs;
 }
 
@@ -131,9 +169,14 @@ class NcclLsaImpl final : public NcclLsa {
     check_cuda(cudaDeviceSynchronize(), "zeroing the window");  // before any peer can store into it
     check(api_.window_register(comm_, region_, s.bytes, &window_, NCCL_WIN_COLL_SYMMETRIC), "ncclCommWindowRegister");
     wait("ncclCommWindowRegister");
-    const ncclDevCommRequirements_t reqs = lsa_requirements();
-    check(api_.dev_comm_create(comm_, &reqs, &dev_comm_), "ncclDevCommCreate");
-    wait("ncclDevCommCreate");
+    const ncclDevCommRequirements_t reqs = requirements(s.gin);
+    const char* step = s.gin ? "ncclDevCommCreate with GIN (GIN needs an RDMA NIC and NCCL's GIN support for it)"
+                             : "ncclDevCommCreate";
+    check(api_.dev_comm_create(comm_, &reqs, &dev_comm_), step);
+    wait(step);
+    if (s.gin && dev_comm_.ginContextCount < 1)
+      throw std::runtime_error(std::string("NCCL device path, rank ") + std::to_string(s.rank) + ": " + step +
+                               ": NCCL gave no GIN context");
     healthy_ = true;
   }
 
@@ -180,12 +223,7 @@ class NcclLsaImpl final : public NcclLsa {
   }
 
   void put(int peer, uint64_t offset, const void* src, uint64_t bytes, void* stream) override {
-    if (peer < 0 || peer >= dev_comm_.nRanks)
-      throw std::invalid_argument("put: peer " + std::to_string(peer) + " is not a rank of " +
-                                  std::to_string(dev_comm_.nRanks));
-    if (offset % 16 || bytes % 16 || offset > setup_.bytes || bytes > setup_.bytes - offset)
-      throw std::invalid_argument("put: offset " + std::to_string(offset) + " and bytes " + std::to_string(bytes) +
-                                  " must be multiples of 16 within the window's " + std::to_string(setup_.bytes));
+    check_range("put", peer, offset, bytes);
     if (bytes == 0) return;
     DeviceScope on(setup_.device);
     const uint64_t count = bytes / 16;
@@ -195,6 +233,35 @@ class NcclLsaImpl final : public NcclLsa {
     check_cuda(cudaGetLastError(), "launching the put kernel");
   }
 
+  void gin_put(int peer, uint64_t offset, uint64_t src_offset, uint64_t bytes, void* stream) override {
+    require_gin("gin_put");
+    check_range("gin_put", peer, offset, bytes);
+    check_range("gin_put's source", setup_.rank, src_offset, bytes);
+    DeviceScope on(setup_.device);
+    gin_put_kernel<<<1, 1, 0, static_cast<cudaStream_t>(stream)>>>(dev_comm_, window_, peer, offset, src_offset, bytes);
+    check_cuda(cudaGetLastError(), "launching the GIN put");
+  }
+
+  void gin_wait(uint64_t count, void* stream) override {
+    require_gin("gin_wait");
+    DeviceScope on(setup_.device);
+    int* done = nullptr;
+    check_cuda(cudaMalloc(&done, sizeof(int)), "cudaMalloc for the GIN wait");
+    std::unique_ptr<int, cudaError_t (*)(void*)> owned(done, &cudaFree);
+    check_cuda(cudaMemsetAsync(done, 0, sizeof(int), static_cast<cudaStream_t>(stream)), "the GIN wait's flag");
+    gin_wait_kernel<<<1, 1, 0, static_cast<cudaStream_t>(stream)>>>(dev_comm_, count, uint64_t(setup_.timeout_s * 1e9),
+                                                                    done);
+    check_cuda(cudaGetLastError(), "launching the GIN wait");
+    int state = 0;
+    check_cuda(cudaMemcpyAsync(&state, done, sizeof(int), cudaMemcpyDeviceToHost, static_cast<cudaStream_t>(stream)),
+               "reading the GIN wait's flag");
+    check_cuda(cudaStreamSynchronize(static_cast<cudaStream_t>(stream)), "the GIN wait");
+    if (state != 1)
+      throw std::runtime_error("NCCL device path, rank " + std::to_string(setup_.rank) +
+                               ": gin_wait: " + std::to_string(count) + " signals did not arrive within " +
+                               std::to_string(setup_.timeout_s) + " s");
+  }
+
   void barrier(void* stream) override {
     DeviceScope on(setup_.device);
     barrier_kernel<<<1, 128, 0, static_cast<cudaStream_t>(stream)>>>(dev_comm_);
@@ -202,6 +269,19 @@ class NcclLsaImpl final : public NcclLsa {
   }
 
  private:
+  void check_range(const char* what, int peer, uint64_t offset, uint64_t bytes) const {
+    const std::string op(what);
+    if (peer < 0 || peer >= dev_comm_.nRanks)
+      throw std::invalid_argument(op + ": peer " + std::to_string(peer) + " is not a rank of " +
+                                  std::to_string(dev_comm_.nRanks));
+    if (offset % 16 || bytes % 16 || offset > setup_.bytes || bytes > setup_.bytes - offset)
+      throw std::invalid_argument(op + ": offset " + std::to_string(offset) + " and bytes " + std::to_string(bytes) +
+                                  " must be multiples of 16 within the window's " + std::to_string(setup_.bytes));
+  }
+  void require_gin(const char* what) const {
+    if (!setup_.gin)
+      throw std::runtime_error(std::string(what) + ": this NcclLsa was created without GIN (gin=True asks for it)");
+  }
   void check(ncclResult_t rc, const char* what) {
     if (rc == ncclSuccess || rc == ncclInProgress) return;
     const char* detail = comm_ ? api_.last_error(comm_) : nullptr;

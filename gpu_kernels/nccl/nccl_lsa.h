@@ -1,7 +1,8 @@
 // NCCL's device API as a device path (LSA: load/store access to the peers NVLink or PCIe P2P reaches): a Buffer's
 // bytes in an NCCL symmetric window, kernels that store into peers through the pointers NCCL's device API gives
 // (ncclGetPeerPointer), and NCCL's LSA barrier between them. The alternative to the proxy path on machines whose
-// peers NCCL reaches from the GPU; GIN (NCCL's GPU-initiated network puts) needs an RDMA NIC these machines lack.
+// peers NCCL reaches from the GPU. With `gin`, also GIN (NCCL's GPU-initiated network puts with a signal, to peers on
+// any node), where NCCL has a GIN backend: it needs an RDMA NIC, and creation is refused without one.
 //
 // NCCL is never linked. Its host functions are looked up in the library the process loaded
 // (transport/nccl/nccl_library.h); its device functions are inline in the headers the build found. The device
@@ -32,6 +33,7 @@ struct NcclLsaSetup {
   std::string unique_id;                        // nccl::unique_id() of one rank, the same bytes on every rank
   double timeout_s = 60;                        // for each collective step (every rank must make it)
   std::vector<std::string> library_candidates;  // as nccl::probe takes them
+  bool gin = false;                             // ask for one GIN context and one GIN signal too
 };
 
 // One rank's communicator, window and device communicator (with one LSA barrier). Every member throws
@@ -57,6 +59,13 @@ class NcclLsa {
   virtual void put(int peer, uint64_t offset, const void* src, uint64_t bytes, void* stream) = 0;
   // NCCL's LSA barrier on `stream`: every store an LSA peer made before its barrier is visible after this one.
   virtual void barrier(void* stream) = 0;
+
+  // GIN (created with setup.gin): a kernel on `stream` puts `bytes` of this rank's window from src_offset into peer's
+  // window at offset, then adds 1 to peer's GIN signal, which NCCL makes visible only after the bytes.
+  virtual void gin_put(int peer, uint64_t offset, uint64_t src_offset, uint64_t bytes, void* stream) = 0;
+  // A kernel on `stream` waits until this rank's GIN signal reaches `count` (puts received since creation); returns
+  // once it has, or throws past setup.timeout_s.
+  virtual void gin_wait(uint64_t count, void* stream) = 0;
 };
 
 }  // namespace portep::cuda

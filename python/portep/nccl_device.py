@@ -37,10 +37,13 @@ class NcclDevicePath:
     """One rank's NCCL device path; construction is collective over `group` (a torch.distributed group, every rank
     on its own GPU: NCCL before 2.30.3 refuses two ranks of one communicator on one GPU)."""
 
-    def __init__(self, group: Optional[dist.ProcessGroup], num_bytes: int, timeout_s: Optional[float] = None) -> None:
+    def __init__(
+        self, group: Optional[dist.ProcessGroup], num_bytes: int, timeout_s: Optional[float] = None, gin: bool = False
+    ) -> None:
         """num_bytes: the window's size, a positive multiple of 16; timeout_s: each collective step's bound
-        (default PORTEP_TIMEOUT_S, else 100 s). Raises RuntimeError on every rank, naming each rank that cannot run
-        the path and why, before any NCCL call."""
+        (default PORTEP_TIMEOUT_S, else 100 s); gin: ask NCCL for GIN too (one context, one signal), which needs an
+        RDMA NIC NCCL's GIN supports, and raises RuntimeError naming ncclDevCommCreate where there is none. Raises
+        RuntimeError on every rank, naming each rank that cannot run the path and why, before any NCCL call."""
         if not isinstance(num_bytes, int) or num_bytes <= 0 or num_bytes % 16:
             raise ValueError(f"num_bytes={num_bytes!r}: a positive multiple of 16 is needed")
         native = require_native()
@@ -62,6 +65,7 @@ class NcclDevicePath:
             unique_id=unique_id[0],
             timeout_s=timeout_from_env(timeout_s),
             candidates=candidates,
+            gin=bool(gin),
         )
         # the window: uint8 [num_bytes] on this rank's GPU, zeroed (the view keeps it allocated)
         self.region = torch.as_tensor(self._native.region_lease(), device=self.device)
@@ -85,6 +89,17 @@ class NcclDevicePath:
         """NCCL's LSA barrier on the current stream: the stores every LSA peer queued before its barrier are visible
         to every other after this one."""
         self._native.barrier(torch.cuda.current_stream(self.device).cuda_stream)
+
+    def gin_put(self, peer: int, offset: int, src_offset: int, num_bytes: int) -> None:
+        """GIN (created with gin=True): a kernel on the current stream puts num_bytes of this rank's window from
+        src_offset into peer's window at offset (multiples of 16), then adds 1 to peer's signal, which NCCL makes
+        visible only after the bytes."""
+        self._native.gin_put(peer, offset, src_offset, num_bytes, torch.cuda.current_stream(self.device).cuda_stream)
+
+    def gin_wait(self, count: int) -> None:
+        """GIN: a kernel on the current stream waits until count puts have signalled this rank since creation;
+        returns once they have, or raises RuntimeError past the timeout."""
+        self._native.gin_wait(count, torch.cuda.current_stream(self.device).cuda_stream)
 
     def close(self) -> None:
         """No further use: the communicator and the window are freed once no view of `region` is held either."""

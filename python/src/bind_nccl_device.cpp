@@ -43,7 +43,7 @@ class PyNcclLsa {
 void bind_nccl_device(py::module_& m) {
   py::class_<PyNcclLsa>(m, "NcclLsa", "the NCCL device path of one rank (gpu_kernels/nccl/nccl_lsa.h)")
       .def(py::init([](int rank, int num_ranks, int device, uint64_t nbytes, py::bytes unique_id, double timeout_s,
-                       std::vector<std::string> candidates) {
+                       std::vector<std::string> candidates, bool gin) {
              portep::cuda::NcclLsaSetup s;
              s.rank = rank;
              s.num_ranks = num_ranks;
@@ -52,13 +52,15 @@ void bind_nccl_device(py::module_& m) {
              s.unique_id = unique_id;
              s.timeout_s = timeout_s;
              s.library_candidates = std::move(candidates);
+             s.gin = gin;
              py::gil_scoped_release unlocked;  // collective: the ranks' other threads go on meanwhile
              return std::make_unique<PyNcclLsa>(s);
            }),
            py::arg("rank"), py::arg("num_ranks"), py::arg("device"), py::arg("nbytes"), py::arg("unique_id"),
-           py::arg("timeout_s"), py::arg("candidates"),
+           py::arg("timeout_s"), py::arg("candidates"), py::arg("gin") = false,
            "collective over the ranks of unique_id (nccl_unique_id on one rank): communicator, window of nbytes "
-           "(a multiple of 16) and device communicator, each step within timeout_s")
+           "(a multiple of 16) and device communicator (with a GIN context and signal where gin), each step within "
+           "timeout_s")
       .def("region_lease", &PyNcclLsa::region_lease, "the window (uint8 [nbytes] on the GPU) as a lease for torch")
       .def_property_readonly("num_ranks", [](const PyNcclLsa& p) { return p.get("num_ranks").num_ranks(); })
       .def_property_readonly("lsa_rank", [](const PyNcclLsa& p) { return p.get("lsa_rank").lsa_rank(); })
@@ -91,6 +93,20 @@ void bind_nccl_device(py::module_& m) {
           "barrier",
           [](const PyNcclLsa& p, uintptr_t stream) { p.get("barrier").barrier(reinterpret_cast<void*>(stream)); },
           py::arg("stream"), "NCCL's LSA barrier on stream")
+      .def(
+          "gin_put",
+          [](const PyNcclLsa& p, int peer, uint64_t offset, uint64_t src_offset, uint64_t nbytes, uintptr_t stream) {
+            p.get("gin_put").gin_put(peer, offset, src_offset, nbytes, reinterpret_cast<void*>(stream));
+          },
+          py::arg("peer"), py::arg("offset"), py::arg("src_offset"), py::arg("nbytes"), py::arg("stream"),
+          "GIN: a kernel on stream puts nbytes of this window from src_offset into peer's window at offset, then "
+          "signals peer")
+      .def(
+          "gin_wait",
+          [](const PyNcclLsa& p, uint64_t count, uintptr_t stream) {
+            p.get("gin_wait").gin_wait(count, reinterpret_cast<void*>(stream));
+          },
+          py::arg("count"), py::arg("stream"), "GIN: a kernel on stream waits for count signals to this rank")
       .def("close", &PyNcclLsa::close,
            "no further use; the communicator and the window are freed once no lease of the window is held either");
 }

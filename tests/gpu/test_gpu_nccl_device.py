@@ -96,6 +96,7 @@ def test_bad_puts_are_refused_naming_the_limit():
         "put: offset 8 and bytes 64 must be multiples of 16 within the window's 8192",
         "put: offset 8192 and bytes 16 must be multiples of 16 within the window's 8192",
         "src: a tensor on cuda is needed, got one on cpu",
+        "gin_put: this NcclLsa was created without GIN (gin=True asks for it)",
         "NcclLsa.closed",
     ]
 
@@ -112,9 +113,47 @@ def bad_put_body(rank, world):
             path.put(peer, offset, data)
         except ValueError as e:
             errors.append(str(e))
+    try:
+        path.gin_put(0, 0, 4096, 16)
+    except RuntimeError as e:
+        errors.append(str(e))
     path.close()
     try:
         path.barrier()
     except RuntimeError as e:
         errors.append("NcclLsa.closed" if "closed" in str(e) else str(e))
     return errors
+
+
+def gin_body(rank, world):
+    """GIN where NCCL has it (an RDMA NIC): a put of 4 KiB from this window's upper half into its lower half, through
+    the NIC, and a wait for its signal; else the refusal, and the LSA path still works beside it."""
+    torch.cuda.set_device(0)
+    from portep.nccl_device import NcclDevicePath
+
+    src = _pattern(rank, 5, 4096)
+    try:
+        path = NcclDevicePath(None, 8192, gin=True)
+    except RuntimeError as e:
+        refused = str(e)
+        path = NcclDevicePath(None, 8192)
+        path.put(0, 0, src.to(path.device))
+        path.barrier()
+        torch.cuda.synchronize()
+        return {"refused": refused, "lsa_mismatched": int((path.region[:4096].cpu() != src).sum())}
+    path.region[4096:].copy_(src.to(path.device))
+    path.gin_put(0, 0, 4096, 4096)
+    path.gin_wait(1)
+    torch.cuda.synchronize()
+    return {"gin_mismatched": int((path.region[:4096].cpu() != src).sum())}
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(bool(_missing(1)), reason=_missing(1) or "runs here")
+def test_gin_puts_with_a_signal_or_is_refused_naming_what_it_needs():
+    out = run_ranks(gin_body, 1, timeout=240)[0]
+    if "refused" in out:  # no RDMA NIC for NCCL's GIN (the one-GPU machine has none)
+        assert "ncclDevCommCreate with GIN (GIN needs an RDMA NIC" in out["refused"], out
+        assert out["lsa_mismatched"] == 0
+    else:
+        assert out == {"gin_mismatched": 0}

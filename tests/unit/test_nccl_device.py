@@ -90,6 +90,7 @@ def _native_lsa(**changes):
         (dict(nbytes=0), "bytes 0: a positive multiple of 16"),
         (dict(unique_id=b"x" * 16), "unique_id: 16 bytes, 128 needed"),
         (dict(rank=2, num_ranks=2), "rank 2 of num_ranks 2"),
+        (dict(rank=2, num_ranks=2, gin=True), "rank 2 of num_ranks 2"),
     ],
 )
 def test_the_native_object_refuses_bad_arguments(changes, match):
