@@ -186,7 +186,7 @@ PyObject* enter(LLCalls* c, int phase, PyObject* const* args, size_t nargsf, PyO
     if (!out) return failed(c, sig);
     if (out != Py_None) {
       ++c->taken;
-      c->state->made_call();
+      if (c->state) c->state->made_call();  // (null only if the garbage collector cleared this object meanwhile)
       return with_notice(c, out);
     }
     Py_DECREF(out);
