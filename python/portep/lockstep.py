@@ -105,16 +105,17 @@ class Lockstep:
             self.broken = f"{what} #{self.seq} failed on rank {self.rank}: {error}"
             self.channel.announce(self.native.EVENT_FAILED)
 
-    def check_seq(self, what: str, got: Any, src: int) -> None:
-        """Sequence numbers that arrived with src's data for this call (a tensor or an int)."""
+    def check_seq(self, what: str, got: Any, src: int, seq: Optional[int] = None) -> None:
+        """Sequence numbers that arrived with src's data for a call (a tensor or an int): `seq`, the call's own
+        number, taken when it began (a receive hook runs after later calls may have begun), else the current one."""
+        seq = self.seq if seq is None else seq
         if hasattr(got, "numel"):
-            if got.numel() == 0 or bool((got == self.seq).all()):
+            if got.numel() == 0 or bool((got == seq).all()):
                 return
-            got = int(got[got != self.seq][0])
-        if got != self.seq:
+            got = int(got[got != seq][0])
+        if got != seq:
             raise OutOfStep(
-                f"rank {self.rank}: {what} #{self.seq} received data of rank {src}'s call #{got}: the "
-                f"ranks are out of step"
+                f"rank {self.rank}: {what} #{seq} received data of rank {src}'s call #{got}: the ranks are out of step"
             )
 
     def resynced(self) -> None:

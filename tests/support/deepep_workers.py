@@ -826,7 +826,8 @@ def ll_body(
             self_q[(key, rnd)] = ref.ll_fp8_round_trip(inp["x_" + key], rnd)
         return self_q[(key, rnd)]
 
-    def dispatch(key, fp8, rnd, ue, hook, **extra):
+    def dispatch(key, fp8, rnd, ue, hook, defer=False, **extra):
+        """defer (with hook): the receive hook and the stats check are left to the caller."""
         nonlocal exp_stats
         res = buf.low_latency_dispatch(
             inp["x_" + key],
@@ -840,6 +841,9 @@ def ll_body(
             return_recv_hook=hook,
             **extra,
         )
+        exp_stats = exp_stats + lref.counts.sum(dim=1)
+        if defer:
+            return res
         if hook and isinstance(res, tuple) and len(res) == 5 and callable(res[4]):
             res[4]()
         if extra.get("async_finish"):
@@ -848,7 +852,6 @@ def ll_body(
                 "async LL dispatch did not return an EventOverlap",
             ):
                 res[3].current_stream_wait()
-        exp_stats = exp_stats + lref.counts.sum(dim=1)
         ck.equal("cumulative_local_expert_recv_stats", stats, exp_stats.to(torch.int32))
         return res
 
@@ -897,6 +900,27 @@ def ll_body(
         res = dispatch("rand", fp8, rnd, ue, i == 1)
         _check_ll_dispatch(ck, res, lref, xs["rand"], "rand", i == 1, fp8, rnd, ue, False)
         combine_and_check(res, "rand", fp8, rnd, i == 2, i == 1, i == 0, True)
+
+    # Two-batch overlap (DeepEP's double-batch overlapping): two dispatches in flight, each with a receive hook, both
+    # sent before either receives; then their combines the same way. Each hook receives its own call's data (its
+    # half, its sequence number) although a later call has begun since.
+    ck.step = "two-batch overlap"
+    pair = [dispatch(key, False, False, False, True, defer=True) for key in ("struct", "rand")]
+    for res in pair:
+        if ck.true(isinstance(res, tuple) and len(res) == 5 and callable(res[4]), "no receive hook to call"):
+            res[4]()
+    ck.equal("cumulative_local_expert_recv_stats", stats, exp_stats.to(torch.int32))
+    for res, key in zip(pair, ("struct", "rand")):
+        _check_ll_dispatch(ck, res, lref, xs[key], key, True, False, False, False, key == "struct")
+    hooks = []
+    for res in pair:
+        sim = _ll_expert_y(res, rank, False, True)
+        hooks.append(buf.low_latency_combine(sim, idx, w, res[2], return_recv_hook=True))
+    for combined, _, chook in hooks:
+        if ck.true(callable(chook), "combine: no receive hook to call"):
+            chook()
+    for (combined, _, _), key in zip(hooks, ("struct", "rand")):
+        _check_ll_combine(ck, combined, None, inp["x_" + key], None, idx, w, False, False)
 
     # clean_low_latency_buffer, then three dispatch+combine rounds in a row (with the wait-cost stats once).
     ck.step = "clean_low_latency_buffer"

@@ -282,12 +282,12 @@ class CudaEngine(Topology):
             )
             raise AgreedRefusal(f"{where} has {self.ll_bytes} bytes but {what} needs {needed} bytes")
 
-    def _call_state(self):
-        """The stream and sequence number of the LL call being launched; in shrink mode the mask as it begins,
-        which its send sides read (stream-ordered)."""
+    def _launch_stream(self):
+        """The stream an LL launch goes on (torch's current one); in shrink mode the mask as it begins, which its
+        send sides read (stream-ordered)."""
         if self.mask is not None:
             self._send_mask.copy_(self.mask)
-        return _current_raw_stream(self.device.index), wire_seq(self.lockstep.seq)
+        return _current_raw_stream(self.device.index)
 
     def mark_checked(self, T, H, E, dispatch_flags=None):
         """A call of this signature passed the Buffer's checks and launched (dispatch_flags: (use_fp8, round_scale,
@@ -373,6 +373,7 @@ class CudaEngine(Topology):
         self.check_error()
         lay = self._layout(T, x.size(1), E)
         half = self.kernels.take_half()
+        seq = wire_seq(self.lockstep.seq)  # the call's own: a receive hook launches after later calls may have begun
         R, H, E_l, M = self.num_ranks, lay.H, lay.E_l, lay.M
         x = x.contiguous()
         topk_idx = topk_idx.contiguous()
@@ -391,7 +392,7 @@ class CudaEngine(Topology):
 
         def launch(phases):
             self.lockstep.sending()
-            stream, seq = self._call_state()
+            stream = self._launch_stream()
             self.kernels.dispatch(
                 T,
                 H,
@@ -440,6 +441,7 @@ class CudaEngine(Topology):
         src_info, layout_range, T, H, E = handle
         self._layout(T, H, E)
         half = self.kernels.take_half()
+        seq = wire_seq(self.lockstep.seq)  # the call's own (see low_latency_dispatch)
         rows = x.contiguous()  # unread with zero_copy: the rows are in the send area (the kernels know where)
         topk_idx = topk_idx.contiguous()
         weights = topk_weights.to(torch.float32).contiguous()
@@ -452,7 +454,7 @@ class CudaEngine(Topology):
 
         def launch(phases):
             self.lockstep.sending()
-            stream, seq = self._call_state()
+            stream = self._launch_stream()
             self.kernels.combine(
                 T,
                 H,

@@ -83,9 +83,9 @@ def _slots(topk_idx, num_experts):
 def dispatch(eng, x, topk_idx, T, E, use_fp8, round_scale, use_ue8m0, cumulative_stats, wait_stats, return_recv_hook):
     lay = hb.LLLayout(eng, T, x.size(1), E)
     R, me, E_l = eng.num_ranks, eng.rank, lay.E_l
-    half = eng.ll_half
+    half, seq = eng.ll_half, eng.lockstep.seq  # the call's own, which a receive hook checks after later calls began
     eng.ll_half ^= 1
-    msgs = _pack_messages(x, use_fp8, round_scale, lay, eng.lockstep.seq)
+    msgs = _pack_messages(x, use_fp8, round_scale, lay, seq)
     send, recv = lay.send_off(half), lay.recv_off(half)
     N = x.size(0)
     if not all(eng.direct(d, low_latency=True) for d in range(R)):  # proxies copy from registered memory
@@ -118,6 +118,7 @@ def dispatch(eng, x, topk_idx, T, E, use_fp8, round_scale, use_ue8m0, cumulative
             eng,
             lay,
             half,
+            seq,
             use_fp8,
             use_ue8m0,
             recv_x,
@@ -157,6 +158,7 @@ def _dispatch_receive(
     eng,
     lay,
     half,
+    seq,
     use_fp8,
     use_ue8m0,
     recv_x,
@@ -185,7 +187,7 @@ def _dispatch_receive(
     slots = eng.region[recv:]
     seqs = torch.empty(n, dtype=torch.int32)
     eng.copy_rows(seqs.view(torch.uint8), 4, None, slots[4:], lay.disp, slot_rows, 4)
-    _check_seqs(eng, "low_latency_dispatch", seqs, pair % R)
+    _check_seqs(eng, "low_latency_dispatch", seqs, pair % R, seq)
     eng.copy_rows(src_info.view(torch.uint8), 4, packed_rows, slots, lay.disp, slot_rows, 4)
     row_bytes = H if use_fp8 else 2 * H
     eng.copy_rows(recv_x.view(torch.uint8), row_bytes, packed_rows, slots[16:], lay.disp, slot_rows, row_bytes)
@@ -199,12 +201,12 @@ def _dispatch_receive(
         cumulative_stats += recv_count
 
 
-def _check_seqs(eng, what, seqs, srcs):
-    """The sequence numbers that came with each source's messages or rows are this call's."""
-    bad = seqs != eng.lockstep.seq
+def _check_seqs(eng, what, seqs, srcs, seq):
+    """The sequence numbers that came with each source's messages or rows are this call's (seq)."""
+    bad = seqs != seq
     if bool(bad.any()):
         first = int(torch.nonzero(bad)[0, 0])
-        eng.lockstep.check_seq(what, int(seqs[first]), int(srcs[first]))
+        eng.lockstep.check_seq(what, int(seqs[first]), int(srcs[first]), seq)
 
 
 def next_combine_buffer(eng, handle):
@@ -223,14 +225,14 @@ def combine(eng, x, topk_idx, topk_weights, handle, zero_copy, out, return_recv_
     src_info, layout_range, T, H, E = handle
     lay = hb.LLLayout(eng, T, H, E)
     R, E_l = eng.num_ranks, lay.E_l
-    half = eng.ll_half
+    half, seq = eng.ll_half, eng.lockstep.seq  # the call's own (see dispatch)
     eng.ll_half ^= 1
     counts = layout_range & 0xFFFFFFFF
     routes = _combine_routes(eng, lay, src_info, layout_range)
     if use_logfmt:
-        _send_logfmt(eng, lay, half, x, routes)
+        _send_logfmt(eng, lay, half, x, routes, seq)
     else:
-        _send_bf16(eng, lay, half, x, zero_copy, counts, routes)
+        _send_bf16(eng, lay, half, x, zero_copy, counts, routes, seq)
     pairs = torch.arange(E_l * R)
     live = _unmasked(eng, pairs % R)
     eng.signal_many(pairs[live] % R, _stream(eng, half, 1, pairs[live] // R), counts.flatten()[live])
@@ -238,7 +240,7 @@ def combine(eng, x, topk_idx, topk_weights, handle, zero_copy, out, return_recv_
     result = out if out is not None else torch.empty(topk_idx.size(0), H, dtype=torch.bfloat16)
 
     def receive():
-        _combine_receive(eng, lay, half, topk_idx, topk_weights, result, wait_stats, use_logfmt)
+        _combine_receive(eng, lay, half, seq, topk_idx, topk_weights, result, wait_stats, use_logfmt)
 
     if return_recv_hook:
         return result, receive
@@ -265,7 +267,7 @@ def _combine_routes(eng, lay, src_info, layout_range):
     return routes
 
 
-def _send_bf16(eng, lay, half, x, zero_copy, counts, routes):
+def _send_bf16(eng, lay, half, x, zero_copy, counts, routes, seq):
     """BF16 rows, the call's sequence number in each row's tail: stored at direct peers, staged and written to proxy
     peers; with zero_copy they are already in the send area."""
     H, E_l = lay.H, lay.E_l
@@ -277,7 +279,7 @@ def _send_bf16(eng, lay, half, x, zero_copy, counts, routes):
     elif not zero_copy:  # only the valid rows: each expert's are packed from row 0
         for le, n in enumerate(counts.sum(1).tolist()):
             send_rows[le, :n].copy_(x[le, :n])
-    seq = torch.tensor([eng.lockstep.seq], dtype=torch.int32).view(torch.uint8)
+    tail = torch.tensor([seq], dtype=torch.int32).view(torch.uint8)
     for s_rank, le, src_rows, rows in routes:
         once = torch.zeros_like(src_rows)  # every row's tail gets the one sequence number
         if eng.direct(s_rank, low_latency=True):
@@ -286,24 +288,24 @@ def _send_bf16(eng, lay, half, x, zero_copy, counts, routes):
                 eng.copy_rows(dst, lay.comb, rows, x_rows, 2 * H, src_rows, 2 * H)
             else:
                 eng.copy_rows(dst, lay.comb, rows, eng.region[send:], lay.comb, src_rows, 2 * H)
-            eng.copy_rows(dst[2 * H :], lay.comb, rows, seq, 0, once, 4)
+            eng.copy_rows(dst[2 * H :], lay.comb, rows, tail, 0, once, 4)
             continue
         if x_rows is not None:  # stage the rows the proxies will send
             eng.copy_rows(eng.region[send:], lay.comb, src_rows, x_rows, 2 * H, src_rows, 2 * H)
-        eng.copy_rows(eng.region[send + 2 * H :], lay.comb, src_rows, seq, 0, once, 4)
+        eng.copy_rows(eng.region[send + 2 * H :], lay.comb, src_rows, tail, 0, once, 4)
         eng.put_rows_streams(
             s_rank, send + src_rows * lay.comb, recv + rows * lay.comb, _stream(eng, half, 1, le), 2 * H + 16
         )
 
 
-def _send_logfmt(eng, lay, half, x, routes):
+def _send_logfmt(eng, lay, half, x, routes, seq):
     """Rows in LogFMT-10 (gpu_kernels/logfmt.h): each encoded straight into its slot at a direct peer, or into this
     rank's send area and written whole (its largest size) to a proxy peer; the call's sequence number rides in the
     rows' metadata. x is read as it is (zero_copy is refused with use_logfmt)."""
     H = lay.H
     send, recv = lay.send_off(half), lay.recv_off(half)
     x_rows = x.contiguous().view(torch.uint8).view(lay.E_l * lay.M, 2 * H)
-    seq = eng.lockstep.seq & 0xFFFFFFFF
+    seq = seq & 0xFFFFFFFF
     for s_rank, le, src_rows, rows in routes:
         if eng.direct(s_rank, low_latency=True):
             eng.logfmt_encode_rows(eng.peer_view(s_rank)[recv:], lay.comb, rows, x_rows, 2 * H, src_rows, H, seq)
@@ -314,7 +316,7 @@ def _send_logfmt(eng, lay, half, x, routes):
         )
 
 
-def _combine_receive(eng, lay, half, topk_idx, topk_weights, result, wait_stats, logfmt=False):
+def _combine_receive(eng, lay, half, seq, topk_idx, topk_weights, result, wait_stats, logfmt=False):
     E, E_l, T, H = lay.E, lay.E_l, lay.T, lay.H
     experts = torch.arange(E)
     owners = experts // E_l
@@ -333,7 +335,7 @@ def _combine_receive(eng, lay, half, topk_idx, topk_weights, result, wait_stats,
     else:
         seqs = torch.empty(used.size(0), dtype=torch.int32)
         eng.copy_rows(seqs.view(torch.uint8), 4, None, eng.region[recv + 2 * H :], lay.comb, used_rows, 4)
-    _check_seqs(eng, "low_latency_combine", seqs, topk_idx[used[:, 0], used[:, 1]] // E_l)
+    _check_seqs(eng, "low_latency_combine", seqs, topk_idx[used[:, 0], used[:, 1]] // E_l, seq)
     # Per owner rank, its rows in top-k order, then those sums in rank order, FP32 with every product and sum
     # rounded: deterministic, and the order in which the CUDA backend's direct peers send partial sums.
     partials = []
