@@ -4,7 +4,6 @@ release check every rank makes before any collective step, a real ncclUniqueId f
 object's refusals of bad arguments and of a machine without a GPU, and the collective refusal: every rank raises,
 naming each rank that cannot run the path. The path itself runs on a GPU: tests/gpu/test_gpu_nccl_device.py."""
 
-import importlib.metadata
 import os
 import shutil
 import subprocess
@@ -14,30 +13,19 @@ import pytest
 
 from ci_expect import require_or_skip
 from dist_util import run_ranks
+from nccl_wheel import version_code, wheel_version
 from portep import nccl_library
 from portep._native import native
 
 INFO = native.build_info()
 
 
-def _wheel_version():
-    try:
-        return importlib.metadata.version("nvidia-nccl-cu12")
-    except importlib.metadata.PackageNotFoundError:
-        return None
-
-
-def _code(text):
-    major, minor, patch = (int(v) for v in text.split(".")[:3])
-    return major * 10000 + minor * 100 + patch
-
-
 def test_the_build_says_which_nccl_headers_it_carries_or_why_none():
     runtime = INFO["gpu_runtime"]
     if runtime == "cuda":
-        require_or_skip("nccl", _wheel_version() is not None, "nvidia-nccl-cu12 is not installed")
+        require_or_skip("nccl", wheel_version() is not None, "nvidia-nccl-cu12 is not installed")
         # the CUDA build found the installed wheel's device headers (cmake/portep_nccl.cmake)
-        assert INFO["nccl_device_headers"] == _code(_wheel_version()), INFO["nccl_device_reason"]
+        assert INFO["nccl_device_headers"] == version_code(wheel_version()), INFO["nccl_device_reason"]
         assert INFO["nccl_device_reason"] == ""
     else:
         assert INFO["nccl_device_headers"] == 0

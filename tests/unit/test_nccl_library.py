@@ -3,7 +3,6 @@ API of a real libnccl (the nvidia-nccl-cu12 wheel's; ncclGetVersion needs no GPU
 here (an NCCL 2.28.9 without ncclPutSignal, a 2.32.3 with every symbol, one without ncclGetVersion), and
 transport='nccl' refuses naming what it found."""
 
-import importlib.metadata
 import shutil
 import subprocess
 import sys
@@ -11,6 +10,7 @@ import sys
 import pytest
 
 from ci_expect import require_or_skip
+from nccl_wheel import version_code, wheel_version
 from portep import nccl_library
 from portep._native import native
 
@@ -88,23 +88,15 @@ def test_a_missing_library_names_the_path(tmp_path):
     assert not p["loaded"] and missing in p["error"] and "$PORTEP_LIBNCCL" in p["error"]
 
 
-def _wheel_version():
-    try:
-        return importlib.metadata.version("nvidia-nccl-cu12")
-    except importlib.metadata.PackageNotFoundError:
-        return None
-
-
 def test_the_wheels_nccl_is_found_and_read(monkeypatch):
-    version = _wheel_version()
+    version = wheel_version()
     require_or_skip(
         "nccl", version is not None and nccl_library.wheel_candidates(), "nvidia-nccl-cu12 is not installed"
     )
     monkeypatch.delenv("PORTEP_LIBNCCL", raising=False)
     p = nccl_library.probe()
     assert p["loaded"], p
-    major, minor, patch = (int(v) for v in version.split(".")[:3])
-    assert p["version"] == major * 10000 + minor * 100 + patch
+    assert p["version"] == version_code(version)
     assert p["host_rma"] == (p["version"] >= 22902), p
     assert p["path"].endswith("libnccl.so.2")
 
