@@ -790,6 +790,13 @@ def make_ll_buffer(rank, world, rpn, transport, T, hidden, num_experts, backend=
     return buf
 
 
+def _ranks_done(backend):
+    """Every rank's calls so far have finished (their kernels too, on the CUDA backend)."""
+    if backend == "cuda":
+        torch.cuda.synchronize()
+    dist.barrier()
+
+
 def ll_body(
     rank,
     world,
@@ -903,12 +910,16 @@ def ll_body(
 
     # Two-batch overlap (DeepEP's double-batch overlapping): two dispatches in flight, each with a receive hook, both
     # sent before either receives; then their combines the same way. Each hook receives its own call's data (its
-    # half, its sequence number) although a later call has begun since.
+    # half, its sequence number) although a later call has begun since. As in DeepEP, a rank's next call into a
+    # buffer half must not come while a peer still receives that half's previous call: with two calls in flight no
+    # receive orders them, so the barriers stand in for the expert work between them in a model.
     ck.step = "two-batch overlap"
+    _ranks_done(backend)
     pair = [dispatch(key, False, False, False, True, defer=True) for key in ("struct", "rand")]
     for res in pair:
         if ck.true(isinstance(res, tuple) and len(res) == 5 and callable(res[4]), "no receive hook to call"):
             res[4]()
+    _ranks_done(backend)
     ck.equal("cumulative_local_expert_recv_stats", stats, exp_stats.to(torch.int32))
     for res, key in zip(pair, ("struct", "rand")):
         _check_ll_dispatch(ck, res, lref, xs[key], key, True, False, False, False, key == "struct")
@@ -919,6 +930,7 @@ def ll_body(
     for combined, _, chook in hooks:
         if ck.true(callable(chook), "combine: no receive hook to call"):
             chook()
+    _ranks_done(backend)
     for (combined, _, _), key in zip(hooks, ("struct", "rand")):
         _check_ll_combine(ck, combined, None, inp["x_" + key], None, idx, w, False, False)
 
