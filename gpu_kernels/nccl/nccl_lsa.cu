@@ -321,11 +321,8 @@ int nccl_device_headers_version(std::string*) { return NCCL_VERSION_CODE; }
 
 std::string nccl_device_mismatch(int runtime) {
   if (runtime / 100 == NCCL_VERSION_CODE / 100) return "";
-  auto text = [](int v) {
-    return std::to_string(v / 10000) + "." + std::to_string(v / 100 % 100) + "." + std::to_string(v % 100);
-  };
-  return "this build's NCCL device path was compiled against NCCL " + text(NCCL_VERSION_CODE) +
-         "'s device headers, and the library loaded is NCCL " + text(runtime) +
+  return "this build's NCCL device path was compiled against NCCL " + nccl::version_text(NCCL_VERSION_CODE) +
+         "'s device headers, and the library loaded is NCCL " + nccl::version_text(runtime) +
          ": the device communicator differs between releases (rebuild portep against this NCCL's headers, "
          "-Ccmake.define.PORTEP_NCCL_INCLUDE=<its include folder>)";
 }

@@ -677,11 +677,7 @@ class Buffer:
             "num_ranks",
             self._device,
         )
-        tokens, recv_stats, wait_stats = (
-            num_max_dispatch_tokens_per_rank,
-            cumulative_local_expert_recv_stats,
-            dispatch_wait_recv_cost_stats,
-        )
+        recv_stats, wait_stats = cumulative_local_expert_recv_stats, dispatch_wait_recv_cost_stats
         self._call.start()
         recv_x, recv_count, handle, hook = engine.low_latency_dispatch(
             x,

@@ -68,11 +68,12 @@ const std::vector<std::string>& host_rma_symbols() {
   return symbols;
 }
 
-std::string Probe::version_text() const {
-  if (version <= 0) return "unknown";
-  return std::to_string(version / 10000) + "." + std::to_string(version / 100 % 100) + "." +
-         std::to_string(version % 100);
+std::string version_text(int code) {
+  if (code <= 0) return "unknown";
+  return std::to_string(code / 10000) + "." + std::to_string(code / 100 % 100) + "." + std::to_string(code % 100);
 }
+
+std::string Probe::version_text() const { return nccl::version_text(version); }
 
 std::string Probe::summary() const {
   if (!loaded) return "no NCCL library: " + error;

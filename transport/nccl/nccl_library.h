@@ -16,6 +16,9 @@ constexpr int version_code(int major, int minor, int patch) { return major * 100
 constexpr int kHostRmaVersion = version_code(2, 29, 2);  // ncclPutSignal, ncclSignal, ncclWaitSignal appear
 static_assert(kHostRmaVersion == 22902, "NCCL's version encoding");
 
+// "2.28.9" from a version code (or "unknown" for 0 and below).
+std::string version_text(int code);
+
 // The symbols the nccl transport needs besides ncclGetVersion.
 const std::vector<std::string>& host_rma_symbols();
 
