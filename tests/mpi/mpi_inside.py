@@ -33,7 +33,10 @@ def main():
     # The workers' collectives and ranks go through the communicator too (no torch.distributed in this process).
     w.all_gather = lambda obj: comm.allgather(obj)
     w.dist = types.SimpleNamespace(
-        group=types.SimpleNamespace(WORLD=None), get_rank=comm.Get_rank, get_world_size=comm.Get_size
+        group=types.SimpleNamespace(WORLD=None),
+        get_rank=comm.Get_rank,
+        get_world_size=comm.Get_size,
+        barrier=comm.Barrier,
     )
     w.portep = types.SimpleNamespace(**{k: getattr(portep, k) for k in dir(portep) if not k.startswith("__")})
     w.portep.Buffer = CommBuffer
