@@ -1,5 +1,8 @@
 #include "transport/transport_factory.h"
 
+#include "transport/nccl/nccl_rma_engine.h"
+#include "transport/nccl/nccl_transport.h"
+#include "transport/nccl/shm_rma_engine.h"
 #include "transport/shm/shm_transport.h"
 #include "transport/verbs/verbs_transport.h"
 
@@ -44,11 +47,23 @@ std::unique_ptr<Transport> make_transport(const TransportSpec& s) {
     if (!t) throw TransportError(s.name + ": " + why);
     return t;
   }
-  if (s.name == "nccl")
-    throw TransportError(
-        "nccl: the nccl transport is not implemented in this version (python -m portep.doctor "
-        "shows the NCCL library found)");
-  throw TransportError("unknown transport '" + s.name + "' (known: shm, shm-unordered, verbs, verbs-striped)");
+  if (s.name == "nccl-emulated") {
+    if (s.device != -1)
+      throw TransportError("nccl-emulated: device=" + std::to_string(s.device) +
+                           ": the emulation of NCCL's one-sided API keeps its windows in host memory");
+    return std::make_unique<NcclTransport>(s.name, s.rank, s.num_ranks, s.num_channels,
+                                           std::make_unique<ShmRmaEngine>(s.rank, s.num_ranks, s.seed), nullptr,
+                                           s.skip_ordering);
+  }
+  if (s.name == "nccl") {
+    std::string why;
+    auto engine = make_nccl_rma_engine(s.rank, s.num_ranks, s.device, s.nccl_libraries, &why);
+    if (!engine) throw TransportError("nccl: " + why);
+    return std::make_unique<NcclTransport>(s.name, s.rank, s.num_ranks, s.num_channels, std::move(engine),
+                                           device_memory_for(s));
+  }
+  throw TransportError("unknown transport '" + s.name +
+                       "' (known: shm, shm-unordered, verbs, verbs-striped, nccl-emulated)");
 }
 
 std::vector<TransportInfo> transport_catalog() {
@@ -61,10 +76,12 @@ std::vector<TransportInfo> transport_catalog() {
   verbs.note = "RC: ordered, remote atomics where the device has them; an EFA device gives SRD (unordered, no atomics)";
   TransportInfo striped{"verbs-striped", built, false, false, verbs.reason};  // striped RC or SRD: never ordered
   striped.usable = loadable;
-  TransportInfo nccl{"nccl", false, false, false, "not implemented in this version"};
-  nccl.usable = false;
+  TransportInfo nccl{"nccl", nccl_rma_built(), true, false, nccl_rma_built() ? "" : "this build has no CUDA runtime"};
+  nccl.note = "NCCL's one-sided API (ncclPutSignal, NCCL >= 2.29.2) on GPU memory, found at run time";
   TransportInfo shm{"shm", true, true, true, ""}, shm_unordered{"shm-unordered", true, false, false, ""};
-  return {shm, shm_unordered, verbs, striped, nccl};
+  TransportInfo emulated{"nccl-emulated", true, true, false, ""};
+  emulated.note = "the nccl transport's protocol over an emulation of NCCL's one-sided API in shared memory (tests)";
+  return {shm, shm_unordered, verbs, striped, nccl, emulated};
 }
 
 }  // namespace portep

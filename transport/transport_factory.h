@@ -19,9 +19,14 @@ struct TransportSpec {
   int num_channels = 1;
   uint32_t window = 64;  // unordered delivery window per (channel, peer)
   uint64_t seed = 0;
-  int device = -1;  // >= 0: the data region is memory of this GPU (shm: CUDA IPC, copy-engine copies);
-                    // kEmulatedDevice: host memory behind the same GPU path (copies on worker threads);
-                    // kEmulatedDeviceWithoutRdma: the same, but memory a NIC cannot register (verbs' staging)
+  // nccl: libnccl files to try (a wheel's), see nccl::open_library.
+  std::vector<std::string> nccl_libraries;
+  // Debug only: nccl-emulated trusts a record on sight (proves the tests can fail).
+  bool skip_ordering = false;
+  // >= 0: the data region is memory of this GPU (shm: CUDA IPC, copy-engine copies; nccl: ncclMemAlloc);
+  // kEmulatedDevice: host memory behind the same GPU path (copies on worker threads);
+  // kEmulatedDeviceWithoutRdma: the same, but memory a NIC cannot register (verbs' staging).
+  int device = -1;
 };
 
 std::unique_ptr<Transport> make_transport(const TransportSpec& spec);

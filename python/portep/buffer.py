@@ -90,7 +90,8 @@ class Buffer:
 
     portep keyword-only arguments:
         num_ranks_per_node: ranks that form one "node" (default: $PORTEP_RANKS_PER_NODE, else min(8, group size)).
-        transport: "shm" or "shm-unordered" (default: $PORTEP_TRANSPORT or "shm").
+        transport: "shm", "shm-unordered", "verbs", "verbs-striped" or "nccl-emulated" (portep.Channel describes
+            them; default: $PORTEP_TRANSPORT or "shm").
         timeout_s: every wait raises after this long (default: $PORTEP_TIMEOUT_S or 100 s).
         backend: "cuda" (GPU tensors; normal and low-latency modes) or "host" (CPU tensors). Default:
             $PORTEP_BACKEND, else "cuda" when the CUDA kernels are built and a GPU is visible, else "host".

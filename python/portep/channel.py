@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any, Optional, Union
 from ._native import require_native
 from .bootstrap import all_gather_objects, collective_step, group_rank_and_size
 from .config import DEFAULT_TIMEOUT_S, proxy_spin_us_from_env, timeout_from_env, transport_from_env
+from .nccl_library import wheel_candidates
 
 if TYPE_CHECKING:  # torch is imported where a view is made (a Channel needs no torch otherwise)
     import torch
@@ -71,8 +72,10 @@ class Channel:
         nbytes: bytes of data memory per rank (multiple of 16, at most 64 GiB).
         transport: "shm" (ordered, native atomics) or "shm-unordered" (delivers in a seeded random order
             within `unordered_window` operations, no atomics, like EFA SRD); "verbs" (RC, one QP per peer) or
-            "verbs-striped" (several QPs per peer, unordered) on an RDMA device. Default: $PORTEP_TRANSPORT or
-            "shm".
+            "verbs-striped" (several QPs per peer, unordered) on an RDMA device; "nccl" (NCCL's one-sided API,
+            ncclPutSignal into registered windows, on GPU memory; NCCL >= 2.29.2, found at run time) or
+            "nccl-emulated" (the same protocol over an emulation of that API in shared memory; host memory only).
+            Default: $PORTEP_TRANSPORT or "shm".
         num_streams: signal slots per source rank (<= 8192 on unordered transports).
         num_proxy_threads, num_fifos, fifo_capacity: the command path (each stream maps to one FIFO).
         max_inflight_cmds, max_inflight_bytes: per proxy thread caps.
@@ -154,6 +157,7 @@ class Channel:
             status_stream=-1
             if status_stream is None
             else _check_int("status_stream", status_stream, 0, num_streams - native.NUM_STATUS_EVENTS),
+            nccl_libraries=wheel_candidates() if self.transport == "nccl" else [],
         )
         self.device = device
         _track(self)

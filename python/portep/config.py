@@ -6,7 +6,10 @@ import sys
 from typing import Optional
 
 DEFAULT_TIMEOUT_S = 100.0
-TRANSPORTS = ("shm", "shm-unordered", "verbs", "verbs-striped")
+# nccl: NCCL's one-sided API on GPU memory (NCCL >= 2.29.2; refused natively, naming what is missing, where it cannot
+# run). nccl-emulated: the same transport's protocol over an emulation of that API in shared memory (host memory only;
+# for tests, and to try the protocol where no NCCL >= 2.29.2 or no GPU is).
+TRANSPORTS = ("shm", "shm-unordered", "verbs", "verbs-striped", "nccl", "nccl-emulated")
 
 
 DEFAULT_GPU_PROXY_SPIN_US = 1000.0
@@ -53,10 +56,6 @@ def proxy_spin_us_from_env(explicit: Optional[float], on_gpu: bool) -> float:
 def transport_from_env(explicit: Optional[str] = None) -> str:
     """The transport a Buffer or Channel uses: `explicit`, else $PORTEP_TRANSPORT, else "shm"; checked."""
     name = explicit if explicit is not None else os.environ.get("PORTEP_TRANSPORT", "shm")
-    if name == "nccl":
-        from .nccl_library import refuse_nccl_transport
-
-        refuse_nccl_transport()
     if name not in TRANSPORTS:
         raise ValueError(f"transport={name!r} is not available; choose one of {', '.join(TRANSPORTS)}")
     return name

@@ -245,7 +245,7 @@ def format_text(r: dict) -> str:
     for line in r.get("nic_libraries", []):
         lines.append(f"    {line}")
     if "nccl_library" in r:
-        lines.append(f"  NCCL library (for the nccl transport, not implemented yet): {r['nccl_library']['summary']}")
+        lines.append(f"  NCCL library (for the nccl transport): {r['nccl_library']['summary']}")
     if "nccl_device_path" in r:
         d = r["nccl_device_path"]
         built = f"built against NCCL {d['headers']}'s device headers" if d["headers"] else "not built"

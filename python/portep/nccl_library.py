@@ -1,7 +1,8 @@
 """The NCCL library portep finds at run time (torch-free): the one this process already loaded (torch's), else
 $PORTEP_LIBNCCL, else an nvidia-nccl-cu12 / -cu13 wheel's, else libnccl.so.2 from the loader's search path; its
 version and whether it has the host one-sided API (ncclPutSignal, NCCL >= 2.29.2) the nccl transport is to be built
-on (transport/nccl/nccl_library.h). The doctor reports it; transport='nccl' refuses naming it."""
+on (transport/nccl/nccl_library.h). The doctor reports it; transport='nccl' loads it (Channel passes the wheels'
+libraries it finds) and refuses naming it where it lacks that API."""
 
 import os
 import sys
@@ -28,11 +29,3 @@ def probe() -> Dict[str, object]:
     if native is None:
         return {"loaded": False, "host_rma": False, "summary": f"portep's native module did not load: {native_error}"}
     return dict(native.nccl_probe(wheel_candidates()))
-
-
-def refuse_nccl_transport() -> None:
-    """transport='nccl': raises NotImplementedError naming the NCCL library found."""
-    raise NotImplementedError(
-        f"transport='nccl' is not implemented in this version (the NCCL library here: {probe()['summary']}); "
-        f"use shm, shm-unordered, verbs or verbs-striped"
-    )

@@ -66,7 +66,7 @@ void bind_build_info(py::module_& m) {
       d["built"] = t.built;
       d["ordered"] = t.by_device ? py::object(py::str("by device")) : py::object(py::bool_(t.ordered));
       d["remote_atomics"] = t.by_device ? py::object(py::str("by device")) : py::object(py::bool_(t.remote_atomics));
-      if (t.by_device) d["note"] = t.note;
+      if (!t.note.empty()) d["note"] = t.note;
       if (t.built && !t.usable) d["usable"] = false;
       if (!t.built || !t.usable) d["reason"] = t.reason;
       out.append(d);

@@ -24,13 +24,16 @@ std::unique_ptr<Channel> make_channel(int rank, int num_ranks, uint64_t nbytes, 
                                       int num_proxy_threads, int num_fifos, uint32_t fifo_capacity,
                                       uint32_t num_streams, uint32_t max_inflight_cmds, uint64_t max_inflight_bytes,
                                       double timeout_s, uint32_t unordered_window, uint64_t seed, bool skip_ordering,
-                                      int device, double idle_spin_us, int status_stream) {
+                                      int device, double idle_spin_us, int status_stream,
+                                      const std::vector<std::string>& nccl_libraries) {
   ChannelOptions o;
   o.transport.device = device;
   o.data_bytes = nbytes;
   o.transport.name = transport;
   o.transport.window = unordered_window;
   o.transport.seed = seed;
+  o.transport.skip_ordering = skip_ordering;
+  o.transport.nccl_libraries = nccl_libraries;
   o.proxy.rank = rank;
   o.proxy.num_ranks = num_ranks;
   o.proxy.num_threads = num_proxy_threads;
@@ -87,7 +90,8 @@ void bind_channel(py::module_& m) {
            py::arg("num_proxy_threads"), py::arg("num_fifos"), py::arg("fifo_capacity"), py::arg("num_streams"),
            py::arg("max_inflight_cmds"), py::arg("max_inflight_bytes"), py::arg("timeout_s"),
            py::arg("unordered_window"), py::arg("seed"), py::arg("skip_ordering"), py::arg("device") = -1,
-           py::arg("idle_spin_us") = 0.0, py::arg("status_stream") = -1)
+           py::arg("idle_spin_us") = 0.0, py::arg("status_stream") = -1,
+           py::arg("nccl_libraries") = std::vector<std::string>{})
       // The C++ object's address, for native test hooks built from the same sources (portep_testing).
       .def_property_readonly("native_handle", [](Channel& c) { return reinterpret_cast<uintptr_t>(&c); })
       .def(

@@ -1,4 +1,5 @@
-"""Multi-process channel tests on the host backend: 2, 4 and 8 ranks over shm in both modes."""
+"""Multi-process channel tests on the host backend: 2, 4 and 8 ranks over shm in both modes and over the nccl
+transport's protocol on its shared-memory emulation of NCCL's one-sided API."""
 
 import pytest
 
@@ -6,7 +7,7 @@ import channel_workers as w
 from dist_util import run_ranks
 from portep import _C
 
-TRANSPORTS = ["shm", "shm-unordered"]
+TRANSPORTS = ["shm", "shm-unordered", "nccl-emulated"]
 
 
 @pytest.mark.slow
@@ -47,6 +48,20 @@ def test_checker_detects_signals_released_early():
         if caught[-1]:
             break
     assert caught[-1] > 0, f"no early signal was caught in {len(caught)} runs: {caught}"
+
+
+@pytest.mark.slow
+def test_nccl_emulated_records_trusted_on_sight_are_caught():
+    """nccl-emulated lands a lane's puts in any order and counts their signals in order: a receiver that trusts an
+    immediate's record before counting its signals (skip_ordering) delivers writes whose bytes have not landed, and
+    the checker sees it. Up to 4 seeded runs, as in test_checker_detects_signals_released_early."""
+    caught = []
+    for attempt in range(4):
+        out = run_ranks(w.traffic, 4, args=("nccl-emulated", 4, 2000, 512, 4, 31 + attempt, 2, True), timeout=240)
+        caught.append(sum(r["check"]["violations"] for r in out.values()))
+        if caught[-1]:
+            break
+    assert caught[-1] > 0, f"no write was seen before its bytes landed in {len(caught)} runs: {caught}"
 
 
 @pytest.mark.slow

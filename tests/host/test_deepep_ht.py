@@ -26,6 +26,8 @@ CASES = [
     # DeepEP's internode shape of nodes: 2 nodes x 8 ranks (the forwarders of 16 ranks)
     (16, 8, "shm", 128, 8, 4, [40 + (r * 29) % 50 for r in range(16)], 10),
     (16, 8, "shm-unordered", 128, 6, 4, [30 + (r * 41) % 60 for r in range(16)], 11),
+    # the nccl transport's protocol on its emulation: every peer through the proxies
+    (4, 1, "nccl-emulated", 256, 8, 8, [120, 77, 190, 64], 12),
 ]
 
 

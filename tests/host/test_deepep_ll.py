@@ -20,6 +20,8 @@ CASES = [
     (4, 4, "shm", 32, 512, 16, 4, 16),
     (8, 1, "shm-unordered", 32, 512, 32, 8, 17),
     (8, 8, "shm", 32, 512, 64, 6, 18),
+    # the nccl transport's protocol (immediates as records in the receiver's window) on its emulation
+    (4, 1, "nccl-emulated", 32, 512, 16, 8, 19),
 ]
 
 

@@ -199,3 +199,13 @@ def peer_left_then_exited(rank, world, timeout_s):
         time.sleep(0.005)
     ch.destroy()
     return {"seen": seen}
+
+
+def refusal(rank, world, transport, device):
+    """What building a Channel on `transport` raised ("ExceptionType: message"), or None when it was built."""
+    try:
+        ch = portep.Channel(None, 1 << 16, transport=transport, device=device, timeout_s=30)
+    except Exception as exc:  # noqa: BLE001 - the test reads it
+        return f"{type(exc).__name__}: {exc}"
+    ch.destroy()
+    return None

@@ -1,46 +1,15 @@
 """The NCCL probe (transport/nccl/nccl_library.h, portep.nccl_library): it reads the version and the host one-sided
 API of a real libnccl (the nvidia-nccl-cu12 wheel's; ncclGetVersion needs no GPU) and of stand-in libraries compiled
-here (an NCCL 2.28.9 without ncclPutSignal, a 2.32.3 with every symbol, one without ncclGetVersion), and
-transport='nccl' refuses naming what it found."""
+here (an NCCL 2.28.9 without ncclPutSignal, a 2.32.3 with every symbol, one without ncclGetVersion)."""
 
-import shutil
 import subprocess
 import sys
 
-import pytest
 
 from ci_expect import require_or_skip
-from nccl_wheel import version_code, wheel_version
+from nccl_wheel import SYMBOLS, stand_in_library, version_code, wheel_version
 from portep import nccl_library
 from portep._native import native
-
-SYMBOLS = [
-    "ncclGetUniqueId",
-    "ncclCommInitRank",
-    "ncclCommDestroy",
-    "ncclMemAlloc",
-    "ncclMemFree",
-    "ncclCommWindowRegister",
-    "ncclCommWindowDeregister",
-    "ncclPutSignal",
-    "ncclSignal",
-    "ncclWaitSignal",
-]
-
-
-def _stand_in(tmp_path, name, version, symbols):
-    """A shared library exporting ncclGetVersion (when version is not None) and `symbols`."""
-    cc = shutil.which("cc") or shutil.which("gcc")
-    if cc is None:
-        pytest.fail("no C compiler (cc or gcc) to build the stand-in libraries")
-    src = tmp_path / f"{name}.c"
-    body = [f"int {s}(void) {{ return 0; }}" for s in symbols]
-    if version is not None:
-        body.append(f"int ncclGetVersion(int* v) {{ *v = {version}; return 0; }}")
-    src.write_text("\n".join(body) + "\n")
-    lib = tmp_path / f"lib{name}.so"
-    subprocess.run([cc, "-shared", "-fPIC", "-o", str(lib), str(src)], check=True)
-    return str(lib)
 
 
 def _probe_in_subprocess(env_path):
@@ -62,7 +31,7 @@ def _env():
 
 
 def test_an_old_nccl_is_named_with_the_version_it_needs(tmp_path):
-    lib = _stand_in(tmp_path, "nccl_old", 22809, [s for s in SYMBOLS if "Signal" not in s])
+    lib = stand_in_library(tmp_path, "nccl_old", 22809, [s for s in SYMBOLS if "Signal" not in s])
     p = _probe_in_subprocess(lib)
     assert p["loaded"] and p["version"] == 22809 and p["version_text"] == "2.28.9"
     assert not p["host_rma"]
@@ -72,13 +41,13 @@ def test_an_old_nccl_is_named_with_the_version_it_needs(tmp_path):
 
 
 def test_a_new_nccl_with_every_symbol_has_the_host_api(tmp_path):
-    p = _probe_in_subprocess(_stand_in(tmp_path, "nccl_new", 23203, SYMBOLS))
+    p = _probe_in_subprocess(stand_in_library(tmp_path, "nccl_new", 23203, SYMBOLS))
     assert p["loaded"] and p["version_text"] == "2.32.3" and p["missing"] == [] and p["host_rma"]
     assert p["summary"].endswith("host one-sided API present")
 
 
 def test_a_library_without_nccl_get_version_is_reported(tmp_path):
-    p = _probe_in_subprocess(_stand_in(tmp_path, "not_nccl", None, SYMBOLS))
+    p = _probe_in_subprocess(stand_in_library(tmp_path, "not_nccl", None, SYMBOLS))
     assert p["loaded"] and not p["host_rma"] and "has no ncclGetVersion" in p["error"]
 
 
@@ -101,13 +70,16 @@ def test_the_wheels_nccl_is_found_and_read(monkeypatch):
     assert p["path"].endswith("libnccl.so.2")
 
 
-def test_transport_nccl_refuses_naming_the_library(monkeypatch):
+def test_transport_nccl_is_a_transport_name_and_in_the_catalog(monkeypatch):
+    """'nccl' is chosen like any transport (its refusals come from the native layer: test_nccl_transport.py)."""
     from portep.config import transport_from_env
 
-    with pytest.raises(NotImplementedError, match=r"transport='nccl' is not implemented .*the NCCL library here: "):
-        transport_from_env("nccl")
+    assert transport_from_env("nccl") == "nccl"
     monkeypatch.setenv("PORTEP_TRANSPORT", "nccl")
-    with pytest.raises(NotImplementedError, match="transport='nccl'"):
-        transport_from_env()
+    assert transport_from_env() == "nccl"
     catalog = {t["name"]: t for t in native.transport_catalog()}
-    assert not catalog["nccl"]["built"] and "not implemented" in catalog["nccl"]["reason"]
+    cuda = native.build_info()["gpu_runtime"] == "cuda"
+    assert catalog["nccl"]["built"] == cuda, catalog["nccl"]
+    assert catalog["nccl"]["ordered"] and not catalog["nccl"]["remote_atomics"]
+    assert catalog["nccl-emulated"]["built"] and catalog["nccl-emulated"].get("usable", True)
+    assert "emulation" in catalog["nccl-emulated"]["note"] and "2.29.2" in catalog["nccl"]["note"]

@@ -1,6 +1,7 @@
 #include "transport/shm/shm_transport.h"
 
 #include "transport/endpoint_text.h"
+#include "transport/shm/peer_process.h"
 
 #include <errno.h>
 #include <signal.h>
@@ -16,19 +17,6 @@ const char* kRegionTags[kNumRegions] = {"data", "signal"};
 
 const char kIpcPrefix[] = "ipc:";
 
-// The state letter of a process from /proc/PID/stat ('?' when unreadable).
-char process_state(int pid) {
-  char path[64];
-  snprintf(path, sizeof(path), "/proc/%d/stat", pid);
-  FILE* f = fopen(path, "r");
-  if (!f) return '?';
-  char buf[512];
-  size_t n = fread(buf, 1, sizeof(buf) - 1, f);
-  fclose(f);
-  buf[n] = 0;
-  const char* close_paren = strrchr(buf, ')');  // the command name may hold spaces and parentheses
-  return close_paren && close_paren[1] == ' ' ? close_paren[2] : '?';
-}
 }  // namespace
 
 ShmTransport::ShmTransport(const ShmOptions& o) : o_(o) {
@@ -292,10 +280,7 @@ int ShmTransport::poll_recv(int channel, RecvNotice* out, int max) {
 
 bool ShmTransport::peer_alive(int peer) const {
   if (peer < 0 || peer >= int(peers_.size()) || peers_[peer].pid <= 0) return true;
-  const int pid = peers_[peer].pid;
-  if (kill(pid, 0) != 0 && errno != EPERM) return false;
-  const char state = process_state(pid);  // a killed process stays a zombie until its parent reaps it: gone
-  return state != 'Z' && state != 'X';
+  return process_alive(peers_[peer].pid);
 }
 
 std::string ShmTransport::describe_peer(int peer) const {
