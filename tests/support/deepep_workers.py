@@ -679,14 +679,19 @@ def _ll_expert_y(res, rank, use_fp8, nan_fill):
     """The experts' outputs for an LL dispatch result: ref.ll_expert_outputs of the received rows (FP8:
     dequantized), a factor per global expert and an offset per expert and source rank, so that a weight applied to
     the wrong top-k slot or a row reduced from the wrong expert changes the combined sum; rows past recv_count
-    poisoned with NaN if asked (a combine must never read them)."""
+    poisoned with NaN if asked (a combine must never read them), else a finite constant. Only the rows below the
+    largest recv_count are dequantized and computed: at production shapes the rest is most of the buffer."""
     recv_x, recv_count, handle = res[0], res[1], res[2]
-    seen = ref.per_token_cast_back(recv_x[0], recv_x[1]).to(BF16) if use_fp8 else recv_x
-    y = ref.ll_expert_outputs(seen, handle[1], rank)
+    x = recv_x[0] if use_fp8 else recv_x
+    e_l, m_all, hidden = x.shape
+    m = min(m_all, int(recv_count.max()) if recv_count.numel() else 0)
+    seen = ref.per_token_cast_back(x[:, :m], recv_x[1][:, :m]).to(BF16) if use_fp8 else x[:, :m]
+    y = torch.full((e_l, m_all, hidden), float("nan") if nan_fill else 0.75, dtype=BF16)
+    y[:, :m] = ref.ll_expert_outputs(seen, handle[1], rank)
     if nan_fill:
-        for e in range(y.size(0)):
-            y[e, int(recv_count[e]) :] = float("nan")
-    return y.contiguous()
+        for e in range(e_l):
+            y[e, int(recv_count[e]) : m] = float("nan")
+    return y
 
 
 def _ll_combine(ck, buf, sim, idx, w, handle, zero_copy, hook, out, cost_stats=None, async_finish=False):
