@@ -102,9 +102,17 @@ def _cuts(seed, src, dst, block):
     return sorted(inner - {0}) + [block]
 
 
+def _data(ch, device):
+    """The Channel's data memory as a uint8 tensor: its host view, or on a GPU the device memory itself."""
+    if device in (None, "emulated"):
+        return ch.buffer
+    return torch.as_tensor(ch.native_channel.device_data_lease(), device=f"cuda:{device}")
+
+
 def python_api(rank, world, transport, seed, device=None):
     """Each rank writes a seeded random block to every peer with write_signal; receivers compare with a
-    torch reference regenerated from the seed, and check the slot counts and final marks."""
+    torch reference regenerated from the seed, and check the slot counts and final marks. device: None, "emulated"
+    or a CUDA device (the data is then GPU memory)."""
     block = 4096
     ch = portep.Channel(
         None,
@@ -116,9 +124,12 @@ def python_api(rank, world, transport, seed, device=None):
         seed=seed,
         device=device,
     )
-    send = ch.buffer[: world * block].view(world, block)
+    data = _data(ch, device)
+    send = data[: world * block].view(world, block)
     for dst in range(world):
-        send[dst] = _payload(seed, rank, dst, block)
+        send[dst] = _payload(seed, rank, dst, block).to(data.device)
+    if data.is_cuda:
+        torch.cuda.synchronize()
     ch.barrier()
     for dst in range(world):
         cuts = _cuts(seed, rank, dst, block)
@@ -129,7 +140,7 @@ def python_api(rank, world, transport, seed, device=None):
     for src in range(world):
         ch.wait_signal(src, 1, expected[src])
     ch.barrier()
-    recv = ch.buffer[world * block :].view(world, block)
+    recv = data[world * block :].view(world, block).cpu()
     mismatches = [src for src in range(world) if not torch.equal(recv[src], _payload(seed, src, rank, block))]
     slots = ch.signals[:, 1].tolist()
     ch.destroy()
