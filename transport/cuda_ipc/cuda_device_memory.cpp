@@ -9,6 +9,7 @@
 #include <atomic>
 #include <vector>
 
+#include "transport/cuda_ipc/driver_entry.h"
 #include "transport/device_memory.h"
 #include "transport/transport.h"
 
@@ -148,22 +149,8 @@ class CudaDeviceMemory final : public DeviceMemory {
   int export_dmabuf(void* p, size_t bytes, uint64_t* offset, std::string* why) override {
     using GetHandle = CUresult (*)(void*, CUdeviceptr, size_t, CUmemRangeHandleType, unsigned long long);
     DeviceGuard guard(device_);
-    void* fn = nullptr;
-    bool found = false;
-#if CUDART_VERSION >= 12050
-    cudaDriverEntryPointQueryResult status{};
-    found = cudaGetDriverEntryPointByVersion("cuMemGetHandleForAddressRange", &fn, 11070, cudaEnableDefault, &status) ==
-                cudaSuccess &&
-            status == cudaDriverEntryPointSuccess;
-#elif CUDART_VERSION >= 12000
-    cudaDriverEntryPointQueryResult status{};
-    found = cudaGetDriverEntryPoint("cuMemGetHandleForAddressRange", &fn, cudaEnableDefault, &status) == cudaSuccess &&
-            status == cudaDriverEntryPointSuccess;
-#else
-    found = cudaGetDriverEntryPoint("cuMemGetHandleForAddressRange", &fn, cudaEnableDefault) == cudaSuccess;
-#endif
-    if (!found || !fn) {
-      cudaGetLastError();  // a failed lookup must not surface later as another call's error
+    void* fn = cuda_driver_entry("cuMemGetHandleForAddressRange", 11070);
+    if (!fn) {
       *why = "the driver has no cuMemGetHandleForAddressRange (CUDA 11.7+)";
       return -1;
     }

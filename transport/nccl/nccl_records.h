@@ -7,7 +7,8 @@
 //               [64, 64 + 16 * kRecordSlots) the ring of s's records to this rank, slot = (seq - 1) % kRecordSlots
 //   outbox(p) = this rank's staging for lane p: [0, 16) the record being put, [64, 72) the credit being put
 // A record is two 8-byte halves, each carrying the record's sequence number, so that a half still holding the
-// previous lap's record (a torn read of a slot being written) never passes for the new one:
+// previous lap's record (a torn read of a slot being written) never passes for the new one. This relies on each
+// aligned 8-byte word landing whole, as NCCL's own LL protocol does (a flag in every 8 bytes):
 //   half 0: imm (32) | seq (32)        half 1: put count (32) | seq low 24 bits << 8 | channel (8)
 // The put count is how many puts this rank had made to the receiver when this record's own put was made,
 // itself included: the receiver trusts a record only once it has counted that many signals from its source, and a
@@ -47,6 +48,11 @@ inline uint64_t outbox_offset(int num_ranks, int peer) {
 
 inline Record encode(uint32_t imm, uint64_t seq, uint64_t put_count, int channel) {
   return Record{imm, uint32_t(seq), uint32_t(put_count), uint32_t(seq & 0xFFFFFF) << 8 | uint32_t(channel & 0xFF)};
+}
+// The record as the two 8-byte words it is written as (little-endian: the first field in the low half).
+inline void words_of(const Record& r, uint64_t out[2]) {
+  out[0] = uint64_t(r.seq) << 32 | r.imm;
+  out[1] = uint64_t(r.tag) << 32 | r.put_count;
 }
 // Record seq has landed in this slot (both halves).
 inline bool holds(const Record& r, uint64_t seq) { return r.seq == uint32_t(seq) && r.tag >> 8 == (seq & 0xFFFFFF); }

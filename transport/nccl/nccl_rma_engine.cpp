@@ -5,10 +5,13 @@
 #include <cuda_runtime.h>
 #include <string.h>
 
+#include <chrono>
 #include <deque>
 #include <mutex>
+#include <thread>
 #include <utility>
 
+#include "transport/cuda_ipc/driver_entry.h"
 #include "transport/endpoint_text.h"
 #include "transport/nccl/nccl_library.h"
 #include "transport/transport.h"
@@ -138,10 +141,17 @@ class NcclRmaEngine final : public RmaEngine {
     if (id_bytes.size() != sizeof(UniqueId)) throw TransportError("nccl: rank 0's communicator id is malformed");
     UniqueId id;
     memcpy(&id, id_bytes.data(), sizeof(id));
+    std::lock_guard<std::mutex> lock(comm_mutex());
     check(api_.comm_init_rank(&comm_, num_ranks_, id, rank_), "ncclCommInitRank");
-    for (int w = 0; w < kNumRmaWindows; ++w)
+    for (int w = 0; w < kNumRmaWindows; ++w) {
       check(api_.window_register(comm_, windows_[w], sizes_[w], &registered_[w], kWinCollSymmetric),
             "ncclCommWindowRegister");
+      // NCCL answers success without a window where the communicator has no symmetric memory (no cuMem, no P2P)
+      if (!registered_[w])
+        throw TransportError("nccl: ncclCommWindowRegister gave no window (" + api_.library +
+                             "): this communicator has no symmetric memory (NCCL_CUMEM_ENABLE, P2P between the "
+                             "GPUs), which the one-sided API needs");
+    }
     for (int p = 0; p < num_ranks_; ++p) {
       check_cuda(cudaStreamCreateWithFlags(&lanes_[p].stream, cudaStreamNonBlocking), "cudaStreamCreate");
       check_cuda(cudaStreamCreateWithFlags(&sources_[p].stream, cudaStreamNonBlocking), "cudaStreamCreate");
@@ -149,16 +159,19 @@ class NcclRmaEngine final : public RmaEngine {
     }
   }
 
-  void stage(int peer, RmaWindow w, uint64_t off, const void* src, size_t bytes) override {
+  // cuStreamWriteValue64: stream-ordered, never blocks on the stream (a copy from pageable memory could).
+  void write_words(int peer, RmaWindow w, uint64_t off, const uint64_t* words, int count) override {
     DeviceGuard guard(device_);
-    check_cuda(
-        cudaMemcpyAsync(static_cast<char*>(windows_[w]) + off, src, bytes, cudaMemcpyHostToDevice, lane(peer).stream),
-        "cudaMemcpyAsync (staging)");
+    for (int i = 0; i < count; ++i) {
+      const uint64_t address = reinterpret_cast<uint64_t>(windows_[w]) + off + 8 * uint64_t(i);
+      if (int rc = write_value_(lane(peer).stream, address, words[i], 0); rc != 0)
+        throw TransportError("nccl: cuStreamWriteValue64 failed with CUresult " + std::to_string(rc));
+    }
   }
 
   void put_signal(int peer, RmaWindow w, uint64_t local_off, uint64_t remote_off, size_t bytes) override {
     DeviceGuard guard(device_);
-    std::lock_guard<std::mutex> lock(comm_mu_);  // a communicator is not to be used by two threads at once
+    std::lock_guard<std::mutex> lock(comm_mutex());
     check(api_.put_signal(static_cast<char*>(windows_[w]) + local_off, bytes, kUint8, peer, registered_[w], remote_off,
                           0, 0, 0, comm_, lane(peer).stream),
           "ncclPutSignal");
@@ -198,7 +211,7 @@ class NcclRmaEngine final : public RmaEngine {
     if (bytes > s.pinned_bytes) throw TransportError("nccl: an armed copy grew past its pinned buffer");
     if (total > s.waited) {
       WaitSignalDesc d{int(total - s.waited), src, 0, 0};
-      std::lock_guard<std::mutex> lock(comm_mu_);
+      std::lock_guard<std::mutex> lock(comm_mutex());
       check(api_.wait_signal(1, &d, comm_, s.stream), "ncclWaitSignal");
       s.waited = total;
     }
@@ -259,10 +272,19 @@ class NcclRmaEngine final : public RmaEngine {
     return sources_[src];
   }
 
+  using WriteValue64 = int (*)(cudaStream_t, uint64_t, uint64_t, unsigned);  // cuStreamWriteValue64
+
+  // NCCL: operations on communicators of one device must not be issued by two threads at once; one lock for every
+  // engine of the process (an application's own NCCL calls on other threads are its to keep apart).
+  static std::mutex& comm_mutex() {
+    static std::mutex mu;
+    return mu;
+  }
+
   int rank_, num_ranks_, device_;
   NcclApi api_;
+  WriteValue64 write_value_ = nullptr;
   Comm comm_ = nullptr;
-  std::mutex comm_mu_;
   void* windows_[kNumRmaWindows] = {};
   size_t sizes_[kNumRmaWindows] = {};
   Window registered_[kNumRmaWindows] = {};

@@ -1,6 +1,7 @@
 #include "transport/nccl/nccl_transport.h"
 
 #include <stdlib.h>
+#include <algorithm>
 #include <string.h>
 
 #include "transport/endpoint_text.h"
@@ -110,10 +111,11 @@ bool NcclTransport::post_write(int channel, int peer, uint64_t local_off, uint64
   }
   if (imm) {
     const uint64_t seq = ++lane.records_sent;
-    const w::Record rec = w::encode(*imm, seq, ++lane.puts, channel);
+    uint64_t words[2];
+    w::words_of(w::encode(*imm, seq, ++lane.puts, channel), words);
     const uint64_t staging = w::outbox_offset(num_ranks_, peer) + w::kOutboxRecord;
-    engine_->stage(peer, kRmaControl, staging, &rec, sizeof(rec));
-    engine_->put_signal(peer, kRmaControl, staging, w::slot_offset(rank_, seq), sizeof(rec));
+    engine_->write_words(peer, kRmaControl, staging, words, 2);
+    engine_->put_signal(peer, kRmaControl, staging, w::slot_offset(rank_, seq), w::kRecordBytes);
   }
   channels_[channel]->pending.push_back(Pending{peer, engine_->mark(peer), wr_id});
   return true;
@@ -158,15 +160,16 @@ int NcclTransport::poll_recv(int channel, RecvNotice* out, int max) {
 }
 
 // Delivers the records of src that the last copy of its inbox shows and its counted signals cover, returns credit
-// once a quarter of the ring was consumed, and arms the next wait: for the signal that the first record not yet
-// trusted needs, else for one more.
+// once a quarter of the ring was consumed, and arms the next copy: after the signals that the first record seen but
+// not yet trusted needs (its put was made, so they come), else at once. Never a wait for a put not yet seen: NCCL
+// would hold this rank's own puts behind it.
 void NcclTransport::receive(int src) {
   Source& s = *sources_[src];
   uint64_t want = 0;
   if (s.armed) {
     if (!engine_->ready(src)) return;
     s.armed = false;
-    s.counted = s.armed_total;
+    s.counted = std::max(s.counted, s.armed_total);
     uint64_t credit;
     memcpy(&credit, s.mirror.data(), sizeof(credit));
     {
@@ -198,7 +201,7 @@ void NcclTransport::receive(int src) {
       s.credited = consumed;
     }
   }
-  s.armed_total = trust_on_sight_ ? 0 : want ? want : s.counted + 1;
+  s.armed_total = trust_on_sight_ ? 0 : want ? want : s.counted;
   engine_->arm(src, s.armed_total, w::inbox_offset(src), w::kInboxBytes, s.mirror.data());
   s.armed = true;
 }
@@ -207,7 +210,7 @@ void NcclTransport::send_credit(int src, uint64_t consumed) {
   Lane& lane = *lanes_[src];
   std::lock_guard<std::mutex> lock(lane.mu);
   const uint64_t staging = w::outbox_offset(num_ranks_, src) + w::kOutboxCredit;
-  engine_->stage(src, kRmaControl, staging, &consumed, sizeof(consumed));
+  engine_->write_words(src, kRmaControl, staging, &consumed, 1);
   engine_->put_signal(src, kRmaControl, staging, w::inbox_offset(rank_), sizeof(consumed));
   ++lane.puts;
 }

@@ -9,7 +9,10 @@
 //   signal means every earlier put of the same lane has landed too.
 // - arm(src, total, ...): wait until `total` signals from src have been counted (in all, since connect), then copy a
 //   range of this rank's own window into host memory; ready(src) says when that copy is there. One arm per source
-//   at a time.
+//   at a time. NCCL runs a communicator's operations one after another, whatever their streams: this rank's later
+//   puts wait behind an unmet wait. So a wait must only be for signals of puts the source has already made (their
+//   bytes seen), never for one that may depend on this rank; an arm for no more signals than already waited for
+//   copies at once.
 // Local completion (mark / complete): the put's source bytes may be reused.
 #pragma once
 
@@ -34,8 +37,9 @@ class RmaEngine {
   // Every rank has connected (after a group barrier).
   virtual void bootstrap_done() {}
 
-  // Lane `peer`: host bytes into this rank's own window w (what a later put of the lane reads), in lane order.
-  virtual void stage(int peer, RmaWindow w, uint64_t off, const void* src, size_t bytes) = 0;
+  // Lane `peer`: 8-byte words into this rank's own window w at off (what a later put of the lane reads), in lane
+  // order; each word is written whole. The caller's words may be reused on return.
+  virtual void write_words(int peer, RmaWindow w, uint64_t off, const uint64_t* words, int count) = 0;
   // Lane `peer`: bytes from this rank's window w at local_off to the peer's window w at remote_off, then a signal.
   virtual void put_signal(int peer, RmaWindow w, uint64_t local_off, uint64_t remote_off, size_t bytes) = 0;
   // A ticket for everything enqueued on lane `peer` so far; complete() once all of it completed locally.

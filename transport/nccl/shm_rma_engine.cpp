@@ -18,9 +18,22 @@ constexpr int kMaxLandingUs[kNumRmaWindows] = {500, 20};
 }  // namespace
 
 ShmRmaEngine::ShmRmaEngine(int rank, int num_ranks, uint64_t seed)
-    : rank_(rank), num_ranks_(num_ranks), lanes_(size_t(num_ranks)), armed_(size_t(num_ranks)) {
+    : rank_(rank),
+      num_ranks_(num_ranks),
+      lanes_(size_t(num_ranks)),
+      armed_(size_t(num_ranks)),
+      arm_order_(size_t(num_ranks)),
+      arm_total_(size_t(num_ranks)) {
   counters_ = ShmSegment::create("rma-signals", size_t(num_ranks) * sizeof(uint64_t));
   for (int p = 0; p < num_ranks; ++p) lanes_[p].rng.seed(seed * 1000003u + uint64_t(rank) * 7919u + uint64_t(p));
+}
+
+ShmRmaEngine::~ShmRmaEngine() {
+  if (peers_.empty()) return;
+  for (int p = 0; p < num_ranks_; ++p) {
+    arm_order_[p] = 0;  // nothing waits any more
+    progress(p, true);
+  }
 }
 
 void* ShmRmaEngine::alloc_window(RmaWindow w, size_t bytes) {
@@ -83,9 +96,10 @@ void ShmRmaEngine::check(int peer, RmaWindow w, uint64_t off, size_t bytes, bool
                          " " + kWindowTags[w] + " window of " + std::to_string(size) + " bytes");
 }
 
-void ShmRmaEngine::stage(int peer, RmaWindow w, uint64_t off, const void* src, size_t bytes) {
-  check(peer, w, off, bytes, false, "stage");
-  enqueue(peer, Op{false, w, off, 0, std::string(static_cast<const char*>(src), bytes), bytes});
+void ShmRmaEngine::write_words(int peer, RmaWindow w, uint64_t off, const uint64_t* words, int count) {
+  const size_t bytes = size_t(count) * sizeof(uint64_t);
+  check(peer, w, off, bytes, false, "write_words");
+  enqueue(peer, Op{false, w, off, 0, std::string(reinterpret_cast<const char*>(words), bytes), bytes});
 }
 
 void ShmRmaEngine::put_signal(int peer, RmaWindow w, uint64_t local_off, uint64_t remote_off, size_t bytes) {
@@ -96,6 +110,7 @@ void ShmRmaEngine::put_signal(int peer, RmaWindow w, uint64_t local_off, uint64_
 
 void ShmRmaEngine::enqueue(int peer, Op op) {
   Lane& lane = lanes_[peer];
+  op.order = ++order_;
   lane.queued.push_back(std::move(op));
   ++lane.enqueued;
   progress(peer, false);
@@ -111,6 +126,7 @@ void ShmRmaEngine::progress(int peer, bool all) {
     n = least + size_t(lane.rng() % (n - least + 1));
   }
   for (size_t i = 0; i < n; ++i) {
+    if (held_by_an_arm(lane.queued.front().order)) break;
     Op op = std::move(lane.queued.front());
     lane.queued.pop_front();
     carry_out(peer, op);
@@ -119,6 +135,18 @@ void ShmRmaEngine::progress(int peer, bool all) {
     if (op.put) lane.in_flight.push_back(std::move(op));
   }
   land_and_count(peer, all);
+}
+
+// Whether an operation enqueued at `order` waits behind an arm enqueued before it whose signals have not all come.
+bool ShmRmaEngine::held_by_an_arm(uint64_t order) const {
+  for (int src = 0; src < num_ranks_; ++src) {
+    const uint64_t at = arm_order_[src].load(std::memory_order_acquire);
+    if (at && at < order &&
+        __atomic_load_n(&peers_[rank_].counters[src], __ATOMIC_ACQUIRE) <
+            arm_total_[src].load(std::memory_order_relaxed))
+      return true;
+  }
+  return false;
 }
 
 void ShmRmaEngine::carry_out(int peer, Op& op) {
@@ -166,7 +194,9 @@ void ShmRmaEngine::drive(int peer) {
 void ShmRmaEngine::arm(int src, uint64_t total, uint64_t off, size_t bytes, void* host_dst) {
   check(src, kRmaControl, off, bytes, false, "arm");
   if (armed_[src].on) throw TransportError("nccl-emulated: source " + std::to_string(src) + " is already armed");
-  armed_[src] = Armed{true, total, off, bytes, host_dst};
+  armed_[src] = Armed{true, ++order_, total, off, bytes, host_dst};
+  arm_total_[src].store(total, std::memory_order_relaxed);
+  arm_order_[src].store(armed_[src].order, std::memory_order_release);
 }
 
 bool ShmRmaEngine::ready(int src) {
@@ -176,6 +206,7 @@ bool ShmRmaEngine::ready(int src) {
   if (__atomic_load_n(&peers_[rank_].counters[src], __ATOMIC_ACQUIRE) < a.total) return false;
   memcpy(a.dst, peers_[rank_].windows[kRmaControl] + a.off, a.bytes);
   a.on = false;
+  arm_order_[src].store(0, std::memory_order_release);
   return true;
 }
 

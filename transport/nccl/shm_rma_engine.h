@@ -7,9 +7,12 @@
 // further delay (longer in the data window than in the control window), in any order among the lane's puts in
 // flight. Signals are counted in lane order, each once its put and every earlier one landed. So a receiver that
 // trusted a record before counting its signals would read a write whose bytes have not landed, and the tests see it
-// (skip_ordering does exactly that).
+// (skip_ordering does exactly that). And as NCCL runs a communicator's operations one after another, an operation
+// enqueued after an arm whose signals have not all come is not carried out until they have: a protocol that waits
+// for a put that depends on this rank stalls here as it would on NCCL.
 #pragma once
 
+#include <atomic>
 #include <chrono>
 #include <deque>
 #include <memory>
@@ -25,12 +28,13 @@ namespace portep {
 class ShmRmaEngine final : public RmaEngine {
  public:
   ShmRmaEngine(int rank, int num_ranks, uint64_t seed);
+  ~ShmRmaEngine() override;  // carries out and lands what the lanes still hold, as NCCL would deliver it
 
   void* alloc_window(RmaWindow w, size_t bytes) override;
   std::string endpoint_blob() override;
   void connect(const std::vector<std::string>& blobs) override;
   void bootstrap_done() override;
-  void stage(int peer, RmaWindow w, uint64_t off, const void* src, size_t bytes) override;
+  void write_words(int peer, RmaWindow w, uint64_t off, const uint64_t* words, int count) override;
   void put_signal(int peer, RmaWindow w, uint64_t local_off, uint64_t remote_off, size_t bytes) override;
   uint64_t mark(int peer) override;
   bool complete(int peer, uint64_t ticket) override;
@@ -42,11 +46,12 @@ class ShmRmaEngine final : public RmaEngine {
 
  private:
   struct Op {
-    bool put;  // else a stage
+    bool put;  // else words written into this rank's window
     RmaWindow window;
     uint64_t local_off, remote_off;
-    std::string bytes;  // a stage's bytes, or a put's source bytes once carried out
+    std::string bytes;  // the words written, or a put's source bytes once carried out
     size_t size;
+    uint64_t order = 0;  // enqueue order across the lanes (an arm's too)
     bool landed = false;
     std::chrono::steady_clock::time_point lands_at{};  // a put in flight lands no earlier
   };
@@ -58,6 +63,7 @@ class ShmRmaEngine final : public RmaEngine {
   };
   struct Armed {
     bool on = false;
+    uint64_t order = 0;  // operations enqueued after it wait until it is met
     uint64_t total = 0, off = 0;
     size_t bytes = 0;
     void* dst = nullptr;
@@ -74,6 +80,7 @@ class ShmRmaEngine final : public RmaEngine {
   void progress(int peer, bool all);
   void carry_out(int peer, Op& op);
   void land_and_count(int peer, bool all);
+  bool held_by_an_arm(uint64_t order) const;
   void check(int peer, RmaWindow w, uint64_t off, size_t bytes, bool remote, const char* what) const;
 
   int rank_, num_ranks_;
@@ -82,6 +89,8 @@ class ShmRmaEngine final : public RmaEngine {
   std::vector<Peer> peers_;
   std::vector<Lane> lanes_;
   std::vector<Armed> armed_;
+  std::atomic<uint64_t> order_{0};
+  std::vector<std::atomic<uint64_t>> arm_order_, arm_total_;  // armed_'s, readable by any lane's thread (0: none)
 };
 
 }  // namespace portep
