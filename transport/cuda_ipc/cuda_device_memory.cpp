@@ -9,7 +9,7 @@
 #include <atomic>
 #include <vector>
 
-#include "transport/cuda_ipc/driver_entry.h"
+#include "transport/cuda_ipc/cuda_util.h"
 #include "transport/device_memory.h"
 #include "transport/transport.h"
 
@@ -23,19 +23,8 @@ void check(cudaError_t e, const char* what) {
   if (e != cudaSuccess) throw TransportError(std::string("cuda-ipc: ") + what + ": " + cudaGetErrorString(e));
 }
 
-// Sets the device for one call from the owning thread and restores the caller's (torch keeps its own).
-class DeviceGuard {
- public:
-  explicit DeviceGuard(int device) {
-    if (cudaGetDevice(&previous_) != cudaSuccess) previous_ = -1;
-    if (previous_ != device) check(cudaSetDevice(device), "cudaSetDevice");
-  }
-  ~DeviceGuard() {
-    if (previous_ >= 0) cudaSetDevice(previous_);
-  }
-
- private:
-  int previous_ = -1;
+struct DeviceGuard : CudaDeviceGuard {
+  explicit DeviceGuard(int device) : CudaDeviceGuard(device, "cuda-ipc") {}
 };
 
 struct CopyChannel {

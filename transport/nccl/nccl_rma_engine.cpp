@@ -11,7 +11,7 @@
 #include <thread>
 #include <utility>
 
-#include "transport/cuda_ipc/driver_entry.h"
+#include "transport/cuda_ipc/cuda_util.h"
 #include "transport/endpoint_text.h"
 #include "transport/nccl/nccl_library.h"
 #include "transport/transport.h"
@@ -69,18 +69,8 @@ void check_cuda(cudaError_t e, const char* what) {
   if (e != cudaSuccess) throw TransportError(std::string("nccl: ") + what + ": " + cudaGetErrorString(e));
 }
 
-class DeviceGuard {  // the rank's GPU for one call from any thread; the caller's device is restored
- public:
-  explicit DeviceGuard(int device) {
-    if (cudaGetDevice(&previous_) != cudaSuccess) previous_ = -1;
-    if (previous_ != device) check_cuda(cudaSetDevice(device), "cudaSetDevice");
-  }
-  ~DeviceGuard() {
-    if (previous_ >= 0) cudaSetDevice(previous_);
-  }
-
- private:
-  int previous_ = -1;
+struct DeviceGuard : CudaDeviceGuard {  // the rank's GPU for one call from any thread
+  explicit DeviceGuard(int device) : CudaDeviceGuard(device, "nccl") {}
 };
 
 class NcclRmaEngine final : public RmaEngine {

@@ -1,7 +1,12 @@
-// A CUDA driver function through the runtime's entry-point lookup, so that nothing links libcuda.
+// CUDA runtime helpers of the transports that use it: a driver function through the runtime's entry-point lookup
+// (nothing links libcuda), and a guard that sets the device for one call.
 #pragma once
 
 #include <cuda_runtime.h>
+
+#include <string>
+
+#include "transport/transport.h"
 
 namespace portep {
 
@@ -29,5 +34,25 @@ inline void* cuda_driver_entry(const char* name, unsigned version) {
   }
   return fn;
 }
+
+// Sets `device` for one call from any thread and restores the caller's (torch keeps its own); a failure raises
+// TransportError naming `who`.
+class CudaDeviceGuard {
+ public:
+  CudaDeviceGuard(int device, const char* who) {
+    if (cudaGetDevice(&previous_) != cudaSuccess) previous_ = -1;
+    if (previous_ == device) return;
+    if (cudaError_t e = cudaSetDevice(device); e != cudaSuccess)
+      throw TransportError(std::string(who) + ": cudaSetDevice: " + cudaGetErrorString(e));
+  }
+  ~CudaDeviceGuard() {
+    if (previous_ >= 0) cudaSetDevice(previous_);
+  }
+  CudaDeviceGuard(const CudaDeviceGuard&) = delete;
+  CudaDeviceGuard& operator=(const CudaDeviceGuard&) = delete;
+
+ private:
+  int previous_ = -1;
+};
 
 }  // namespace portep
