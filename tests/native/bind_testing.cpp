@@ -343,12 +343,14 @@ void bind_fifo_probes(py::module_& m) {
 }
 #endif
 
-void bind_ll_chain(py::module_& m);  // ll_chain_model.cpp
+void bind_ll_chain(py::module_& m);      // ll_chain_model.cpp
+void bind_nccl_records(py::module_& m);  // nccl_records_hooks.cpp
 
 PYBIND11_MODULE(portep_testing, m) {
   m.doc() = "portep's test hooks (not installed with portep)";
   bind_wire(m);
   bind_ll_chain(m);
+  bind_nccl_records(m);
 #ifdef PORTEP_TESTING_WITH_GPU
   bind_fifo_probes(m);
   m.attr("gpu_built") = true;
