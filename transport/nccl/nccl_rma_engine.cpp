@@ -81,14 +81,29 @@ class NcclRmaEngine final : public RmaEngine {
         device_(device),
         api_(std::move(api)),
         lanes_(size_t(num_ranks)),
-        sources_(size_t(num_ranks)) {}
+        sources_(size_t(num_ranks)) {
+    write_value_ = reinterpret_cast<WriteValue64>(cuda_driver_entry("cuStreamWriteValue64", 12000));
+    if (!write_value_) throw TransportError("nccl: the CUDA driver has no cuStreamWriteValue64");
+  }
 
+  // Every wait is for puts already made (rma_engine.h), so the streams drain; within a bound, as a peer may be gone.
+  // Then the communicator goes (abort: nothing of it is owed to anyone now), then the memory the streams used.
   ~NcclRmaEngine() override {
     DeviceGuard guard(device_);
-    // Abort first: a receive stream may wait in ncclWaitSignal for a signal that never comes.
-    if (comm_) api_.comm_abort(comm_);
+    const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(10);
+    auto drain = [&](cudaStream_t stream) {
+      while (stream && cudaStreamQuery(stream) == cudaErrorNotReady && std::chrono::steady_clock::now() < deadline)
+        std::this_thread::sleep_for(std::chrono::microseconds(100));
+    };
+    for (Lane& l : lanes_) drain(l.stream);
+    for (Source& s : sources_) drain(s.stream);
+    if (comm_) {
+      std::lock_guard<std::mutex> lock(comm_mutex());
+      api_.comm_abort(comm_);
+    }
     for (Lane& l : lanes_) {
       for (auto& m : l.marks) cudaEventDestroy(m.second);
+      for (cudaEvent_t e : l.spare) cudaEventDestroy(e);
       if (l.stream) cudaStreamDestroy(l.stream);
     }
     for (Source& s : sources_) {
@@ -171,7 +186,12 @@ class NcclRmaEngine final : public RmaEngine {
     DeviceGuard guard(device_);
     Lane& l = lane(peer);
     cudaEvent_t e;
-    check_cuda(cudaEventCreateWithFlags(&e, cudaEventDisableTiming), "cudaEventCreate");
+    if (!l.spare.empty()) {  // a completed mark's event: no event made and destroyed per post
+      e = l.spare.back();
+      l.spare.pop_back();
+    } else {
+      check_cuda(cudaEventCreateWithFlags(&e, cudaEventDisableTiming), "cudaEventCreate");
+    }
     check_cuda(cudaEventRecord(e, l.stream), "cudaEventRecord");
     l.marks.emplace_back(++l.marked, e);
     return l.marked;
@@ -184,7 +204,7 @@ class NcclRmaEngine final : public RmaEngine {
       const cudaError_t e = cudaEventQuery(l.marks.front().second);
       if (e == cudaErrorNotReady) break;
       check_cuda(e, "a put's completion");
-      cudaEventDestroy(l.marks.front().second);
+      l.spare.push_back(l.marks.front().second);
       l.completed = l.marks.front().first;
       l.marks.pop_front();
     }
@@ -233,7 +253,8 @@ class NcclRmaEngine final : public RmaEngine {
  private:
   struct Lane {
     cudaStream_t stream = nullptr;
-    std::deque<std::pair<uint64_t, cudaEvent_t>> marks;
+    std::deque<std::pair<uint64_t, cudaEvent_t>> marks;  // recorded, not yet seen complete
+    std::vector<cudaEvent_t> spare;                      // seen complete, reused by the next mark
     uint64_t marked = 0, completed = 0;
   };
   struct Source {

@@ -1,8 +1,9 @@
 #include "transport/nccl/nccl_transport.h"
 
 #include <stdlib.h>
-#include <algorithm>
 #include <string.h>
+
+#include <algorithm>
 
 #include "transport/endpoint_text.h"
 

@@ -30,10 +30,8 @@ ShmRmaEngine::ShmRmaEngine(int rank, int num_ranks, uint64_t seed)
 
 ShmRmaEngine::~ShmRmaEngine() {
   if (peers_.empty()) return;
-  for (int p = 0; p < num_ranks_; ++p) {
-    arm_order_[p] = 0;  // nothing waits any more
-    progress(p, true);
-  }
+  for (auto& order : arm_order_) order = 0;  // nothing waits any more
+  for (int p = 0; p < num_ranks_; ++p) progress(p, true);
 }
 
 void* ShmRmaEngine::alloc_window(RmaWindow w, size_t bytes) {
@@ -194,9 +192,9 @@ void ShmRmaEngine::drive(int peer) {
 void ShmRmaEngine::arm(int src, uint64_t total, uint64_t off, size_t bytes, void* host_dst) {
   check(src, kRmaControl, off, bytes, false, "arm");
   if (armed_[src].on) throw TransportError("nccl-emulated: source " + std::to_string(src) + " is already armed");
-  armed_[src] = Armed{true, ++order_, total, off, bytes, host_dst};
+  armed_[src] = Armed{true, total, off, bytes, host_dst};
   arm_total_[src].store(total, std::memory_order_relaxed);
-  arm_order_[src].store(armed_[src].order, std::memory_order_release);
+  arm_order_[src].store(++order_, std::memory_order_release);
 }
 
 bool ShmRmaEngine::ready(int src) {
@@ -210,15 +208,10 @@ bool ShmRmaEngine::ready(int src) {
   return true;
 }
 
-bool ShmRmaEngine::peer_alive(int peer) const {
-  if (peer < 0 || peer >= int(peers_.size()) || peers_[peer].pid <= 0) return true;
-  return process_alive(peers_[peer].pid);
-}
+int ShmRmaEngine::peer_pid(int peer) const { return peer >= 0 && peer < int(peers_.size()) ? peers_[peer].pid : 0; }
 
-std::string ShmRmaEngine::describe_peer(int peer) const {
-  if (peer < 0 || peer >= int(peers_.size())) return "rank " + std::to_string(peer) + " (unknown)";
-  return "rank " + std::to_string(peer) + " (pid " + std::to_string(peers_[peer].pid) +
-         (peer_alive(peer) ? ", alive)" : ", process gone)");
-}
+bool ShmRmaEngine::peer_alive(int peer) const { return process_alive(peer_pid(peer)); }
+
+std::string ShmRmaEngine::describe_peer(int peer) const { return describe_rank_process(peer, peer_pid(peer)); }
 
 }  // namespace portep

@@ -63,7 +63,6 @@ class ShmRmaEngine final : public RmaEngine {
   };
   struct Armed {
     bool on = false;
-    uint64_t order = 0;  // operations enqueued after it wait until it is met
     uint64_t total = 0, off = 0;
     size_t bytes = 0;
     void* dst = nullptr;
@@ -76,6 +75,7 @@ class ShmRmaEngine final : public RmaEngine {
     std::vector<ShmSegment> maps;
   };
 
+  int peer_pid(int peer) const;  // 0 where not known
   void enqueue(int peer, Op op);
   void progress(int peer, bool all);
   void carry_out(int peer, Op& op);
@@ -90,7 +90,8 @@ class ShmRmaEngine final : public RmaEngine {
   std::vector<Lane> lanes_;
   std::vector<Armed> armed_;
   std::atomic<uint64_t> order_{0};
-  std::vector<std::atomic<uint64_t>> arm_order_, arm_total_;  // armed_'s, readable by any lane's thread (0: none)
+  std::vector<std::atomic<uint64_t>> arm_order_, arm_total_;  // an arm's enqueue order (0: none) and
+                                                              // total, for any lane's thread
 };
 
 }  // namespace portep

@@ -24,9 +24,16 @@ char process_state(int pid) {
 }  // namespace
 
 bool process_alive(int pid) {
+  if (pid <= 0) return true;
   if (kill(pid, 0) != 0 && errno != EPERM) return false;
   const char state = process_state(pid);  // a killed process stays a zombie until its parent reaps it: gone
   return state != 'Z' && state != 'X';
+}
+
+std::string describe_rank_process(int rank, int pid) {
+  if (pid <= 0) return "rank " + std::to_string(rank) + " (unknown)";
+  return "rank " + std::to_string(rank) + " (pid " + std::to_string(pid) +
+         (process_alive(pid) ? ", alive)" : ", process gone)");
 }
 
 }  // namespace portep

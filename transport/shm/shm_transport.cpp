@@ -3,8 +3,6 @@
 #include "transport/endpoint_text.h"
 #include "transport/shm/peer_process.h"
 
-#include <errno.h>
-#include <signal.h>
 #include <string.h>
 #include <unistd.h>
 
@@ -278,16 +276,11 @@ int ShmTransport::poll_recv(int channel, RecvNotice* out, int max) {
   return n;
 }
 
-bool ShmTransport::peer_alive(int peer) const {
-  if (peer < 0 || peer >= int(peers_.size()) || peers_[peer].pid <= 0) return true;
-  return process_alive(peers_[peer].pid);
-}
+int ShmTransport::peer_pid(int peer) const { return peer >= 0 && peer < int(peers_.size()) ? peers_[peer].pid : 0; }
 
-std::string ShmTransport::describe_peer(int peer) const {
-  if (peer < 0 || peer >= int(peers_.size())) return "rank " + std::to_string(peer) + " (unknown)";
-  return "rank " + std::to_string(peer) + " (pid " + std::to_string(peers_[peer].pid) +
-         (peer_alive(peer) ? ", alive)" : ", process gone)");
-}
+bool ShmTransport::peer_alive(int peer) const { return process_alive(peer_pid(peer)); }
+
+std::string ShmTransport::describe_peer(int peer) const { return describe_rank_process(peer, peer_pid(peer)); }
 
 void* ShmTransport::peer_region(int peer, RegionId region) const {
   if (!connected_ || peer < 0 || peer >= o_.num_ranks) return nullptr;

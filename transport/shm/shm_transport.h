@@ -91,6 +91,7 @@ class ShmTransport final : public Transport {
     bool ring_full = false;                   // the oldest finished copy's notification found no room
   };
 
+  int peer_pid(int peer) const;  // 0 where not known
   bool deliver(int channel, int peer, const Op& op);
   bool notify(int channel, int peer, const Op& op);  // the atomic or notification half of deliver
   void issue_device_op(int channel, int peer, const Op& op);
