@@ -21,7 +21,7 @@ def _inputs(seed, T, K, H, C, num_biases):
     exponents = torch.randint(-12, 26, (C, H), generator=g).double()
     rows = (torch.randn(C, H, generator=g, dtype=torch.float64) * torch.exp2(exponents)).to(torch.bfloat16)
     rows[torch.rand(C, H, generator=g) < 0.1] = -0.0
-    row_of_slot = torch.randint(0, C, (T, K), generator=g)
+    row_of_slot = torch.randint(0, max(C, 1), (T, K), generator=g)
     row_of_slot[torch.rand(T, K, generator=g) < 0.35] = -1
     row_of_slot[: min(T, 3)] = -1
     biases = tuple(torch.randn(T, H, generator=g).to(torch.bfloat16) for _ in range(num_biases))
