@@ -177,3 +177,8 @@ def test_get_buffer_size_hint_covers_a_full_dispatch_and_combine(world, rpn):
 def test_default_dtype_bfloat16_changes_nothing():
     out = run_ranks(w.default_dtype_body, 2, timeout=240)
     assert_clean(out, 5)
+
+
+def test_default_device_changes_nothing():
+    out = run_ranks(w.default_device_body, 2, timeout=240)
+    assert_clean(out, 20)

@@ -554,3 +554,58 @@ def default_dtype_body(rank, world):
     ck.true(results[0][1].dtype == torch.float32, "recv_topk_weights is float32")
     buf.destroy()
     return {"failures": ck.failures, "checks": ck.num_checks}
+
+
+def default_device_body(rank, world):
+    """A user's torch.set_default_device changes nothing: ElasticBuffer creates every tensor on its inputs' device,
+    never on the default one (the 'meta' device here: a tensor made there would fail the call or come back empty).
+    Dispatch in four modes (exact and worst-case shapes, plain and expanded), BF16 and FP8, cached, and combine with
+    two biases: bitwise what the same calls give under the default device 'cpu'."""
+    ck = Checker(rank)
+    T, H, K, E = 33, 256, 4, 8 * world
+    bf16 = ref.make_inputs(rank, 11, [T] * world, H, K, E, False)
+    fp8 = ref.make_inputs(rank, 11, [T] * world, H, K, E, True)
+    idx, weights = bf16["topk_idx"], bf16["topk_weights"]
+    expand = dict(do_expand=True, expert_alignment=4)
+    modes = [{}, {"do_cpu_sync": False}, dict(expand, do_zero_padding=True), dict(expand, do_cpu_sync=False)]
+    buf = make_buffer(rank, world, world, "shm", T, H, K, True, True)
+    results = {}
+    try:
+        for device in ("cpu", "meta"):
+            torch.set_default_device(device)
+            try:
+                results[device] = [
+                    _default_device_mode(buf, m, bf16["x"], (fp8["x"], fp8["sf"]), idx, weights, E) for m in modes
+                ]
+            finally:
+                torch.set_default_device("cpu")
+    finally:
+        buf.destroy()
+    for i, (want, got) in enumerate(zip(results["cpu"], results["meta"])):
+        for name in want:
+            ck.true(got[name].device.type == "cpu", f"mode {i} {name}: on {got[name].device}, not the inputs' cpu")
+            ck.equal(f"mode {i} {name} under default device meta", got[name], want[name])
+        ck.true(want["combined_x"].abs().sum() > 0, f"mode {i}: combined rows are not all zero")
+    return {"failures": ck.failures, "checks": ck.num_checks}
+
+
+def _default_device_mode(buf, mode, x, x_fp8, idx, weights, num_experts):
+    """One mode's outputs that do not depend on uninitialized rows (worst-case shapes leave rows past the real ones
+    unwritten): the real rows' data, combined rows and weights, and the FP8 data of a cached dispatch."""
+    recv, recv_idx, recv_w, handle, _ = buf.dispatch(x, idx, weights, num_experts=num_experts, **mode)
+    cached = {k: v for k, v in mode.items() if k in ("do_expand", "expert_alignment", "do_zero_padding")}
+    (recv8, sf8), _, _, _, _ = buf.dispatch(x_fp8, handle=handle, topk_weights=weights, **cached)
+    combined, combined_w, _ = buf.combine(recv, handle, topk_weights=recv_w, bias=(x, x))
+    if mode.get("do_expand"):
+        real = handle.recv_src_metadata[:, 0] >= 0  # (rows of tokens; the expanded rows' order follows from them)
+        rows = recv[: handle.num_expanded_tokens] if mode.get("do_zero_padding") else recv[:0]
+    else:
+        real = (recv_idx >= 0).any(1)
+        rows = recv[real]
+    return {
+        "recv_x": rows,
+        "recv_fp8": recv8[real].view(torch.uint8) if not mode.get("do_expand") else recv8[:0].view(torch.uint8),
+        "real_rows": real,
+        "combined_x": combined,
+        "combined_topk_weights": combined_w,
+    }

@@ -312,12 +312,11 @@ class ElasticBuffer(ExperimentalMethods):
         except Exception as error:  # noqa: BLE001 - refused on this rank: tell the peers, raise it
             v1.refuse(error)
         _wait_for(previous_event, previous_event_before_epilogue)
-        with torch.device(self.device):
-            if handle is None:
-                handle, arrived = self._dispatch_new(v1, args, do_handle_copy)
-            else:
-                arrived = self._dispatch_cached(v1, args, handle)
-            recv = self._dispatch_outputs(args, handle, arrived, use_tma_aligned_col_major_sf)
+        if handle is None:
+            handle, arrived = self._dispatch_new(v1, args, do_handle_copy)
+        else:
+            arrived = self._dispatch_cached(v1, args, handle)
+        recv = self._dispatch_outputs(args, handle, arrived, use_tma_aligned_col_major_sf)
         return recv + (handle, _event(async_with_compute_stream))
 
     def _dispatch_new(self, v1, a, do_handle_copy):
@@ -454,8 +453,7 @@ class ElasticBuffer(ExperimentalMethods):
         except Exception as error:  # noqa: BLE001 - refused on this rank: tell the peers, raise it
             v1.refuse(error)
         _wait_for(previous_event, previous_event_before_epilogue)
-        with torch.device(self.device):
-            out = self._combine(v1, x, handle, topk_weights, biases)
+        out = self._combine(v1, x, handle, topk_weights, biases)
         return out + (_event(async_with_compute_stream),)
 
     def _combine(self, v1, x, handle, topk_weights, biases):
@@ -478,7 +476,7 @@ class ElasticBuffer(ExperimentalMethods):
                 is_token_in_rank=in_rank,
                 num_tokens_per_expert=per_expert,
                 topk_idx=to_rank,
-                topk_weights=torch.ones(to_rank.shape, dtype=torch.float32),
+                topk_weights=torch.ones(to_rank.shape, dtype=torch.float32, device=to_rank.device),
                 num_worst_tokens=worst_rows,
             )
             route.reverse[kind] = reverse = (v1_handle, back_idx[:, 0] >= 0)
