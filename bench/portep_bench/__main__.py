@@ -143,6 +143,13 @@ def _add_gpu(sub, common):
         help="host (CPU) time of the LL dispatch/combine calls on one GPU, next to a baseline (needs a GPU)",
     )
     p.add_argument("--calls", type=int, default=1000, help="timed calls per row")
+    p.add_argument(
+        "--profile",
+        type=int,
+        default=0,
+        metavar="N",
+        help="also print cProfile's report of N round trips through the full Python path",
+    )
 
 
 def _shape_arguments(p, tokens, experts, iterations):
@@ -297,7 +304,7 @@ def run_ll_host(args, report):
 
     report.progress(f"ll-host: {args.calls} calls per row")
     try:
-        result = ll_host_time.measure(args.calls, report.progress)
+        result = ll_host_time.measure(args.calls, report.progress, args.profile)
     except RuntimeError as e:  # the contract's way of saying this machine cannot run it (no GPU)
         raise MissingHardware(str(e)) from e
     report.say(f"ll-host: {result['note']}")
@@ -305,6 +312,8 @@ def run_ll_host(args, report):
     for row in result["rows"]:
         t.add(row["what"], row["samples_us"])
     report.add(t)
+    if result["profile"]:
+        report.say(result["profile"])
 
 
 RUNNERS = {

@@ -10,7 +10,10 @@ and the baseline, one torch.empty plus one empty kernel launch (torch.cuda._slee
 launches. The outputs of the fast path are checked bit for bit against the full path's first."""
 
 import contextlib
+import cProfile
 import datetime
+import io
+import pstats
 import time
 
 T, H, K, E = 128, 7168, 8, 288
@@ -114,7 +117,9 @@ def _graph_note(graphs_on, counts):
     return note + (f"; graph launches turned off by error {counts['error']}" if counts["error"] else "")
 
 
-def measure(calls=1000, progress=print):
+def measure(calls=1000, progress=print, profile_calls=0):
+    """The rows' samples and the note; profile_calls > 0: also cProfile's report of that many full-path round
+    trips ("profile")."""
     import torch
 
     import portep
@@ -189,6 +194,7 @@ def measure(calls=1000, progress=print):
             progress,
         )
         graphs = _graph_note(graphs_on, kernels.graph_counts)
+        profile = _profile(full_round_trip, profile_calls, torch) if profile_calls else ""
     finally:
         torch.cuda.synchronize()
         buf.destroy()
@@ -197,4 +203,20 @@ def measure(calls=1000, progress=print):
         f"{E} experts, FP8 dispatch; calls in batches of {BATCH} behind a GPU sleep (host time only), one batch "
         f"per row in turn; {graphs}"
     )
-    return {"rows": rows, "note": note}
+    return {"rows": rows, "note": note, "profile": profile}
+
+
+def _profile(fn, calls, torch, top=30):
+    """cProfile's report of `calls` fn() calls, the functions with the most cumulative time first (the host's
+    own time: the calls are issued behind a GPU sleep, as the timed rows are)."""
+    profiler = cProfile.Profile()
+    torch.cuda.synchronize()
+    torch.cuda._sleep(8 * HOLD_CYCLES)
+    profiler.enable()
+    for _ in range(calls):
+        fn()
+    profiler.disable()
+    torch.cuda.synchronize()
+    text = io.StringIO()
+    pstats.Stats(profiler, stream=text).sort_stats("cumulative").print_stats(top)
+    return f"cProfile of {calls} round trips through the full Python path:\n" + text.getvalue()

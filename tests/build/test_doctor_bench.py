@@ -227,8 +227,8 @@ def test_ll_host_table_has_median_mean_and_the_baseline(monkeypatch, capsys, tmp
 
     asked = []
 
-    def measure(calls=1000, progress=print):
-        asked.append(calls)
+    def measure(calls=1000, progress=print, profile_calls=0):
+        asked.append((calls, profile_calls))
         progress("ll-host: timing")
         return {
             "rows": [
@@ -236,13 +236,16 @@ def test_ll_host_table_has_median_mean_and_the_baseline(monkeypatch, capsys, tmp
                 {"what": "baseline: six torch.empty", "samples_us": [12.0, 13.0, 11.0, 30.0]},
             ],
             "note": "host time of each call on one GPU",
+            "profile": f"cProfile of {profile_calls} round trips" if profile_calls else "",
         }
 
     fake_ll_host_time(monkeypatch, measure)
     path = tmp_path / "ll.json"
     assert cli.main(["ll-host", "--calls", "4", "--json", str(path)]) == 0
     out, err = capsys.readouterr()
-    assert asked == [4] and "] ll-host: timing" in err
+    assert asked == [(4, 0)] and "] ll-host: timing" in err and "cProfile" not in out
+    assert cli.main(["ll-host", "--calls", "4", "--profile", "7"]) == 0
+    assert asked[1] == (4, 7) and "cProfile of 7 round trips" in capsys.readouterr().out
     rows = table_rows(out, "ll-host")
     assert rows["Buffer LL round trip"]["median us"] == "40.50" and rows["Buffer LL round trip"]["mean us"] == "52.25"
     assert rows["baseline: six torch.empty"]["min us"] == "11.00" and rows["baseline: six torch.empty"]["n"] == "4"
@@ -254,7 +257,7 @@ def test_ll_host_table_has_median_mean_and_the_baseline(monkeypatch, capsys, tmp
 def test_ll_host_without_a_gpu_prints_the_reason_and_fails(monkeypatch, capsys):
     from portep_bench import __main__ as cli
 
-    def measure(calls=1000, progress=print):
+    def measure(calls=1000, progress=print, profile_calls=0):
         raise RuntimeError("ll-host needs a CUDA GPU; here: none visible")
 
     fake_ll_host_time(monkeypatch, measure)
@@ -267,7 +270,12 @@ def test_plots_without_matplotlib_say_how_to_get_them_and_json_is_still_written(
     from portep_bench import plot
 
     fake_ll_host_time(
-        monkeypatch, lambda calls, progress: {"rows": [{"what": "baseline: x", "samples_us": [1.0]}], "note": "n"}
+        monkeypatch,
+        lambda calls, progress, profile_calls: {
+            "rows": [{"what": "baseline: x", "samples_us": [1.0]}],
+            "note": "n",
+            "profile": "",
+        },
     )
     monkeypatch.setattr(plot, "available", lambda: False)
     assert cli.main(["ll-host", "--json", str(tmp_path / "r.json"), "--plot", str(tmp_path / "plots")]) == 0
