@@ -159,7 +159,7 @@ def dense(t):
         step *= size
     if t.is_contiguous() and tuple(reversed(expected)) == stride:
         return t
-    return torch.empty(t.shape, dtype=t.dtype).copy_(t)
+    return torch.empty(t.shape, dtype=t.dtype, device=t.device).copy_(t)
 
 
 def byte_view(region, dtype, size=None, offset=0):
