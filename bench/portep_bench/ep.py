@@ -193,7 +193,8 @@ def memory_table(tokens, hidden, topk):
         "MiB",
         "Computed, not measured: V1 = num_nvl_bytes + num_rdma_bytes from DeepEP's size hints (the larger of the "
         "dispatch and combine configs); V2 = ElasticBuffer.get_buffer_size_hint, which is what an ElasticBuffer "
-        "sized by its MoE settings allocates (one V1 Buffer of that many bytes).",
+        "sized by its MoE settings allocates (one V1 Buffer of that many bytes). V2's hints are 2 MiB aligned, as "
+        "V2 defines them: where V1's bytes decide, V2's row is V1's rounded up to the next 2 MiB.",
     )
     mib = 1 << 20
     for ranks in (8, 16, 32, 64):

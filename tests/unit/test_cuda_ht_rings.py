@@ -222,6 +222,20 @@ def test_the_v2_size_hint_of_one_rank_is_a_usable_buffer():
     assert one == 2 << 20 and two > one and two % (2 << 20) == 0
 
 
+@pytest.mark.parametrize("hidden", [4096, 7168])
+@pytest.mark.parametrize("ranks", [2, 8, 16, 32, 64, 128, 160])
+def test_the_v2_size_hint_is_no_larger_than_v1s_buffer(ranks, hidden):
+    """Issue 36's memory rule at the models' shapes (top-8, BF16 and FP8): an ElasticBuffer sized by its hint takes
+    no more than DeepEP's V1 hints give a Buffer, up to the 2 MiB alignment V2's hints carry (at these shapes V1's
+    bytes exceed what the normal mode's rings need for V2's rows)."""
+    from portep.elastic.sizing import MIB2, cuda_buffer_bytes, v1_buffer_bytes
+
+    v1 = v1_buffer_bytes(ranks, hidden)
+    for fp8 in (False, True):
+        v2 = cuda_buffer_bytes(ranks, min(ranks, 8), hidden, 8, fp8)
+        assert v2 % MIB2 == 0 and v1 <= v2 < v1 + MIB2, (fp8, v1, v2)
+
+
 def test_rows_too_large_for_one_proxy_write_are_refused():
     ht = _ht(2, 1 << 30, True)
     big = native.HT_MAX_WRITE_BYTES // native.HT_CHUNK_ROWS + 16
