@@ -207,16 +207,24 @@ def measure(calls=1000, progress=print, profile_calls=0):
 
 
 def _profile(fn, calls, torch, top=30):
-    """cProfile's report of `calls` fn() calls, the functions with the most cumulative time first (the host's
-    own time: the calls are issued behind a GPU sleep, as the timed rows are)."""
+    """cProfile's report of `calls` fn() calls, the functions with the most cumulative time first: the host's own
+    time, as in the timed rows (batches of BATCH calls, each issued behind its own GPU sleep, the profiler on only
+    while they are issued); batches whose sleep ended before their last call are counted in the report's title."""
     profiler = cProfile.Profile()
-    torch.cuda.synchronize()
-    torch.cuda._sleep(8 * HOLD_CYCLES)
-    profiler.enable()
-    for _ in range(calls):
-        fn()
-    profiler.disable()
+    short = 0
+    for start in range(0, calls, BATCH):
+        torch.cuda.synchronize()
+        torch.cuda._sleep(8 * HOLD_CYCLES)
+        end_of_hold = torch.cuda.Event()
+        end_of_hold.record()
+        profiler.enable()
+        for _ in range(min(BATCH, calls - start)):
+            fn()
+        profiler.disable()
+        short += end_of_hold.query()
     torch.cuda.synchronize()
     text = io.StringIO()
     pstats.Stats(profiler, stream=text).sort_stats("cumulative").print_stats(top)
-    return f"cProfile of {calls} round trips through the full Python path:\n" + text.getvalue()
+    batches = -(-calls // BATCH)
+    held = f"; in {short} of {batches} batches the GPU's hold ended early" if short else ""
+    return f"cProfile of {calls} round trips through the full Python path{held}:\n" + text.getvalue()

@@ -403,3 +403,27 @@ def test_gpu_benchmarks_without_a_gpu_say_what_they_need(args, reason):
     assert r.returncode != 0
     assert f"portep_bench {args[0]}: {reason}" in r.stderr, r.stderr[-2000:]
     assert "Traceback" not in r.stderr, r.stderr[-2000:]
+
+
+def test_ll_host_profile_runs_each_batch_behind_its_own_hold():
+    """ll_host_time._profile: every call profiled, in batches of BATCH each behind a GPU sleep, and batches whose
+    hold had ended by their last call counted in the report (a stand-in for torch.cuda)."""
+    from portep_bench import ll_host_time
+
+    log = []
+
+    class Event:
+        def record(self):
+            log.append("record")
+
+        def query(self):
+            return log.count("sleep") == 1  # the first batch's hold ends early
+
+    cuda = types.SimpleNamespace(
+        synchronize=lambda: log.append("sync"), _sleep=lambda cycles: log.append("sleep"), Event=Event
+    )
+    calls = []
+    report = ll_host_time._profile(lambda: calls.append(1), 250, types.SimpleNamespace(cuda=cuda))
+    assert len(calls) == 250 and log.count("sleep") == 3 and log.count("record") == 3
+    assert "cProfile of 250 round trips through the full Python path; in 1 of 3 batches" in report
+    assert "<lambda>" in report

@@ -591,20 +591,21 @@ def default_device_body(rank, world):
 
 def _default_device_mode(buf, mode, x, x_fp8, idx, weights, num_experts):
     """One mode's outputs that do not depend on uninitialized rows (worst-case shapes leave rows past the real ones
-    unwritten): the real rows' data, combined rows and weights, and the FP8 data of a cached dispatch."""
+    unwritten, and so does an expanded layout without zero padding): the real rows of the BF16 dispatch and of a
+    cached FP8 dispatch (data and scales), the combined rows and weights."""
     recv, recv_idx, recv_w, handle, _ = buf.dispatch(x, idx, weights, num_experts=num_experts, **mode)
     cached = {k: v for k, v in mode.items() if k in ("do_expand", "expert_alignment", "do_zero_padding")}
     (recv8, sf8), _, _, _, _ = buf.dispatch(x_fp8, handle=handle, topk_weights=weights, **cached)
     combined, combined_w, _ = buf.combine(recv, handle, topk_weights=recv_w, bias=(x, x))
-    if mode.get("do_expand"):
-        real = handle.recv_src_metadata[:, 0] >= 0  # (rows of tokens; the expanded rows' order follows from them)
-        rows = recv[: handle.num_expanded_tokens] if mode.get("do_zero_padding") else recv[:0]
-    else:
+    if not mode.get("do_expand"):
         real = (recv_idx >= 0).any(1)
-        rows = recv[real]
+    else:  # every expanded row is written (padding zeroed) only with zero padding and exact shapes
+        written = mode.get("do_zero_padding", False) and mode.get("do_cpu_sync", True)
+        real = torch.full((recv.size(0),), written, dtype=torch.bool, device=recv.device)
     return {
-        "recv_x": rows,
-        "recv_fp8": recv8[real].view(torch.uint8) if not mode.get("do_expand") else recv8[:0].view(torch.uint8),
+        "recv_x": recv[real],
+        "recv_fp8": recv8[real].view(torch.uint8),
+        "recv_sf": sf8[real],
         "real_rows": real,
         "combined_x": combined,
         "combined_topk_weights": combined_w,
