@@ -27,6 +27,10 @@ struct DeviceGuard : CudaDeviceGuard {
   explicit DeviceGuard(int device) : CudaDeviceGuard(device, "cuda-ipc") {}
 };
 
+struct DeviceGuardQuiet : CudaDeviceGuard {  // teardown: best effort, never throws
+  explicit DeviceGuardQuiet(int device) : CudaDeviceGuard(device, "cuda-ipc", true) {}
+};
+
 struct CopyChannel {
   cudaStream_t stream = nullptr;
   std::vector<void*> dsts;  // copies issued since the last record, submitted together when it comes
@@ -297,17 +301,6 @@ class CudaDeviceMemory final : public DeviceMemory {
       current = device_;
     }
   }
-  // Teardown: best effort, never throws.
-  struct DeviceGuardQuiet {
-    explicit DeviceGuardQuiet(int device) {
-      if (cudaGetDevice(&previous) == cudaSuccess && previous != device) cudaSetDevice(device);
-    }
-    ~DeviceGuardQuiet() {
-      if (previous >= 0) cudaSetDevice(previous);
-    }
-    int previous = -1;
-  };
-
   int device_;
   std::vector<CopyChannel> channels_;
   void* scratch_ = nullptr;                                 // 16 bytes for the peer warm-up copies

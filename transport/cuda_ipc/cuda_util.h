@@ -36,13 +36,14 @@ inline void* cuda_driver_entry(const char* name, unsigned version) {
 }
 
 // Sets `device` for one call from any thread and restores the caller's (torch keeps its own); a failure raises
-// TransportError naming `who`.
+// TransportError naming `who`, unless quiet (teardown: never throws, goes on on whatever device is current).
 class CudaDeviceGuard {
  public:
-  CudaDeviceGuard(int device, const char* who) {
+  CudaDeviceGuard(int device, const char* who, bool quiet = false) {
     if (cudaGetDevice(&previous_) != cudaSuccess) previous_ = -1;
     if (previous_ == device) return;
-    if (cudaError_t e = cudaSetDevice(device); e != cudaSuccess)
+    const cudaError_t e = cudaSetDevice(device);
+    if (e != cudaSuccess && !quiet)
       throw TransportError(std::string(who) + ": cudaSetDevice: " + cudaGetErrorString(e));
   }
   ~CudaDeviceGuard() {

@@ -89,7 +89,7 @@ class NcclRmaEngine final : public RmaEngine {
   // Every wait is for puts already made (rma_engine.h), so the streams drain; within a bound, as a peer may be gone.
   // Then the communicator goes (abort: nothing of it is owed to anyone now), then the memory the streams used.
   ~NcclRmaEngine() override {
-    DeviceGuard guard(device_);
+    CudaDeviceGuard guard(device_, "nccl", true);  // a destructor must not throw
     const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(10);
     auto drain = [&](cudaStream_t stream) {
       while (stream && cudaStreamQuery(stream) == cudaErrorNotReady && std::chrono::steady_clock::now() < deadline)
