@@ -208,21 +208,18 @@ def measure(calls=1000, progress=print, profile_calls=0):
 
 def _profile(fn, calls, torch, top=30):
     """cProfile's report of `calls` fn() calls, the functions with the most cumulative time first: the host's own
-    time, as in the timed rows (batches of BATCH calls, each issued behind its own GPU sleep, the profiler on only
-    while they are issued); batches whose sleep ended before their last call are counted in the report's title."""
+    time, as in the timed rows (_held_batch: batches of BATCH calls, each issued behind its own GPU sleep; the
+    profiler on only during each call); batches whose sleep ended before their last call are counted in the title."""
     profiler = cProfile.Profile()
-    short = 0
-    for start in range(0, calls, BATCH):
-        torch.cuda.synchronize()
-        torch.cuda._sleep(8 * HOLD_CYCLES)
-        end_of_hold = torch.cuda.Event()
-        end_of_hold.record()
+
+    def profiled():
         profiler.enable()
-        for _ in range(min(BATCH, calls - start)):
+        try:
             fn()
-        profiler.disable()
-        short += end_of_hold.query()
-    torch.cuda.synchronize()
+        finally:
+            profiler.disable()
+
+    short = sum(_held_batch(profiled, min(BATCH, calls - s), 8 * HOLD_CYCLES, torch)[1] for s in range(0, calls, BATCH))
     text = io.StringIO()
     pstats.Stats(profiler, stream=text).sort_stats("cumulative").print_stats(top)
     batches = -(-calls // BATCH)
