@@ -1,7 +1,8 @@
 """python -m portep_bench [MODE] [options]: portep's benchmarks, each table with min / median / mean / max of its
 samples and the baseline measured in the same run. Without a MODE (options alone included) it runs the best one for
-this machine: gpu with two GPUs, gpu-ht-loopback, gpu-ep and ll-host with one, else ep (the host backend). --json PATH
-saves every table with its raw samples; --plot DIR draws one PNG per table (needs matplotlib)."""
+this machine: gpu with two GPUs, gpu-ht-loopback, gpu-ht-nodes, gpu-ep and ll-host with one, else ep (the host
+backend). --json PATH saves every table with its raw samples; --plot DIR draws one PNG per table (needs
+matplotlib)."""
 
 import argparse
 import shlex
@@ -22,7 +23,9 @@ def default_modes():
         from portep import native
 
         if native.build_info()["gpu_built"] and torch.cuda.is_available():
-            return ("gpu",) if torch.cuda.device_count() >= 2 else ("gpu-ht-loopback", "gpu-ep", "ll-host")
+            if torch.cuda.device_count() >= 2:
+                return ("gpu",)
+            return ("gpu-ht-loopback", "gpu-ht-nodes", "gpu-ep", "ll-host")
     except Exception:  # noqa: BLE001 - no torch CUDA, no native module: the host benchmark still runs
         pass
     return ("ep",)
@@ -127,6 +130,20 @@ def _add_gpu(sub, common):
         help="also time BF16 dispatch with every token sent to its own rank only, the peer only, nowhere",
     )
     p.add_argument("--no-check", action="store_true", help="report outputs that differ instead of stopping")
+    p = sub.add_parser(
+        "gpu-ht-nodes",
+        parents=[common],
+        formatter_class=FORMATTER,
+        help="normal mode across nodes on one GPU: 2 simulated nodes x 2 ranks as threads of one process, the "
+        "proxies between the nodes (a default with one GPU)",
+    )
+    _shape_arguments(p, tokens=4096, experts=256, iterations=20)
+    p.add_argument(
+        "--sms", type=int, nargs="+", default=[20, 8], help="config.num_sms per rank (four ranks' blocks must fit)"
+    )
+    p.add_argument(
+        "--transport", choices=["shm", "shm-unordered"], default="shm", help="transport between the simulated nodes"
+    )
     p = sub.add_parser(
         "gpu-ep",
         parents=[common],
@@ -285,6 +302,21 @@ def run_loopback(args, report):
     )
 
 
+def run_nodes_loopback(args, report):
+    from portep_bench import ht_nodes_loopback
+
+    ht_nodes_loopback.run(
+        report,
+        sms_list=tuple(args.sms),
+        tokens=args.tokens,
+        hidden=args.hidden,
+        topk=args.topk,
+        experts=args.experts,
+        iterations=args.iterations,
+        transport=args.transport,
+    )
+
+
 def run_gpu_ep(args, report):
     from portep_bench import ep_gpu
 
@@ -324,6 +356,7 @@ RUNNERS = {
     "gpu-ht": run_gpu_ht,
     "gpu": run_gpu,
     "gpu-ht-loopback": run_loopback,
+    "gpu-ht-nodes": run_nodes_loopback,
     "gpu-ep": run_gpu_ep,
     "ll-host": run_ll_host,
 }

@@ -133,7 +133,18 @@ def test_help_lists_the_modes_and_shows_every_default():
 
     top = run_module("portep_bench", "--help")
     assert top.returncode == 0, top.stderr
-    for mode in ("ep", "channel", "gpu-fifo", "gpu-ll", "gpu-ht", "gpu", "gpu-ht-loopback", "gpu-ep", "ll-host"):
+    for mode in (
+        "ep",
+        "channel",
+        "gpu-fifo",
+        "gpu-ll",
+        "gpu-ht",
+        "gpu",
+        "gpu-ht-loopback",
+        "gpu-ht-nodes",
+        "gpu-ep",
+        "ll-host",
+    ):
         assert re.search(rf"^\s+{re.escape(mode)}\b", top.stdout, re.M), mode
     assert f"default here: {' then '.join(default_modes())}" in " ".join(top.stdout.split())
     ep_help = build_parser()[1]["ep"].format_help()
@@ -369,7 +380,7 @@ def test_command_latency_upper_bound_uses_the_host_clock_alone():
     [
         (True, True, 2, ("gpu",)),
         (True, True, 8, ("gpu",)),
-        (True, True, 1, ("gpu-ht-loopback", "gpu-ep", "ll-host")),
+        (True, True, 1, ("gpu-ht-loopback", "gpu-ht-nodes", "gpu-ep", "ll-host")),
         (True, False, 0, ("ep",)),
         (False, True, 2, ("ep",)),
     ],

@@ -7,10 +7,12 @@
 #include <unistd.h>
 
 #include <atomic>
+#include <unordered_map>
 #include <vector>
 
 #include "transport/cuda_ipc/cuda_util.h"
 #include "transport/device_memory.h"
+#include "transport/own_regions.h"
 #include "transport/transport.h"
 
 namespace portep {
@@ -89,6 +91,7 @@ class CudaDeviceMemory final : public DeviceMemory {
 
   void free_region(void* p) override {
     DeviceGuardQuiet guard(device_);
+    own_region_remove(p);
     if (p) cudaFree(p);
   }
 
@@ -96,13 +99,16 @@ class CudaDeviceMemory final : public DeviceMemory {
     DeviceGuard guard(device_);
     cudaIpcMemHandle_t h;
     check(cudaIpcGetMemHandle(&h, p), "cudaIpcGetMemHandle");
-    return std::string(reinterpret_cast<const char*>(&h), sizeof(h));
+    std::string handle(reinterpret_cast<const char*>(&h), sizeof(h));
+    own_region_add(handle, p, device_);
+    return handle;
   }
 
   void* open_peer_region(const std::string& handle) override {
     if (handle.size() != sizeof(cudaIpcMemHandle_t))
       throw TransportError("cuda-ipc: malformed IPC handle of " + std::to_string(handle.size()) + " bytes");
     DeviceGuard guard(device_);
+    if (const OwnRegion own = own_region_find(handle); own.address) return open_own_region(own);
     cudaIpcMemHandle_t h;
     memcpy(&h, handle.data(), sizeof(h));
     void* p = nullptr;
@@ -117,6 +123,10 @@ class CudaDeviceMemory final : public DeviceMemory {
   }
 
   void close_peer_region(void* p) override {
+    if (auto it = own_opened_.find(p); it != own_opened_.end()) {  // a region of this process: its owner frees it
+      if (--it->second == 0) own_opened_.erase(it);
+      return;
+    }
     DeviceGuardQuiet guard(device_);
     if (p) cudaIpcCloseMemHandle(p);
   }
@@ -224,6 +234,23 @@ class CudaDeviceMemory final : public DeviceMemory {
       throw TransportError("cuda-ipc: channel " + std::to_string(channel) + " out of range");
     return channels_[size_t(channel)];
   }
+  // A peer rank's region in this very process: its address, reachable from this device once peer access is on.
+  void* open_own_region(const OwnRegion& own) {
+    if (own.device != device_) {
+      int can = 0;
+      check(cudaDeviceCanAccessPeer(&can, device_, own.device), "cudaDeviceCanAccessPeer");
+      if (!can)
+        throw TransportError("cuda-ipc: GPU " + std::to_string(device_) + " cannot access GPU " +
+                             std::to_string(own.device) + ", where a rank of this process holds its region");
+      if (cudaError_t e = cudaDeviceEnablePeerAccess(own.device, 0); e == cudaErrorPeerAccessAlreadyEnabled)
+        cudaGetLastError();
+      else
+        check(e, "cudaDeviceEnablePeerAccess");
+    }
+    ++own_opened_[own.address];
+    return own.address;
+  }
+
   // A first copy from the peer's region, now, while this GPU is idle: the driver enables peer access lazily on
   // first use, and doing that during a proxy's first copy can wait for a running kernel, which may be the
   // receive kernel waiting for that very copy's peer.
@@ -304,6 +331,7 @@ class CudaDeviceMemory final : public DeviceMemory {
   int device_;
   std::vector<CopyChannel> channels_;
   void* scratch_ = nullptr;                                 // 16 bytes for the peer warm-up copies
+  std::unordered_map<void*, int> own_opened_;               // peer regions of this process opened by address: times
   std::atomic<RdmaFlush> rdma_flush_{RdmaFlush::kUnknown};  // decided by the first proxy publishing NIC writes
   std::atomic<bool> batch_supported_{true};                 // proxy threads clear it on a driver without batched copies
 };

@@ -6,9 +6,11 @@
 
 #include <algorithm>
 #include <string>
+#include <unordered_map>
 #include <vector>
 
 #include "transport/device_memory.h"
+#include "transport/own_regions.h"
 #include "transport/transport.h"
 
 namespace portep {
@@ -88,6 +90,7 @@ class HipDeviceMemory final : public DeviceMemory {
 
   void free_region(void* p) override {
     DeviceGuard guard(device_, true);
+    own_region_remove(p);
     if (p) (void)hipFree(p);
   }
 
@@ -95,13 +98,16 @@ class HipDeviceMemory final : public DeviceMemory {
     DeviceGuard guard(device_, false);
     hipIpcMemHandle_t h;
     check(hipIpcGetMemHandle(&h, p), "hipIpcGetMemHandle");
-    return std::string(reinterpret_cast<const char*>(&h), sizeof(h));
+    std::string handle(reinterpret_cast<const char*>(&h), sizeof(h));
+    own_region_add(handle, p, device_);
+    return handle;
   }
 
   void* open_peer_region(const std::string& handle) override {
     if (handle.size() != sizeof(hipIpcMemHandle_t))
       throw TransportError("hip-ipc: malformed IPC handle of " + std::to_string(handle.size()) + " bytes");
     DeviceGuard guard(device_, false);
+    if (const OwnRegion own = own_region_find(handle); own.address) return open_own_region(own);
     hipIpcMemHandle_t h;
     std::copy(handle.begin(), handle.end(), reinterpret_cast<char*>(&h));
     void* p = nullptr;
@@ -110,6 +116,10 @@ class HipDeviceMemory final : public DeviceMemory {
   }
 
   void close_peer_region(void* p) override {
+    if (auto it = own_opened_.find(p); it != own_opened_.end()) {  // a region of this process: its owner frees it
+      if (--it->second == 0) own_opened_.erase(it);
+      return;
+    }
     DeviceGuard guard(device_, true);
     if (p) (void)hipIpcCloseMemHandle(p);
   }
@@ -178,6 +188,23 @@ class HipDeviceMemory final : public DeviceMemory {
     return channels_[size_t(channel)];
   }
 
+  // A peer rank's region in this very process: its address, reachable from this device once peer access is on.
+  void* open_own_region(const OwnRegion& own) {
+    if (own.device != device_) {
+      int can = 0;
+      check(hipDeviceCanAccessPeer(&can, device_, own.device), "hipDeviceCanAccessPeer");
+      if (!can)
+        throw TransportError("hip-ipc: GPU " + std::to_string(device_) + " cannot access GPU " +
+                             std::to_string(own.device) + ", where a rank of this process holds its region");
+      if (hipError_t e = hipDeviceEnablePeerAccess(own.device, 0); e == hipErrorPeerAccessAlreadyEnabled)
+        (void)hipGetLastError();
+      else
+        check(e, "hipDeviceEnablePeerAccess");
+    }
+    ++own_opened_[own.address];
+    return own.address;
+  }
+
   // The runtime's current device is per thread: proxy threads set it on first use.
   void use_device() {
     thread_local int current = -1;
@@ -189,6 +216,7 @@ class HipDeviceMemory final : public DeviceMemory {
 
   int device_;
   std::vector<CopyChannel> channels_;
+  std::unordered_map<void*, int> own_opened_;  // peer regions of this process opened by address: times
 };
 
 }  // namespace

@@ -1,0 +1,23 @@
+// The GPU regions this process has exported, by their IPC handle: a peer rank that lives in the same process
+// (ranks as threads: the one-process internode benchmark, tests) opens them by address, since CUDA's and HIP's
+// IPC calls refuse a handle the calling process exported. Shared by the GPU runtimes' DeviceMemory
+// implementations; a handle is found only while its region is registered, so a foreign handle never matches.
+#pragma once
+
+#include <string>
+
+namespace portep {
+
+struct OwnRegion {
+  void* address = nullptr;
+  int device = -1;
+};
+
+// Records p (on device) under its exported handle; a later export of the same region replaces the entry.
+void own_region_add(const std::string& handle, void* p, int device);
+// Forgets every handle of p (before the region is freed).
+void own_region_remove(void* p);
+// The region exported under handle by this process, or {nullptr, -1}.
+OwnRegion own_region_find(const std::string& handle);
+
+}  // namespace portep
