@@ -297,7 +297,9 @@ void dispatch(const HTKernels& k, int channels, uintptr_t stream, py::handle x, 
   a.max_recv = max_recv;
   a.recv_x = t.bytes<uint8_t>(recv_x, "recv_x", max_recv * row_bytes, false);
   a.scales = t.bytes<const float>(scales, "scales", N * num_scales * 4);
-  a.num_scales = a.scales ? num_scales : 0;
+  // from the argument, not the pointer: a rank with no tokens passes empty scales (no address) but receives
+  // FP8 rows with scales, laid out as its peers lay them out
+  a.num_scales = scales.is_none() ? 0 : num_scales;
   a.recv_scales = t.bytes<float>(recv_scales, "recv_scales", max_recv * num_scales * 4);
   a.topk_idx = t.entries<const int64_t>(topk_idx, "topk_idx", "int64", N * num_topk);
   a.topk_weights = t.entries<const float>(topk_weights, "topk_weights", "float32", N * num_topk);
@@ -311,7 +313,7 @@ void dispatch(const HTKernels& k, int channels, uintptr_t stream, py::handle x, 
   a.fwd_rank_prefix = t.entries<const int32_t>(fwd_rank_prefix, "fwd_rank_prefix", "int32", Nn);
   a.recv_src_meta = t.entries<int32_t>(recv_src_meta, "recv_src_meta", "int32", max_recv * 2);
   a.nvl_head = t.entries<int32_t>(nvl_head, "nvl_head", "int32", nvl_rows * kHTNvlHeadColumns);
-  a.nvl_rows = a.nvl_head ? nvl_rows : 0;
+  a.nvl_rows = nvl_head.is_none() ? 0 : nvl_rows;
   if ((scales.is_none() != recv_scales.is_none()) || (topk_idx.is_none() != topk_weights.is_none()))
     throw py::value_error("dispatch: scales with recv_scales, topk_idx with topk_weights: both or neither");
   a.ring_rows = ring_rows_for(k.layout_, uint32_t(ht_dispatch_row(a).bytes), channels);
