@@ -1,6 +1,8 @@
 """Runs a backend='cuda' Buffer under the host-backend LL suite (deepep_workers.ll_body), which is written
 against CPU tensors: arguments go to the GPU, results come back to the CPU once they are final (after the receive
-hook when there is one), and in-place outputs (stats, out=) are copied back. Handles keep their GPU originals."""
+hook when there is one), and in-place outputs (stats, out=) are copied back. Handles keep their GPU originals. An
+in-place CPU tensor has one GPU copy while any call that uses it is in flight: two hooked dispatches sent before
+either receives both add to it, as they add to the one GPU tensor a DeepEP user passes."""
 
 import torch
 
@@ -9,10 +11,43 @@ def _gpu(t):
     return None if t is None else t.cuda()
 
 
+class _InPlace:
+    """The GPU copies of in-place CPU tensors, each shared by the calls in flight with it."""
+
+    def __init__(self):
+        self._copies = {}  # id(CPU tensor) -> [the CPU tensor, its GPU copy, calls in flight]
+
+    def take(self, t):
+        """t's GPU copy for one more call (made from t when no call has it), or None for None."""
+        if t is None:
+            return None
+        entry = self._copies.setdefault(id(t), [t, None, 0])
+        if entry[2] == 0:
+            entry[1] = t.cuda()
+        entry[2] += 1
+        return entry
+
+    def release(self, entry, copy_back=True):
+        """One call with entry's tensor ended: its GPU copy back into it (copy_back), the copy dropped after the
+        last call."""
+        if entry is None:
+            return
+        if copy_back:
+            entry[0].copy_(entry[1])
+        entry[2] -= 1
+        if entry[2] == 0:
+            del self._copies[id(entry[0])]
+
+
+def _gpu_of(entry):
+    return None if entry is None else entry[1]
+
+
 class CudaLLAdapter:
     def __init__(self, buf):
         self.buf = buf
         self._handles = {}  # id(CPU src_info) -> the GPU handle
+        self._in_place = _InPlace()
 
     def _synchronize(self):
         """Once the call's kernels finished: a kernel that failed raises here, as the next call would (the host
@@ -45,18 +80,23 @@ class CudaLLAdapter:
         return_recv_hook=False,
         **kw,
     ):
-        stats, wait = cumulative_local_expert_recv_stats, dispatch_wait_recv_cost_stats
-        stats_g, wait_g = _gpu(stats), _gpu(wait)
-        recv_x, recv_count, handle, event, hook = self.buf.low_latency_dispatch(
-            x.cuda(),
-            topk_idx.cuda(),
-            T,
-            E,
-            cumulative_local_expert_recv_stats=stats_g,
-            dispatch_wait_recv_cost_stats=wait_g,
-            return_recv_hook=return_recv_hook,
-            **kw,
-        )
+        stats = self._in_place.take(cumulative_local_expert_recv_stats)
+        wait = self._in_place.take(dispatch_wait_recv_cost_stats)
+        try:
+            recv_x, recv_count, handle, event, hook = self.buf.low_latency_dispatch(
+                x.cuda(),
+                topk_idx.cuda(),
+                T,
+                E,
+                cumulative_local_expert_recv_stats=_gpu_of(stats),
+                dispatch_wait_recv_cost_stats=_gpu_of(wait),
+                return_recv_hook=return_recv_hook,
+                **kw,
+            )
+        except BaseException:
+            self._in_place.release(stats, copy_back=False)
+            self._in_place.release(wait, copy_back=False)
+            raise
         gpu_parts = list(recv_x) if isinstance(recv_x, tuple) else [recv_x]
         cpu_parts = [torch.empty_like(t, device="cpu") for t in gpu_parts]
         cpu_count = torch.empty_like(recv_count, device="cpu")
@@ -72,10 +112,8 @@ class CudaLLAdapter:
             cpu_count.copy_(recv_count)
             cpu_handle[0].copy_(handle[0])
             cpu_handle[1].copy_(handle[1])
-            if stats is not None:
-                stats.copy_(stats_g)
-            if wait is not None:
-                wait.copy_(wait_g)
+            self._in_place.release(stats)
+            self._in_place.release(wait)
 
         def cpu_hook():
             hook()
