@@ -113,6 +113,17 @@ def test_normal_and_ll_modes_alternate_without_clean():
 
 @pytest.mark.gpu
 @two_gpus
+@pytest.mark.parametrize("path", PATHS)
+def test_ht_rank_without_tokens_bitwise(path):
+    # rank 0 sends nothing: its FP8 scales are empty (no address), yet it receives FP8 rows with scales laid out as
+    # its peer lays them out (2026-12-06: the binding took the scale count from the address, 6cf60fd)
+    _, rpn, transport = path
+    out = run_ranks(g.cross_backend_body, 2, args=(rpn, transport, 21, [0, 150], 1024, 8, 32, 24), timeout=400)
+    assert_clean(out, 30)
+
+
+@pytest.mark.gpu
+@two_gpus
 def test_ht_odd_scale_count_bitwise():
     # hidden 1152: 9 FP8 scales per row, so a record's top-k ids follow an odd number of 4-byte scales
     out = run_ranks(g.cross_backend_body, 2, args=(2, "shm", 5, [97, 64], 1152, 8, 32, 24), timeout=400)
