@@ -3,7 +3,7 @@ environment."""
 
 import os
 import sys
-from typing import Optional
+from typing import Optional, Tuple
 
 DEFAULT_TIMEOUT_S = 100.0
 # nccl: NCCL's one-sided API on GPU memory (NCCL >= 2.29.2; refused natively, naming what is missing, where it cannot
@@ -13,6 +13,13 @@ TRANSPORTS = ("shm", "shm-unordered", "verbs", "verbs-striped", "nccl", "nccl-em
 
 
 DEFAULT_GPU_PROXY_SPIN_US = 1000.0
+# GPU proxies share the host's cores with the ranks' own threads, which spin in CUDA synchronizations and waits: a rank
+# gets at most 4 proxy threads and no more than its share of the cores less one for itself. Where even one each leaves
+# more spinning threads than cores (many ranks time-sharing one GPU, as the one-GPU conformance runs have 16 or 32), an
+# idle proxy spins only this long: a command then waits for a wake-up instead of for the scheduler to give a spinning
+# proxy a core, which under that load took milliseconds a hop.
+SHARED_HOST_PROXY_SPIN_US = 20.0
+MAX_GPU_PROXY_THREADS = 4
 
 
 def _env_number(name, unit):
@@ -51,6 +58,25 @@ def proxy_spin_us_from_env(explicit: Optional[float], on_gpu: bool) -> float:
     if not 0 <= value <= 1e6:
         raise ValueError(f"idle_spin_us={value} must be within [0, 1e6] microseconds")
     return float(value)
+
+
+def usable_cores() -> int:
+    """The cores this process may run on (its affinity mask, which containers and launchers narrow)."""
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except (AttributeError, OSError):
+        return max(1, os.cpu_count() or 1)
+
+
+def gpu_proxy_plan(cores: int, ranks_on_host: int) -> Tuple[int, Optional[float]]:
+    """(proxy threads per rank, idle spin in microseconds) for one of `ranks_on_host` GPU ranks sharing `cores`;
+    the spin is None (the default, or PORTEP_PROXY_SPIN_US when set) unless the host is oversubscribed."""
+    if cores < 1 or ranks_on_host < 1:
+        raise ValueError(f"cores={cores} and ranks_on_host={ranks_on_host} must be >= 1")
+    threads = max(1, min(MAX_GPU_PROXY_THREADS, cores // ranks_on_host - 1))
+    oversubscribed = ranks_on_host * (threads + 1) > cores
+    spin = SHARED_HOST_PROXY_SPIN_US if oversubscribed and "PORTEP_PROXY_SPIN_US" not in os.environ else None
+    return threads, spin
 
 
 def transport_from_env(explicit: Optional[str] = None) -> str:

@@ -1,9 +1,26 @@
 """Where each rank of an engine's group sits: nodes of `ranks_per_node` consecutive ranks (rank r is on node
 r // ranks_per_node). Shared by the host and CUDA engines."""
 
+import socket
 from typing import Optional
 
-from .bootstrap import group_rank_and_size
+from .bootstrap import all_gather_objects, group_rank_and_size
+
+
+def host_key() -> str:
+    """This host's name and boot (two containers of one host share the boot id, two hosts do not share both)."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            boot = f.read().strip()
+    except OSError:
+        boot = ""
+    return f"{socket.gethostname()}/{boot}"
+
+
+def ranks_on_this_host(group: object) -> int:
+    """How many ranks of `group` run on this host, this one included (collective)."""
+    keys = all_gather_objects(host_key(), group)
+    return sum(k == keys[group_rank_and_size(group)[0]] for k in keys)
 
 
 class Topology:

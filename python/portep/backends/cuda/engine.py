@@ -26,9 +26,16 @@ import torch
 from ..._native import require_native
 from ...channel import Channel
 from ...errors import DroppedInput
-from ...config import PROXY_COPIES_VAR, check_gpu_copy_connections, ll_graph_launch, proxy_copies
+from ...config import (
+    PROXY_COPIES_VAR,
+    check_gpu_copy_connections,
+    gpu_proxy_plan,
+    ll_graph_launch,
+    proxy_copies,
+    usable_cores,
+)
 from ...lockstep import AgreedRefusal, Lockstep, OutOfStep, wire_seq
-from ...topology import Topology
+from ...topology import Topology, ranks_on_this_host
 from .. import common as hb
 from .ht import ctrl_bytes
 from .kernel_errors import KernelErrors
@@ -78,7 +85,7 @@ class CudaEngine(Topology):
         transport=None,
         timeout_s=None,
         allow_direct_ll=True,
-        num_proxy_threads=4,
+        num_proxy_threads=None,
         normal_bytes=0,
         shrink=False,
     ):
@@ -113,12 +120,14 @@ class CudaEngine(Topology):
         self.ht_stream_base = hb.ll_streams_end(max_local_experts)  # and its signal streams
         self.fifos = self.native.DeviceFifoSet(NUM_DEVICE_FIFOS, DEVICE_FIFO_CAPACITY)
         self.status_stream = self.ht_stream_base + self.native.HT_NUM_STREAMS  # peer_watch.h
+        threads, idle_spin_us = gpu_proxy_plan(usable_cores(), ranks_on_this_host(group))  # this rank's share
         self.channel = Channel(
             group,
             self.ht_ctrl_off + ctrl_bytes(self.native, self.num_ranks, ranks_per_node)[0],
             transport=transport,
             num_streams=self.status_stream + self.native.NUM_STATUS_EVENTS,
-            num_proxy_threads=num_proxy_threads,
+            num_proxy_threads=threads if num_proxy_threads is None else num_proxy_threads,
+            idle_spin_us=idle_spin_us,
             timeout_s=timeout_s,
             device=self.device.index,
             device_fifos=self.fifos,
