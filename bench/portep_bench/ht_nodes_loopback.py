@@ -120,7 +120,8 @@ class Ranks:
                 s.wait_event(start)
             ends = self.call(lambda r, b: (fn(r, b), _recorded(self.streams[r]))[1])
             held[0] += int(start.query())
-            torch.cuda.synchronize()
+            for e in ends:  # blocking events: this thread sleeps instead of taking a core from the proxies
+                e.synchronize()
             times.append(max(start.elapsed_time(e) for e in ends) * 1e3)
         return times[3:]
 
@@ -132,7 +133,7 @@ class Ranks:
 
 
 def _recorded(stream):
-    e = torch.cuda.Event(enable_timing=True)
+    e = torch.cuda.Event(enable_timing=True, blocking=True)
     e.record(stream)
     return e
 
@@ -245,6 +246,8 @@ def _measure(report, ranks, inputs, in_rank, cfg, sms, shape, iterations):
         )
 
     results = ranks.call(first)
+    if ranks.gpu:
+        torch.cuda.synchronize()  # the ranks' streams: the checks read on this thread's
     handles = [res[4] for res in results]
     order = check_dispatch([res[0] for res in results], inputs, in_rank, N)
     rdma_bytes, nvl_bytes = deepep_bytes(inputs, results[0][0].size(0), H, E)
