@@ -303,6 +303,7 @@ def run_loopback(args, report):
 
 
 def run_nodes_loopback(args, report):
+    """python -m portep_bench gpu-ht-nodes."""
     from portep_bench import ht_nodes_loopback
 
     ht_nodes_loopback.run(

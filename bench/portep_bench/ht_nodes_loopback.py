@@ -30,6 +30,7 @@ from .thread_comm import ThreadGroup, on_all_ranks
 
 NODES, PER_NODE = 2, 2
 R = NODES * PER_NODE
+MAX_TOKENS = 64 * 256  # token // 64 and token % 64 stay exact in BF16 (integers up to 256)
 HOLD_CYCLES = 20_000_000  # about 10 ms at H200 clocks: longer than four threads queueing their calls from Python
 NOTE = (
     "2 simulated nodes x 2 ranks as threads of one process on one GPU; between the nodes through the proxies (shm "
@@ -71,7 +72,7 @@ class Ranks:
     def __init__(self, backend, transport, nbytes, timeout_s):
         self.backend, self.pool = backend, ThreadPoolExecutor(R)
         self.gpu = backend == "cuda"
-        group = ThreadGroup(R, timeout_s)
+        group = self.group = ThreadGroup(R, timeout_s)
         self.streams = [torch.cuda.Stream() for _ in range(R)] if self.gpu else None
 
         def make(r):
@@ -88,7 +89,20 @@ class Ranks:
                 explicitly_destroy=True,
             )
 
-        self.buffers = on_all_ranks(self.pool, make, R)
+        built = [None] * R
+
+        def make_kept(r):
+            built[r] = make(r)
+
+        try:
+            on_all_ranks(self.pool, make_kept, R, group)
+        except BaseException:
+            for b in built:  # those built before another rank failed: released here, not at exit
+                if b is not None:
+                    b.destroy()
+            self.pool.shutdown()
+            raise
+        self.buffers = built
 
     def call(self, fn):
         """fn(rank, buffer) on every rank at once (on its stream, GPU); the results by rank."""
@@ -100,7 +114,7 @@ class Ranks:
             with torch.cuda.stream(self.streams[r]):
                 return fn(r, self.buffers[r])
 
-        return on_all_ranks(self.pool, one, R)
+        return on_all_ranks(self.pool, one, R, self.group)
 
     def timed(self, fn, iterations, held):
         """us per call of fn on all ranks at once, after 3 untimed; held: the calls that were queued after the GPU
@@ -126,6 +140,7 @@ class Ranks:
         return times[3:]
 
     def destroy(self):
+        """Releases every rank's Buffer (collectively) and the threads."""
         if self.gpu:
             torch.cuda.synchronize()
         self.call(lambda r, b: b.destroy())
@@ -157,6 +172,7 @@ def check_dispatch(recvs, inputs, in_rank, N):
 
 
 def check_fp8(recvs, order, inputs):
+    """Every rank's FP8 rows and scales are the senders', in the order `order` gives (check_dispatch's)."""
     for d, ((fp8, scales), (src, tok)) in enumerate(zip(recvs, order)):
         want = torch.stack([i[3].cpu().view(torch.uint8) for i in inputs])[src, tok]
         want_scales = torch.stack([i[4].cpu() for i in inputs])[src, tok]
@@ -165,6 +181,7 @@ def check_fp8(recvs, order, inputs):
 
 
 def check_combine(outs, inputs, in_rank):
+    """Every rank's combined rows are its rows times the number of ranks each token went to (exact in BF16 here)."""
     for r, out in enumerate(outs):
         count = in_rank[r].sum(1, keepdim=True).float()
         want = (inputs[r][0].cpu().float() * count).to(torch.bfloat16)
@@ -197,11 +214,16 @@ def run(
     if gpu and (not torch.cuda.is_available() or not native.build_info()["cuda_built"]):
         raise MissingHardware("gpu-ht-nodes needs a CUDA GPU and portep's CUDA kernels (built with nvcc)")
     N, H, K, E = tokens, hidden, topk, experts
+    if not 1 <= N <= MAX_TOKENS:
+        raise ValueError(f"tokens={N} must be in 1..{MAX_TOKENS} (a row names its token in two BF16 columns)")
     if gpu:
         gpu_sms = torch.cuda.get_device_properties(0).multi_processor_count
         fitting = fitting_sms(sms_list, gpu_sms)
         if not fitting:
-            raise ValueError(f"sms_list={list(sms_list)}: no count fits four ranks' blocks in {gpu_sms} SMs at once")
+            raise MissingHardware(
+                f"gpu-ht-nodes: none of the SM counts {list(sms_list)} fits four ranks' blocks in this GPU's "
+                f"{gpu_sms} SMs at once"
+            )
     else:
         fitting = list(sms_list)
     configs = {s: portep.Config(s, 8, 512, 16, 128) for s in fitting}

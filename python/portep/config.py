@@ -3,7 +3,7 @@ environment."""
 
 import os
 import sys
-from typing import Optional, Tuple
+from typing import List, Optional, Sequence, Tuple
 
 DEFAULT_TIMEOUT_S = 100.0
 # nccl: NCCL's one-sided API on GPU memory (NCCL >= 2.29.2; refused natively, naming what is missing, where it cannot
@@ -60,12 +60,12 @@ def proxy_spin_us_from_env(explicit: Optional[float], on_gpu: bool) -> float:
     return float(value)
 
 
-def usable_cores() -> int:
-    """The cores this process may run on (its affinity mask, which containers and launchers narrow)."""
+def affinity_cpus() -> List[int]:
+    """The CPUs this process may run on (its affinity mask, which containers and launchers narrow)."""
     try:
-        return max(1, len(os.sched_getaffinity(0)))
+        return sorted(os.sched_getaffinity(0))
     except (AttributeError, OSError):
-        return max(1, os.cpu_count() or 1)
+        return list(range(max(1, os.cpu_count() or 1)))
 
 
 def gpu_proxy_plan(cores: int, ranks_on_host: int) -> Tuple[int, Optional[float]]:
@@ -77,6 +77,18 @@ def gpu_proxy_plan(cores: int, ranks_on_host: int) -> Tuple[int, Optional[float]
     oversubscribed = ranks_on_host * (threads + 1) > cores
     spin = SHARED_HOST_PROXY_SPIN_US if oversubscribed and "PORTEP_PROXY_SPIN_US" not in os.environ else None
     return threads, spin
+
+
+def group_proxy_plan(hosts: Sequence[Tuple[str, Sequence[int]]], rank: int) -> Tuple[int, Optional[float]]:
+    """Rank `rank`'s (proxy threads, idle spin) from every rank's (host key, affinity CPUs): a host's cores are the
+    union of its ranks' masks (a launcher that binds each rank to its share leaves the host's total), and every rank
+    runs the fewest threads any host allows, since the transports pair channels by index; the spin is its host's."""
+    ranks, cpus = {}, {}
+    for key, mask in hosts:
+        ranks[key] = ranks.get(key, 0) + 1
+        cpus.setdefault(key, set()).update(mask)
+    plans = {key: gpu_proxy_plan(max(1, len(cpus[key])), ranks[key]) for key in ranks}
+    return min(t for t, _ in plans.values()), plans[hosts[rank][0]][1]
 
 
 def transport_from_env(explicit: Optional[str] = None) -> str:

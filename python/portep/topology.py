@@ -2,13 +2,15 @@
 r // ranks_per_node). Shared by the host and CUDA engines."""
 
 import socket
-from typing import Optional
+from typing import List, Optional, Tuple
 
 from .bootstrap import all_gather_objects, group_rank_and_size
+from .config import affinity_cpus
 
 
 def host_key() -> str:
-    """This host's name and boot (two containers of one host share the boot id, two hosts do not share both)."""
+    """This host as its ranks see it: the host name and the kernel's boot id (ranks in containers with host names of
+    their own count as hosts of their own, which only lowers the cores each is given)."""
     try:
         with open("/proc/sys/kernel/random/boot_id") as f:
             boot = f.read().strip()
@@ -17,10 +19,9 @@ def host_key() -> str:
     return f"{socket.gethostname()}/{boot}"
 
 
-def ranks_on_this_host(group: object) -> int:
-    """How many ranks of `group` run on this host, this one included (collective)."""
-    keys = all_gather_objects(host_key(), group)
-    return sum(k == keys[group_rank_and_size(group)[0]] for k in keys)
+def host_masks(group: object) -> List[Tuple[str, List[int]]]:
+    """Every rank's (host key, affinity CPUs), by rank (collective)."""
+    return [(key, list(cpus)) for key, cpus in all_gather_objects((host_key(), affinity_cpus()), group)]
 
 
 class Topology:

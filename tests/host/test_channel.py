@@ -109,3 +109,11 @@ def test_a_peer_that_left_and_then_exited_reads_left_not_gone():
     seen = out[0]["seen"]
     assert seen[-1] == _C.PEER_LEFT, f"statuses of the departed peer: {seen}"
     assert _C.PEER_GONE not in seen, f"statuses of the departed peer: {seen}"
+
+
+@pytest.mark.parametrize("transport", ["shm", "shm-unordered"])
+def test_ranks_with_different_proxy_counts_are_refused_naming_it(transport):
+    # the transport's notification rings sit at (source rank, channel) in each inbox: counted alike or not at all
+    out = run_ranks(w.proxy_count_mismatch, 2, args=(transport,), timeout=120)
+    for rank in (0, 1):
+        assert out[rank] and "same number of proxy threads" in out[rank], out

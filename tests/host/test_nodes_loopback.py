@@ -4,6 +4,7 @@ against the senders' rows by the benchmark itself; its checks fail on outputs a 
 communicator (portep_bench.thread_comm) gathers in rank order every round and breaks instead of hanging."""
 
 import threading
+import time
 
 import pytest
 import torch
@@ -131,3 +132,20 @@ def test_thread_comm_breaks_when_a_rank_never_comes():
     t.start()
     t.join(10)
     assert not t.is_alive() and len(errors) == 1
+
+
+def test_a_failing_rank_ends_the_others_exchanges_and_its_error_is_raised():
+    from concurrent.futures import ThreadPoolExecutor
+
+    group = ThreadGroup(3, timeout_s=60)
+
+    def body(r):
+        if r == 1:
+            raise RuntimeError("rank 1 failed")
+        return group.comm(r).allgather(r)  # waits for rank 1, which never comes
+
+    with ThreadPoolExecutor(3) as pool:
+        t0 = time.monotonic()
+        with pytest.raises(RuntimeError, match="rank 1 failed"):
+            on_all_ranks(pool, body, 3, group)
+        assert time.monotonic() - t0 < 10  # not the 60 s timeout

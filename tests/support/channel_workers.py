@@ -220,3 +220,13 @@ def refusal(rank, world, transport, device):
         return f"{type(exc).__name__}: {exc}"
     ch.destroy()
     return None
+
+
+def proxy_count_mismatch(rank, world, transport):
+    """Rank r runs r + 1 proxy threads: what building the Channel raised ("ExceptionType: message"), or None."""
+    try:
+        ch = portep.Channel(None, 1 << 16, transport=transport, num_proxy_threads=rank + 1, timeout_s=30)
+    except Exception as exc:  # noqa: BLE001 - the test reads it
+        return f"{type(exc).__name__}: {exc}"
+    ch.destroy()
+    return None

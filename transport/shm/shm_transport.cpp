@@ -95,7 +95,13 @@ void ShmTransport::connect(const std::vector<std::string>& blobs) {
       else
         peer.maps.push_back(ShmSegment::open(f[1], std::stoull(f[2])));
       peer.maps.push_back(ShmSegment::open(f[3], std::stoull(f[4])));
-      peer_inboxes[p] = ShmSegment::open(f[5], std::stoull(f[6]));
+      const size_t inbox_bytes = std::stoull(f[6]);
+      if (inbox_bytes != inbox_.size())  // rings sit at (source rank, channel): both sides must count alike
+        throw TransportError("shm: rank " + std::to_string(p) + " has a notification inbox of " +
+                             std::to_string(inbox_bytes) + " bytes, this rank " + std::to_string(inbox_.size()) +
+                             " (" + std::to_string(o_.num_channels) +
+                             " channels): every rank of a channel must run the same number of proxy threads");
+      peer_inboxes[p] = ShmSegment::open(f[5], inbox_bytes);
       if (!peer_on_device) peer.data = static_cast<char*>(peer.maps[0].data());
       peer.signal = static_cast<char*>(peer.maps.back().data());
     }

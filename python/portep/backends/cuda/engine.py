@@ -29,13 +29,12 @@ from ...errors import DroppedInput
 from ...config import (
     PROXY_COPIES_VAR,
     check_gpu_copy_connections,
-    gpu_proxy_plan,
+    group_proxy_plan,
     ll_graph_launch,
     proxy_copies,
-    usable_cores,
 )
 from ...lockstep import AgreedRefusal, Lockstep, OutOfStep, wire_seq
-from ...topology import Topology, ranks_on_this_host
+from ...topology import Topology, host_masks
 from .. import common as hb
 from .ht import ctrl_bytes
 from .kernel_errors import KernelErrors
@@ -120,7 +119,7 @@ class CudaEngine(Topology):
         self.ht_stream_base = hb.ll_streams_end(max_local_experts)  # and its signal streams
         self.fifos = self.native.DeviceFifoSet(NUM_DEVICE_FIFOS, DEVICE_FIFO_CAPACITY)
         self.status_stream = self.ht_stream_base + self.native.HT_NUM_STREAMS  # peer_watch.h
-        threads, idle_spin_us = gpu_proxy_plan(usable_cores(), ranks_on_this_host(group))  # this rank's share
+        threads, idle_spin_us = group_proxy_plan(host_masks(group), self.rank)  # the same thread count on every rank
         self.channel = Channel(
             group,
             self.ht_ctrl_off + ctrl_bytes(self.native, self.num_ranks, ranks_per_node)[0],
