@@ -98,8 +98,8 @@ void ShmTransport::connect(const std::vector<std::string>& blobs) {
       const size_t inbox_bytes = std::stoull(f[6]);
       if (inbox_bytes != inbox_.size())  // rings sit at (source rank, channel): both sides must count alike
         throw TransportError("shm: rank " + std::to_string(p) + " has a notification inbox of " +
-                             std::to_string(inbox_bytes) + " bytes, this rank " + std::to_string(inbox_.size()) +
-                             " (" + std::to_string(o_.num_channels) +
+                             std::to_string(inbox_bytes) + " bytes, this rank " + std::to_string(inbox_.size()) + " (" +
+                             std::to_string(o_.num_channels) +
                              " channels): every rank of a channel must run the same number of proxy threads");
       peer_inboxes[p] = ShmSegment::open(f[5], inbox_bytes);
       if (!peer_on_device) peer.data = static_cast<char*>(peer.maps[0].data());
