@@ -12,6 +12,7 @@
 #include "ordering/pending_signals.h"
 #include "ordering/signal_protocol.h"
 #include "proxy/transfer_cmd.h"
+#include "transport/own_regions.h"
 
 namespace py = pybind11;
 using namespace portep;
@@ -205,6 +206,16 @@ void bind_wire(py::module_& m) {
       .def_property_readonly("posted", &InflightTracker::posted)
       .def_property_readonly("retired", &InflightTracker::retired)
       .def_property_readonly("inflight_bytes", &InflightTracker::inflight_bytes);
+
+  py::module_ own = m.def_submodule("own_regions", "regions this process exported, by handle (own_regions.h)");
+  own.def("add", [](const py::bytes& handle, uintptr_t address, int device) {
+    own_region_add(std::string(handle), reinterpret_cast<void*>(address), device);
+  });
+  own.def("remove", [](uintptr_t address) { own_region_remove(reinterpret_cast<void*>(address)); });
+  own.def("find", [](const py::bytes& handle) {
+    const OwnRegion r = own_region_find(std::string(handle));
+    return py::make_tuple(reinterpret_cast<uintptr_t>(r.address), r.device);
+  });
 
   m.def(
       "fifo_selftest",
