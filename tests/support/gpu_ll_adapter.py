@@ -106,17 +106,26 @@ class CudaLLAdapter:
         self._handles[id(cpu_handle[0])] = (handle, cpu_handle)
 
         def fetch():
-            self._synchronize()
-            for c, g in zip(cpu_parts, gpu_parts):
-                c.copy_(g)
-            cpu_count.copy_(recv_count)
-            cpu_handle[0].copy_(handle[0])
-            cpu_handle[1].copy_(handle[1])
-            self._in_place.release(stats)
-            self._in_place.release(wait)
+            ok = False
+            try:
+                self._synchronize()
+                for c, g in zip(cpu_parts, gpu_parts):
+                    c.copy_(g)
+                cpu_count.copy_(recv_count)
+                cpu_handle[0].copy_(handle[0])
+                cpu_handle[1].copy_(handle[1])
+                ok = True
+            finally:  # a failed call's stats are invalid: not copied back, and no copy is kept for later calls
+                self._in_place.release(stats, copy_back=ok)
+                self._in_place.release(wait, copy_back=ok)
 
         def cpu_hook():
-            hook()
+            try:
+                hook()
+            except BaseException:
+                self._in_place.release(stats, copy_back=False)
+                self._in_place.release(wait, copy_back=False)
+                raise
             fetch()
 
         if not return_recv_hook:

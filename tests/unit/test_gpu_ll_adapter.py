@@ -73,3 +73,17 @@ def test_a_refused_call_leaves_the_stats_and_holds_no_copy(adapter):
     stats.add_(10)  # a copy held by the refused call would lose this
     _dispatch(a, stats, True)[4]()
     assert stats.tolist() == (torch.tensor([11, 12]) + counts[0]).tolist()
+
+
+def test_a_failed_hook_leaves_the_stats_and_holds_no_copy(adapter):
+    a, counts = adapter
+    stats = torch.tensor([3, 4], dtype=torch.int32)
+    res = _dispatch(a, stats, True)
+    a.buf.runtime = types.SimpleNamespace(check_error=lambda: (_ for _ in ()).throw(RuntimeError("kernel failed")))
+    with pytest.raises(RuntimeError, match="kernel failed"):
+        res[4]()
+    assert stats.tolist() == [3, 4]  # a failed call's counts are not copied back
+    a.buf.runtime = _Buffer.runtime
+    stats.add_(10)
+    _dispatch(a, stats, True)[4]()
+    assert stats.tolist() == (torch.tensor([13, 14]) + counts[1]).tolist()
