@@ -1,7 +1,9 @@
 // The GPU regions this process has exported, by their IPC handle: a peer rank that lives in the same process
 // (ranks as threads: the one-process internode benchmark, tests) opens them by address, since CUDA's and HIP's
 // IPC calls refuse a handle the calling process exported. Shared by the GPU runtimes' DeviceMemory
-// implementations; a handle is found only while its region is registered, so a foreign handle never matches.
+// implementations; a handle is found only while its region is registered, so a foreign handle never matches. As with
+// IPC, the owner's free ends the region for its peers too: ranks of one process tear down together (destroy() is
+// collective), and shrink mode keeps a destroyed Buffer's memory until the process exits.
 #pragma once
 
 #include <string>
