@@ -24,12 +24,19 @@ DEEPEP = {"dispatch BF16": 345.0, "dispatch FP8": 245.0, "combine": 408.0, "layo
 def ht_inputs(rank, N, H, K, E):
     """ll_inputs' seeded tokens, top-k and weights, plus the FP8 cast (per 128 channels) with column-major scales,
     as DeepEP's tests pass them."""
+    x, idx, w = ll_inputs(rank + 100, N, H, K, E)
+    x_fp8, scales = fp8_per_128(x)
+    return x, idx, w, (x_fp8, scales.T.contiguous().T)
+
+
+def fp8_per_128(x):
+    """x (BF16 [N, H]) cast to float8_e4m3fn with a float32 scale per 128 channels ([N, H // 128], row-major)."""
     import torch
 
-    x, idx, w = ll_inputs(rank + 100, N, H, K, E)
+    N, H = x.shape
     amax = x.float().view(N, H // 128, 128).abs().amax(-1).clamp(min=1e-4)
     x_fp8 = (x.float().view(N, H // 128, 128) * (448.0 / amax).unsqueeze(-1)).view(N, H).to(torch.float8_e4m3fn)
-    return x, idx, w, (x_fp8, (amax / 448.0).T.contiguous().T)
+    return x_fp8, amax / 448.0
 
 
 def deepep_nvl_bytes(hidden, ranks, num_sms=24):

@@ -25,6 +25,7 @@ import torch
 import portep
 from portep import native
 
+from .ht_gpu import fp8_per_128
 from .report import MissingHardware, Table
 from .thread_comm import ThreadGroup, on_all_ranks
 
@@ -53,9 +54,8 @@ def rank_inputs(rank, N, H, K, E, device):
     x = x.to(torch.bfloat16)
     idx = torch.topk(torch.randn(N, E, generator=g).abs() + 1, K, dim=-1).indices
     w = torch.rand(N, K, generator=g)
-    amax = x.float().view(N, H // 128, 128).abs().amax(-1).clamp(min=1e-4)
-    fp8 = (x.float().view(N, H // 128, 128) * (448.0 / amax).unsqueeze(-1)).view(N, H).to(torch.float8_e4m3fn)
-    return [t.to(device) for t in (x, idx, w, fp8, amax / 448.0)]
+    fp8, scales = fp8_per_128(x)
+    return [t.to(device) for t in (x, idx, w, fp8, scales)]
 
 
 def deepep_bytes(inputs, recv_rows, H, E):

@@ -3,7 +3,7 @@ environment."""
 
 import os
 import sys
-from typing import List, Optional, Sequence, Tuple
+from typing import Optional, Sequence, Tuple
 
 DEFAULT_TIMEOUT_S = 100.0
 # nccl: NCCL's one-sided API on GPU memory (NCCL >= 2.29.2; refused natively, naming what is missing, where it cannot
@@ -58,14 +58,6 @@ def proxy_spin_us_from_env(explicit: Optional[float], on_gpu: bool) -> float:
     if not 0 <= value <= 1e6:
         raise ValueError(f"idle_spin_us={value} must be within [0, 1e6] microseconds")
     return float(value)
-
-
-def affinity_cpus() -> List[int]:
-    """The CPUs this process may run on (its affinity mask, which containers and launchers narrow)."""
-    try:
-        return sorted(os.sched_getaffinity(0))
-    except (AttributeError, OSError):
-        return list(range(max(1, os.cpu_count() or 1)))
 
 
 def gpu_proxy_plan(cores: int, ranks_on_host: int) -> Tuple[int, Optional[float]]:

@@ -1,11 +1,11 @@
 """Where each rank of an engine's group sits: nodes of `ranks_per_node` consecutive ranks (rank r is on node
 r // ranks_per_node). Shared by the host and CUDA engines."""
 
+import os
 import socket
 from typing import List, Optional, Tuple
 
 from .bootstrap import all_gather_objects, group_rank_and_size
-from .config import affinity_cpus
 
 
 def host_key() -> str:
@@ -17,6 +17,14 @@ def host_key() -> str:
     except OSError:
         boot = ""
     return f"{socket.gethostname()}/{boot}"
+
+
+def affinity_cpus() -> List[int]:
+    """The CPUs this process may run on (its affinity mask, which containers and launchers narrow)."""
+    try:
+        return sorted(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return list(range(max(1, os.cpu_count() or 1)))
 
 
 def host_masks(group: object) -> List[Tuple[str, List[int]]]:

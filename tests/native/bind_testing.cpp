@@ -212,6 +212,11 @@ void bind_wire(py::module_& m) {
     own_region_add(std::string(handle), reinterpret_cast<void*>(address), device);
   });
   own.def("remove", [](uintptr_t address) { own_region_remove(reinterpret_cast<void*>(address)); });
+  py::class_<OwnRegionsOpened>(own, "Opened")
+      .def(py::init<>())
+      .def("add", [](OwnRegionsOpened& o, uintptr_t address) { o.add(reinterpret_cast<void*>(address)); })
+      .def("release",
+           [](OwnRegionsOpened& o, uintptr_t address) { return o.release(reinterpret_cast<void*>(address)); });
   own.def("find", [](const py::bytes& handle) {
     const OwnRegion r = own_region_find(std::string(handle));
     return py::make_tuple(reinterpret_cast<uintptr_t>(r.address), r.device);

@@ -8,12 +8,11 @@ import pytest
 from portep.config import (
     DEFAULT_GPU_PROXY_SPIN_US,
     SHARED_HOST_PROXY_SPIN_US,
-    affinity_cpus,
     gpu_proxy_plan,
     group_proxy_plan,
     proxy_spin_us_from_env,
 )
-from portep.topology import host_key, host_masks
+from portep.topology import affinity_cpus, host_key, host_masks
 
 
 @pytest.fixture(autouse=True)

@@ -1,7 +1,8 @@
 """The process's record of the GPU regions it exported (transport/own_regions.h), through which a rank that is a
 thread of the same process opens a peer's region by address (CUDA and HIP IPC refuse a handle of the calling
 process): a handle is found only while its region is recorded, a region's every handle goes with it, a handle
-exported again names the newer region, and concurrent threads see a consistent record."""
+exported again names the newer region, concurrent threads see a consistent record, and a DeviceMemory's openings
+by address are given back one by one (never closed as IPC mappings)."""
 
 import threading
 
@@ -44,3 +45,12 @@ def test_threads_record_and_find_their_own_regions():
     for th in threads:
         th.join(60)
     assert not errors and not any(th.is_alive() for th in threads), errors[:3]
+
+
+def test_a_region_opened_by_address_is_given_back_once_per_opening():
+    opened = own.Opened()
+    opened.add(0x5000)
+    opened.add(0x5000)  # two channels of one rank opened the same peer region
+    assert opened.release(0x6000) is False  # an IPC mapping: the caller closes it
+    assert opened.release(0x5000) is True and opened.release(0x5000) is True
+    assert opened.release(0x5000) is False  # every opening given back

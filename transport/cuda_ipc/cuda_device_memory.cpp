@@ -7,7 +7,6 @@
 #include <unistd.h>
 
 #include <atomic>
-#include <unordered_map>
 #include <vector>
 
 #include "transport/cuda_ipc/cuda_util.h"
@@ -123,10 +122,7 @@ class CudaDeviceMemory final : public DeviceMemory {
   }
 
   void close_peer_region(void* p) override {
-    if (auto it = own_opened_.find(p); it != own_opened_.end()) {  // a region of this process: its owner frees it
-      if (--it->second == 0) own_opened_.erase(it);
-      return;
-    }
+    if (own_opened_.release(p)) return;  // a region of this process: its owner frees it
     DeviceGuardQuiet guard(device_);
     if (p) cudaIpcCloseMemHandle(p);
   }
@@ -247,7 +243,7 @@ class CudaDeviceMemory final : public DeviceMemory {
       else
         check(e, "cudaDeviceEnablePeerAccess");
     }
-    ++own_opened_[own.address];
+    own_opened_.add(own.address);
     return own.address;
   }
 
@@ -331,7 +327,7 @@ class CudaDeviceMemory final : public DeviceMemory {
   int device_;
   std::vector<CopyChannel> channels_;
   void* scratch_ = nullptr;                                 // 16 bytes for the peer warm-up copies
-  std::unordered_map<void*, int> own_opened_;               // peer regions of this process opened by address: times
+  OwnRegionsOpened own_opened_;                             // peer regions of this process, opened by address
   std::atomic<RdmaFlush> rdma_flush_{RdmaFlush::kUnknown};  // decided by the first proxy publishing NIC writes
   std::atomic<bool> batch_supported_{true};                 // proxy threads clear it on a driver without batched copies
 };

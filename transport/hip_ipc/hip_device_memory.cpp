@@ -6,7 +6,6 @@
 
 #include <algorithm>
 #include <string>
-#include <unordered_map>
 #include <vector>
 
 #include "transport/device_memory.h"
@@ -116,10 +115,7 @@ class HipDeviceMemory final : public DeviceMemory {
   }
 
   void close_peer_region(void* p) override {
-    if (auto it = own_opened_.find(p); it != own_opened_.end()) {  // a region of this process: its owner frees it
-      if (--it->second == 0) own_opened_.erase(it);
-      return;
-    }
+    if (own_opened_.release(p)) return;  // a region of this process: its owner frees it
     DeviceGuard guard(device_, true);
     if (p) (void)hipIpcCloseMemHandle(p);
   }
@@ -201,7 +197,7 @@ class HipDeviceMemory final : public DeviceMemory {
       else
         check(e, "hipDeviceEnablePeerAccess");
     }
-    ++own_opened_[own.address];
+    own_opened_.add(own.address);
     return own.address;
   }
 
@@ -216,7 +212,7 @@ class HipDeviceMemory final : public DeviceMemory {
 
   int device_;
   std::vector<CopyChannel> channels_;
-  std::unordered_map<void*, int> own_opened_;  // peer regions of this process opened by address: times
+  OwnRegionsOpened own_opened_;  // peer regions of this process, opened by address
 };
 
 }  // namespace
