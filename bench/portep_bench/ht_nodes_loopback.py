@@ -70,7 +70,7 @@ class Ranks:
     """The four Buffers and what their calls share: a thread per rank, a CUDA stream per rank (GPU)."""
 
     def __init__(self, backend, transport, nbytes, timeout_s):
-        self.backend, self.pool = backend, ThreadPoolExecutor(R)
+        self.pool = ThreadPoolExecutor(R)
         self.gpu = backend == "cuda"
         group = self.group = ThreadGroup(R, timeout_s)
         self.streams = [torch.cuda.Stream() for _ in range(R)] if self.gpu else None
