@@ -28,10 +28,11 @@ __global__ void slot_sums_kernel(SlotSumArgs a) {
 }  // namespace
 
 int launch_slot_sums(const SlotSumArgs& a, void* stream) {
-  if (a.num_tokens < 0 || a.num_topk < 1 || a.num_topk > kSlotSumMaxTopk || a.hidden < 1 || a.num_rows < 0 || !a.out ||
-      !a.row_of_slot || (a.num_rows > 0 && !a.rows) || (a.bias1 && !a.bias0))
+  if (a.num_tokens < 0 || a.num_topk < 1 || a.num_topk > kSlotSumMaxTopk || a.hidden < 1 || a.num_rows < 0)
     return int(cudaErrorInvalidValue);
-  if (a.num_tokens == 0) return 0;
+  if (a.num_tokens == 0) return 0;  // an empty out and row_of_slot have no address (a rank that received no rows)
+  if (!a.out || !a.row_of_slot || (a.num_rows > 0 && !a.rows) || (a.bias1 && !a.bias0))
+    return int(cudaErrorInvalidValue);
   const int blocks = int(a.num_tokens < 65535 * 16 ? a.num_tokens : 65535 * 16);
   return int(launch_kernel<slot_sums_kernel>(blocks, kSlotSumThreads, 0, static_cast<cudaStream_t>(stream), a));
 }

@@ -37,7 +37,9 @@ def _bits(t):
 @pytest.mark.gpu
 @needs_gpu
 @pytest.mark.parametrize("num_biases", [0, 1, 2])
-@pytest.mark.parametrize("T,K,H,C", [(4096, 8, 7168, 4096 * 8), (37, 6, 24, 90), (5, 8, 4096, 0)])
+@pytest.mark.parametrize(
+    "T,K,H,C", [(4096, 8, 7168, 4096 * 8), (37, 6, 24, 90), (5, 8, 4096, 0), (0, 8, 4096, 0), (0, 4, 256, 7)]
+)
 def test_cuda_sum_slots_matches_the_host_bitwise(T, K, H, C, num_biases):
     rows, row_of_slot, biases = _inputs(T + K + num_biases, T, K, H, C, num_biases)
     if C == 0:
@@ -45,7 +47,7 @@ def test_cuda_sum_slots_matches_the_host_bitwise(T, K, H, C, num_biases):
     want = sum_slots(rows, row_of_slot, biases)
     got = sum_slots(rows.cuda(), row_of_slot.cuda(), tuple(b.cuda() for b in biases))
     torch.cuda.synchronize()
-    assert got.is_cuda and got.dtype == torch.bfloat16
+    assert got.is_cuda and got.dtype == torch.bfloat16 and got.shape == (T, H)
     assert torch.equal(_bits(got), _bits(want))
 
 
