@@ -3,7 +3,10 @@
 # the file's order, its output in its own log), and every call (the first too) waits up to SECONDS for it, then packs
 # its logs into one archive under $OUT (the device tool brings back only a few files per call). The queue runs on
 # between calls while the machine stays warm, so long cases (16 time-sliced ranks) need not fit one call; running
-# jobs one at a time keeps one case's ranks from starving another's of the GPU.
+# jobs one at a time keeps one case's ranks from starving another's of the GPU. The jobs run in a copy of the
+# repository taken when the queue starts ($Q/tree, build/ left out): each device call copies the working tree and its
+# carried paths over the checkout again, which deletes directories that running jobs stand in (a conformance case
+# whose folder was replaced mid-run fails at os.getcwd()).
 #
 # Usage, from the repository root:  bash bench/device_queue.sh JOBS [SECONDS]
 #   JOBS     a file of shell commands, one a line, run from the repository root; blank lines and # comments are
@@ -48,7 +51,9 @@ OUT=${OUT:-/tmp/portep-device}
 mkdir -p "$OUT" "$Q"
 if [ ! -f "$Q/pid" ]; then
   cp "$JOBS" "$Q/jobs.txt"
-  setsid bash "${BASH_SOURCE[0]}" --run > "$Q/queue.out" 2>&1 < /dev/null &
+  mkdir -p "$Q/tree"
+  tar -C . --exclude=./build -cf - . | tar -C "$Q/tree" -xf - || { echo "device_queue: cannot copy the tree" >&2; exit 1; }
+  setsid bash "$Q/tree/bench/device_queue.sh" --run > "$Q/queue.out" 2>&1 < /dev/null &
   echo $! > "$Q/pid"
   echo "device_queue: started ($(grep -cvE '^[[:space:]]*(#|$)' "$Q/jobs.txt") jobs), pid $(cat "$Q/pid")"
 else
@@ -59,6 +64,6 @@ while [ $(($(date +%s) - T0)) -lt "$WAIT" ] && ! grep -q "queue done" "$Q/progre
   sleep 2
 done
 touch "$Q/progress.txt"
-tar czf "$OUT/queue.tgz" -C "$Q" . 2> /dev/null
+tar czf "$OUT/queue.tgz" -C "$Q" --exclude=./tree . 2> /dev/null
 cp "$Q/progress.txt" "$OUT/progress.txt"
 cat "$Q/progress.txt"

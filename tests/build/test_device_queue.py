@@ -24,7 +24,7 @@ def test_jobs_run_alone_in_order_across_calls_and_come_back_in_one_archive(tmp_p
     jobs = tmp_path / "jobs.txt"
     jobs.write_text(
         "# a comment\n\n   \n  # an indented comment\n"
-        "sleep 1; echo first; pwd\n"
+        "sleep 1; echo first; pwd; ls bench/device_queue.sh\n"
         "1:sleep 20\n"  # past its limit: 124
         "echo third >&2; ls $PORTEP_QUEUE_DIR/job-2.log; exit 3"  # no newline at the end
     )
@@ -34,7 +34,7 @@ def test_jobs_run_alone_in_order_across_calls_and_come_back_in_one_archive(tmp_p
     assert second.returncode == 0 and "already running" in second.stdout, second.stdout + second.stderr
     progress = (tmp_path / "out" / "progress.txt").read_text()
     lines = [line.split(" ", 1)[1] for line in progress.splitlines()]
-    assert lines[0] == "job 1 start: sleep 1; echo first; pwd", progress
+    assert lines[0].startswith("job 1 start: sleep 1; echo first; pwd"), progress
     assert [line.split(" after ")[0] for line in lines if " rc=" in line] == [
         "job 1 rc=0",
         "job 2 rc=124",
@@ -47,7 +47,10 @@ def test_jobs_run_alone_in_order_across_calls_and_come_back_in_one_archive(tmp_p
     assert all(e < s for e, s in zip(ends, starts[1:])), progress
     with tarfile.open(tmp_path / "out" / "queue.tgz") as archive:
         logs = {m.name.lstrip("./"): archive.extractfile(m).read().decode() for m in archive if m.isfile()}
-    assert logs["job-1.log"] == f"first\n{ROOT}\n", logs  # run from the repository root
+    # run from the queue's copy of the repository (a later call's copy of the working tree cannot pull a running
+    # job's folder from under it)
+    assert logs["job-1.log"] == f"first\n{tmp_path / 'queue' / 'tree'}\nbench/device_queue.sh\n", logs
+    assert not any(name.startswith("tree/") for name in logs), sorted(logs)  # the copy stays out of the archive
     assert logs["job-3.log"].startswith("third\n") and "job-2.log" in logs["job-3.log"], logs
     assert "queue done" in logs["progress.txt"]
 
