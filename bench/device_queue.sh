@@ -52,7 +52,10 @@ mkdir -p "$OUT" "$Q"
 if [ ! -f "$Q/pid" ]; then
   cp "$JOBS" "$Q/jobs.txt"
   mkdir -p "$Q/tree"
-  tar -C . --exclude=./build -cf - . | tar -C "$Q/tree" -xf - || { echo "device_queue: cannot copy the tree" >&2; exit 1; }
+  if ! tar -C . --exclude=./build -cf - . | tar -C "$Q/tree" -xf -; then
+    echo "device_queue: cannot copy the tree" >&2
+    exit 1
+  fi
   setsid bash "$Q/tree/bench/device_queue.sh" --run > "$Q/queue.out" 2>&1 < /dev/null &
   echo $! > "$Q/pid"
   echo "device_queue: started ($(grep -cvE '^[[:space:]]*(#|$)' "$Q/jobs.txt") jobs), pid $(cat "$Q/pid")"
