@@ -194,9 +194,12 @@ class HTKernels {
   double timeout_s_;
 };
 
-// With forwarding the data kernels read the handle's node matrices; without, they must not be given.
-void check_forwarding(const HTCommon& c, bool given, const char* what) {
-  const bool forwarding = ht_forwarding(c);
+// With forwarding the data kernels read the handle's node matrices; without, they must not be given. Given means
+// not None (an empty tensor has no address, so a pointer cannot say it).
+void check_forwarding(const HTCommon& c, py::handle channel_prefix, py::handle rank_prefix, const char* what) {
+  const bool forwarding = ht_forwarding(c), given = !channel_prefix.is_none();
+  if (given == rank_prefix.is_none())
+    throw std::invalid_argument(std::string(what) + ": fwd_channel_prefix and fwd_rank_prefix: both or neither");
   if (forwarding != given)
     throw std::invalid_argument(std::string(what) + ": the forwarding arguments (fwd_channel_prefix, fwd_rank_prefix" +
                                 (forwarding ? ") are required with " : ") must be null without ") +
@@ -261,8 +264,9 @@ void notify(const HTKernels& k, int channels, uintptr_t stream, bool count_mode,
   if (a.rank_prefix && Nn > 1)
     throw py::value_error("notify: rank_prefix (the [R][R] matrix) is for one node only, num_ranks=" + str(R) +
                           " ranks_per_node=" + str(a.c.ranks_per_node));
-  if (ht_forwarding(a.c) != (a.node_channel_prefix && a.fwd_channel_prefix && a.fwd_rank_prefix) ||
-      (!ht_forwarding(a.c) && (a.node_channel_prefix || a.fwd_channel_prefix || a.fwd_rank_prefix)))
+  const int given =
+      int(!node_channel_prefix.is_none()) + int(!fwd_channel_prefix.is_none()) + int(!fwd_rank_prefix.is_none());
+  if (given != (ht_forwarding(a.c) ? 3 : 0))
     throw py::value_error(
         "notify: node_channel_prefix, fwd_channel_prefix, fwd_rank_prefix: all with forwarding, "
         "none without");
@@ -317,7 +321,7 @@ void dispatch(const HTKernels& k, int channels, uintptr_t stream, py::handle x, 
   if ((scales.is_none() != recv_scales.is_none()) || (topk_idx.is_none() != topk_weights.is_none()))
     throw py::value_error("dispatch: scales with recv_scales, topk_idx with topk_weights: both or neither");
   a.ring_rows = ring_rows_for(k.layout_, uint32_t(ht_dispatch_row(a).bytes), channels);
-  check_forwarding(a.c, a.fwd_channel_prefix && a.fwd_rank_prefix, "dispatch");
+  check_forwarding(a.c, fwd_channel_prefix, fwd_rank_prefix, "dispatch");
   check(ht_dispatch(a), "HT dispatch");
 }
 
@@ -354,10 +358,10 @@ void combine(const HTKernels& k, int channels, uintptr_t stream, py::handle x, i
   a.fwd_channel_prefix = t.entries<const int32_t>(fwd_channel_prefix, "fwd_channel_prefix", "int32", Nn * C);
   a.fwd_rank_prefix = t.entries<const int32_t>(fwd_rank_prefix, "fwd_rank_prefix", "int32", Nn);
   a.nvl_head = t.entries<const int32_t>(nvl_head, "nvl_head", "int32", 0, Entries::kAtLeast);
-  if (topk_weights.is_none() != out_weights.is_none() || (a.bias1 && !a.bias0))
+  if (topk_weights.is_none() != out_weights.is_none() || (!bias1.is_none() && bias0.is_none()))
     throw py::value_error("combine: topk_weights with out_weights (both or neither); bias1 only with bias0");
   a.ring_rows = ring_rows_for(k.layout_, ht_combine_row_bytes(ht_forwarding(a.c), a), channels);
-  check_forwarding(a.c, a.fwd_channel_prefix && a.fwd_rank_prefix, "combine");  // (nvl_head: null when empty)
+  check_forwarding(a.c, fwd_channel_prefix, fwd_rank_prefix, "combine");  // (nvl_head: null when empty)
   check(ht_combine(a), "HT combine");
 }
 
