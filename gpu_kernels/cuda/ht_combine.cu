@@ -4,90 +4,11 @@
 // nodes it serves, its node's rows of each token into one partial row for the source.
 #include "gpu_kernels/cuda/gpu_runtime.h"
 
+#include "gpu_kernels/cuda/ht_combine_send.cuh"
 #include "gpu_kernels/cuda/ht_common.cuh"
 
 namespace portep::cuda {
 namespace {
-
-// Row stride of every combine ring (ht_layout.h).
-PORTEP_DEVICE uint32_t slot_bytes(const HTCombineArgs& a) { return ht_combine_row_bytes(ht_forwarding(a.c), a); }
-
-// Warp-wide: x's row `row` (and its weights) as one contribution at dst.
-PORTEP_DEVICE void write_contribution(const HTCombineArgs& a, uint8_t* dst, int64_t row) {
-  warp_copy16(reinterpret_cast<uint4*>(dst), reinterpret_cast<const uint4*>(a.x + row * a.hidden), a.hidden * 2 / 16);
-  if (a.topk_weights) {
-    float* w = reinterpret_cast<float*>(dst + ht_combine_weights(false, a.hidden));
-    for (int k = lane_id(); k < a.num_topk; k += kWarpSize) w[k] = a.topk_weights[row * a.num_topk + k];
-  }
-}
-
-struct SendState {
-  uint32_t fwd_sent[kHTMaxNodeRanks];  // forwarding: rows stored into local rank l's forward ring (l the forwarder)
-  int failed;
-};
-
-// The rows of source s's tokens in channel ch back to s: through ring (s, ch), or with forwarding for a source of
-// another node through the forward ring of its forwarder here; batch by batch, each batch announced. false after a
-// timeout (reported).
-PORTEP_DEVICE bool send_to(const HTCombineArgs& a, int ch, int s, uint64_t epoch, SendState& st) {
-  const HTCommon& c = a.c;
-  const int C = c.num_channels, warp = threadIdx.x / kWarpSize, stride = a.recv_prefix_stride;
-  const bool via_forwarder = ht_forwarding(c) && node_of(c, s) != node_of(c, c.rank);
-  const int dst = via_forwarder ? node_of(c, c.rank) * c.ranks_per_node + local_of(c, s) : s;
-  const uint32_t bytes = slot_bytes(a), Q = a.ring_rows;
-  const int64_t begin = a.recv_channel_prefix[s * C + ch];
-  const uint32_t n = uint32_t(received_end(a.recv_channel_prefix, a.recv_prefix, stride, C, s, ch) - begin);
-  const int64_t local_row0 = rows_before(a.recv_prefix, stride, s) + begin;  // in x
-  __syncthreads();                                                         // the previous source's bookkeeping is done
-  const uint32_t first = via_forwarder ? st.fwd_sent[local_of(c, s)] : 0;  // ring index of the first row
-  const uint64_t remote_ring = via_forwarder ? ht_fwd_ring_offset(c, local_of(c, c.rank), ch, Q, bytes)
-                                             : ht_ring_offset(c, s, c.rank, ch, Q, bytes);
-  const uint64_t stage_ring = ht_ring_offset(c, c.rank, s, ch, Q, bytes);
-  uint32_t flushed = 0;  // thread 0's
-  for (uint32_t b = 0; b < n; b += kHTWarps) {
-    const uint32_t r = b + warp, done = min(b + kHTWarps, n);
-    if (threadIdx.x == 0 && !(via_forwarder ? await_fwd_room(c, true, dst, ch, epoch, first + done, Q)
-                                            : await_room(c, true, s, ch, epoch, done, Q)))
-      st.failed = 1;
-    __syncthreads();
-    if (st.failed) return false;
-    if (r < n) {
-      const uint64_t slot = ht_ring_slot(first + r, Q, bytes);
-      uint8_t* to = c.peers[dst] ? c.peers[dst] + c.recv_off + remote_ring + slot
-                                 : proxy_ring_slot(c, dst, stage_ring, remote_ring, slot);
-      write_contribution(a, to, local_row0 + r);
-    }
-    __syncthreads();
-    if (threadIdx.x == 0) {
-      if (via_forwarder) {
-        publish_tail(fwd_tail_word(c, c.peers[dst], true, c.rank, ch), epoch, first + done);
-      } else if (c.peers[s]) {
-        publish_tail(tail_word(c, c.peers[s], true, c.rank, ch), epoch, done);
-      } else {
-        fence_sys();  // the rows (staged or placed) before the WRITEs that move or announce them
-        flush_rows(c, s, ht_data_stream(c, true, ch), stage_ring, remote_ring, bytes, Q, &flushed, done, done == n);
-      }
-    }
-  }
-  if (threadIdx.x == 0 && via_forwarder) st.fwd_sent[local_of(c, s)] = first + n;
-  return true;
-}
-
-// Sources ascending (every rank sends in this order, and forwarders serve in it: no circular wait).
-PORTEP_DEVICE void send_channel(const HTCombineArgs& a, int ch) {
-  __shared__ SendState st;
-  const HTCommon& c = a.c;
-  const uint64_t epoch = *c.epoch;
-  if (int(threadIdx.x) < c.ranks_per_node) st.fwd_sent[threadIdx.x] = 0;
-  if (threadIdx.x == 0) st.failed = 0;
-  for (int s = 0; s < c.num_ranks; ++s)
-    if (s != c.rank && !send_to(a, ch, s, epoch, st)) return;
-  for (int p = threadIdx.x; p < ht_num_peers(c); p += blockDim.x) {
-    const int d = peer_rank(c, p);  // with forwarding, the peers of other nodes get their rows from forwarders
-    if (!peer_is_self(c, p) && !(ht_forwarding(c) && p >= c.ranks_per_node))
-      collect_credits(c, true, d, ch, rows_from_source(a, d, ch));
-  }
-}
 
 // Rows of one token a RowSet holds besides bias; a token with rows from more peers is reduced by
 // reduce_token_walk, which finds each row again per word instead of keeping its address.
@@ -464,10 +385,15 @@ PORTEP_DEVICE void forward_channel(const HTCombineArgs& a, int ch) {
                       served_rows(c, a.fwd_channel_prefix, a.fwd_rank_prefix, n, ch));
 }
 
+// kLanes: the sender serves every ring at once (send_channel_lanes); an instantiation of its own, so that the default
+// schedule's kernel is compiled as it was measured.
+template <bool kLanes>
 __global__ void __launch_bounds__(kHTThreads, 1) ht_combine_kernel(HTCombineArgs a) {
   if (failed_before(a.c)) return;
   const int per = ht_forwarding(a.c) ? 3 : 2, role = blockIdx.x % per, ch = blockIdx.x / per;
-  if (role == 0)
+  if (role == 0 && kLanes)
+    send_channel_lanes(a, ch);
+  else if (role == 0)
     send_channel(a, ch);
   else if (role == 1)
     reduce_channel(a, ch);
@@ -479,9 +405,14 @@ __global__ void __launch_bounds__(kHTThreads, 1) ht_combine_kernel(HTCombineArgs
 
 int ht_combine(const HTCombineArgs& a) {
   const int blocks = ht_blocks_per_channel(a.c) * a.c.num_channels;
-  return int(launch_kernel<ht_combine_kernel>(blocks, kHTThreads, 0, static_cast<cudaStream_t>(a.c.stream), a));
+  const auto stream = static_cast<cudaStream_t>(a.c.stream);
+  if (a.sender_lanes) return int(launch_kernel<ht_combine_kernel<true>>(blocks, kHTThreads, 0, stream, a));
+  return int(launch_kernel<ht_combine_kernel<false>>(blocks, kHTThreads, 0, stream, a));
 }
 
-int load_ht_combine_kernels() { return int(load_kernel(ht_combine_kernel)); }
+int load_ht_combine_kernels() {
+  if (const int err = int(load_kernel(ht_combine_kernel<false>))) return err;
+  return int(load_kernel(ht_combine_kernel<true>));
+}
 
 }  // namespace portep::cuda

@@ -253,6 +253,40 @@ def test_the_ht_bindings_read_every_tensor_and_reach_the_launch(op):
     assert "invalid argument" not in str(refused.value)
 
 
+def test_the_ht_combine_takes_the_lane_sender_to_the_launch():
+    with pytest.raises(RuntimeError, match="HT combine: ") as refused:
+        _ht_kernels().combine(**_combine_args(), sender_lanes=True)
+    assert "invalid argument" not in str(refused.value)
+
+
+def _empty_gpu(*shape, dtype):
+    """A stand-in of no entries: its data_ptr is 0, as an empty CUDA tensor's is."""
+    t = CudaStandIn(torch.zeros(*shape, dtype=dtype))
+    t.data_ptr = lambda: 0
+    return t
+
+
+def test_a_rank_without_tokens_is_held_to_the_same_rules():
+    """Whether an optional tensor was given is None or not, never its address (an empty tensor has none): with
+    zero tokens, bias1 without bias0 is refused as it is with tokens, and a half-given forwarding pair is refused."""
+    args = dict(
+        _combine_args(),
+        num_tokens=0,
+        is_token_in_rank=_empty_gpu(0, HT_R, dtype=torch.bool),
+        out=_empty_gpu(0, HT_H, dtype=torch.bfloat16),
+        out_weights=_empty_gpu(0, HT_K, dtype=torch.float32),
+        bias0=None,
+        bias1=_empty_gpu(0, HT_H, dtype=torch.bfloat16),
+    )
+    with pytest.raises(ValueError, match="bias1 only with bias0"):
+        _ht_kernels().combine(**args)
+    with pytest.raises(RuntimeError, match="HT combine: "):  # with bias0 given (empty too) it reaches the launch
+        _ht_kernels().combine(**dict(args, bias0=_empty_gpu(0, HT_H, dtype=torch.bfloat16)))
+    for op in ("dispatch", "combine"):
+        with pytest.raises(ValueError, match=f"{op}: fwd_channel_prefix and fwd_rank_prefix: both or neither"):
+            getattr(_ht_kernels(), op)(**HT_CALLS[op](), fwd_rank_prefix=_gpu(1))
+
+
 def test_the_ht_flag_exchange_takes_no_tensors():
     kernels = _ht_kernels()
     with pytest.raises(RuntimeError, match="HT notify: "):

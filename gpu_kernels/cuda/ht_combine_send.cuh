@@ -1,0 +1,257 @@
+// The HT combine's sender block (ht_combine.cu): this rank's rows back to their sources, each source's through ring
+// (source, channel), or with forwarding, for a source of another node, through the forward ring of its forwarder
+// here (the rank of this node with the source's local index). Two schedules: send_channel serves the sources one
+// after another; send_channel_lanes serves every ring at once, each a lane that takes what room its ring has.
+#pragma once
+
+#include "gpu_kernels/cuda/ht_common.cuh"
+
+namespace portep::cuda {
+namespace {
+
+// Row stride of every combine ring (ht_layout.h).
+PORTEP_DEVICE uint32_t slot_bytes(const HTCombineArgs& a) { return ht_combine_row_bytes(ht_forwarding(a.c), a); }
+
+// Warp-wide: x's row `row` (and its weights) as one contribution at dst.
+PORTEP_DEVICE void write_contribution(const HTCombineArgs& a, uint8_t* dst, int64_t row) {
+  warp_copy16(reinterpret_cast<uint4*>(dst), reinterpret_cast<const uint4*>(a.x + row * a.hidden), a.hidden * 2 / 16);
+  if (a.topk_weights) {
+    float* w = reinterpret_cast<float*>(dst + ht_combine_weights(false, a.hidden));
+    for (int k = lane_id(); k < a.num_topk; k += kWarpSize) w[k] = a.topk_weights[row * a.num_topk + k];
+  }
+}
+
+struct SendState {
+  uint32_t fwd_sent[kHTMaxNodeRanks];  // forwarding: rows stored into local rank l's forward ring (l the forwarder)
+  int failed;
+};
+
+// The rows of source s's tokens in channel ch back to s: through ring (s, ch), or with forwarding for a source of
+// another node through the forward ring of its forwarder here; batch by batch, each batch announced. false after a
+// timeout (reported).
+PORTEP_DEVICE bool send_to(const HTCombineArgs& a, int ch, int s, uint64_t epoch, SendState& st) {
+  const HTCommon& c = a.c;
+  const int C = c.num_channels, warp = threadIdx.x / kWarpSize, stride = a.recv_prefix_stride;
+  const bool via_forwarder = ht_forwarding(c) && node_of(c, s) != node_of(c, c.rank);
+  const int dst = via_forwarder ? node_of(c, c.rank) * c.ranks_per_node + local_of(c, s) : s;
+  const uint32_t bytes = slot_bytes(a), Q = a.ring_rows;
+  const int64_t begin = a.recv_channel_prefix[s * C + ch];
+  const uint32_t n = uint32_t(received_end(a.recv_channel_prefix, a.recv_prefix, stride, C, s, ch) - begin);
+  const int64_t local_row0 = rows_before(a.recv_prefix, stride, s) + begin;  // in x
+  __syncthreads();                                                         // the previous source's bookkeeping is done
+  const uint32_t first = via_forwarder ? st.fwd_sent[local_of(c, s)] : 0;  // ring index of the first row
+  const uint64_t remote_ring = via_forwarder ? ht_fwd_ring_offset(c, local_of(c, c.rank), ch, Q, bytes)
+                                             : ht_ring_offset(c, s, c.rank, ch, Q, bytes);
+  const uint64_t stage_ring = ht_ring_offset(c, c.rank, s, ch, Q, bytes);
+  uint32_t flushed = 0;  // thread 0's
+  for (uint32_t b = 0; b < n; b += kHTWarps) {
+    const uint32_t r = b + warp, done = min(b + kHTWarps, n);
+    if (threadIdx.x == 0 && !(via_forwarder ? await_fwd_room(c, true, dst, ch, epoch, first + done, Q)
+                                            : await_room(c, true, s, ch, epoch, done, Q)))
+      st.failed = 1;
+    __syncthreads();
+    if (st.failed) return false;
+    if (r < n) {
+      const uint64_t slot = ht_ring_slot(first + r, Q, bytes);
+      uint8_t* to = c.peers[dst] ? c.peers[dst] + c.recv_off + remote_ring + slot
+                                 : proxy_ring_slot(c, dst, stage_ring, remote_ring, slot);
+      write_contribution(a, to, local_row0 + r);
+    }
+    __syncthreads();
+    if (threadIdx.x == 0) {
+      if (via_forwarder) {
+        publish_tail(fwd_tail_word(c, c.peers[dst], true, c.rank, ch), epoch, first + done);
+      } else if (c.peers[s]) {
+        publish_tail(tail_word(c, c.peers[s], true, c.rank, ch), epoch, done);
+      } else {
+        fence_sys();  // the rows (staged or placed) before the WRITEs that move or announce them
+        flush_rows(c, s, ht_data_stream(c, true, ch), stage_ring, remote_ring, bytes, Q, &flushed, done, done == n);
+      }
+    }
+  }
+  if (threadIdx.x == 0 && via_forwarder) st.fwd_sent[local_of(c, s)] = first + n;
+  return true;
+}
+
+// Sources ascending (every rank sends in this order, and forwarders serve in it: no circular wait).
+PORTEP_DEVICE void send_channel(const HTCombineArgs& a, int ch) {
+  __shared__ SendState st;
+  const HTCommon& c = a.c;
+  const uint64_t epoch = *c.epoch;
+  if (int(threadIdx.x) < c.ranks_per_node) st.fwd_sent[threadIdx.x] = 0;
+  if (threadIdx.x == 0) st.failed = 0;
+  for (int s = 0; s < c.num_ranks; ++s)
+    if (s != c.rank && !send_to(a, ch, s, epoch, st)) return;
+  for (int p = threadIdx.x; p < ht_num_peers(c); p += blockDim.x) {
+    const int d = peer_rank(c, p);  // with forwarding, the peers of other nodes get their rows from forwarders
+    if (!peer_is_self(c, p) && !(ht_forwarding(c) && p >= c.ranks_per_node))
+      collect_credits(c, true, d, ch, rows_from_source(a, d, ch));
+  }
+}
+
+// ---- send_channel_lanes: every ring at once ----
+// Lane j < P (peer index): the ring to peer j's rank, for its own tokens (not self; with forwarding, same-node peers
+// only). Lane P + l (forwarding): the forward ring to this node's rank of local index l, which carries the rows of
+// the sources of other nodes with local index l, nodes ascending (the order its forwarder reduces them in).
+constexpr int kHTMaxSendLanes = kHTMaxPeers + kHTMaxNodeRanks;
+
+struct LaneState {
+  uint32_t seg[kHTMaxSendLanes];      // forward lanes: the node of the source served now (Nn: all served)
+  uint32_t done[kHTMaxSendLanes];     // rows of the current source stored
+  uint32_t pos[kHTMaxSendLanes];      // ring index of the lane's next row (a forward ring carries several sources)
+  uint32_t flushed[kHTMaxSendLanes];  // proxy lanes: rows handed to the proxies
+  uint32_t take[kHTMaxSendLanes];     // this round's rows
+  uint8_t open[kHTMaxSendLanes];      // rows left
+  int all_done, failed;
+};
+
+PORTEP_DEVICE int num_send_lanes(const HTCommon& c) {
+  return ht_num_peers(c) + (ht_forwarding(c) ? c.ranks_per_node : 0);
+}
+PORTEP_DEVICE bool is_forward_lane(const HTCommon& c, int j) { return j >= ht_num_peers(c); }
+PORTEP_DEVICE bool lane_exists(const HTCommon& c, int j) {
+  return is_forward_lane(c, j) || (!peer_is_self(c, j) && !(ht_forwarding(c) && j >= c.ranks_per_node));
+}
+// The source lane j serves now, and the rank its ring belongs to.
+PORTEP_DEVICE int lane_source(const HTCommon& c, const LaneState& st, int j) {
+  return is_forward_lane(c, j) ? int(st.seg[j]) * c.ranks_per_node + (j - ht_num_peers(c)) : peer_rank(c, j);
+}
+PORTEP_DEVICE int lane_reader(const HTCommon& c, int j) {
+  return is_forward_lane(c, j) ? node_of(c, c.rank) * c.ranks_per_node + (j - ht_num_peers(c)) : peer_rank(c, j);
+}
+
+// The ring index up to which lane j's reader has room (rows before it fit): the ring plus what the reader consumed.
+// Reads without waiting.
+PORTEP_DEVICE uint32_t lane_room_end(const HTCommon& c, int j, int ch, uint64_t epoch, uint32_t ring_rows) {
+  const int d = lane_reader(c, j);
+  if (is_forward_lane(c, j))
+    return ring_rows + rows_of(ld_acquire_sys_u64(fwd_head_word(c, c.local, true, d, ch)), epoch);
+  if (c.peers[d]) return ring_rows + rows_of(ld_acquire_sys_u64(head_word(c, c.local, true, d, ch)), epoch);
+  const uint64_t i = uint64_t(d) * c.num_streams + ht_credit_stream(c, true, ch);  // credits: whole chunks
+  return ring_rows + (uint32_t(ld_acquire_sys_u64(c.host_signals + i)) - uint32_t(c.signal_seen[i])) * kHTChunkRows;
+}
+
+// Thread of lane j: moves a forward lane past served (and empty) sources, then sets the rows this round stores.
+PORTEP_DEVICE void plan_lane(const HTCombineArgs& a, LaneState& st, int j, int ch, uint64_t epoch) {
+  const HTCommon& c = a.c;
+  st.take[j] = 0;
+  st.open[j] = 0;
+  if (!lane_exists(c, j)) return;
+  if (is_forward_lane(c, j)) {
+    const uint32_t Nn = uint32_t(num_nodes(c)), me = uint32_t(node_of(c, c.rank));
+    while (st.seg[j] < Nn && (st.seg[j] == me || st.done[j] == rows_from_source(a, lane_source(c, st, j), ch))) {
+      ++st.seg[j];
+      st.done[j] = 0;
+    }
+    if (st.seg[j] == Nn) return;
+  }
+  const uint32_t left = rows_from_source(a, lane_source(c, st, j), ch) - st.done[j];
+  if (left == 0) return;
+  st.open[j] = 1;
+  const uint32_t end = lane_room_end(c, j, ch, epoch, a.ring_rows);
+  const uint32_t room = end > st.pos[j] ? end - st.pos[j] : 0;
+  st.take[j] = min(left, min(room, uint32_t(kHTWarps)));
+}
+
+// Thread 0, after a round without rows stored: fails the op when the lane waited on has waited past the timeout,
+// its reader will not answer, or a failure was reported elsewhere. false: the op failed (reported).
+PORTEP_DEVICE bool lanes_may_wait(const HTCombineArgs& a, const LaneState& st, int ch, uint64_t idle_ns) {
+  const HTCommon& c = a.c;
+  int waiting = 0;
+  while (!st.open[waiting]) ++waiting;
+  const int d = lane_reader(c, waiting);
+  if (idle_ns > c.timeout_ns || reported_error(c) || (idle_ns > kPeerGraceNs && peer_down(c, d))) {
+    report_lost(c, d, idle_ns > c.timeout_ns ? kWaitTimedOut : kWaitPeerDown, uint32_t(ch));
+    return false;
+  }
+  if (!is_forward_lane(c, waiting) && !c.peers[d]) sleep_ns(kProxyPollNs);  // host-memory polls cross PCIe
+  return true;
+}
+
+// Thread 0, after the round's rows were stored (a barrier after the stores): announces them, the tails of direct
+// readers and forwarders, the WRITEs of proxy readers. false: a push failed (reported).
+PORTEP_DEVICE bool publish_lanes(const HTCombineArgs& a, LaneState& st, int ch, uint64_t epoch) {
+  const HTCommon& c = a.c;
+  const uint32_t bytes = slot_bytes(a);
+  fence_sys();  // the rows (placed, staged or stored at a peer) before the tails and WRITEs that announce them
+  for (int j = 0; j < num_send_lanes(c); ++j) {
+    if (!st.take[j]) continue;
+    const int s = lane_source(c, st, j), d = lane_reader(c, j);
+    st.done[j] += st.take[j];
+    st.pos[j] += st.take[j];
+    if (is_forward_lane(c, j)) {
+      st_relaxed_sys_u64(fwd_tail_word(c, c.peers[d], true, c.rank, ch), ht_word_value(epoch, st.pos[j]));
+    } else if (c.peers[d]) {
+      st_relaxed_sys_u64(tail_word(c, c.peers[d], true, c.rank, ch), ht_word_value(epoch, st.done[j]));
+    } else if (!flush_rows(c, d, ht_data_stream(c, true, ch), ht_ring_offset(c, c.rank, s, ch, a.ring_rows, bytes),
+                           ht_ring_offset(c, s, c.rank, ch, a.ring_rows, bytes), bytes, a.ring_rows, &st.flushed[j],
+                           st.done[j], st.done[j] == rows_from_source(a, s, ch))) {
+      return false;
+    }
+  }
+  return true;
+}
+
+// Warp-wide: this round's rows of lane j, each warp a row.
+PORTEP_DEVICE void store_lane_rows(const HTCombineArgs& a, const LaneState& st, int j, int ch) {
+  const HTCommon& c = a.c;
+  const int s = lane_source(c, st, j), d = lane_reader(c, j), warp = threadIdx.x / kWarpSize;
+  const uint32_t bytes = slot_bytes(a), Q = a.ring_rows;
+  const uint64_t remote_ring = is_forward_lane(c, j) ? ht_fwd_ring_offset(c, local_of(c, c.rank), ch, Q, bytes)
+                                                     : ht_ring_offset(c, s, c.rank, ch, Q, bytes);
+  const uint64_t stage_ring = ht_ring_offset(c, c.rank, s, ch, Q, bytes);
+  const int64_t row0 =
+      rows_before(a.recv_prefix, a.recv_prefix_stride, s) + a.recv_channel_prefix[s * c.num_channels + ch];
+  for (uint32_t r = warp; r < st.take[j]; r += kHTWarps) {
+    const uint64_t slot = ht_ring_slot(st.pos[j] + r, Q, bytes);
+    uint8_t* to = c.peers[d] ? c.peers[d] + c.recv_off + remote_ring + slot
+                             : proxy_ring_slot(c, d, stage_ring, remote_ring, slot);
+    write_contribution(a, to, row0 + st.done[j] + r);
+  }
+}
+
+// Serves every lane at once, round by round: each lane stores what room its ring has (at most a row per warp), so a
+// reader that is slow, or busy with another sender's rows, holds up only its own lane (send_channel serves the
+// sources one after another, and every rank's reducers then work in turn).
+PORTEP_DEVICE void send_channel_lanes(const HTCombineArgs& a, int ch) {
+  __shared__ LaneState st;
+  const HTCommon& c = a.c;
+  const int J = num_send_lanes(c);
+  const uint64_t epoch = *c.epoch;
+  for (int j = threadIdx.x; j < J; j += blockDim.x) st.seg[j] = st.done[j] = st.pos[j] = st.flushed[j] = 0;
+  if (threadIdx.x == 0) st.failed = 0;
+  uint64_t idle_since = globaltimer_ns();  // thread 0's
+  for (;;) {
+    __syncthreads();  // the previous round's stores and bookkeeping are done
+    for (int j = threadIdx.x; j < J; j += blockDim.x) plan_lane(a, st, j, ch, epoch);
+    __syncthreads();
+    if (threadIdx.x == 0 && !st.failed) {
+      bool progress = false, all = true;
+      for (int j = 0; j < J; ++j) {
+        progress |= st.take[j] != 0;
+        all &= !st.open[j];
+      }
+      st.all_done = all;
+      const uint64_t now = globaltimer_ns();
+      if (progress || all)
+        idle_since = now;
+      else if (!lanes_may_wait(a, st, ch, now - idle_since))
+        st.failed = 1;
+    }
+    __syncthreads();
+    if (st.all_done || st.failed) break;
+    for (int j = 0; j < J; ++j)
+      if (st.take[j]) store_lane_rows(a, st, j, ch);
+    __syncthreads();  // every row stored before thread 0 announces them
+    if (threadIdx.x == 0 && !publish_lanes(a, st, ch, epoch)) st.failed = 1;
+  }
+  if (st.failed) return;
+  for (int p = threadIdx.x; p < ht_num_peers(c); p += blockDim.x) {
+    const int d = peer_rank(c, p);  // with forwarding, the peers of other nodes get their rows from forwarders
+    if (!peer_is_self(c, p) && !(ht_forwarding(c) && p >= c.ranks_per_node))
+      collect_credits(c, true, d, ch, rows_from_source(a, d, ch));
+  }
+}
+
+}  // namespace
+}  // namespace portep::cuda
