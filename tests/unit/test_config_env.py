@@ -1,0 +1,47 @@
+"""The switches of python/portep/config.py read from the environment, each with its default, the values it takes and
+a refusal of anything else that names the variable and its value:
+- PORTEP_LL_GRAPH_LAUNCH (read by the CUDA engine): on by default, 0 turns the CUDA-graph launches of eager LL
+  calls off;
+- PORTEP_HT_COMBINE_SENDER (read when a CUDA Buffer sets up its normal mode): the combine's sender block serves the
+  sources one after another by default (`ordered`), every ring at once with `lanes`."""
+
+import pytest
+
+from portep.config import ht_combine_sender_lanes, ll_graph_launch
+
+# variable, reader, its value when unset, {setting: value}, refused settings, the refusal's ending
+SWITCHES = [
+    pytest.param(
+        "PORTEP_LL_GRAPH_LAUNCH",
+        ll_graph_launch,
+        True,
+        {"1": True, "0": False},
+        ["yes", "", "2", "off"],
+        "must be 0 or 1",
+        id="ll-graph-launch",
+    ),
+    pytest.param(
+        "PORTEP_HT_COMBINE_SENDER",
+        ht_combine_sender_lanes,
+        False,
+        {"ordered": False, "lanes": True},
+        ["", "Lanes", "1", "round-robin"],
+        "must be 'ordered' or 'lanes'",
+        id="ht-combine-sender",
+    ),
+]
+
+
+@pytest.mark.parametrize("var,read,default,values,refused,message", SWITCHES)
+def test_each_switch_has_its_default_takes_its_values_and_refuses_others(
+    monkeypatch, var, read, default, values, refused, message
+):
+    monkeypatch.delenv(var, raising=False)
+    assert read() is default
+    for raw, want in values.items():
+        monkeypatch.setenv(var, raw)
+        assert read() is want, raw
+    for raw in refused:
+        monkeypatch.setenv(var, raw)
+        with pytest.raises(ValueError, match=f"{var}={raw!r} {message}"):
+            read()
