@@ -96,13 +96,15 @@ PORTEP_DEVICE void send_channel(const HTCombineArgs& a, int ch) {
 constexpr int kHTMaxSendLanes = kHTMaxPeers + kHTMaxNodeRanks;
 
 struct LaneState {
-  uint32_t seg[kHTMaxSendLanes];      // forward lanes: the node of the source served now (Nn: all served)
-  uint32_t done[kHTMaxSendLanes];     // rows of the current source stored
-  uint32_t pos[kHTMaxSendLanes];      // ring index of the lane's next row (a forward ring carries several sources)
-  uint32_t flushed[kHTMaxSendLanes];  // proxy lanes: rows handed to the proxies
-  uint32_t take[kHTMaxSendLanes];     // this round's rows
-  uint8_t open[kHTMaxSendLanes];      // rows left
-  int all_done, failed;
+  uint32_t seg[kHTMaxSendLanes];       // forward lanes: the node of the source served now (Nn: all served)
+  uint32_t done[kHTMaxSendLanes];      // rows of the current source stored
+  uint32_t pos[kHTMaxSendLanes];       // ring index of the lane's next row (a forward ring carries several sources)
+  uint32_t room_end[kHTMaxSendLanes];  // ring index up to which the reader had room when last read
+  uint32_t flushed[kHTMaxSendLanes];   // proxy lanes: rows handed to the proxies
+  uint32_t take[kHTMaxSendLanes];      // this round's rows
+  uint32_t first[kHTMaxSendLanes];     // this round's rows of the lanes before (warps share the rows out by it)
+  uint8_t open[kHTMaxSendLanes];       // rows left
+  int progress, all_done, failed;
 };
 
 PORTEP_DEVICE int num_send_lanes(const HTCommon& c) {
@@ -148,23 +150,30 @@ PORTEP_DEVICE void plan_lane(const HTCombineArgs& a, LaneState& st, int j, int c
   const uint32_t left = rows_from_source(a, lane_source(c, st, j), ch) - st.done[j];
   if (left == 0) return;
   st.open[j] = 1;
-  const uint32_t end = lane_room_end(c, j, ch, epoch, a.ring_rows);
-  const uint32_t room = end > st.pos[j] ? end - st.pos[j] : 0;
-  st.take[j] = min(left, min(room, uint32_t(kHTWarps)));
+  const uint32_t want = min(left, uint32_t(kHTWarps));
+  if (st.pos[j] + want > st.room_end[j])  // the room last read is short: read again (a proxy's crosses PCIe)
+    st.room_end[j] = lane_room_end(c, j, ch, epoch, a.ring_rows);
+  st.take[j] = st.room_end[j] > st.pos[j] ? min(want, st.room_end[j] - st.pos[j]) : 0;
 }
 
-// Thread 0, after a round without rows stored: fails the op when the lane waited on has waited past the timeout,
-// its reader will not answer, or a failure was reported elsewhere. false: the op failed (reported).
+// Thread 0, after a round without rows stored: fails the op (reported) when the lane waited on has waited past the
+// timeout, its reader will not answer, or a failure was reported elsewhere; else, with a proxy lane among the
+// waiting ones, waits a little before the next round. false: the op failed.
 PORTEP_DEVICE bool lanes_may_wait(const HTCombineArgs& a, const LaneState& st, int ch, uint64_t idle_ns) {
   const HTCommon& c = a.c;
   int waiting = 0;
   while (!st.open[waiting]) ++waiting;
   const int d = lane_reader(c, waiting);
-  if (idle_ns > c.timeout_ns || reported_error(c) || (idle_ns > kPeerGraceNs && peer_down(c, d))) {
-    report_lost(c, d, idle_ns > c.timeout_ns ? kWaitTimedOut : kWaitPeerDown, uint32_t(ch));
+  const uint32_t end = idle_wait_end(c, idle_ns, d);
+  if (end != kWaitDone) {
+    report_lost(c, d, end, uint32_t(ch));
     return false;
   }
-  if (!is_forward_lane(c, waiting) && !c.peers[d]) sleep_ns(kProxyPollNs);  // host-memory polls cross PCIe
+  for (int j = waiting; j < num_send_lanes(c); ++j)
+    if (st.open[j] && !is_forward_lane(c, j) && !c.peers[lane_reader(c, j)]) {
+      sleep_ns(kProxyPollNs);  // host-memory polls cross PCIe
+      break;
+    }
   return true;
 }
 
@@ -192,7 +201,8 @@ PORTEP_DEVICE bool publish_lanes(const HTCombineArgs& a, LaneState& st, int ch, 
   return true;
 }
 
-// Warp-wide: this round's rows of lane j, each warp a row.
+// Warp-wide: this warp's share of this round's rows of lane j (the round's rows of all lanes, in lane order, go to
+// the warps in turn).
 PORTEP_DEVICE void store_lane_rows(const HTCombineArgs& a, const LaneState& st, int j, int ch) {
   const HTCommon& c = a.c;
   const int s = lane_source(c, st, j), d = lane_reader(c, j), warp = threadIdx.x / kWarpSize;
@@ -202,7 +212,8 @@ PORTEP_DEVICE void store_lane_rows(const HTCombineArgs& a, const LaneState& st, 
   const uint64_t stage_ring = ht_ring_offset(c, c.rank, s, ch, Q, bytes);
   const int64_t row0 =
       rows_before(a.recv_prefix, a.recv_prefix_stride, s) + a.recv_channel_prefix[s * c.num_channels + ch];
-  for (uint32_t r = warp; r < st.take[j]; r += kHTWarps) {
+  const uint32_t r0 = (uint32_t(warp) + kHTWarps - st.first[j] % kHTWarps) % kHTWarps;
+  for (uint32_t r = r0; r < st.take[j]; r += kHTWarps) {
     const uint64_t slot = ht_ring_slot(st.pos[j] + r, Q, bytes);
     uint8_t* to = c.peers[d] ? c.peers[d] + c.recv_off + remote_ring + slot
                              : proxy_ring_slot(c, d, stage_ring, remote_ring, slot);
@@ -218,7 +229,10 @@ PORTEP_DEVICE void send_channel_lanes(const HTCombineArgs& a, int ch) {
   const HTCommon& c = a.c;
   const int J = num_send_lanes(c);
   const uint64_t epoch = *c.epoch;
-  for (int j = threadIdx.x; j < J; j += blockDim.x) st.seg[j] = st.done[j] = st.pos[j] = st.flushed[j] = 0;
+  for (int j = threadIdx.x; j < J; j += blockDim.x) {
+    st.seg[j] = st.done[j] = st.pos[j] = st.flushed[j] = 0;
+    st.room_end[j] = a.ring_rows;  // this op's rows start in an empty ring
+  }
   if (threadIdx.x == 0) st.failed = 0;
   uint64_t idle_since = globaltimer_ns();  // thread 0's
   for (;;) {
@@ -226,20 +240,24 @@ PORTEP_DEVICE void send_channel_lanes(const HTCombineArgs& a, int ch) {
     for (int j = threadIdx.x; j < J; j += blockDim.x) plan_lane(a, st, j, ch, epoch);
     __syncthreads();
     if (threadIdx.x == 0 && !st.failed) {
-      bool progress = false, all = true;
+      uint32_t rows = 0;
+      bool all = true;
       for (int j = 0; j < J; ++j) {
-        progress |= st.take[j] != 0;
+        st.first[j] = rows;
+        rows += st.take[j];
         all &= !st.open[j];
       }
+      st.progress = rows != 0;
       st.all_done = all;
       const uint64_t now = globaltimer_ns();
-      if (progress || all)
+      if (rows || all)
         idle_since = now;
       else if (!lanes_may_wait(a, st, ch, now - idle_since))
         st.failed = 1;
     }
     __syncthreads();
     if (st.all_done || st.failed) break;
+    if (!st.progress) continue;  // (every thread alike: the flags are the block's)
     for (int j = 0; j < J; ++j)
       if (st.take[j]) store_lane_rows(a, st, j, ch);
     __syncthreads();  // every row stored before thread 0 announces them

@@ -194,13 +194,23 @@ PORTEP_DEVICE bool peer_down(const HTCommon& c, int src) {
   return c.peer_status && *reinterpret_cast<const volatile uint32_t*>(c.peer_status + src) != 0;
 }
 
-// A wait on src ended short (end): the op fails (the normal mode has no shrink mode).
+// A wait on src ended short (end): the op fails (the normal mode has no shrink mode). kWaitCallFailed: a failure
+// reported elsewhere, already recorded.
 PORTEP_DEVICE void report_lost(const HTCommon& c, int src, uint32_t end, uint32_t index) {
   if (end == kWaitPeerDown)
     report_error(c, kErrPeerDown, uint32_t(c.rank), uint32_t(src),
-                 *reinterpret_cast<const volatile uint32_t*>(c.peer_status + src));
+                 *reinterpret_cast<const volatile uint32_t*>(c.peer_status + src));  // (set: peer_down said so)
   else if (end == kWaitTimedOut)
     report_error(c, kErrWaitTimeout, uint32_t(c.rank), uint32_t(src), index);
+}
+
+// For a block that serves several rings and has gone idle_ns without progress, src the peer its first open ring
+// waits on: kWaitDone while it may go on waiting, else why the op ends (for report_lost), as wait_until decides.
+PORTEP_DEVICE uint32_t idle_wait_end(const HTCommon& c, uint64_t idle_ns, int src) {
+  if (idle_ns > c.timeout_ns) return kWaitTimedOut;
+  if (reported_error(c)) return kWaitCallFailed;
+  if (idle_ns > kPeerGraceNs && peer_down(c, src)) return kWaitPeerDown;
+  return kWaitDone;
 }
 
 // Waits until a word a direct peer stores (a notify flag, a tail) reaches `want`; false when the wait ended short

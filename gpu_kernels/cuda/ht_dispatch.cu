@@ -339,7 +339,7 @@ PORTEP_DEVICE void receive_channel(const HTDispatchArgs& a, int ch) {
       } else if (now - idle_since > c.timeout_ns || reported_error(c) ||
                  (now - idle_since > kPeerGraceNs && peer_down(c, input_rank(c, waiting)))) {
         // (a failure elsewhere voids the op too; a peer that will not answer fails it)
-        report_lost(c, input_rank(c, waiting), now - idle_since > c.timeout_ns ? kWaitTimedOut : kWaitPeerDown,
+        report_lost(c, input_rank(c, waiting), idle_wait_end(c, now - idle_since, input_rank(c, waiting)),
                     uint32_t(ch));
         st.failed = 1;
       } else if (waiting < P && !c.peers[input_rank(c, waiting)]) {
