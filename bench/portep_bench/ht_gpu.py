@@ -13,13 +13,6 @@ from .report import MissingHardware, Table
 from .spawn import run_ranks
 
 
-def combine_sender() -> str:
-    """The CUDA normal-mode combine's sender schedule this process runs (PORTEP_HT_COMBINE_SENDER), for the reports."""
-    from portep.config import ht_combine_sender_lanes
-
-    return "lanes" if ht_combine_sender_lanes() else "ordered"
-
-
 NOTE = (
     "GPUs of one node: the ranks' kernels store into each other's buffers over NVLink (with "
     "PORTEP_TEST_SHARE_GPU=1 the ranks time-slice one GPU: correctness, not speed). Rank 0; samples in us, CUDA "

@@ -73,6 +73,19 @@ PORTEP_DEVICE bool send_to(const HTCombineArgs& a, int ch, int s, uint64_t epoch
   return true;
 }
 
+// Peer p gets its rows from this sender itself: not this rank, and with forwarding not a peer of another node (those
+// get theirs from forwarders).
+PORTEP_DEVICE bool sends_directly(const HTCommon& c, int p) {
+  return !peer_is_self(c, p) && !(ht_forwarding(c) && p >= c.ranks_per_node);
+}
+
+// At the end of a sender's op: the credits of every proxy reader it sent rows to (collect_credits). Block-wide.
+PORTEP_DEVICE void collect_send_credits(const HTCombineArgs& a, int ch) {
+  for (int p = threadIdx.x; p < ht_num_peers(a.c); p += blockDim.x)
+    if (sends_directly(a.c, p))
+      collect_credits(a.c, true, peer_rank(a.c, p), ch, rows_from_source(a, peer_rank(a.c, p), ch));
+}
+
 // Sources ascending (every rank sends in this order, and forwarders serve in it: no circular wait).
 PORTEP_DEVICE void send_channel(const HTCombineArgs& a, int ch) {
   __shared__ SendState st;
@@ -82,11 +95,7 @@ PORTEP_DEVICE void send_channel(const HTCombineArgs& a, int ch) {
   if (threadIdx.x == 0) st.failed = 0;
   for (int s = 0; s < c.num_ranks; ++s)
     if (s != c.rank && !send_to(a, ch, s, epoch, st)) return;
-  for (int p = threadIdx.x; p < ht_num_peers(c); p += blockDim.x) {
-    const int d = peer_rank(c, p);  // with forwarding, the peers of other nodes get their rows from forwarders
-    if (!peer_is_self(c, p) && !(ht_forwarding(c) && p >= c.ranks_per_node))
-      collect_credits(c, true, d, ch, rows_from_source(a, d, ch));
-  }
+  collect_send_credits(a, ch);
 }
 
 // ---- send_channel_lanes: every ring at once ----
@@ -111,9 +120,7 @@ PORTEP_DEVICE int num_send_lanes(const HTCommon& c) {
   return ht_num_peers(c) + (ht_forwarding(c) ? c.ranks_per_node : 0);
 }
 PORTEP_DEVICE bool is_forward_lane(const HTCommon& c, int j) { return j >= ht_num_peers(c); }
-PORTEP_DEVICE bool lane_exists(const HTCommon& c, int j) {
-  return is_forward_lane(c, j) || (!peer_is_self(c, j) && !(ht_forwarding(c) && j >= c.ranks_per_node));
-}
+PORTEP_DEVICE bool lane_exists(const HTCommon& c, int j) { return is_forward_lane(c, j) || sends_directly(c, j); }
 // The source lane j serves now, and the rank its ring belongs to.
 PORTEP_DEVICE int lane_source(const HTCommon& c, const LaneState& st, int j) {
   return is_forward_lane(c, j) ? int(st.seg[j]) * c.ranks_per_node + (j - ht_num_peers(c)) : peer_rank(c, j);
@@ -264,11 +271,7 @@ PORTEP_DEVICE void send_channel_lanes(const HTCombineArgs& a, int ch) {
     if (threadIdx.x == 0 && !publish_lanes(a, st, ch, epoch)) st.failed = 1;
   }
   if (st.failed) return;
-  for (int p = threadIdx.x; p < ht_num_peers(c); p += blockDim.x) {
-    const int d = peer_rank(c, p);  // with forwarding, the peers of other nodes get their rows from forwarders
-    if (!peer_is_self(c, p) && !(ht_forwarding(c) && p >= c.ranks_per_node))
-      collect_credits(c, true, d, ch, rows_from_source(a, d, ch));
-  }
+  collect_send_credits(a, ch);
 }
 
 }  // namespace

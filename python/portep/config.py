@@ -181,11 +181,11 @@ def ll_graph_launch() -> bool:
 HT_COMBINE_SENDER_VAR = "PORTEP_HT_COMBINE_SENDER"
 
 
-def ht_combine_sender_lanes() -> bool:
-    """Whether the CUDA normal-mode combine's sender block serves every ring at once (PORTEP_HT_COMBINE_SENDER=lanes:
-    each ring a lane that stores what room it has, so every rank's reducer works at once) or the sources one after
-    another (=ordered, the default: the schedule measured on a GPU; `lanes` has not run on one yet)."""
+def ht_combine_sender() -> str:
+    """How the CUDA normal-mode combine's sender block serves its rings (PORTEP_HT_COMBINE_SENDER): "lanes", every
+    ring at once (each a lane that stores what room it has, so every rank's reducer works at once), or "ordered",
+    the sources one after another (the default: the schedule measured on a GPU; `lanes` has not run on one yet)."""
     raw = os.environ.get(HT_COMBINE_SENDER_VAR, "ordered")
     if raw not in ("ordered", "lanes"):
         raise ValueError(f"{HT_COMBINE_SENDER_VAR}={raw!r} must be 'ordered' or 'lanes'")
-    return raw == "lanes"
+    return raw

@@ -7,7 +7,7 @@ a refusal of anything else that names the variable and its value:
 
 import pytest
 
-from portep.config import ht_combine_sender_lanes, ll_graph_launch
+from portep.config import ht_combine_sender, ll_graph_launch
 
 # variable, reader, its value when unset, {setting: value}, refused settings, the refusal's ending
 SWITCHES = [
@@ -22,9 +22,9 @@ SWITCHES = [
     ),
     pytest.param(
         "PORTEP_HT_COMBINE_SENDER",
-        ht_combine_sender_lanes,
-        False,
-        {"ordered": False, "lanes": True},
+        ht_combine_sender,
+        "ordered",
+        {"ordered": "ordered", "lanes": "lanes"},
         ["", "Lanes", "1", "round-robin"],
         "must be 'ordered' or 'lanes'",
         id="ht-combine-sender",
@@ -37,10 +37,10 @@ def test_each_switch_has_its_default_takes_its_values_and_refuses_others(
     monkeypatch, var, read, default, values, refused, message
 ):
     monkeypatch.delenv(var, raising=False)
-    assert read() is default
+    assert read() == default and type(read()) is type(default)
     for raw, want in values.items():
         monkeypatch.setenv(var, raw)
-        assert read() is want, raw
+        assert read() == want and type(read()) is type(want), raw
     for raw in refused:
         monkeypatch.setenv(var, raw)
         with pytest.raises(ValueError, match=f"{var}={raw!r} {message}"):

@@ -128,7 +128,7 @@ class CudaHT:
             area_bytes=m.area_bytes,
         )
         self.forward = self.layout.forwarding  # forwarders on each node (ht_api.h)
-        self.sender_lanes = config.ht_combine_sender_lanes()
+        self.sender_lanes = config.ht_combine_sender() == "lanes"
         self.peers = m.peers
         if m.peers is None:  # HTKernels writes it whole from the Channel with a synchronous copy: nothing may race it
             self.peers = torch.empty(m.num_ranks, dtype=torch.int64, device=m.device)
