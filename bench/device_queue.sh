@@ -1,6 +1,6 @@
 #!/bin/bash
-# A queue of GPU machine jobs that outlives one call: the first call starts it in the background (each job alone, in
-# the file's order, its output in its own log), and every call (the first too) waits up to SECONDS for it, then packs
+# A queue of GPU machine jobs that outlives one call: the first call starts it in the background (jobs in the file's
+# order, each alone unless marked to share the GPU, its output in its own log), and every call (the first too) waits up to SECONDS for it, then packs
 # its logs into one archive under $OUT (the device tool brings back only a few files per call). The queue runs on
 # between calls while the machine stays warm, so long cases (16 time-sliced ranks) need not fit one call; running
 # jobs one at a time keeps one case's ranks from starving another's of the GPU. The jobs run in a copy of the
@@ -10,7 +10,10 @@
 #
 # Usage, from the repository root:  bash bench/device_queue.sh JOBS [SECONDS]
 #   JOBS     a file of shell commands, one a line, run from the repository root; blank lines and # comments are
-#            skipped; "SECS:command" runs the command under a limit of SECS seconds (exit status 124 past it)
+#            skipped; "SECS:command" runs the command under a limit of SECS seconds (exit status 124 past it);
+#            "&SECS:command" (or "&command") starts it beside the jobs that follow, up to a line "wait" or the next job
+#            without "&", which wait for every job started so far (correctness cases that mostly wait on each
+#            other's time slices can share the GPU; timings should run alone)
 #   SECONDS  how long this call waits for the queue (default 560; 0: start it and return)
 # Environment: OUT (default /tmp/portep-device): queue.tgz (every log) and progress.txt land there;
 # PORTEP_QUEUE_DIR (default /tmp/portep-queue): the queue's folder on the machine (jobs, logs, progress.txt, pid).
@@ -20,23 +23,38 @@ set -u
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 Q=${PORTEP_QUEUE_DIR:-/tmp/portep-queue}
 
-run_queue() {  # every job of $Q/jobs.txt in order, then "queue done"
-  local n=0 line secs cmd start rc
+run_job() {  # number, limit (0: none), command: one job, its log and its two progress lines
+  local n=$1 secs=$2 cmd=$3 start rc
+  echo "$(date +%T) job $n start: $cmd" >> "$Q/progress.txt"
+  start=$(date +%s)
+  if [ "$secs" -gt 0 ]; then
+    timeout -k 10 "$secs" bash -c "$cmd" > "$Q/job-$n.log" 2>&1 < /dev/null
+  else
+    bash -c "$cmd" > "$Q/job-$n.log" 2>&1 < /dev/null
+  fi
+  rc=$?
+  echo "$(date +%T) job $n rc=$rc after $(($(date +%s) - start)) s" >> "$Q/progress.txt"
+}
+
+run_queue() {  # every job of $Q/jobs.txt in order ("&" jobs side by side up to the next "wait"), then "queue done"
+  local n=0 line secs cmd
   export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
   while IFS= read -r line || [ -n "$line" ]; do
     [[ $line =~ ^[[:space:]]*(#|$) ]] && continue
-    n=$((n + 1)) secs=0 cmd=$line
-    if [[ $line =~ ^([0-9]+):(.*)$ ]]; then secs=${BASH_REMATCH[1]} cmd=${BASH_REMATCH[2]}; fi
-    echo "$(date +%T) job $n start: $cmd" >> "$Q/progress.txt"
-    start=$(date +%s)
-    if [ "$secs" -gt 0 ]; then
-      timeout -k 10 "$secs" bash -c "$cmd" > "$Q/job-$n.log" 2>&1 < /dev/null
-    else
-      bash -c "$cmd" > "$Q/job-$n.log" 2>&1 < /dev/null
+    if [[ $line =~ ^[[:space:]]*wait[[:space:]]*$ ]]; then
+      wait
+      continue
     fi
-    rc=$?
-    echo "$(date +%T) job $n rc=$rc after $(($(date +%s) - start)) s" >> "$Q/progress.txt"
+    n=$((n + 1)) secs=0 cmd=$line
+    if [[ $line =~ ^(\&?)([0-9]+):(.*)$ ]]; then secs=${BASH_REMATCH[2]} cmd=${BASH_REMATCH[1]}${BASH_REMATCH[3]}; fi
+    if [[ $cmd == \&* ]]; then
+      run_job "$n" "$secs" "${cmd:1}" &
+    else
+      wait
+      run_job "$n" "$secs" "$cmd"
+    fi
   done < "$Q/jobs.txt"
+  wait
   echo "$(date +%T) queue done" >> "$Q/progress.txt"
 }
 

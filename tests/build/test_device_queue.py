@@ -55,6 +55,35 @@ def test_jobs_run_alone_in_order_across_calls_and_come_back_in_one_archive(tmp_p
     assert "queue done" in logs["progress.txt"]
 
 
+def test_marked_jobs_share_the_gpu_until_a_wait(tmp_path):
+    """Jobs marked "&" run side by side; "wait" and a job without "&" start only after every job before them ended."""
+    jobs = tmp_path / "jobs.txt"
+    jobs.write_text(
+        "&sleep 2; echo a\n"
+        "&5:sleep 1; exit 4\n"
+        "&1:sleep 20\n"  # past its limit: 124, beside the others
+        "wait\n"
+        "&echo d\n"
+        "echo e; cat $PORTEP_QUEUE_DIR/job-4.log\n"  # job 4 ended before this started
+    )
+    assert _call(tmp_path, jobs, 40).returncode == 0
+    progress = (tmp_path / "out" / "progress.txt").read_text()
+    lines = [line.split(" ", 1)[1] for line in progress.splitlines()]
+    events = [(line.split(" ")[1], "start" if " start: " in line else line.split(" ")[2]) for line in lines[:-1]]
+    # jobs 1 to 3 all started before any ended
+    assert {e[0] for e in events[:3]} == {"1", "2", "3"} and all(e[1] == "start" for e in events[:3]), progress
+    rcs = {job: state for job, state in events if state != "start"}
+    assert rcs == {"1": "rc=0", "2": "rc=4", "3": "rc=124", "4": "rc=0", "5": "rc=0"}, progress
+    pos = {e: i for i, e in enumerate(events)}
+    assert min(pos[(j, rcs[j])] for j in "123") > 2, progress
+    assert pos[("4", "start")] > max(pos[(j, rcs[j])] for j in "123"), progress  # "wait" waited for all three
+    assert pos[("5", "start")] > pos[("4", "rc=0")], progress  # a job without "&" waits for the "&" jobs
+    assert lines[-1] == "queue done"
+    job5 = (tmp_path / "queue" / "job-5.log").read_text()
+    assert job5 == "e\nd\n", job5
+    assert (tmp_path / "queue" / "job-1.log").read_text() == "a\n"
+
+
 def test_a_missing_jobs_file_is_named():
     r = subprocess.run(["bash", SCRIPT, "/nonexistent/jobs.txt", "0"], capture_output=True, text=True, timeout=30)
     assert r.returncode == 1 and "no jobs file '/nonexistent/jobs.txt'" in r.stderr
@@ -78,8 +107,12 @@ def test_the_standing_queue_names_files_that_exist():
     jobs = []
     for name, least in (("device_jobs.txt", 5), ("device_jobs_h200.txt", 2)):
         lines = (root / "bench" / name).read_text().splitlines()
-        jobs += [line for line in lines if line and line[0] != "#"]
-        assert len([line for line in lines if line and line[0] != "#"]) >= least, name
+        # a device session beside other jobs must not kill their processes when it ends
+        shared = [line for line in lines if line.startswith("&") and "device_session.sh" in line]
+        assert all("PORTEP_DEVICE_PKILL=0" in line for line in shared), shared
+        named = [line.removeprefix("&") for line in lines if line and line[0] != "#" and line.strip() != "wait"]
+        assert len(named) >= least, name
+        jobs += named
     for job in jobs:
         secs, _, cmd = job.partition(":")
         assert secs.isdigit() and int(secs) > 0 and cmd, job
