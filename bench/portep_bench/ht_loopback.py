@@ -15,7 +15,6 @@ at once are left out (the kernels need every block resident). One table per SM c
 import torch
 
 from portep import native
-from portep.config import ht_combine_sender
 
 from .ht_gpu import ht_inputs
 from .ht_loopback_ranks import (
@@ -154,7 +153,7 @@ def run(report, sms_list=(8, 16, 24, 32, 48, 64), iterations=20, masks=(), check
         raise ValueError(f"sms_list={list(sms_list)}: none fits this GPU's {gpu_sms} SMs twice (two ranks)")
     report.say(
         f"gpu-ht-loopback: EP2 as two ranks in one process, {N} tokens per rank, hidden {H}, top-{K}, {E} "
-        f"experts, SMs per rank {fitting}, combine sender {ht_combine_sender()} (PORTEP_HT_COMBINE_SENDER); {NOTE}"
+        f"experts, SMs per rank {fitting}; {NOTE}"
     )
     left_out = sorted(set(sms_list) - set(fitting))
     if left_out:

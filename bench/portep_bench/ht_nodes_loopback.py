@@ -24,7 +24,6 @@ import torch
 
 import portep
 from portep import native
-from portep.config import ht_combine_sender
 
 from .ht_gpu import fp8_per_128
 from .report import MissingHardware, Table
@@ -233,8 +232,7 @@ def run(
     report.say(
         f"gpu-ht-nodes: {NODES} nodes x {PER_NODE} ranks in one process ({backend}, transport {transport}), {N} "
         f"tokens per rank, hidden {H}, top-{K}, {E} experts, SMs per rank {fitting} "
-        f"(left out: {sorted(set(sms_list) - set(fitting))}); Buffer of {nvl} NVL + {rdma} RDMA bytes; combine "
-        f"sender {ht_combine_sender()} (PORTEP_HT_COMBINE_SENDER)"
+        f"(left out: {sorted(set(sms_list) - set(fitting))}); Buffer of {nvl} NVL + {rdma} RDMA bytes"
     )
     device = "cuda" if gpu else "cpu"
     inputs = [rank_inputs(r, N, H, K, E, device) for r in range(R)]

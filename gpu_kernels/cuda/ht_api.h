@@ -154,7 +154,6 @@ struct HTCombineArgs {
   uint32_t ring_rows;  // rows per ring (ht_layout.h)
   uint16_t* out;       // [N][H] bf16
   float* out_weights;  // [N][K] or null
-  int sender_lanes;    // 1: the sender serves every ring at once (send_channel_lanes); 0: sources one after another
 };
 
 // Each returns the launch's cudaError_t (0 = success).

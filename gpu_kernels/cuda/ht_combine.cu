@@ -385,15 +385,10 @@ PORTEP_DEVICE void forward_channel(const HTCombineArgs& a, int ch) {
                       served_rows(c, a.fwd_channel_prefix, a.fwd_rank_prefix, n, ch));
 }
 
-// kLanes: the sender serves every ring at once (send_channel_lanes); an instantiation of its own, so that the default
-// schedule's kernel is compiled as it was measured.
-template <bool kLanes>
 __global__ void __launch_bounds__(kHTThreads, 1) ht_combine_kernel(HTCombineArgs a) {
   if (failed_before(a.c)) return;
   const int per = ht_forwarding(a.c) ? 3 : 2, role = blockIdx.x % per, ch = blockIdx.x / per;
-  if (role == 0 && kLanes)
-    send_channel_lanes(a, ch);
-  else if (role == 0)
+  if (role == 0)
     send_channel(a, ch);
   else if (role == 1)
     reduce_channel(a, ch);
@@ -406,13 +401,9 @@ __global__ void __launch_bounds__(kHTThreads, 1) ht_combine_kernel(HTCombineArgs
 int ht_combine(const HTCombineArgs& a) {
   const int blocks = ht_blocks_per_channel(a.c) * a.c.num_channels;
   const auto stream = static_cast<cudaStream_t>(a.c.stream);
-  if (a.sender_lanes) return int(launch_kernel<ht_combine_kernel<true>>(blocks, kHTThreads, 0, stream, a));
-  return int(launch_kernel<ht_combine_kernel<false>>(blocks, kHTThreads, 0, stream, a));
+  return int(launch_kernel<ht_combine_kernel>(blocks, kHTThreads, 0, stream, a));
 }
 
-int load_ht_combine_kernels() {
-  if (const int err = int(load_kernel(ht_combine_kernel<false>))) return err;
-  return int(load_kernel(ht_combine_kernel<true>));
-}
+int load_ht_combine_kernels() { return int(load_kernel(ht_combine_kernel)); }
 
 }  // namespace portep::cuda

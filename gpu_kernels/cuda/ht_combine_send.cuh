@@ -1,7 +1,7 @@
 // The HT combine's sender block (ht_combine.cu): this rank's rows back to their sources, each source's through ring
 // (source, channel), or with forwarding, for a source of another node, through the forward ring of its forwarder
-// here (the rank of this node with the source's local index). Two schedules: send_channel serves the sources one
-// after another; send_channel_lanes serves every ring at once, each a lane that takes what room its ring has.
+// here (the rank of this node with the source's local index). It serves every ring at once, each a lane that takes
+// what room its ring has.
 #pragma once
 
 #include "gpu_kernels/cuda/ht_common.cuh"
@@ -21,58 +21,6 @@ PORTEP_DEVICE void write_contribution(const HTCombineArgs& a, uint8_t* dst, int6
   }
 }
 
-struct SendState {
-  uint32_t fwd_sent[kHTMaxNodeRanks];  // forwarding: rows stored into local rank l's forward ring (l the forwarder)
-  int failed;
-};
-
-// The rows of source s's tokens in channel ch back to s: through ring (s, ch), or with forwarding for a source of
-// another node through the forward ring of its forwarder here; batch by batch, each batch announced. false after a
-// timeout (reported).
-PORTEP_DEVICE bool send_to(const HTCombineArgs& a, int ch, int s, uint64_t epoch, SendState& st) {
-  const HTCommon& c = a.c;
-  const int C = c.num_channels, warp = threadIdx.x / kWarpSize, stride = a.recv_prefix_stride;
-  const bool via_forwarder = ht_forwarding(c) && node_of(c, s) != node_of(c, c.rank);
-  const int dst = via_forwarder ? node_of(c, c.rank) * c.ranks_per_node + local_of(c, s) : s;
-  const uint32_t bytes = slot_bytes(a), Q = a.ring_rows;
-  const int64_t begin = a.recv_channel_prefix[s * C + ch];
-  const uint32_t n = uint32_t(received_end(a.recv_channel_prefix, a.recv_prefix, stride, C, s, ch) - begin);
-  const int64_t local_row0 = rows_before(a.recv_prefix, stride, s) + begin;  // in x
-  __syncthreads();                                                         // the previous source's bookkeeping is done
-  const uint32_t first = via_forwarder ? st.fwd_sent[local_of(c, s)] : 0;  // ring index of the first row
-  const uint64_t remote_ring = via_forwarder ? ht_fwd_ring_offset(c, local_of(c, c.rank), ch, Q, bytes)
-                                             : ht_ring_offset(c, s, c.rank, ch, Q, bytes);
-  const uint64_t stage_ring = ht_ring_offset(c, c.rank, s, ch, Q, bytes);
-  uint32_t flushed = 0;  // thread 0's
-  for (uint32_t b = 0; b < n; b += kHTWarps) {
-    const uint32_t r = b + warp, done = min(b + kHTWarps, n);
-    if (threadIdx.x == 0 && !(via_forwarder ? await_fwd_room(c, true, dst, ch, epoch, first + done, Q)
-                                            : await_room(c, true, s, ch, epoch, done, Q)))
-      st.failed = 1;
-    __syncthreads();
-    if (st.failed) return false;
-    if (r < n) {
-      const uint64_t slot = ht_ring_slot(first + r, Q, bytes);
-      uint8_t* to = c.peers[dst] ? c.peers[dst] + c.recv_off + remote_ring + slot
-                                 : proxy_ring_slot(c, dst, stage_ring, remote_ring, slot);
-      write_contribution(a, to, local_row0 + r);
-    }
-    __syncthreads();
-    if (threadIdx.x == 0) {
-      if (via_forwarder) {
-        publish_tail(fwd_tail_word(c, c.peers[dst], true, c.rank, ch), epoch, first + done);
-      } else if (c.peers[s]) {
-        publish_tail(tail_word(c, c.peers[s], true, c.rank, ch), epoch, done);
-      } else {
-        fence_sys();  // the rows (staged or placed) before the WRITEs that move or announce them
-        flush_rows(c, s, ht_data_stream(c, true, ch), stage_ring, remote_ring, bytes, Q, &flushed, done, done == n);
-      }
-    }
-  }
-  if (threadIdx.x == 0 && via_forwarder) st.fwd_sent[local_of(c, s)] = first + n;
-  return true;
-}
-
 // Peer p gets its rows from this sender itself: not this rank, and with forwarding not a peer of another node (those
 // get theirs from forwarders).
 PORTEP_DEVICE bool sends_directly(const HTCommon& c, int p) {
@@ -86,19 +34,6 @@ PORTEP_DEVICE void collect_send_credits(const HTCombineArgs& a, int ch) {
       collect_credits(a.c, true, peer_rank(a.c, p), ch, rows_from_source(a, peer_rank(a.c, p), ch));
 }
 
-// Sources ascending (every rank sends in this order, and forwarders serve in it: no circular wait).
-PORTEP_DEVICE void send_channel(const HTCombineArgs& a, int ch) {
-  __shared__ SendState st;
-  const HTCommon& c = a.c;
-  const uint64_t epoch = *c.epoch;
-  if (int(threadIdx.x) < c.ranks_per_node) st.fwd_sent[threadIdx.x] = 0;
-  if (threadIdx.x == 0) st.failed = 0;
-  for (int s = 0; s < c.num_ranks; ++s)
-    if (s != c.rank && !send_to(a, ch, s, epoch, st)) return;
-  collect_send_credits(a, ch);
-}
-
-// ---- send_channel_lanes: every ring at once ----
 // Lane j < P (peer index): the ring to peer j's rank, for its own tokens (not self; with forwarding, same-node peers
 // only). Lane P + l (forwarding): the forward ring to this node's rank of local index l, which carries the rows of
 // the sources of other nodes with local index l, nodes ascending (the order its forwarder reduces them in).
@@ -229,9 +164,9 @@ PORTEP_DEVICE void store_lane_rows(const HTCombineArgs& a, const LaneState& st, 
 }
 
 // Serves every lane at once, round by round: each lane stores what room its ring has (at most a row per warp), so a
-// reader that is slow, or busy with another sender's rows, holds up only its own lane (send_channel serves the
-// sources one after another, and every rank's reducers then work in turn).
-PORTEP_DEVICE void send_channel_lanes(const HTCombineArgs& a, int ch) {
+// reader that is slow, or busy with another sender's rows, holds up only its own lane (a sender that served the
+// sources one after another made every rank's reducers work in turn: twice the combine's time between nodes).
+PORTEP_DEVICE void send_channel(const HTCombineArgs& a, int ch) {
   __shared__ LaneState st;
   const HTCommon& c = a.c;
   const int J = num_send_lanes(c);

@@ -176,16 +176,3 @@ def ll_graph_launch() -> bool:
     if raw not in ("0", "1"):
         raise ValueError(f"{LL_GRAPH_LAUNCH_VAR}={raw!r} must be 0 or 1")
     return raw == "1"
-
-
-HT_COMBINE_SENDER_VAR = "PORTEP_HT_COMBINE_SENDER"
-
-
-def ht_combine_sender() -> str:
-    """How the CUDA normal-mode combine's sender block serves its rings (PORTEP_HT_COMBINE_SENDER): "lanes", every
-    ring at once (each a lane that stores what room it has, so every rank's reducer works at once), or "ordered",
-    the sources one after another (the default: the schedule measured on a GPU; `lanes` has not run on one yet)."""
-    raw = os.environ.get(HT_COMBINE_SENDER_VAR, "ordered")
-    if raw not in ("ordered", "lanes"):
-        raise ValueError(f"{HT_COMBINE_SENDER_VAR}={raw!r} must be 'ordered' or 'lanes'")
-    return raw

@@ -329,7 +329,7 @@ void combine(const HTKernels& k, int channels, uintptr_t stream, py::handle x, i
              py::handle is_token_in_rank, py::handle recv_prefix, py::handle rank_prefix_matrix,
              py::handle recv_channel_prefix, py::handle out, py::handle topk_weights, int num_topk,
              py::handle out_weights, py::handle bias0, py::handle bias1, py::handle fwd_channel_prefix,
-             py::handle fwd_rank_prefix, py::handle nvl_head, bool sender_lanes) {
+             py::handle fwd_rank_prefix, py::handle nvl_head) {
   HTCombineArgs a{};
   a.c = k.common(channels, stream);
   const int64_t R = a.c.num_ranks, Nn = R / a.c.ranks_per_node, C = channels, N = num_tokens;
@@ -362,7 +362,6 @@ void combine(const HTKernels& k, int channels, uintptr_t stream, py::handle x, i
     throw py::value_error("combine: topk_weights with out_weights (both or neither); bias1 only with bias0");
   a.ring_rows = ring_rows_for(k.layout_, ht_combine_row_bytes(ht_forwarding(a.c), a), channels);
   check_forwarding(a.c, fwd_channel_prefix, fwd_rank_prefix, "combine");  // (nvl_head: null when empty)
-  a.sender_lanes = sender_lanes ? 1 : 0;
   check(ht_combine(a), "HT combine");
 }
 
@@ -535,6 +534,6 @@ void bind_cuda_ht(py::module_& m) {
            py::arg("rank_prefix_matrix") = py::none(), py::arg("recv_channel_prefix"), py::arg("out"),
            py::arg("topk_weights") = py::none(), py::arg("num_topk") = 0, py::arg("out_weights") = py::none(),
            py::arg("bias0") = py::none(), py::arg("bias1") = py::none(), py::arg("fwd_channel_prefix") = py::none(),
-           py::arg("fwd_rank_prefix") = py::none(), py::arg("nvl_head") = py::none(), py::arg("sender_lanes") = false);
+           py::arg("fwd_rank_prefix") = py::none(), py::arg("nvl_head") = py::none());
 }
 #endif

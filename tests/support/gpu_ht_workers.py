@@ -176,16 +176,6 @@ def _same_handle(ck, rpn, world, got, exp):
             _same(ck, f"handle[{i}]", hg, hh)
 
 
-def lanes_cross_backend_body(rank, world, *args):
-    """cross_backend_body with the combine's lane sender (PORTEP_HT_COMBINE_SENDER=lanes, which the caller sets):
-    first checks that this rank reads the variable as the lane sender, so the run cannot pass on the default."""
-    from portep.config import ht_combine_sender
-
-    if ht_combine_sender() != "lanes":
-        raise AssertionError(f"rank {rank}: PORTEP_HT_COMBINE_SENDER did not select the lane sender")
-    return cross_backend_body(rank, world, *args)
-
-
 def cross_backend_body(
     rank,
     world,

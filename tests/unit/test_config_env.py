@@ -1,13 +1,11 @@
 """The switches of python/portep/config.py read from the environment, each with its default, the values it takes and
 a refusal of anything else that names the variable and its value:
 - PORTEP_LL_GRAPH_LAUNCH (read by the CUDA engine): on by default, 0 turns the CUDA-graph launches of eager LL
-  calls off;
-- PORTEP_HT_COMBINE_SENDER (read when a CUDA Buffer sets up its normal mode): the combine's sender block serves the
-  sources one after another by default (`ordered`), every ring at once with `lanes`."""
+  calls off."""
 
 import pytest
 
-from portep.config import ht_combine_sender, ll_graph_launch
+from portep.config import ll_graph_launch
 
 # variable, reader, its value when unset, {setting: value}, refused settings, the refusal's ending
 SWITCHES = [
@@ -19,15 +17,6 @@ SWITCHES = [
         ["yes", "", "2", "off"],
         "must be 0 or 1",
         id="ll-graph-launch",
-    ),
-    pytest.param(
-        "PORTEP_HT_COMBINE_SENDER",
-        ht_combine_sender,
-        "ordered",
-        {"ordered": "ordered", "lanes": "lanes"},
-        ["", "Lanes", "1", "round-robin"],
-        "must be 'ordered' or 'lanes'",
-        id="ht-combine-sender",
     ),
 ]
 

@@ -253,12 +253,6 @@ def test_the_ht_bindings_read_every_tensor_and_reach_the_launch(op):
     assert "invalid argument" not in str(refused.value)
 
 
-def test_the_ht_combine_takes_the_lane_sender_to_the_launch():
-    with pytest.raises(RuntimeError, match="HT combine: ") as refused:
-        _ht_kernels().combine(**_combine_args(), sender_lanes=True)
-    assert "invalid argument" not in str(refused.value)
-
-
 def _empty_gpu(*shape, dtype):
     """A stand-in of no entries: its data_ptr is 0, as an empty CUDA tensor's is."""
     t = CudaStandIn(torch.zeros(*shape, dtype=dtype))

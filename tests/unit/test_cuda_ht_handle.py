@@ -182,7 +182,6 @@ def _recording_ht(R, L, rank, counts=None):
         num_ranks=R, ranks_per_node=L, proxy=ht.proxy, ctrl_off=1 << 30, area_off=0, area_bytes=1 << 28
     )
     ht.forward = ht.layout.forwarding
-    ht.sender_lanes = rank % 2 == 1  # (what _setup reads from PORTEP_HT_COMBINE_SENDER; both values tested)
     ht.owner.raw_stream = lambda: 1234
     ht.owner.lockstep = types.SimpleNamespace(sending=lambda: None)
     ht.kernels = _Kernels(counts)
@@ -256,7 +255,6 @@ def test_dispatch_and_combine_name_every_tensor_they_pass():
     assert _same([c["bias0"], c["bias1"], c["recv_channel_prefix"]], [bias[0], bias[1], rcp])
     assert c["rank_prefix_matrix"] is rank_prefix and c["is_token_in_rank"] is in_rank
     assert _same([c["fwd_channel_prefix"], c["fwd_rank_prefix"], c["nvl_head"]], [None] * 3)
-    assert c["sender_lanes"] is ht.sender_lanes
 
 
 @_needs_kernels()
@@ -282,4 +280,3 @@ def test_forwarding_passes_the_node_matrices_both_ways():
     assert _same([c["fwd_channel_prefix"], c["fwd_rank_prefix"], c["nvl_head"]], [handle[3], handle[4], handle[9]])
     assert c["recv_prefix"] is handle[6] and "rank_prefix_matrix" not in c
     assert c["recv_channel_prefix"] is handle[5] and c["is_token_in_rank"] is handle[0]
-    assert c["sender_lanes"] is ht.sender_lanes is False

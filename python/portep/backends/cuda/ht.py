@@ -18,7 +18,6 @@ from typing import Optional
 
 import torch
 
-from ... import config
 from ..._native import require_native
 from .. import common as hb
 from ...handles import InternodeHandle, IntranodeHandle
@@ -128,7 +127,6 @@ class CudaHT:
             area_bytes=m.area_bytes,
         )
         self.forward = self.layout.forwarding  # forwarders on each node (ht_api.h)
-        self.sender_lanes = config.ht_combine_sender() == "lanes"
         self.peers = m.peers
         if m.peers is None:  # HTKernels writes it whole from the Channel with a synchronous copy: nothing may race it
             self.peers = torch.empty(m.num_ranks, dtype=torch.int64, device=m.device)
@@ -523,6 +521,5 @@ class CudaHT:
             fwd_channel_prefix=fwd_channel_prefix,
             fwd_rank_prefix=fwd_rank_prefix,
             nvl_head=handle.send_nvl_head if self.forward else None,
-            sender_lanes=self.sender_lanes,
         )
         return out, out_w

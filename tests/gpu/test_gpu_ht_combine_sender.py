@@ -1,9 +1,9 @@
-"""The CUDA normal-mode combine with its lane sender (PORTEP_HT_COMBINE_SENDER=lanes: the sender block serves every
-ring at once, each ring a lane that stores what room it has), bitwise against the host backend on every path the
-ordered sender is tested on: direct stores, the proxies (shm, shm-unordered), forwarders between simulated nodes,
-rings small enough to wrap many times (senders waiting for heads and credits), 12 to 32 ranks, a rank without
-tokens and a node that receives nothing (gpu_ht_workers.cross_backend_body: dispatch, cached dispatch, combine with
-weights and both biases, also against float64)."""
+"""The CUDA normal-mode combine's sender block (ht_combine_send.cuh: every ring at once, each ring a lane that stores
+what room it has), bitwise against the host backend on every path: direct stores, the proxies (shm, shm-unordered),
+forwarders between simulated nodes, rings small enough to wrap many times (senders waiting for heads and credits, a
+slow reader holding up only its own lane), 12 to 32 ranks, a rank without tokens and a node that receives nothing
+(gpu_ht_workers.cross_backend_body: dispatch, cached dispatch, combine with weights and both biases, also against
+float64)."""
 
 import os
 
@@ -17,7 +17,6 @@ from dist_util import run_ranks
 from portep import native
 
 SHARE = os.environ.get("PORTEP_TEST_SHARE_GPU") == "1"
-LANES = {"PORTEP_HT_COMBINE_SENDER": "lanes"}
 
 # world, ranks per node, transport, seed, tokens per rank, hidden, top-k, experts, SMs, GPU bytes, avoid node, groups
 CASES = [
@@ -55,7 +54,7 @@ def _tokens(world, seed):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("world,rpn,transport,seed,tokens,hidden,topk,experts,sms,gpu_bytes,avoid,groups", CASES)
-def test_lane_sender_matches_host_backend_bitwise(
+def test_combine_sender_matches_host_backend_bitwise(
     world, rpn, transport, seed, tokens, hidden, topk, experts, sms, gpu_bytes, avoid, groups
 ):
     if not (
@@ -65,5 +64,5 @@ def test_lane_sender_matches_host_backend_bitwise(
     ):
         pytest.skip(gpu_skip_reason(world))
     args = (rpn, transport, seed, tokens or _tokens(world, seed), hidden, topk, experts, sms, gpu_bytes, avoid, groups)
-    out = run_ranks(g.lanes_cross_backend_body, world, args=args, timeout=900, env=LANES)
+    out = run_ranks(g.cross_backend_body, world, args=args, timeout=900)
     assert_clean(out, 20)
