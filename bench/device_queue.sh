@@ -76,7 +76,7 @@ if [ ! -f "$Q/pid" ]; then
   fi
   setsid bash "$Q/tree/bench/device_queue.sh" --run > "$Q/queue.out" 2>&1 < /dev/null &
   echo $! > "$Q/pid"
-  echo "device_queue: started ($(grep -cvE '^[[:space:]]*(#|$)' "$Q/jobs.txt") jobs), pid $(cat "$Q/pid")"
+  echo "device_queue: started ($(grep -cvE '^[[:space:]]*(#|$|wait[[:space:]]*$)' "$Q/jobs.txt") jobs), pid $(cat "$Q/pid")"
 else
   echo "device_queue: already running since an earlier call, pid $(cat "$Q/pid")"
 fi

@@ -66,7 +66,8 @@ def test_marked_jobs_share_the_gpu_until_a_wait(tmp_path):
         "&echo d\n"
         "echo e; cat $PORTEP_QUEUE_DIR/job-4.log\n"  # job 4 ended before this started
     )
-    assert _call(tmp_path, jobs, 40).returncode == 0
+    call = _call(tmp_path, jobs, 40)
+    assert call.returncode == 0 and "started (5 jobs)" in call.stdout, call.stdout + call.stderr
     progress = (tmp_path / "out" / "progress.txt").read_text()
     lines = [line.split(" ", 1)[1] for line in progress.splitlines()]
     events = [(line.split(" ")[1], "start" if " start: " in line else line.split(" ")[2]) for line in lines[:-1]]
@@ -105,7 +106,7 @@ def test_the_standing_queue_names_files_that_exist():
     this tree it names exist (the conformance scripts come from ../shared at run time)."""
     root = pathlib.Path(ROOT)
     jobs = []
-    for name, least in (("device_jobs.txt", 5), ("device_jobs_h200.txt", 2)):
+    for name, least in (("device_jobs.txt", 5), ("device_jobs_h200.txt", 2), ("device_jobs_h200_int16.txt", 2)):
         lines = (root / "bench" / name).read_text().splitlines()
         # a device session beside other jobs must not kill their processes when it ends
         shared = [line for line in lines if line.startswith("&") and "device_session.sh" in line]
