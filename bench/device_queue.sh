@@ -1,12 +1,12 @@
 #!/bin/bash
 # A queue of GPU machine jobs that outlives one call: the first call starts it in the background (jobs in the file's
-# order, each alone unless marked to share the GPU, its output in its own log), and every call (the first too) waits up to SECONDS for it, then packs
-# its logs into one archive under $OUT (the device tool brings back only a few files per call). The queue runs on
-# between calls while the machine stays warm, so long cases (16 time-sliced ranks) need not fit one call; running
-# jobs one at a time keeps one case's ranks from starving another's of the GPU. The jobs run in a copy of the
-# repository taken when the queue starts ($Q/tree, build/ left out): each device call copies the working tree and its
-# carried paths over the checkout again, which deletes directories that running jobs stand in (a conformance case
-# whose folder was replaced mid-run fails at os.getcwd()).
+# order, each alone unless marked to share the GPU, its output in its own log), and every call (the first too) waits
+# up to SECONDS for it, then packs its logs into one archive under $OUT (the device tool brings back only a few files
+# per call). The queue runs on between calls while the machine stays warm, so long cases (16 time-sliced ranks) need
+# not fit one call; running jobs one at a time keeps one case's ranks from starving another's of the GPU. The jobs
+# run in a copy of the repository taken when the queue starts ($Q/tree, build/ left out): each device call copies the
+# working tree and its carried paths over the checkout again, which deletes directories that running jobs stand in
+# (a conformance case whose folder was replaced mid-run fails at os.getcwd()).
 #
 # Usage, from the repository root:  bash bench/device_queue.sh JOBS [SECONDS]
 #   JOBS     a file of shell commands, one a line, run from the repository root; blank lines and # comments are
@@ -76,7 +76,8 @@ if [ ! -f "$Q/pid" ]; then
   fi
   setsid bash "$Q/tree/bench/device_queue.sh" --run > "$Q/queue.out" 2>&1 < /dev/null &
   echo $! > "$Q/pid"
-  echo "device_queue: started ($(grep -cvE '^[[:space:]]*(#|$|wait[[:space:]]*$)' "$Q/jobs.txt") jobs), pid $(cat "$Q/pid")"
+  jobs=$(grep -cvE '^[[:space:]]*(#|$|wait[[:space:]]*$)' "$Q/jobs.txt")
+  echo "device_queue: started ($jobs jobs), pid $(cat "$Q/pid")"
 else
   echo "device_queue: already running since an earlier call, pid $(cat "$Q/pid")"
 fi
