@@ -3,8 +3,8 @@ and 12 nodes of one GPU each, every rank on the GPUs there are (PORTEP_TEST_SHAR
 only). Each case runs gpu_ht_workers.cross_backend_body: every output and handle entry of the CUDA backend against
 the host backend's bit for bit (BF16 and FP8 dispatch, cached dispatch, combine with top-k weights and both bias
 tensors), combines also against their float64 references; with a rank that sends nothing, a node that receives
-nothing, and tokens limited to num_topk_groups nodes. Traffic between nodes goes through the proxies over both shm
-transports; inside a node, direct stores and forwarders."""
+nothing, and tokens limited to num_topk_groups nodes; and 16 ranks at DeepEP's shape. Traffic between nodes goes
+through the proxies over both shm transports; inside a node, direct stores and forwarders."""
 
 import os
 
@@ -64,4 +64,26 @@ def test_ht_nodes_match_host_backend_bitwise(world, rpn, transport, experts, ext
         ),
         timeout=900,
     )
+    assert_clean(out, 20)
+
+
+# A host backend Buffer that holds every row a rank receives at DeepEP's shape with 16 ranks, even if every token
+# came to it: 16 x 4096 rows of at most 14.5 KB, and as much again for the rows its forwarders stage
+DEEPEP_HOST_BYTES = 2 << 30
+
+
+@pytest.mark.gpu
+def test_ht_nodes_at_deepep_shape_bitwise():
+    """16 ranks (2 nodes x 8) at DeepEP's test_internode.py shape: 4096 tokens a rank, hidden 7168, top-8, 256
+    experts, 24 SMs, the shm transport between the nodes; the GPU Buffer at the tests' 256 MiB, so its rings wrap."""
+    world = 16
+    if not (
+        native.build_info()["gpu_built"]
+        and torch.cuda.is_available()
+        and torch.cuda.device_count() >= (1 if SHARE else world)
+    ):
+        pytest.skip(gpu_skip_reason(world))
+    tokens = [4096] * world
+    args = (8, "shm", 97, tokens, 7168, 8, 256, 24, None, None, None, DEEPEP_HOST_BYTES)
+    out = run_ranks(g.cross_backend_body, world, args=args, timeout=1500)
     assert_clean(out, 20)

@@ -18,7 +18,7 @@ from gpu_ll_workers import check_ll_combined, describe_mismatch
 BF16 = torch.bfloat16
 
 
-def _buffers(rank, world, rpn, transport, with_host=True, gpu_bytes=None):
+def _buffers(rank, world, rpn, transport, with_host=True, gpu_bytes=None, host_bytes=None):
     torch.cuda.set_device(rank % torch.cuda.device_count())
     gpu = portep.Buffer(
         dist.group.WORLD,
@@ -33,7 +33,7 @@ def _buffers(rank, world, rpn, transport, with_host=True, gpu_bytes=None):
     host = (
         portep.Buffer(
             dist.group.WORLD,
-            w.HT_NVL_BYTES,
+            host_bytes or w.HT_NVL_BYTES,
             0,
             num_ranks_per_node=rpn,
             transport=transport,
@@ -190,13 +190,14 @@ def cross_backend_body(
     gpu_bytes=None,
     avoid_node=None,
     topk_groups=None,
+    host_bytes=None,
 ):
     """Every output of the CUDA backend equals the host backend's bit for bit on the same inputs; combined_x and
     combined_topk_weights also against their float64 references. gpu_bytes: a small GPU Buffer, whose rings wrap
-    many times (the host backend's Buffer holds every row); avoid_node: no token goes to that node; topk_groups:
-    each token's experts on at most that many nodes."""
+    many times (the host backend's Buffer holds every row: host_bytes, for shapes whose rows outgrow the default);
+    avoid_node: no token goes to that node; topk_groups: each token's experts on at most that many nodes."""
     ck = w.Checker(rank)
-    gpu, host = _buffers(rank, world, rpn, transport, gpu_bytes=gpu_bytes)
+    gpu, host = _buffers(rank, world, rpn, transport, gpu_bytes=gpu_bytes, host_bytes=host_bytes)
     avoid = range(avoid_node * rpn, (avoid_node + 1) * rpn) if avoid_node is not None else ()
     inp = w.make_ht_inputs(
         rank,
