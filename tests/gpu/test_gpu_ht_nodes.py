@@ -70,12 +70,15 @@ def test_ht_nodes_match_host_backend_bitwise(world, rpn, transport, experts, ext
 # A host backend Buffer that holds every row a rank receives at DeepEP's shape with 16 ranks, even if every token
 # came to it: 16 x 4096 rows of at most 14.5 KB, and as much again for the rows its forwarders stage
 DEEPEP_HOST_BYTES = 2 << 30
+# The GPU Buffer there: 160 rows of 14.5 KB per ring with 12 channels (256 MiB holds 32, under the 64 a ring needs;
+# DeepEP's test_internode.py gives 3 GB)
+DEEPEP_GPU_BYTES = 1 << 30
 
 
 @pytest.mark.gpu
 def test_ht_nodes_at_deepep_shape_bitwise():
     """16 ranks (2 nodes x 8) at DeepEP's test_internode.py shape: 4096 tokens a rank, hidden 7168, top-8, 256
-    experts, 24 SMs, the shm transport between the nodes; the GPU Buffer at the tests' 256 MiB, so its rings wrap."""
+    experts, 24 SMs, the shm transport between the nodes; a 1 GiB GPU Buffer, whose rings wrap many times."""
     world = 16
     if not (
         native.build_info()["gpu_built"]
@@ -84,6 +87,6 @@ def test_ht_nodes_at_deepep_shape_bitwise():
     ):
         pytest.skip(gpu_skip_reason(world))
     tokens = [4096] * world
-    args = (8, "shm", 97, tokens, 7168, 8, 256, 24, None, None, None, DEEPEP_HOST_BYTES)
+    args = (8, "shm", 97, tokens, 7168, 8, 256, 24, DEEPEP_GPU_BYTES, None, None, DEEPEP_HOST_BYTES)
     out = run_ranks(g.cross_backend_body, world, args=args, timeout=1500)
     assert_clean(out, 20)

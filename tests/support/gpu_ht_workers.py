@@ -193,8 +193,9 @@ def cross_backend_body(
     host_bytes=None,
 ):
     """Every output of the CUDA backend equals the host backend's bit for bit on the same inputs; combined_x and
-    combined_topk_weights also against their float64 references. gpu_bytes: a small GPU Buffer, whose rings wrap
-    many times (the host backend's Buffer holds every row: host_bytes, for shapes whose rows outgrow the default);
+    combined_topk_weights also against their float64 references. gpu_bytes: the GPU Buffer's size (default 256 MiB);
+    below that a small Buffer, whose rings wrap many times, on which a dispatch of rows too wide for it must be
+    refused (the host backend's Buffer holds every row: host_bytes, for shapes whose rows outgrow the default);
     avoid_node: no token goes to that node; topk_groups: each token's experts on at most that many nodes."""
     ck = w.Checker(rank)
     gpu, host = _buffers(rank, world, rpn, transport, gpu_bytes=gpu_bytes, host_bytes=host_bytes)
@@ -216,7 +217,7 @@ def cross_backend_body(
     assert avoid_node is None or not nodes_of_token[:, avoid_node].any()  # the inputs are what the case names
     assert topk_groups is None or (nodes_of_token.sum(1) <= topk_groups).all()
     cfg = portep.Config(num_sms, 6, 256, 6, 256)
-    if gpu_bytes:
+    if gpu_bytes and gpu_bytes < w.HT_NVL_BYTES:
         _check_ring_refusal(ck, gpu, num_experts)
     ck.step = "layout"
     lay_h = host.get_dispatch_layout(idx, num_experts)
