@@ -37,7 +37,7 @@ run_job() {  # number, limit (0: none), command: one job, its log and its two pr
 }
 
 run_queue() {  # every job of $Q/jobs.txt in order ("&" jobs side by side up to the next "wait"), then "queue done"
-  local n=0 line secs cmd
+  local n=0 line secs cmd beside
   export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
   while IFS= read -r line || [ -n "$line" ]; do
     [[ $line =~ ^[[:space:]]*(#|$) ]] && continue
@@ -45,10 +45,12 @@ run_queue() {  # every job of $Q/jobs.txt in order ("&" jobs side by side up to 
       wait
       continue
     fi
+    beside=0
+    if [[ $line == \&* ]]; then beside=1 line=${line:1}; fi
     n=$((n + 1)) secs=0 cmd=$line
-    if [[ $line =~ ^(\&?)([0-9]+):(.*)$ ]]; then secs=${BASH_REMATCH[2]} cmd=${BASH_REMATCH[1]}${BASH_REMATCH[3]}; fi
-    if [[ $cmd == \&* ]]; then
-      run_job "$n" "$secs" "${cmd:1}" &
+    if [[ $line =~ ^([0-9]+):(.*)$ ]]; then secs=${BASH_REMATCH[1]} cmd=${BASH_REMATCH[2]}; fi
+    if [ "$beside" = 1 ]; then
+      run_job "$n" "$secs" "$cmd" &
     else
       wait
       run_job "$n" "$secs" "$cmd"
