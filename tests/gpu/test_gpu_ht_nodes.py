@@ -25,6 +25,16 @@ def _tokens(world, seed):
     return [0 if r == 1 else 40 + (seed * 37 + r * 53) % 170 for r in range(world)]
 
 
+def _skip_without_gpus(world):
+    """Skips unless the CUDA kernels are built and there are `world` GPUs (one with PORTEP_TEST_SHARE_GPU=1)."""
+    if not (
+        native.build_info()["gpu_built"]
+        and torch.cuda.is_available()
+        and torch.cuda.device_count() >= (1 if SHARE else world)
+    ):
+        pytest.skip(gpu_skip_reason(world))
+
+
 # world, ranks per node, transport, experts, extra arguments of cross_backend_body
 CASES = [
     pytest.param(12, 4, "shm", 96, {}, id="3x4-shm"),
@@ -39,12 +49,7 @@ CASES = [
 @pytest.mark.gpu
 @pytest.mark.parametrize("world,rpn,transport,experts,extra", CASES)
 def test_ht_nodes_match_host_backend_bitwise(world, rpn, transport, experts, extra):
-    if not (
-        native.build_info()["gpu_built"]
-        and torch.cuda.is_available()
-        and torch.cuda.device_count() >= (1 if SHARE else world)
-    ):
-        pytest.skip(gpu_skip_reason(world))
+    _skip_without_gpus(world)
     seed = world + rpn
     out = run_ranks(
         g.cross_backend_body,
@@ -80,12 +85,7 @@ def test_ht_nodes_at_deepep_shape_bitwise():
     """16 ranks (2 nodes x 8) at DeepEP's test_internode.py shape: 4096 tokens a rank, hidden 7168, top-8, 256
     experts, 24 SMs, the shm transport between the nodes; a 1 GiB GPU Buffer, whose rings wrap many times."""
     world = 16
-    if not (
-        native.build_info()["gpu_built"]
-        and torch.cuda.is_available()
-        and torch.cuda.device_count() >= (1 if SHARE else world)
-    ):
-        pytest.skip(gpu_skip_reason(world))
+    _skip_without_gpus(world)
     tokens = [4096] * world
     args = (8, "shm", 97, tokens, 7168, 8, 256, 24, DEEPEP_GPU_BYTES, None, None, DEEPEP_HOST_BYTES)
     out = run_ranks(g.cross_backend_body, world, args=args, timeout=1500)
