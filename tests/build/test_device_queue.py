@@ -102,11 +102,16 @@ def _no_stray_queue(tmp_path):
 
 
 def test_the_standing_queue_names_files_that_exist():
-    """bench/device_jobs.txt and device_jobs_h200.txt: each job has a limit, and the GPU test files and scripts of
+    """bench/device_jobs*.txt: each job has a limit, and the GPU test files and scripts of
     this tree it names exist (the conformance scripts come from ../shared at run time)."""
     root = pathlib.Path(ROOT)
     jobs = []
-    for name, least in (("device_jobs.txt", 5), ("device_jobs_h200.txt", 2), ("device_jobs_h200_int16.txt", 2)):
+    for name, least in (
+        ("device_jobs.txt", 5),
+        ("device_jobs_h200.txt", 2),
+        ("device_jobs_h200_int16.txt", 2),
+        ("device_jobs_h200_int32.txt", 2),
+    ):
         lines = (root / "bench" / name).read_text().splitlines()
         # a device session beside other jobs must not kill their processes when it ends
         shared = [line for line in lines if line.startswith("&") and "device_session.sh" in line]
