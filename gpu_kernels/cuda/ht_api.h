@@ -34,16 +34,19 @@
 // destination (direct) and once to each other node that has any destination, to that node's forwarder for this
 // rank: the rank there with this rank's local index (through the proxies). The data kernels then run a third
 // block per channel, the forwarder (block 3c + 2; the sender is 3c, the receiver or reducer 3c + 1):
-//   - dispatch: it serves the sources of other nodes with its local index, one after another, ascending: it reads
-//     their rows from its proxy rings as they arrive and stores each into a forward ring [forwarder l][channel] at
-//     each local destination the row's node mask names, with header (source token, node mask, source rank, index
-//     among that source's rows of the channel to that destination); the receivers place rows by that header;
+//   - dispatch: it serves the sources of other nodes with its local index a chunk at a time, in turn, each when its
+//     rows are in place (never waiting on one source): it reads their rows from its proxy rings and stores each into
+//     a forward ring [forwarder l][channel] at each local destination the row's node mask names, with header
+//     (source token, node mask, source rank, index among that source's rows of the channel to that destination);
+//     the receivers place rows by that header, so the sources' rows may interleave in a forward ring;
 //   - combine: each rank sends its rows of other nodes' tokens to the forwarder of their source (same node), in its
 //     receive order, through the same forward rings; the forwarder sums each token's rows in FP32 (local ranks
 //     ascending) and returns one partial row [f32 H][f32 K] per token through the proxies; the source's reducer
 //     adds bias, same-node rows (ranks ascending), then partials (nodes ascending), as the host backend does.
-//   Forward rings use tail and head words as direct rings do. Every wait is for arrivals or for room, and each kind
-//   of block serves its sources in an order every rank shares (ascending), so no wait is circular.
+//   Forward rings use tail and head words as direct rings do. Every wait is for arrivals or for room. The dispatch
+//   forwarder waits only while no source has rows in place (so no sender waits on it for room meanwhile) and the
+//   receivers and the combine's sender serve every ring at once; the other blocks serve their sources in an order
+//   every rank shares (ascending). So no wait is circular.
 //
 // Where all of this sits (the control area's slots, tails, heads and scratch; the receive and staging areas'
 // rings; the rows' fields; the signal streams), every offset and size: ht_layout.h, the one table, next to the

@@ -373,18 +373,20 @@ PORTEP_DEVICE void receive_channel(const HTDispatchArgs& a, int ch) {
 }
 
 struct ForwardState {
-  uint32_t masks[kHTWarps];             // batch: each warp's row's local destinations
-  uint32_t sent[kHTMaxNodeRanks];       // rows stored into local rank l's forward ring of this channel so far
-  uint32_t of_source[kHTMaxNodeRanks];  // of those, the current source's
-  uint32_t batch[kHTMaxNodeRanks];      // batch: rows per local rank
-  uint32_t avail, credited;             // the current source's rows in place; chunks credited back
-  int failed;
+  uint32_t masks[kHTWarps];                              // batch: each warp's row's local destinations
+  uint32_t sent[kHTMaxNodeRanks];                        // rows stored into local rank l's forward ring so far
+  uint32_t batch[kHTMaxNodeRanks];                       // batch: rows per local rank
+  uint32_t of_source[kHTMaxNodes][kHTMaxNodeRanks];      // of those, node n's served source's
+  uint32_t rows[kHTMaxNodes], done[kHTMaxNodes];         // node n's served source: its rows, those forwarded
+  uint32_t avail[kHTMaxNodes], credited[kHTMaxNodes];    // its rows known in place; chunks credited back
+  int pick, failed;                                      // the source node of this turn (-1: none left)
 };
 
-// Warp-wide: the row at src (from a source of another node), as nvl_head row `row`, into each local destination's
-// forward ring, its header's index set to the row's index among the source's rows of this channel to that rank.
-PORTEP_DEVICE void forward_row(const HTDispatchArgs& a, const Record& rec, const ForwardState& st, const uint8_t* src,
-                               int warp, int64_t row, int ch) {
+// Warp-wide: the row at src (from node n's served source), as nvl_head row `row`, into each local destination's
+// forward ring, its header's index set to the row's index among the source's rows of this channel to that rank
+// (the receiver places forwarded rows by source and index, so the sources' rows may interleave in a ring).
+PORTEP_DEVICE void forward_row(const HTDispatchArgs& a, const Record& rec, const ForwardState& st, int n,
+                               const uint8_t* src, int warp, int64_t row, int ch) {
   const HTCommon& c = a.c;
   const int L = c.ranks_per_node, lane = lane_id(), base = node_of(c, c.rank) * L;
   const uint32_t mask = st.masks[warp];
@@ -392,45 +394,65 @@ PORTEP_DEVICE void forward_row(const HTDispatchArgs& a, const Record& rec, const
   const int32_t* h = reinterpret_cast<const int32_t*>(src);
   int32_t my_index = -1;         // lane l's
   uint4* dsts[kHTMaxNodeRanks];  // the record after its header, at each destination
-  int n = 0;
+  int k = 0;
   for (int l = 0; l < L; ++l) {
     if (!(mask >> l & 1)) continue;
     const uint32_t pos = rows_with_bit(st.masks, warp, l);
-    const int32_t index = int32_t(st.of_source[l] + pos);
+    const int32_t index = int32_t(st.of_source[n][l] + pos);
     if (lane == l) my_index = index;
     uint8_t* dst = c.peers[base + l] + c.recv_off + ring + ht_ring_slot(st.sent[l] + pos, a.ring_rows, rec.bytes);
     if (lane < kHTRowHeaderBytes / 4) reinterpret_cast<int32_t*>(dst)[lane] = lane == kHTRowIndex ? index : h[lane];
-    dsts[n++] = reinterpret_cast<uint4*>(dst + kHTRowHeaderBytes);
+    dsts[k++] = reinterpret_cast<uint4*>(dst + kHTRowHeaderBytes);
   }
-  warp_copy16_to(dsts, n, reinterpret_cast<const uint4*>(src + kHTRowHeaderBytes),
+  warp_copy16_to(dsts, k, reinterpret_cast<const uint4*>(src + kHTRowHeaderBytes),
                  (rec.bytes - kHTRowHeaderBytes) / 16);
   if (a.nvl_head && row < a.nvl_rows && lane < L) a.nvl_head[row * kHTNvlHeadColumns + lane] = my_index;
 }
 
-// The forwarder: the rows of node n's served source in this channel, batch by batch as they arrive.
-PORTEP_DEVICE bool forward_source(const HTDispatchArgs& a, const Record& rec, ForwardState& st, int n, int ch,
-                                  uint64_t epoch) {
+// Thread 0: the node whose served source this channel's forwarder serves next, round robin after `last`: the first
+// with rows in place beyond those forwarded; -1 when every source is done, -2 when the op failed (reported). It waits
+// for whichever source's rows come first, never for one source: a sender stopped for room in its ring here has rows
+// in place, so the forwarder never waits on a source while another source's sender waits on it (with ranks of
+// other nodes waiting in turn, that could close a cycle).
+PORTEP_DEVICE int next_source(const HTCommon& c, ForwardState& st, int ch, int last) {
+  const int Nn = num_nodes(c), me = node_of(c, c.rank), L = c.ranks_per_node, stream = ht_data_stream(c, false, ch);
+  const uint64_t idle_since = globaltimer_ns();
+  for (;;) {
+    int waiting = -1;
+    for (int k = 1; k <= Nn; ++k) {
+      const int n = (last + k) % Nn;
+      if (n == me || st.done[n] >= st.rows[n]) continue;
+      if (waiting < 0) waiting = n;
+      if (st.avail[n] == st.done[n]) {  // host memory (the proxies' signal counts): read only when needed
+        const uint64_t i = uint64_t(n * L + local_of(c, c.rank)) * c.num_streams + stream;
+        const uint32_t units = uint32_t(ld_acquire_sys_u64(c.host_signals + i)) - uint32_t(c.signal_seen[i]);
+        st.avail[n] = uint32_t(min(uint64_t(st.rows[n]), uint64_t(units) * kHTChunkRows));
+      }
+      if (st.avail[n] > st.done[n]) return n;
+    }
+    if (waiting < 0) return -1;
+    const int src = waiting * L + local_of(c, c.rank);
+    const uint32_t end = idle_wait_end(c, globaltimer_ns() - idle_since, src);
+    if (end != kWaitDone) {
+      report_lost(c, src, end, uint32_t(stream));
+      return -2;
+    }
+    sleep_ns(kProxyPollNs);  // host-memory polls cross PCIe
+  }
+}
+
+// One turn of the forwarder: up to a chunk of node n's served source's rows in place, batch by batch.
+PORTEP_DEVICE bool forward_turn(const HTDispatchArgs& a, const Record& rec, ForwardState& st, int n, int ch,
+                                uint64_t epoch) {
   const HTCommon& c = a.c;
   const int L = c.ranks_per_node, l = threadIdx.x, warp = threadIdx.x / kWarpSize, base = node_of(c, c.rank) * L;
   const int s = n * L + local_of(c, c.rank);
-  const uint32_t rows = served_rows(c, a.fwd_channel_prefix, a.fwd_rank_prefix, n, ch);
   const int64_t row0 = served_row0(c, a.fwd_channel_prefix, a.fwd_rank_prefix, n, ch);
   const uint8_t* ring = c.local + c.recv_off + ht_ring_offset(c, c.rank, s, ch, a.ring_rows, rec.bytes);
-  __syncthreads();  // the previous source's bookkeeping is done
-  if (l < L) st.of_source[l] = 0;
-  if (threadIdx.x == 0) st.avail = st.credited = 0;
-  for (uint32_t b = 0; b < rows; b += kHTWarps) {
-    const uint32_t end = min(b + kHTWarps, rows), r = b + warp;
-    __syncthreads();
-    if (threadIdx.x == 0 && st.avail < end) {
-      const int64_t units = await_units(c, s, ht_data_stream(c, false, ch), chunks(end));
-      if (units < 0)
-        st.failed = 1;
-      else
-        st.avail = uint32_t(min(uint64_t(rows), uint64_t(units) * kHTChunkRows));
-    }
-    __syncthreads();
-    if (st.failed) return false;
+  const uint32_t rows = st.rows[n], first = st.done[n], stop = min(st.avail[n], first + uint32_t(kHTChunkRows));
+  for (uint32_t b = first; b < stop; b += kHTWarps) {
+    const uint32_t end = min(b + kHTWarps, stop), r = b + warp;
+    __syncthreads();  // the previous batch's bookkeeping is done (and every thread read this turn's state)
     const uint8_t* src = ring + ht_ring_slot(r, a.ring_rows, rec.bytes);
     if (lane_id() == 0) st.masks[warp] = r < end ? reinterpret_cast<const uint32_t*>(src)[kHTRowNodeMask] : 0;
     __syncthreads();
@@ -441,29 +463,43 @@ PORTEP_DEVICE bool forward_source(const HTDispatchArgs& a, const Record& rec, Fo
     }
     __syncthreads();
     if (st.failed) return false;
-    if (r < end) forward_row(a, rec, st, src, warp, row0 + r, ch);
+    if (r < end) forward_row(a, rec, st, n, src, warp, row0 + r, ch);
     __syncthreads();  // every copy's loads returned (the ring slots go back) and stores were made (tails)
     if (l < L && st.batch[l]) {
       st.sent[l] += st.batch[l];
-      st.of_source[l] += st.batch[l];
+      st.of_source[n][l] += st.batch[l];
       publish_tail(fwd_tail_word(c, c.peers[base + l], false, c.rank, ch), epoch, st.sent[l]);
     }
-    if (threadIdx.x == 0) return_rows(c, false, s, ch, epoch, end, &st.credited);
+    if (threadIdx.x == 0) {
+      return_rows(c, false, s, ch, epoch, end, &st.credited[n]);
+      st.done[n] = end;
+      if (end == rows) consume_units(c, s, ht_data_stream(c, false, ch), chunks(rows));
+    }
   }
-  if (threadIdx.x == 0) consume_units(c, s, ht_data_stream(c, false, ch), chunks(rows));
   return true;
 }
 
-// Serves the sources of other nodes with this rank's local index one after another, nodes ascending.
+// Serves the sources of other nodes with this rank's local index a chunk at a time each, in turn (next_source).
 PORTEP_DEVICE void forward_channel(const HTDispatchArgs& a, int ch) {
   __shared__ ForwardState st;
   const HTCommon& c = a.c;
   const Record rec = ht_dispatch_row(a);
   const uint64_t epoch = *c.epoch;
-  if (int(threadIdx.x) < c.ranks_per_node) st.sent[threadIdx.x] = 0;
-  if (threadIdx.x == 0) st.failed = 0;
-  for (int n = 0; n < num_nodes(c); ++n)
-    if (n != node_of(c, c.rank) && !forward_source(a, rec, st, n, ch, epoch)) return;
+  const int Nn = num_nodes(c), me = node_of(c, c.rank), L = c.ranks_per_node;
+  for (int n = threadIdx.x; n < Nn; n += blockDim.x) {
+    st.rows[n] = n == me ? 0 : served_rows(c, a.fwd_channel_prefix, a.fwd_rank_prefix, n, ch);
+    st.done[n] = st.avail[n] = st.credited[n] = 0;
+    for (int l = 0; l < L; ++l) st.of_source[n][l] = 0;
+  }
+  if (int(threadIdx.x) < L) st.sent[threadIdx.x] = 0;
+  if (threadIdx.x == 0) st.failed = 0, st.pick = me;
+  for (;;) {
+    __syncthreads();  // the turn's bookkeeping (or the state's start) is done
+    if (threadIdx.x == 0) st.pick = next_source(c, st, ch, st.pick < 0 ? me : st.pick);
+    __syncthreads();
+    const int n = st.pick;
+    if (n < 0 || !forward_turn(a, rec, st, n, ch, epoch)) return;
+  }
 }
 
 __global__ void __launch_bounds__(kHTThreads, 1) ht_dispatch_kernel(HTDispatchArgs a) {
