@@ -373,13 +373,13 @@ PORTEP_DEVICE void receive_channel(const HTDispatchArgs& a, int ch) {
 }
 
 struct ForwardState {
-  uint32_t masks[kHTWarps];                              // batch: each warp's row's local destinations
-  uint32_t sent[kHTMaxNodeRanks];                        // rows stored into local rank l's forward ring so far
-  uint32_t batch[kHTMaxNodeRanks];                       // batch: rows per local rank
-  uint32_t of_source[kHTMaxNodes][kHTMaxNodeRanks];      // of those, node n's served source's
-  uint32_t rows[kHTMaxNodes], done[kHTMaxNodes];         // node n's served source: its rows, those forwarded
-  uint32_t avail[kHTMaxNodes], credited[kHTMaxNodes];    // its rows known in place; chunks credited back
-  int pick, failed;                                      // the source node of this turn (-1: none left)
+  uint32_t masks[kHTWarps];                            // batch: each warp's row's local destinations
+  uint32_t sent[kHTMaxNodeRanks];                      // rows stored into local rank l's forward ring so far
+  uint32_t batch[kHTMaxNodeRanks];                     // batch: rows per local rank
+  uint32_t of_source[kHTMaxNodes][kHTMaxNodeRanks];    // of those, node n's served source's
+  uint32_t rows[kHTMaxNodes], done[kHTMaxNodes];       // node n's served source: its rows, those forwarded
+  uint32_t avail[kHTMaxNodes], credited[kHTMaxNodes];  // its rows known in place; chunks credited back
+  int pick, failed;                                    // the source node of this turn (-1: none left)
 };
 
 // Warp-wide: the row at src (from node n's served source), as nvl_head row `row`, into each local destination's
