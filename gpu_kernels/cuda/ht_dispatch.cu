@@ -409,20 +409,41 @@ PORTEP_DEVICE void forward_row(const HTDispatchArgs& a, const Record& rec, const
   if (a.nvl_head && row < a.nvl_rows && lane < L) a.nvl_head[row * kHTNvlHeadColumns + lane] = my_index;
 }
 
+// Thread 0 of a forwarder that found no rows in place for idle_ns: false (reported) when it waited past the timeout,
+// a failure was reported elsewhere, or, past the grace, the rank of a source it still waits for is down (named).
+PORTEP_DEVICE bool forwarder_may_wait(const HTCommon& c, const ForwardState& st, uint64_t idle_ns, uint32_t stream) {
+  const int Nn = num_nodes(c), me = node_of(c, c.rank), L = c.ranks_per_node;
+  int first = -1;
+  for (int n = 0; n < Nn; ++n) {
+    if (n == me || st.done[n] >= st.rows[n]) continue;
+    const int src = n * L + local_of(c, c.rank);
+    if (first < 0) first = src;
+    if (idle_ns > kPeerGraceNs && peer_down(c, src)) {
+      report_lost(c, src, kWaitPeerDown, stream);
+      return false;
+    }
+  }
+  const uint32_t end = idle_wait_end(c, idle_ns, first);
+  if (end == kWaitDone) return true;
+  report_lost(c, first, end, stream);
+  return false;
+}
+
 // Thread 0: the node whose served source this channel's forwarder serves next, round robin after `last`: the first
 // with rows in place beyond those forwarded; -1 when every source is done, -2 when the op failed (reported). It waits
 // for whichever source's rows come first, never for one source: a sender stopped for room in its ring here has rows
 // in place, so the forwarder never waits on a source while another source's sender waits on it (with ranks of
 // other nodes waiting in turn, that could close a cycle).
 PORTEP_DEVICE int next_source(const HTCommon& c, ForwardState& st, int ch, int last) {
+  constexpr uint32_t kScansPerCheck = 64;  // the limits read device and host words: not on every scan
   const int Nn = num_nodes(c), me = node_of(c, c.rank), L = c.ranks_per_node, stream = ht_data_stream(c, false, ch);
   const uint64_t idle_since = globaltimer_ns();
-  for (;;) {
-    int waiting = -1;
+  for (uint32_t scan = 1;; ++scan) {
+    bool open = false;
     for (int k = 1; k <= Nn; ++k) {
       const int n = (last + k) % Nn;
       if (n == me || st.done[n] >= st.rows[n]) continue;
-      if (waiting < 0) waiting = n;
+      open = true;
       if (st.avail[n] == st.done[n]) {  // host memory (the proxies' signal counts): read only when needed
         const uint64_t i = uint64_t(n * L + local_of(c, c.rank)) * c.num_streams + stream;
         const uint32_t units = uint32_t(ld_acquire_sys_u64(c.host_signals + i)) - uint32_t(c.signal_seen[i]);
@@ -430,13 +451,9 @@ PORTEP_DEVICE int next_source(const HTCommon& c, ForwardState& st, int ch, int l
       }
       if (st.avail[n] > st.done[n]) return n;
     }
-    if (waiting < 0) return -1;
-    const int src = waiting * L + local_of(c, c.rank);
-    const uint32_t end = idle_wait_end(c, globaltimer_ns() - idle_since, src);
-    if (end != kWaitDone) {
-      report_lost(c, src, end, uint32_t(stream));
+    if (!open) return -1;
+    if (scan % kScansPerCheck == 0 && !forwarder_may_wait(c, st, globaltimer_ns() - idle_since, uint32_t(stream)))
       return -2;
-    }
     sleep_ns(kProxyPollNs);  // host-memory polls cross PCIe
   }
 }
