@@ -139,10 +139,16 @@ def _add_gpu(sub, common):
     )
     _shape_arguments(p, tokens=4096, experts=256, iterations=20)
     p.add_argument(
-        "--sms", type=int, nargs="+", default=[20, 8], help="config.num_sms per rank (four ranks' blocks must fit)"
+        "--sms", type=int, nargs="+", default=[20, 8], help="config.num_sms per rank (every rank's blocks must fit)"
     )
     p.add_argument(
         "--transport", choices=["shm", "shm-unordered"], default="shm", help="transport between the simulated nodes"
+    )
+    p.add_argument(
+        "--nodes",
+        type=int,
+        default=2,
+        help="simulated nodes of 2 ranks each (3 and more: the forwarders serve several nodes; fewer SM counts fit)",
     )
     p = sub.add_parser(
         "gpu-ep",
@@ -315,6 +321,7 @@ def run_nodes_loopback(args, report):
         experts=args.experts,
         iterations=args.iterations,
         transport=args.transport,
+        nodes=args.nodes,
     )
 
 

@@ -1,19 +1,19 @@
-"""Normal mode across nodes in one process (issue 34): 2 simulated nodes x 2 ranks, each rank a portep.Buffer on its
-own thread (portep_bench.thread_comm: DeepEP's `comm=` with mpi4py's three methods), all on one GPU. Ranks of one
-node store into each other's buffers; between the nodes every token goes through the proxies (shm transport: the
-kernels place the rows in the other node's memory, mapped in this process, and the proxies carry the WRITE commands
-and signals in order). DeepEP's shape per rank (4096 tokens, hidden 7168, top-8, 256 experts), DeepEP's
+"""Normal mode across nodes in one process (issue 34): 2 simulated nodes x 2 ranks (--nodes: more), each rank a
+portep.Buffer on its own thread (portep_bench.thread_comm: DeepEP's `comm=` with mpi4py's three methods), all on one
+GPU. Ranks of one node store into each other's buffers; between the nodes every token goes through the proxies (shm
+transport: the kernels place the rows in the other node's memory, mapped in this process, and the proxies carry the
+WRITE commands and signals in order). DeepEP's shape per rank (4096 tokens, hidden 7168, top-8, 256 experts), DeepEP's
 test_internode.py config (Config(num_sms, 8, 512, 16, 128)) and its byte counting: RDMA bytes are the rank's tokens
-times the nodes each goes to (its own node included) times the row bytes, NVL bytes the rows it receives times the
-row bytes; combine counts the same bytes back. Rank 0's bytes, GB/s at the median. Every rank's blocks must run at
-once (their kernels wait for each other), so only SM counts whose 4 ranks' blocks fit the GPU together run.
+times the nodes each goes to (its own node included) times the row bytes, NVL bytes the rows it receives times the row
+bytes; combine counts the same bytes back. Rank 0's bytes, GB/s at the median. Every rank's blocks must run at once
+(their kernels wait for each other), so only SM counts whose ranks' blocks all fit the GPU together run.
 
 Timing: CUDA events from a common start, which a sleep on the GPU holds until every rank's thread has queued its
 call, to the last rank's end (the CPU's launch time left out), next to a device copy of rank 0's NVL bytes by all
 ranks at once in the same run. Every output is checked first: the received rows bitwise against the senders' rows
 (each row names its source rank and token in three exact BF16 columns), FP8 rows and scales in the same order, and
 the combined rows against the rows times the number of ranks each token went to (exact in BF16 here).
-`python -m portep_bench gpu-ht-nodes [--sms 8 20]`, a default with one GPU. With backend='host' (tests) the same
+`python -m portep_bench gpu-ht-nodes [--sms 8 20] [--nodes 3]`, a default with one GPU. With backend='host' (tests) the same
 ranks run on CPU tensors, timed by the wall clock."""
 
 import statistics
@@ -29,16 +29,15 @@ from .ht_gpu import fp8_per_128
 from .report import MissingHardware, Table
 from .thread_comm import ThreadGroup, on_all_ranks
 
-NODES, PER_NODE = 2, 2
-R = NODES * PER_NODE
+PER_NODE = 2
 MAX_TOKENS = 64 * 256  # token // 64 and token % 64 stay exact in BF16 (integers up to 256)
 HOLD_CYCLES = 20_000_000  # about 10 ms at H200 clocks: longer than four threads queueing their calls from Python
 NOTE = (
-    "2 simulated nodes x 2 ranks as threads of one process on one GPU; between the nodes through the proxies (shm "
+    "simulated nodes x 2 ranks as threads of one process on one GPU; between the nodes through the proxies (shm "
     "transport, rows placed by the kernels in the other node's memory), inside a node direct stores. Rank 0's bytes "
     "as DeepEP's test_internode.py counts them: RDMA = tokens x nodes they go to (own node included) x row bytes, "
-    "NVL = rows received x row bytes. Samples in us: CUDA events from a common start (all four ranks' calls queued "
-    "behind a GPU sleep) to the last rank's end. Baseline: a device copy of rank 0's NVL bytes by all four ranks at "
+    "NVL = rows received x row bytes. Samples in us: CUDA events from a common start (every rank's call queued "
+    "behind a GPU sleep) to the last rank's end. Baseline: a device copy of rank 0's NVL bytes by all ranks at "
     "once, same run."
 )
 
@@ -58,18 +57,19 @@ def rank_inputs(rank, N, H, K, E, device):
     return [t.to(device) for t in (x, idx, w, fp8, scales)]
 
 
-def deepep_bytes(inputs, recv_rows, H, E):
+def deepep_bytes(inputs, recv_rows, H, E, nodes):
     """Rank 0's (RDMA, NVL) bytes of a BF16 dispatch, as DeepEP's test_internode.py counts them."""
     idx = inputs[0][1].cpu()
-    to_node = torch.zeros(idx.size(0), NODES, dtype=torch.bool)
-    to_node.scatter_(1, idx // (E // NODES), True)
+    to_node = torch.zeros(idx.size(0), nodes, dtype=torch.bool)
+    to_node.scatter_(1, idx // (E // nodes), True)
     return int(to_node.sum()) * H * 2, recv_rows * H * 2
 
 
 class Ranks:
-    """The four Buffers and what their calls share: a thread per rank, a CUDA stream per rank (GPU)."""
+    """The ranks' Buffers and what their calls share: a thread per rank, a CUDA stream per rank (GPU)."""
 
-    def __init__(self, backend, transport, nbytes, timeout_s):
+    def __init__(self, backend, transport, nbytes, timeout_s, num_ranks):
+        self.num_ranks = R = num_ranks
         self.pool = ThreadPoolExecutor(R)
         self.gpu = backend == "cuda"
         group = self.group = ThreadGroup(R, timeout_s)
@@ -114,7 +114,7 @@ class Ranks:
             with torch.cuda.stream(self.streams[r]):
                 return fn(r, self.buffers[r])
 
-        return on_all_ranks(self.pool, one, R, self.group)
+        return on_all_ranks(self.pool, one, self.num_ranks, self.group)
 
     def timed(self, fn, iterations, held):
         """us per call of fn on all ranks at once, after 3 untimed; held: the calls that were queued after the GPU
@@ -157,7 +157,7 @@ def check_dispatch(recvs, inputs, in_rank, N):
     """Every rank received exactly the rows sent to it, bitwise (their order is the kernels'); returns each rank's
     (source ranks, source tokens) of its received rows, in their order."""
     xs = torch.stack([i[0].cpu() for i in inputs])
-    order = []
+    R, order = len(inputs), []
     for d, recv in enumerate(recvs):
         recv = recv.cpu()
         ids = recv[:, :3].float().long()
@@ -189,8 +189,8 @@ def check_combine(outs, inputs, in_rank):
             raise AssertionError(f"rank {r}: combined rows differ from rows x ranks each token went to")
 
 
-def fitting_sms(sms_list, gpu_sms):
-    """The SM counts whose four ranks' data kernels and notifies fit the GPU at once."""
+def fitting_sms(sms_list, gpu_sms, R):
+    """The SM counts whose R ranks' data kernels and notifies fit the GPU at once."""
     lay = native.HTLayout(
         num_ranks=R, ranks_per_node=PER_NODE, proxy=True, ctrl_off=1 << 20, area_off=0, area_bytes=1 << 20
     )
@@ -208,9 +208,16 @@ def run(
     backend="cuda",
     transport="shm",
     timeout_s=120.0,
+    nodes=2,
 ):
-    """One table per SM count; backend='host' runs the same ranks on CPU tensors (tests)."""
+    """One table per SM count, with `nodes` simulated nodes of 2 ranks; backend='host' runs the same ranks on CPU
+    tensors (tests)."""
     gpu = backend == "cuda"
+    if nodes < 2:
+        raise ValueError(f"nodes={nodes}: at least 2 (the benchmark is the path between nodes)")
+    R = nodes * PER_NODE
+    if experts % R:
+        raise ValueError(f"experts={experts} must be a multiple of the {R} ranks ({nodes} nodes x {PER_NODE})")
     if gpu and (not torch.cuda.is_available() or not native.build_info()["cuda_built"]):
         raise MissingHardware("gpu-ht-nodes needs a CUDA GPU and portep's CUDA kernels (built with nvcc)")
     N, H, K, E = tokens, hidden, topk, experts
@@ -218,10 +225,10 @@ def run(
         raise ValueError(f"tokens={N} must be in 1..{MAX_TOKENS} (a row names its token in two BF16 columns)")
     if gpu:
         gpu_sms = torch.cuda.get_device_properties(0).multi_processor_count
-        fitting = fitting_sms(sms_list, gpu_sms)
+        fitting = fitting_sms(sms_list, gpu_sms, R)
         if not fitting:
             raise MissingHardware(
-                f"gpu-ht-nodes: none of the SM counts {list(sms_list)} fits four ranks' blocks in this GPU's "
+                f"gpu-ht-nodes: none of the SM counts {list(sms_list)} fits {R} ranks' blocks in this GPU's "
                 f"{gpu_sms} SMs at once"
             )
     else:
@@ -230,7 +237,7 @@ def run(
     nvl = max(c.get_nvl_buffer_size_hint(H * 2, R) for c in configs.values())
     rdma = max(c.get_rdma_buffer_size_hint(H * 2, R) for c in configs.values())
     report.say(
-        f"gpu-ht-nodes: {NODES} nodes x {PER_NODE} ranks in one process ({backend}, transport {transport}), {N} "
+        f"gpu-ht-nodes: {nodes} nodes x {PER_NODE} ranks in one process ({backend}, transport {transport}), {N} "
         f"tokens per rank, hidden {H}, top-{K}, {E} experts, SMs per rank {fitting} "
         f"(left out: {sorted(set(sms_list) - set(fitting))}); Buffer of {nvl} NVL + {rdma} RDMA bytes"
     )
@@ -241,16 +248,17 @@ def run(
         m = torch.zeros(N, R, dtype=torch.bool)
         m.scatter_(1, i[1].cpu() // (E // R), True)
         in_rank.append(m)
-    ranks = Ranks(backend, transport, (nvl, rdma), timeout_s)
+    ranks = Ranks(backend, transport, (nvl, rdma), timeout_s, R)
     try:
         for sms in fitting:
-            report.add(_measure(report, ranks, inputs, in_rank, configs[sms], sms, (N, H, E), iterations))
+            report.add(_measure(report, ranks, inputs, in_rank, configs[sms], sms, (N, H, E, nodes), iterations))
     finally:
         ranks.destroy()
 
 
 def _measure(report, ranks, inputs, in_rank, cfg, sms, shape, iterations):
-    N, H, E = shape
+    N, H, E, nodes = shape
+    R = ranks.num_ranks
     report.progress(f"gpu-ht-nodes: {sms} SMs: first dispatch and checks")
 
     def first(r, b):
@@ -272,10 +280,10 @@ def _measure(report, ranks, inputs, in_rank, cfg, sms, shape, iterations):
         torch.cuda.synchronize()  # the ranks' streams: the checks read on this thread's
     handles = [res[4] for res in results]
     order = check_dispatch([res[0] for res in results], inputs, in_rank, N)
-    rdma_bytes, nvl_bytes = deepep_bytes(inputs, results[0][0].size(0), H, E)
+    rdma_bytes, nvl_bytes = deepep_bytes(inputs, results[0][0].size(0), H, E, nodes)
     fp8_factor = (1 + 4 / 128) / 2
     table = Table(
-        f"gpu-ht-nodes: {sms} SMs per rank, {NODES} nodes x {PER_NODE} ranks, rank 0 receives "
+        f"gpu-ht-nodes: {sms} SMs per rank, {nodes} nodes x {PER_NODE} ranks, rank 0 receives "
         f"{results[0][0].size(0)} rows",
         "us",
         NOTE,

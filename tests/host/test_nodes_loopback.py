@@ -1,6 +1,6 @@
 """The one-process internode benchmark (portep_bench.ht_nodes_loopback, `python -m portep_bench gpu-ht-nodes`) on the
-host backend: 2 simulated nodes x 2 ranks as threads of this process over both shm transports, every output checked
-against the senders' rows by the benchmark itself; its checks fail on outputs a bug would produce; the threads'
+host backend: 2 simulated nodes x 2 ranks (and 3 x 2) as threads of this process over both shm transports, every output
+checked against the senders' rows by the benchmark itself; its checks fail on outputs a bug would produce; the threads'
 communicator (portep_bench.thread_comm) gathers in rank order every round and breaks instead of hanging."""
 
 import threading
@@ -14,22 +14,28 @@ from portep_bench.report import Progress, Report
 from portep_bench.thread_comm import ThreadGroup, on_all_ranks
 
 SHAPE = dict(tokens=96, hidden=256, topk=4, experts=16)
+R = 4  # the default: 2 nodes x 2 ranks
 
 
 def _report():
     return Report("test", ["gpu-ht-nodes"], Progress())
 
 
-@pytest.mark.parametrize("transport", ["shm", "shm-unordered"])
-def test_benchmark_runs_checked_on_the_host_backend(transport):
+@pytest.mark.parametrize(
+    "transport, num_nodes", [("shm", 2), ("shm-unordered", 2), ("shm", 3)], ids=["shm", "shm-unordered", "shm-3-nodes"]
+)
+def test_benchmark_runs_checked_on_the_host_backend(transport, num_nodes):
     report = _report()
-    nodes.run(report, sms_list=(4, 8), iterations=2, backend="host", transport=transport, **SHAPE)
-    assert [t.title.split(",")[0] for t in report.tables] == [
-        "gpu-ht-nodes: 4 SMs per rank",
-        "gpu-ht-nodes: 8 SMs per rank",
+    shape = dict(SHAPE, experts=24) if num_nodes == 3 else SHAPE  # experts a multiple of the 6 ranks
+    nodes.run(report, sms_list=(4, 8), iterations=2, backend="host", transport=transport, nodes=num_nodes, **shape)
+    assert [t.title.split(",")[:2] for t in report.tables] == [
+        ["gpu-ht-nodes: 4 SMs per rank", f" {num_nodes} nodes x 2 ranks"],
+        ["gpu-ht-nodes: 8 SMs per rank", f" {num_nodes} nodes x 2 ranks"],
     ]
-    inputs = [nodes.rank_inputs(r, 96, 256, 4, 16, "cpu") for r in range(nodes.R)]
-    want_rows = sum(int((i[1] // 4 == 0).any(1).sum()) for i in inputs)  # tokens of every rank that go to rank 0
+    E, ranks = shape["experts"], 2 * num_nodes
+    inputs = [nodes.rank_inputs(r, 96, 256, 4, E, "cpu") for r in range(ranks)]
+    per_rank = E // ranks
+    want_rows = sum(int((i[1] // per_rank == 0).any(1).sum()) for i in inputs)  # every rank's tokens to rank 0
     for table in report.tables:
         assert f"rank 0 receives {want_rows} rows" in table.title
         assert [r.what for r in table.rows] == ["dispatch BF16 (cached)", "dispatch FP8 (cached)", "combine"]
@@ -43,21 +49,32 @@ def test_bytes_are_counted_as_deepep_test_internode_counts_them():
     idx = torch.tensor([[0, 1], [0, 9], [8, 15], [3, 4], [12, 13], [1, 2], [9, 10], [0, 15]])
     inputs = [(None, idx)]
     # nodes of 8 experts each: tokens 0, 3, 5 go to node 0 only; 2, 4, 6 to node 1 only; 1 and 7 to both
-    rdma, nvl = nodes.deepep_bytes(inputs, recv_rows=11, H=H, E=E)
+    rdma, nvl = nodes.deepep_bytes(inputs, recv_rows=11, H=H, E=E, nodes=2)
     assert rdma == (3 + 3 + 2 * 2) * H * 2 and nvl == 11 * H * 2
+    # 3 nodes of 8 experts (E = 24): token 0 -> node 0; 1 -> 0, 1; 2 -> 1, 2; 3 -> 2; 4 -> 0, 2; 5 -> 0, 1, 2
+    idx = torch.tensor([[0, 7], [0, 9], [8, 23], [16, 17], [1, 20], [2, 10]])
+    rdma, nvl = nodes.deepep_bytes([(None, idx)], recv_rows=5, H=H, E=24, nodes=3)
+    assert rdma == (1 + 2 + 2 + 1 + 2 + 2) * H * 2 and nvl == 5 * H * 2
+
+
+def test_the_node_count_is_checked():
+    with pytest.raises(ValueError, match="nodes=1"):
+        nodes.run(_report(), sms_list=(4,), iterations=1, backend="host", nodes=1, **SHAPE)
+    with pytest.raises(ValueError, match="experts=16 must be a multiple of the 6 ranks"):
+        nodes.run(_report(), sms_list=(4,), iterations=1, backend="host", nodes=3, **SHAPE)
 
 
 def _dispatched():
     N = 32
-    inputs = [nodes.rank_inputs(r, N, 128, 2, 8, "cpu") for r in range(nodes.R)]
+    inputs = [nodes.rank_inputs(r, N, 128, 2, 8, "cpu") for r in range(R)]
     in_rank = []
     for i in inputs:
-        m = torch.zeros(N, nodes.R, dtype=torch.bool)
+        m = torch.zeros(N, R, dtype=torch.bool)
         m.scatter_(1, i[1] // 2, True)
         in_rank.append(m)
     recvs = []
-    for d in range(nodes.R):
-        rows = [inputs[s][0][in_rank[s][:, d]] for s in reversed(range(nodes.R))]  # any order the kernels pick
+    for d in range(R):
+        rows = [inputs[s][0][in_rank[s][:, d]] for s in reversed(range(R))]  # any order the kernels pick
         recvs.append(torch.cat(rows))
     return N, inputs, in_rank, recvs
 
