@@ -13,8 +13,8 @@ call, to the last rank's end (the CPU's launch time left out), next to a device 
 ranks at once in the same run. Every output is checked first: the received rows bitwise against the senders' rows
 (each row names its source rank and token in three exact BF16 columns), FP8 rows and scales in the same order, and
 the combined rows against the rows times the number of ranks each token went to (exact in BF16 here).
-`python -m portep_bench gpu-ht-nodes [--sms 8 20] [--nodes 3]`, a default with one GPU. With backend='host' (tests) the same
-ranks run on CPU tensors, timed by the wall clock."""
+`python -m portep_bench gpu-ht-nodes [--sms 8 20] [--nodes 3]`, a default with one GPU. With backend='host' (tests)
+the same ranks run on CPU tensors, timed by the wall clock."""
 
 import statistics
 import time
