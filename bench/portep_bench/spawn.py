@@ -1,8 +1,10 @@
 """Spawn N ranks on this host with a gloo group, run a function in each, and collect results or errors.
 
-Every run is bounded: a rank that does not report within the timeout is killed and the caller fails. Each rank runs
-torch's CPU ops on one thread unless OMP_NUM_THREADS says otherwise (as torchrun does).
-Used by the benchmarks and by the multi-process tests.
+The ranks meet through a file in a fresh temporary folder (torch's FileStore, as torch's own multi-process tests do),
+not a TCP port: a port picked free here can be taken by another process before rank 0 listens on it (two test runs side
+by side on the GPU machine failed that way with EADDRINUSE). Every run is bounded: a rank that does not report within
+the timeout is killed and the caller fails. Each rank runs torch's CPU ops on one thread unless OMP_NUM_THREADS says
+otherwise (as torchrun does). Used by the benchmarks and by the multi-process tests.
 """
 
 import datetime
@@ -10,20 +12,24 @@ import faulthandler
 import multiprocessing as mp
 import os
 import queue
+import shutil
 import signal
 import socket
 import sys
+import tempfile
 import time
 import traceback
 
 
 def free_port():
+    """A TCP port free on this host now (another process may take it before it is used: in-process groups of one
+    rank only)."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
 
 
-def _entry(fn, rank, world, port, args, results, env):
+def _entry(fn, rank, world, store_file, args, results, env):
     os.environ.update(env)
     faulthandler.register(signal.SIGUSR1, file=sys.stderr, all_threads=True)  # run_ranks' timeout asks for stacks
     import portep  # noqa: F401  (before torch sets CUDA up, as applications should: see portep/config.py)
@@ -39,7 +45,7 @@ def _entry(fn, rank, world, port, args, results, env):
     try:
         dist.init_process_group(
             "gloo",
-            init_method=f"tcp://127.0.0.1:{port}",
+            init_method=f"file://{store_file}",
             rank=rank,
             world_size=world,
             timeout=datetime.timedelta(seconds=60),
@@ -97,9 +103,10 @@ def run_ranks(fn, world, args=(), timeout=180, env=None, expect_missing=()):
         timeout = float(os.environ["PORTEP_RANK_TIMEOUT_S"])
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
-    port = free_port()
+    store_dir = tempfile.mkdtemp(prefix="portep-ranks-")
+    store_file = os.path.join(store_dir, "store")
     procs = [
-        ctx.Process(target=_entry, args=(fn, r, world, port, args, results, dict(env or {})), daemon=True)
+        ctx.Process(target=_entry, args=(fn, r, world, store_file, args, results, dict(env or {})), daemon=True)
         for r in range(world)
     ]
     for p in procs:
@@ -136,3 +143,4 @@ def run_ranks(fn, world, args=(), timeout=180, env=None, expect_missing=()):
             if p.is_alive():
                 p.kill()
                 p.join()
+        shutil.rmtree(store_dir, ignore_errors=True)
