@@ -276,9 +276,11 @@ PORTEP_DEVICE int64_t await_units(const HTCommon& c, int src, uint32_t stream, u
   report_lost(c, src, end, stream);
   return -1;
 }
-// This op consumed n units of src's stream. One thread, after the last await_units of the op on that stream.
+// This op consumed n units of src's stream. One thread, after the last await_units of the op on that stream. Nothing
+// for n = 0: a block that took no units of a stream must not touch its word, which another block of the op may be
+// adding to (the add is a plain read-modify-write: even an add of 0 could store back a value read before the other's).
 PORTEP_DEVICE void consume_units(const HTCommon& c, int src, uint32_t stream, uint32_t n) {
-  c.signal_seen[uint64_t(src) * c.num_streams + stream] += n;
+  if (n) c.signal_seen[uint64_t(src) * c.num_streams + stream] += n;
 }
 PORTEP_DEVICE uint32_t chunks(int64_t rows) { return uint32_t((rows + kHTChunkRows - 1) / kHTChunkRows); }
 

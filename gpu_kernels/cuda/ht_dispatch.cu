@@ -362,13 +362,11 @@ PORTEP_DEVICE void receive_channel(const HTDispatchArgs& a, int ch) {
         release_rows(a, st, j, ch, epoch);
       }
   }
-  // Only where rows came: with forwarding, a peer of another node sends this rank nothing through its own ring here
-  // (st.rows 0), and the forwarder block consumes that same stream word at the same time; even an add of 0 could
-  // store back a value read before the forwarder's add and undo it.
+  // With forwarding, a peer of another node sends this rank nothing through its own ring here (st.rows 0), and the
+  // forwarder block consumes that same stream word meanwhile: consume_units leaves the word alone for 0 units.
   for (int j = threadIdx.x; j < P; j += blockDim.x) {
     const int s = peer_rank(c, j);
-    if (!peer_is_self(c, j) && !c.peers[s] && st.rows[j])
-      consume_units(c, s, ht_data_stream(c, false, ch), chunks(st.rows[j]));
+    if (!peer_is_self(c, j) && !c.peers[s]) consume_units(c, s, ht_data_stream(c, false, ch), chunks(st.rows[j]));
   }
 }
 
