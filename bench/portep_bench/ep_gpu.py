@@ -20,7 +20,7 @@ from .ht_gpu import deepep_nvl_bytes, ht_inputs
 from .ll_gpu import _timed
 from .op_profile import op_table
 from .report import MissingHardware, Table
-from .spawn import free_port, run_ranks
+from .spawn import one_rank_group, run_ranks
 
 NOTE = (
     "one GPU, one process, EP1: every token goes to its own rank, so no peer and no network; V2 and V1 through "
@@ -28,14 +28,6 @@ NOTE = (
     "around each call, which waits for the GPU (and, with CPU sync, for the counts on the host). GB/s at the "
     "median: rows received x hidden x 2, as DeepEP counts BF16 rows."
 )
-
-
-def _one_rank_group():
-    import torch.distributed as dist
-
-    if not dist.is_initialized():
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
-    return dist.group.WORLD
 
 
 def _buffer_memory(rank, world, api, tokens, hidden, topk, v1_bytes):
@@ -146,7 +138,7 @@ def run(report, tokens=4096, hidden=7168, topk=8, experts=256, sms=24, iteration
             f"built {native.build_info()['gpu_built']}"
         )
     torch.cuda.set_device(0)
-    group = _one_rank_group()
+    group = one_rank_group()
     portep.Buffer.set_num_sms(sms)
     shape = f"{tokens} tokens, hidden {hidden}, top-{topk}, {experts} experts"
     report.say(f"gpu-ep: EP1 on one GPU, {shape}, {sms} SMs (Buffer.num_sms, both APIs); {NOTE}")

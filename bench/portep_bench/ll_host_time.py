@@ -11,30 +11,15 @@ launches. The outputs of the fast path are checked bit for bit against the full 
 
 import contextlib
 import cProfile
-import datetime
 import io
 import pstats
 import time
 
+from .spawn import one_rank_group
+
 T, H, K, E = 128, 7168, 8, 288
 BATCH = 100  # round trips behind one sleep: 200 launches, well inside the launch queue
 HOLD_CYCLES = 10_000_000  # 5-7 ms at the clocks of an H100/H200: longer than a batch's host time
-
-
-def _group():
-    import torch.distributed as dist
-
-    from .spawn import free_port
-
-    if not dist.is_initialized():
-        dist.init_process_group(
-            "gloo",
-            init_method=f"tcp://127.0.0.1:{free_port()}",
-            rank=0,
-            world_size=1,
-            timeout=datetime.timedelta(seconds=60),
-        )
-    return dist.group.WORLD
 
 
 def _inputs(torch):
@@ -130,7 +115,7 @@ def measure(calls=1000, progress=print, profile_calls=0):
             f"{torch.cuda.is_available()}, kernels built: {portep.native.build_info()['gpu_built']})"
         )
     torch.cuda.set_device(0)
-    group = _group()
+    group = one_rank_group()
     nbytes = portep.Buffer.get_low_latency_rdma_size_hint(T, H, 1, E)
     buf = portep.Buffer(group, 0, nbytes, low_latency_mode=True, explicitly_destroy=True, backend="cuda")
     try:

@@ -22,11 +22,21 @@ import traceback
 
 
 def free_port():
-    """A TCP port free on this host now (another process may take it before it is used: in-process groups of one
-    rank only)."""
+    """A TCP port free on this host now (another process may take it before it is used: only for a program that must
+    be given a port)."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def one_rank_group():
+    """The default process group of this process alone (gloo, world size 1), made if there is none: its store lives in
+    this process (torch's HashStore), so no port or file is taken."""
+    import torch.distributed as dist
+
+    if not dist.is_initialized():
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    return dist.group.WORLD
 
 
 def _entry(fn, rank, world, store_file, args, results, env):

@@ -7,14 +7,13 @@ import torch
 import torch.distributed as dist
 
 import portep
-from dist_util import free_port
+from dist_util import one_rank_group
 from shm_probe import mapped_segments
 
 
 @pytest.fixture(scope="module")
 def group():
-    if not dist.is_initialized():
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
+    one_rank_group()
     yield None
     dist.destroy_process_group()
 
