@@ -22,8 +22,8 @@ DIR=${PORTEP_AB_DIR:-/tmp/portep-queue/ll-host-ab}
 BUILD=${PORTEP_AB_BUILD:-/tmp/portep-ll-ab}
 mkdir -p "$DIR" "$BUILD"
 echo "ll_host_ab: building $OLD into $BUILD/install"
-python3 -m pip install -q --no-build-isolation --no-deps --target "$BUILD/install" "$OLD" -Cbuild-dir="$BUILD/build" \
-  > "$DIR/old-build.log" 2>&1 || { tail -20 "$DIR/old-build.log"; exit 1; }
+python3 -m pip install -q --upgrade --no-build-isolation --no-deps --target "$BUILD/install" "$OLD" \
+  -Cbuild-dir="$BUILD/build" > "$DIR/old-build.log" 2>&1 || { tail -20 "$DIR/old-build.log"; exit 1; }
 
 run_tree() {  # tree name, run number: one ll-host run with that tree's library and benchmark
   local json=$DIR/$1-$2.json
