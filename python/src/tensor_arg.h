@@ -8,6 +8,8 @@
 #include <stdint.h>
 
 #include <string>
+#include <utility>
+#include <vector>
 
 #include "gpu_kernels/host/row_kernels.h"
 
@@ -25,29 +27,63 @@ struct TensorArg {
   }
 };
 
-// `t` (None allowed where `optional`) as a contiguous tensor of torch.<dtype> (dtype null: any) on `device`, a
-// torch device type, and where index >= 0 that device's index; `name` in errors.
+// A Python attribute name made once (interned, never freed: bindings read tensors until the process exits).
+inline py::handle interned(const char* name) {
+  PyObject* s = PyUnicode_InternFromString(name);
+  if (!s) throw py::error_already_set();
+  return s;
+}
+
+// torch.<name>, a dtype object (torch's dtypes are singletons, so a tensor's dtype is compared by identity), made once
+// per name; null where torch has no such attribute (the dtype is then compared by name).
+inline PyObject* torch_dtype(const char* name) {
+  static std::vector<std::pair<std::string, PyObject*>>* known = new std::vector<std::pair<std::string, PyObject*>>();
+  for (const auto& [n, dt] : *known)
+    if (n == name) return dt;
+  PyObject* dt = nullptr;
+  if (PyObject* torch = PyImport_ImportModule("torch")) {
+    dt = PyObject_GetAttrString(torch, name);
+    Py_DECREF(torch);
+  }
+  if (!dt) PyErr_Clear();
+  known->emplace_back(name, dt);
+  return dt;
+}
+
+// t is on `device` ("cuda" or "cpu"), at `index` where index >= 0: read from is_cuda / is_cpu and get_device(), which
+// make no object (t.device makes a torch.device on every read; this runs for every tensor of every call).
+inline bool on_device(const py::handle& t, const char* device, int index) {
+  static const py::handle is_cuda = interned("is_cuda"), is_cpu = interned("is_cpu"), get = interned("get_device");
+  const bool cuda = std::string(device) == "cuda";
+  if (!t.attr(cuda ? is_cuda : is_cpu).cast<bool>()) return false;
+  return index < 0 || t.attr(get)().cast<int>() == index;
+}
+
+// `t` (None allowed where `optional`) as a contiguous tensor of torch.<dtype> (dtype null: any) on `device` ("cuda" or
+// "cpu"), and where index >= 0 that device's index; `name` in errors.
 inline TensorArg tensor_arg(const py::handle& t, const char* name, const char* dtype, const char* device,
                             int index = -1, bool optional = false) {
+  static const py::handle contiguous = interned("is_contiguous"), dtype_attr = interned("dtype"),
+                          numel = interned("numel"), data_ptr = interned("data_ptr"), size = interned("element_size");
   TensorArg h;
   if (t.is_none()) {
     if (optional) return h;
     throw py::value_error(std::string(name) + ": a tensor is needed, got None");
   }
-  const py::object dev = t.attr("device");
-  const std::string type = py::str(dev.attr("type"));
-  const py::object at = dev.attr("index");
-  if (type != device || (index >= 0 && (at.is_none() || at.cast<int>() != index)))
+  if (!on_device(t, device, index))
     throw py::value_error(std::string(name) + ": a tensor on " + device +
                           (index >= 0 ? ":" + std::to_string(index) : std::string()) + " is needed, got one on " +
-                          std::string(py::str(dev)));
-  if (!t.attr("is_contiguous")().cast<bool>()) throw py::value_error(std::string(name) + ": must be contiguous");
-  const std::string dt = py::str(t.attr("dtype"));
-  if (dtype && dt != std::string("torch.") + dtype)
-    throw py::value_error(std::string(name) + ": dtype " + dt + ", expected torch." + dtype);
-  h.numel = t.attr("numel")().cast<int64_t>();
-  h.span = ByteSpan{reinterpret_cast<uint8_t*>(t.attr("data_ptr")().cast<uintptr_t>()),
-                    h.numel * t.attr("element_size")().cast<int64_t>()};
+                          std::string(py::str(t.attr("device"))));
+  if (!t.attr(contiguous)().cast<bool>()) throw py::value_error(std::string(name) + ": must be contiguous");
+  if (dtype) {
+    const py::object dt = t.attr(dtype_attr);
+    PyObject* want = torch_dtype(dtype);
+    if (dt.ptr() != want && std::string(py::str(dt)) != std::string("torch.") + dtype)
+      throw py::value_error(std::string(name) + ": dtype " + std::string(py::str(dt)) + ", expected torch." + dtype);
+  }
+  h.numel = t.attr(numel)().cast<int64_t>();
+  h.span = ByteSpan{reinterpret_cast<uint8_t*>(t.attr(data_ptr)().cast<uintptr_t>()),
+                    h.numel * t.attr(size)().cast<int64_t>()};
   h.present = true;
   return h;
 }
@@ -86,11 +122,9 @@ class GpuTensors {
 
  private:
   int device(py::handle t) {
-    if (device_ < 0 && !t.is_none()) {
-      const py::object index = t.attr("device").attr("index");
-      if (!index.is_none()) device_ = index.cast<int>();
-    }
-    return device_;  // -1 (any) until the first tensor names it
+    static const py::handle is_cuda = interned("is_cuda"), get = interned("get_device");
+    if (device_ < 0 && !t.is_none() && t.attr(is_cuda).cast<bool>()) device_ = t.attr(get)().cast<int>();
+    return device_;  // -1 (any) until the first tensor on a GPU names it
   }
   TensorArg checked(const TensorArg& h, const char* name, int64_t n, Entries want, bool in_bytes) const {
     const int64_t have = in_bytes ? h.span.bytes : h.numel;

@@ -19,10 +19,15 @@ pytestmark = pytest.mark.skipif(
 class CudaStandIn:
     """A CPU tensor presenting itself as one on cuda:0 (only what the bindings read)."""
 
+    is_cuda, is_cpu = True, False
+
     def __init__(self, t):
         self.t = t
         self.device = types.SimpleNamespace(type="cuda", index=0)
         self.dtype = t.dtype
+
+    def get_device(self):
+        return self.device.index
 
     def __str__(self):
         return f"CudaStandIn({self.t.dtype}, {tuple(self.t.shape)})"
