@@ -7,6 +7,7 @@
 #include <pybind11/pybind11.h>
 #include <stdint.h>
 
+#include <cstring>
 #include <string>
 #include <utility>
 #include <vector>
@@ -34,6 +35,17 @@ inline py::handle interned(const char* name) {
   return s;
 }
 
+// The names of the tensor attributes the bindings read, made once.
+struct TensorAttrs {
+  py::handle is_cuda, is_cpu, get_device, is_contiguous, dtype, numel, data_ptr, element_size;
+};
+inline const TensorAttrs& tensor_attrs() {
+  static const TensorAttrs names{interned("is_cuda"),       interned("is_cpu"),      interned("get_device"),
+                                 interned("is_contiguous"), interned("dtype"),       interned("numel"),
+                                 interned("data_ptr"),      interned("element_size")};
+  return names;
+}
+
 // torch.<name>, a dtype object (torch's dtypes are singletons, so a tensor's dtype is compared by identity), made once
 // per name; null where torch has no such attribute (the dtype is then compared by name).
 inline PyObject* torch_dtype(const char* name) {
@@ -53,18 +65,16 @@ inline PyObject* torch_dtype(const char* name) {
 // t is on `device` ("cuda" or "cpu"), at `index` where index >= 0: read from is_cuda / is_cpu and get_device(), which
 // make no object (t.device makes a torch.device on every read; this runs for every tensor of every call).
 inline bool on_device(const py::handle& t, const char* device, int index) {
-  static const py::handle is_cuda = interned("is_cuda"), is_cpu = interned("is_cpu"), get = interned("get_device");
-  const bool cuda = std::string(device) == "cuda";
-  if (!t.attr(cuda ? is_cuda : is_cpu).cast<bool>()) return false;
-  return index < 0 || t.attr(get)().cast<int>() == index;
+  const TensorAttrs& a = tensor_attrs();
+  if (!t.attr(std::strcmp(device, "cuda") == 0 ? a.is_cuda : a.is_cpu).cast<bool>()) return false;
+  return index < 0 || t.attr(a.get_device)().cast<int>() == index;
 }
 
 // `t` (None allowed where `optional`) as a contiguous tensor of torch.<dtype> (dtype null: any) on `device` ("cuda" or
 // "cpu"), and where index >= 0 that device's index; `name` in errors.
 inline TensorArg tensor_arg(const py::handle& t, const char* name, const char* dtype, const char* device,
                             int index = -1, bool optional = false) {
-  static const py::handle contiguous = interned("is_contiguous"), dtype_attr = interned("dtype"),
-                          numel = interned("numel"), data_ptr = interned("data_ptr"), size = interned("element_size");
+  const TensorAttrs& a = tensor_attrs();
   TensorArg h;
   if (t.is_none()) {
     if (optional) return h;
@@ -74,16 +84,16 @@ inline TensorArg tensor_arg(const py::handle& t, const char* name, const char* d
     throw py::value_error(std::string(name) + ": a tensor on " + device +
                           (index >= 0 ? ":" + std::to_string(index) : std::string()) + " is needed, got one on " +
                           std::string(py::str(t.attr("device"))));
-  if (!t.attr(contiguous)().cast<bool>()) throw py::value_error(std::string(name) + ": must be contiguous");
+  if (!t.attr(a.is_contiguous)().cast<bool>()) throw py::value_error(std::string(name) + ": must be contiguous");
   if (dtype) {
-    const py::object dt = t.attr(dtype_attr);
+    const py::object dt = t.attr(a.dtype);
     PyObject* want = torch_dtype(dtype);
     if (dt.ptr() != want && std::string(py::str(dt)) != std::string("torch.") + dtype)
       throw py::value_error(std::string(name) + ": dtype " + std::string(py::str(dt)) + ", expected torch." + dtype);
   }
-  h.numel = t.attr(numel)().cast<int64_t>();
-  h.span = ByteSpan{reinterpret_cast<uint8_t*>(t.attr(data_ptr)().cast<uintptr_t>()),
-                    h.numel * t.attr(size)().cast<int64_t>()};
+  h.numel = t.attr(a.numel)().cast<int64_t>();
+  h.span = ByteSpan{reinterpret_cast<uint8_t*>(t.attr(a.data_ptr)().cast<uintptr_t>()),
+                    h.numel * t.attr(a.element_size)().cast<int64_t>()};
   h.present = true;
   return h;
 }
@@ -122,8 +132,8 @@ class GpuTensors {
 
  private:
   int device(py::handle t) {
-    static const py::handle is_cuda = interned("is_cuda"), get = interned("get_device");
-    if (device_ < 0 && !t.is_none() && t.attr(is_cuda).cast<bool>()) device_ = t.attr(get)().cast<int>();
+    const TensorAttrs& a = tensor_attrs();
+    if (device_ < 0 && !t.is_none() && t.attr(a.is_cuda).cast<bool>()) device_ = t.attr(a.get_device)().cast<int>();
     return device_;  // -1 (any) until the first tensor on a GPU names it
   }
   TensorArg checked(const TensorArg& h, const char* name, int64_t n, Entries want, bool in_bytes) const {
