@@ -25,13 +25,16 @@ echo "ll_host_ab: building $OLD into $BUILD/install"
 python3 -m pip install -q --upgrade --no-build-isolation --no-deps --target "$BUILD/install" "$OLD" \
   -Cbuild-dir="$BUILD/build" > "$DIR/old-build.log" 2>&1 || { tail -20 "$DIR/old-build.log"; exit 1; }
 
+ll_host() {  # JSON path: one ll-host run with the portep and portep_bench that python3 imports here
+  python3 -c "import portep; print('portep from', portep.__file__)" && python3 -m portep_bench ll-host --json "$1"
+}
+
 run_tree() {  # tree name, run number: one ll-host run with that tree's library and benchmark
   local json=$DIR/$1-$2.json
   if [ "$1" = old ]; then
-    (cd "$OLD" && PYTHONPATH="$BUILD/install:$OLD/bench" python3 -c "import portep; print('portep from', \
-portep.__file__)" && PYTHONPATH="$BUILD/install:$OLD/bench" python3 -m portep_bench ll-host --json "$json")
+    (cd "$OLD" && export PYTHONPATH="$BUILD/install:$OLD/bench" && ll_host "$json")
   else
-    python3 -c "import portep; print('portep from', portep.__file__)" && python3 -m portep_bench ll-host --json "$json"
+    ll_host "$json"
   fi
 }
 

@@ -39,23 +39,23 @@ def summarize(first, second, paths):
         tree = os.path.basename(path).rsplit("-", 1)[0]
         if tree not in (first, second):
             raise ValueError(f"{path}: its name names neither tree ({first!r}, {second!r})")
-        runs.append((tree, path, *medians(path)))
+        runs.append((tree, *medians(path)))  # (tree, round trip, baseline)
     if not any(r[0] == first for r in runs) or not any(r[0] == second for r in runs):
         raise ValueError(f"runs of both trees are needed, got {[r[0] for r in runs]}")
     lines = ["run | tree | round trip median us | baseline median us | round trip / baseline"]
-    for i, (tree, _, trip, base) in enumerate(runs):
+    for i, (tree, trip, base) in enumerate(runs):
         lines.append(f"{i + 1} | {tree} | {trip:.2f} | {base:.2f} | {trip / base:.3f}")
     pairs, scaled = [], []  # each second-tree run over the first tree's run next to it: round trips; their ratios
-    for i, (tree, _, trip, base) in enumerate(runs):
+    for i, (tree, trip, base) in enumerate(runs):
         if tree != second:
             continue
         near = runs[min((j for j, r in enumerate(runs) if r[0] == first), key=lambda j: (abs(j - i), j))]
-        pairs.append(trip / near[2])
-        scaled.append((trip / base) / (near[2] / near[3]))
+        pairs.append(trip / near[1])
+        scaled.append((trip / base) / (near[1] / near[2]))
     for tree in (first, second):
         mine = [r for r in runs if r[0] == tree]
-        trips = statistics.median(r[2] for r in mine)
-        ratio = statistics.median(r[2] / r[3] for r in mine)
+        trips = statistics.median(r[1] for r in mine)
+        ratio = statistics.median(r[1] / r[2] for r in mine)
         lines.append(
             f"{tree}: {len(mine)} runs, round trip median of medians {trips:.2f} us, over baseline {ratio:.3f}"
         )
