@@ -3,11 +3,12 @@
 for `calls` round trips issued back to back. The GPU is held by a sleep kernel queued before each batch of round
 trips, so every sample is the host's own time and never a wait for a full launch queue (a round trip's kernels take
 longer on the GPU than its host time); a batch whose sleep ended before its last launch is reported. The rows are
-measured a batch each in turn, so that they share the machine's state. Next to it from
-the same run: the same round trip launching kernels instead of cached CUDA graphs (graph_launch off), the same round
-trip through the full Python path (PORTEP_LL_FAST_PATH=0's route), each call alone,
-and the baseline, one torch.empty plus one empty kernel launch (torch.cuda._sleep(0)), and for scale two empty
-launches. The outputs of the fast path are checked bit for bit against the full path's first."""
+measured a batch each in turn, so that they share the machine's state. Next to it from the same run: the same round
+trip launching kernels instead of cached CUDA graphs (graph_launch off), the round trip with receive hooks
+(return_recv_hook=True) and with async_finish=True, which the fast path takes too, the plain and the hooked round
+trip through the full Python path (PORTEP_LL_FAST_PATH=0's route), each call alone, and the baseline, one
+torch.empty plus one empty kernel launch (torch.cuda._sleep(0)), and for scale two empty launches. The outputs of
+the fast path are checked bit for bit against the full path's first."""
 
 import contextlib
 import cProfile
@@ -35,6 +36,20 @@ def _round_trip(buf, x, idx, weights, y):
     times the communication calls, not expert compute)."""
     recv_x, _, handle, _, _ = buf.low_latency_dispatch(x, idx, T, E, use_fp8=True)
     return buf.low_latency_combine(y, idx, weights, handle)[0], recv_x, handle
+
+
+def _hooked_round_trip(buf, x, idx, weights, y):
+    """_round_trip with receive hooks (return_recv_hook=True), each called right away: DeepEP's overlap mode."""
+    _, _, handle, _, hook = buf.low_latency_dispatch(x, idx, T, E, use_fp8=True, return_recv_hook=True)
+    hook()
+    _, _, hook = buf.low_latency_combine(y, idx, weights, handle, return_recv_hook=True)
+    hook()
+
+
+def _async_round_trip(buf, x, idx, weights, y):
+    """_round_trip with async_finish=True, as DeepEP's LL test and SGLang call without hooks (events not waited)."""
+    _, _, handle, _, _ = buf.low_latency_dispatch(x, idx, T, E, use_fp8=True, async_finish=True)
+    buf.low_latency_combine(y, idx, weights, handle, async_finish=True)
 
 
 def _held_batch(fn, n, sleep_cycles, torch):
@@ -132,12 +147,17 @@ def measure(calls=1000, progress=print, profile_calls=0):
         def round_trip():
             _round_trip(buf, x, idx, weights, y)
 
-        def full_round_trip():
-            fast.enabled = False
-            try:
-                round_trip()
-            finally:
-                fast.enabled = True
+        def full_path(fn):
+            def run():
+                fast.enabled = False
+                try:
+                    fn(buf, x, idx, weights, y)
+                finally:
+                    fast.enabled = True
+
+            return run
+
+        full_round_trip = full_path(_round_trip)
 
         kernels = buf.runtime.kernels
         graphs_on = kernels.graph_launch
@@ -161,7 +181,26 @@ def measure(calls=1000, progress=print, profile_calls=0):
                 ),
                 ("portep LL dispatch alone", lambda: buf.low_latency_dispatch(x, idx, T, E, use_fp8=True), HOLD_CYCLES),
                 ("portep LL combine alone", lambda: buf.low_latency_combine(y, idx, weights, handle), HOLD_CYCLES),
-                ("portep LL round trip through the full Python path (checks cached)", full_round_trip, 8 * HOLD_CYCLES),
+                (
+                    "portep LL round trip with receive hooks (return_recv_hook=True)",
+                    lambda: _hooked_round_trip(buf, x, idx, weights, y),
+                    HOLD_CYCLES,
+                ),
+                (
+                    "portep LL round trip with async_finish=True",
+                    lambda: _async_round_trip(buf, x, idx, weights, y),
+                    HOLD_CYCLES,
+                ),
+                (
+                    "portep LL round trip through the full Python path (each call validated in Python)",
+                    full_round_trip,
+                    8 * HOLD_CYCLES,
+                ),
+                (
+                    "portep LL round trip with receive hooks through the full Python path",
+                    full_path(_hooked_round_trip),
+                    8 * HOLD_CYCLES,
+                ),
                 (
                     "baseline: torch.empty + one empty kernel launch (torch.cuda._sleep(0))",
                     lambda: (torch.empty(E, dtype=torch.int32, device="cuda"), torch.cuda._sleep(0)),

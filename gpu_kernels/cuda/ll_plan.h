@@ -85,6 +85,8 @@ struct LLPlanTable {
            !proxies_failed->load(std::memory_order_acquire);
   }
   bool notice_pending() const { return errors && __atomic_load_n(&errors[1].code, __ATOMIC_ACQUIRE) != 0; }
+  // The Buffer's memory went away (close): nothing may launch any more.
+  bool closed() const { return errors == nullptr; }
   // The Buffer's memory goes away: no plan is found and nothing is read any more.
   void close() {
     count = 0;

@@ -846,11 +846,16 @@ class _Collective:
         return seq
 
     def hook(self, hook):
-        """A receive hook whose failure counts as the call's."""
+        """A receive hook whose failure counts as the call's, and which runs once: a second call would launch a
+        receive phase that waits for data no peer sends."""
         if hook is None:
             return None
+        called = []
 
         def guarded():
+            if called:
+                raise RuntimeError(f"{self.what}'s receive hook: already called (it launches the receive phase once)")
+            called.append(True)
             try:
                 with _host_factories(self.device):
                     hook()

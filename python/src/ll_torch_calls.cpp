@@ -13,6 +13,7 @@
 
 #include <array>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "python/src/ll_shared.h"
@@ -33,7 +34,7 @@ struct Signature {
   const char* names[kMaxParams];
   enum Default { kNone, kTrue, kFalse } defaults[kMaxParams];
   PyObject* interned[kMaxParams];
-  PyObject* (*run)(LLPlanTable*, PyObject* const*, uint32_t, PyObject*);
+  PyObject* (*run)(LLPlanTable*, PyObject* const*, const lt::CallContext&, lt::RecvPhase*);
   PyObject* what_str;
   std::string doc;  // the entry's docstring, led by its signature as inspect reads it (made from the table above)
 };
@@ -109,19 +110,19 @@ struct LLCalls {
   PyObject* lockstep;              // the engine's Lockstep (its fail() marks the Buffer out of step)
   PyObject* buffer;                // a weak reference to the Buffer (its instance dict holds this object's entries)
   PyObject* event_type;            // EventOverlap
+  PyObject* async_event;           // async_event(extra_tensors): an async_finish call's EventOverlap (None: declined)
   PyObject* raise_notice;          // the engine's raise_notice
   PyObject* full[2];               // Buffer.low_latency_dispatch, Buffer.low_latency_combine (Python functions)
   char enabled;
   unsigned long long taken, declined;
 };
 
-// The launch was tried and failed (the error is set): the call counts, and this rank is out of step
-// (made_call, then Lockstep.fail, as the full path does). The call's error is raised.
-PyObject* failed(LLCalls* c, const Signature& sig) {
+// A call failed after its launch was tried (the error is set): this rank is out of step (Lockstep.fail, as the full
+// path does). The call's error is raised.
+PyObject* out_of_step(LLCalls* c, const Signature& sig) {
   PyObject *type, *value, *trace;
   PyErr_Fetch(&type, &value, &trace);
   PyErr_NormalizeException(&type, &value, &trace);
-  if (c->state) c->state->made_call();
   if (c->lockstep) {
     PyObject* fail = PyObject_CallMethodObjArgs(c->lockstep, s_fail, sig.what_str, value ? value : Py_None, nullptr);
     if (!fail) PyErr_WriteUnraisable(c->lockstep);  // the call's own error is the one to raise
@@ -129,6 +130,24 @@ PyObject* failed(LLCalls* c, const Signature& sig) {
   }
   PyErr_Restore(type, value, trace);
   return nullptr;
+}
+
+// The launch was tried and failed (the error is set): the call counts (made_call), then out_of_step.
+PyObject* failed(LLCalls* c, const Signature& sig) {
+  if (c->state) c->state->made_call();
+  return out_of_step(c, sig);
+}
+
+// A hooked call's results with its receive hook in their last place (None there until now).
+PyObject* with_hook(LLCalls* c, const Signature& sig, PyObject* out, lt::RecvPhase&& hooked) {
+  PyObject* hook = lt::new_recv_hook(
+      std::move(hooked), lt::HookOwner{c->table, c->state, c->shared, c->lockstep, c->raise_notice, sig.what_str});
+  if (!hook) {
+    Py_DECREF(out);
+    return out_of_step(c, sig);  // its send phase went out: its peers wait for a receive phase that will not come
+  }
+  PyTuple_SetItem(out, PyTuple_GET_SIZE(out) - 1, hook);  // out is this call's own tuple: nothing else holds it
+  return out;
 }
 
 // results, or results raised with a kernel's notice (a list [results]: ll_torch_path.h), as the full path does.
@@ -182,12 +201,13 @@ PyObject* enter(LLCalls* c, int phase, PyObject* const* args, size_t nargsf, PyO
   PyObject* bound[kMaxParams];
   if (c->enabled && c->state && c->state->in_step() && bind(sig, args, PyVectorcall_NARGS(nargsf), kwnames, bound)) {
     const uint32_t wire_seq = uint32_t(c->state->seq % 0xFFFFFFFFull + 1);  // lockstep.wire_seq of seq + 1
-    PyObject* out = sig.run(c->table, bound, wire_seq, c->event_type);
+    lt::RecvPhase hooked;
+    PyObject* out = sig.run(c->table, bound, lt::CallContext{wire_seq, c->event_type, c->async_event}, &hooked);
     if (!out) return failed(c, sig);
     if (out != Py_None) {
       ++c->taken;
       if (c->state) c->state->made_call();  // (null only if the garbage collector cleared this object meanwhile)
-      return with_notice(c, out);
+      return hooked.keep ? with_hook(c, sig, out, std::move(hooked)) : with_notice(c, out);
     }
     Py_DECREF(out);
   }
@@ -223,19 +243,20 @@ const portep::LLShared* shared_of(PyObject* shared) {
   return s;
 }
 
-// LLCalls(shared, lockstep, buffer, event_type, raise_notice, full_dispatch, full_combine)
+// LLCalls(shared, lockstep, buffer, event_type, raise_notice, full_dispatch, full_combine, async_event=None)
 PyObject* calls_new(PyTypeObject* type, PyObject* args, PyObject* kwargs) {
   PyObject *shared, *lockstep, *buffer, *event_type, *raise_notice, *full_dispatch, *full_combine;
-  static const char* kw[] = {"shared",       "lockstep",      "buffer",       "event_type",
-                             "raise_notice", "full_dispatch", "full_combine", nullptr};
-  if (!PyArg_ParseTupleAndKeywords(args, kwargs, "OOOOOOO:LLCalls", const_cast<char**>(kw), &shared, &lockstep, &buffer,
-                                   &event_type, &raise_notice, &full_dispatch, &full_combine))
+  PyObject* async_event = Py_None;
+  static const char* kw[] = {"shared",        "lockstep",     "buffer",      "event_type", "raise_notice",
+                             "full_dispatch", "full_combine", "async_event", nullptr};
+  if (!PyArg_ParseTupleAndKeywords(args, kwargs, "OOOOOOO|O:LLCalls", const_cast<char**>(kw), &shared, &lockstep,
+                                   &buffer, &event_type, &raise_notice, &full_dispatch, &full_combine, &async_event))
     return nullptr;
   if (!PyType_Check(event_type) || !PyCallable_Check(raise_notice) || !PyCallable_Check(full_dispatch) ||
-      !PyCallable_Check(full_combine)) {
+      !PyCallable_Check(full_combine) || (async_event != Py_None && !PyCallable_Check(async_event))) {
     PyErr_SetString(PyExc_TypeError,
                     "LLCalls: event_type must be a class; raise_notice, full_dispatch and "
-                    "full_combine callables");
+                    "full_combine callables; async_event a callable or None");
     return nullptr;
   }
   const portep::LLShared* s = shared_of(shared);
@@ -253,6 +274,7 @@ PyObject* calls_new(PyTypeObject* type, PyObject* args, PyObject* kwargs) {
   c->lockstep = Py_NewRef(lockstep);
   c->buffer = ref;
   c->event_type = Py_NewRef(event_type);
+  c->async_event = Py_NewRef(async_event);
   c->raise_notice = Py_NewRef(raise_notice);
   c->full[0] = Py_NewRef(full_dispatch);
   c->full[1] = Py_NewRef(full_combine);
@@ -261,8 +283,9 @@ PyObject* calls_new(PyTypeObject* type, PyObject* args, PyObject* kwargs) {
 }
 
 // The references an LLCalls owns (the one list its traverse and clear walk).
-std::array<PyObject**, 7> owned_refs(LLCalls* c) {
-  return {&c->shared, &c->lockstep, &c->buffer, &c->event_type, &c->raise_notice, &c->full[0], &c->full[1]};
+std::array<PyObject**, 8> owned_refs(LLCalls* c) {
+  return {&c->shared,       &c->lockstep, &c->buffer,  &c->event_type,
+          &c->raise_notice, &c->full[0],  &c->full[1], &c->async_event};
 }
 
 int calls_traverse(PyObject* self, visitproc visit, void* arg) {
@@ -344,7 +367,7 @@ PyModuleDef kModule = {PyModuleDef_HEAD_INIT, "_ll_torch", "portep's LL hot path
 }  // namespace
 
 PyMODINIT_FUNC PyInit__ll_torch() {
-  if (!prepare_signatures() || PyType_Ready(&kCallsType) < 0) return nullptr;
+  if (!prepare_signatures() || PyType_Ready(&kCallsType) < 0 || !lt::recv_hook_type_ready()) return nullptr;
   PyObject* m = PyModule_Create(&kModule);
   if (!m) return nullptr;
   if (PyModule_AddStringConstant(m, "TORCH_VERSION", PORTEP_TORCH_VERSION) < 0 ||

@@ -2,8 +2,9 @@
 // arguments match a signature the Python path validated (a plan of the Buffer's table, gpu_kernels/cuda/ll_plan.h,
 // marked checked), allocates the outputs with torch's caching allocator on torch's current stream, and launches the
 // kernels on that stream through the table (a cached CUDA graph or a kernel launch; portep._C holds the
-// kernels). Anything it does not
-// recognise is declined before anything happened, and the Python path then validates the call in full and raises
+// kernels). A call with return_recv_hook=True launches its send phase and returns a hook for the receive phase
+// (ll_torch_hook.cpp); one with async_finish=True returns an EventOverlap recorded after its launch. Anything it does
+// not recognise is declined before anything happened, and the Python path then validates the call in full and raises
 // or runs it. The entries that Buffer's methods become, and the module, are in ll_torch_calls.cpp.
 //
 // The one part of portep that links libtorch (the rest takes raw pointers, so one build serves every torch): it is
@@ -20,6 +21,7 @@
 #include <climits>
 #include <initializer_list>
 #include <string>
+#include <type_traits>
 
 #include "gpu_kernels/logfmt.h"
 #include "python/src/ll_torch_path.h"
@@ -164,19 +166,57 @@ at::Tensor part_of(const at::Tensor& base, at::ScalarType dtype, c10::IntArrayRe
   return t;
 }
 
-// The call's flags that the fast path takes: exactly False (the Python path's `is False`), as DeepEP's defaults.
-bool all_false(std::initializer_list<PyObject*> flags) {
-  for (PyObject* f : flags)
-    if (f != Py_False) return false;
-  return true;
+// The call's async_finish and return_recv_hook, exactly True or False, as the fast path takes them: not both (the
+// full path refuses that), and async_finish only where the caller can make its event.
+bool call_mode(PyObject* async_arg, PyObject* hook_arg, const portep::ll_torch::CallContext& ctx, bool* async_finish,
+               bool* hook) {
+  return is_bool(async_arg, async_finish) && is_bool(hook_arg, hook) && !(*async_finish && *hook) &&
+         !(*async_finish && ctx.async_event == Py_None);
 }
 
-PyObject* dispatch_call(LLPlanTable* table, PyObject* const* args, uint32_t seq, PyObject* event_type, bool* launched) {
+// The call's EventOverlap: a new instance without an event, or with async_finish ctx.async_event(extra) (extra, a new
+// reference, is taken over), as the full path makes them.
+PyObject* call_event(const portep::ll_torch::CallContext& ctx, bool async_finish, PyObject* extra) {
+  if (!async_finish) {
+    Py_XDECREF(extra);
+    return new_event(ctx.event_type);
+  }
+  if (!extra) return nullptr;
+  PyObject* event = PyObject_CallOneArg(ctx.async_event, extra);
+  Py_DECREF(extra);
+  return event;
+}
+
+// A hooked call's results and receive phase (args: the launch's); else results as returned() gives them.
+template <class Args>
+PyObject* finish(const LLPlanTable& table, PyObject* results, bool hook, const Args& args, PyObject* keep,
+                 portep::ll_torch::RecvPhase* hooked) {
+  if (!hook) {
+    Py_XDECREF(keep);
+    return returned(table, results);
+  }
+  if (!results || !keep) {
+    Py_XDECREF(results);
+    Py_XDECREF(keep);
+    return nullptr;
+  }
+  if constexpr (std::is_same_v<Args, LLCombineArgs>) {
+    hooked->is_combine = true;
+    hooked->combine = args;
+  } else {
+    hooked->dispatch = args;
+  }
+  hooked->keep = keep;
+  return results;
+}
+
+PyObject* dispatch_call(LLPlanTable* table, PyObject* const* args, const portep::ll_torch::CallContext& ctx,
+                        portep::ll_torch::RecvPhase* hooked, bool* launched) {
   using namespace portep::ll_torch;
   long T, E;
-  bool fp8, round_scale, ue8m0;
+  bool fp8, round_scale, ue8m0, async_finish, hook;
   PyObject* x_arg = args[kDispatchX];
-  if (!table || !all_false({args[kDispatchAsyncFinish], args[kDispatchRecvHook]}) ||
+  if (!table || !call_mode(args[kDispatchAsyncFinish], args[kDispatchRecvHook], ctx, &async_finish, &hook) ||
       !is_int(args[kDispatchTokens], &T) || !is_int(args[kDispatchExperts], &E) ||
       !is_bool(args[kDispatchUseFp8], &fp8) || !is_bool(args[kDispatchRoundScale], &round_scale) ||
       !is_bool(args[kDispatchUseUe8m0], &ue8m0) || !THPVariable_CheckExact(x_arg))
@@ -214,7 +254,7 @@ PyObject* dispatch_call(LLPlanTable* table, PyObject* const* args, uint32_t seq,
   const at::Tensor layout_range = part_of(outputs, at::kLong, {E_l, R}, {R, 1}, range_at);
 
   LLDispatchArgs a{};
-  a.c = ll_call_common(plan->dispatch[table->take_half()], stream, seq);
+  a.c = ll_call_common(plan->dispatch[table->take_half()], stream, ctx.seq);
   a.x = x->data_ptr();
   a.topk_idx = idx->data_ptr<int64_t>();
   a.num_tokens = int(x->size(0));
@@ -230,22 +270,31 @@ PyObject* dispatch_call(LLPlanTable* table, PyObject* const* args, uint32_t seq,
   a.cumulative_stats = static_cast<int32_t*>(cumulative);
   a.wait_stats = static_cast<int64_t*>(wait);
   *launched = true;
-  if (int err = table->launch_dispatch(a, portep::cuda::kPhaseSend | portep::cuda::kPhaseRecv))
-    return launch_failed(*table, "low-latency dispatch", err);
+  const int phases = hook ? portep::cuda::kPhaseSend : portep::cuda::kPhaseSend | portep::cuda::kPhaseRecv;
+  if (int err = table->launch_dispatch(a, phases)) return launch_failed(*table, "low-latency dispatch", err);
 
   PyObject* out_x = fp8 ? tuple_of({wrap(recv_x), wrap(scales)}) : wrap(recv_x);
   PyObject* handle = tuple_of({wrap(src_info), wrap(layout_range), new_ref(args[kDispatchTokens]),
                                PyLong_FromLong(long(H)), new_ref(args[kDispatchExperts])});
-  return returned(*table, tuple_of({out_x, wrap(recv_count), handle, new_event(event_type), new_ref(Py_None)}));
+  // the full path's extra tensors of an async_finish call; with a hook, what the receive phase reads or writes
+  auto tensors = [&] {
+    return tuple_of({new_ref(x_arg), new_ref(args[kDispatchTopkIdx]), wrap(recv_x),
+                     fp8 ? wrap(scales) : new_ref(Py_None), wrap(recv_count), wrap(src_info), wrap(layout_range),
+                     new_ref(args[kDispatchRecvStats])});
+  };
+  PyObject* keep = hook ? tuple_of({tensors(), new_ref(args[kDispatchWaitStats])}) : nullptr;
+  PyObject* event = call_event(ctx, async_finish, async_finish ? tensors() : nullptr);
+  return finish(*table, tuple_of({out_x, wrap(recv_count), handle, event, new_ref(Py_None)}), hook, a, keep, hooked);
 }
 
-PyObject* combine_call(LLPlanTable* table, PyObject* const* args, uint32_t seq, PyObject* event_type, bool* launched) {
+PyObject* combine_call(LLPlanTable* table, PyObject* const* args, const portep::ll_torch::CallContext& ctx,
+                       portep::ll_torch::RecvPhase* hooked, bool* launched) {
   using namespace portep::ll_torch;
   PyObject* handle = args[kCombineHandle];
   long T, H, E;
-  bool zero_copy, logfmt;
-  if (!table || !all_false({args[kCombineAsyncFinish], args[kCombineRecvHook]}) || !PyTuple_CheckExact(handle) ||
-      PyTuple_GET_SIZE(handle) != 5 || !is_int(PyTuple_GET_ITEM(handle, 2), &T) ||
+  bool zero_copy, logfmt, async_finish, hook;
+  if (!table || !call_mode(args[kCombineAsyncFinish], args[kCombineRecvHook], ctx, &async_finish, &hook) ||
+      !PyTuple_CheckExact(handle) || PyTuple_GET_SIZE(handle) != 5 || !is_int(PyTuple_GET_ITEM(handle, 2), &T) ||
       !is_int(PyTuple_GET_ITEM(handle, 3), &H) || !is_int(PyTuple_GET_ITEM(handle, 4), &E) ||
       !is_bool(args[kCombineZeroCopy], &zero_copy) || !is_bool(args[kCombineLogfmt], &logfmt) ||
       (logfmt && (zero_copy || !portep::logfmt_hidden_ok(int(H)))))  // the full path refuses these
@@ -272,7 +321,7 @@ PyObject* combine_call(LLPlanTable* table, PyObject* const* args, uint32_t seq, 
   const int64_t N = idx->size(0);
   const at::Tensor result = out ? *out : part_of(gpu_bytes(N * H * 2), at::kBFloat16, {N, H}, {H, 1}, 0);
   LLCombineArgs a{};
-  a.c = ll_call_common(plan->combine[table->take_half()], stream, seq);
+  a.c = ll_call_common(plan->combine[table->take_half()], stream, ctx.seq);
   a.zero_copy = zero_copy;
   ll_set_combine_logfmt(&a, logfmt);
   ll_set_combine_rows(&a, x->data_ptr());
@@ -286,25 +335,34 @@ PyObject* combine_call(LLPlanTable* table, PyObject* const* args, uint32_t seq, 
   a.out_pitch = uint64_t(H) * 2;
   a.wait_stats = static_cast<int64_t*>(wait);
   *launched = true;
-  if (int err = table->launch_combine(a, portep::cuda::kPhaseSend | portep::cuda::kPhaseRecv))
-    return launch_failed(*table, "low-latency combine", err);
+  const int phases = hook ? portep::cuda::kPhaseSend : portep::cuda::kPhaseSend | portep::cuda::kPhaseRecv;
+  if (int err = table->launch_combine(a, phases)) return launch_failed(*table, "low-latency combine", err);
 
-  PyObject* combined = out ? new_ref(out_arg) : wrap(result);
-  return returned(*table, tuple_of({combined, new_event(event_type), new_ref(Py_None)}));
+  auto combined = [&] { return out ? new_ref(out_arg) : wrap(result); };
+  // the full path's extra tensors of an async_finish call; with a hook, what the receive phase reads or writes
+  auto tensors = [&] {
+    return tuple_of({new_ref(args[kCombineX]), new_ref(args[kCombineTopkIdx]), new_ref(args[kCombineWeights]),
+                     new_ref(PyTuple_GET_ITEM(handle, 0)), new_ref(PyTuple_GET_ITEM(handle, 1)), combined()});
+  };
+  PyObject* keep = hook ? tuple_of({tensors(), new_ref(args[kCombineWaitStats])}) : nullptr;
+  PyObject* event = call_event(ctx, async_finish, async_finish ? tensors() : nullptr);
+  return finish(*table, tuple_of({combined(), event, new_ref(Py_None)}), hook, a, keep, hooked);
 }
 
-using Call = PyObject* (*)(LLPlanTable*, PyObject* const*, uint32_t, PyObject*, bool*);
+using Call = PyObject* (*)(LLPlanTable*, PyObject* const*, const portep::ll_torch::CallContext&,
+                           portep::ll_torch::RecvPhase*, bool*);
 
 // Runs a call so that nothing escapes but its results, None or a RuntimeError: an error before the launch (a C++
 // exception, e.g. an allocation that failed or a tensor whose data cannot be reached, or a Python error raised
 // inside torch) declines the call, which the full path then runs or refuses as torch would; one after the launch was
 // tried is the call's failure, raised as RuntimeError (the caller counts the call then).
-PyObject* guarded(Call call, LLPlanTable* table, PyObject* const* args, uint32_t seq, PyObject* event_type) {
+PyObject* guarded(Call call, LLPlanTable* table, PyObject* const* args, const portep::ll_torch::CallContext& ctx,
+                  portep::ll_torch::RecvPhase* hooked) {
   bool launched = false;
   PyObject* out = nullptr;
   std::string error;
   try {
-    out = call(table, args, seq, event_type, &launched);
+    out = call(table, args, ctx, hooked, &launched);
   } catch (const std::exception& e) {
     error = e.what();
   } catch (...) {
@@ -334,12 +392,12 @@ PyObject* guarded(Call call, LLPlanTable* table, PyObject* const* args, uint32_t
 
 namespace portep::ll_torch {
 
-PyObject* run_dispatch(LLPlanTable* table, PyObject* const* args, uint32_t seq, PyObject* event_type) {
-  return guarded(&dispatch_call, table, args, seq, event_type);
+PyObject* run_dispatch(LLPlanTable* table, PyObject* const* args, const CallContext& ctx, RecvPhase* hooked) {
+  return guarded(&dispatch_call, table, args, ctx, hooked);
 }
 
-PyObject* run_combine(LLPlanTable* table, PyObject* const* args, uint32_t seq, PyObject* event_type) {
-  return guarded(&combine_call, table, args, seq, event_type);
+PyObject* run_combine(LLPlanTable* table, PyObject* const* args, const CallContext& ctx, RecvPhase* hooked) {
+  return guarded(&combine_call, table, args, ctx, hooked);
 }
 
 }  // namespace portep::ll_torch

@@ -35,16 +35,18 @@ print(json.dumps({"module": m is not None, "why": why, "compiled": compiled, "to
 """
 
 
-def _probe(python, cache, **env):
-    """ll_jit.load() in a new process of `python` with cache folder `cache`: (its report, its stderr)."""
+def _probe(python, cache, own_path=False, **env):
+    """ll_jit.load() in a new process of `python` with cache folder `cache`: (its report, its stderr). own_path: without
+    the caller's PYTHONPATH, which may name another install of portep (a developer's run of the suite)."""
     cache.mkdir(parents=True, exist_ok=True)
+    inherited = {k: v for k, v in os.environ.items() if not (own_path and k == "PYTHONPATH")}
     p = subprocess.run(
         [str(python), "-c", PROBE],
         capture_output=True,
         text=True,
         timeout=1200,
         cwd=cache,
-        env={**os.environ, ll_jit.CACHE_VAR: str(cache), **env},
+        env={**inherited, ll_jit.CACHE_VAR: str(cache), **env},
     )
     assert p.returncode == 0, p.stderr[-4000:]
     return json.loads(p.stdout.strip().splitlines()[-1]), p.stderr
@@ -123,7 +125,7 @@ def test_an_isolated_install_in_a_fresh_venv_compiles_the_fast_path_at_first_use
             cwd=tmp_path,
         )
         assert p.returncode == 0, p.stderr[-4000:]
-    report, err = _probe(python, tmp_path / "cache", PATH="/usr/bin:/bin")  # the venv not activated
+    report, err = _probe(python, tmp_path / "cache", own_path=True, PATH="/usr/bin:/bin")  # the venv not activated
     if "no GPU kernels" in report["reason"]:  # no GPU compiler here: the build never looks for torch
         ci_expect.require_or_skip("cuda-kernels", False, f"the venv's build has no GPU kernels: {report['reason']}")
     assert report["built_in"] == "" and "build isolation" in report["reason"], report

@@ -4,7 +4,8 @@ combines, and both paths' combined rows against the float64 weighted sum of the 
 (deepep_reference.ll_combine_expert_ref); calls on a side stream ordered behind that stream's work; torch's
 deterministic mode handed to the full path; outputs that share one allocation outliving each other; calls it must
 hand to the full path, which refuses them on every rank, after which it takes calls again; a dropped expert index
-reported through it as a DroppedInput carrying the results."""
+reported through it as a DroppedInput carrying the results; hooked (return_recv_hook=True) and async_finish calls
+through it as through the full path, a hook called twice or after destroy() raising."""
 
 import torch
 import torch.distributed as dist
@@ -35,6 +36,55 @@ class Calls:
         combined = self.buf.low_latency_combine(self.y, idx, self.weights, handle, zero_copy=zero_copy, out=out)[0]
         if with_out and combined is not out:
             raise AssertionError("combine with out= returned another tensor")
+        torch.cuda.current_stream().synchronize()
+        return _valid_parts(recv_x if use_fp8 else (recv_x, None), count, handle, combined)
+
+    def hooked_round_trip(self, flags, zero_copy=False):
+        """round_trip with return_recv_hook=True on both calls, each hook called before the next call, as DeepEP's
+        overlap mode calls them; the hooks are also returned."""
+        use_fp8, round_scale, use_ue8m0 = flags
+        recv_x, count, handle, event, hook = self.buf.low_latency_dispatch(
+            self.x,
+            self.idx,
+            self.T,
+            self.E,
+            use_fp8=use_fp8,
+            round_scale=round_scale,
+            use_ue8m0=use_ue8m0,
+            return_recv_hook=True,
+        )
+        if event.event is not None or not callable(hook):
+            raise AssertionError(f"a hooked dispatch returned event {event.event!r} and hook {hook!r}")
+        hook()
+        if zero_copy:
+            self.buf.get_next_low_latency_combine_buffer(handle)[:] = self.y
+        combined, event, combine_hook = self.buf.low_latency_combine(
+            self.y, self.idx, self.weights, handle, zero_copy=zero_copy, return_recv_hook=True
+        )
+        combine_hook()
+        torch.cuda.current_stream().synchronize()
+        return _valid_parts(recv_x if use_fp8 else (recv_x, None), count, handle, combined), (hook, combine_hook)
+
+    def async_round_trip(self, flags):
+        """round_trip with async_finish=True, each event waited on as DeepEP's test does; the events' extra tensors
+        are checked to be the call's own (DeepEP's keep-alive list)."""
+        use_fp8, round_scale, use_ue8m0 = flags
+        recv_x, count, handle, event, hook = self.buf.low_latency_dispatch(
+            self.x,
+            self.idx,
+            self.T,
+            self.E,
+            use_fp8=use_fp8,
+            round_scale=round_scale,
+            use_ue8m0=use_ue8m0,
+            async_finish=True,
+        )
+        data, scales = recv_x if use_fp8 else (recv_x, None)
+        _check_extra(event, (self.x, self.idx, data, scales, count, handle[0], handle[1], None), hook)
+        event.current_stream_wait()
+        combined, event, hook = self.buf.low_latency_combine(self.y, self.idx, self.weights, handle, async_finish=True)
+        _check_extra(event, (self.y, self.idx, self.weights, handle[0], handle[1], combined), hook)
+        event.current_stream_wait()
         torch.cuda.current_stream().synchronize()
         return _valid_parts(recv_x if use_fp8 else (recv_x, None), count, handle, combined)
 
@@ -75,6 +125,22 @@ class Calls:
         self.buf._ll_fast.enabled = True
         self.round_trip(**kwargs)  # a new signature: the full path checks it and marks it for the fast path
         return full, self.round_trip(**kwargs)
+
+
+def _check_extra(event, expected, hook):
+    """An async_finish call's EventOverlap: an event, and as extra tensors the call's own (the same objects, None where
+    the call had none); no hook."""
+    extra = event.extra_tensors
+    if event.event is None or hook is not None or extra is None or len(extra) != len(expected):
+        raise AssertionError(f"async_finish: event {event.event!r}, hook {hook!r}, extra tensors {extra!r}")
+    for i, (got, want) in enumerate(zip(extra, expected)):
+        if got is not want and not (
+            isinstance(got, torch.Tensor)
+            and isinstance(want, torch.Tensor)
+            and got.data_ptr() == want.data_ptr()
+            and got.shape == want.shape
+        ):
+            raise AssertionError(f"async_finish: extra tensor {i} is not the call's own")
 
 
 def _valid_parts(recv, count, handle, combined):
@@ -125,6 +191,85 @@ def _setup(rank, world, rpn, transport, seed, T, H, E, K):
     weights = torch.rand(T - 3, K, generator=g)
     y = torch.randn(E // world, world * T, H, generator=g).to(BF16)
     return Calls(buf, T, E, x.cuda(), idx.cuda(), weights.cuda(), y.cuda())
+
+
+def _hooks_and_events(calls, counter, rank, x_cpu, idx_cpu, weights_cpu, K):
+    """Hooked (return_recv_hook=True) and async_finish round trips through the fast path, bit for bit the full path's,
+    for every dispatch flag combination (and a zero-copy hooked combine), their combined rows the experts' weighted
+    sum; each taken natively; a hook called twice raises without launching, and the Buffer goes on in step."""
+    errors = []
+    for flags in FLAGS:
+        calls.use_expert_outputs(flags, rank)
+        ref64, abs64 = ref.ll_combine_expert_ref(experts_view(x_cpu, flags[0], flags[1]), idx_cpu, weights_cpu, rank)
+        for mode in ("hook", "hook zero-copy", "async_finish"):
+            run = {
+                "hook": lambda: calls.hooked_round_trip(flags)[0],
+                "hook zero-copy": lambda: calls.hooked_round_trip(flags, zero_copy=True)[0],
+                "async_finish": lambda: calls.async_round_trip(flags),
+            }[mode]
+            calls.buf._ll_fast.enabled = False
+            full = run()
+            calls.buf._ll_fast.enabled = True
+            taken = counter.taken
+            fast = run()
+            case = f"{mode}, flags {flags}"
+            if counter.taken != taken + 2:
+                errors.append(f"{case}: the fast path took {counter.taken - taken} of the 2 calls")
+            if any(not torch.equal(a, b) for a, b in zip(full, fast)):
+                errors.append(f"{case}: the fast path's outputs differ from the full path's")
+            for path, parts in (("full", full), ("fast", fast)):
+                error = _not_the_experts_sum(parts[2], ref64, abs64, K)
+                if error:
+                    errors.append(f"{case}, {path} path: {error}")
+    overlapped = {}
+    for path in ("full", "fast"):
+        calls.buf._ll_fast.enabled = path == "fast"
+        taken = counter.taken
+        overlapped[path] = _two_batches_overlapped(calls)
+        if path == "fast" and counter.taken != taken + 4:
+            errors.append(f"two batches overlapped: the fast path took {counter.taken - taken} of the 4 calls")
+    if any(not torch.equal(a, b) for a, b in zip(overlapped["full"], overlapped["fast"])):
+        errors.append("two batches overlapped: the fast path's outputs differ from the full path's")
+    for path in ("full", "fast"):
+        calls.buf._ll_fast.enabled = path == "fast"
+        reference, hooks = calls.hooked_round_trip(FLAGS[1])
+        for hook in hooks:
+            error = _refused_at_runtime(hook, "already called")
+            if error:
+                errors.append(f"{path} path, a hook called twice: {error}")
+        if any(not torch.equal(a, b) for a, b in zip(reference, calls.hooked_round_trip(FLAGS[1])[0])):
+            errors.append(f"{path} path: the round trip after a hook called twice differs")
+    calls.buf._ll_fast.enabled = True
+    return errors
+
+
+def _two_batches_overlapped(calls):
+    """DeepEP's two-batch overlap: dispatch A, dispatch B (each only sending), A's hook, B's hook, then their combines
+    the same way; batch B routes the tokens in reverse order. A's and B's outputs (BF16 dispatch), copied."""
+    x, idx, weights, T, E = calls.x, calls.idx, calls.weights, calls.T, calls.E
+    batches = [(x, idx, weights), (x.flip(0).contiguous(), idx.flip(0).contiguous(), weights.flip(0).contiguous())]
+    sent = [calls.buf.low_latency_dispatch(b[0], b[1], T, E, use_fp8=False, return_recv_hook=True) for b in batches]
+    for res in sent:
+        res[4]()
+    combined = [
+        calls.buf.low_latency_combine(calls.y, b[1], b[2], res[2], return_recv_hook=True)
+        for b, res in zip(batches, sent)
+    ]
+    for res in combined:
+        res[2]()
+    torch.cuda.current_stream().synchronize()
+    parts = []
+    for res, out in zip(sent, combined):
+        parts += _valid_parts((res[0], None), res[1], res[2], out[0])
+    return parts
+
+
+def _refused_at_runtime(call, expect):
+    try:
+        call()
+    except RuntimeError as e:
+        return None if expect in str(e) else f"raised, but the message lacks {expect!r}: {e}"
+    return f"returned ({expect} expected)"
 
 
 def _side_stream_round_trip(calls, counter, x2):
@@ -213,6 +358,7 @@ def fast_path_body(rank, world, rpn, transport, seed, T, H, E, K):
                 error = _not_the_experts_sum(parts[2], ref64, abs64, K)  # parts[2]: the combined rows
                 if error:
                     errors.append(f"{case}, {path} path: {error}")
+    errors += _hooks_and_events(calls, counter, rank, x_cpu, idx_cpu, weights_cpu, K)
     runs = len(FLAGS) * len(COMBINES)
     if counter.taken < 2 * runs:  # at least each case's last round trip (dispatch and combine) went the fast way
         errors.append(f"the fast path launched {counter.taken} calls, expected at least {2 * runs}")
@@ -256,7 +402,15 @@ def fast_path_body(rank, world, rpn, transport, seed, T, H, E, K):
     expected = 1 if rank == 0 else 0
     if len(dropped) != expected or any(str(E + 5) not in str(e) or e.results is None for e in dropped):
         errors.append(f"rank {rank}: expected {expected} DroppedInput naming expert {E + 5}, got {dropped}")
+    pending = None
+    if world == 1:  # a hook outliving its Buffer: with peers, their receive phases would wait for this rank's
+        pending = calls.buf.low_latency_dispatch(x, idx, T, E, return_recv_hook=True)[4]
+        torch.cuda.synchronize()
     calls.buf.destroy()
+    if pending is not None:
+        error = _refused_at_runtime(pending, "destroyed")
+        if error:
+            errors.append(f"a hook called after destroy(): {error}")
     if "low_latency_dispatch" in vars(calls.buf) or "low_latency_combine" in vars(calls.buf):
         errors.append("destroy() left the fast path's entries on the Buffer")
     try:

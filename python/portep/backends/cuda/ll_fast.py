@@ -1,8 +1,11 @@
 """The low-latency calls' hot path on the CUDA backend: one native call per phase (portep._ll_torch), reached from
 the caller without a Python frame (Buffer's LL methods are its entries on each Buffer that has it), that checks the
 call against a signature the full path validated, allocates the outputs and launches the kernels. Anything it does
-not take (a new signature, async_finish, a receive hook, shrink mode, a Buffer that failed or is out of step) goes
-the full way through Buffer's Python methods and CudaEngine, which give the same results more slowly.
+not take (a new signature, shrink mode, a Buffer that failed or is out of step, tensors of other shapes, dtypes or
+devices) goes the full way through Buffer's Python methods and CudaEngine, which give the same results more slowly.
+It takes async_finish calls (their EventOverlap made by async_event below) and hooked ones (return_recv_hook=True:
+the hook it returns launches the receive phase natively, python/src/ll_torch_hook.cpp), as DeepEP's callers make
+them.
 
 portep._ll_torch links libtorch, so it loads only under the torch it was built against (build_info's
 ll_fast_path_torch); an install without it (pip's build isolation), or built for another torch, compiles it at first
@@ -15,6 +18,7 @@ import warnings
 import torch
 
 from ...event import EventOverlap
+from .engine import CudaEvent
 from . import ll_jit
 
 FAST_PATH_VAR = "PORTEP_LL_FAST_PATH"
@@ -74,5 +78,18 @@ def fast_calls(module, engine, buffer, full_dispatch, full_combine):
     one, and raise a kernel's notice with the call's results as the full path does (engine.raise_notice)."""
     shared = engine.native.ll_shared(engine.lockstep.state, engine.kernels)
     return module.LLCalls(
-        shared, engine.lockstep, buffer, EventOverlap, engine.raise_notice, full_dispatch, full_combine
+        shared,
+        engine.lockstep,
+        buffer,
+        EventOverlap,
+        engine.raise_notice,
+        full_dispatch,
+        full_combine,
+        async_event,
     )
+
+
+def async_event(extra_tensors):
+    """The EventOverlap of an async_finish call, recorded on the current stream after its launch and keeping
+    extra_tensors alive: Buffer._event's, for the fast path."""
+    return EventOverlap(CudaEvent(), extra_tensors)
