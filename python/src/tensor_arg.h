@@ -121,20 +121,20 @@ class GpuTensors {
   template <class T>
   T* entries(py::handle t, const char* name, const char* dtype, int64_t n, Entries want = Entries::kExactly,
              bool optional = true) {
-    return checked(tensor_arg(t, name, dtype, "cuda", device(t), optional), name, n, want, false).template as<T>();
+    return checked(arg(t, name, dtype, optional), name, n, want, false).template as<T>();
   }
   // Any dtype, counted in bytes (rows of x, 4-byte scales of float32 or int32).
   template <class T>
   T* bytes(py::handle t, const char* name, int64_t n, bool optional = true) {
-    return checked(tensor_arg(t, name, nullptr, "cuda", device(t), optional), name, n, Entries::kExactly, true)
-        .template as<T>();
+    return checked(arg(t, name, nullptr, optional), name, n, Entries::kExactly, true).template as<T>();
   }
 
  private:
-  int device(py::handle t) {
-    const TensorAttrs& a = tensor_attrs();
-    if (device_ < 0 && !t.is_none() && t.attr(a.is_cuda).cast<bool>()) device_ = t.attr(a.get_device)().cast<int>();
-    return device_;  // -1 (any) until the first tensor on a GPU names it
+  // t as tensor_arg reads it on device_, which the first tensor given names where it is -1 (any GPU until then)
+  TensorArg arg(py::handle t, const char* name, const char* dtype, bool optional) {
+    TensorArg h = tensor_arg(t, name, dtype, "cuda", device_, optional);
+    if (device_ < 0 && h.present) device_ = t.attr(tensor_attrs().get_device)().cast<int>();
+    return h;
   }
   TensorArg checked(const TensorArg& h, const char* name, int64_t n, Entries want, bool in_bytes) const {
     const int64_t have = in_bytes ? h.span.bytes : h.numel;

@@ -45,6 +45,13 @@ class CudaStandIn:
         return self.t.element_size()
 
 
+def _on_gpu(t, index):
+    """A stand-in on cuda:index (the first tensor a binding reads names the GPU the others must be on)."""
+    stand_in = CudaStandIn(t)
+    stand_in.device = types.SimpleNamespace(type="cuda", index=index)
+    return stand_in
+
+
 def _layout_args(N=16, K=4, E=32, R=4, L=2, on_gpu=True):
     wrap = CudaStandIn if on_gpu else (lambda t: t)
     return dict(
@@ -83,8 +90,9 @@ def test_the_layout_binding_takes_no_per_node_counts_on_one_node():
         (lambda a: a.update(topk_idx=a["topk_idx"].t), "topk_idx: a tensor on cuda is needed, got one on cpu"),
         (lambda a: a.update(per_expert=CudaStandIn(torch.empty(31, dtype=torch.int32))), "per_expert: 31 entries"),
         (lambda a: a.update(is_token_in_rank=CudaStandIn(torch.empty(16, 4))), "is_token_in_rank: dtype"),
+        (lambda a: a.update(per_rank=_on_gpu(a["per_rank"].t, 1)), "per_rank: a tensor on cuda:0 is needed"),
     ],
-    ids=["cpu-topk_idx", "short-per_expert", "float-is_token_in_rank"],
+    ids=["cpu-topk_idx", "short-per_expert", "float-is_token_in_rank", "per_rank-on-another-gpu"],
 )
 def test_the_layout_binding_refuses_a_wrong_tensor_by_name(change, message):
     args = _layout_args()
