@@ -64,7 +64,7 @@ def _collective(what):
     def wrap(method):
         @functools.wraps(method)
         def run(self, *args, **kwargs):
-            call = _Collective(self._engine(), what, self._device)
+            call = _Collective(self, what)
             with call, _host_factories(self._device):
                 self._call = call
                 try:
@@ -832,8 +832,9 @@ class _Collective:
     """One collective call's bookkeeping (lockstep.py): validation failures before start() are refusals, which the
     peers learn of at once; failures after it leave the Buffer out of step; a DroppedInput is neither."""
 
-    def __init__(self, engine, what, device):
-        self.lockstep, self.what, self.started, self.device = engine.lockstep, what, False, device
+    def __init__(self, buffer, what):
+        self.buffer, self.what, self.started, self.device = buffer, what, False, buffer._device
+        self.lockstep = buffer._engine().lockstep
 
     def __enter__(self):
         self.lockstep.begin()
@@ -855,6 +856,8 @@ class _Collective:
         def guarded():
             if called:
                 raise RuntimeError(f"{self.what}'s receive hook: already called (it launches the receive phase once)")
+            if self.buffer.runtime is None:
+                raise RuntimeError(f"{self.what}'s receive hook: its Buffer was destroyed")
             called.append(True)
             try:
                 with _host_factories(self.device):

@@ -104,6 +104,13 @@ def test_views_keep_their_memory_after_destroy(path):
     assert_clean(out, 5)
 
 
+@pytest.mark.parametrize("path", PATHS[1:3], ids=IDS[1:3])
+def test_a_receive_hook_runs_once_and_not_after_destroy(path):
+    world, rpn, transport = path
+    out = run_ranks(r.hook_after_destroy_body, world, args=(rpn, transport), timeout=120)
+    assert_clean(out, 3)
+
+
 def test_a_rank_killed_while_building_leaves_no_segment_behind():
     out = run_ranks(r.killed_while_building_body, 2, timeout=120, expect_missing=(1,))
     res = out[0]

@@ -365,6 +365,32 @@ def view_after_destroy_body(rank, world, rpn, transport):
     return {"failures": ck.failures, "checks": ck.num_checks}
 
 
+def hook_after_destroy_body(rank, world, rpn, transport):
+    """A receive hook outliving its Buffer (destroy() before it was called) raises naming that, never touching the
+    freed memory; a hook called twice raises too, and the Buffer goes on in step."""
+    ck = w.Checker(rank)
+    E = 4 * world
+    buf = _buffer(world, rpn, transport, 20.0, E)
+    inp = w.make_ll_inputs(rank, 13, T, H, K, E)
+    res = buf.low_latency_dispatch(inp["x_struct"], inp["idx"], T, E, use_fp8=False, return_recv_hook=True)
+    res[4]()
+    try:
+        res[4]()
+        ck.fail("a receive hook called twice did not raise")
+    except RuntimeError as e:
+        ck.true("already called" in str(e), f"a receive hook called twice raised {e!r}")
+    LLRound(world, 17, E).run(ck, buf)  # in step: a good round after the refused second call
+    hook = buf.low_latency_dispatch(inp["x_struct"], inp["idx"], T, E, use_fp8=False, return_recv_hook=True)[4]
+    dist.barrier()
+    buf.destroy()
+    try:
+        hook()
+        ck.fail("a receive hook called after destroy() did not raise")
+    except RuntimeError as e:
+        ck.true("destroyed" in str(e), f"a receive hook called after destroy() raised {e!r}")
+    return {"failures": ck.failures, "checks": ck.num_checks}
+
+
 def killed_while_building_body(rank, world):
     """The last rank is killed while it builds its Buffer (its segments exist, nobody has mapped them yet): returns
     what that rank held and what /dev/shm had then, for the test."""
