@@ -64,7 +64,7 @@ def _collective(what):
     def wrap(method):
         @functools.wraps(method)
         def run(self, *args, **kwargs):
-            call = _Collective(self, what)
+            call = _Collective(self, self._engine(), what, self._device)
             with call, _host_factories(self._device):
                 self._call = call
                 try:
@@ -832,9 +832,8 @@ class _Collective:
     """One collective call's bookkeeping (lockstep.py): validation failures before start() are refusals, which the
     peers learn of at once; failures after it leave the Buffer out of step; a DroppedInput is neither."""
 
-    def __init__(self, buffer, what):
-        self.buffer, self.what, self.started, self.device = buffer, what, False, buffer._device
-        self.lockstep = buffer._engine().lockstep
+    def __init__(self, buffer, engine, what, device):
+        self.buffer, self.lockstep, self.what, self.started, self.device = buffer, engine.lockstep, what, False, device
 
     def __enter__(self):
         self.lockstep.begin()
