@@ -39,20 +39,17 @@ class Calls:
         torch.cuda.current_stream().synchronize()
         return _valid_parts(recv_x if use_fp8 else (recv_x, None), count, handle, combined)
 
+    def dispatch(self, flags, **mode):
+        """low_latency_dispatch of the inputs with these (use_fp8, round_scale, use_ue8m0) and mode's keywords."""
+        use_fp8, round_scale, use_ue8m0 = flags
+        return self.buf.low_latency_dispatch(
+            self.x, self.idx, self.T, self.E, use_fp8=use_fp8, round_scale=round_scale, use_ue8m0=use_ue8m0, **mode
+        )
+
     def hooked_round_trip(self, flags, zero_copy=False):
         """round_trip with return_recv_hook=True on both calls, each hook called before the next call, as DeepEP's
         overlap mode calls them; the hooks are also returned."""
-        use_fp8, round_scale, use_ue8m0 = flags
-        recv_x, count, handle, event, hook = self.buf.low_latency_dispatch(
-            self.x,
-            self.idx,
-            self.T,
-            self.E,
-            use_fp8=use_fp8,
-            round_scale=round_scale,
-            use_ue8m0=use_ue8m0,
-            return_recv_hook=True,
-        )
+        recv_x, count, handle, event, hook = self.dispatch(flags, return_recv_hook=True)
         if event.event is not None or not callable(hook):
             raise AssertionError(f"a hooked dispatch returned event {event.event!r} and hook {hook!r}")
         hook()
@@ -63,30 +60,20 @@ class Calls:
         )
         combine_hook()
         torch.cuda.current_stream().synchronize()
-        return _valid_parts(recv_x if use_fp8 else (recv_x, None), count, handle, combined), (hook, combine_hook)
+        return _valid_parts(recv_x if flags[0] else (recv_x, None), count, handle, combined), (hook, combine_hook)
 
     def async_round_trip(self, flags):
         """round_trip with async_finish=True, each event waited on as DeepEP's test does; the events' extra tensors
         are checked to be the call's own (DeepEP's keep-alive list)."""
-        use_fp8, round_scale, use_ue8m0 = flags
-        recv_x, count, handle, event, hook = self.buf.low_latency_dispatch(
-            self.x,
-            self.idx,
-            self.T,
-            self.E,
-            use_fp8=use_fp8,
-            round_scale=round_scale,
-            use_ue8m0=use_ue8m0,
-            async_finish=True,
-        )
-        data, scales = recv_x if use_fp8 else (recv_x, None)
+        recv_x, count, handle, event, hook = self.dispatch(flags, async_finish=True)
+        data, scales = recv_x if flags[0] else (recv_x, None)
         _check_extra(event, (self.x, self.idx, data, scales, count, handle[0], handle[1], None), hook)
         event.current_stream_wait()
         combined, event, hook = self.buf.low_latency_combine(self.y, self.idx, self.weights, handle, async_finish=True)
         _check_extra(event, (self.y, self.idx, self.weights, handle[0], handle[1], combined), hook)
         event.current_stream_wait()
         torch.cuda.current_stream().synchronize()
-        return _valid_parts(recv_x if use_fp8 else (recv_x, None), count, handle, combined)
+        return _valid_parts((data, scales), count, handle, combined)
 
     def use_expert_outputs(self, flags, rank):
         """y := the test experts' outputs (ref.ll_expert_outputs: distinct per expert and source rank) of the rows
