@@ -117,20 +117,8 @@ struct LLCalls {
   unsigned long long taken, declined;
 };
 
-// A call failed after its launch was tried (the error is set): this rank is out of step (Lockstep.fail, as the full
-// path does). The call's error is raised.
-PyObject* out_of_step(LLCalls* c, const Signature& sig) {
-  PyObject *type, *value, *trace;
-  PyErr_Fetch(&type, &value, &trace);
-  PyErr_NormalizeException(&type, &value, &trace);
-  if (c->lockstep) {
-    PyObject* fail = PyObject_CallMethodObjArgs(c->lockstep, s_fail, sig.what_str, value ? value : Py_None, nullptr);
-    if (!fail) PyErr_WriteUnraisable(c->lockstep);  // the call's own error is the one to raise
-    Py_XDECREF(fail);
-  }
-  PyErr_Restore(type, value, trace);
-  return nullptr;
-}
+// A call failed after its launch was tried (the error is set): this rank is out of step. The call's error is raised.
+PyObject* out_of_step(LLCalls* c, const Signature& sig) { return lt::fail_out_of_step(c->lockstep, sig.what_str); }
 
 // The launch was tried and failed (the error is set): the call counts (made_call), then out_of_step.
 PyObject* failed(LLCalls* c, const Signature& sig) {
@@ -365,6 +353,23 @@ bool prepare_signatures() {
 PyModuleDef kModule = {PyModuleDef_HEAD_INIT, "_ll_torch", "portep's LL hot path against torch", -1, nullptr};
 
 }  // namespace
+
+namespace portep::ll_torch {
+
+PyObject* fail_out_of_step(PyObject* lockstep, PyObject* what) {
+  PyObject *type, *value, *trace;
+  PyErr_Fetch(&type, &value, &trace);
+  PyErr_NormalizeException(&type, &value, &trace);
+  if (lockstep) {
+    PyObject* fail = PyObject_CallMethodObjArgs(lockstep, s_fail, what, value ? value : Py_None, nullptr);
+    if (!fail) PyErr_WriteUnraisable(lockstep);  // the call's own error is the one to raise
+    Py_XDECREF(fail);
+  }
+  PyErr_Restore(type, value, trace);
+  return nullptr;
+}
+
+}  // namespace portep::ll_torch
 
 PyMODINIT_FUNC PyInit__ll_torch() {
   if (!prepare_signatures() || PyType_Ready(&kCallsType) < 0 || !lt::recv_hook_type_ready()) return nullptr;

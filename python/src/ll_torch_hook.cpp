@@ -7,7 +7,6 @@
 #include <c10/core/impl/DeviceGuardImplInterface.h>
 
 #include <new>
-#include <string>
 #include <utility>
 
 #include "python/src/ll_torch_path.h"
@@ -34,18 +33,10 @@ PyObject* hook_error(const RecvHook* h, const char* why) {
   return nullptr;
 }
 
-// The launch failed (its error set): the Buffer is out of step (lockstep.fail), and the error is raised.
+// The launch failed: its error is raised, and the Buffer is out of step (lockstep.fail).
 PyObject* launch_failed(RecvHook* h, int err) {
-  const std::string text = h->table->error_string ? h->table->error_string(err) : "launch failed";
-  PyErr_Format(PyExc_RuntimeError, "%U: %s", h->what, text.c_str());
-  PyObject *type, *value, *trace;
-  PyErr_Fetch(&type, &value, &trace);
-  PyErr_NormalizeException(&type, &value, &trace);
-  PyObject* failed = PyObject_CallMethod(h->lockstep, "fail", "OO", h->what, value ? value : Py_None);
-  if (!failed) PyErr_WriteUnraisable(h->lockstep);  // the launch's error is the one to raise
-  Py_XDECREF(failed);
-  PyErr_Restore(type, value, trace);
-  return nullptr;
+  PyErr_Format(PyExc_RuntimeError, "%U: %s", h->what, h->table->error_string(err));
+  return lt::fail_out_of_step(h->lockstep, h->what);
 }
 
 PyObject* hook_call(PyObject* self, PyObject* args, PyObject* kwargs) {

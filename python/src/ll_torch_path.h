@@ -83,6 +83,10 @@ struct HookOwner {
   PyObject* what;
 };
 
+// With an error set: the Buffer is out of step (lockstep.fail(what, error), as the full path's failed calls and hooks
+// do; skipped where lockstep is null), and the error stays set to be raised; returns nullptr (ll_torch_calls.cpp).
+PyObject* fail_out_of_step(PyObject* lockstep, PyObject* what);
+
 // The hook of a hooked call (ll_torch_hook.cpp), taking over phase.keep: called once, it launches the receive phase
 // on the current stream of the table's GPU, then raises a notice pending (raise_notice()), as the full path's hook
 // does; a launch that fails marks the Buffer out of step (lockstep.fail(what, error)) and raises. A second call, or

@@ -715,21 +715,21 @@ def _ll_combine(ck, buf, sim, idx, w, handle, zero_copy, hook, out, cost_stats=N
     if hook:
         if ck.true(callable(chook), "combine: return_recv_hook=True but hook is not callable"):
             chook()
-            _check_second_hook_call(ck, chook)
+            check_hook_runs_once(ck, chook)
     else:
         ck.true(chook is None, "combine: return_recv_hook=False but hook is not None")
     return combined
 
 
-def _check_second_hook_call(ck, hook):
-    """A receive hook runs once: called again it raises, launching nothing (a second receive phase would wait for data
-    no peer sends), and the Buffer goes on in step (the caller's later rounds)."""
+def check_hook_runs_once(ck, hook):
+    """A receive hook, already called, runs once: called again it raises, launching nothing (a second receive phase
+    would wait for data no peer sends), and the Buffer goes on in step (the caller's later rounds)."""
     try:
         hook()
     except RuntimeError as e:
-        ck.true("already called" in str(e), f"combine: a receive hook called twice raised {e!r}")
+        ck.true("already called" in str(e), f"a receive hook called twice raised {e!r}")
     else:
-        ck.true(False, "combine: a receive hook called twice ran again")
+        ck.true(False, "a receive hook called twice ran again")
 
 
 def _check_ll_combine(ck, combined, out, x_self, x_self_q, idx, w, use_fp8, round_scale):
