@@ -180,6 +180,9 @@ class _LLShared(ctypes.Structure):  # python/src/ll_shared.h's LLShared, version
     ]
 
 
+LL_SHARED_VERSION = 2  # python/src/ll_shared.h, LLShared::kVersion (2: LLPlanTable gained snapshot_mask_fn)
+
+
 def _capsule(struct, name=b"portep._C.LLShared"):
     new = ctypes.pythonapi.PyCapsule_New
     new.restype, new.argtypes = ctypes.py_object, [ctypes.c_void_p, ctypes.c_char_p, ctypes.c_void_p]
@@ -190,7 +193,7 @@ def _capsule(struct, name=b"portep._C.LLShared"):
     "field, value, named",
     [
         ("magic", 0x12345678, "magic 305419896, expected"),
-        ("version", 2, "version 2, expected 1"),
+        ("version", LL_SHARED_VERSION + 1, f"version {LL_SHARED_VERSION + 1}, expected {LL_SHARED_VERSION}"),
         ("size", 48, "size 48, expected 40"),
         ("lockstep_size", 40, "LockstepState size 40, expected 32"),
         ("lockstep", 0, "no LockstepState"),
@@ -199,7 +202,7 @@ def _capsule(struct, name=b"portep._C.LLShared"):
 def test_a_capsule_of_another_layout_is_refused_naming_what_differs(field, value, named):
     """The layout check a portep._ll_torch of another build meets: each field of the header is compared."""
     lockstep = ctypes.create_string_buffer(32)
-    struct = _LLShared(0x534C4C50, 1, 40, 32, 0, None, ctypes.addressof(lockstep))
+    struct = _LLShared(0x534C4C50, LL_SHARED_VERSION, 40, 32, 0, None, ctypes.addressof(lockstep))
     name = ctypes.create_string_buffer(b"portep._C.LLShared")
     good = _capsule(struct, name)
     _ll_torch.LLCalls(good, Lockstep(), FakeBuffer(), object, print, print, print)  # the header as this build has it
