@@ -83,12 +83,6 @@ int host_alloc_mapped(void** host, void** device, uint64_t bytes) {
 
 int host_free_mapped(void* host) { return int(cudaFreeHost(host)); }
 
-int ll_snapshot_mask(const LLCommon& c) {
-  if (!c.mask) return 0;
-  return int(cudaMemcpyAsync(const_cast<uint32_t*>(c.send_mask), c.mask, sizeof(uint32_t) * size_t(c.num_ranks),
-                             cudaMemcpyDeviceToDevice, static_cast<cudaStream_t>(c.stream)));
-}
-
 int stream_capturing(void* stream, bool* capturing) {
   cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;
   const cudaError_t e = cudaStreamIsCapturing(static_cast<cudaStream_t>(stream), &status);

@@ -194,9 +194,6 @@ struct LLGraphCounts {
   uint64_t launches = 0, builds = 0, updates = 0;
 };
 LLGraphCounts ll_graph_counts(const LLGraphs* graphs);
-// Shrink mode (c.mask set): the mask as the call begins, copied into c.send_mask on the call's stream before its
-// launch, so its send sides decide from it while its receive sides may mask more ranks; 0 (nothing queued) without one.
-int ll_snapshot_mask(const LLCommon& c);
 // Whether `stream` (cudaStream_t) is being captured into a CUDA graph; the query's error otherwise.
 int stream_capturing(void* stream, bool* capturing);
 int load_ll_dispatch_kernels();

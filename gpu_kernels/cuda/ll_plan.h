@@ -68,8 +68,7 @@ struct LLPlanTable {
   int (*dispatch_graphed_fn)(LLGraphs*, const LLDispatchArgs&) = nullptr;
   int (*combine_graphed_fn)(LLGraphs*, const LLCombineArgs&) = nullptr;
   int (*capturing_fn)(void*, bool*) = nullptr;
-  int (*snapshot_mask_fn)(const LLCommon&) = nullptr;  // shrink mode's copy of the mask before each launch
-  static constexpr uint32_t kNoChain = 0;              // no call has this number (lockstep.wire_seq starts at 1)
+  static constexpr uint32_t kNoChain = 0;  // no call has this number (lockstep.wire_seq starts at 1)
   uint32_t chain_half = 0, chain_seq = kNoChain;
   int graph_error = 0;  // the first error that turned graph launches off
 
@@ -112,9 +111,6 @@ struct LLPlanTable {
  private:
   template <class Args>
   int launch(Args& a, int phases, int (*kernel_fn)(const Args&, int), int (*graph_fn)(LLGraphs*, const Args&)) {
-    if (a.c.mask) {  // shrink mode (the table's owner sets snapshot_mask_fn): nothing launched if the copy fails
-      if (const int err = snapshot_mask_fn(a.c)) return err;
-    }
     bool capturing = true;
     if (!capturing_fn || capturing_fn(a.c.stream, &capturing) != 0) capturing = true;  // unknown: as if captured
     if (!capturing && a.c.half == chain_half && a.c.seq == chain_seq && graphs && graph_fn &&

@@ -177,7 +177,9 @@ class Buffer:
             from .backends.cuda.comm_stream import CommStream
 
             self._comm = CommStream(self.runtime)
-            if fast_module is not None:
+            if fast_module is not None and self.enable_shrink:
+                self.ll_fast_path_off = "enable_shrink=True: shrink-mode calls take the full path"
+            elif fast_module is not None:
                 self._install_ll_fast_path(fast_module)
 
     def _install_ll_fast_path(self, module):

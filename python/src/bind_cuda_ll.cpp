@@ -61,7 +61,6 @@ class LLKernels {
     table_->dispatch_graphed_fn = &ll_dispatch_graphed;
     table_->combine_graphed_fn = &ll_combine_graphed;
     table_->capturing_fn = &stream_capturing;
-    table_->snapshot_mask_fn = &ll_snapshot_mask;
     table_->graphs = graphs_.get();
   }
 

@@ -45,7 +45,7 @@ constexpr const char* kLLSharedCapsule = "portep._C.LLShared";
 
 struct LLShared {
   static constexpr uint32_t kMagic = 0x534C4C50;  // "PLLS" in memory
-  static constexpr uint32_t kVersion = 2;         // bump on any change to this struct or to what it points to
+  static constexpr uint32_t kVersion = 1;         // bump on any change to this struct or to what it points to
   uint32_t magic = kMagic;
   uint32_t version = kVersion;
   uint32_t size = sizeof(LLShared);

@@ -488,9 +488,6 @@ def shrink_body(rank, world, rpn, transport, seed, rounds, backend="host", defau
         buf.low_latency_update_mask_buffer(r, True)
     _expect_mask(ck, buf, world, masked, "after update_mask_buffer")
     _ll_checked_round(ck, buf, world, inputs[seed + 99], E, masked, "after the mask functions")
-    if backend == "cuda" and not buf.ll_fast_path_off:  # each signature's calls after its first: native, mask and all
-        taken = buf._ll_fast.taken
-        ck.true(taken >= 2 * rounds, f"the LL fast path took {taken} shrink-mode calls, expected {2 * rounds} or more")
     buf.destroy()
     dist.barrier()
     return {"failures": ck.failures, "checks": ck.num_checks}

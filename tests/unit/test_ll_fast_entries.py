@@ -180,7 +180,7 @@ class _LLShared(ctypes.Structure):  # python/src/ll_shared.h's LLShared, version
     ]
 
 
-LL_SHARED_VERSION = 2  # python/src/ll_shared.h, LLShared::kVersion (2: LLPlanTable gained snapshot_mask_fn)
+LL_SHARED_VERSION = 1  # python/src/ll_shared.h, LLShared::kVersion
 
 
 def _capsule(struct, name=b"portep._C.LLShared"):

@@ -291,8 +291,10 @@ class CudaEngine(Topology):
             raise AgreedRefusal(f"{where} has {self.ll_bytes} bytes but {what} needs {needed} bytes")
 
     def _launch_stream(self):
-        """The stream an LL launch goes on (torch's current one). In shrink mode the launch itself copies the mask
-        into send_mask on it first (gpu_kernels/cuda/ll_plan.h), on both call paths."""
+        """The stream an LL launch goes on (torch's current one); in shrink mode the mask as it begins, which its
+        send sides read (stream-ordered)."""
+        if self.mask is not None:
+            self._send_mask.copy_(self.mask)
         return _current_raw_stream(self.device.index)
 
     def mark_checked(self, T, H, E, dispatch_flags=None):

@@ -1,7 +1,7 @@
 """The low-latency calls' hot path on the CUDA backend: one native call per phase (portep._ll_torch), reached from
 the caller without a Python frame (Buffer's LL methods are its entries on each Buffer that has it), that checks the
 call against a signature the full path validated, allocates the outputs and launches the kernels. Anything it does
-not take (a new signature, a Buffer that failed or is out of step, tensors of other shapes, dtypes or
+not take (a new signature, shrink mode, a Buffer that failed or is out of step, tensors of other shapes, dtypes or
 devices) goes the full way through Buffer's Python methods and CudaEngine, which give the same results more slowly.
 It takes async_finish calls (their EventOverlap made by async_event below) and hooked ones (return_recv_hook=True:
 the hook it returns launches the receive phase natively, python/src/ll_torch_hook.cpp), as DeepEP's callers make
