@@ -231,24 +231,40 @@ def _hooks_and_events(calls, counter, rank, x_cpu, idx_cpu, weights_cpu, K):
 
 
 def _two_batches_overlapped(calls):
-    """DeepEP's two-batch overlap: dispatch A, dispatch B (each only sending), A's hook, B's hook, then their combines
-    the same way; batch B routes the tokens in reverse order. A's and B's outputs (BF16 dispatch), copied."""
+    """Two calls in flight, each hook called after the other call sent: dispatch A, dispatch B (each only sending),
+    A's hook, B's hook, then their combines the same way; batch B routes the tokens in reverse order. A's and B's
+    outputs (BF16 dispatch), copied. Each hook must launch its own call's receive phase (its half and number), not
+    the latest call's.
+
+    Every rank finishes its calls before the pair begins (synchronize, then a barrier): with two halves, call k+2
+    reuses call k's receive area, and a rank sends k+2 once it received k+1, which its peers sent before their hook
+    of call k ran; without the barrier a slow peer may still be reading call k when call k+2's rows land (DeepEP's
+    double buffering has the same bound; on 2026-12-07 the proxy case without it failed on an H100, the out-of-step
+    check naming the rows' bytes as a call number)."""
     x, idx, weights, T, E = calls.x, calls.idx, calls.weights, calls.T, calls.E
     batches = [(x, idx, weights), (x.flip(0).contiguous(), idx.flip(0).contiguous(), weights.flip(0).contiguous())]
+    _every_rank_done()
     sent = [calls.buf.low_latency_dispatch(b[0], b[1], T, E, use_fp8=False, return_recv_hook=True) for b in batches]
     for res in sent:
         res[4]()
+    _every_rank_done()
     combined = [
         calls.buf.low_latency_combine(calls.y, b[1], b[2], res[2], return_recv_hook=True)
         for b, res in zip(batches, sent)
     ]
     for res in combined:
         res[2]()
-    torch.cuda.current_stream().synchronize()
+    _every_rank_done()
     parts = []
     for res, out in zip(sent, combined):
         parts += _valid_parts((res[0], None), res[1], res[2], out[0])
     return parts
+
+
+def _every_rank_done():
+    """This rank's GPU work finished, then every rank's (a barrier)."""
+    torch.cuda.current_stream().synchronize()
+    dist.barrier()
 
 
 def _refused_at_runtime(call, expect):
