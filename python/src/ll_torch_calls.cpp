@@ -110,7 +110,6 @@ struct LLCalls {
   PyObject* lockstep;              // the engine's Lockstep (its fail() marks the Buffer out of step)
   PyObject* buffer;                // a weak reference to the Buffer (its instance dict holds this object's entries)
   PyObject* event_type;            // EventOverlap
-  PyObject* async_event;           // async_event(extra_tensors): an async_finish call's EventOverlap (None: declined)
   PyObject* raise_notice;          // the engine's raise_notice
   PyObject* full[2];               // Buffer.low_latency_dispatch, Buffer.low_latency_combine (Python functions)
   char enabled;
@@ -190,7 +189,7 @@ PyObject* enter(LLCalls* c, int phase, PyObject* const* args, size_t nargsf, PyO
   if (c->enabled && c->state && c->state->in_step() && bind(sig, args, PyVectorcall_NARGS(nargsf), kwnames, bound)) {
     const uint32_t wire_seq = uint32_t(c->state->seq % 0xFFFFFFFFull + 1);  // lockstep.wire_seq of seq + 1
     lt::RecvPhase hooked;
-    PyObject* out = sig.run(c->table, bound, lt::CallContext{wire_seq, c->event_type, c->async_event}, &hooked);
+    PyObject* out = sig.run(c->table, bound, lt::CallContext{wire_seq, c->event_type}, &hooked);
     if (!out) return failed(c, sig);
     if (out != Py_None) {
       ++c->taken;
@@ -231,20 +230,18 @@ const portep::LLShared* shared_of(PyObject* shared) {
   return s;
 }
 
-// LLCalls(shared, lockstep, buffer, event_type, raise_notice, full_dispatch, full_combine, async_event=None)
+// LLCalls(shared, lockstep, buffer, event_type, raise_notice, full_dispatch, full_combine)
 PyObject* calls_new(PyTypeObject* type, PyObject* args, PyObject* kwargs) {
   PyObject *shared, *lockstep, *buffer, *event_type, *raise_notice, *full_dispatch, *full_combine;
-  PyObject* async_event = Py_None;
-  static const char* kw[] = {"shared",        "lockstep",     "buffer",      "event_type", "raise_notice",
-                             "full_dispatch", "full_combine", "async_event", nullptr};
-  if (!PyArg_ParseTupleAndKeywords(args, kwargs, "OOOOOOO|O:LLCalls", const_cast<char**>(kw), &shared, &lockstep,
-                                   &buffer, &event_type, &raise_notice, &full_dispatch, &full_combine, &async_event))
+  static const char* kw[] = {"shared",       "lockstep",      "buffer",       "event_type",
+                             "raise_notice", "full_dispatch", "full_combine", nullptr};
+  if (!PyArg_ParseTupleAndKeywords(args, kwargs, "OOOOOOO:LLCalls", const_cast<char**>(kw), &shared, &lockstep, &buffer,
+                                   &event_type, &raise_notice, &full_dispatch, &full_combine))
     return nullptr;
   if (!PyType_Check(event_type) || !PyCallable_Check(raise_notice) || !PyCallable_Check(full_dispatch) ||
-      !PyCallable_Check(full_combine) || (async_event != Py_None && !PyCallable_Check(async_event))) {
+      !PyCallable_Check(full_combine)) {
     PyErr_SetString(PyExc_TypeError,
-                    "LLCalls: event_type must be a class; raise_notice, full_dispatch and "
-                    "full_combine callables; async_event a callable or None");
+                    "LLCalls: event_type must be a class; raise_notice, full_dispatch and full_combine callables");
     return nullptr;
   }
   const portep::LLShared* s = shared_of(shared);
@@ -262,7 +259,6 @@ PyObject* calls_new(PyTypeObject* type, PyObject* args, PyObject* kwargs) {
   c->lockstep = Py_NewRef(lockstep);
   c->buffer = ref;
   c->event_type = Py_NewRef(event_type);
-  c->async_event = Py_NewRef(async_event);
   c->raise_notice = Py_NewRef(raise_notice);
   c->full[0] = Py_NewRef(full_dispatch);
   c->full[1] = Py_NewRef(full_combine);
@@ -271,9 +267,8 @@ PyObject* calls_new(PyTypeObject* type, PyObject* args, PyObject* kwargs) {
 }
 
 // The references an LLCalls owns (the one list its traverse and clear walk).
-std::array<PyObject**, 8> owned_refs(LLCalls* c) {
-  return {&c->shared,       &c->lockstep, &c->buffer,  &c->event_type,
-          &c->raise_notice, &c->full[0],  &c->full[1], &c->async_event};
+std::array<PyObject**, 7> owned_refs(LLCalls* c) {
+  return {&c->shared, &c->lockstep, &c->buffer, &c->event_type, &c->raise_notice, &c->full[0], &c->full[1]};
 }
 
 int calls_traverse(PyObject* self, visitproc visit, void* arg) {
@@ -372,7 +367,8 @@ PyObject* fail_out_of_step(PyObject* lockstep, PyObject* what) {
 }  // namespace portep::ll_torch
 
 PyMODINIT_FUNC PyInit__ll_torch() {
-  if (!prepare_signatures() || PyType_Ready(&kCallsType) < 0 || !lt::recv_hook_type_ready()) return nullptr;
+  if (!prepare_signatures() || PyType_Ready(&kCallsType) < 0 || !lt::recv_hook_type_ready() || !lt::event_type_ready())
+    return nullptr;
   PyObject* m = PyModule_Create(&kModule);
   if (!m) return nullptr;
   if (PyModule_AddStringConstant(m, "TORCH_VERSION", PORTEP_TORCH_VERSION) < 0 ||

@@ -167,24 +167,32 @@ at::Tensor part_of(const at::Tensor& base, at::ScalarType dtype, c10::IntArrayRe
 }
 
 // The call's async_finish and return_recv_hook, exactly True or False, as the fast path takes them: not both (the
-// full path refuses that), and async_finish only where the caller can make its event.
-bool call_mode(PyObject* async_arg, PyObject* hook_arg, const portep::ll_torch::CallContext& ctx, bool* async_finish,
-               bool* hook) {
-  return is_bool(async_arg, async_finish) && is_bool(hook_arg, hook) && !(*async_finish && *hook) &&
-         !(*async_finish && ctx.async_event == Py_None);
+// full path refuses that).
+bool call_mode(PyObject* async_arg, PyObject* hook_arg, bool* async_finish, bool* hook) {
+  return is_bool(async_arg, async_finish) && is_bool(hook_arg, hook) && !(*async_finish && *hook);
 }
 
-// The call's EventOverlap: a new instance without an event, or with async_finish ctx.async_event(extra) (extra, a new
-// reference, is taken over), as the full path makes them.
-PyObject* call_event(const portep::ll_torch::CallContext& ctx, bool async_finish, PyObject* extra) {
-  if (!async_finish) {
+// The call's EventOverlap, as the full path makes them: a new instance without an event; with async_finish, one whose
+// event (new_recorded_event) is recorded now on the current stream of `device`, the call's launch stream, and whose
+// extra_tensors are `extra` (a new reference, taken over; nullptr: making it failed, the error is set).
+PyObject* call_event(const portep::ll_torch::CallContext& ctx, bool async_finish, PyObject* extra, int device) {
+  if (async_finish && !extra) return nullptr;
+  PyObject* overlap = new_event(ctx.event_type);
+  if (!async_finish || !overlap) {
     Py_XDECREF(extra);
-    return new_event(ctx.event_type);
+    return overlap;
   }
-  if (!extra) return nullptr;
-  PyObject* event = PyObject_CallOneArg(ctx.async_event, extra);
+  static PyObject* const event_attr = PyUnicode_InternFromString("event");
+  static PyObject* const extra_attr = PyUnicode_InternFromString("extra_tensors");
+  if ((!event_attr || !extra_attr) && !PyErr_Occurred()) PyErr_NoMemory();
+  PyObject* event = event_attr && extra_attr ? portep::ll_torch::new_recorded_event(device) : nullptr;
+  const bool set =
+      event && PyObject_SetAttr(overlap, event_attr, event) == 0 && PyObject_SetAttr(overlap, extra_attr, extra) == 0;
+  Py_XDECREF(event);
   Py_DECREF(extra);
-  return event;
+  if (set) return overlap;
+  Py_DECREF(overlap);
+  return nullptr;
 }
 
 // A hooked call's results and receive phase (args: the launch's); else results as returned() gives them.
@@ -216,7 +224,7 @@ PyObject* dispatch_call(LLPlanTable* table, PyObject* const* args, const portep:
   long T, E;
   bool fp8, round_scale, ue8m0, async_finish, hook;
   PyObject* x_arg = args[kDispatchX];
-  if (!table || !call_mode(args[kDispatchAsyncFinish], args[kDispatchRecvHook], ctx, &async_finish, &hook) ||
+  if (!table || !call_mode(args[kDispatchAsyncFinish], args[kDispatchRecvHook], &async_finish, &hook) ||
       !is_int(args[kDispatchTokens], &T) || !is_int(args[kDispatchExperts], &E) ||
       !is_bool(args[kDispatchUseFp8], &fp8) || !is_bool(args[kDispatchRoundScale], &round_scale) ||
       !is_bool(args[kDispatchUseUe8m0], &ue8m0) || !THPVariable_CheckExact(x_arg))
@@ -283,7 +291,7 @@ PyObject* dispatch_call(LLPlanTable* table, PyObject* const* args, const portep:
                      new_ref(args[kDispatchRecvStats])});
   };
   PyObject* keep = hook ? tuple_of({tensors(), new_ref(args[kDispatchWaitStats])}) : nullptr;
-  PyObject* event = call_event(ctx, async_finish, async_finish ? tensors() : nullptr);
+  PyObject* event = call_event(ctx, async_finish, async_finish ? tensors() : nullptr, dev);
   return finish(*table, tuple_of({out_x, wrap(recv_count), handle, event, new_ref(Py_None)}), hook, a, keep, hooked);
 }
 
@@ -293,7 +301,7 @@ PyObject* combine_call(LLPlanTable* table, PyObject* const* args, const portep::
   PyObject* handle = args[kCombineHandle];
   long T, H, E;
   bool zero_copy, logfmt, async_finish, hook;
-  if (!table || !call_mode(args[kCombineAsyncFinish], args[kCombineRecvHook], ctx, &async_finish, &hook) ||
+  if (!table || !call_mode(args[kCombineAsyncFinish], args[kCombineRecvHook], &async_finish, &hook) ||
       !PyTuple_CheckExact(handle) || PyTuple_GET_SIZE(handle) != 5 || !is_int(PyTuple_GET_ITEM(handle, 2), &T) ||
       !is_int(PyTuple_GET_ITEM(handle, 3), &H) || !is_int(PyTuple_GET_ITEM(handle, 4), &E) ||
       !is_bool(args[kCombineZeroCopy], &zero_copy) || !is_bool(args[kCombineLogfmt], &logfmt) ||
@@ -345,7 +353,7 @@ PyObject* combine_call(LLPlanTable* table, PyObject* const* args, const portep::
                      new_ref(PyTuple_GET_ITEM(handle, 0)), new_ref(PyTuple_GET_ITEM(handle, 1)), combined()});
   };
   PyObject* keep = hook ? tuple_of({tensors(), new_ref(args[kCombineWaitStats])}) : nullptr;
-  PyObject* event = call_event(ctx, async_finish, async_finish ? tensors() : nullptr);
+  PyObject* event = call_event(ctx, async_finish, async_finish ? tensors() : nullptr, dev);
   return finish(*table, tuple_of({combined(), event, new_ref(Py_None)}), hook, a, keep, hooked);
 }
 

@@ -48,13 +48,12 @@ enum CombineArg {
   kCombineArgCount
 };
 
-// What a call needs besides its arguments: its sequence number as the kernels carry it (lockstep.wire_seq); the class
-// whose new instance without an event is the EventOverlap of a call without async_finish; async_event(extra_tensors),
-// the EventOverlap of an async_finish call, recorded on the current stream (Py_None: such calls are declined).
+// What a call needs besides its arguments: its sequence number as the kernels carry it (lockstep.wire_seq), and the
+// class whose new instance without an event is the EventOverlap of a call without async_finish (with async_finish,
+// the instance gets new_recorded_event's event and the call's tensors).
 struct CallContext {
   uint32_t seq;
   PyObject* event_type;
-  PyObject* async_event;
 };
 
 // The receive phase of a call made with return_recv_hook=True, which launched only its send phase: the launch's
@@ -93,5 +92,11 @@ PyObject* fail_out_of_step(PyObject* lockstep, PyObject* what);
 // one after the Buffer was destroyed, raises and launches nothing.
 PyObject* new_recv_hook(RecvPhase&& phase, const HookOwner& owner);
 bool recv_hook_type_ready();  // at module init
+
+// An async_finish call's event (ll_torch_event.cpp, type portep._ll_torch.Event), recorded now on the current stream
+// of `device`: the full path's CudaEvent's methods (current_stream_wait, query, synchronize); a RuntimeError set
+// and nullptr where the backend fails.
+PyObject* new_recorded_event(int device);
+bool event_type_ready();  // at module init
 
 }  // namespace portep::ll_torch

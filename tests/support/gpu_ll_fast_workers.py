@@ -75,6 +75,23 @@ class Calls:
         torch.cuda.current_stream().synchronize()
         return _valid_parts((data, scales), count, handle, combined)
 
+    def event_waits_for_its_call(self, path):
+        """An async_finish dispatch queued behind a GPU sleep: its event (portep._ll_torch.Event on the fast path,
+        CudaEvent on the full path) is not complete before the GPU got to the call, and is after synchronize();
+        what went wrong, else None."""
+        torch.cuda._sleep(200_000_000)  # about a tenth of a second of GPU time ahead of the call
+        event = self.dispatch(FLAGS[0], async_finish=True)[3].event
+        kind = type(event).__module__ + "." + type(event).__name__
+        want = "portep._ll_torch.Event" if path == "fast" else "portep.backends.cuda.engine.CudaEvent"
+        if kind != want:
+            return f"{path} path: an async_finish call's event is a {kind}, not a {want}"
+        if event.query():
+            return f"{path} path: the event was complete before the GPU reached the call"
+        event.synchronize()
+        if not event.query():
+            return f"{path} path: the event was not complete after synchronize()"
+        return None
+
     def use_expert_outputs(self, flags, rank):
         """y := the test experts' outputs (ref.ll_expert_outputs: distinct per expert and source rank) of the rows
         that a full-path round trip with these flags receives; idx is fixed, so every later dispatch with these
@@ -208,6 +225,11 @@ def _hooks_and_events(calls, counter, rank, x_cpu, idx_cpu, weights_cpu, K):
                 error = _not_the_experts_sum(parts[2], ref64, abs64, K)
                 if error:
                     errors.append(f"{case}, {path} path: {error}")
+    for path in ("full", "fast"):
+        calls.buf._ll_fast.enabled = path == "fast"
+        error = calls.event_waits_for_its_call(path)
+        if error:
+            errors.append(error)
     overlapped = {}
     for path in ("full", "fast"):
         calls.buf._ll_fast.enabled = path == "fast"

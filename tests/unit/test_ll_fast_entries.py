@@ -155,9 +155,10 @@ def test_the_entries_refuse_arguments_that_are_not_what_they_need():
     shared = native.ll_shared(_state(), None)
     with pytest.raises(TypeError, match="event_type must be a class"):
         _ll_torch.LLCalls(shared, Lockstep(), FakeBuffer(), None, print, print, print)
-    with pytest.raises(TypeError, match="async_event a callable or None"):
-        _ll_torch.LLCalls(shared, Lockstep(), FakeBuffer(), object, print, print, print, async_event=5)
-    _ll_torch.LLCalls(shared, Lockstep(), FakeBuffer(), object, print, print, print, async_event=print)
+    with pytest.raises(TypeError, match="full_dispatch and full_combine callables"):
+        _ll_torch.LLCalls(shared, Lockstep(), FakeBuffer(), object, print, print, 5)
+    with pytest.raises(TypeError, match="at most 7 arguments"):  # async_event (a Python event maker) is gone
+        _ll_torch.LLCalls(shared, Lockstep(), FakeBuffer(), object, print, print, print, print)
     with pytest.raises(TypeError, match=r"shared must be a portep\._C\.LLShared capsule .*, got object"):
         _ll_torch.LLCalls(object(), Lockstep(), FakeBuffer(), object, print, print, print)
     with pytest.raises(TypeError):

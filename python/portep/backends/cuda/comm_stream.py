@@ -30,6 +30,9 @@ class CommStream:
         prev = getattr(previous_event, "event", None)
         if isinstance(prev, CudaEvent):
             self.stream.wait_event(prev.event)
+        elif prev is not None:  # the LL fast path's native event (python/src/ll_torch_event.cpp)
+            with torch.cuda.stream(self.stream):
+                prev.current_stream_wait()
         else:
             self.stream.wait_stream(compute)
         engine.launch_stream = self.stream

@@ -3,7 +3,8 @@ the caller without a Python frame (Buffer's LL methods are its entries on each B
 call against a signature the full path validated, allocates the outputs and launches the kernels. Anything it does
 not take (a new signature, shrink mode, a Buffer that failed or is out of step, tensors of other shapes, dtypes or
 devices) goes the full way through Buffer's Python methods and CudaEngine, which give the same results more slowly.
-It takes async_finish calls (their EventOverlap made by async_event below) and hooked ones (return_recv_hook=True:
+It takes async_finish calls (their EventOverlap's event a native one recorded after the launch,
+python/src/ll_torch_event.cpp, with the methods of the full path's CudaEvent) and hooked ones (return_recv_hook=True:
 the hook it returns launches the receive phase natively, python/src/ll_torch_hook.cpp), as DeepEP's callers make
 them.
 
@@ -18,7 +19,6 @@ import warnings
 import torch
 
 from ...event import EventOverlap
-from .engine import CudaEvent
 from . import ll_jit
 
 FAST_PATH_VAR = "PORTEP_LL_FAST_PATH"
@@ -85,11 +85,4 @@ def fast_calls(module, engine, buffer, full_dispatch, full_combine):
         engine.raise_notice,
         full_dispatch,
         full_combine,
-        async_event,
     )
-
-
-def async_event(extra_tensors):
-    """The EventOverlap of an async_finish call, recorded on the current stream after its launch and keeping
-    extra_tensors alive: Buffer._event's, for the fast path."""
-    return EventOverlap(CudaEvent(), extra_tensors)
