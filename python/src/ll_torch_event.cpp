@@ -4,7 +4,6 @@
 // torch.cuda.Event made and recorded from Python costs several microseconds a call (its record() builds a Stream).
 #include <Python.h>
 #include <c10/core/Event.h>
-#include <c10/core/impl/DeviceGuardImplInterface.h>
 
 #include <exception>
 #include <new>
@@ -19,11 +18,6 @@ struct Event {
   int device;
 };
 
-c10::Stream current_stream(int device) {
-  return c10::impl::getDeviceGuardImpl(c10::DeviceType::CUDA)
-      ->getStream(c10::Device(c10::DeviceType::CUDA, static_cast<c10::DeviceIndex>(device)));
-}
-
 PyObject* event_error(const char* what, const std::exception& e) {
   PyErr_Format(PyExc_RuntimeError, "portep._ll_torch.Event.%s: %s", what, e.what());
   return nullptr;
@@ -33,7 +27,7 @@ PyObject* event_error(const char* what, const std::exception& e) {
 PyObject* event_current_stream_wait(PyObject* self, PyObject*) {
   Event* ev = reinterpret_cast<Event*>(self);
   try {
-    ev->event.block(current_stream(ev->device));
+    ev->event.block(portep::ll_torch::current_stream(ev->device));
   } catch (const std::exception& e) {
     return event_error("current_stream_wait", e);
   }

@@ -4,7 +4,6 @@
 // it launches on the current stream of the Buffer's GPU as the hook runs, and a failed launch leaves the Buffer out
 // of step; unlike a second kernel that would wait for data that never comes, a second call raises.
 #include <Python.h>
-#include <c10/core/impl/DeviceGuardImplInterface.h>
 
 #include <new>
 #include <utility>
@@ -48,10 +47,7 @@ PyObject* hook_call(PyObject* self, PyObject* args, PyObject* kwargs) {
   if (h->called) return hook_error(h, "already called (it launches the receive phase once)");
   if (!h->table || h->table->closed()) return hook_error(h, "its Buffer was destroyed");
   h->called = true;
-  const int device = h->table->device;
-  const c10::impl::DeviceGuardImplInterface* gpu = c10::impl::getDeviceGuardImpl(c10::DeviceType::CUDA);
-  void* stream =
-      gpu->getStream(c10::Device(c10::DeviceType::CUDA, static_cast<c10::DeviceIndex>(device))).native_handle();
+  void* stream = lt::current_stream(h->table->device).native_handle();
   h->state->sent = 1;  // the Python path's lockstep.sending()
   int err;
   if (h->phase.is_combine) {

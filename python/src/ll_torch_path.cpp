@@ -77,16 +77,14 @@ bool is_bool(PyObject* o, bool* v) {
   return o == Py_True || o == Py_False;
 }
 
-// torch's current stream on `device` (cudaStream_t; hipStream_t under ROCm's torch, whose GPUs are CUDA devices to
-// torch), if `device` is the current GPU: the outputs come from the caching allocator of the current GPU and stream,
-// and the kernels launch on the current GPU. Not when torch's deterministic mode fills new memory (at::empty fills
-// the outputs then, which the full path does).
+// torch's current stream on `device` (current_stream's native handle), if `device` is the current GPU: the outputs come
+// from the caching allocator of the current GPU and stream, and the kernels launch on the current GPU. Not when torch's
+// deterministic mode fills new memory (at::empty fills the outputs then, which the full path does).
 bool current_gpu(int device, void** stream) {
   const at::Context& ctx = at::globalContext();
   if (ctx.deterministicAlgorithms() && ctx.deterministicFillUninitializedMemory()) return false;
-  const c10::impl::DeviceGuardImplInterface* gpu = c10::impl::getDeviceGuardImpl(c10::DeviceType::CUDA);
-  if (gpu->getDevice().index() != device) return false;
-  *stream = gpu->getStream(c10::Device(c10::DeviceType::CUDA, static_cast<c10::DeviceIndex>(device))).native_handle();
+  if (c10::impl::getDeviceGuardImpl(c10::DeviceType::CUDA)->getDevice().index() != device) return false;
+  *stream = portep::ll_torch::current_stream(device).native_handle();
   return true;
 }
 
@@ -399,6 +397,11 @@ PyObject* guarded(Call call, LLPlanTable* table, PyObject* const* args, const po
 }  // namespace
 
 namespace portep::ll_torch {
+
+c10::Stream current_stream(int device) {
+  return c10::impl::getDeviceGuardImpl(c10::DeviceType::CUDA)
+      ->getStream(c10::Device(c10::DeviceType::CUDA, static_cast<c10::DeviceIndex>(device)));
+}
 
 PyObject* run_dispatch(LLPlanTable* table, PyObject* const* args, const CallContext& ctx, RecvPhase* hooked) {
   return guarded(&dispatch_call, table, args, ctx, hooked);

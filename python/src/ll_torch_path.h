@@ -9,6 +9,7 @@
 #pragma once
 
 #include <Python.h>
+#include <c10/core/Stream.h>
 
 #include <stdint.h>
 
@@ -81,6 +82,10 @@ struct HookOwner {
   PyObject* raise_notice;
   PyObject* what;
 };
+
+// torch's current stream on GPU `device` (a CUDA stream; a HIP one under ROCm's torch, whose GPUs are CUDA devices to
+// torch): where the calls, the hooks and the events of async_finish calls launch or record (ll_torch_path.cpp).
+c10::Stream current_stream(int device);
 
 // With an error set: the Buffer is out of step (lockstep.fail(what, error), as the full path's failed calls and hooks
 // do; skipped where lockstep is null), and the error stays set to be raised; returns nullptr (ll_torch_calls.cpp).

@@ -225,14 +225,12 @@ def _hooks_and_events(calls, counter, rank, x_cpu, idx_cpu, weights_cpu, K):
                 error = _not_the_experts_sum(parts[2], ref64, abs64, K)
                 if error:
                     errors.append(f"{case}, {path} path: {error}")
+    overlapped = {}
     for path in ("full", "fast"):
         calls.buf._ll_fast.enabled = path == "fast"
         error = calls.event_waits_for_its_call(path)
         if error:
             errors.append(error)
-    overlapped = {}
-    for path in ("full", "fast"):
-        calls.buf._ll_fast.enabled = path == "fast"
         taken = counter.taken
         overlapped[path] = _two_batches_overlapped(calls)
         if path == "fast" and counter.taken != taken + 4:
