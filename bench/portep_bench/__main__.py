@@ -150,6 +150,9 @@ def _add_gpu(sub, common):
         default=2,
         help="simulated nodes of 2 ranks each (3 and more: the forwarders serve several nodes; fewer SM counts fit)",
     )
+    p.add_argument(
+        "--timeout", type=float, default=60.0, help="seconds any wait may take (the Buffers' and the benchmark's)"
+    )
     p = sub.add_parser(
         "gpu-ep",
         parents=[common],
@@ -322,6 +325,7 @@ def run_nodes_loopback(args, report):
         iterations=args.iterations,
         transport=args.transport,
         nodes=args.nodes,
+        timeout_s=args.timeout,
     )
 
 

@@ -87,6 +87,7 @@ class Ranks:
                 transport=transport,
                 backend=backend,
                 explicitly_destroy=True,
+                timeout_s=timeout_s,
             )
 
         built = [None] * R
@@ -116,11 +117,12 @@ class Ranks:
 
         return on_all_ranks(self.pool, one, self.num_ranks, self.group)
 
-    def timed(self, fn, iterations, held):
+    def timed(self, what, fn, iterations, held):
         """us per call of fn on all ranks at once, after 3 untimed; held: the calls that were queued after the GPU
-        sleep had ended (their launch time is in the sample) are counted in held[0]."""
+        sleep had ended (their launch time is in the sample) are counted in held[0]. Raises TimeoutError naming `what`
+        and the call when the ranks' work has not ended within the group's timeout."""
         times = []
-        for _ in range(iterations + 3):
+        for i in range(iterations + 3):
             if not self.gpu:
                 t0 = time.perf_counter()
                 self.call(fn)
@@ -134,21 +136,35 @@ class Ranks:
                 s.wait_event(start)
             ends = self.call(lambda r, b: (fn(r, b), _recorded(self.streams[r]))[1])
             held[0] += int(start.query())
-            for e in ends:  # blocking events: this thread sleeps instead of taking a core from the proxies
-                e.synchronize()
+            wait_events(ends, self.group.timeout_s, f"{what}, call {i + 1} of {iterations + 3}")
             times.append(max(start.elapsed_time(e) for e in ends) * 1e3)
         return times[3:]
 
     def destroy(self):
-        """Releases every rank's Buffer (collectively) and the threads."""
-        if self.gpu:
-            torch.cuda.synchronize()
-        self.call(lambda r, b: b.destroy())
-        self.pool.shutdown()
+        """Releases every rank's Buffer (collectively) and the threads. Raises TimeoutError, leaving the Buffers to
+        the process's exit, when the ranks' streams are still busy after the group's timeout (their kernels may still
+        use the memory)."""
+        try:
+            if self.gpu:
+                wait_events([_recorded(s) for s in self.streams], self.group.timeout_s, "the ranks' last work")
+            self.call(lambda r, b: b.destroy())
+        finally:
+            self.pool.shutdown(wait=False)
+
+
+def wait_events(events, timeout_s, what):
+    """Waits for every CUDA event; TimeoutError naming `what` when one has not completed after timeout_s. Polls
+    with sleeps, so this thread does not take a core from the proxies while it waits."""
+    deadline = time.monotonic() + timeout_s
+    for e in events:
+        while not e.query():
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"gpu-ht-nodes: {what} has not ended after timeout_s={timeout_s} s")
+            time.sleep(2e-4)
 
 
 def _recorded(stream):
-    e = torch.cuda.Event(enable_timing=True, blocking=True)
+    e = torch.cuda.Event(enable_timing=True)
     e.record(stream)
     return e
 
@@ -207,11 +223,12 @@ def run(
     iterations=20,
     backend="cuda",
     transport="shm",
-    timeout_s=120.0,
+    timeout_s=60.0,
     nodes=2,
 ):
     """One table per SM count, with `nodes` simulated nodes of 2 ranks; backend='host' runs the same ranks on CPU
-    tensors (tests)."""
+    tensors (tests). timeout_s bounds every wait: the Buffers' (kernels and proxies), the threads' exchanges and the
+    benchmark's own for the ranks' work."""
     gpu = backend == "cuda"
     if nodes < 2:
         raise ValueError(f"nodes={nodes}: at least 2 (the benchmark is the path between nodes)")
@@ -252,6 +269,9 @@ def run(
     try:
         for sms in fitting:
             report.add(_measure(report, ranks, inputs, in_rank, configs[sms], sms, (N, H, E, nodes), iterations))
+    except BaseException as e:  # said before the Buffers' release, which may take the timeout again
+        report.progress(f"gpu-ht-nodes: failed: {type(e).__name__}: {e}")
+        raise
     finally:
         ranks.destroy()
 
@@ -305,26 +325,26 @@ def _measure(report, ranks, inputs, in_rank, cfg, sms, shape, iterations):
     def cached(r, b):
         out[r] = b.dispatch(inputs[r][0], handle=handles[r], config=cfg)[0]
 
-    add("dispatch BF16 (cached)", ranks.timed(cached, iterations, held), 1.0)
+    add("dispatch BF16 (cached)", ranks.timed("dispatch BF16", cached, iterations, held), 1.0)
     check_dispatch([out[r] for r in range(R)], inputs, in_rank, N)
 
     def cached_fp8(r, b):
         out[r] = b.dispatch((inputs[r][3], inputs[r][4]), handle=handles[r], config=cfg)[0]
 
-    add("dispatch FP8 (cached)", ranks.timed(cached_fp8, iterations, held), fp8_factor)
+    add("dispatch FP8 (cached)", ranks.timed("dispatch FP8", cached_fp8, iterations, held), fp8_factor)
     check_fp8([out[r] for r in range(R)], order, inputs)
 
     def combine(r, b):
         out[r] = b.combine(recv_x[r], handles[r], config=cfg)[0]
 
-    add("combine", ranks.timed(combine, iterations, held), 1.0)
+    add("combine", ranks.timed("combine", combine, iterations, held), 1.0)
     check_combine([out[r] for r in range(R)], inputs, in_rank)
     if ranks.gpu:
         copy_src = [torch.empty(nvl_bytes, dtype=torch.uint8, device="cuda") for _ in range(R)]
         copy_dst = [torch.empty_like(s) for s in copy_src]
         add(
             "baseline: device copy of rank 0's NVL bytes (all ranks at once)",
-            ranks.timed(lambda r, b: copy_dst[r].copy_(copy_src[r]), iterations, held),
+            ranks.timed("device copy", lambda r, b: copy_dst[r].copy_(copy_src[r]), iterations, held),
             1.0,
             rdma=False,
         )

@@ -3,8 +3,8 @@ and 12 nodes of one GPU each, every rank on the GPUs there are (PORTEP_TEST_SHAR
 only). Each case runs gpu_ht_workers.cross_backend_body: every output and handle entry of the CUDA backend against
 the host backend's bit for bit (BF16 and FP8 dispatch, cached dispatch, combine with top-k weights and both bias
 tensors), combines also against their float64 references; with a rank that sends nothing, a node that receives
-nothing, and tokens limited to num_topk_groups nodes; and 16 ranks at DeepEP's shape. Traffic between nodes goes
-through the proxies over both shm transports; inside a node, direct stores and forwarders."""
+nothing, and tokens limited to num_topk_groups nodes; and 16 ranks (2 x 8) and 6 (3 x 2) at DeepEP's shape. Traffic
+between nodes goes through the proxies over both shm transports; inside a node, direct stores and forwarders."""
 
 import os
 
@@ -81,12 +81,17 @@ DEEPEP_GPU_BYTES = 1 << 30
 
 
 @pytest.mark.gpu
-def test_ht_nodes_at_deepep_shape_bitwise():
+@pytest.mark.parametrize(
+    "world,rpn,experts",
+    [pytest.param(16, 8, 256, id="2x8"), pytest.param(6, 2, 288, id="3x2")],
+)
+def test_ht_nodes_at_deepep_shape_bitwise(world, rpn, experts):
     """16 ranks (2 nodes x 8) at DeepEP's test_internode.py shape: 4096 tokens a rank, hidden 7168, top-8, 256
-    experts, 24 SMs, the shm transport between the nodes; a 1 GiB GPU Buffer, whose rings wrap many times."""
-    world = 16
+    experts, 24 SMs, the shm transport between the nodes; a 1 GiB GPU Buffer, whose rings wrap many times. And 3 nodes
+    x 2 ranks at that shape (288 experts, a multiple of 6), where each forwarder serves two other nodes' sources with
+    wrapping rings (the one-process benchmark at that node count did not end on an H100, 2026-12-07)."""
     _skip_without_gpus(world)
     tokens = [4096] * world
-    args = (8, "shm", 97, tokens, 7168, 8, 256, 24, DEEPEP_GPU_BYTES, None, None, DEEPEP_HOST_BYTES)
+    args = (rpn, "shm", 97, tokens, 7168, 8, experts, 24, DEEPEP_GPU_BYTES, None, None, DEEPEP_HOST_BYTES)
     out = run_ranks(g.cross_backend_body, world, args=args, timeout=1500)
     assert_clean(out, 20)

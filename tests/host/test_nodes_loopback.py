@@ -166,3 +166,24 @@ def test_a_failing_rank_ends_the_others_exchanges_and_its_error_is_raised():
         with pytest.raises(RuntimeError, match="rank 1 failed"):
             on_all_ranks(pool, body, 3, group)
         assert time.monotonic() - t0 < 10  # not the 60 s timeout
+
+
+class _Event:
+    """A CUDA event's query(): complete after `polls` queries (never, with None)."""
+
+    def __init__(self, polls):
+        self.polls, self.queries = polls, 0
+
+    def query(self):
+        self.queries += 1
+        return self.polls is not None and self.queries > self.polls
+
+
+def test_the_wait_for_the_ranks_work_is_bounded():
+    done = [_Event(0), _Event(3)]
+    nodes.wait_events(done, 5.0, "combine, call 1 of 3")
+    assert [e.queries for e in done] == [1, 4]
+    t0 = time.monotonic()
+    with pytest.raises(TimeoutError, match=r"dispatch BF16, call 2 of 23 has not ended after timeout_s=0.05 s"):
+        nodes.wait_events([_Event(0), _Event(None)], 0.05, "dispatch BF16, call 2 of 23")
+    assert time.monotonic() - t0 < 2.0
