@@ -5,6 +5,7 @@ backend). --json PATH saves every table with its raw samples; --plot DIR draws o
 matplotlib)."""
 
 import argparse
+import os
 import shlex
 import sys
 
@@ -12,6 +13,20 @@ from portep_bench import plot
 from portep_bench.report import MissingHardware, Progress, Report, Table
 
 FORMATTER = argparse.ArgumentDefaultsHelpFormatter
+
+
+# Modes whose ranks are threads of this process on one GPU, their kernels waiting for each other across the ranks'
+# streams: CUDA maps streams onto CUDA_DEVICE_MAX_CONNECTIONS hardware queues (8 by default) in turn and runs each
+# queue in order, so two ranks' streams on one queue can hold a kernel behind the peer kernel it waits for (the 3-node
+# gpu-ht-nodes run on an H100, 2026-12-07). CUDA reads the variable when it sets up the GPU, hence before any mode runs.
+ONE_PROCESS_RANKS = ("gpu-ht-loopback", "gpu-ht-nodes")
+HARDWARE_QUEUES_VAR, HARDWARE_QUEUES = "CUDA_DEVICE_MAX_CONNECTIONS", "32"
+
+
+def widen_hardware_queues(modes):
+    """Ask CUDA for 32 hardware queues where a mode runs ranks as threads, unless the caller chose a number."""
+    if any(m in ONE_PROCESS_RANKS for m in modes):
+        os.environ.setdefault(HARDWARE_QUEUES_VAR, HARDWARE_QUEUES)
 
 
 def default_modes():
@@ -397,6 +412,7 @@ def main(argv=None):
         )
     progress = Progress()
     modes = [a.mode for a in runs]
+    widen_hardware_queues(modes)
     report = Report(" ".join(["python -m portep_bench"] + [shlex.quote(a) for a in argv]), modes, progress)
     report.say(f"portep_bench: {' then '.join(modes)}; {report.machine_line()}")
     status = 0

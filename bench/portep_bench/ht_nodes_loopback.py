@@ -16,6 +16,7 @@ the combined rows against the rows times the number of ranks each token went to 
 `python -m portep_bench gpu-ht-nodes [--sms 8 20] [--nodes 3]`, a default with one GPU. With backend='host' (tests)
 the same ranks run on CPU tensors, timed by the wall clock."""
 
+import os
 import statistics
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -66,14 +67,18 @@ def deepep_bytes(inputs, recv_rows, H, E, nodes):
 
 
 class Ranks:
-    """The ranks' Buffers and what their calls share: a thread per rank, a CUDA stream per rank (GPU)."""
+    """The ranks' Buffers and what their calls share: a thread per rank; on the GPU each rank's calls run on its
+    Buffer's communication stream, so that a rank's kernels use one stream of this process: CUDA maps streams onto
+    CUDA_DEVICE_MAX_CONNECTIONS hardware queues in turn, a queue runs its commands in order, and where two ranks'
+    streams share one, a kernel waiting for a peer's (the ranks' kernels wait for each other) can hold the peer's
+    kernel queued behind it until the timeout."""
 
     def __init__(self, backend, transport, nbytes, timeout_s, num_ranks):
         self.num_ranks = R = num_ranks
         self.pool = ThreadPoolExecutor(R)
         self.gpu = backend == "cuda"
         group = self.group = ThreadGroup(R, timeout_s)
-        self.streams = [torch.cuda.Stream() for _ in range(R)] if self.gpu else None
+        self.streams = None
 
         def make(r):
             if self.gpu:
@@ -104,6 +109,8 @@ class Ranks:
             self.pool.shutdown()
             raise
         self.buffers = built
+        if self.gpu:
+            self.streams = [b.get_comm_stream() for b in built]
 
     def call(self, fn):
         """fn(rank, buffer) on every rank at once (on its stream, GPU); the results by rank."""
@@ -265,6 +272,12 @@ def run(
         m = torch.zeros(N, R, dtype=torch.bool)
         m.scatter_(1, i[1].cpu() // (E // R), True)
         in_rank.append(m)
+    queues = os.environ.get("CUDA_DEVICE_MAX_CONNECTIONS", "8")
+    if gpu and (not queues.isdigit() or int(queues) < 32):
+        report.say(
+            f"gpu-ht-nodes: WARNING: CUDA_DEVICE_MAX_CONNECTIONS={queues} hardware queues for {R} ranks' streams: two "
+            "ranks' streams may share one and stall until the timeout (python -m portep_bench asks for 32)"
+        )
     ranks = Ranks(backend, transport, (nvl, rdma), timeout_s, R)
     try:
         for sms in fitting:

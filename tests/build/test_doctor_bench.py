@@ -224,6 +224,20 @@ def test_options_alone_go_to_the_default_modes(monkeypatch):
         cli.parse(["--ranks", "2"])  # neither default mode here takes it
 
 
+def test_modes_with_ranks_as_threads_ask_cuda_for_32_hardware_queues(monkeypatch):
+    from portep_bench import __main__ as cli
+
+    var = "CUDA_DEVICE_MAX_CONNECTIONS"
+    monkeypatch.delenv(var, raising=False)
+    cli.widen_hardware_queues(["ll-host", "gpu-ep", "ep"])
+    assert var not in os.environ  # one rank a process: the A/B of ll-host runs as before
+    cli.widen_hardware_queues(["ll-host", "gpu-ht-nodes"])
+    assert os.environ[var] == "32"
+    monkeypatch.setenv(var, "8")
+    cli.widen_hardware_queues(["gpu-ht-loopback"])
+    assert os.environ[var] == "8"  # the caller's choice stays
+
+
 def fake_ll_host_time(monkeypatch, measure):
     import portep_bench
 
