@@ -5,7 +5,6 @@ backend). --json PATH saves every table with its raw samples; --plot DIR draws o
 matplotlib)."""
 
 import argparse
-import os
 import shlex
 import sys
 
@@ -20,13 +19,15 @@ FORMATTER = argparse.ArgumentDefaultsHelpFormatter
 # queue in order, so two ranks' streams on one queue can hold a kernel behind the peer kernel it waits for (the 3-node
 # gpu-ht-nodes run on an H100, 2026-12-07). CUDA reads the variable when it sets up the GPU, hence before any mode runs.
 ONE_PROCESS_RANKS = ("gpu-ht-loopback", "gpu-ht-nodes")
-HARDWARE_QUEUES_VAR, HARDWARE_QUEUES = "CUDA_DEVICE_MAX_CONNECTIONS", "32"
 
 
 def widen_hardware_queues(modes):
-    """Ask CUDA for 32 hardware queues where a mode runs ranks as threads, unless the caller chose a number."""
+    """Ask CUDA for the most hardware queues (portep.config's widening, as with proxy copies) where a mode runs ranks
+    as threads, unless the caller chose a number or CUDA is already set up."""
     if any(m in ONE_PROCESS_RANKS for m in modes):
-        os.environ.setdefault(HARDWARE_QUEUES_VAR, HARDWARE_QUEUES)
+        from portep import config
+
+        config.widen_cuda_connections()
 
 
 def default_modes():

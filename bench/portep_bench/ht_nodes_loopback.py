@@ -24,7 +24,7 @@ from concurrent.futures import ThreadPoolExecutor
 import torch
 
 import portep
-from portep import native
+from portep import config, native
 
 from .ht_gpu import fp8_per_128
 from .report import MissingHardware, Table
@@ -272,11 +272,12 @@ def run(
         m = torch.zeros(N, R, dtype=torch.bool)
         m.scatter_(1, i[1].cpu() // (E // R), True)
         in_rank.append(m)
-    queues = os.environ.get("CUDA_DEVICE_MAX_CONNECTIONS", "8")
-    if gpu and (not queues.isdigit() or int(queues) < 32):
+    queues = os.environ.get(config.CUDA_CONNECTIONS_VAR, "8")
+    if gpu and (not queues.isdigit() or int(queues) < config.CUDA_MAX_CONNECTIONS):
         report.say(
-            f"gpu-ht-nodes: WARNING: CUDA_DEVICE_MAX_CONNECTIONS={queues} hardware queues for {R} ranks' streams: two "
-            "ranks' streams may share one and stall until the timeout (python -m portep_bench asks for 32)"
+            f"gpu-ht-nodes: WARNING: {config.CUDA_CONNECTIONS_VAR}={queues} hardware queues for {R} ranks' streams: "
+            f"two ranks' streams may share one and stall until the timeout (python -m portep_bench asks for "
+            f"{config.CUDA_MAX_CONNECTIONS})"
         )
     ranks = Ranks(backend, transport, (nvl, rdma), timeout_s, R)
     try:

@@ -225,7 +225,11 @@ def test_options_alone_go_to_the_default_modes(monkeypatch):
 
 
 def test_modes_with_ranks_as_threads_ask_cuda_for_32_hardware_queues(monkeypatch):
+    import torch
+
     from portep_bench import __main__ as cli
+
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: False)  # as before any mode ran
 
     var = "CUDA_DEVICE_MAX_CONNECTIONS"
     monkeypatch.delenv(var, raising=False)
