@@ -18,8 +18,8 @@ struct Event {
   int device;
 };
 
-PyObject* event_error(const char* what, const std::exception& e) {
-  PyErr_Format(PyExc_RuntimeError, "portep._ll_torch.Event.%s: %s", what, e.what());
+PyObject* event_error(const char* what, const char* error) {
+  PyErr_Format(PyExc_RuntimeError, "portep._ll_torch.Event.%s: %s", what, error);
   return nullptr;
 }
 
@@ -29,7 +29,7 @@ PyObject* event_current_stream_wait(PyObject* self, PyObject*) {
   try {
     ev->event.block(portep::ll_torch::current_stream(ev->device));
   } catch (const std::exception& e) {
-    return event_error("current_stream_wait", e);
+    return event_error("current_stream_wait", e.what());
   }
   Py_RETURN_NONE;
 }
@@ -38,7 +38,7 @@ PyObject* event_query(PyObject* self, PyObject*) {
   try {
     return PyBool_FromLong(reinterpret_cast<Event*>(self)->event.query());
   } catch (const std::exception& e) {
-    return event_error("query", e);
+    return event_error("query", e.what());
   }
 }
 
@@ -53,10 +53,7 @@ PyObject* event_synchronize(PyObject* self, PyObject*) {
     error = e.what();
   }
   Py_END_ALLOW_THREADS;
-  if (!error.empty()) {
-    PyErr_Format(PyExc_RuntimeError, "portep._ll_torch.Event.synchronize: %s", error.c_str());
-    return nullptr;
-  }
+  if (!error.empty()) return event_error("synchronize", error.c_str());
   Py_RETURN_NONE;
 }
 
@@ -99,7 +96,7 @@ PyObject* new_recorded_event(int device) {
     new (&ev->event) c10::Event(c10::DeviceType::CUDA, c10::EventFlag::PYTORCH_DEFAULT);  // no timing
   } catch (const std::exception& e) {
     PyObject_Free(ev);  // nothing was constructed in it: no dealloc
-    return event_error("create", e);
+    return event_error("create", e.what());
   }
   ev->device = device;
   PyObject* self = reinterpret_cast<PyObject*>(ev);
@@ -107,7 +104,7 @@ PyObject* new_recorded_event(int device) {
     ev->event.record(current_stream(device));
   } catch (const std::exception& e) {
     Py_DECREF(self);
-    return event_error("record", e);
+    return event_error("record", e.what());
   }
   return self;
 }
