@@ -16,8 +16,9 @@ FORMATTER = argparse.ArgumentDefaultsHelpFormatter
 
 # Modes whose ranks are threads of this process on one GPU, their kernels waiting for each other across the ranks'
 # streams: CUDA maps streams onto CUDA_DEVICE_MAX_CONNECTIONS hardware queues (8 by default) in turn and runs each
-# queue in order, so two ranks' streams on one queue can hold a kernel behind the peer kernel it waits for (the 3-node
-# gpu-ht-nodes run on an H100, 2026-12-07). CUDA reads the variable when it sets up the GPU, hence before any mode runs.
+# queue in order, so two ranks' streams on one queue can hold a kernel behind the peer kernel it waits for (suspected,
+# not proven, in the 3-node gpu-ht-nodes stalls on an H100 with two streams a rank; it ends with one stream a rank, at 8
+# queues too). CUDA reads the variable when it sets up the GPU, hence before any mode runs.
 ONE_PROCESS_RANKS = ("gpu-ht-loopback", "gpu-ht-nodes")
 
 
