@@ -263,6 +263,13 @@ PORTEP_DEVICE void reduce_token(const HTCombineArgs& a, const ReduceState& st, i
               a.out_weights ? a.out_weights + int64_t(t) * a.num_topk : nullptr);
 }
 
+// The reducer of channel ch after its op failed: the channel's tokens' rows and weights poisoned (ll_common.cuh).
+PORTEP_DEVICE void poison_combine_channel(const HTCombineArgs& a, int ch) {
+  const int C = a.c.num_channels, t0 = channel_begin(a.num_tokens, C, ch), t1 = channel_begin(a.num_tokens, C, ch + 1);
+  poison_rows(a.out, t0, t1, a.num_tokens, int64_t(a.hidden) * 2);
+  if (a.out_weights && t0 < t1) block_poison4(a.out_weights + int64_t(t0) * a.num_topk, uint64_t(t1 - t0) * a.num_topk);
+}
+
 PORTEP_DEVICE void reduce_channel(const HTCombineArgs& a, int ch) {
   __shared__ ReduceState st;
   const HTCommon& c = a.c;
@@ -283,7 +290,10 @@ PORTEP_DEVICE void reduce_channel(const HTCombineArgs& a, int ch) {
     __syncthreads();
     for (int p = threadIdx.x; p < P; p += blockDim.x) st.batch[p] = rows_with_peer(st.tp, kHTWarps, p);
     __syncthreads();
-    if (!await_batch(a, st, ch, epoch)) return;
+    if (!await_batch(a, st, ch, epoch)) {
+      poison_combine_channel(a, ch);
+      return;
+    }
     if (t < t1) reduce_token(a, st, t, ch, warp);
     __syncthreads();  // every reduce's loads returned before the slots go back
     for (int p = threadIdx.x; p < P; p += blockDim.x)
@@ -386,8 +396,11 @@ PORTEP_DEVICE void forward_channel(const HTCombineArgs& a, int ch) {
 }
 
 __global__ void __launch_bounds__(kHTThreads, 1) ht_combine_kernel(HTCombineArgs a) {
-  if (failed_before(a.c)) return;
   const int per = ht_forwarding(a.c) ? 3 : 2, role = blockIdx.x % per, ch = blockIdx.x / per;
+  if (failed_before(a.c)) {  // nothing moves; the outputs are poisoned
+    if (role == 1) poison_combine_channel(a, ch);
+    return;
+  }
   if (role == 0)
     send_channel(a, ch);
   else if (role == 1)

@@ -309,6 +309,32 @@ PORTEP_DEVICE void release_rows(const HTDispatchArgs& a, RecvState& st, int j, i
   st_relaxed_sys_u64(fwd_head_word(c, c.peers[s], false, c.rank, ch), ht_word_value(epoch, st.done[j]));
 }
 
+// Rows [first, end) of the outputs poisoned: recv_x and recv_topk_weights (index outputs keep what they hold, so
+// that nothing indexes with a poisoned value).
+PORTEP_DEVICE void poison_dispatch_rows(const HTDispatchArgs& a, int64_t first, int64_t end) {
+  poison_rows(a.recv_x, first, end, a.max_recv, a.row_bytes);
+  if (!a.recv_topk_weights) return;
+  first = first < 0 ? 0 : first;
+  end = end > a.max_recv ? a.max_recv : end;
+  if (first < end) block_poison4(a.recv_topk_weights + first * a.num_topk, uint64_t(end - first) * a.num_topk);
+}
+
+// The receiver of channel ch after its op failed: every output row of the channel, from every source (the handle's
+// prefixes place them). where_unknown: the Buffer had failed before the op, so the prefixes may be stale; the
+// channel's share of all output rows instead.
+PORTEP_DEVICE void poison_dispatch_channel(const HTDispatchArgs& a, int ch, bool where_unknown) {
+  const HTCommon& c = a.c;
+  const int C = c.num_channels;
+  if (where_unknown) {
+    poison_dispatch_rows(a, a.max_recv * ch / C, a.max_recv * (ch + 1) / C);
+    return;
+  }
+  for (int s = 0; s < c.num_ranks; ++s) {
+    const int64_t first = rows_before(a.recv_prefix, a.recv_prefix_stride, s) + a.recv_channel_prefix[s * C + ch];
+    poison_dispatch_rows(a, first, first + rows_from_source(a, s, ch));
+  }
+}
+
 // Serves every input at once (a sender blocked on a full ring to one rank must not stall the others): each
 // round copies whatever arrived, then hands the ring slots back.
 PORTEP_DEVICE void receive_channel(const HTDispatchArgs& a, int ch) {
@@ -347,7 +373,11 @@ PORTEP_DEVICE void receive_channel(const HTDispatchArgs& a, int ch) {
       }
     }
     __syncthreads();
-    if (st.all_done || st.failed) break;
+    if (st.all_done) break;
+    if (st.failed) {
+      poison_dispatch_channel(a, ch, false);
+      break;
+    }
     for (int i = 0; i < J; ++i) {
       if (st.avail[i] <= st.done[i]) continue;
       const uint64_t ring = i < P ? ht_ring_offset(c, c.rank, input_rank(c, i), ch, a.ring_rows, rec.bytes)
@@ -518,8 +548,11 @@ PORTEP_DEVICE void forward_channel(const HTDispatchArgs& a, int ch) {
 }
 
 __global__ void __launch_bounds__(kHTThreads, 1) ht_dispatch_kernel(HTDispatchArgs a) {
-  if (failed_before(a.c)) return;
   const int per = ht_forwarding(a.c) ? 3 : 2, role = blockIdx.x % per, ch = blockIdx.x / per;
+  if (failed_before(a.c)) {  // nothing moves; the outputs are poisoned
+    if (role == 1) poison_dispatch_channel(a, ch, true);
+    return;
+  }
   if (role == 0)
     send_channel(a, ch);
   else if (role == 1)

@@ -134,6 +134,29 @@ PORTEP_DEVICE void warp_copy16(uint4* dst, const uint4* src, int n16) {
   warp_copy16_to(dsts, 1, src, n16);
 }
 
+// A failed call (its failure word set, kernel_errors.h: by this launch, or by an earlier kernel of the Buffer, which
+// stream order makes visible) poisons every output it could not complete, so that none can pass for a result: NaN in
+// float rows, -1 in counts (docs/design.md §7). A kernel launched on a failed Buffer sends nothing: its peers' waits
+// end by their timeout or this rank's FAILED status, and poison theirs.
+// Poison is all-ones bytes: a NaN in every output dtype alike (BF16 0xFFFF, float8_e4m3fn 0xFF, float32 0xFFFFFFFF,
+// a UE8M0 exponent 0xFF).
+constexpr uint32_t kPoisonWord = 0xFFFFFFFFu;
+template <class Common>
+PORTEP_DEVICE bool call_failed(const Common& c) {
+  return reported_error(c) != 0;
+}
+// Block-wide: n 16-byte words from dst poisoned (dst 16-byte aligned).
+PORTEP_DEVICE void block_poison16(void* dst, uint64_t n) {
+  uint4* d = static_cast<uint4*>(dst);
+  for (uint64_t i = threadIdx.x; i < n; i += blockDim.x)
+    d[i] = make_uint4(kPoisonWord, kPoisonWord, kPoisonWord, kPoisonWord);
+}
+// Block-wide: n 32-bit words from dst poisoned.
+PORTEP_DEVICE void block_poison4(void* dst, uint64_t n) {
+  uint32_t* d = static_cast<uint32_t*>(dst);
+  for (uint64_t i = threadIdx.x; i < n; i += blockDim.x) d[i] = kPoisonWord;
+}
+
 // How a wait on a peer ended: done, or short of it: its timeout; a failure reported elsewhere in the call (the
 // call's results are void, and every other wait would wait out its own timeout, one after another); or the peer
 // watch's word for the peer (peer_status.h) says the peer will not answer, once the wait lasted kPeerGraceNs (what

@@ -239,6 +239,18 @@ PORTEP_DEVICE void relay_dispatch_chunk(const LLCommon& c, int src, int chunk) {
   st_release_sys_u32(signal_flag(c, index), count + 1);  // cumulative: the slot's acquire saw the bytes
 }
 
+// Local expert le of a failed call (call_failed): every row NaN (and its scales), its count -1. Its handle entries
+// (src_info, layout_range) keep what arrived, so a combine given them stays inside the buffer.
+PORTEP_DEVICE void poison_dispatch_expert(const LLDispatchArgs& a, int le) {
+  const LLCommon& c = a.c;
+  const uint64_t M = uint64_t(c.num_ranks) * c.T, row_bytes = uint64_t(c.hidden) * (a.use_fp8 ? 1 : 2);
+  if (threadIdx.x == 0) a.recv_count[le] = -1;
+  block_poison16(static_cast<uint8_t*>(a.recv_x) + uint64_t(le) * M * row_bytes, M * row_bytes / 16);
+  if (!a.use_fp8 || !a.recv_scales) return;
+  const uint64_t S = a.use_ue8m0 ? uint64_t(c.hidden) / 512 : uint64_t(c.hidden) / 128;  // words per row
+  block_poison4(static_cast<uint32_t*>(a.recv_scales) + uint64_t(le) * S * M, S * M);
+}
+
 // Local expert le: wait for every source, then pack its messages. shared: [2R] (counts, begins).
 PORTEP_DEVICE void dispatch_recv_expert(const LLDispatchArgs& a, int le, uint32_t* shared, uint32_t seq) {
   const LLCommon& c = a.c;
@@ -294,6 +306,12 @@ PORTEP_DEVICE void dispatch_recv_expert(const LLDispatchArgs& a, int le, uint32_
         static_cast<float*>(a.recv_scales)[(uint64_t(le) * S + g) * M + i] = scales[g];
     }
   }
+  // A wait that ended short (or data of another call) failed the call: what le holds is not a result.
+  __shared__ bool failed;
+  __syncthreads();
+  if (threadIdx.x == 0) failed = call_failed(c);
+  __syncthreads();
+  if (failed) poison_dispatch_expert(a, le);
 }
 
 // phases: kPhaseSend and/or kPhaseRecv; with both, every block sends, then receives. One kernel for every phase,
@@ -304,7 +322,7 @@ PORTEP_DEVICE void dispatch_recv_expert(const LLDispatchArgs& a, int le, uint32_
 __global__ void __launch_bounds__(kLLThreads, 1) dispatch_kernel(LLDispatchArgs a, int phases) {
   extern __shared__ uint32_t shared[];  // send: hist [E]; receive: counts [R], begins [R]
   const uint32_t seq = ll_call_seq(a.c);
-  if (phases & kPhaseSend) dispatch_send(a, shared, seq);
+  if ((phases & kPhaseSend) && !call_failed(a.c)) dispatch_send(a, shared, seq);  // a failed Buffer sends nothing
   if (!(phases & kPhaseRecv)) return;
   for_my_relay_chunks(a.c, [&](int src, int chunk) { relay_dispatch_chunk(a.c, src, chunk); });
   for (int le = int(blockIdx.x); le < a.c.num_local_experts; le += int(gridDim.x)) {
