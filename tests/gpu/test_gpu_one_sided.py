@@ -56,3 +56,12 @@ def test_a_dead_peer_gives_the_survivors_poison_then_an_error(path):
         o.dead_peer_body, 2, args=(rpn, transport, nvlink, 79, SHAPES["small"]), timeout=300, expect_missing=(1,)
     )
     assert_clean({k: v for k, v in out.items() if k != 1}, 5)
+
+
+@pytest.mark.gpu
+@two_gpus
+@pytest.mark.parametrize("path", [(2, "shm"), (1, "shm"), (1, "shm-unordered")], ids=["direct", "proxy", "unordered"])
+def test_normal_mode_with_a_late_peer_gives_poison_or_errors_never_wrong_data(path):
+    rpn, transport = path
+    out = run_ranks(o.ht_late_peer_body, 2, args=(rpn, transport, 83, (4096, 7168, 256, 8), 3.0, 6.0), timeout=300)
+    assert_clean(out, 4)

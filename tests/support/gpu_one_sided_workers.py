@@ -274,3 +274,108 @@ def dead_peer_body(rank, world, rpn, transport, nvlink, seed, shape):
     r.check(tally, "the call after", inputs[3], calls, allow_poison=True)
     r.buf.destroy()
     return tally.result()
+
+
+def _ht_round(portep, buf, rank, world, inp, E, late_s=0.0):
+    """A normal-mode dispatch (with a CPU sync: its counts come back) and, late_s seconds later, the combine of the
+    test experts' outputs (ref.ht_expert_outputs). Returns (dispatch error, combine results or None, combine error,
+    the dispatch's source ranks per row)."""
+    x, idx, w = inp["x"].cuda(), inp["idx"].cuda(), inp["w"].cuda()
+    rd = ref.ht_dispatch_ref(rank, world, E, inp["all_idx"], inp["all_w"])
+    layout, err = _attempt(lambda: buf.get_dispatch_layout(idx, E), portep)
+    if err is not None:
+        return err, None, None, rd
+    per_rank, per_rdma, per_expert, in_rank, _ = layout
+    d, err = _attempt(
+        lambda: buf.dispatch(
+            x,
+            num_tokens_per_rank=per_rank,
+            num_tokens_per_rdma_rank=per_rdma,
+            is_token_in_rank=in_rank,
+            num_tokens_per_expert=per_expert,
+            topk_idx=idx,
+            topk_weights=w,
+        ),
+        portep,
+    )
+    if err is not None:
+        return err, None, None, rd
+    y = ref.ht_expert_outputs(d[0].cpu(), rank, rd["src_rank"]).cuda()
+    if late_s:
+        time.sleep(late_s)
+    c, cerr = _attempt(lambda: buf.combine(y, d[4], topk_weights=d[2]), portep)
+    return None, c, cerr, rd
+
+
+def _check_ht_combined(tally, what, c, inp, world, allow_poison):
+    """combined_x: each row the BF16 rounding of the receiving ranks' expert outputs, or all NaN where allow_poison.
+    Returns the number of NaN rows."""
+    torch.cuda.synchronize()
+    got = c[0].cpu()
+    in_rank = torch.zeros(inp["idx"].size(0), world, dtype=torch.bool)
+    e_l = inp["E"] // world
+    for k in range(inp["idx"].size(1)):
+        valid = inp["idx"][:, k] >= 0
+        in_rank[valid.nonzero().flatten(), (inp["idx"][valid, k] // e_l)] = True
+    ref64, abs64 = ref.ht_combine_expert_ref(inp["x"], in_rank, dist.get_rank())
+    bad = ref.combine_mismatch(got, ref64, abs64, num_terms=world + 2).any(1)
+    nan_rows = torch.isnan(got.float()).all(1)
+    wrong = bad & ~nan_rows if allow_poison else bad
+    tally.true(not bool(wrong.any()), f"{what}: {int(wrong.sum())} of {got.size(0)} combined rows are wrong")
+    return int(nan_rows.sum())
+
+
+def ht_late_peer_body(rank, world, rpn, transport, seed, shape, timeout_s, late_s):
+    """Normal mode: the last rank makes a combine late_s > timeout_s after the others. Each combine's rows are
+    exactly right or poisoned (the on-time ranks': poisoned, they timed out), the next call raises on every rank, and
+    a new Buffer gives exact results again."""
+    import deepep_workers as dw
+    import portep
+
+    torch.cuda.set_device(rank % torch.cuda.device_count())
+    tally = _Tally(rank)
+    N, H, E, K = shape
+
+    def make():
+        return portep.Buffer(
+            dist.group.WORLD,
+            256 << 20,
+            0,
+            num_ranks_per_node=rpn,
+            transport=transport,
+            timeout_s=timeout_s,
+            explicitly_destroy=True,
+            backend="cuda",
+        )
+
+    inputs = []
+    for i in range(4):
+        inp = dw.make_ht_inputs(rank, seed + i, N, H, K, E)
+        inp["E"] = E
+        inp["all_idx"] = [t.cpu() for t in _all_idx(inp["idx"].cuda())]
+        inp["all_w"] = [t.cpu() for t in _all_idx(inp["w"].cuda())]
+        inputs.append(inp)
+    buf = make()
+    err, c, cerr, _ = _ht_round(portep, buf, rank, world, inputs[0], E)
+    tally.true(err is None and cerr is None, f"the first round raised {err or cerr!r:.300}")
+    if c is not None:
+        _check_ht_combined(tally, "round 0", c, inputs[0], world, allow_poison=False)
+    dist.barrier()
+    late = rank == world - 1
+    err, c, cerr, _ = _ht_round(portep, buf, rank, world, inputs[1], E, late_s if late else 0.0)
+    tally.true(err is None, f"the dispatch before the late combine raised {err!r:.300}")
+    poisoned = _check_ht_combined(tally, "the late combine", c, inputs[1], world, True) if c is not None else 0
+    if not late:
+        tally.true(poisoned > 0 or cerr is not None, "the on-time rank's combine returned no poison and raised nothing")
+    dist.barrier()
+    err, _, _, _ = _ht_round(portep, buf, rank, world, inputs[2], E)
+    tally.true(err is not None, "the call after a failed combine did not raise")
+    buf.destroy()
+    dist.barrier()
+    buf = make()
+    err, c, cerr, _ = _ht_round(portep, buf, rank, world, inputs[3], E)
+    tally.true(err is None and cerr is None, f"a new Buffer's round raised {err or cerr!r:.300}")
+    if c is not None:
+        _check_ht_combined(tally, "a new Buffer's round", c, inputs[3], world, allow_poison=False)
+    buf.destroy()
+    return tally.result()
