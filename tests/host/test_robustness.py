@@ -22,6 +22,16 @@ def test_one_sided_refusal_fails_every_rank_fast_until_resynchronised(path, mode
     assert_clean(out, 10)
 
 
+@pytest.mark.parametrize("mode", ["ll", "ht"])
+@pytest.mark.parametrize("path", PATHS[:3], ids=IDS[:3])
+def test_an_expert_id_out_of_range_on_one_rank_is_refused_on_every_rank(path, mode):
+    """The host backend reads CPU inputs: rank 0's expert id equal to num_experts is refused before any traffic, its
+    peers raise at once, and every rank goes on after clean_low_latency_buffer (never a result from the bad round)."""
+    world, rpn, transport = path
+    out = run_ranks(r.one_sided_refusal_body, world, args=(rpn, transport, mode, 5, "host", "expert"), timeout=240)
+    assert_clean(out, 10)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("mode", ["ll", "ht"])
 @pytest.mark.parametrize("path", PATHS[1:3], ids=IDS[1:3])

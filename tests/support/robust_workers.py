@@ -69,6 +69,18 @@ def _buffer(world, rpn, transport, timeout_s, E, shrink=False, backend="host", d
     return buf
 
 
+def _bad_idx(idx, bad, E, wrong_dtype):
+    """topk_idx as a round sends it: as made (bad False), of a wrong dtype (bad True or "dtype"), or with an expert id
+    equal to num_experts (bad "expert")."""
+    if not bad:
+        return idx
+    if bad == "expert":
+        out = idx.clone()
+        out[0, 0] = E
+        return out
+    return wrong_dtype(idx)
+
+
 class LLRound:
     """One LL dispatch + combine with inputs every rank knows (gathered before any Buffer call), checked."""
 
@@ -81,7 +93,7 @@ class LLRound:
         self.xs = [ref.ll_struct_x(j, T, H) for j in range(world)]
 
     def run(self, ck, buf, bad=False):
-        idx = self.inp["idx"].float() if bad else self.inp["idx"]  # float topk_idx: refused by validation
+        idx = _bad_idx(self.inp["idx"], bad, self.E, lambda t: t.float())  # refused by validation
         res = buf.low_latency_dispatch(self.inp["x_struct"], idx, T, self.E, use_fp8=False)
         w._check_ll_dispatch(ck, res, self.lref, self.xs, "struct", False, False, False, False, True)
         sim = w._ll_expert_y(res, dist.get_rank(), False, False)
@@ -102,7 +114,7 @@ class HTRound:
 
     def run(self, ck, buf, bad=False):
         ntpr, rdma, ntpe, itir = self.layout
-        idx = self.inp["idx"].to(torch.int32) if bad else self.inp["idx"]  # int32 topk_idx: refused
+        idx = _bad_idx(self.inp["idx"], bad, self.E, lambda t: t.to(torch.int32))  # refused by validation
         out = buf.dispatch(
             self.inp["x"],
             num_tokens_per_rank=ntpr,
@@ -154,8 +166,9 @@ def _expect_out_of_step(ck, what, fn, fast_s):
     ck.true(took < fast_s, f"{what}: raised after {took:.2f} s, not within {fast_s} s")
 
 
-def one_sided_refusal_body(rank, world, rpn, transport, mode, seed, backend="host"):
-    """Rank 0 passes an input its validation refuses while every other rank makes the call: rank 0 raises the
+def one_sided_refusal_body(rank, world, rpn, transport, mode, seed, backend="host", bad="dtype"):
+    """Rank 0 passes an input its validation refuses (bad: a topk_idx of the wrong dtype, or holding an expert id
+    equal to num_experts, _bad_idx) while every other rank makes the call: rank 0 raises the
     ValueError, every peer raises within a second (not after the 20 s timeout) naming rank 0's refusal; the next
     calls raise on every rank (out of step: never data); clean_low_latency_buffer resynchronises, and the calls
     after it return correct results."""
@@ -166,7 +179,7 @@ def one_sided_refusal_body(rank, world, rpn, transport, mode, seed, backend="hos
     ck.step = "in step"
     rounds[0].run(ck, buf)
     ck.step = "the call rank 0 refuses"
-    error, took = _attempt(ck, "refused round", lambda: rounds[1].run(ck, buf, bad=rank == 0))
+    error, took = _attempt(ck, "refused round", lambda: rounds[1].run(ck, buf, bad=rank == 0 and bad))
     if rank == 0:
         ck.true(isinstance(error, (TypeError, ValueError)), f"rank 0's bad input gave {error!r:.300}")
     else:

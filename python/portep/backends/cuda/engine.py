@@ -235,8 +235,9 @@ class CudaEngine(Topology):
         notice = self.errors.take_notice()
         if notice is not None:
             raise DroppedInput(
-                f"{notice[1]}; reported by this or an earlier call on this Buffer, whose kernels ran "
-                f"on every rank (this call's results are in the exception's `results`)",
+                f"{notice[1]}; reported by the kernels of this or an earlier call on this Buffer. This call was "
+                f"made on every rank: its results are in the exception's `results`; go on with them and make the "
+                f"calls that pair with it (docs/design.md §7)",
                 results,
             )
 
