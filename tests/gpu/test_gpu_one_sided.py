@@ -65,3 +65,12 @@ def test_normal_mode_with_a_late_peer_gives_poison_or_errors_never_wrong_data(pa
     rpn, transport = path
     out = run_ranks(o.ht_late_peer_body, 2, args=(rpn, transport, 83, (4096, 7168, 256, 8), 3.0, 6.0), timeout=300)
     assert_clean(out, 4)
+
+
+@pytest.mark.gpu
+@two_gpus
+@pytest.mark.parametrize("path", PATHS, ids=[p[0] for p in PATHS])
+def test_a_caller_that_skips_a_call_after_a_dropped_input_gets_poison_never_wrong_data(path):
+    _, rpn, transport, nvlink = path
+    out = run_ranks(o.bad_input_skipping_body, 2, args=(rpn, transport, nvlink, 89, SHAPES["small"], 3.0), timeout=300)
+    assert_clean(out, 10)

@@ -379,3 +379,39 @@ def ht_late_peer_body(rank, world, rpn, transport, seed, shape, timeout_s, late_
         _check_ht_combined(tally, "a new Buffer's round", c, inputs[3], world, allow_poison=False)
     buf.destroy()
     return tally.result()
+
+
+def bad_input_skipping_body(rank, world, rpn, transport, nvlink, seed, shape, timeout_s):
+    """As bad_input_body, but each rank makes a round's dispatch and combine inside one try block and skips the rest
+    of the round on any exception, a DroppedInput included (not what a caller should do: a DroppedInput's call was
+    made, and its pair must follow). Rank 0 may then skip a combine its peers make: whatever any call returns on any
+    rank is still exactly right or poisoned, and after clean_low_latency_buffer on every rank the results are exact."""
+    import portep
+
+    torch.cuda.set_device(rank % torch.cuda.device_count())
+    tally = _Tally(rank)
+    r = Rank(portep, rank, world, shape, rpn, transport, nvlink, timeout_s)
+    inputs = [Inputs(rank, seed + i, *shape, bad=(i == 2 and rank == 0)) for i in range(7)]
+    returned = []  # (round, what, results) of every call that returned
+    for i in range(6):
+        try:
+            d = r.buf.low_latency_dispatch(inputs[i].x.cuda(), inputs[i].sent.cuda(), r.T, r.E, use_fp8=False)
+            returned.append((i, "dispatch", d))
+            y = gpu_expert_outputs(d[0], d[2][1], rank)
+            c = r.buf.low_latency_combine(y, inputs[i].sent.cuda(), inputs[i].w.cuda(), d[2])
+            returned.append((i, "combine", c))
+        except Exception:  # noqa: BLE001 - the habit this test models
+            continue
+    torch.cuda.synchronize()
+    for i, what, out in returned:
+        if what == "dispatch":
+            check_dispatch(tally, f"round {i}: dispatch", out, inputs[i], rank, r.E_l, allow_poison=True)
+        else:
+            check_combine(tally, f"round {i}: combine", out[0], inputs[i], rank, allow_poison=True)
+    dist.barrier()
+    r.buf.clean_low_latency_buffer(r.T, r.H, r.E)
+    calls = r.round(inputs[6])
+    _, errors = r.check(tally, "the round after clean", inputs[6], calls, allow_poison=False)
+    tally.true(not errors, f"the round after clean raised {errors!r:.300}")
+    r.buf.destroy()
+    return tally.result()
