@@ -30,6 +30,7 @@ from .deepep_config import (
 )
 from .errors import DroppedInput
 from .event import EventOverlap, HostEvent
+from .handles import ll_handle
 from .lockstep import AgreedRefusal, OutOfStep
 
 __all__ = ["Buffer", "Config", "EventOverlap", "topk_idx_t"]
@@ -697,7 +698,7 @@ class Buffer:
         extra = None
         if async_finish:
             data, scales = recv_x if isinstance(recv_x, tuple) else (recv_x, None)
-            extra = (x, topk_idx, data, scales, recv_count, handle[0], handle[1], recv_stats)
+            extra = (x, topk_idx, data, scales, recv_count, handle.src_info, handle.layout_range, recv_stats)
         return _returned(engine, (recv_x, recv_count, handle, self._event(async_finish, extra)), self._call.hook(hook))
 
     def low_latency_combine(
@@ -773,7 +774,7 @@ class Buffer:
             self._device,
         )
         wait_stats = combine_wait_recv_cost_stats
-        handle = tuple(handle)
+        handle = ll_handle(handle)
         self._call.start()
         combined_x, hook = engine.low_latency_combine(
             x,
@@ -786,15 +787,15 @@ class Buffer:
             wait_stats,
             bool(use_logfmt),
         )
-        engine.mark_checked(*handle[2:])
-        extra = (x, topk_idx, topk_weights, handle[0], handle[1], combined_x) if async_finish else None
+        engine.mark_checked(tokens, hidden, num_experts)
+        extra = (x, topk_idx, topk_weights, handle.src_info, handle.layout_range, combined_x) if async_finish else None
         return _returned(engine, (combined_x, self._event(async_finish, extra)), self._call.hook(hook))
 
     def get_next_low_latency_combine_buffer(self, handle: tuple) -> Tensor:
         """The BF16 view [num_local_experts, num_ranks * T, hidden] that the next zero-copy combine sends from."""
         engine = self._ll_engine()
         v.check_ll_handle(handle, self.group_size)
-        return engine.get_next_low_latency_combine_buffer(tuple(handle))
+        return engine.get_next_low_latency_combine_buffer(ll_handle(handle))
 
     # ---- shrink mode: masked ranks (DeepEP's enable_shrink) ----
     def _shrink_engine(self):

@@ -1,9 +1,10 @@
-"""The normal-mode dispatch handle, typed. DeepEP hands its users a 6-tuple (one node) or a 10-tuple (across
-nodes) and takes it back for a cached dispatch or a combine; portep's handles are these NamedTuples, which are those
-tuples (DeepEP code indexes and unpacks them unchanged) and which the library reads by name. A tuple a caller
-rebuilt comes back typed through normal_handle(). Field meanings: ../shared/reference/deepep-api.md, docs/api.md."""
+"""The dispatch handles, typed. DeepEP hands its users a 6-tuple (one node) or a 10-tuple (across nodes) from a
+normal-mode dispatch and a 5-tuple from a low-latency one, and takes it back for a cached dispatch or a combine;
+portep's handles are these NamedTuples, which are those tuples (DeepEP code indexes and unpacks them unchanged) and
+which the library reads by name. A tuple a caller rebuilt comes back typed through normal_handle() / ll_handle().
+Field meanings: ../shared/reference/deepep-api.md, docs/api.md."""
 
-from typing import NamedTuple, Sequence, Union
+from typing import Any, NamedTuple, Sequence, Union
 
 import torch
 
@@ -80,3 +81,21 @@ def normal_handle(items: Sequence[Tensor], internode: bool) -> NormalHandle:
 def handle_length(internode: bool) -> int:
     """How many tensors a handle holds: 6 on one node, 10 across nodes."""
     return len((InternodeHandle if internode else IntranodeHandle)._fields)
+
+
+class LLHandle(NamedTuple):
+    """DeepEP's low-latency handle (E_l local experts, R ranks, M = R * num_max_dispatch_tokens_per_rank). The LL
+    fast path makes it natively (python/src/ll_torch_path.cpp, given this class) and takes it, or any 5-tuple in this
+    order, back."""
+
+    src_info: Tensor  # [E_l, M] int32: each received row's token index on its source
+    layout_range: Tensor  # [E_l, R] int64: (begin << 32) | count of each source's rows
+    num_max_dispatch_tokens_per_rank: int
+    hidden: int
+    num_experts: int
+
+
+def ll_handle(items: Sequence[Any]) -> LLHandle:
+    """items (an LL handle, or a tuple or list of its 5 fields in DeepEP's order) as the typed handle; the caller has
+    checked it (validation.check_ll_handle)."""
+    return items if type(items) is LLHandle else LLHandle._make(items)

@@ -112,6 +112,7 @@ struct LLCalls {
   PyObject* event_type;            // EventOverlap
   PyObject* raise_notice;          // the engine's raise_notice
   PyObject* full[2];               // Buffer.low_latency_dispatch, Buffer.low_latency_combine (Python functions)
+  PyObject* handle_type;           // the tuple subclass of dispatch handles (LLHandle), or null: a plain tuple
   char enabled;
   unsigned long long taken, declined;
 };
@@ -189,7 +190,7 @@ PyObject* enter(LLCalls* c, int phase, PyObject* const* args, size_t nargsf, PyO
   if (c->enabled && c->state && c->state->in_step() && bind(sig, args, PyVectorcall_NARGS(nargsf), kwnames, bound)) {
     const uint32_t wire_seq = uint32_t(c->state->seq % 0xFFFFFFFFull + 1);  // lockstep.wire_seq of seq + 1
     lt::RecvPhase hooked;
-    PyObject* out = sig.run(c->table, bound, lt::CallContext{wire_seq, c->event_type}, &hooked);
+    PyObject* out = sig.run(c->table, bound, lt::CallContext{wire_seq, c->event_type, c->handle_type}, &hooked);
     if (!out) return failed(c, sig);
     if (out != Py_None) {
       ++c->taken;
@@ -230,18 +231,24 @@ const portep::LLShared* shared_of(PyObject* shared) {
   return s;
 }
 
-// LLCalls(shared, lockstep, buffer, event_type, raise_notice, full_dispatch, full_combine)
+// LLCalls(shared, lockstep, buffer, event_type, raise_notice, full_dispatch, full_combine, *, handle_type=None)
 PyObject* calls_new(PyTypeObject* type, PyObject* args, PyObject* kwargs) {
   PyObject *shared, *lockstep, *buffer, *event_type, *raise_notice, *full_dispatch, *full_combine;
-  static const char* kw[] = {"shared",       "lockstep",      "buffer",       "event_type",
-                             "raise_notice", "full_dispatch", "full_combine", nullptr};
-  if (!PyArg_ParseTupleAndKeywords(args, kwargs, "OOOOOOO:LLCalls", const_cast<char**>(kw), &shared, &lockstep, &buffer,
-                                   &event_type, &raise_notice, &full_dispatch, &full_combine))
+  PyObject* handle_type = Py_None;
+  static const char* kw[] = {"shared",        "lockstep",     "buffer",      "event_type", "raise_notice",
+                             "full_dispatch", "full_combine", "handle_type", nullptr};
+  if (!PyArg_ParseTupleAndKeywords(args, kwargs, "OOOOOOO|$O:LLCalls", const_cast<char**>(kw), &shared, &lockstep,
+                                   &buffer, &event_type, &raise_notice, &full_dispatch, &full_combine, &handle_type))
     return nullptr;
   if (!PyType_Check(event_type) || !PyCallable_Check(raise_notice) || !PyCallable_Check(full_dispatch) ||
       !PyCallable_Check(full_combine)) {
     PyErr_SetString(PyExc_TypeError,
                     "LLCalls: event_type must be a class; raise_notice, full_dispatch and full_combine callables");
+    return nullptr;
+  }
+  if (handle_type != Py_None &&
+      !(PyType_Check(handle_type) && PyType_IsSubtype(reinterpret_cast<PyTypeObject*>(handle_type), &PyTuple_Type))) {
+    PyErr_SetString(PyExc_TypeError, "LLCalls: handle_type must be None or a subclass of tuple (LLHandle)");
     return nullptr;
   }
   const portep::LLShared* s = shared_of(shared);
@@ -262,13 +269,15 @@ PyObject* calls_new(PyTypeObject* type, PyObject* args, PyObject* kwargs) {
   c->raise_notice = Py_NewRef(raise_notice);
   c->full[0] = Py_NewRef(full_dispatch);
   c->full[1] = Py_NewRef(full_combine);
+  c->handle_type = handle_type == Py_None ? nullptr : Py_NewRef(handle_type);
   c->enabled = 1;
   return reinterpret_cast<PyObject*>(c);
 }
 
 // The references an LLCalls owns (the one list its traverse and clear walk).
-std::array<PyObject**, 7> owned_refs(LLCalls* c) {
-  return {&c->shared, &c->lockstep, &c->buffer, &c->event_type, &c->raise_notice, &c->full[0], &c->full[1]};
+std::array<PyObject**, 8> owned_refs(LLCalls* c) {
+  return {&c->shared,       &c->lockstep, &c->buffer,  &c->event_type,
+          &c->raise_notice, &c->full[0],  &c->full[1], &c->handle_type};
 }
 
 int calls_traverse(PyObject* self, visitproc visit, void* arg) {

@@ -127,6 +127,17 @@ PyObject* returned(const LLPlanTable& table, PyObject* results) {
   return list;
 }
 
+// items (a new reference, taken over) as an instance of `type`, a tuple subclass (nullptr: items as it is), made as
+// tuple.__new__(type, items) makes it, without a Python frame: a NamedTuple's own __new__ only calls that.
+PyObject* as_tuple_type(PyObject* type, PyObject* items) {
+  if (!type || !items) return items;
+  PyObject* args = PyTuple_Pack(1, items);
+  Py_DECREF(items);
+  PyObject* typed = args ? PyTuple_Type.tp_new(reinterpret_cast<PyTypeObject*>(type), args, nullptr) : nullptr;
+  Py_XDECREF(args);
+  return typed;
+}
+
 // A new instance of the event type without running its __init__: EventOverlap's class attributes say "no event".
 PyObject* new_event(PyObject* type) {
   if (!PyType_Check(type)) {
@@ -280,8 +291,9 @@ PyObject* dispatch_call(LLPlanTable* table, PyObject* const* args, const portep:
   if (int err = table->launch_dispatch(a, phases)) return launch_failed(*table, "low-latency dispatch", err);
 
   PyObject* out_x = fp8 ? tuple_of({wrap(recv_x), wrap(scales)}) : wrap(recv_x);
-  PyObject* handle = tuple_of({wrap(src_info), wrap(layout_range), new_ref(args[kDispatchTokens]),
-                               PyLong_FromLong(long(H)), new_ref(args[kDispatchExperts])});
+  PyObject* handle =
+      as_tuple_type(ctx.handle_type, tuple_of({wrap(src_info), wrap(layout_range), new_ref(args[kDispatchTokens]),
+                                               PyLong_FromLong(long(H)), new_ref(args[kDispatchExperts])}));
   // the full path's extra tensors of an async_finish call; with a hook, what the receive phase reads or writes
   auto tensors = [&] {
     return tuple_of({new_ref(x_arg), new_ref(args[kDispatchTopkIdx]), wrap(recv_x),
@@ -300,7 +312,8 @@ PyObject* combine_call(LLPlanTable* table, PyObject* const* args, const portep::
   long T, H, E;
   bool zero_copy, logfmt, async_finish, hook;
   if (!table || !call_mode(args[kCombineAsyncFinish], args[kCombineRecvHook], &async_finish, &hook) ||
-      !PyTuple_CheckExact(handle) || PyTuple_GET_SIZE(handle) != 5 || !is_int(PyTuple_GET_ITEM(handle, 2), &T) ||
+      !PyTuple_Check(handle) ||
+      PyTuple_GET_SIZE(handle) != 5 ||  // a tuple or an LLHandle !is_int(PyTuple_GET_ITEM(handle, 2), &T) ||
       !is_int(PyTuple_GET_ITEM(handle, 3), &H) || !is_int(PyTuple_GET_ITEM(handle, 4), &E) ||
       !is_bool(args[kCombineZeroCopy], &zero_copy) || !is_bool(args[kCombineLogfmt], &logfmt) ||
       (logfmt && (zero_copy || !portep::logfmt_hidden_ok(int(H)))))  // the full path refuses these

@@ -49,12 +49,14 @@ enum CombineArg {
   kCombineArgCount
 };
 
-// What a call needs besides its arguments: its sequence number as the kernels carry it (lockstep.wire_seq), and the
+// What a call needs besides its arguments: its sequence number as the kernels carry it (lockstep.wire_seq), the
 // class whose new instance without an event is the EventOverlap of a call without async_finish (with async_finish,
-// the instance gets new_recorded_event's event and the call's tensors).
+// the instance gets new_recorded_event's event and the call's tensors), and the tuple subclass a dispatch's handle is
+// made of (portep.handles.LLHandle; nullptr: a plain tuple).
 struct CallContext {
   uint32_t seq;
   PyObject* event_type;
+  PyObject* handle_type;
 };
 
 // The receive phase of a call made with return_recv_hook=True, which launched only its send phase: the launch's

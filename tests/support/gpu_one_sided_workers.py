@@ -128,35 +128,39 @@ class Rank:
         raised something other than a DroppedInput (there is no handle to combine with)."""
         hook, fin = mode == "hook", mode == "async"
         out = {}
-        d, err = _attempt(
+        d, err = self._call(
             lambda: self.buf.low_latency_dispatch(
                 inp.x.cuda(), inp.sent.cuda(), self.T, self.E, use_fp8=False, async_finish=fin, return_recv_hook=hook
             ),
-            self.portep,
+            hook,
+            fin,
         )
-        if d is not None and hook and d[4] is not None:
-            _, herr = _attempt(d[4], self.portep)
-            err = err or herr
-        if d is not None and fin:
-            d[3].current_stream_wait()
         out["dispatch"] = (d, err)
         if d is None:
             out["combine"] = (None, None)
             return out
         y = gpu_expert_outputs(d[0], d[2][1], self.rank)
-        c, err = _attempt(
+        out["combine"] = self._call(
             lambda: self.buf.low_latency_combine(
                 y, inp.sent.cuda(), inp.w.cuda(), d[2], async_finish=fin, return_recv_hook=hook
             ),
-            self.portep,
+            hook,
+            fin,
         )
-        if c is not None and hook and c[2] is not None:
-            _, herr = _attempt(c[2], self.portep)
-            err = err or herr
-        if c is not None and fin:
-            c[1].current_stream_wait()
-        out["combine"] = (c, err)
         return out
+
+    def _call(self, fn, hook, fin):
+        """fn()'s (results, error), its receive hook called (hook) or its event waited for on the current stream (fin):
+        the hook and the EventOverlap are the results' last two entries (combine) or its entries 4 and 3 (dispatch)."""
+        out, err = _attempt(fn, self.portep)
+        if out is None:
+            return out, err
+        if hook and out[-1] is not None:
+            _, hook_err = _attempt(out[-1], self.portep)
+            err = err or hook_err
+        if fin:
+            out[-2].current_stream_wait()
+        return out, err
 
     def check(self, tally, what, inp, calls, allow_poison):
         """Checks a round's results once the GPU is done; returns (poisoned experts + NaN rows, errors raised)."""

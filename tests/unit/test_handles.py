@@ -1,10 +1,10 @@
-"""The typed normal-mode handles (portep/handles.py): they are DeepEP's tuples, position for position, and a tuple
-or list a caller rebuilt comes back typed."""
+"""The typed handles (portep/handles.py), normal mode and low-latency: they are DeepEP's tuples, position for
+position, and a tuple or list a caller rebuilt comes back typed."""
 
 import pytest
 import torch
 
-from portep.handles import InternodeHandle, IntranodeHandle, handle_length, normal_handle
+from portep.handles import InternodeHandle, IntranodeHandle, LLHandle, handle_length, ll_handle, normal_handle
 from portep.validation import check_normal_handle
 
 
@@ -54,3 +54,15 @@ def test_a_rebuilt_tuple_passes_the_buffer_checks_typed(num_nodes):
     assert (num_tokens, num_recv, channels) == (N, M, C)
     with pytest.raises(ValueError, match="handle has 6 elements; a dispatch handle of this Buffer has 10"):
         check_normal_handle(tuple(fields[:6]), R, 2)
+
+
+def test_the_ll_handle_is_deepeps_5_tuple_with_named_fields():
+    src_info, layout_range = _tensors(2, 4)
+    h = LLHandle(src_info, layout_range, 128, 7168, 256)
+    assert isinstance(h, tuple) and len(h) == 5
+    a, b, T, H, E = h  # as DeepEP code unpacks it
+    assert a is h.src_info is src_info and b is h.layout_range is layout_range
+    assert (T, H, E) == (h.num_max_dispatch_tokens_per_rank, h.hidden, h.num_experts) == (128, 7168, 256)
+    assert h[2:] == (128, 7168, 256)
+    assert ll_handle(h) is h
+    assert type(ll_handle(tuple(h))) is LLHandle and ll_handle(list(h)) == h

@@ -157,8 +157,10 @@ def test_the_entries_refuse_arguments_that_are_not_what_they_need():
         _ll_torch.LLCalls(shared, Lockstep(), FakeBuffer(), None, print, print, print)
     with pytest.raises(TypeError, match="full_dispatch and full_combine callables"):
         _ll_torch.LLCalls(shared, Lockstep(), FakeBuffer(), object, print, print, 5)
-    with pytest.raises(TypeError, match="at most 7 arguments"):  # async_event (a Python event maker) is gone
+    with pytest.raises(TypeError, match="at most 7 (positional )?arguments"):  # async_event is gone
         _ll_torch.LLCalls(shared, Lockstep(), FakeBuffer(), object, print, print, print, print)
+    with pytest.raises(TypeError, match="handle_type must be None or a subclass of tuple"):
+        _ll_torch.LLCalls(shared, Lockstep(), FakeBuffer(), object, print, print, print, handle_type=list)
     with pytest.raises(TypeError, match=r"shared must be a portep\._C\.LLShared capsule .*, got object"):
         _ll_torch.LLCalls(object(), Lockstep(), FakeBuffer(), object, print, print, print)
     with pytest.raises(TypeError):

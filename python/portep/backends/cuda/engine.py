@@ -26,6 +26,7 @@ import torch
 from ..._native import require_native
 from ...channel import Channel
 from ...errors import DroppedInput
+from ...handles import LLHandle
 from ...config import (
     PROXY_COPIES_VAR,
     check_gpu_copy_connections,
@@ -426,7 +427,7 @@ class CudaEngine(Topology):
                 wait_stats=wait_stats,
             )
 
-        handle = (src_info, layout_range, T, H, E)
+        handle = LLHandle(src_info, layout_range, T, H, E)
         if return_recv_hook:
             launch(self.native.LL_PHASE_SEND)
             return out_x, recv_count, handle, lambda: launch(self.native.LL_PHASE_RECV)
@@ -434,8 +435,7 @@ class CudaEngine(Topology):
         return out_x, recv_count, handle, None
 
     def get_next_low_latency_combine_buffer(self, handle):
-        _, _, T, H, E = handle
-        lay = self._layout(T, H, E)
+        lay = self._layout(handle.num_max_dispatch_tokens_per_rank, handle.hidden, handle.num_experts)
         return self._combine_send_view(lay, self.kernels.half)
 
     def _combine_send_view(self, lay, half):
@@ -447,7 +447,7 @@ class CudaEngine(Topology):
         self, x, topk_idx, topk_weights, handle, zero_copy, out, return_recv_hook, wait_stats, use_logfmt=False
     ):
         self.check_error()
-        src_info, layout_range, T, H, E = handle
+        src_info, layout_range, T, H, E = handle  # an LLHandle (buffer.py types it)
         self._layout(T, H, E)
         half = self.kernels.take_half()
         seq = wire_seq(self.lockstep.seq)  # the call's own (see low_latency_dispatch)

@@ -19,6 +19,7 @@ import warnings
 import torch
 
 from ...event import EventOverlap
+from ...handles import LLHandle
 from . import ll_jit
 
 FAST_PATH_VAR = "PORTEP_LL_FAST_PATH"
@@ -85,4 +86,5 @@ def fast_calls(module, engine, buffer, full_dispatch, full_combine):
         engine.raise_notice,
         full_dispatch,
         full_combine,
+        handle_type=LLHandle,
     )

@@ -13,6 +13,7 @@ sequence numbers must be the receiver's own (lockstep.py). Shrink mode: masked r
 
 import torch
 
+from ...handles import LLHandle
 from .. import common as hb
 
 FP8_MAX = 448.0
@@ -130,7 +131,7 @@ def dispatch(eng, x, topk_idx, T, E, use_fp8, round_scale, use_ue8m0, cumulative
             wait_stats,
         )
 
-    handle = (src_info, layout_range, T, x.size(1), E)
+    handle = LLHandle(src_info, layout_range, T, x.size(1), E)
     out_x = (recv_x, recv_scales) if use_fp8 else recv_x
     if return_recv_hook:
         return out_x, recv_count, handle, receive
@@ -210,7 +211,7 @@ def _check_seqs(eng, what, seqs, srcs, seq):
 
 
 def next_combine_buffer(eng, handle):
-    _, _, T, H, E = handle
+    T, H, E = handle.num_max_dispatch_tokens_per_rank, handle.hidden, handle.num_experts
     lay = hb.LLLayout(eng, T, H, E)
     return _combine_send_view(eng, lay, eng.ll_half)
 
@@ -222,7 +223,7 @@ def _combine_send_view(eng, lay, half):
 
 
 def combine(eng, x, topk_idx, topk_weights, handle, zero_copy, out, return_recv_hook, wait_stats, use_logfmt=False):
-    src_info, layout_range, T, H, E = handle
+    src_info, layout_range, T, H, E = handle  # an LLHandle (buffer.py types it)
     lay = hb.LLLayout(eng, T, H, E)
     R, E_l = eng.num_ranks, lay.E_l
     half, seq = eng.ll_half, eng.lockstep.seq  # the call's own (see dispatch)
