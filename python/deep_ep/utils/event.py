@@ -1,0 +1,5 @@
+"""`deep_ep.utils.event` (DeepEP V2): the event classes."""
+
+from portep import EventHandle, EventOverlap
+
+__all__ = ["EventHandle", "EventOverlap"]
