@@ -308,12 +308,11 @@ PyObject* dispatch_call(LLPlanTable* table, PyObject* const* args, const portep:
 PyObject* combine_call(LLPlanTable* table, PyObject* const* args, const portep::ll_torch::CallContext& ctx,
                        portep::ll_torch::RecvPhase* hooked, bool* launched) {
   using namespace portep::ll_torch;
-  PyObject* handle = args[kCombineHandle];
+  PyObject* handle = args[kCombineHandle];  // a tuple or an LLHandle
   long T, H, E;
   bool zero_copy, logfmt, async_finish, hook;
   if (!table || !call_mode(args[kCombineAsyncFinish], args[kCombineRecvHook], &async_finish, &hook) ||
-      !PyTuple_Check(handle) ||
-      PyTuple_GET_SIZE(handle) != 5 ||  // a tuple or an LLHandle !is_int(PyTuple_GET_ITEM(handle, 2), &T) ||
+      !PyTuple_Check(handle) || PyTuple_GET_SIZE(handle) != 5 || !is_int(PyTuple_GET_ITEM(handle, 2), &T) ||
       !is_int(PyTuple_GET_ITEM(handle, 3), &H) || !is_int(PyTuple_GET_ITEM(handle, 4), &E) ||
       !is_bool(args[kCombineZeroCopy], &zero_copy) || !is_bool(args[kCombineLogfmt], &logfmt) ||
       (logfmt && (zero_copy || !portep::logfmt_hidden_ok(int(H)))))  // the full path refuses these
