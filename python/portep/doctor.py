@@ -1,6 +1,7 @@
 """`python -m portep.doctor [--json]`: what this build contains and what this machine has."""
 
 import argparse
+import importlib
 import json
 import os
 import platform
@@ -152,6 +153,28 @@ def _runtime_problems(torch_facts):
     return problems
 
 
+# DeepEP's three APIs: each one's class and the module DeepEP code imports it from
+DEEPEP_APIS = (
+    ("V1", "deep_ep", "Buffer"),
+    ("V2", "deep_ep", "ElasticBuffer"),
+    ("HybridEP", "deep_ep.hybrid_ep_buffer", "HybridEPBuffer"),
+)
+
+
+def apis_served() -> dict:
+    """{API: what serves it}: the class DeepEP code reaches under `deep_ep` and the module that defines it (portep's,
+    or a real DeepEP's where that owns the name), or why it cannot be reached."""
+    served = {}
+    for api, module, name in DEEPEP_APIS:
+        try:
+            cls = getattr(importlib.import_module(module), name)
+        except (ImportError, AttributeError) as e:
+            served[api] = f"not served: {module}.{name} cannot be imported ({e})"
+            continue
+        served[api] = f"{module}.{name}, from {cls.__module__}"
+    return served
+
+
 def collect() -> dict:
     """Everything the doctor reports, as a dict (what format_text prints)."""
     report = {
@@ -219,6 +242,7 @@ def collect() -> dict:
     if why:
         report["rdma_note"] = why
     report["torch"] = _torch_facts()
+    report["apis"] = apis_served()
     report["problems"] = _runtime_problems(report["torch"]) + _build_problems(info, report["torch"])
     return report
 
@@ -229,6 +253,9 @@ def format_text(r: dict) -> str:
     if not r["native"]:
         lines.append(f"  native module: MISSING: {r.get('native_error')}")
         return "\n".join(lines)
+    lines.append("  DeepEP APIs (import deep_ep):")
+    for api, what in r.get("apis", {}).items():
+        lines.append(f"    {api:8s} {what}")
     lines.append(f"  backends:   {', '.join(r['backends'])}")
     for name, why in r["backends_unavailable"].items():
         lines.append(f"    {name:8s} unavailable: {why}")

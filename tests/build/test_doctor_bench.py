@@ -33,6 +33,17 @@ def test_doctor_json_lists_backends_and_transport_properties():
         assert report["backends_unavailable"]["cuda"]
 
 
+def test_doctor_lists_the_deepep_apis_served():
+    proc = run_module("portep.doctor", "--json")
+    assert proc.returncode == 0, proc.stderr
+    apis = json.loads(proc.stdout)["apis"]
+    assert apis["V1"] == "deep_ep.Buffer, from portep.buffer"
+    assert apis["V2"] == "deep_ep.ElasticBuffer, from portep.elastic.buffer"
+    assert apis["HybridEP"].startswith("not served: deep_ep.hybrid_ep_buffer.HybridEPBuffer cannot be imported")
+    text = run_module("portep.doctor").stdout
+    assert "DeepEP APIs (import deep_ep):" in text and "V1       deep_ep.Buffer, from portep.buffer" in text
+
+
 def test_doctor_text_mentions_every_transport():
     proc = run_module("portep.doctor")
     assert proc.returncode == 0, proc.stderr

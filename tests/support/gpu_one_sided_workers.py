@@ -359,11 +359,15 @@ def ht_late_peer_body(rank, world, rpn, transport, seed, shape, timeout_s, late_
         inp["all_idx"] = [t.cpu() for t in _all_idx(inp["idx"].cuda())]
         inp["all_w"] = [t.cpu() for t in _all_idx(inp["w"].cuda())]
         inputs.append(inp)
+
+    def exact_round(what, buf, inp):
+        err, c, cerr, _ = _ht_round(portep, buf, rank, world, inp, E)
+        tally.true(err is None and cerr is None, f"{what} raised {err or cerr!r:.300}")
+        if c is not None:
+            _check_ht_combined(tally, what, c, inp, world, allow_poison=False)
+
     buf = make()
-    err, c, cerr, _ = _ht_round(portep, buf, rank, world, inputs[0], E)
-    tally.true(err is None and cerr is None, f"the first round raised {err or cerr!r:.300}")
-    if c is not None:
-        _check_ht_combined(tally, "round 0", c, inputs[0], world, allow_poison=False)
+    exact_round("the first round", buf, inputs[0])
     dist.barrier()
     late = rank == world - 1
     err, c, cerr, _ = _ht_round(portep, buf, rank, world, inputs[1], E, late_s if late else 0.0)
@@ -377,10 +381,7 @@ def ht_late_peer_body(rank, world, rpn, transport, seed, shape, timeout_s, late_
     buf.destroy()
     dist.barrier()
     buf = make()
-    err, c, cerr, _ = _ht_round(portep, buf, rank, world, inputs[3], E)
-    tally.true(err is None and cerr is None, f"a new Buffer's round raised {err or cerr!r:.300}")
-    if c is not None:
-        _check_ht_combined(tally, "a new Buffer's round", c, inputs[3], world, allow_poison=False)
+    exact_round("a new Buffer's round", buf, inputs[3])
     buf.destroy()
     return tally.result()
 
