@@ -100,6 +100,7 @@ class Buffer:
 
     num_sms = 20
 
+    @v.refuse_branch_keywords
     def __init__(
         self,
         group: Optional["torch.distributed.ProcessGroup"],
@@ -590,6 +591,7 @@ class Buffer:
         with _host_factories(self._device):
             engine.clean_low_latency_buffer(num_max_dispatch_tokens_per_rank, hidden, num_experts)
 
+    @v.refuse_branch_keywords
     def low_latency_dispatch(
         self,
         x: Tensor,

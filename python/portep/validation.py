@@ -6,7 +6,9 @@ Wrong Python or torch types raise TypeError; wrong shapes, values, layouts, devi
 combinations raise ValueError.
 """
 
-from typing import Any, Optional, Sequence, Tuple, Union
+import functools
+import inspect
+from typing import Any, Callable, Optional, Sequence, Tuple, Union
 
 import torch
 
@@ -432,3 +434,34 @@ def check_ll_out(out: Optional[Tensor], num_tokens: int, hidden: int, device: Op
         shape=(("num_combined_tokens", num_tokens), ("hidden", hidden)),
         device=device,
     )
+
+
+# ---- keyword arguments of DeepEP branches portep does not serve ----
+# name -> what it is there, and what portep offers instead (../shared/reference/deepep-api.md §7.1, deepep-clients.md)
+BRANCH_ONLY_KEYWORDS = {
+    "use_nvfp4": "NVFP4 low-latency dispatch (DeepEP's hybrid-ep branch and Blackwell builds); portep dispatches BF16 "
+    "or FP8 (use_fp8, round_scale, use_ue8m0)",
+    "x_global_scale": "NVFP4's global scale (DeepEP's Blackwell builds); portep dispatches BF16 or FP8 (use_fp8, "
+    "round_scale, use_ue8m0)",
+    "use_ue8m0_for_sf": "NVFP4 scale factors as UE8M0 (DeepEP's hybrid-ep branch); portep's FP8 dispatch takes "
+    "use_ue8m0",
+    "allow_nvlink_for_normal_mode": "the hybrid-ep branch's normal-mode kernels over PCIe; portep reaches every peer "
+    "without NVLink through its proxies, with no argument",
+}
+
+
+def refuse_branch_keywords(method: Callable) -> Callable:
+    """method, refusing the keyword arguments of BRANCH_ONLY_KEYWORDS that it does not take with a TypeError (what
+    Python raises for any unknown keyword, and what clients catch to retry without it) that names each one and says
+    what portep serves instead; any other call goes to method unchanged. inspect.signature still reports method's."""
+    params = inspect.signature(method).parameters
+
+    @functools.wraps(method)
+    def checked(*args: Any, **kwargs: Any) -> Any:
+        branch = [k for k in kwargs if k in BRANCH_ONLY_KEYWORDS and k not in params]
+        if branch:
+            said = "; ".join(f"{k}: {BRANCH_ONLY_KEYWORDS[k]}" for k in branch)
+            raise TypeError(f"{method.__name__}() got keyword arguments that portep does not serve: {said}")
+        return method(*args, **kwargs)
+
+    return checked
