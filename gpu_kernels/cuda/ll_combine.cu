@@ -371,10 +371,7 @@ PORTEP_DEVICE void combine_reduce(const LLCombineArgs& a) {
   const int K = a.num_topk, H = c.hidden;
   for_my_relay_chunks(c, [&](int src, int chunk) { relay_combine_chunk(a, src, chunk); });
   await_block_experts(a);
-  __shared__ bool failed;
-  if (threadIdx.x == 0) failed = call_failed(c);
-  __syncthreads();
-  if (failed) {  // a wait ended short, or the Buffer had failed: no token of this block is a result (NaN rows)
+  if (block_call_failed(c)) {  // a wait ended short, or the Buffer had failed: no token of this block is a result
     for (int t = int(blockIdx.x); t < a.num_tokens; t += int(gridDim.x))
       block_poison16(static_cast<uint8_t*>(a.out) + uint64_t(t) * a.out_pitch, uint64_t(H) / 8);
     return;
@@ -422,9 +419,9 @@ PORTEP_DEVICE void combine_reduce(const LLCombineArgs& a) {
 // are two launches of it). At most one block per SM in every grid: the reduce needs more than half an SM's
 // registers, and every block of a receiving grid must be resident (for_my_relay_chunks).
 __global__ void __launch_bounds__(kLLThreads, 1) combine_kernel(LLCombineArgs a, int parts, int phases) {
-  extern __shared__ uint32_t shared[];               // begins [R], counts [R]
-  if (a.c.seq_mode) (void)ll_call_seq(a.c);          // combine carries no number, but advances the chain
-  if ((phases & kPhaseSend) && !call_failed(a.c)) {  // a failed Buffer sends nothing
+  extern __shared__ uint32_t shared[];                     // begins [R], counts [R]
+  if (a.c.seq_mode) (void)ll_call_seq(a.c);                // combine carries no number, but advances the chain
+  if ((phases & kPhaseSend) && !block_call_failed(a.c)) {  // a failed Buffer sends nothing
     const LLCommon& c = a.c;
     int partial_peers = 0;
     for (int r = 0; r < c.num_ranks; ++r) partial_peers += partial_peer(c, r);

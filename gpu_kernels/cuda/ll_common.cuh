@@ -145,6 +145,15 @@ template <class Common>
 PORTEP_DEVICE bool call_failed(const Common& c) {
   return reported_error(c) != 0;
 }
+// call_failed as the whole block sees it: read once, by thread 0 (a word that another kernel sets between two threads'
+// reads must not split the block at a later barrier). Every thread of the block calls it.
+PORTEP_DEVICE bool block_call_failed(const LLCommon& c) {
+  __shared__ bool failed;
+  __syncthreads();  // every thread took the previous answer
+  if (threadIdx.x == 0) failed = call_failed(c);
+  __syncthreads();
+  return failed;
+}
 // Block-wide: n 16-byte words from dst poisoned (dst 16-byte aligned).
 PORTEP_DEVICE void block_poison16(void* dst, uint64_t n) {
   uint4* d = static_cast<uint4*>(dst);

@@ -307,11 +307,7 @@ PORTEP_DEVICE void dispatch_recv_expert(const LLDispatchArgs& a, int le, uint32_
     }
   }
   // A wait that ended short (or data of another call) failed the call: what le holds is not a result.
-  __shared__ bool failed;
-  __syncthreads();
-  if (threadIdx.x == 0) failed = call_failed(c);
-  __syncthreads();
-  if (failed) poison_dispatch_expert(a, le);
+  if (block_call_failed(c)) poison_dispatch_expert(a, le);
 }
 
 // phases: kPhaseSend and/or kPhaseRecv; with both, every block sends, then receives. One kernel for every phase,
@@ -322,7 +318,7 @@ PORTEP_DEVICE void dispatch_recv_expert(const LLDispatchArgs& a, int le, uint32_
 __global__ void __launch_bounds__(kLLThreads, 1) dispatch_kernel(LLDispatchArgs a, int phases) {
   extern __shared__ uint32_t shared[];  // send: hist [E]; receive: counts [R], begins [R]
   const uint32_t seq = ll_call_seq(a.c);
-  if ((phases & kPhaseSend) && !call_failed(a.c)) dispatch_send(a, shared, seq);  // a failed Buffer sends nothing
+  if ((phases & kPhaseSend) && !block_call_failed(a.c)) dispatch_send(a, shared, seq);  // a failed Buffer sends nothing
   if (!(phases & kPhaseRecv)) return;
   for_my_relay_chunks(a.c, [&](int src, int chunk) { relay_dispatch_chunk(a.c, src, chunk); });
   for (int le = int(blockIdx.x); le < a.c.num_local_experts; le += int(gridDim.x)) {
