@@ -24,5 +24,6 @@ CASES = [(2, 64, 256, 8, 4, 11), (4, 64, 256, 8, 4, 12)]
 def test_megatron_fused_a2a_moe_layer(case):
     world, n, hidden, experts_per_rank, topk, seed = case
     out = run_ranks(megatron_body, world, args=(seed, n, hidden, experts_per_rank, topk), timeout=150 + 30 * world)
-    # per iteration: counts, out, x.grad, token_probs.grad (2 checks each with the dtype/shape), 8 W grads, swap
+    # per iteration: the cached Buffer, the counts, out, x.grad, token_probs.grad and each W grad (2 checks each:
+    # dtype/shape, values), the swapped-experts reference
     assert_clean(out, 2 * (1 + 2 * 3 + 2 * experts_per_rank + 1 + 1))
