@@ -331,6 +331,8 @@ class Buffer:
                 f"offset={offset} and size={None if size is None else list(size)} of {dtype} need "
                 f"{need} bytes; the buffer has {which}={num_bytes}"
             )
+        if size is None:  # DeepEP's length: the chosen buffer's bytes (from the offset on) as dtype, 1-D
+            size = torch.Size([(num_bytes - offset) // dtype.itemsize])
         return engine.get_local_buffer_tensor(dtype, size, offset, bool(use_rdma_buffer))
 
     # ---- normal (high-throughput) mode ----
