@@ -267,7 +267,7 @@ PORTEP_DEVICE void reduce_token(const HTCombineArgs& a, const ReduceState& st, i
 PORTEP_DEVICE void poison_combine_channel(const HTCombineArgs& a, int ch) {
   const int C = a.c.num_channels, t0 = channel_begin(a.num_tokens, C, ch), t1 = channel_begin(a.num_tokens, C, ch + 1);
   poison_rows(a.out, t0, t1, a.num_tokens, int64_t(a.hidden) * 2);
-  if (a.out_weights && t0 < t1) block_poison4(a.out_weights + int64_t(t0) * a.num_topk, uint64_t(t1 - t0) * a.num_topk);
+  if (a.out_weights) poison_rows(a.out_weights, t0, t1, a.num_tokens, 4 * int64_t(a.num_topk));
 }
 
 PORTEP_DEVICE void reduce_channel(const HTCombineArgs& a, int ch) {

@@ -247,13 +247,19 @@ PORTEP_DEVICE void publish_tail(uint64_t* word, uint64_t epoch, uint32_t rows) {
 PORTEP_DEVICE bool error_stops_data(const HTCommon& c) { return reported_error(c) != 0; }
 PORTEP_DEVICE bool failed_before(const HTCommon& c) { return c.epoch[1] != 0; }
 
-// Block-wide: rows [first, end) of a [rows][row_bytes] output (row_bytes a multiple of 16), clamped to [0, rows),
-// poisoned (ll_common.cuh: a failed op's outputs are NaN where it could not complete them, docs/design.md §7).
+// Block-wide: rows [first, end) of a [rows][row_bytes] output (row_bytes a multiple of 4; of 16 for 16-byte stores),
+// clamped to [0, rows), poisoned (ll_common.cuh: a failed op's outputs are NaN where it could not complete them,
+// docs/design.md §7).
 PORTEP_DEVICE void poison_rows(void* base, int64_t first, int64_t end, int64_t rows, int64_t row_bytes) {
   first = first < 0 ? 0 : first;
   end = end > rows ? rows : end;
   if (first >= end) return;
-  block_poison16(static_cast<uint8_t*>(base) + first * row_bytes, uint64_t(end - first) * uint64_t(row_bytes) / 16);
+  uint8_t* at = static_cast<uint8_t*>(base) + first * row_bytes;
+  const uint64_t bytes = uint64_t(end - first) * uint64_t(row_bytes);
+  if (row_bytes % 16 == 0)
+    block_poison16(at, bytes / 16);
+  else
+    block_poison4(at, bytes / 4);
 }
 
 // ---- the proxy path ----

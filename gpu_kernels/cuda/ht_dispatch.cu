@@ -313,10 +313,7 @@ PORTEP_DEVICE void release_rows(const HTDispatchArgs& a, RecvState& st, int j, i
 // that nothing indexes with a poisoned value).
 PORTEP_DEVICE void poison_dispatch_rows(const HTDispatchArgs& a, int64_t first, int64_t end) {
   poison_rows(a.recv_x, first, end, a.max_recv, a.row_bytes);
-  if (!a.recv_topk_weights) return;
-  first = first < 0 ? 0 : first;
-  end = end > a.max_recv ? a.max_recv : end;
-  if (first < end) block_poison4(a.recv_topk_weights + first * a.num_topk, uint64_t(end - first) * a.num_topk);
+  if (a.recv_topk_weights) poison_rows(a.recv_topk_weights, first, end, a.max_recv, 4 * int64_t(a.num_topk));
 }
 
 // The receiver of channel ch after its op failed: every output row of the channel, from every source (the handle's
